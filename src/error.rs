@@ -1,0 +1,157 @@
+//! The one error type of the crate.
+
+use std::path::PathBuf;
+
+/// A specialized `Result` whose error is [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `idemstore`.
+///
+/// Errors are typed so that a caller can map each one to an answer: an HTTP
+/// layer answers [`Error::InvalidKey`] with 400, [`Error::FingerprintMismatch`]
+/// with 422 (as the IETF Idempotency-Key draft asks), [`Error::TooLarge`] by
+/// recording the response as a failure, and everything about storage with 503.
+///
+/// Every variant that rejects input ([`InvalidKey`](Error::InvalidKey),
+/// [`InvalidArgument`](Error::InvalidArgument), [`TooLarge`](Error::TooLarge),
+/// [`FingerprintMismatch`](Error::FingerprintMismatch),
+/// [`StaleLease`](Error::StaleLease)) is returned before anything is written:
+/// the store is unchanged.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The scope or id of a key is empty, too long (scope over 128 bytes, id
+    /// over 255 bytes) or contains a control character. Maps to HTTP 400.
+    #[error("invalid idempotency key: {reason}")]
+    InvalidKey {
+        /// What is wrong with it, for a person.
+        reason: String,
+    },
+
+    /// An argument is out of its range: a zero or over-long lease, a zero
+    /// retention, an empty or over-long fingerprint.
+    #[error("invalid argument {what}: {reason}")]
+    InvalidArgument {
+        /// The argument's name.
+        what: &'static str,
+        /// Why it was refused.
+        reason: String,
+    },
+
+    /// A result, failure or recovery point is longer than its configured
+    /// limit (in bytes). The record is unchanged.
+    #[error("{what} is {len} bytes, over its limit of {limit} bytes")]
+    TooLarge {
+        /// Which value: `"result"`, `"failure"` or `"recovery point"`.
+        what: &'static str,
+        /// Its length in bytes.
+        len: usize,
+        /// The configured limit in bytes.
+        limit: usize,
+    },
+
+    /// A record exists for the key with another fingerprint: the key was
+    /// reused for a different request payload. Never a replay. Maps to HTTP
+    /// 422 (IETF Idempotency-Key draft; Stripe answers the same way).
+    #[error("idempotency key {key} was already used with a different request payload")]
+    FingerprintMismatch {
+        /// The key, as `scope/id` for display.
+        key: String,
+    },
+
+    /// The lease is not the current one: its token no longer names the
+    /// record (it was taken over after the lease lapsed, completed, failed,
+    /// released, or is past retention). Nothing was changed.
+    #[error("lease with fencing token {token} on {key} is no longer current")]
+    StaleLease {
+        /// The key, as `scope/id` for display.
+        key: String,
+        /// The fencing token the caller presented.
+        token: u64,
+    },
+
+    /// A stored record failed its checksum or could not be decoded. Other
+    /// keys keep working.
+    #[error("corrupt record for key {key}: {detail}")]
+    CorruptRecord {
+        /// The key as far as it could be read (its bytes escaped).
+        key: String,
+        /// What failed.
+        detail: String,
+    },
+
+    /// The store file itself is damaged (redb's integrity check failed, a
+    /// table or metadata entry is unreadable, or redb panicked on it).
+    #[error("corrupt store file {}: {detail}", path.display())]
+    CorruptFile {
+        /// The store file.
+        path: PathBuf,
+        /// What failed.
+        detail: String,
+    },
+
+    /// The file is not an idemstore file, or was written by a newer format
+    /// version than this build reads.
+    #[error("{} is not a store this version can open: {detail}", path.display())]
+    IncompatibleFile {
+        /// The store file.
+        path: PathBuf,
+        /// What was found.
+        detail: String,
+    },
+
+    /// The file is already open, by this process or another one. redb locks
+    /// the file; a second open is refused rather than waiting.
+    #[error(
+        "{} is already open by another Store (in this or another process); \
+         only one Store may hold a file at a time",
+        path.display()
+    )]
+    AlreadyOpen {
+        /// The store file.
+        path: PathBuf,
+    },
+
+    /// An I/O or storage error from the file or from redb. For a write,
+    /// the change may or may not be durable: after reopening, `get` tells.
+    /// The store refuses further writes (see [`Error::Poisoned`]).
+    #[error("storage error: {0}")]
+    Storage(String),
+
+    /// An earlier durable write failed (an fsync above all), so the store
+    /// refuses writes until it is reopened: after a failed fsync the page
+    /// cache cannot be trusted (the lesson PostgreSQL learned in 2018), and
+    /// only a reopen recovers from what is really on disk.
+    #[error("store refuses writes after an earlier I/O error; reopen it to recover")]
+    Poisoned,
+
+    /// The store's writer has stopped (the store is shutting down).
+    #[error("store is closed")]
+    Closed,
+}
+
+impl Error {
+    pub(crate) fn storage(err: impl std::fmt::Display) -> Self {
+        Error::Storage(err.to_string())
+    }
+
+    pub(crate) fn invalid(what: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            what,
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether this error rejects the caller's input (400/422-style) rather
+    /// than reporting a fault of the store or its file.
+    pub fn is_client_error(&self) -> bool {
+        matches!(
+            self,
+            Error::InvalidKey { .. }
+                | Error::InvalidArgument { .. }
+                | Error::TooLarge { .. }
+                | Error::FingerprintMismatch { .. }
+                | Error::StaleLease { .. }
+        )
+    }
+}

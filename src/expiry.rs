@@ -1,0 +1,115 @@
+//! Eviction of records past retention, and the background sweeper.
+//!
+//! Expiry is judged at read time from each record's own deadline
+//! ([`crate::record::is_expired`]): a record past retention is absent whether
+//! or not it was evicted. Eviction only reclaims space. It walks the expiry
+//! index in deadline order and stops at the first deadline still in the
+//! future, so its cost grows with what it evicts, not with the store's size.
+
+use std::path::Path;
+use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use redb::{ReadableTable, WriteTransaction};
+
+use crate::codec;
+use crate::error::Result;
+use crate::record::is_expired;
+use crate::schema::{EXPIRY, RECORDS, map_err};
+
+/// Evicts up to `max` records whose retention ended at or before `now_ms`,
+/// inside `txn`. Returns how many records were removed.
+pub(crate) fn evict(path: &Path, txn: &WriteTransaction, now_ms: u64, max: usize) -> Result<usize> {
+    let mut index = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
+    let mut records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
+    let mut due: Vec<(u64, Vec<u8>)> = Vec::new();
+    for entry in index.iter().map_err(|e| map_err(path, e))? {
+        if due.len() >= max {
+            break;
+        }
+        let (k, _) = entry.map_err(|e| map_err(path, e))?;
+        let (deadline, key) = k.value();
+        if !is_expired(deadline, now_ms) {
+            break;
+        }
+        due.push((deadline, key.to_vec()));
+    }
+    let mut evicted = 0;
+    for (deadline, key) in due {
+        index
+            .remove((deadline, key.as_slice()))
+            .map_err(|e| map_err(path, e))?;
+        let stored = records
+            .get(key.as_slice())
+            .map_err(|e| map_err(path, e))?
+            .map(|v| v.value().to_vec());
+        let Some(bytes) = stored else { continue };
+        // The index entry is authoritative only if the record agrees; a
+        // record that fails to decode is left for `check` to report.
+        match codec::decode_record(&key, &bytes) {
+            Ok(rec) if rec.expires_ms == deadline => {
+                records
+                    .remove(key.as_slice())
+                    .map_err(|e| map_err(path, e))?;
+                evicted += 1;
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(error = %err, "expiry index names a record that does not decode");
+            }
+        }
+    }
+    Ok(evicted)
+}
+
+/// The background sweeper: a thread that calls `sweep` every interval until
+/// the store is dropped.
+pub(crate) struct Sweeper {
+    stop: Option<Sender<()>>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Sweeper {
+    /// Starts a sweeper over `target`; it holds only a weak reference, so
+    /// dropping the store ends it.
+    pub(crate) fn start<T, F>(target: &Arc<T>, interval: Duration, sweep: F) -> Result<Sweeper>
+    where
+        T: Send + Sync + 'static,
+        F: Fn(&T) -> Result<usize> + Send + 'static,
+    {
+        let (stop, stopped) = channel::<()>();
+        let weak: Weak<T> = Arc::downgrade(target);
+        let handle = std::thread::Builder::new()
+            .name("idemstore-sweeper".into())
+            .spawn(move || {
+                loop {
+                    match stopped.recv_timeout(interval) {
+                        Err(RecvTimeoutError::Timeout) => {}
+                        _ => return,
+                    }
+                    let Some(target) = weak.upgrade() else { return };
+                    match sweep(&target) {
+                        Ok(n) if n > 0 => tracing::debug!(evicted = n, "sweep"),
+                        Ok(_) => {}
+                        Err(err) => tracing::warn!(error = %err, "background sweep failed"),
+                    }
+                }
+            })
+            .map_err(crate::error::Error::storage)?;
+        Ok(Sweeper {
+            stop: Some(stop),
+            handle: Some(handle),
+        })
+    }
+}
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        self.stop = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! Idempotency keys and request fingerprints.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// Longest scope, in bytes.
+pub const MAX_SCOPE_LEN: usize = 128;
+/// Longest id, in bytes (Stripe allows idempotency keys of up to 255 characters).
+pub const MAX_ID_LEN: usize = 255;
+/// Longest fingerprint, in bytes.
+pub const MAX_FINGERPRINT_LEN: usize = 64;
+
+/// An idempotency key: a `scope` (tenant and operation, such as
+/// `"acme/tickets.create"`) and an `id` (the caller's idempotency key, such as
+/// `"task-42:call-7"`).
+///
+/// The same id in two scopes names two independent records. Keys are stored
+/// as an unambiguous byte string (one length byte, the scope, then the id),
+/// so no two `(scope, id)` pairs share an encoding and a scope can be scanned
+/// as a prefix.
+///
+/// The id must be fixed by the caller's orchestrator *before the first
+/// attempt* and reused on every retry; a key generated inside a retry loop,
+/// or by a language model, deduplicates nothing.
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Key {
+    scope: String,
+    id: String,
+}
+
+impl Key {
+    /// Builds a key from a scope and an id.
+    ///
+    /// Both must be non-empty UTF-8 without control characters; the scope is
+    /// at most [`MAX_SCOPE_LEN`] (128) bytes, the id at most [`MAX_ID_LEN`]
+    /// (255) bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] when a rule above is broken.
+    pub fn new(scope: impl Into<String>, id: impl Into<String>) -> Result<Key> {
+        let scope = scope.into();
+        let id = id.into();
+        check_part("scope", &scope, MAX_SCOPE_LEN)?;
+        check_part("id", &id, MAX_ID_LEN)?;
+        Ok(Key { scope, id })
+    }
+
+    /// The scope: tenant and operation.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The caller's idempotency key within the scope.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The stored form: `[scope length u8][scope][id]`.
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(1 + self.scope.len() + self.id.len());
+        // A valid scope is at most 128 bytes, so its length fits one byte.
+        out.push(u8::try_from(self.scope.len()).unwrap_or(u8::MAX));
+        out.extend_from_slice(self.scope.as_bytes());
+        out.extend_from_slice(self.id.as_bytes());
+        out
+    }
+
+    /// The stored prefix shared by every key of `scope`.
+    pub(crate) fn scope_prefix(scope: &str) -> Result<Vec<u8>> {
+        check_part("scope", scope, MAX_SCOPE_LEN)?;
+        let mut out = Vec::with_capacity(1 + scope.len());
+        out.push(u8::try_from(scope.len()).unwrap_or(u8::MAX));
+        out.extend_from_slice(scope.as_bytes());
+        Ok(out)
+    }
+
+    /// Parses the stored form, validating it as [`Key::new`] does.
+    pub(crate) fn from_bytes(bytes: &[u8]) -> Result<Key> {
+        let (&len, rest) = bytes.split_first().ok_or_else(|| Error::InvalidKey {
+            reason: "stored key is empty".into(),
+        })?;
+        let len = usize::from(len);
+        if rest.len() < len {
+            return Err(Error::InvalidKey {
+                reason: "stored key is shorter than its scope length".into(),
+            });
+        }
+        let (scope, id) = rest.split_at(len);
+        let scope = std::str::from_utf8(scope).map_err(|_| Error::InvalidKey {
+            reason: "stored scope is not UTF-8".into(),
+        })?;
+        let id = std::str::from_utf8(id).map_err(|_| Error::InvalidKey {
+            reason: "stored id is not UTF-8".into(),
+        })?;
+        Key::new(scope, id)
+    }
+
+    /// A printable rendering of stored key bytes that may be damaged.
+    pub(crate) fn describe_bytes(bytes: &[u8]) -> String {
+        match Key::from_bytes(bytes) {
+            Ok(key) => key.to_string(),
+            Err(_) => bytes.escape_ascii().to_string(),
+        }
+    }
+}
+
+fn check_part(what: &str, value: &str, max: usize) -> Result<()> {
+    if value.is_empty() {
+        return Err(Error::InvalidKey {
+            reason: format!("{what} is empty"),
+        });
+    }
+    if value.len() > max {
+        return Err(Error::InvalidKey {
+            reason: format!("{what} is {} bytes, over the limit of {max}", value.len()),
+        });
+    }
+    if value.chars().any(char::is_control) {
+        return Err(Error::InvalidKey {
+            reason: format!("{what} contains a control character"),
+        });
+    }
+    Ok(())
+}
+
+impl fmt::Display for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.scope, self.id)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Key")
+            .field("scope", &self.scope)
+            .field("id", &self.id)
+            .finish()
+    }
+}
+
+/// A digest of the request payload, opaque to the store: 1 to
+/// [`MAX_FINGERPRINT_LEN`] (64) bytes.
+///
+/// A key reused with a different fingerprint is a client error
+/// ([`Error::FingerprintMismatch`], HTTP 422), never a replay, for as long as
+/// the record exists.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Fingerprint(Box<[u8]>);
+
+impl Fingerprint {
+    /// The SHA-256 digest (32 bytes) of `payload`.
+    pub fn of(payload: &[u8]) -> Fingerprint {
+        Fingerprint(Sha256::digest(payload).to_vec().into_boxed_slice())
+    }
+
+    /// A fingerprint computed by the caller (any digest of 1 to 64 bytes).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `bytes` is empty or longer than 64 bytes.
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<Fingerprint> {
+        let bytes = bytes.into();
+        if bytes.is_empty() || bytes.len() > MAX_FINGERPRINT_LEN {
+            return Err(Error::invalid(
+                "fingerprint",
+                format!(
+                    "{} bytes; a fingerprint is 1 to {MAX_FINGERPRINT_LEN} bytes",
+                    bytes.len()
+                ),
+            ));
+        }
+        Ok(Fingerprint(bytes.into_boxed_slice()))
+    }
+
+    /// The digest bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint(")?;
+        for b in self.0.iter().take(8) {
+            write!(f, "{b:02x}")?;
+        }
+        if self.0.len() > 8 {
+            write!(f, "…")?;
+        }
+        write!(f, ")")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoding_is_unambiguous_and_round_trips() {
+        let a = Key::new("ab", "c").unwrap();
+        let b = Key::new("a", "bc").unwrap();
+        assert_ne!(a.to_bytes(), b.to_bytes());
+        assert_eq!(Key::from_bytes(&a.to_bytes()).unwrap(), a);
+        assert!(a.to_bytes().starts_with(&Key::scope_prefix("ab").unwrap()));
+    }
+
+    #[test]
+    fn limits_are_in_bytes() {
+        assert!(Key::new("s".repeat(128), "i".repeat(255)).is_ok());
+        assert!(Key::new("s".repeat(129), "i").is_err());
+        assert!(Key::new("s", "i".repeat(256)).is_err());
+        // 'é' is two bytes: 128 of them exceed 255 bytes.
+        assert!(Key::new("s", "é".repeat(128)).is_err());
+        assert!(Key::new("s", "a\nb").is_err());
+        assert!(Key::new("", "a").is_err());
+    }
+}

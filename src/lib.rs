@@ -1,0 +1,78 @@
+//! An embedded, crash-safe idempotency store: a retried side effect runs once.
+//!
+//! A caller's orchestrator fixes an idempotency key before the first attempt
+//! (for an agent, `task_id:tool_call_id`). The executing side claims that key
+//! atomically, holds it with a fenced lease while the work runs, records the
+//! outcome durably, replays it to every later retry, rejects a reused key with
+//! a different payload, and forgets it after a retention period (24 hours by
+//! default, as Stripe does). All of it lives in the process, on one file.
+//!
+//! ```
+//! use idemstore::{ClaimOptions, ClaimOutcome, Fingerprint, Key, Store};
+//!
+//! # fn main() -> Result<(), idemstore::Error> {
+//! # let dir = tempfile::tempdir().unwrap();
+//! let store = Store::open(dir.path().join("idem.redb"))?;
+//! let key = Key::new("acme/tickets.create", "task-42:call-7")?;
+//! let payload = br#"{"title":"printer on fire"}"#;
+//! let fingerprint = Fingerprint::of(payload);
+//!
+//! // First attempt: we hold the key, do the work, record the outcome.
+//! let ClaimOutcome::Acquired(lease) = store.claim(&key, &fingerprint, &ClaimOptions::new())? else {
+//!     unreachable!("a fresh key is acquired");
+//! };
+//! let ticket_id = b"T-1001"; // ... create the ticket here ...
+//! store.complete(&lease, ticket_id)?;
+//!
+//! // A retry with the same key and payload replays the stored outcome.
+//! match store.claim(&key, &fingerprint, &ClaimOptions::new())? {
+//!     ClaimOutcome::Replay(record) => assert_eq!(record.result(), Some(&ticket_id[..])),
+//!     other => unreachable!("{other:?}"),
+//! }
+//!
+//! // The same key with a different payload is refused (HTTP 422).
+//! let other = Fingerprint::of(br#"{"title":"something else"}"#);
+//! assert!(matches!(
+//!     store.claim(&key, &other, &ClaimOptions::new()),
+//!     Err(idemstore::Error::FingerprintMismatch { .. })
+//! ));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What it guarantees
+//!
+//! - One valid lease per key at a time, under any number of threads.
+//! - Every acknowledged change (claim, complete, fail, release, extend,
+//!   recovery point) is on stable storage when the call returns; after a
+//!   crash the store answers as if the process had paused.
+//! - Fencing tokens come from one store-wide counter and are never reused; a
+//!   holder whose lease was taken over gets [`Error::StaleLease`].
+//! - Corruption is detected (checksums over key and body) and reported as an
+//!   error naming the key or file, never as a wrong answer or a panic.
+//!
+//! The store cannot make the side effect and [`Store::complete`] one atomic
+//! step. Pass the idempotency key to the downstream system too (a payment's
+//! merchant reference, a ticket's external id), and when a lease is a
+//! takeover ([`Lease::is_takeover`]) ask the downstream what happened before
+//! acting again.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod clock;
+mod codec;
+mod commit;
+mod error;
+mod expiry;
+mod key;
+mod record;
+mod schema;
+mod store;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{Error, Result};
+pub use key::{Fingerprint, Key, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN};
+pub use record::{ClaimOutcome, Lease, Record, State};
+/// The redb storage seam re-exported for [`Store::open_with_backend`].
+pub use redb::{BackendError, StorageBackend};
+pub use store::{ClaimOptions, Config, MAX_LEASE, MAX_VALUE_LIMIT, Store};

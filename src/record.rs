@@ -1,0 +1,498 @@
+//! Records, their states, and the pure transition function at the centre of
+//! the store: `(record, request, now) -> (new record, outcome)`.
+//!
+//! Nothing here does I/O. The writer feeds every state change through
+//! [`transition`] inside one write, so each change is a compare-and-set of
+//! state and fencing token (DESIGN.md, "States and transitions").
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::key::{Fingerprint, Key};
+
+/// The state of a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum State {
+    /// A lease holder is running the work.
+    Processing,
+    /// The work finished; the result is stored and replayed until retention ends.
+    Succeeded,
+    /// The work failed. A permanent failure is replayed until retention
+    /// ends; a retryable one is kept only so that the next claim acquires
+    /// it (with a new token) and sees the failure.
+    Failed {
+        /// Whether the next claim may run the work again.
+        retryable: bool,
+    },
+}
+
+impl State {
+    /// A short lowercase name: `processing`, `succeeded`, `failed`,
+    /// `failed-retryable`.
+    pub fn name(self) -> &'static str {
+        match self {
+            State::Processing => "processing",
+            State::Succeeded => "succeeded",
+            State::Failed { retryable: false } => "failed",
+            State::Failed { retryable: true } => "failed-retryable",
+        }
+    }
+}
+
+/// What the store keeps per key.
+///
+/// All times are milliseconds since the Unix epoch, as read from the store's
+/// [`Clock`](crate::Clock).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub(crate) key: Key,
+    pub(crate) state: State,
+    pub(crate) token: u64,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) created_ms: u64,
+    pub(crate) updated_ms: u64,
+    pub(crate) lease_until_ms: u64,
+    pub(crate) expires_ms: u64,
+    /// The result (Succeeded), the failure (Failed), or, while Processing
+    /// after a retryable failure, that earlier failure.
+    pub(crate) output: Option<Vec<u8>>,
+    pub(crate) recovery_point: Option<Vec<u8>>,
+    pub(crate) business_key: Option<String>,
+    pub(crate) acquisitions: u32,
+}
+
+impl Record {
+    /// The idempotency key.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+    /// The current state.
+    pub fn state(&self) -> State {
+        self.state
+    }
+    /// The fencing token of the latest acquisition.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    /// The fingerprint that binds the key.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+    /// When the key was first acquired (ms since the epoch).
+    pub fn created_ms(&self) -> u64 {
+        self.created_ms
+    }
+    /// When the record last changed (ms since the epoch).
+    pub fn updated_ms(&self) -> u64 {
+        self.updated_ms
+    }
+    /// The deadline of the latest lease (ms since the epoch); the lease is
+    /// valid while `now < lease_until_ms`.
+    pub fn lease_until_ms(&self) -> u64 {
+        self.lease_until_ms
+    }
+    /// When retention ends (ms since the epoch): from then on the record is
+    /// absent to every read and claim, whether or not eviction has run.
+    pub fn expires_ms(&self) -> u64 {
+        self.expires_ms
+    }
+    /// The stored result, when the state is [`State::Succeeded`].
+    pub fn result(&self) -> Option<&[u8]> {
+        match self.state {
+            State::Succeeded => self.output.as_deref(),
+            _ => None,
+        }
+    }
+    /// The stored failure when the state is [`State::Failed`], or, while
+    /// [`State::Processing`] after a retryable failure, that earlier failure.
+    pub fn failure(&self) -> Option<&[u8]> {
+        match self.state {
+            State::Succeeded => None,
+            _ => self.output.as_deref(),
+        }
+    }
+    /// The latest recovery point saved under a lease, if any.
+    pub fn recovery_point(&self) -> Option<&[u8]> {
+        self.recovery_point.as_deref()
+    }
+    /// The business key bound with the record, if the claim carried one.
+    pub fn business_key(&self) -> Option<&str> {
+        self.business_key.as_deref()
+    }
+    /// How many times the key was acquired (1 for the first claim; more
+    /// after takeovers of lapsed leases and retries of retryable failures).
+    pub fn acquisitions(&self) -> u32 {
+        self.acquisitions
+    }
+    /// Whether the lease is valid at `now_ms`.
+    pub fn lease_valid_at(&self, now_ms: u64) -> bool {
+        self.state == State::Processing && now_ms < self.lease_until_ms
+    }
+    /// Whether retention has ended at `now_ms` (the record is then absent).
+    pub fn is_expired_at(&self, now_ms: u64) -> bool {
+        is_expired(self.expires_ms, now_ms)
+    }
+}
+
+/// The retention rule, in one place: a record is absent from its expiry on.
+pub(crate) fn is_expired(expires_ms: u64, now_ms: u64) -> bool {
+    now_ms >= expires_ms
+}
+
+/// The right to run the work for a key, and to finish it: key plus fencing
+/// token.
+///
+/// Only the current lease may complete, fail, release, extend or set a
+/// recovery point. A holder whose lease lapsed may still do so while nobody
+/// has taken the key over; after a takeover its calls get
+/// [`Error::StaleLease`] and change nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    key: Key,
+    token: u64,
+    acquired: Option<Box<Record>>,
+}
+
+impl Lease {
+    pub(crate) fn acquired(record: Record) -> Lease {
+        Lease {
+            key: record.key.clone(),
+            token: record.token,
+            acquired: Some(Box::new(record)),
+        }
+    }
+
+    /// Rebuilds a lease from its key and fencing token, saved by an
+    /// orchestrator that restarted. Knowing the token gives no more power
+    /// than holding the lease: the store checks it against the record on
+    /// every write. A rebuilt lease knows nothing of the record as acquired
+    /// ([`Lease::record`] is `None`); use [`Store::get`](crate::Store::get).
+    pub fn from_parts(key: Key, token: u64) -> Lease {
+        Lease {
+            key,
+            token,
+            acquired: None,
+        }
+    }
+
+    /// The key the lease holds.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+    /// The fencing token: unique across the store, never reused.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+    /// The record as it was acquired (`None` for a rebuilt lease).
+    pub fn record(&self) -> Option<&Record> {
+        self.acquired.as_deref()
+    }
+    /// The lease deadline at acquisition (ms since the epoch); `None` for a
+    /// rebuilt lease.
+    pub fn lease_until_ms(&self) -> Option<u64> {
+        self.record().map(Record::lease_until_ms)
+    }
+    /// The recovery point left by an earlier holder, if any.
+    pub fn recovery_point(&self) -> Option<&[u8]> {
+        self.record().and_then(Record::recovery_point)
+    }
+    /// Whether an earlier holder may have acted: the key was acquired
+    /// before (a takeover of a lapsed lease or a retry after a retryable
+    /// failure) or carries a recovery point. The executing side should then
+    /// ask the downstream system what happened before acting again
+    /// ("query instead of replay", DESIGN.md).
+    pub fn is_takeover(&self) -> bool {
+        self.record()
+            .is_some_and(|r| r.acquisitions > 1 || r.recovery_point.is_some())
+    }
+}
+
+/// The answer to a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use]
+pub enum ClaimOutcome {
+    /// The caller holds the key: run the work, then complete, fail or
+    /// release. HTTP: run the handler.
+    Acquired(Lease),
+    /// Another valid lease holds the key. HTTP 409 with `Retry-After`.
+    InProgress {
+        /// How long until that lease lapses: `0 < retry_after ≤ lease`.
+        retry_after: Duration,
+        /// The holder's lease deadline (ms since the epoch).
+        lease_until_ms: u64,
+    },
+    /// The work already finished (succeeded, or failed permanently) with
+    /// the same fingerprint: replay the stored outcome. HTTP: the stored
+    /// response with `Idempotent-Replayed: true`.
+    Replay(Record),
+}
+
+/// A request to change one key's record.
+#[derive(Debug, Clone)]
+pub(crate) enum Op {
+    Claim {
+        fingerprint: Fingerprint,
+        lease_ms: u64,
+        business_key: Option<String>,
+    },
+    Complete {
+        token: u64,
+        result: Vec<u8>,
+    },
+    Fail {
+        token: u64,
+        failure: Vec<u8>,
+        retryable: bool,
+    },
+    Release {
+        token: u64,
+    },
+    Extend {
+        token: u64,
+        lease_ms: u64,
+    },
+    SetRecoveryPoint {
+        token: u64,
+        bytes: Vec<u8>,
+    },
+}
+
+/// What a transition answers.
+#[derive(Debug, Clone)]
+pub(crate) enum Reply {
+    Claim(ClaimOutcome),
+    Record(Record),
+    Released,
+}
+
+/// What a transition does to the stored record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Effect {
+    None,
+    Put(Record),
+    Delete,
+}
+
+/// The inputs a transition needs besides the record and the request.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Ctx {
+    /// The store's time (never backwards), ms since the epoch.
+    pub now_ms: u64,
+    /// Configured retention in ms (> 0).
+    pub retention_ms: u64,
+    /// The token an acquisition would take; consumed only when the
+    /// transition acquires.
+    pub next_token: u64,
+}
+
+/// The pure transition function.
+///
+/// `current` is the stored record, `None` when absent; a record past
+/// retention is treated as absent here, whatever eviction has done. Returns
+/// the effect on storage and the reply; an `Err` changes nothing.
+pub(crate) fn transition(
+    key: &Key,
+    current: Option<&Record>,
+    op: &Op,
+    ctx: &Ctx,
+) -> Result<(Effect, Reply)> {
+    let now = ctx.now_ms;
+    let current = current.filter(|r| !r.is_expired_at(now));
+    match op {
+        Op::Claim {
+            fingerprint,
+            lease_ms,
+            business_key,
+        } => claim(key, current, fingerprint, *lease_ms, business_key, ctx),
+        Op::Complete { token, result } => {
+            let rec = current_lease(key, current, *token)?;
+            Ok(finish(rec, State::Succeeded, result, ctx))
+        }
+        Op::Fail {
+            token,
+            failure,
+            retryable,
+        } => {
+            let rec = current_lease(key, current, *token)?;
+            let state = State::Failed {
+                retryable: *retryable,
+            };
+            Ok(finish(rec, state, failure, ctx))
+        }
+        Op::Release { token } => {
+            current_lease(key, current, *token)?;
+            Ok((Effect::Delete, Reply::Released))
+        }
+        Op::Extend { token, lease_ms } => {
+            let rec = current_lease(key, current, *token)?;
+            let mut next = rec.clone();
+            next.lease_until_ms = rec.lease_until_ms.max(now.saturating_add(*lease_ms));
+            next.expires_ms = rec
+                .expires_ms
+                .max(now.saturating_add(ctx.retention_ms))
+                .max(next.lease_until_ms);
+            next.updated_ms = now;
+            Ok((Effect::Put(next.clone()), Reply::Record(next)))
+        }
+        Op::SetRecoveryPoint { token, bytes } => {
+            let rec = current_lease(key, current, *token)?;
+            let mut next = rec.clone();
+            next.recovery_point = Some(bytes.clone());
+            next.updated_ms = now;
+            Ok((Effect::Put(next.clone()), Reply::Record(next)))
+        }
+    }
+}
+
+fn claim(
+    key: &Key,
+    current: Option<&Record>,
+    fingerprint: &Fingerprint,
+    lease_ms: u64,
+    business_key: &Option<String>,
+    ctx: &Ctx,
+) -> Result<(Effect, Reply)> {
+    let now = ctx.now_ms;
+    let lease_until = now.saturating_add(lease_ms);
+    let expires = now.saturating_add(ctx.retention_ms).max(lease_until);
+    let Some(rec) = current else {
+        let rec = Record {
+            key: key.clone(),
+            state: State::Processing,
+            token: ctx.next_token,
+            fingerprint: fingerprint.clone(),
+            created_ms: now,
+            updated_ms: now,
+            lease_until_ms: lease_until,
+            expires_ms: expires,
+            output: None,
+            recovery_point: None,
+            business_key: business_key.clone(),
+            acquisitions: 1,
+        };
+        return Ok(acquire(rec));
+    };
+    if rec.fingerprint != *fingerprint {
+        return Err(Error::FingerprintMismatch {
+            key: key.to_string(),
+        });
+    }
+    match rec.state {
+        State::Processing if rec.lease_valid_at(now) => {
+            let left = rec.lease_until_ms - now;
+            Ok((
+                Effect::None,
+                Reply::Claim(ClaimOutcome::InProgress {
+                    retry_after: Duration::from_millis(left),
+                    lease_until_ms: rec.lease_until_ms,
+                }),
+            ))
+        }
+        State::Processing | State::Failed { retryable: true } => {
+            // A takeover of a lapsed lease, or a retry after a retryable
+            // failure: a new token; the recovery point and the last
+            // failure stay for the new holder to see.
+            let mut next = rec.clone();
+            next.state = State::Processing;
+            next.token = ctx.next_token;
+            next.updated_ms = now;
+            next.lease_until_ms = lease_until;
+            next.expires_ms = expires;
+            next.acquisitions = rec.acquisitions.saturating_add(1);
+            Ok(acquire(next))
+        }
+        State::Succeeded | State::Failed { retryable: false } => Ok((
+            Effect::None,
+            Reply::Claim(ClaimOutcome::Replay(rec.clone())),
+        )),
+    }
+}
+
+fn acquire(rec: Record) -> (Effect, Reply) {
+    (
+        Effect::Put(rec.clone()),
+        Reply::Claim(ClaimOutcome::Acquired(Lease::acquired(rec))),
+    )
+}
+
+fn finish(rec: &Record, state: State, output: &[u8], ctx: &Ctx) -> (Effect, Reply) {
+    let mut next = rec.clone();
+    next.state = state;
+    next.output = Some(output.to_vec());
+    next.updated_ms = ctx.now_ms;
+    next.expires_ms = ctx.now_ms.saturating_add(ctx.retention_ms);
+    (Effect::Put(next.clone()), Reply::Record(next))
+}
+
+/// The record, if `token` is its current lease: Processing, same token.
+fn current_lease<'a>(key: &Key, current: Option<&'a Record>, token: u64) -> Result<&'a Record> {
+    match current {
+        Some(rec) if rec.state == State::Processing && rec.token == token => Ok(rec),
+        _ => Err(Error::StaleLease {
+            key: key.to_string(),
+            token,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(now_ms: u64, next_token: u64) -> Ctx {
+        Ctx {
+            now_ms,
+            retention_ms: 60_000,
+            next_token,
+        }
+    }
+
+    fn claim_op(fp: &[u8], lease_ms: u64) -> Op {
+        Op::Claim {
+            fingerprint: Fingerprint::of(fp),
+            lease_ms,
+            business_key: None,
+        }
+    }
+
+    fn put(effect: Effect) -> Record {
+        match effect {
+            Effect::Put(r) => r,
+            other => panic!("expected a put, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn lifecycle() {
+        let k = Key::new("s", "k").unwrap();
+        let (e, r) = transition(&k, None, &claim_op(b"a", 1_000), &ctx(10, 1)).unwrap();
+        let rec = put(e);
+        assert!(matches!(r, Reply::Claim(ClaimOutcome::Acquired(_))));
+        assert_eq!(
+            (rec.token, rec.lease_until_ms, rec.expires_ms),
+            (1, 1_010, 60_010)
+        );
+
+        let (e, _) = transition(&k, Some(&rec), &claim_op(b"a", 1_000), &ctx(500, 2)).unwrap();
+        assert_eq!(e, Effect::None);
+        assert!(transition(&k, Some(&rec), &claim_op(b"b", 1_000), &ctx(500, 2)).is_err());
+
+        let done = put(transition(
+            &k,
+            Some(&rec),
+            &Op::Complete {
+                token: 1,
+                result: b"r".to_vec(),
+            },
+            &ctx(2_000, 2),
+        )
+        .unwrap()
+        .0);
+        assert_eq!(done.result(), Some(&b"r"[..]));
+        assert_eq!(done.expires_ms, 62_000);
+        let (_, r) = transition(&k, Some(&done), &claim_op(b"a", 1_000), &ctx(61_999, 2)).unwrap();
+        assert!(matches!(r, Reply::Claim(ClaimOutcome::Replay(_))));
+        let (_, r) = transition(&k, Some(&done), &claim_op(b"b", 1_000), &ctx(62_000, 2)).unwrap();
+        assert!(matches!(r, Reply::Claim(ClaimOutcome::Acquired(_))));
+    }
+}

@@ -1,0 +1,696 @@
+//! The store: opening a file, claiming keys, finishing work, reading records.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use redb::ReadableDatabase;
+
+use crate::clock::{Clock, MonotonicClock, SystemClock, duration_ms};
+use crate::codec;
+use crate::commit::{Answer, Command, Completion, Shared, Writer};
+use crate::error::{Error, Result};
+use crate::expiry::Sweeper;
+use crate::key::{Fingerprint, Key};
+use crate::record::{ClaimOutcome, Ctx, Effect, Lease, Op, Record, Reply, transition};
+use crate::schema::{self, RECORDS, guard, map_err};
+
+/// The largest value limit [`Config`] accepts for results, failures and
+/// recovery points: 16 MiB (in bytes).
+pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
+/// The longest lease a claim or extend accepts: 30 days.
+pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// Store configuration.
+///
+/// # Defaults
+/// - `retention`: 24 hours (Stripe keeps idempotency keys for 24 hours)
+/// - `lease`: 30 seconds
+/// - `max_result_bytes`, `max_failure_bytes`, `max_recovery_point_bytes`:
+///   1 MiB each (in bytes)
+/// - `sweep_interval`: 60 seconds (a background sweeper evicts expired
+///   records); `None` disables it
+/// - `sweep_batch`: 10 000 records per sweep step
+/// - `clock`: [`SystemClock`]
+/// - `cache_bytes`: 64 MiB, redb's page cache (in bytes)
+///
+/// Every acknowledged write is durable (fsynced) before the call returns.
+#[derive(Clone)]
+pub struct Config {
+    retention: Duration,
+    lease: Duration,
+    max_result_bytes: usize,
+    max_failure_bytes: usize,
+    max_recovery_point_bytes: usize,
+    sweep_interval: Option<Duration>,
+    sweep_batch: usize,
+    clock: Arc<dyn Clock>,
+    cache_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            retention: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            max_result_bytes: 1024 * 1024,
+            max_failure_bytes: 1024 * 1024,
+            max_recovery_point_bytes: 1024 * 1024,
+            sweep_interval: Some(Duration::from_secs(60)),
+            sweep_batch: 10_000,
+            clock: Arc::new(SystemClock),
+            cache_bytes: 64 * 1024 * 1024,
+        }
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("retention", &self.retention)
+            .field("lease", &self.lease)
+            .field("max_result_bytes", &self.max_result_bytes)
+            .field("max_failure_bytes", &self.max_failure_bytes)
+            .field("max_recovery_point_bytes", &self.max_recovery_point_bytes)
+            .field("sweep_interval", &self.sweep_interval)
+            .field("sweep_batch", &self.sweep_batch)
+            .field("cache_bytes", &self.cache_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    /// The defaults (see the type's docs).
+    pub fn new() -> Config {
+        Config::default()
+    }
+
+    /// How long a finished record is kept for replays, counted from when it
+    /// finished (whole milliseconds, > 0). A change applies to later writes
+    /// only: each record stores its own expiry.
+    pub fn retention(mut self, retention: Duration) -> Config {
+        self.retention = retention;
+        self
+    }
+
+    /// The default lease duration of a claim (whole milliseconds, 1 ms to
+    /// [`MAX_LEASE`]): how long an in-progress claim is honoured before
+    /// another caller may take it over.
+    pub fn lease(mut self, lease: Duration) -> Config {
+        self.lease = lease;
+        self
+    }
+
+    /// The largest result [`Store::complete`] accepts (in bytes, at most
+    /// [`MAX_VALUE_LIMIT`]).
+    pub fn max_result_bytes(mut self, bytes: usize) -> Config {
+        self.max_result_bytes = bytes;
+        self
+    }
+
+    /// The largest failure [`Store::fail`] accepts (in bytes, at most
+    /// [`MAX_VALUE_LIMIT`]).
+    pub fn max_failure_bytes(mut self, bytes: usize) -> Config {
+        self.max_failure_bytes = bytes;
+        self
+    }
+
+    /// The largest recovery point [`Store::set_recovery_point`] accepts (in
+    /// bytes, at most [`MAX_VALUE_LIMIT`]).
+    pub fn max_recovery_point_bytes(mut self, bytes: usize) -> Config {
+        self.max_recovery_point_bytes = bytes;
+        self
+    }
+
+    /// How often the background sweeper evicts expired records; `None`
+    /// runs no sweeper (call [`Store::sweep`] yourself). The sweeper stops
+    /// when the store is dropped.
+    pub fn sweep_interval(mut self, interval: Option<Duration>) -> Config {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// How many records one background sweep step evicts at most (> 0); the
+    /// sweeper repeats steps until fewer are due.
+    pub fn sweep_batch(mut self, records: usize) -> Config {
+        self.sweep_batch = records;
+        self
+    }
+
+    /// The clock the store reads time from (milliseconds since the epoch).
+    pub fn clock(mut self, clock: impl Clock) -> Config {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The size of redb's page cache (in bytes).
+    pub fn cache_bytes(mut self, bytes: usize) -> Config {
+        self.cache_bytes = bytes;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if duration_ms(self.retention) == 0 {
+            return Err(Error::invalid("retention", "must be at least 1 ms"));
+        }
+        check_lease("lease", self.lease)?;
+        for (what, v) in [
+            ("max_result_bytes", self.max_result_bytes),
+            ("max_failure_bytes", self.max_failure_bytes),
+            ("max_recovery_point_bytes", self.max_recovery_point_bytes),
+        ] {
+            if v > MAX_VALUE_LIMIT {
+                return Err(Error::invalid(
+                    what,
+                    format!("{v} bytes is over the largest limit, {MAX_VALUE_LIMIT} bytes"),
+                ));
+            }
+        }
+        if self.sweep_batch == 0 {
+            return Err(Error::invalid("sweep_batch", "must be at least 1"));
+        }
+        if self.sweep_interval.is_some_and(|d| d.is_zero()) {
+            return Err(Error::invalid("sweep_interval", "must be non-zero"));
+        }
+        Ok(())
+    }
+}
+
+fn check_lease(what: &'static str, lease: Duration) -> Result<u64> {
+    let ms = duration_ms(lease);
+    if ms == 0 {
+        return Err(Error::invalid(
+            what,
+            "a lease must be at least 1 ms; a lease is never unset",
+        ));
+    }
+    if lease > MAX_LEASE {
+        return Err(Error::invalid(what, "longer than MAX_LEASE (30 days)"));
+    }
+    Ok(ms)
+}
+
+/// Options of one claim.
+#[derive(Debug, Clone, Default)]
+pub struct ClaimOptions {
+    lease: Option<Duration>,
+}
+
+impl ClaimOptions {
+    /// Options with every default from [`Config`].
+    pub fn new() -> ClaimOptions {
+        ClaimOptions::default()
+    }
+
+    /// The lease duration of this claim (whole milliseconds, 1 ms to
+    /// [`MAX_LEASE`]); the store's configured lease when unset.
+    pub fn lease(mut self, lease: Duration) -> ClaimOptions {
+        self.lease = Some(lease);
+        self
+    }
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    config: Config,
+    writer: Writer,
+}
+
+/// An embedded, crash-safe idempotency store on one file.
+///
+/// `Store` is `Send + Sync`; share it between threads with an `Arc`. Every
+/// method that changes state blocks until the change is durable (fsynced),
+/// and concurrent changes share one commit (group commit). Reads and claims
+/// that can only replay or answer "in progress" do not wait for the writer.
+///
+/// Dropping the store stops the background sweeper, lets the writer finish
+/// every queued request, and closes the file.
+pub struct Store {
+    // Field order is drop order: the sweeper stops before the writer.
+    _sweeper: Option<Sweeper>,
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("path", &self.inner.shared.path)
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Opens the store at `path`, creating it if absent, with the default
+    /// [`Config`] (retention 24 h, lease 30 s, every write fsynced).
+    ///
+    /// # Errors
+    /// - [`Error::AlreadyOpen`]: another `Store` in this or another process
+    ///   holds the file (the second open fails at once, it does not wait).
+    /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer format.
+    /// - [`Error::CorruptFile`]: the file is damaged.
+    /// - [`Error::Storage`]: the file cannot be read or created.
+    pub fn open(path: impl AsRef<Path>) -> Result<Store> {
+        Store::open_with(path, Config::default())
+    }
+
+    /// Opens the store at `path` with `config`.
+    ///
+    /// # Errors
+    /// As [`Store::open`], and [`Error::InvalidArgument`] for a zero
+    /// retention, a zero or over-long lease, a zero sweep batch or interval,
+    /// or a value limit over [`MAX_VALUE_LIMIT`].
+    pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
+        Store::open_inner::<redb::backends::FileBackend>(path.as_ref().to_path_buf(), None, config)
+    }
+
+    /// Opens a store on a caller-supplied redb [`StorageBackend`](redb::StorageBackend)
+    /// instead of a file: for fault injection and simulated power loss in
+    /// tests, or for storage of your own. `name` only names the store in
+    /// errors and logs. The backend must implement redb's file-lock methods
+    /// for [`Error::AlreadyOpen`] to be detected.
+    ///
+    /// # Errors
+    /// As [`Store::open_with`].
+    pub fn open_with_backend(
+        name: impl AsRef<Path>,
+        backend: impl redb::StorageBackend,
+        config: Config,
+    ) -> Result<Store> {
+        Store::open_inner(name.as_ref().to_path_buf(), Some(backend), config)
+    }
+
+    fn open_inner<B: redb::StorageBackend>(
+        path: PathBuf,
+        backend: Option<B>,
+        config: Config,
+    ) -> Result<Store> {
+        config.validate()?;
+        let (db, meta) = schema::open(&path, backend, config.cache_bytes)?;
+        let shared = Arc::new(Shared {
+            db: Arc::new(db),
+            path,
+            clock: MonotonicClock::new(config.clock.clone(), meta.clock_hwm),
+            retention_ms: duration_ms(config.retention),
+            poisoned: AtomicBool::new(false),
+        });
+        let writer = Writer::start(shared.clone(), meta.next_token)?;
+        let inner = Arc::new(Inner {
+            shared,
+            config,
+            writer,
+        });
+        let sweeper = match inner.config.sweep_interval {
+            Some(interval) => Some(Sweeper::start(&inner, interval, |inner: &Inner| {
+                let mut total = 0;
+                loop {
+                    let n = inner.sweep(inner.config.sweep_batch)?;
+                    total += n;
+                    if n < inner.config.sweep_batch {
+                        return Ok(total);
+                    }
+                }
+            })?),
+            None => None,
+        };
+        Ok(Store {
+            _sweeper: sweeper,
+            inner,
+        })
+    }
+
+    /// The file this store holds.
+    pub fn path(&self) -> &Path {
+        &self.inner.shared.path
+    }
+
+    /// The store's current time (ms since the epoch): the clock's reading,
+    /// or the largest reading seen before if the clock stepped back.
+    pub fn now_ms(&self) -> u64 {
+        self.inner.shared.clock.now_ms()
+    }
+
+    /// Claims `key` for a request whose payload has `fingerprint`: the
+    /// atomic "insert if absent (or reclaimable)".
+    ///
+    /// - [`ClaimOutcome::Acquired`]: the key was absent, past retention, its
+    ///   lease lapsed, or it failed retryably; the caller holds a new lease
+    ///   with a fresh fencing token (durable when this returns).
+    /// - [`ClaimOutcome::InProgress`]: another valid lease holds the key.
+    /// - [`ClaimOutcome::Replay`]: the work finished (succeeded, or failed
+    ///   permanently); replay the stored outcome.
+    ///
+    /// The outcomes map to HTTP as in the IETF Idempotency-Key draft.
+    ///
+    /// # Errors
+    /// - [`Error::FingerprintMismatch`] when a record of `key` exists with
+    ///   another fingerprint, in any state (HTTP 422).
+    /// - [`Error::InvalidArgument`] for a zero or over-long lease.
+    /// - [`Error::CorruptRecord`] when the stored record is damaged.
+    /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: the
+    ///   store could not write. After a storage error the claim may or may
+    ///   not be durable; a later claim finds out.
+    pub fn claim(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        options: &ClaimOptions,
+    ) -> Result<ClaimOutcome> {
+        match self.inner.claim_fast(key, fingerprint, options)? {
+            Ok(outcome) => Ok(outcome),
+            Err(op) => expect_claim(self.inner.submit_op(key, op).wait()),
+        }
+    }
+
+    /// [`Store::claim`] as a future: the same semantics, awaiting the
+    /// durable commit instead of blocking the thread. No runtime is needed.
+    ///
+    /// # Errors
+    /// As [`Store::claim`].
+    pub async fn claim_async(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        options: &ClaimOptions,
+    ) -> Result<ClaimOutcome> {
+        match self.inner.claim_fast(key, fingerprint, options)? {
+            Ok(outcome) => Ok(outcome),
+            Err(op) => expect_claim(self.inner.submit_op(key, op).await),
+        }
+    }
+
+    /// Records the work's result under `lease` and ends it: the record
+    /// becomes [`State::Succeeded`](crate::State::Succeeded) and is
+    /// replayed to every later claim until retention ends (counted from
+    /// now). Durable when this returns.
+    ///
+    /// # Errors
+    /// - [`Error::TooLarge`] when `result` is over `max_result_bytes`.
+    /// - [`Error::StaleLease`] when the lease is not current (taken over,
+    ///   already finished, released, or past retention).
+    /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: as for
+    ///   [`Store::claim`]; after a storage error the completion may or may
+    ///   not be durable ([`Store::get`] after reopening tells).
+    pub fn complete(&self, lease: &Lease, result: &[u8]) -> Result<Record> {
+        let op = self.inner.complete_op(lease, result)?;
+        expect_record(self.inner.submit_op(lease.key(), op).wait())
+    }
+
+    /// [`Store::complete`] as a future.
+    ///
+    /// # Errors
+    /// As [`Store::complete`].
+    pub async fn complete_async(&self, lease: &Lease, result: &[u8]) -> Result<Record> {
+        let op = self.inner.complete_op(lease, result)?;
+        expect_record(self.inner.submit_op(lease.key(), op).await)
+    }
+
+    /// Records a failure under `lease` and ends it. A permanent failure
+    /// (`retryable == false`) is replayed until retention ends; a retryable
+    /// one lets the next claim acquire the key (with a new token) and see
+    /// this failure. Durable when this returns.
+    ///
+    /// # Errors
+    /// As [`Store::complete`], with `max_failure_bytes` as the limit.
+    pub fn fail(&self, lease: &Lease, failure: &[u8], retryable: bool) -> Result<Record> {
+        let op = self.inner.fail_op(lease, failure, retryable)?;
+        expect_record(self.inner.submit_op(lease.key(), op).wait())
+    }
+
+    /// [`Store::fail`] as a future.
+    ///
+    /// # Errors
+    /// As [`Store::fail`].
+    pub async fn fail_async(
+        &self,
+        lease: &Lease,
+        failure: &[u8],
+        retryable: bool,
+    ) -> Result<Record> {
+        let op = self.inner.fail_op(lease, failure, retryable)?;
+        expect_record(self.inner.submit_op(lease.key(), op).await)
+    }
+
+    /// Deletes the record and its recovery point: "nothing happened". The key
+    /// is free again, for any payload. Durable when this returns.
+    ///
+    /// # Errors
+    /// [`Error::StaleLease`] when the lease is not current; storage errors as
+    /// for [`Store::claim`].
+    pub fn release(&self, lease: Lease) -> Result<()> {
+        let op = Op::Release {
+            token: lease.token(),
+        };
+        expect_released(self.inner.submit_op(lease.key(), op).wait())
+    }
+
+    /// [`Store::release`] as a future.
+    ///
+    /// # Errors
+    /// As [`Store::release`].
+    pub async fn release_async(&self, lease: Lease) -> Result<()> {
+        let op = Op::Release {
+            token: lease.token(),
+        };
+        expect_released(self.inner.submit_op(lease.key(), op).await)
+    }
+
+    /// Extends the lease to at least `now + lease` (whole milliseconds, 1 ms
+    /// to [`MAX_LEASE`]); a lease is never shortened. Retention is pushed out
+    /// so that it never ends before the lease. Returns the new lease
+    /// deadline in ms since the epoch. Durable when this returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a zero or over-long duration,
+    /// [`Error::StaleLease`] when the lease is not current; storage errors as
+    /// for [`Store::claim`].
+    pub fn extend(&self, lease: &Lease, duration: Duration) -> Result<u64> {
+        let lease_ms = check_lease("lease", duration)?;
+        let op = Op::Extend {
+            token: lease.token(),
+            lease_ms,
+        };
+        expect_record(self.inner.submit_op(lease.key(), op).wait()).map(|r| r.lease_until_ms)
+    }
+
+    /// [`Store::extend`] as a future.
+    ///
+    /// # Errors
+    /// As [`Store::extend`].
+    pub async fn extend_async(&self, lease: &Lease, duration: Duration) -> Result<u64> {
+        let lease_ms = check_lease("lease", duration)?;
+        let op = Op::Extend {
+            token: lease.token(),
+            lease_ms,
+        };
+        expect_record(self.inner.submit_op(lease.key(), op).await).map(|r| r.lease_until_ms)
+    }
+
+    /// Saves progress of multi-step work under `lease` (the "recovery point"
+    /// of the well-known Postgres idempotency recipe). A holder that takes the
+    /// key over after this lease lapses receives it in
+    /// [`Lease::recovery_point`]. Replaces any earlier recovery point.
+    /// Durable when this returns.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] over `max_recovery_point_bytes`,
+    /// [`Error::StaleLease`] when the lease is not current; storage errors as
+    /// for [`Store::claim`].
+    pub fn set_recovery_point(&self, lease: &Lease, bytes: &[u8]) -> Result<()> {
+        let op = self.inner.recovery_point_op(lease, bytes)?;
+        expect_record(self.inner.submit_op(lease.key(), op).wait()).map(|_| ())
+    }
+
+    /// [`Store::set_recovery_point`] as a future.
+    ///
+    /// # Errors
+    /// As [`Store::set_recovery_point`].
+    pub async fn set_recovery_point_async(&self, lease: &Lease, bytes: &[u8]) -> Result<()> {
+        let op = self.inner.recovery_point_op(lease, bytes)?;
+        expect_record(self.inner.submit_op(lease.key(), op).await).map(|_| ())
+    }
+
+    /// The record of `key`, or `None` when absent or past retention (whether
+    /// or not it was evicted). Does not wait for the writer.
+    ///
+    /// # Errors
+    /// [`Error::CorruptRecord`] when the stored record is damaged,
+    /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
+    /// read.
+    pub fn get(&self, key: &Key) -> Result<Option<Record>> {
+        self.inner.get(key)
+    }
+
+    /// Evicts up to `max_records` records past retention and returns how
+    /// many it removed. Its cost grows with the number it evicts, not with
+    /// the size of the store. Expired records are already invisible; this
+    /// only reclaims space. Goes through the writer; durable when it returns.
+    ///
+    /// # Errors
+    /// Storage errors as for [`Store::claim`].
+    pub fn sweep(&self, max_records: usize) -> Result<usize> {
+        self.inner.sweep(max_records)
+    }
+
+    /// How many records the file holds, including expired records that are
+    /// not yet evicted.
+    ///
+    /// # Errors
+    /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
+    /// read.
+    pub fn len(&self) -> Result<u64> {
+        schema::record_count(&self.inner.shared.path, &self.inner.shared.db)
+    }
+
+    /// Whether the file holds no record at all.
+    ///
+    /// # Errors
+    /// As [`Store::len`].
+    pub fn is_empty(&self) -> Result<bool> {
+        self.len().map(|n| n == 0)
+    }
+}
+
+impl Inner {
+    fn submit_op(&self, key: &Key, op: Op) -> Completion {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return Completion::Ready(Err(Error::Poisoned));
+        }
+        self.writer.submit(Command::Op {
+            key: key.clone(),
+            op,
+        })
+    }
+
+    fn sweep(&self, max_records: usize) -> Result<usize> {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return Err(Error::Poisoned);
+        }
+        match self
+            .writer
+            .submit(Command::Sweep { max: max_records })
+            .wait()?
+        {
+            Answer::Evicted(n) => Ok(n),
+            Answer::Reply(_) => Err(Error::Storage(
+                "writer answered a sweep with a reply".into(),
+            )),
+        }
+    }
+
+    /// Answers a claim from a read transaction when it can only replay, only
+    /// report a valid lease, or only refuse a fingerprint. Otherwise returns
+    /// the operation for the writer.
+    fn claim_fast(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        options: &ClaimOptions,
+    ) -> Result<Result<ClaimOutcome, Op>> {
+        let lease_ms = check_lease("lease", options.lease.unwrap_or(self.config.lease))?;
+        let op = Op::Claim {
+            fingerprint: fingerprint.clone(),
+            lease_ms,
+            business_key: None,
+        };
+        if let Some(current) = self.get(key)? {
+            let ctx = Ctx {
+                now_ms: self.shared.clock.now_ms(),
+                retention_ms: self.shared.retention_ms,
+                next_token: 0,
+            };
+            if let (Effect::None, Reply::Claim(outcome)) =
+                transition(key, Some(&current), &op, &ctx)?
+            {
+                return Ok(Ok(outcome));
+            }
+        }
+        Ok(Err(op))
+    }
+
+    fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let path = &self.shared.path;
+        let kb = key.to_bytes();
+        let bytes = guard(path, || {
+            let txn = self.shared.db.begin_read().map_err(|e| map_err(path, e))?;
+            let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
+            let value = table.get(kb.as_slice()).map_err(|e| map_err(path, e))?;
+            Ok(value.map(|v| v.value().to_vec()))
+        })?;
+        let Some(bytes) = bytes else { return Ok(None) };
+        let record = codec::decode_record(&kb, &bytes).inspect_err(|e| {
+            tracing::warn!(key = %key, error = %e, "corrupt record");
+        })?;
+        let now = self.shared.clock.now_ms();
+        Ok((!record.is_expired_at(now)).then_some(record))
+    }
+
+    fn check_len(what: &'static str, len: usize, limit: usize) -> Result<()> {
+        if len > limit {
+            return Err(Error::TooLarge { what, len, limit });
+        }
+        Ok(())
+    }
+
+    fn complete_op(&self, lease: &Lease, result: &[u8]) -> Result<Op> {
+        Self::check_len("result", result.len(), self.config.max_result_bytes)?;
+        Ok(Op::Complete {
+            token: lease.token(),
+            result: result.to_vec(),
+        })
+    }
+
+    fn fail_op(&self, lease: &Lease, failure: &[u8], retryable: bool) -> Result<Op> {
+        Self::check_len("failure", failure.len(), self.config.max_failure_bytes)?;
+        Ok(Op::Fail {
+            token: lease.token(),
+            failure: failure.to_vec(),
+            retryable,
+        })
+    }
+
+    fn recovery_point_op(&self, lease: &Lease, bytes: &[u8]) -> Result<Op> {
+        Self::check_len(
+            "recovery point",
+            bytes.len(),
+            self.config.max_recovery_point_bytes,
+        )?;
+        Ok(Op::SetRecoveryPoint {
+            token: lease.token(),
+            bytes: bytes.to_vec(),
+        })
+    }
+}
+
+fn expect_reply(answer: Result<Answer>) -> Result<Reply> {
+    match answer? {
+        Answer::Reply(r) => Ok(r),
+        Answer::Evicted(_) => Err(Error::Storage("writer answered with an eviction".into())),
+    }
+}
+
+fn expect_claim(answer: Result<Answer>) -> Result<ClaimOutcome> {
+    match expect_reply(answer)? {
+        Reply::Claim(c) => Ok(c),
+        _ => Err(Error::Storage(
+            "writer answered a claim with another reply".into(),
+        )),
+    }
+}
+
+fn expect_record(answer: Result<Answer>) -> Result<Record> {
+    match expect_reply(answer)? {
+        Reply::Record(r) => Ok(r),
+        _ => Err(Error::Storage("writer answered with another reply".into())),
+    }
+}
+
+fn expect_released(answer: Result<Answer>) -> Result<()> {
+    match expect_reply(answer)? {
+        Reply::Released => Ok(()),
+        _ => Err(Error::Storage(
+            "writer answered a release with another reply".into(),
+        )),
+    }
+}
