@@ -285,6 +285,7 @@ impl Plan<'_> {
             takeovers: load(&counts.takeovers),
             found_by_lookup: load(&counts.found_by_lookup),
             crashes: load(&counts.crashes),
+            stale_completions: load(&counts.stale_completions),
             wall,
         })
     }

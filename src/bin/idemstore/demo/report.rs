@@ -36,6 +36,8 @@ pub struct Phase {
     pub found_by_lookup: u64,
     /// Service workers that died after creating a ticket.
     pub crashes: u64,
+    /// Completions refused because the worker's lease had been taken over.
+    pub stale_completions: u64,
     /// From the first agent's start to the last agent's last answer.
     pub wall: Duration,
 }
@@ -61,6 +63,7 @@ impl Phase {
             "takeovers": self.takeovers,
             "found_by_lookup": self.found_by_lookup,
             "worker_crashes": self.crashes,
+            "stale_completions": self.stale_completions,
             "wall_ms": self.wall.as_secs_f64() * 1000.0,
         })
     }
