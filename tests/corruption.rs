@@ -281,6 +281,49 @@ fn record_damaged_while_open_is_corrupt_record_naming_the_key() {
     }
 }
 
+/// A key damaged while the store is open: the record now sits under a key
+/// it was not written for, and the checksum over key and body reports it
+/// under the damaged key. The original key reads as absent: the record
+/// checksum cannot see a lookup that misses, and redb verifies page
+/// checksums only when it opens a file (which then refuses it, unless a
+/// later write rewrote the page first).
+#[test]
+fn key_damaged_while_open_is_corrupt_record_and_refused_at_reopen() {
+    let t = TestDir::new();
+    let store = t.open_with(t.config().cache_bytes(0));
+    let expected = populate(&store);
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, VICTIM_ID.as_bytes());
+    assert!(!at.is_empty());
+    // The victim's key sorts last, so changing its last byte upward keeps
+    // the B-tree in order and a lookup of the damaged key finds the record.
+    for offset in &at {
+        flip(&t.path, offset + VICTIM_ID.len() - 1, 0x01); // 'd' → 'e'
+    }
+    let damaged = key("victim-recore");
+    match store.get(&damaged) {
+        Err(Error::CorruptRecord { key, .. }) => assert_eq!(key, damaged.to_string()),
+        other => panic!("expected CorruptRecord naming {damaged}, got {other:?}"),
+    }
+    let others: BTreeMap<Key, Record> = expected
+        .into_iter()
+        .filter(|(k, _)| *k != victim())
+        .collect();
+    assert_eq!(interrogate(&store, &others), Ok(Verdict::Correct));
+    drop(store);
+
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
+        Err(err) => panic!("expected CorruptFile, got {err:?}"),
+        // A later write rewrote the page, so redb's checksums cover the
+        // damage: the record checksum still reports it.
+        Ok(store) => match store.get(&damaged) {
+            Err(Error::CorruptRecord { key, .. }) => assert_eq!(key, damaged.to_string()),
+            other => panic!("expected CorruptRecord naming {damaged}, got {other:?}"),
+        },
+    }
+}
+
 /// Flipping a byte anywhere in the closed file (the header region of every
 /// 4 KiB page, and a seeded sample of offsets) gives an error at open or at
 /// read, or the unchanged correct answers: never a wrong answer, never a
