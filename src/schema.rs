@@ -93,6 +93,12 @@ pub(crate) fn open<B: redb::StorageBackend>(
     guard(path, || {
         let mut builder = Database::builder();
         builder.set_cache_size(cache_bytes);
+        // Verify every page checksum on every open, not only after a crash.
+        // The record checksum cannot see a damaged key (the lookup simply
+        // misses, and the key would be acquired twice), and a plain open of
+        // a damaged file may panic inside redb. This reads the whole file,
+        // as crash recovery already does.
+        builder.set_check_integrity_on_open(true);
         let opened = match backend {
             Some(backend) => builder.create_with_backend(backend),
             None => builder.create(path),

@@ -245,6 +245,11 @@ impl Store {
     /// Opens the store at `path`, creating it if absent, with the default
     /// [`Config`] (retention 24 h, lease 30 s, every write fsynced).
     ///
+    /// Opening verifies the checksum of every page of the file (redb's
+    /// integrity check), so it reads the whole file, as recovery after a
+    /// crash does: a file damaged while closed is refused rather than
+    /// trusted.
+    ///
     /// # Errors
     /// - [`Error::AlreadyOpen`]: another `Store` in this or another process
     ///   holds the file (the second open fails at once, it does not wait).
