@@ -166,7 +166,10 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
     Ok(meta)
 }
 
-fn read_meta(path: &Path, table: &impl ReadableTable<&'static str, &'static [u8]>) -> Result<Meta> {
+pub(crate) fn read_meta(
+    path: &Path,
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> Result<Meta> {
     let get = |name: &str| -> Result<Option<Vec<u8>>> {
         Ok(table
             .get(name)
@@ -219,5 +222,14 @@ pub(crate) fn record_count(path: &Path, db: &Database) -> Result<u64> {
         let txn = db.begin_read().map_err(|e| map_err(path, e))?;
         let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
         table.len().map_err(|e| map_err(path, e))
+    })
+}
+
+/// The token counter as of the latest commit.
+pub(crate) fn next_token(path: &Path, db: &Database) -> Result<u64> {
+    guard(path, || {
+        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+        let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+        read_meta(path, &table).map(|m| m.next_token)
     })
 }
