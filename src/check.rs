@@ -69,18 +69,15 @@ impl CheckReport {
 ///
 /// # Errors
 /// - [`Error::Missing`]: no file at `path`.
+/// - [`Error::IncompatibleFile`]: the file is empty, not an idemstore
+///   file, or of a newer format.
 /// - [`Error::AlreadyOpen`]: a `Store` (a running service) holds the file.
-/// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer format.
 /// - [`Error::Storage`]: the file cannot be read.
 ///
 /// Damage is reported in the [`CheckReport`], not as an error.
 pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Result<CheckReport> {
     let path = path.as_ref();
-    if !path.exists() {
-        return Err(Error::Missing {
-            path: path.to_path_buf(),
-        });
-    }
+    crate::store::check_existing(path)?;
     let integrity = guard(path, || {
         let mut db = Database::builder()
             .open(path)
@@ -115,12 +112,13 @@ fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
                 path: path.to_path_buf(),
             }
         }
-        redb::DatabaseError::Storage(redb::StorageError::Corrupted(detail))
-            if detail.contains("magic") =>
+        // redb's answer to a file without its magic number.
+        redb::DatabaseError::Storage(redb::StorageError::Io(io))
+            if io.kind() == std::io::ErrorKind::InvalidData =>
         {
             Error::IncompatibleFile {
                 path: path.to_path_buf(),
-                detail: "not a redb file (not an idemstore file)".into(),
+                detail: format!("not a redb file, so not an idemstore file ({io})"),
             }
         }
         other => map_err(path, other),

@@ -105,6 +105,15 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     path: path.to_path_buf(),
                 }
             }
+            // redb's answer to a file without its magic number.
+            redb::DatabaseError::Storage(redb::StorageError::Io(io))
+                if io.kind() == std::io::ErrorKind::InvalidData =>
+            {
+                Error::IncompatibleFile {
+                    path: path.to_path_buf(),
+                    detail: format!("not a redb file, so not an idemstore file ({io})"),
+                }
+            }
             other => map_err(path, other),
         })?;
         let meta = init_meta(path, &db)?;

@@ -182,6 +182,21 @@ impl Config {
     }
 }
 
+/// Refuses a missing or empty file (for tools that must not create a store).
+pub(crate) fn check_existing(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Missing {
+            path: path.to_path_buf(),
+        }),
+        Ok(m) if m.len() == 0 => Err(Error::IncompatibleFile {
+            path: path.to_path_buf(),
+            detail: "the file is empty (not an idemstore file)".into(),
+        }),
+        // Other metadata errors (permissions) surface from the open itself.
+        _ => Ok(()),
+    }
+}
+
 fn check_lease(what: &'static str, lease: Duration) -> Result<u64> {
     let ms = duration_ms(lease);
     if ms == 0 {
@@ -292,15 +307,12 @@ impl Store {
     /// creates one. For tools that inspect an existing store.
     ///
     /// # Errors
-    /// [`Error::Missing`] when there is no file at `path`; otherwise as
-    /// [`Store::open_with`].
+    /// [`Error::Missing`] when there is no file at `path`;
+    /// [`Error::IncompatibleFile`] for an empty file (which [`Store::open`]
+    /// would turn into a new store); otherwise as [`Store::open_with`].
     pub fn open_existing(path: impl AsRef<Path>, config: Config) -> Result<Store> {
         let path = path.as_ref();
-        if !path.exists() {
-            return Err(Error::Missing {
-                path: path.to_path_buf(),
-            });
-        }
+        check_existing(path)?;
         Store::open_with(path, config)
     }
 
@@ -660,8 +672,9 @@ impl Store {
     ///
     /// Cost: the counters are free (atomics), but the counts by state come
     /// from a scan that reads and decodes every stored record in one read
-    /// snapshot, so a call costs about as much as reading the whole table
-    /// (O(records); see the README for a measured figure). It does not block
+    /// snapshot, so a call costs about as much as reading the whole table:
+    /// O(records), about 0.5 s for 200,000 records (a 71 MB file) on a
+    /// 2-core VM in a release build (`docs/operations.md`). It does not block
     /// the writer. Poll it at dashboard rates (seconds to minutes), not per
     /// request.
     ///

@@ -1,0 +1,91 @@
+//! `idemstore`: the command-line tool of the idemstore crate.
+//!
+//! `main` calls [`run`], which returns the exit code or an error. A closed
+//! pipe (`idemstore list store.redb | head`) ends the program quietly; any
+//! other error is printed as one line, `idemstore: <what failed>: <cause>:
+//! ...`, and the exit code is 2. Subcommands choose their own success codes
+//! (`check` exits 1 when it found damage, `get` when there is no record).
+#![forbid(unsafe_code)]
+
+mod error;
+mod ops;
+
+use std::io::{self, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::CliError;
+
+/// Embedded, crash-safe idempotency store: a retried side effect runs once.
+#[derive(Debug, Parser)]
+#[command(name = "idemstore", version, about, arg_required_else_help = false)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// One variant per subcommand; each subcommand lives in its own module
+/// with its own `Args` and `run`.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show records by state, the oldest work in flight and the file size.
+    Stats(ops::stats::Args),
+    /// Show the record of one idempotency key.
+    Get(ops::get::Args),
+    /// List records, filtered by state, scope prefix and age.
+    List(ops::list::Args),
+    /// Evict every record past retention.
+    Sweep(ops::sweep::Args),
+    /// Finish a Processing record as succeeded or failed, fenced by its token.
+    Resolve(ops::resolve::Args),
+    /// Verify every record's checksum and redb's integrity; exit 1 on damage.
+    Check(ops::check::Args),
+    /// Write a portable backup of every live record.
+    Export(ops::export::Args),
+    /// Restore records from a backup (idempotent).
+    Import(ops::import::Args),
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(err) => report(&err),
+    }
+}
+
+/// Parses the command line and runs the subcommand.
+fn run() -> Result<ExitCode, CliError> {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version are not errors: clap prints them to stdout.
+        Err(err) if !err.use_stderr() => {
+            err.print()?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Err(err) => return Err(CliError::usage(&err)),
+    };
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    match cli.command {
+        Command::Stats(args) => ops::stats::run(&args, &mut out),
+        Command::Get(args) => ops::get::run(&args, &mut out),
+        Command::List(args) => ops::list::run(&args, &mut out),
+        Command::Sweep(args) => ops::sweep::run(&args, &mut out),
+        Command::Resolve(args) => ops::resolve::run(&args, &mut out),
+        Command::Check(args) => ops::check::run(&args, &mut out),
+        Command::Export(args) => ops::export::run(&args, &mut out),
+        Command::Import(args) => ops::import::run(&args, &mut out),
+    }
+}
+
+/// Prints `err` as one line on stderr (unless it is a closed pipe) and
+/// returns exit code 2.
+fn report(err: &CliError) -> ExitCode {
+    if err.is_broken_pipe() {
+        return ExitCode::SUCCESS;
+    }
+    // Nothing sensible is left to do if stderr itself cannot be written.
+    let _ = writeln!(io::stderr().lock(), "idemstore: {}", err.one_line());
+    ExitCode::from(2)
+}
