@@ -237,6 +237,11 @@ fn resolve_finishes_a_record_fenced_by_its_token() {
     // --succeeded or --failed is required.
     let out = idemstore(&["resolve", p(&path), "acme/tickets", "lapsed", "--token", &t]);
     assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("--succeeded RESULT or --failed FAILURE"),
+        "{}",
+        stderr(&out)
+    );
 }
 
 #[test]

@@ -29,7 +29,7 @@ pub struct Args {
     #[arg(long)]
     token: u64,
     /// The work took effect: store this result (replayed to every retry).
-    #[arg(long, value_name = "RESULT", group = "outcome", required = true)]
+    #[arg(long, value_name = "RESULT", group = "outcome")]
     succeeded: Option<String>,
     /// The work did not take effect: store this failure.
     #[arg(long, value_name = "FAILURE", group = "outcome")]
@@ -56,7 +56,11 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             failure: failure.clone().into_bytes(),
             retryable: args.retryable,
         },
-        (None, None) => return Err(CliError::Usage("give --succeeded or --failed".into())),
+        (None, None) => {
+            return Err(CliError::Usage(
+                "give the outcome: --succeeded RESULT or --failed FAILURE (see --help)".into(),
+            ));
+        }
     };
     let store = ops::open(&args.store.store, Some(args.retention))?;
     let record = store
