@@ -1,12 +1,14 @@
 //! `idemstore`: the command-line tool of the idemstore crate.
 //!
 //! `main` calls [`run`], which returns the exit code or an error. A closed
-//! pipe (`idemstore list store.redb | head`) ends the program quietly; any
-//! other error is printed as one line, `idemstore: <what failed>: <cause>:
-//! ...`, and the exit code is 2. Subcommands choose their own success codes
-//! (`check` exits 1 when it found damage, `get` when there is no record).
+//! pipe (`idemstore demo | head`) ends the program quietly; any other error
+//! is printed as one line, `idemstore: <what failed>: <cause>: ...`, and
+//! the exit code is 2. Subcommands choose their own success codes (`demo`
+//! exits 1 when the idemstore phase created a duplicate, `check` when it
+//! found damage, `get` when there is no record).
 #![forbid(unsafe_code)]
 
+mod demo;
 mod error;
 mod ops;
 
@@ -29,6 +31,9 @@ struct Cli {
 /// with its own `Args` and `run`.
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Replay the duplicate-ticket incident: agents retrying over a lossy
+    /// link, first naively, then through idemstore.
+    Demo(demo::Args),
     /// Show records by state, the oldest work in flight and the file size.
     Stats(ops::stats::Args),
     /// Show the record of one idempotency key.
@@ -68,6 +73,7 @@ fn run() -> Result<ExitCode, CliError> {
     let stdout = io::stdout();
     let mut out = stdout.lock();
     match cli.command {
+        Command::Demo(args) => demo::run(&args, &mut out),
         Command::Stats(args) => ops::stats::run(&args, &mut out),
         Command::Get(args) => ops::get::run(&args, &mut out),
         Command::List(args) => ops::list::run(&args, &mut out),
