@@ -388,6 +388,17 @@ fn export_then_import_restores_and_a_second_import_changes_nothing() {
 }
 
 #[test]
+fn usage_errors_are_one_line_naming_what_is_missing() {
+    let out = idemstore(&["get"]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("<STORE> <SCOPE> <ID>"), "{err}");
+    let err = stderr(&idemstore(&["list", "x.redb", "--state", "bogus"]));
+    assert!(err.contains("possible values: processing"), "{err}");
+}
+
+#[test]
 fn errors_name_the_file_and_the_problem() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing.redb");

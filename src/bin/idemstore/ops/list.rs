@@ -20,7 +20,7 @@ pub struct Args {
     #[command(flatten)]
     store: StoreArg,
     /// Only records in this state (repeat for several).
-    #[arg(long = "state", value_enum)]
+    #[arg(long = "state", value_enum, value_name = "STATE")]
     states: Vec<StateArg>,
     /// Only scopes that start with this prefix, e.g. `acme/`.
     #[arg(long)]
