@@ -555,7 +555,7 @@ mod tests {
     }
 
     #[test]
-    fn every_flipped_byte_is_refused_with_an_offset() {
+    fn every_flipped_byte_is_refused() {
         let bytes = stream(&[sample("a")]);
         for i in 0..bytes.len() {
             let mut damaged = bytes.clone();
