@@ -111,6 +111,15 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     path: path.to_path_buf(),
                 }
             }
+            // redb's answer to a file without its magic number.
+            redb::DatabaseError::Storage(redb::StorageError::Io(io))
+                if io.kind() == std::io::ErrorKind::InvalidData =>
+            {
+                Error::IncompatibleFile {
+                    path: path.to_path_buf(),
+                    detail: format!("not a redb file, so not an idemstore file ({io})"),
+                }
+            }
             other => map_err(path, other),
         })?;
         let meta = init_meta(path, &db)?;
@@ -172,7 +181,10 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
     Ok(meta)
 }
 
-fn read_meta(path: &Path, table: &impl ReadableTable<&'static str, &'static [u8]>) -> Result<Meta> {
+pub(crate) fn read_meta(
+    path: &Path,
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> Result<Meta> {
     let get = |name: &str| -> Result<Option<Vec<u8>>> {
         Ok(table
             .get(name)
@@ -225,5 +237,14 @@ pub(crate) fn record_count(path: &Path, db: &Database) -> Result<u64> {
         let txn = db.begin_read().map_err(|e| map_err(path, e))?;
         let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
         table.len().map_err(|e| map_err(path, e))
+    })
+}
+
+/// The token counter as of the latest commit.
+pub(crate) fn next_token(path: &Path, db: &Database) -> Result<u64> {
+    guard(path, || {
+        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+        let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+        read_meta(path, &table).map(|m| m.next_token)
     })
 }
