@@ -23,7 +23,6 @@ const RECOVERY_LIMIT: usize = 32;
 /// The error a case must get.
 #[derive(Debug, Clone)]
 enum Expect {
-    InvalidKey,
     InvalidArgument(&'static str),
     TooLarge {
         what: &'static str,
@@ -39,7 +38,6 @@ enum Expect {
 impl Expect {
     fn matches(&self, err: &Error) -> bool {
         match (self, err) {
-            (Expect::InvalidKey, Error::InvalidKey { .. }) => true,
             (Expect::InvalidArgument(w), Error::InvalidArgument { what, .. }) => w == what,
             (
                 Expect::TooLarge { what, len, limit },
