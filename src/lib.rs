@@ -59,6 +59,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "agent")]
+pub mod agent;
 mod clock;
 mod codec;
 mod commit;
