@@ -445,8 +445,11 @@ impl Store {
     ///   ([`ExecuteError::StillInProgress`]).
     ///
     /// The lease is extended by the claim's lease length (whole
-    /// milliseconds) each time. The value must serialize to at most the
-    /// store's `max_result_bytes`, a failure to `max_failure_bytes`.
+    /// milliseconds) each time. The helper is one short-lived scoped thread
+    /// per acquired call (a thread spawn: nothing next to a tool call or a
+    /// model request; a replay starts none). The
+    /// value must serialize to at most the store's `max_result_bytes`, a
+    /// failure to `max_failure_bytes`.
     ///
     /// A panic in `work` leaves the record in progress; once its lease
     /// lapses the next call finds it in doubt. So does a crash of the
