@@ -59,6 +59,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "agent")]
+pub mod agent;
 mod audit;
 mod backup;
 mod check;

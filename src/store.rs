@@ -278,6 +278,10 @@ pub struct Store {
     // Field order is drop order: the sweeper stops before the writer.
     _sweeper: Option<Sweeper>,
     inner: Arc<Inner>,
+    /// Wakes `execute` callers waiting on a key that another `execute` of
+    /// this store holds (feature `agent`).
+    #[cfg(feature = "agent")]
+    pub(crate) waiters: crate::agent::Waiters,
 }
 
 impl std::fmt::Debug for Store {
@@ -384,6 +388,8 @@ impl Store {
         Ok(Store {
             _sweeper: sweeper,
             inner,
+            #[cfg(feature = "agent")]
+            waiters: crate::agent::Waiters::default(),
         })
     }
 

@@ -1,0 +1,892 @@
+//! Run-once execution: [`Store::execute`] and [`Store::execute_async`].
+//!
+//! One call claims the key, runs the work only when it acquired it (keeping
+//! the lease alive while the work runs), records the outcome, and replays
+//! that outcome to every later call with the same key and fingerprint.
+
+use std::future::Future;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::call::Delays;
+use crate::error::Error;
+use crate::key::{Fingerprint, Key};
+use crate::record::{ClaimOutcome, Lease, Record, State};
+use crate::store::{ClaimOptions, Store};
+
+/// What [`Store::execute`] does when it acquires a key whose previous holder
+/// may have acted: that holder's lease lapsed before it recorded an outcome
+/// (it crashed, hung, or lost its connection to the store), so its side
+/// effect may or may not have happened.
+///
+/// A retry after a *recorded* retryable failure is not in doubt: its holder
+/// said it may run again.
+pub enum InDoubt<P = NoProbe> {
+    /// Run the work again. Right for work that is harmless to repeat or that
+    /// the downstream deduplicates on the key (a model request, a payment
+    /// API that is unique on the idempotency key).
+    Rerun,
+    /// Ask the downstream first, with the probe (see
+    /// [`ExecuteOptions::probe_in_doubt`]): `Ok(Some(value))` means the
+    /// effect happened and `value` is its result, which is recorded without
+    /// running the work ([`Origin::Recovered`]); `Ok(None)` means it did not
+    /// happen, so the work runs ([`Origin::Reran`]). "Query instead of
+    /// replay" (DESIGN.md).
+    Probe(P),
+    /// Run nothing and return [`ExecuteError::InDoubt`] with the lease, for a
+    /// person (or a reconciliation job) to decide: the at-most-once choice,
+    /// right for payments without a way to ask. The default.
+    Refuse,
+}
+
+impl<P> std::fmt::Debug for InDoubt<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            InDoubt::Rerun => "Rerun",
+            InDoubt::Probe(_) => "Probe(..)",
+            InDoubt::Refuse => "Refuse",
+        })
+    }
+}
+
+/// The probe type of options that have none. It has no values, so
+/// [`InDoubt::Probe`] cannot be built with it.
+#[derive(Debug, Clone, Copy)]
+pub enum NoProbe {}
+
+/// A probe for [`InDoubt::Probe`] in [`Store::execute`]: asks the
+/// downstream whether the effect of `lease.key()` happened. Implemented for
+/// every `FnOnce(&Lease) -> Result<Option<T>, E>`.
+pub trait Probe<T, E> {
+    /// `Ok(Some(result))`: the effect happened, with this result.
+    /// `Ok(None)`: it did not happen. `Err`: the probe itself failed.
+    ///
+    /// # Errors
+    /// Whatever the downstream returns; [`Store::execute`] then returns
+    /// [`ExecuteError::ProbeFailed`].
+    fn probe(self, lease: &Lease) -> Result<Option<T>, E>;
+}
+
+impl<T, E, F> Probe<T, E> for F
+where
+    F: FnOnce(&Lease) -> Result<Option<T>, E>,
+{
+    fn probe(self, lease: &Lease) -> Result<Option<T>, E> {
+        self(lease)
+    }
+}
+
+impl<T, E> Probe<T, E> for NoProbe {
+    fn probe(self, _lease: &Lease) -> Result<Option<T>, E> {
+        match self {}
+    }
+}
+
+/// A probe for [`InDoubt::Probe`] in [`Store::execute_async`]. Implemented
+/// for every `AsyncFnOnce(&Lease) -> Result<Option<T>, E>`.
+pub trait AsyncProbe<T, E> {
+    /// As [`Probe::probe`], awaited.
+    fn probe(self, lease: &Lease) -> impl Future<Output = Result<Option<T>, E>>;
+}
+
+impl<T, E, F> AsyncProbe<T, E> for F
+where
+    F: AsyncFnOnce(&Lease) -> Result<Option<T>, E>,
+{
+    fn probe(self, lease: &Lease) -> impl Future<Output = Result<Option<T>, E>> {
+        self(lease)
+    }
+}
+
+impl<T, E> AsyncProbe<T, E> for NoProbe {
+    #[allow(clippy::manual_async_fn)]
+    fn probe(self, _lease: &Lease) -> impl Future<Output = Result<Option<T>, E>> {
+        async move { match self {} }
+    }
+}
+
+/// Options of one [`Store::execute`] call.
+///
+/// # Defaults
+/// - `lease`: the store's configured lease (30 s unless configured)
+/// - `wait`: 30 s, how long to wait for another holder of the key
+/// - `poll_delays`: 10 ms doubling to 1 s, plus jitter
+/// - `in_doubt`: [`InDoubt::Refuse`]
+pub struct ExecuteOptions<P = NoProbe> {
+    lease: Option<Duration>,
+    wait: Duration,
+    poll_min: Duration,
+    poll_max: Duration,
+    in_doubt: InDoubt<P>,
+}
+
+impl<P> std::fmt::Debug for ExecuteOptions<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecuteOptions")
+            .field("lease", &self.lease)
+            .field("wait", &self.wait)
+            .field("poll_min", &self.poll_min)
+            .field("poll_max", &self.poll_max)
+            .field("in_doubt", &self.in_doubt)
+            .finish()
+    }
+}
+
+impl Default for ExecuteOptions<NoProbe> {
+    fn default() -> Self {
+        ExecuteOptions {
+            lease: None,
+            wait: Duration::from_secs(30),
+            poll_min: Duration::from_millis(10),
+            poll_max: Duration::from_secs(1),
+            in_doubt: InDoubt::Refuse,
+        }
+    }
+}
+
+impl ExecuteOptions<NoProbe> {
+    /// The defaults (see the type's docs).
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+impl<P> ExecuteOptions<P> {
+    /// The lease of the claim (whole milliseconds, 1 ms to
+    /// [`MAX_LEASE`](crate::MAX_LEASE)). While the work runs, the lease is
+    /// extended by this much every third of it, so work may run longer than
+    /// the lease; the lease only bounds how long a crashed holder blocks the
+    /// key.
+    #[must_use]
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// How long to wait while another holder runs the work (its lease is
+    /// valid), before [`ExecuteError::StillInProgress`]. Zero answers at
+    /// once.
+    #[must_use]
+    pub fn wait(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// The bounds of the delays between two looks at a key another holder
+    /// runs, when no wake-up comes (the holder is in another process, or
+    /// finished without `execute`): the delay doubles from `min` up to
+    /// `max`, plus a random jitter of up to as much again (so waiters do not
+    /// look in lockstep), and never runs past the holder's lease deadline or
+    /// the end of the wait. `min` must be non-zero and at most `max`.
+    #[must_use]
+    pub fn poll_delays(mut self, min: Duration, max: Duration) -> Self {
+        self.poll_min = min;
+        self.poll_max = max;
+        self
+    }
+
+    /// In doubt, run the work again ([`InDoubt::Rerun`]).
+    #[must_use]
+    pub fn rerun_in_doubt(self) -> ExecuteOptions<P> {
+        self.with_in_doubt(InDoubt::Rerun)
+    }
+
+    /// In doubt, run nothing and return [`ExecuteError::InDoubt`]
+    /// ([`InDoubt::Refuse`], the default).
+    #[must_use]
+    pub fn refuse_in_doubt(self) -> ExecuteOptions<P> {
+        self.with_in_doubt(InDoubt::Refuse)
+    }
+
+    /// In doubt, ask `probe` first ([`InDoubt::Probe`]): a
+    /// `FnOnce(&Lease) -> Result<Option<T>, E>` for [`Store::execute`], an
+    /// `AsyncFnOnce` of the same shape for [`Store::execute_async`].
+    #[must_use]
+    pub fn probe_in_doubt<Q>(self, probe: Q) -> ExecuteOptions<Q> {
+        ExecuteOptions {
+            lease: self.lease,
+            wait: self.wait,
+            poll_min: self.poll_min,
+            poll_max: self.poll_max,
+            in_doubt: InDoubt::Probe(probe),
+        }
+    }
+
+    fn with_in_doubt(mut self, in_doubt: InDoubt<P>) -> Self {
+        self.in_doubt = in_doubt;
+        self
+    }
+
+    fn check(&self) -> Result<ClaimOptions, Error> {
+        if self.poll_min.is_zero() {
+            return Err(Error::invalid(
+                "poll_delays",
+                "the minimum must be non-zero",
+            ));
+        }
+        if self.poll_max < self.poll_min {
+            return Err(Error::invalid(
+                "poll_delays",
+                "the maximum is below the minimum",
+            ));
+        }
+        Ok(match self.lease {
+            Some(lease) => ClaimOptions::new().lease(lease),
+            None => ClaimOptions::new(),
+        })
+    }
+}
+
+/// The outcome of failed work, as the work reports it: the error and
+/// whether running the work again may succeed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure<E> {
+    error: E,
+    retryable: bool,
+}
+
+impl<E> Failure<E> {
+    /// A failure after which the work may run again: it is recorded, and the
+    /// next call with the key acquires it and runs the work (the stored
+    /// failure is not replayed).
+    pub fn retryable(error: E) -> Self {
+        Failure {
+            error,
+            retryable: true,
+        }
+    }
+
+    /// A failure that is final: it is recorded and replayed to every later
+    /// call with the key until retention ends, as a stored response is.
+    pub fn permanent(error: E) -> Self {
+        Failure {
+            error,
+            retryable: false,
+        }
+    }
+
+    /// The error.
+    pub fn error(&self) -> &E {
+        &self.error
+    }
+
+    /// Whether the work may run again.
+    pub fn is_retryable(&self) -> bool {
+        self.retryable
+    }
+}
+
+/// How [`Store::execute`] came by its value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// This call ran the work.
+    Ran,
+    /// This call ran the work after a takeover in doubt ([`InDoubt::Rerun`],
+    /// or the probe found that the effect had not happened).
+    Reran,
+    /// The probe found that an earlier holder's effect happened; its result
+    /// was recorded and returned without running the work.
+    Recovered,
+    /// The value was recorded by an earlier call and replayed; nothing ran.
+    Replayed,
+}
+
+/// A value returned by [`Store::execute`], with how it came about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Executed<T> {
+    value: T,
+    origin: Origin,
+    woken: bool,
+}
+
+impl<T> Executed<T> {
+    /// The value.
+    pub fn value(&self) -> &T {
+        &self.value
+    }
+
+    /// The value, by move.
+    pub fn into_value(self) -> T {
+        self.value
+    }
+
+    /// How the value came about.
+    pub fn origin(&self) -> Origin {
+        self.origin
+    }
+
+    /// Whether the value was recorded earlier and replayed (the
+    /// `Idempotent-Replayed` flag of an HTTP answer).
+    pub fn is_replayed(&self) -> bool {
+        self.origin == Origin::Replayed
+    }
+
+    /// Whether this call waited for another holder in this process and was
+    /// woken by it when it finished (rather than by polling).
+    pub fn was_woken(&self) -> bool {
+        self.woken
+    }
+}
+
+/// Why [`Store::execute`] returned no value.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExecuteError<E> {
+    /// The work failed: now (recorded with `fail`), or earlier and
+    /// permanently (`replayed`: the stored failure, replayed).
+    #[error(
+        "work for {key} failed ({}{}): {error}",
+        if *retryable { "retryable" } else { "permanent" },
+        if *replayed { ", replayed" } else { "" }
+    )]
+    Failed {
+        /// The key.
+        key: Key,
+        /// The work's error.
+        error: E,
+        /// Whether the next call runs the work again.
+        retryable: bool,
+        /// Whether this is a stored failure replayed, not a new one.
+        replayed: bool,
+    },
+
+    /// Another holder still ran the work when the wait ended (HTTP 409 with
+    /// `Retry-After`). Nothing ran here; call again later.
+    #[error("{key} is still in progress under another lease (until {lease_until_ms} ms)")]
+    StillInProgress {
+        /// The key.
+        key: Key,
+        /// The other holder's lease deadline (ms since the epoch).
+        lease_until_ms: u64,
+    },
+
+    /// The previous holder's lease lapsed without an outcome, so its effect
+    /// may or may not have happened, and the policy is
+    /// [`InDoubt::Refuse`]. Nothing ran. The record stays in progress under
+    /// `lease` (which is not extended): a person who has found out what
+    /// happened records it with [`Store::complete`], [`Store::fail`] or
+    /// [`Store::release`] ("nothing happened"); until then every call
+    /// finds the key in progress and, once the lease lapses, in doubt again.
+    #[error(
+        "{} is in doubt: an earlier holder's lease lapsed without an outcome; \
+         find out what happened before acting again",
+        lease.key()
+    )]
+    InDoubt {
+        /// The lease this call acquired; use it to record what happened.
+        lease: Lease,
+    },
+
+    /// The in-doubt probe failed. Nothing ran; the record stays in
+    /// progress under `lease`, as for [`ExecuteError::InDoubt`].
+    #[error("probe for {} failed: {error}", lease.key())]
+    ProbeFailed {
+        /// The lease this call acquired.
+        lease: Lease,
+        /// The probe's error.
+        error: E,
+    },
+
+    /// A value or failure could not be turned into JSON (to record it) or
+    /// back (to replay it). When recording failed, the work's effect may
+    /// have happened: the record stays in progress and is in doubt once its
+    /// lease lapses.
+    #[error("cannot {action} the outcome of {key} as JSON: {detail}")]
+    Codec {
+        /// The key.
+        key: Key,
+        /// `"record"` or `"replay"`.
+        action: &'static str,
+        /// The serde error.
+        detail: String,
+    },
+
+    /// The store refused or failed: [`Error::FingerprintMismatch`] (the
+    /// key was used with another payload), [`Error::InvalidArgument`],
+    /// [`Error::StaleLease`] (the work outlived its lease and another caller
+    /// took the key over: the outcome was not recorded), storage errors.
+    #[error(transparent)]
+    Store(#[from] Error),
+}
+
+type ExecResult<T, E> = Result<Executed<T>, ExecuteError<E>>;
+
+/// What happened under an acquired lease.
+enum Stage<T, E> {
+    Recovered(T),
+    ProbeFailed(E),
+    Ran(Result<T, Failure<E>>),
+}
+
+impl Store {
+    /// Runs `work` at most once per key and fingerprint, and returns its
+    /// value to every call: the run-once primitive for side effects and
+    /// for recording a model turn.
+    ///
+    /// It claims `key` with `fingerprint`, then:
+    /// - **Acquired**: runs `work(&lease)` (after the in-doubt policy, when
+    ///   the previous holder's lease lapsed without an outcome), extends the
+    ///   lease every third of its length while the work runs (from a helper
+    ///   thread), and records the outcome: the value, serialized with
+    ///   `serde_json`, with [`Store::complete`]; a [`Failure`] with
+    ///   [`Store::fail`], retryable or not as it says. Returns the value
+    ///   ([`Origin::Ran`]) or [`ExecuteError::Failed`].
+    /// - **Replay**: returns the recorded value marked
+    ///   [`Origin::Replayed`], or the recorded permanent failure as
+    ///   [`ExecuteError::Failed`] with `replayed` set. Nothing runs.
+    /// - **In progress** (another valid lease holds the key): waits, woken
+    ///   directly when the holder is an `execute` of this `Store`, otherwise
+    ///   looking again after a delay with backoff and jitter, until the
+    ///   holder finishes, its lease lapses (then this call acquires the key
+    ///   in doubt), or [`ExecuteOptions::wait`] ends
+    ///   ([`ExecuteError::StillInProgress`]).
+    ///
+    /// The lease is extended by the claim's lease length (whole
+    /// milliseconds) each time. The helper is one short-lived scoped thread
+    /// per acquired call (a thread spawn: nothing next to a tool call or a
+    /// model request; a replay starts none). The
+    /// value must serialize to at most the store's `max_result_bytes`, a
+    /// failure to `max_failure_bytes`.
+    ///
+    /// A panic in `work` leaves the record in progress; once its lease
+    /// lapses the next call finds it in doubt. So does a crash of the
+    /// process.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, Store};
+    /// use idemstore::agent::{ExecuteOptions, Failure, Origin};
+    /// use serde_json::json;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = Store::open(dir.path().join("idem.redb"))?;
+    /// let params = json!({"title": "printer on fire"});
+    /// let key = Key::for_tool_call("acme/tickets.create", "task-42", "call_7")?;
+    /// let fingerprint = Fingerprint::of_json(&params)?;
+    ///
+    /// let create = |_lease: &idemstore::Lease| Ok::<_, Failure<String>>("T-1001".to_string());
+    /// let first = store.execute(&key, &fingerprint, ExecuteOptions::new(), create)?;
+    /// assert_eq!((first.value().as_str(), first.origin()), ("T-1001", Origin::Ran));
+    ///
+    /// // The same tool call again: replayed, nothing runs.
+    /// let again = store.execute(&key, &fingerprint, ExecuteOptions::new(), |_lease| {
+    ///     Err::<String, _>(Failure::permanent("must not run".to_string()))
+    /// })?;
+    /// assert_eq!(again.value(), "T-1001");
+    /// assert!(again.is_replayed());
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ExecuteError`]: `Failed`, `StillInProgress`, `InDoubt`,
+    /// `ProbeFailed`, `Codec`, and `Store` for everything
+    /// [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
+    /// (a fingerprint mismatch above all), and for poll delays with a zero
+    /// minimum or a maximum below it ([`Error::InvalidArgument`]).
+    pub fn execute<T, E, P, F>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        options: ExecuteOptions<P>,
+        work: F,
+    ) -> ExecResult<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Serialize + DeserializeOwned,
+        P: Probe<T, E>,
+        F: FnOnce(&Lease) -> Result<T, Failure<E>>,
+    {
+        use event_listener::Listener as _;
+
+        let claim_options = options.check()?;
+        let mut wait = Wait::new(&options);
+        let mut watch = None;
+        let lease = loop {
+            let listener = watch.as_ref().map(super::notify::Watch::listen);
+            let before = self.get(key)?;
+            match self.claim(key, fingerprint, &claim_options)? {
+                ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
+                ClaimOutcome::Acquired(lease) => break Acquired::new(lease, before.as_ref()),
+                ClaimOutcome::InProgress {
+                    retry_after,
+                    lease_until_ms,
+                } => {
+                    let left = wait.left(key, lease_until_ms)?;
+                    match listener {
+                        // First sight of another holder: register for its
+                        // wake-up, then look again before sleeping.
+                        None => watch = Some(self.waiters.watch(key)),
+                        Some(listener) => {
+                            let delay = wait.delay(retry_after, left);
+                            wait.woken = listener.wait_timeout(delay).is_some();
+                        }
+                    }
+                }
+            }
+        };
+        drop(watch);
+
+        let Acquired { lease, in_doubt } = lease;
+        let policy = if in_doubt {
+            options.in_doubt
+        } else {
+            InDoubt::Rerun
+        };
+        let stage = match policy {
+            InDoubt::Refuse => return Err(ExecuteError::InDoubt { lease }),
+            InDoubt::Rerun => keep_alive(self, &lease, || Stage::Ran(work(&lease))),
+            InDoubt::Probe(probe) => keep_alive(self, &lease, || match probe.probe(&lease) {
+                Ok(Some(value)) => Stage::Recovered(value),
+                Ok(None) => Stage::Ran(work(&lease)),
+                Err(error) => Stage::ProbeFailed(error),
+            }),
+        };
+        let record = Recorder::new(lease, in_doubt, stage)?;
+        let done = match &record.write {
+            Write::Complete(bytes) => self.complete(&record.lease, bytes).map(drop),
+            Write::Fail(bytes, retryable) => self.fail(&record.lease, bytes, *retryable).map(drop),
+            Write::None => Ok(()),
+        };
+        record.finish(self, done)
+    }
+
+    /// [`Store::execute`] as a future, on any runtime: waits, polls and
+    /// lease extensions are awaited (on the `futures-timer` crate's timer
+    /// thread) instead of blocking the thread, and the lease is extended by
+    /// a future that runs beside `work` in the same task. So `work` must
+    /// not block the thread for long, or the extensions wait too.
+    ///
+    /// ```
+    /// use idemstore::{Fingerprint, Key, Lease, Store};
+    /// use idemstore::agent::{ExecuteOptions, Failure};
+    /// use serde_json::json;
+    ///
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let dir = tempfile::tempdir()?;
+    /// let store = Store::open(dir.path().join("idem.redb"))?;
+    /// let key = Key::for_model_turn("acme/agent.turns", "task-42", 0)?;
+    /// let history = json!([{"role": "user", "content": "my printer is on fire"}]);
+    /// let fingerprint = Fingerprint::of_json(&history)?;
+    /// let reply = futures_lite::future::block_on(store.execute_async(
+    ///     &key,
+    ///     &fingerprint,
+    ///     ExecuteOptions::new().rerun_in_doubt(),
+    ///     async |_lease: &Lease| Ok::<_, Failure<String>>(json!({"tool_calls": [{"id": "call_1"}]})),
+    /// ))?;
+    /// assert_eq!(reply.value()["tool_calls"][0]["id"], "call_1");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Store::execute`].
+    pub async fn execute_async<T, E, P, F>(
+        &self,
+        key: &Key,
+        fingerprint: &Fingerprint,
+        options: ExecuteOptions<P>,
+        work: F,
+    ) -> ExecResult<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: Serialize + DeserializeOwned,
+        P: AsyncProbe<T, E>,
+        F: AsyncFnOnce(&Lease) -> Result<T, Failure<E>>,
+    {
+        let claim_options = options.check()?;
+        let mut wait = Wait::new(&options);
+        let mut watch = None;
+        let lease = loop {
+            let listener = watch.as_ref().map(super::notify::Watch::listen);
+            let before = self.get(key)?;
+            match self.claim_async(key, fingerprint, &claim_options).await? {
+                ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
+                ClaimOutcome::Acquired(lease) => break Acquired::new(lease, before.as_ref()),
+                ClaimOutcome::InProgress {
+                    retry_after,
+                    lease_until_ms,
+                } => {
+                    let left = wait.left(key, lease_until_ms)?;
+                    match listener {
+                        None => watch = Some(self.waiters.watch(key)),
+                        Some(listener) => {
+                            let delay = wait.delay(retry_after, left);
+                            wait.woken = futures_lite::future::or(
+                                async {
+                                    listener.await;
+                                    true
+                                },
+                                async {
+                                    futures_timer::Delay::new(delay).await;
+                                    false
+                                },
+                            )
+                            .await;
+                        }
+                    }
+                }
+            }
+        };
+        drop(watch);
+
+        let Acquired { lease, in_doubt } = lease;
+        let policy = if in_doubt {
+            options.in_doubt
+        } else {
+            InDoubt::Rerun
+        };
+        let stage = match policy {
+            InDoubt::Refuse => return Err(ExecuteError::InDoubt { lease }),
+            InDoubt::Rerun => {
+                keep_alive_async(self, &lease, async { Stage::Ran(work(&lease).await) }).await
+            }
+            InDoubt::Probe(probe) => {
+                keep_alive_async(self, &lease, async {
+                    match probe.probe(&lease).await {
+                        Ok(Some(value)) => Stage::Recovered(value),
+                        Ok(None) => Stage::Ran(work(&lease).await),
+                        Err(error) => Stage::ProbeFailed(error),
+                    }
+                })
+                .await
+            }
+        };
+        let record = Recorder::new(lease, in_doubt, stage)?;
+        let done = match &record.write {
+            Write::Complete(bytes) => self.complete_async(&record.lease, bytes).await.map(drop),
+            Write::Fail(bytes, retryable) => self
+                .fail_async(&record.lease, bytes, *retryable)
+                .await
+                .map(drop),
+            Write::None => Ok(()),
+        };
+        record.finish(self, done)
+    }
+}
+
+/// A lease this call acquired, and whether its previous holder may have
+/// acted.
+struct Acquired {
+    lease: Lease,
+    in_doubt: bool,
+}
+
+impl Acquired {
+    /// `before` is the record as read just before the claim. The takeover is
+    /// in doubt unless the key is new, or the claim directly followed a
+    /// recorded retryable failure (no acquisition in between).
+    fn new(lease: Lease, before: Option<&Record>) -> Self {
+        let acquisitions = lease.record().map_or(u32::MAX, Record::acquisitions);
+        let after_retryable_failure = before.is_some_and(|b| {
+            b.state() == (State::Failed { retryable: true })
+                && b.acquisitions().checked_add(1) == Some(acquisitions)
+        });
+        let in_doubt = acquisitions > 1 && !after_retryable_failure;
+        Acquired { lease, in_doubt }
+    }
+}
+
+/// The waiting side of a call that found the key in progress.
+struct Wait {
+    deadline: Option<Instant>,
+    delays: Delays,
+    woken: bool,
+}
+
+impl Wait {
+    fn new<P>(options: &ExecuteOptions<P>) -> Self {
+        Wait {
+            deadline: Instant::now().checked_add(options.wait),
+            delays: Delays::added_jitter(options.poll_min, options.poll_max),
+            woken: false,
+        }
+    }
+
+    /// The time left to wait, or the still-in-progress error once the wait
+    /// is over.
+    fn left<E>(&self, key: &Key, lease_until_ms: u64) -> Result<Duration, ExecuteError<E>> {
+        let left = self.deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        if left.is_zero() {
+            return Err(ExecuteError::StillInProgress {
+                key: key.clone(),
+                lease_until_ms,
+            });
+        }
+        Ok(left)
+    }
+
+    /// How long to sleep before looking again: the next jittered delay, but
+    /// never past the holder's lease deadline or the end of the wait.
+    fn delay(&mut self, retry_after: Duration, left: Duration) -> Duration {
+        self.delays.next_delay().min(retry_after).min(left)
+    }
+}
+
+/// The record write that ends an acquired lease.
+enum Write {
+    Complete(Vec<u8>),
+    Fail(Vec<u8>, bool),
+    None,
+}
+
+/// The outcome of the work, encoded and ready to be recorded.
+struct Recorder<T, E> {
+    lease: Lease,
+    write: Write,
+    answer: ExecResult<T, E>,
+}
+
+impl<T: Serialize, E: Serialize> Recorder<T, E> {
+    fn new(lease: Lease, in_doubt: bool, stage: Stage<T, E>) -> Result<Self, ExecuteError<E>> {
+        let key = lease.key().clone();
+        let encode = |bytes: serde_json::Result<Vec<u8>>| {
+            bytes.map_err(|e| ExecuteError::Codec {
+                key: key.clone(),
+                action: "record",
+                detail: e.to_string(),
+            })
+        };
+        let ran = if in_doubt { Origin::Reran } else { Origin::Ran };
+        let (write, answer) = match stage {
+            Stage::Recovered(value) => (
+                Write::Complete(encode(serde_json::to_vec(&value))?),
+                Ok(Executed {
+                    value,
+                    origin: Origin::Recovered,
+                    woken: false,
+                }),
+            ),
+            Stage::Ran(Ok(value)) => (
+                Write::Complete(encode(serde_json::to_vec(&value))?),
+                Ok(Executed {
+                    value,
+                    origin: ran,
+                    woken: false,
+                }),
+            ),
+            Stage::Ran(Err(Failure { error, retryable })) => (
+                Write::Fail(encode(serde_json::to_vec(&error))?, retryable),
+                Err(ExecuteError::Failed {
+                    key: key.clone(),
+                    error,
+                    retryable,
+                    replayed: false,
+                }),
+            ),
+            Stage::ProbeFailed(error) => (
+                Write::None,
+                Err(ExecuteError::ProbeFailed {
+                    lease: lease.clone(),
+                    error,
+                }),
+            ),
+        };
+        Ok(Recorder {
+            lease,
+            write,
+            answer,
+        })
+    }
+
+    /// Wakes this process's waiters once the outcome is recorded.
+    fn finish(self, store: &Store, done: Result<(), Error>) -> ExecResult<T, E> {
+        done?;
+        if !matches!(self.write, Write::None) {
+            store.waiters.notify(self.lease.key());
+        }
+        self.answer
+    }
+}
+
+/// The stored outcome of a replayed record, decoded.
+fn replay<T: DeserializeOwned, E: DeserializeOwned>(
+    record: &Record,
+    woken: bool,
+) -> ExecResult<T, E> {
+    let key = record.key();
+    let decode_error = |detail: String| ExecuteError::Codec {
+        key: key.clone(),
+        action: "replay",
+        detail,
+    };
+    match record.state() {
+        State::Succeeded => {
+            let bytes = record
+                .result()
+                .ok_or_else(|| decode_error("the record holds no result".into()))?;
+            let value = serde_json::from_slice(bytes).map_err(|e| decode_error(e.to_string()))?;
+            Ok(Executed {
+                value,
+                origin: Origin::Replayed,
+                woken,
+            })
+        }
+        State::Failed { retryable } => {
+            let bytes = record
+                .failure()
+                .ok_or_else(|| decode_error("the record holds no failure".into()))?;
+            let error = serde_json::from_slice(bytes).map_err(|e| decode_error(e.to_string()))?;
+            Err(ExecuteError::Failed {
+                key: key.clone(),
+                error,
+                retryable,
+                replayed: true,
+            })
+        }
+        State::Processing => Err(decode_error("the record is still in progress".into())),
+    }
+}
+
+/// The lease length of an acquired lease: its deadline minus its
+/// acquisition time (whole milliseconds, at least 1).
+fn lease_length(lease: &Lease) -> Duration {
+    let ms = lease.record().map_or(1, |r| {
+        r.lease_until_ms().saturating_sub(r.updated_ms()).max(1)
+    });
+    Duration::from_millis(ms)
+}
+
+/// Runs `f` while a helper thread extends `lease` every third of its
+/// length. The helper stops when `f` returns or unwinds.
+fn keep_alive<R>(store: &Store, lease: &Lease, f: impl FnOnce() -> R) -> R {
+    let length = lease_length(lease);
+    let period = (length / 3).max(Duration::from_millis(1));
+    std::thread::scope(|scope| {
+        let (stop, stopped) = mpsc::channel::<()>();
+        scope.spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(period) {
+                if let Err(e) = store.extend(lease, length) {
+                    tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
+                    return;
+                }
+            }
+        });
+        let out = f();
+        drop(stop);
+        out
+    })
+}
+
+/// Runs `work` beside a future that extends `lease` every third of its
+/// length, until `work` is done.
+async fn keep_alive_async<R>(store: &Store, lease: &Lease, work: impl Future<Output = R>) -> R {
+    let length = lease_length(lease);
+    let period = (length / 3).max(Duration::from_millis(1));
+    let keep = async {
+        loop {
+            futures_timer::Delay::new(period).await;
+            if let Err(e) = store.extend_async(lease, length).await {
+                tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
+                break;
+            }
+        }
+        futures_lite::future::pending::<R>().await
+    };
+    futures_lite::future::or(work, keep).await
+}
