@@ -64,6 +64,8 @@ mod codec;
 mod commit;
 mod error;
 mod expiry;
+#[cfg(feature = "http")]
+pub mod http;
 mod key;
 mod record;
 mod schema;
