@@ -1,0 +1,374 @@
+//! End to end: the ticket service of `examples/ticket_service` runs as a
+//! child process (this test binary re-run with `IDEMSTORE_E2E_SERVER` set),
+//! many HTTP clients create tickets with idempotency keys, time out early
+//! and retry with the same key, and the server is killed with SIGKILL at
+//! random moments and restarted on the same files. At the end there is
+//! exactly one ticket per key, and every client got the same ticket id for
+//! the same key.
+//!
+//! Defaults keep the run to seconds. Environment:
+//! - `IDEMSTORE_E2E_ROUNDS`: how many times the server is killed (default 6);
+//!   the number of keys grows with it
+//! - `IDEMSTORE_E2E_SEED`: the seed of every random choice (default 7)
+
+#[path = "../examples/ticket_service/service.rs"]
+mod service;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idemstore::{Key, State, Store};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const SERVER_ENV: &str = "IDEMSTORE_E2E_SERVER";
+const TEST_NAME: &str = "one_ticket_per_key_across_sigkills_and_retries";
+/// The server's lease: how long a key of a killed server stays held.
+const LEASE_MS: u64 = 1_000;
+/// Simulated work per ticket, half before and half after it is written.
+const WORK_MS: u64 = 40;
+/// How many clients send each key.
+const CLIENTS_PER_KEY: usize = 3;
+const CLIENTS: usize = 12;
+/// The longest the whole run may take before the test gives up.
+const DEADLINE: Duration = Duration::from_secs(240);
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// In the child: serve until killed.
+fn run_server(spec: &str) {
+    let parts: Vec<&str> = spec.split('|').collect();
+    let [addr, store, tickets] = parts[..] else {
+        panic!("bad {SERVER_ENV}: {spec}");
+    };
+    let options = service::Options {
+        addr: addr.parse().expect("address"),
+        store: PathBuf::from(store),
+        tickets: PathBuf::from(tickets),
+        lease: Duration::from_millis(LEASE_MS),
+        work: Duration::from_millis(WORK_MS),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    runtime
+        .block_on(service::serve(options, std::future::pending()))
+        .expect("ticket service");
+}
+
+/// The ticket service as a child process.
+struct Server {
+    addr: SocketAddr,
+    store: PathBuf,
+    tickets: PathBuf,
+    child: Option<Child>,
+}
+
+impl Server {
+    fn start(&mut self) {
+        let spec = format!(
+            "{}|{}|{}",
+            self.addr,
+            self.store.display(),
+            self.tickets.display()
+        );
+        let child = Command::new(std::env::current_exe().expect("test binary"))
+            .args([TEST_NAME, "--exact", "--nocapture", "--test-threads=1"])
+            .env(SERVER_ENV, spec)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the server");
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, then reap, so the file lock is gone before a restart.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            child.kill().expect("SIGKILL");
+            child.wait().expect("reap");
+        }
+    }
+
+    /// Whether the child died by itself.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut()?.try_wait().expect("try_wait")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+async fn request(
+    client: &HttpClient,
+    req: http::Request<Full<Bytes>>,
+    timeout: Duration,
+) -> Result<(http::StatusCode, http::HeaderMap, Bytes), String> {
+    let exchange = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let (parts, body) = resp.into_parts();
+        let bytes = body.collect().await.map_err(|e| e.to_string())?;
+        Ok((parts.status, parts.headers, bytes.to_bytes()))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| "client timeout".to_owned())?
+}
+
+async fn wait_ready(server: &Mutex<Server>, client: &HttpClient, addr: SocketAddr) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = server.lock().unwrap().exited() {
+            panic!("the ticket service exited: {status}");
+        }
+        let req = http::Request::get(format!("http://{addr}/tickets/count"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        if let Ok((status, _, _)) = request(client, req, Duration::from_millis(500)).await {
+            if status.is_success() {
+                return;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the ticket service did not answer within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What the clients saw.
+#[derive(Default)]
+struct Seen {
+    /// Ticket ids each key was answered with, one entry per client answer.
+    ids: BTreeMap<String, Vec<u64>>,
+    attempts: u64,
+    replays: u64,
+    conflicts: u64,
+    failures: u64,
+}
+
+/// Sends `key` until a 201 arrives, retrying with the same key after a
+/// timeout, a refused connection, a 409 or a 503.
+async fn create_ticket(
+    client: &HttpClient,
+    addr: SocketAddr,
+    key: &str,
+    rng: &mut StdRng,
+    seen: &Mutex<Seen>,
+) -> Result<u64, String> {
+    let body = format!(r#"{{"title":"ticket for {key}"}}"#);
+    let start = Instant::now();
+    loop {
+        if start.elapsed() > DEADLINE {
+            return Err(format!("key {key}: no ticket after {DEADLINE:?}"));
+        }
+        let req = http::Request::post(format!("http://{addr}/tickets"))
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.clone())))
+            .unwrap();
+        // Short timeouts, often shorter than the work: the client gives up
+        // while the ticket is being written.
+        let timeout = Duration::from_millis(rng.random_range(15..300));
+        seen.lock().unwrap().attempts += 1;
+        match request(client, req, timeout).await {
+            Ok((status, headers, bytes)) if status == http::StatusCode::CREATED => {
+                let v: serde_json::Value =
+                    serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+                let id = v["id"].as_u64().ok_or_else(|| format!("no id in {v}"))?;
+                let mut s = seen.lock().unwrap();
+                if headers.contains_key("idempotent-replayed") {
+                    s.replays += 1;
+                }
+                s.ids.entry(key.to_owned()).or_default().push(id);
+                return Ok(id);
+            }
+            Ok((status, headers, _)) if status == http::StatusCode::CONFLICT => {
+                seen.lock().unwrap().conflicts += 1;
+                let after: u64 = headers
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse().ok())
+                    .ok_or("a 409 without Retry-After")?;
+                // Honour Retry-After, capped so the run stays short.
+                let wait = Duration::from_secs(after).min(Duration::from_millis(300));
+                tokio::time::sleep(wait).await;
+            }
+            Ok((status, _, bytes)) if status == http::StatusCode::SERVICE_UNAVAILABLE => {
+                seen.lock().unwrap().failures += 1;
+                eprintln!("503: {}", String::from_utf8_lossy(&bytes));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok((status, _, bytes)) => {
+                return Err(format!(
+                    "key {key}: unexpected {status}: {}",
+                    String::from_utf8_lossy(&bytes)
+                ));
+            }
+            Err(_) => {
+                // Timed out, refused (server down) or reset (killed).
+                seen.lock().unwrap().failures += 1;
+                tokio::time::sleep(Duration::from_millis(rng.random_range(10..60))).await;
+            }
+        }
+    }
+}
+
+fn free_port() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.local_addr().expect("local addr")
+}
+
+#[test]
+fn one_ticket_per_key_across_sigkills_and_retries() {
+    if let Ok(spec) = std::env::var(SERVER_ENV) {
+        run_server(&spec);
+        return;
+    }
+    let rounds = env_u64("IDEMSTORE_E2E_ROUNDS", 6);
+    let seed = env_u64("IDEMSTORE_E2E_SEED", 7);
+    let keys_total = usize::try_from(16 * rounds.max(1)).unwrap();
+    eprintln!("http_e2e: seed {seed}, {rounds} kills, {keys_total} keys, {CLIENTS} clients");
+
+    let dir = tempfile::tempdir().unwrap();
+    let store_path = dir.path().join("idempotency.redb");
+    let tickets_path = dir.path().join("tickets.redb");
+    let addr = free_port();
+    let server = Arc::new(Mutex::new(Server {
+        addr,
+        store: store_path.clone(),
+        tickets: tickets_path.clone(),
+        child: None,
+    }));
+    server.lock().unwrap().start();
+
+    let keys: Vec<String> = (0..keys_total).map(|i| format!("e2e-{seed}-{i}")).collect();
+    // Each key goes to CLIENTS_PER_KEY different clients, in a shuffled order.
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut plans: Vec<Vec<String>> = vec![Vec::new(); CLIENTS];
+    for (i, key) in keys.iter().enumerate() {
+        for c in 0..CLIENTS_PER_KEY {
+            plans[(i + c * CLIENTS / CLIENTS_PER_KEY) % CLIENTS].push(key.clone());
+        }
+    }
+    for plan in &mut plans {
+        plan.shuffle(&mut rng);
+    }
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let kills = runtime.block_on(async {
+        let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+        wait_ready(&server, &client, addr).await;
+
+        let mut tasks = Vec::new();
+        for (c, plan) in plans.into_iter().enumerate() {
+            let (client, seen) = (client.clone(), seen.clone());
+            let mut rng = StdRng::seed_from_u64(seed ^ ((c as u64 + 1) << 32));
+            tasks.push(tokio::spawn(async move {
+                for key in plan {
+                    create_ticket(&client, addr, &key, &mut rng, &seen).await?;
+                }
+                Ok::<(), String>(())
+            }));
+        }
+
+        // Kill the server at random moments while the clients run.
+        let mut kills = 0;
+        while kills < rounds && !tasks.iter().all(|t| t.is_finished()) {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
+            let mut s = server.lock().unwrap();
+            s.kill();
+            kills += 1;
+            s.start();
+            drop(s);
+            wait_ready(&server, &client, addr).await;
+        }
+        for task in tasks {
+            if let Err(e) = task.await.unwrap() {
+                panic!("seed {seed}: {e}");
+            }
+        }
+        let req = http::Request::get(format!("http://{addr}/tickets/count"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (_, _, body) = request(&client, req, Duration::from_secs(10))
+            .await
+            .expect("count");
+        let count: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            count["count"].as_u64(),
+            Some(keys_total as u64),
+            "seed {seed}: GET /tickets/count"
+        );
+        kills
+    });
+    server.lock().unwrap().kill();
+
+    let seen = seen.lock().unwrap();
+    eprintln!(
+        "http_e2e: {kills} kills, {} attempts, {} replays, {} 409s, {} timeouts/refusals/503s",
+        seen.attempts, seen.replays, seen.conflicts, seen.failures
+    );
+    assert!(
+        kills > 0,
+        "seed {seed}: the clients finished before any kill"
+    );
+    check_files(&store_path, &tickets_path, &keys, &seen, seed);
+}
+
+/// One ticket per key in the ticket file, with the id every client got, and
+/// every key completed in the idempotency store.
+fn check_files(store: &Path, tickets: &Path, keys: &[String], seen: &Seen, seed: u64) {
+    let all = service::Tickets::open(tickets).unwrap().all().unwrap();
+    assert_eq!(all.len(), keys.len(), "seed {seed}: one ticket per key");
+    let by_key: BTreeMap<&str, u64> = all
+        .iter()
+        .map(|t| (t.idempotency_key.as_str(), t.id))
+        .collect();
+    assert_eq!(by_key.len(), keys.len(), "seed {seed}: keys are unique");
+    let ids: BTreeSet<u64> = all.iter().map(|t| t.id).collect();
+    assert_eq!(ids.len(), keys.len(), "seed {seed}: ids are unique");
+
+    let idem = Store::open(store).unwrap();
+    for key in keys {
+        let scoped = Key::new("POST /tickets", key.as_str()).unwrap();
+        let answers = &seen.ids[key.as_str()];
+        assert_eq!(answers.len(), CLIENTS_PER_KEY, "seed {seed}: {key}");
+        let stored = by_key[scoped.to_string().as_str()];
+        assert!(
+            answers.iter().all(|&id| id == stored),
+            "seed {seed}: {key} answered {answers:?}, stored ticket {stored}"
+        );
+        let record = idem.get(&scoped).unwrap().expect("a record per key");
+        assert_eq!(record.state(), State::Succeeded, "seed {seed}: {key}");
+    }
+}

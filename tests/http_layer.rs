@@ -37,11 +37,8 @@ impl Runs {
 /// A store on a fresh file with a manual clock.
 fn store_with(config: Config) -> (tempfile::TempDir, Arc<Store>) {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::open_with(
-        dir.path().join("idem.redb"),
-        config.sweep_interval(None),
-    )
-    .unwrap();
+    let store =
+        Store::open_with(dir.path().join("idem.redb"), config.sweep_interval(None)).unwrap();
     (dir, Arc::new(store))
 }
 
@@ -188,8 +185,7 @@ async fn the_same_key_with_another_payload_is_422() {
 #[tokio::test]
 async fn the_fingerprint_covers_chosen_headers_only() {
     let (_d, store, _c) = manual_store();
-    let layer = IdempotencyLayer::new(store)
-        .fingerprint_headers([http::header::CONTENT_TYPE]);
+    let layer = IdempotencyLayer::new(store).fingerprint_headers([http::header::CONTENT_TYPE]);
     let (svc, runs) = service(layer, |_| async { created("{}") });
     let with = |ct: &'static str, other: &'static str| {
         Request::post("/tickets")
@@ -303,12 +299,8 @@ async fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
         inner: redb::backends::InMemoryBackend::new(),
         broken: broken.clone(),
     };
-    let store = Store::open_with_backend(
-        "breakable",
-        backend,
-        Config::new().sweep_interval(None),
-    )
-    .unwrap();
+    let store =
+        Store::open_with_backend("breakable", backend, Config::new().sweep_interval(None)).unwrap();
     let (svc, runs) = service(IdempotencyLayer::new(Arc::new(store)), |_| async {
         created("{}")
     });
@@ -603,7 +595,10 @@ async fn a_slow_handler_keeps_its_key_while_the_lease_is_extended() {
     assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 409);
     let key = Key::new("POST /tickets", "k").unwrap();
     let record = store.get(&key).unwrap().unwrap();
-    assert_eq!((record.state(), record.acquisitions()), (State::Processing, 1));
+    assert_eq!(
+        (record.state(), record.acquisitions()),
+        (State::Processing, 1)
+    );
 
     gate.notify_one();
     assert_eq!(first.await.unwrap().0, 201);

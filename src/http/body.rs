@@ -120,7 +120,9 @@ where
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Full { data } => SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64)),
+            Kind::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
             Kind::Failed { .. } => SizeHint::default(),
             Kind::Stream { prefix, rest } => {
                 let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);

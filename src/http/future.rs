@@ -272,9 +272,10 @@ impl Drop for Held {
     fn drop(&mut self) {
         if !self.finished {
             tracing::warn!(key = %self.lease.key(), "request dropped while its handler ran; recording a retryable failure");
-            self.settings
-                .store
-                .fail_detached(&self.lease, b"the request was dropped while its handler ran");
+            self.settings.store.fail_detached(
+                &self.lease,
+                b"the request was dropped while its handler ran",
+            );
         }
     }
 }

@@ -174,7 +174,10 @@ impl IdempotencyLayer {
     /// again on a replay (default `content-type` and `location`). Headers
     /// that describe one delivery (`date`, `content-length`, cookies) should
     /// not be stored.
-    pub fn replay_headers(mut self, names: impl IntoIterator<Item = HeaderName>) -> IdempotencyLayer {
+    pub fn replay_headers(
+        mut self,
+        names: impl IntoIterator<Item = HeaderName>,
+    ) -> IdempotencyLayer {
         self.settings.replay_headers = names.into_iter().collect();
         self
     }

@@ -170,7 +170,9 @@ where
                     "Idempotency key missing",
                     &format!(
                         "{} {} requires an `{}` header",
-                        parts.method, parts.uri.path(), settings.key_header
+                        parts.method,
+                        parts.uri.path(),
+                        settings.key_header
                     ),
                 ));
             }
@@ -343,7 +345,11 @@ fn scope_of(tenant: Option<&str>, method: &str, route: &str) -> String {
 }
 
 /// An `application/problem+json` response (RFC 9457).
-pub(crate) fn problem<B>(status: StatusCode, title: &str, detail: &str) -> Response<IdempotencyBody<B>> {
+pub(crate) fn problem<B>(
+    status: StatusCode,
+    title: &str,
+    detail: &str,
+) -> Response<IdempotencyBody<B>> {
     problem_with(status, title, detail, serde_json::Map::new())
 }
 
@@ -431,11 +437,9 @@ fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
                 key.id()
             ),
         ),
-        Error::InvalidKey { reason } => problem(
-            StatusCode::BAD_REQUEST,
-            "Invalid idempotency key",
-            reason,
-        ),
+        Error::InvalidKey { reason } => {
+            problem(StatusCode::BAD_REQUEST, "Invalid idempotency key", reason)
+        }
         Error::InvalidArgument { .. } | Error::CorruptRecord { .. } => {
             tracing::error!(%key, %error, "claim failed");
             problem(
