@@ -147,10 +147,9 @@ async fn wait_ready(server: &Mutex<Server>, client: &HttpClient, addr: SocketAdd
         let req = http::Request::get(format!("http://{addr}/tickets/count"))
             .body(Full::new(Bytes::new()))
             .unwrap();
-        if let Ok((status, _, _)) = request(client, req, Duration::from_millis(500)).await {
-            if status.is_success() {
-                return;
-            }
+        let answer = request(client, req, Duration::from_millis(500)).await;
+        if answer.is_ok_and(|(status, _, _)| status.is_success()) {
+            return;
         }
         assert!(
             start.elapsed() < Duration::from_secs(30),
@@ -305,11 +304,12 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
         let mut kills = 0;
         while kills < rounds && !tasks.iter().all(|t| t.is_finished()) {
             tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
-            let mut s = server.lock().unwrap();
-            s.kill();
+            {
+                let mut s = server.lock().unwrap();
+                s.kill();
+                s.start();
+            }
             kills += 1;
-            s.start();
-            drop(s);
             wait_ready(&server, &client, addr).await;
         }
         for task in tasks {

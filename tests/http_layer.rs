@@ -5,7 +5,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::task::{Context, Poll};
+use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -498,7 +498,7 @@ async fn start<F: Future + Unpin>(mut fut: F, started: &tokio::sync::Notify) -> 
     let notified = started.notified();
     tokio::pin!(notified);
     std::future::poll_fn(|cx: &mut Context<'_>| {
-        if let Poll::Ready(_) = std::pin::Pin::new(&mut fut).poll(cx) {
+        if std::pin::Pin::new(&mut fut).poll(cx).is_ready() {
             panic!("the request finished before the handler was held");
         }
         notified.as_mut().poll(cx)
@@ -509,6 +509,7 @@ async fn start<F: Future + Unpin>(mut fut: F, started: &tokio::sync::Notify) -> 
 
 /// A handler that signals `started` and then waits for `gate`, forever if
 /// the gate never opens.
+#[allow(clippy::type_complexity)]
 fn held_handler(
     layer: IdempotencyLayer,
 ) -> (

@@ -140,11 +140,17 @@ impl IdempotencyLayer {
     /// same key sent to `/tickets/1/comments` and `/tickets/2/comments` is
     /// one key whose payloads differ (422) rather than two keys:
     ///
-    /// ```ignore
-    /// layer.route(|parts| match parts.extensions.get::<axum::extract::MatchedPath>() {
-    ///     Some(path) => path.as_str().to_owned(),
-    ///     None => parts.uri.path().to_owned(),
-    /// })
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemstore::http::IdempotencyLayer;
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let store = Arc::new(idemstore::Store::open(dir.path().join("i.redb")).unwrap());
+    /// let layer = IdempotencyLayer::new(store).route(|parts| {
+    ///     match parts.extensions.get::<axum::extract::MatchedPath>() {
+    ///         Some(path) => path.as_str().to_owned(),
+    ///         None => parts.uri.path().to_owned(),
+    ///     }
+    /// });
     /// ```
     ///
     /// A route that would make the scope longer than

@@ -23,9 +23,7 @@
 //!     // The layer holds the key's lease while this runs.
 //!     let ctx = req.extensions().get::<IdempotencyContext>().cloned();
 //!     assert!(ctx.is_some_and(|c| !c.is_takeover()));
-//!     Ok::<_, std::convert::Infallible>(
-//!         Response::builder().status(StatusCode::CREATED).body(Full::new(Bytes::from("T-1")))?,
-//!     )
+//!     Response::builder().status(StatusCode::CREATED).body(Full::new(Bytes::from("T-1")))
 //! });
 //! let service = IdempotencyLayer::new(store).layer(tickets);
 //! let request = || {
