@@ -1,0 +1,212 @@
+//! What the demo prints: a header, a line per phase, the table with both
+//! phases side by side, and the last line `duplicates: naive=<n>
+//! idemstore=<m>`; or, with `--json`, one JSON object with every figure.
+
+use std::io::{self, Write};
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::Args;
+
+/// What one phase did.
+#[derive(Debug, Clone)]
+pub struct Phase {
+    /// Ticket intents, over all agents.
+    pub intents: u64,
+    /// Requests the agents sent, retries included.
+    pub attempts: u64,
+    /// Attempts that got no answer within the client timeout.
+    pub timeouts: u64,
+    /// Intents the agents gave up on after `--max-attempts`.
+    pub gave_up: u64,
+    /// Intents whose final answer was replayed from the store.
+    pub replayed_intents: u64,
+    /// Tickets the service created, late requests included.
+    pub tickets: u64,
+    /// Tickets created minus distinct intents that got one.
+    pub duplicates: u64,
+    /// Answers the service replayed from the store.
+    pub replays: u64,
+    /// "Busy, retry after" answers the service gave.
+    pub in_progress: u64,
+    /// Claims that took over a lapsed lease.
+    pub takeovers: u64,
+    /// Takeovers that found the earlier holder's ticket by key.
+    pub found_by_lookup: u64,
+    /// Service workers that died after creating a ticket.
+    pub crashes: u64,
+    /// Completions refused because the worker's lease had been taken over.
+    pub stale_completions: u64,
+    /// From the first agent's start to the last agent's last answer.
+    pub wall: Duration,
+}
+
+impl Phase {
+    /// One line when the phase ends: `<label> ... <seconds> s`.
+    pub fn write_progress(&self, out: &mut dyn Write, label: &str) -> io::Result<()> {
+        writeln!(out, "{label:<28}{:>8.2} s", self.wall.as_secs_f64())?;
+        out.flush()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "intents": self.intents,
+            "attempts": self.attempts,
+            "timeouts": self.timeouts,
+            "gave_up": self.gave_up,
+            "tickets_created": self.tickets,
+            "duplicates": self.duplicates,
+            "replays": self.replays,
+            "replayed_intents": self.replayed_intents,
+            "in_progress_answers": self.in_progress,
+            "takeovers": self.takeovers,
+            "found_by_lookup": self.found_by_lookup,
+            "worker_crashes": self.crashes,
+            "stale_completions": self.stale_completions,
+            "wall_ms": self.wall.as_secs_f64() * 1000.0,
+        })
+    }
+}
+
+/// How a table row shows one phase.
+type Cell = fn(&Phase) -> String;
+
+/// The whole run: its settings and both phases.
+#[derive(Debug)]
+pub struct Report<'a> {
+    args: &'a Args,
+    run_id: &'a str,
+    /// The naive phase, once run.
+    pub naive: Option<Phase>,
+    /// The idemstore phase, once run.
+    pub idemstore: Option<Phase>,
+}
+
+impl<'a> Report<'a> {
+    /// A report of a run with `args` and `run_id`, no phase run yet.
+    pub fn new(args: &'a Args, run_id: &'a str) -> Report<'a> {
+        Report {
+            args,
+            run_id,
+            naive: None,
+            idemstore: None,
+        }
+    }
+
+    /// What is about to run, in four lines and a blank one.
+    pub fn write_header(&self, out: &mut dyn Write) -> io::Result<()> {
+        let a = self.args;
+        writeln!(
+            out,
+            "idemstore demo: {} agents x {} ticket intents, run id {}, seed {}",
+            a.agents, a.intents, self.run_id, a.seed
+        )?;
+        writeln!(
+            out,
+            "  link:    {} of responses lost, {} of attempts late (past the {} ms client timeout)",
+            percent(a.drop_rate),
+            percent(a.late_rate),
+            a.timeout_ms
+        )?;
+        writeln!(
+            out,
+            "  service: {}-{} ms per request, {} of workers die after creating the ticket",
+            a.latency_ms / 2,
+            a.latency_ms + a.latency_ms / 2,
+            percent(a.crash_rate)
+        )?;
+        writeln!(
+            out,
+            "  store:   {}, lease {} ms",
+            a.file.display(),
+            a.lease_ms
+        )?;
+        writeln!(out)?;
+        out.flush()
+    }
+
+    /// The table, a note on what it shows, and the last line.
+    pub fn write_table(&self, out: &mut dyn Write) -> io::Result<()> {
+        let (Some(naive), Some(idem)) = (&self.naive, &self.idemstore) else {
+            return Ok(());
+        };
+        let rows: [(&str, Cell); 11] = [
+            ("intents", |p| p.intents.to_string()),
+            ("attempts", |p| p.attempts.to_string()),
+            ("timeouts", |p| p.timeouts.to_string()),
+            ("tickets created", |p| p.tickets.to_string()),
+            ("duplicates", |p| p.duplicates.to_string()),
+            ("replays", |p| p.replays.to_string()),
+            ("in-progress answers", |p| p.in_progress.to_string()),
+            ("worker crashes", |p| p.crashes.to_string()),
+            ("takeovers (found by key)", |p| {
+                format!("{} ({})", p.takeovers, p.found_by_lookup)
+            }),
+            ("gave up", |p| p.gave_up.to_string()),
+            ("wall time", |p| format!("{:.2} s", p.wall.as_secs_f64())),
+        ];
+        writeln!(out)?;
+        writeln!(out, "{:<26}{:>14}{:>14}", "", "naive", "idemstore")?;
+        for (label, cell) in rows {
+            writeln!(out, "{label:<26}{:>14}{:>14}", cell(naive), cell(idem))?;
+        }
+        writeln!(out)?;
+        if idem.tickets == 0 && idem.replayed_intents == idem.intents {
+            writeln!(
+                out,
+                "Every intent was replayed from {} and no ticket was created: \
+                 the file, not the process, remembers.",
+                self.args.file.display()
+            )?;
+        } else {
+            writeln!(
+                out,
+                "Run again with --run-id {} to send the same keys: the idemstore phase \
+                 will replay every intent from the file.",
+                self.run_id
+            )?;
+        }
+        writeln!(
+            out,
+            "duplicates: naive={} idemstore={}",
+            naive.duplicates, idem.duplicates
+        )?;
+        out.flush()
+    }
+
+    /// One JSON object: the settings, both phases, and the duplicates.
+    pub fn write_json(&self, out: &mut dyn Write) -> io::Result<()> {
+        let a = self.args;
+        let value = json!({
+            "run_id": self.run_id,
+            "file": a.file.display().to_string(),
+            "settings": {
+                "agents": a.agents,
+                "intents_per_agent": a.intents,
+                "seed": a.seed,
+                "drop_rate": a.drop_rate,
+                "late_rate": a.late_rate,
+                "crash_rate": a.crash_rate,
+                "latency_ms": a.latency_ms,
+                "timeout_ms": a.timeout_ms,
+                "lease_ms": a.lease_ms,
+                "max_attempts": a.max_attempts,
+            },
+            "naive": self.naive.as_ref().map(Phase::json),
+            "idemstore": self.idemstore.as_ref().map(Phase::json),
+            "duplicates": {
+                "naive": self.naive.as_ref().map(|p| p.duplicates),
+                "idemstore": self.idemstore.as_ref().map(|p| p.duplicates),
+            },
+        });
+        serde_json::to_writer_pretty(&mut *out, &value).map_err(io::Error::from)?;
+        writeln!(out)?;
+        out.flush()
+    }
+}
+
+/// `0.2` as `20%`.
+fn percent(rate: f64) -> String {
+    format!("{}%", (rate * 100.0 * 100.0).round() / 100.0)
+}

@@ -1,0 +1,71 @@
+//! `idemstore`: the command-line tool of the idemstore crate.
+//!
+//! `main` calls [`run`], which returns the exit code or an error. A closed
+//! pipe (`idemstore demo | head`) ends the program quietly; any other error
+//! is printed as one line, `idemstore: <what failed>: <cause>: ...`, and
+//! the exit code is 2. Subcommands choose their own success codes (`demo`
+//! exits 1 when the idemstore phase created a duplicate).
+#![forbid(unsafe_code)]
+
+mod demo;
+mod error;
+
+use std::io::{self, Write};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::error::CliError;
+
+/// Embedded, crash-safe idempotency store: a retried side effect runs once.
+#[derive(Debug, Parser)]
+#[command(name = "idemstore", version, about, arg_required_else_help = false)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// One variant per subcommand; each subcommand lives in its own module
+/// with its own `Args` and `run`.
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Replay the duplicate-ticket incident: agents retrying over a lossy
+    /// link, first naively, then through idemstore.
+    Demo(demo::Args),
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(err) => report(&err),
+    }
+}
+
+/// Parses the command line and runs the subcommand.
+fn run() -> Result<ExitCode, CliError> {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version are not errors: clap prints them to stdout.
+        Err(err) if !err.use_stderr() => {
+            err.print()?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Err(err) => return Err(CliError::usage(&err)),
+    };
+    let stdout = io::stdout();
+    let mut out = stdout.lock();
+    match cli.command {
+        Command::Demo(args) => demo::run(&args, &mut out),
+    }
+}
+
+/// Prints `err` as one line on stderr (unless it is a closed pipe) and
+/// returns exit code 2.
+fn report(err: &CliError) -> ExitCode {
+    if err.is_broken_pipe() {
+        return ExitCode::SUCCESS;
+    }
+    // Nothing sensible is left to do if stderr itself cannot be written.
+    let _ = writeln!(io::stderr().lock(), "idemstore: {}", err.one_line());
+    ExitCode::from(2)
+}
