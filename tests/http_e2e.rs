@@ -237,9 +237,22 @@ async fn create_ticket(
     }
 }
 
-fn free_port() -> SocketAddr {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    listener.local_addr().expect("local addr")
+/// A free loopback port below the ephemeral range, so that no client
+/// connection is given it as its own port while the server is down between
+/// a kill and a restart (which would make the restart fail to bind).
+fn free_port(rng: &mut StdRng) -> SocketAddr {
+    let ephemeral_low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768);
+    for _ in 0..1_000 {
+        let port = rng.random_range(10_000..ephemeral_low.max(10_001));
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        if std::net::TcpListener::bind(addr).is_ok() {
+            return addr;
+        }
+    }
+    panic!("no free loopback port below {ephemeral_low}");
 }
 
 #[test]
@@ -256,7 +269,8 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
     let dir = tempfile::tempdir().unwrap();
     let store_path = dir.path().join("idempotency.redb");
     let tickets_path = dir.path().join("tickets.redb");
-    let addr = free_port();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let addr = free_port(&mut rng);
     let server = Arc::new(Mutex::new(Server {
         addr,
         store: store_path.clone(),
@@ -267,7 +281,6 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
 
     let keys: Vec<String> = (0..keys_total).map(|i| format!("e2e-{seed}-{i}")).collect();
     // Each key goes to CLIENTS_PER_KEY different clients, in a shuffled order.
-    let mut rng = StdRng::seed_from_u64(seed);
     let mut plans: Vec<Vec<String>> = vec![Vec::new(); CLIENTS];
     for (i, key) in keys.iter().enumerate() {
         for c in 0..CLIENTS_PER_KEY {
