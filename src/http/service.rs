@@ -108,7 +108,8 @@ pub enum IdempotencyOutcome {
 ///
 /// The inner service receives the body as an [`IdempotencyBody`] (buffered
 /// for keyed requests, streamed for the others) and a keyed request carries
-/// an [`IdempotencyContext`] in its extensions.
+/// an [`IdempotencyContext`] in its extensions. Request and response bodies
+/// must be `Unpin`, as axum's and hyper's are.
 #[derive(Debug, Clone)]
 pub struct Idempotency<S> {
     inner: S,
