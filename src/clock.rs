@@ -99,6 +99,13 @@ impl MonotonicClock {
         let prev = self.high_water.fetch_max(reading, Ordering::SeqCst);
         prev.max(reading)
     }
+
+    /// Raises the high-water mark to at least `ms` (an import of records
+    /// written by a clock that was ahead): the store's time never falls
+    /// below a time it has stored.
+    pub(crate) fn raise(&self, ms: u64) {
+        self.high_water.fetch_max(ms, Ordering::SeqCst);
+    }
 }
 
 /// Whole milliseconds of a duration, saturating at `u64::MAX`.

@@ -24,13 +24,15 @@ use std::thread::JoinHandle;
 
 use redb::{Database, Durability, ReadableTable, WriteTransaction};
 
+use crate::audit::{self, Event};
 use crate::clock::MonotonicClock;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::expiry;
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
-use crate::schema::{self, EXPIRY, RECORDS, guard, map_err};
+use crate::schema::{self, BUSINESS, EXPIRY, RECORDS, guard, map_err};
+use crate::stats::LiveCounters;
 
 /// The most requests decided in one batch.
 const MAX_BATCH: usize = 1024;
@@ -43,12 +45,20 @@ pub(crate) enum Command {
     Op { key: Key, op: Op },
     /// Evict up to `max` expired records.
     Sweep { max: usize },
+    /// Restore records from an export, all in one write, and raise the
+    /// token counter to at least `token_floor`.
+    Import {
+        ops: Vec<(Key, Op)>,
+        token_floor: u64,
+    },
 }
 
 /// The writer's answer to one command.
 pub(crate) enum Answer {
     Reply(Reply),
     Evicted(usize),
+    /// One reply per imported record, in order.
+    Imported(Vec<Result<Reply>>),
 }
 
 struct Request {
@@ -112,6 +122,8 @@ pub(crate) struct Shared {
     pub clock: MonotonicClock,
     pub retention_ms: u64,
     pub poisoned: AtomicBool,
+    /// Counters behind `Store::stats`, bumped as audit events are published.
+    pub counters: LiveCounters,
 }
 
 /// The handle to the writer thread.
@@ -223,20 +235,66 @@ fn commit_batch(
         .map_err(|e| map_err(path, e))?;
     let mut token = *next_token;
     let mut answers = Vec::with_capacity(cmds.len());
+    let mut events = Vec::new();
     for cmd in cmds {
         let answer = match cmd {
-            Command::Op { key, op } => apply_op(shared, &txn, key, op, now, &mut token)?,
-            Command::Sweep { max } => Ok(Answer::Evicted(expiry::evict(path, &txn, now, *max)?)),
+            Command::Op { key, op } => {
+                apply_op(shared, &txn, key, op, now, &mut token, &mut events)?
+            }
+            Command::Sweep { max } => Ok(Answer::Evicted(expiry::evict(
+                path,
+                &txn,
+                now,
+                *max,
+                &mut events,
+            )?)),
+            Command::Import { ops, token_floor } => apply_import(
+                shared,
+                &txn,
+                ops,
+                *token_floor,
+                now,
+                &mut token,
+                &mut events,
+            )?,
         };
         answers.push(answer);
     }
     schema::write_counters(path, &txn, token, now)?;
     txn.commit().map_err(|e| map_err(path, e))?;
     *next_token = token;
+    // Audit events and counters only for what is now durable.
+    audit::publish(&shared.counters, events);
     Ok(answers)
 }
 
-/// Applies one transition inside `txn`. Outer `Err`: storage failure.
+/// Applies every record of an import in `txn` and raises the token counter
+/// above every imported token. Outer `Err`: storage failure.
+fn apply_import(
+    shared: &Shared,
+    txn: &WriteTransaction,
+    ops: &[(Key, Op)],
+    token_floor: u64,
+    now: u64,
+    next_token: &mut u64,
+    events: &mut Vec<Event>,
+) -> Result<Result<Answer>> {
+    *next_token = (*next_token).max(token_floor);
+    let mut replies = Vec::with_capacity(ops.len());
+    for (key, op) in ops {
+        let reply = match apply_op(shared, txn, key, op, now, next_token, events)? {
+            Ok(Answer::Reply(reply)) => Ok(reply),
+            Ok(_) => Err(Error::Storage("import answered with another reply".into())),
+            Err(e) => Err(e),
+        };
+        replies.push(reply);
+    }
+    Ok(Ok(Answer::Imported(replies)))
+}
+
+/// Applies one transition inside `txn`, with its business-key binding and
+/// expiry index entry in the same write, and collects its audit event.
+/// Outer `Err`: storage failure.
 fn apply_op(
     shared: &Shared,
     txn: &WriteTransaction,
@@ -244,14 +302,21 @@ fn apply_op(
     op: &Op,
     now: u64,
     next_token: &mut u64,
+    events: &mut Vec<Event>,
 ) -> Result<Result<Answer>> {
     let path = &shared.path;
     let kb = key.to_bytes();
     let mut records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-    let stored: Option<Record> = match records.get(kb.as_slice()).map_err(|e| map_err(path, e))? {
-        Some(v) => match codec::decode_record(&kb, v.value()) {
-            Ok(r) => Some(r),
-            Err(e) => return Ok(Err(e)),
+    let stored = match read_record(path, &records, &kb)? {
+        Ok(r) => r,
+        Err(e) => return Ok(Err(rejected(key, e, events))),
+    };
+    // The business-key rule needs the binding's holder, read in this write.
+    let fresh = stored.as_ref().is_none_or(|r| r.is_expired_at(now));
+    let holder = match op_business_key(op).filter(|_| fresh) {
+        Some(bk) => match business_holder(path, txn, &records, key, bk)? {
+            Ok(h) => h,
+            Err(e) => return Ok(Err(rejected(key, e, events))),
         },
         None => None,
     };
@@ -259,21 +324,22 @@ fn apply_op(
         now_ms: now,
         retention_ms: shared.retention_ms,
         next_token: *next_token,
+        business_holder: holder.as_ref(),
     };
     let (effect, reply) = match transition(key, stored.as_ref(), op, &ctx) {
         Ok(x) => x,
-        Err(e) => return Ok(Err(e)),
+        Err(e) => return Ok(Err(rejected(key, e, events))),
     };
     let mut expiry_index = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     match &effect {
         Effect::None => {}
         Effect::Put(new) => {
-            if let Some(old) = &stored {
-                if old.expires_ms != new.expires_ms {
-                    expiry_index
-                        .remove((old.expires_ms, kb.as_slice()))
-                        .map_err(|e| map_err(path, e))?;
-                }
+            if let Some(old) = &stored
+                && old.expires_ms != new.expires_ms
+            {
+                expiry_index
+                    .remove((old.expires_ms, kb.as_slice()))
+                    .map_err(|e| map_err(path, e))?;
             }
             expiry_index
                 .insert((new.expires_ms, kb.as_slice()), ())
@@ -281,6 +347,7 @@ fn apply_op(
             records
                 .insert(kb.as_slice(), codec::encode_record(&kb, new).as_slice())
                 .map_err(|e| map_err(path, e))?;
+            rebind(path, txn, key, stored.as_ref(), new, fresh)?;
             if matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_))) {
                 *next_token += 1;
             }
@@ -290,11 +357,117 @@ fn apply_op(
                 expiry_index
                     .remove((old.expires_ms, kb.as_slice()))
                     .map_err(|e| map_err(path, e))?;
+                if let Some(bk) = &old.business_key {
+                    unbind(path, txn, &key.business_binding(bk), &kb)?;
+                }
             }
             records
                 .remove(kb.as_slice())
                 .map_err(|e| map_err(path, e))?;
         }
     }
+    events.extend(Event::of_transition(
+        key,
+        stored.as_ref(),
+        op,
+        &effect,
+        &reply,
+        now,
+    ));
     Ok(Ok(Answer::Reply(reply)))
+}
+
+/// Notes the audit event of a refused request and hands the error back.
+fn rejected(key: &Key, err: Error, events: &mut Vec<Event>) -> Error {
+    events.extend(Event::of_error(key, &err));
+    err
+}
+
+/// Reads and decodes the record stored under `kb`. Outer `Err`: storage
+/// failure; inner: a corrupt record.
+fn read_record(
+    path: &std::path::Path,
+    records: &impl ReadableTable<&'static [u8], &'static [u8]>,
+    kb: &[u8],
+) -> Result<Result<Option<Record>>> {
+    Ok(match records.get(kb).map_err(|e| map_err(path, e))? {
+        Some(v) => codec::decode_record(kb, v.value()).map(Some),
+        None => Ok(None),
+    })
+}
+
+/// The business key a request would bind, if any.
+fn op_business_key(op: &Op) -> Option<&str> {
+    match op {
+        Op::Claim { business_key, .. } => business_key.as_deref(),
+        Op::Import { record } => record.business_key.as_deref(),
+        _ => None,
+    }
+}
+
+/// The record that the binding of `business_key` in `key`'s scope names,
+/// if any (live or not: the transition judges). Outer `Err`: storage
+/// failure; inner: the holder's record is corrupt.
+fn business_holder(
+    path: &std::path::Path,
+    txn: &WriteTransaction,
+    records: &impl ReadableTable<&'static [u8], &'static [u8]>,
+    key: &Key,
+    business_key: &str,
+) -> Result<Result<Option<Record>>> {
+    let bindings = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
+    let holder_kb = bindings
+        .get(key.business_binding(business_key).as_slice())
+        .map_err(|e| map_err(path, e))?
+        .map(|v| v.value().to_vec());
+    match holder_kb {
+        Some(hkb) if hkb != key.to_bytes() => read_record(path, records, &hkb),
+        _ => Ok(Ok(None)),
+    }
+}
+
+/// Keeps the business-key binding in step with a put of `new` over `old`:
+/// a record that appears (or replaces one past retention) binds its
+/// business key; a replaced record's other business key is unbound.
+fn rebind(
+    path: &std::path::Path,
+    txn: &WriteTransaction,
+    key: &Key,
+    old: Option<&Record>,
+    new: &Record,
+    fresh: bool,
+) -> Result<()> {
+    let old_bk = old.and_then(|o| o.business_key.as_deref());
+    let new_bk = new.business_key.as_deref();
+    let kb = key.to_bytes();
+    if let Some(ob) = old_bk.filter(|ob| Some(*ob) != new_bk) {
+        unbind(path, txn, &key.business_binding(ob), &kb)?;
+    }
+    if let Some(nb) = new_bk.filter(|nb| fresh || old_bk != Some(*nb)) {
+        let mut bindings = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
+        bindings
+            .insert(key.business_binding(nb).as_slice(), kb.as_slice())
+            .map_err(|e| map_err(path, e))?;
+    }
+    Ok(())
+}
+
+/// Removes the binding `binding` if it still names the record `kb` (a
+/// binding taken over by another key after this record's retention ended
+/// is left alone).
+pub(crate) fn unbind(
+    path: &std::path::Path,
+    txn: &WriteTransaction,
+    binding: &[u8],
+    kb: &[u8],
+) -> Result<()> {
+    let mut bindings = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
+    let ours = bindings
+        .get(binding)
+        .map_err(|e| map_err(path, e))?
+        .is_some_and(|v| v.value() == kb);
+    if ours {
+        bindings.remove(binding).map_err(|e| map_err(path, e))?;
+    }
+    Ok(())
 }

@@ -2,6 +2,9 @@
 
 use std::path::PathBuf;
 
+use crate::key::Key;
+use crate::record::State;
+
 /// A specialized `Result` whose error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -9,13 +12,16 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// Errors are typed so that a caller can map each one to an answer: an HTTP
 /// layer answers [`Error::InvalidKey`] with 400, [`Error::FingerprintMismatch`]
-/// with 422 (as the IETF Idempotency-Key draft asks), [`Error::TooLarge`] by
+/// with 422 (as the IETF Idempotency-Key draft asks),
+/// [`Error::BusinessKeyConflict`] with 409, [`Error::TooLarge`] by
 /// recording the response as a failure, and everything about storage with 503.
 ///
 /// Every variant that rejects input ([`InvalidKey`](Error::InvalidKey),
 /// [`InvalidArgument`](Error::InvalidArgument), [`TooLarge`](Error::TooLarge),
 /// [`FingerprintMismatch`](Error::FingerprintMismatch),
-/// [`StaleLease`](Error::StaleLease)) is returned before anything is written:
+/// [`StaleLease`](Error::StaleLease),
+/// [`BusinessKeyConflict`](Error::BusinessKeyConflict)) is returned before
+/// anything is written:
 /// the store is unchanged.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -68,6 +74,50 @@ pub enum Error {
         key: String,
         /// The fencing token the caller presented.
         token: u64,
+    },
+
+    /// A claim carried a business key (an order or ticket number, see
+    /// [`ClaimOptions::business_key`](crate::ClaimOptions::business_key))
+    /// that a live record of *another* idempotency key in the same scope
+    /// already holds: the same business operation was requested under a
+    /// new idempotency key. Nothing was acquired or written. Maps to HTTP
+    /// 409 Conflict, answered with the existing key (so the client can
+    /// look up or retry the original request) and its state.
+    #[error(
+        "business key {business_key:?} is already held by idempotency key {existing} ({})",
+        state.name()
+    )]
+    BusinessKeyConflict {
+        /// The business key of the claim.
+        business_key: String,
+        /// The idempotency key whose record holds the business key.
+        existing: Key,
+        /// That record's state when the claim was decided.
+        state: State,
+    },
+
+    /// An export stream (see [`Store::export`](crate::Store::export)) is
+    /// damaged, truncated, or not an export: a frame failed its crc32, its
+    /// length is out of range, a frame is missing or out of order, or the
+    /// stream was written by a newer format. Frames before `offset` that
+    /// were already imported stay imported (import is idempotent: run it
+    /// again once the stream is repaired).
+    #[error("export stream damaged at byte offset {offset}: {detail}")]
+    CorruptExport {
+        /// Byte offset of the bad frame (or of the point where the stream
+        /// ended) from the start of the stream.
+        offset: u64,
+        /// What is wrong.
+        detail: String,
+    },
+
+    /// The store file does not exist. Returned by
+    /// [`Store::open_existing`](crate::Store::open_existing), which never
+    /// creates a file.
+    #[error("{}: no such store file", path.display())]
+    Missing {
+        /// The path that was looked for.
+        path: PathBuf,
     },
 
     /// A stored record failed its checksum or could not be decoded. Other
@@ -152,6 +202,7 @@ impl Error {
                 | Error::TooLarge { .. }
                 | Error::FingerprintMismatch { .. }
                 | Error::StaleLease { .. }
+                | Error::BusinessKeyConflict { .. }
         )
     }
 }

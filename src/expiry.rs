@@ -14,14 +14,23 @@ use std::time::Duration;
 
 use redb::{ReadableTable, WriteTransaction};
 
+use crate::audit::Event;
 use crate::codec;
+use crate::commit::unbind;
 use crate::error::Result;
 use crate::record::is_expired;
 use crate::schema::{EXPIRY, RECORDS, map_err};
 
 /// Evicts up to `max` records whose retention ended at or before `now_ms`,
-/// inside `txn`. Returns how many records were removed.
-pub(crate) fn evict(path: &Path, txn: &WriteTransaction, now_ms: u64, max: usize) -> Result<usize> {
+/// inside `txn`, with their business-key bindings, and collects one audit
+/// event per eviction. Returns how many records were removed.
+pub(crate) fn evict(
+    path: &Path,
+    txn: &WriteTransaction,
+    now_ms: u64,
+    max: usize,
+    events: &mut Vec<Event>,
+) -> Result<usize> {
     let mut index = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     let mut records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
     let mut due: Vec<(u64, Vec<u8>)> = Vec::new();
@@ -53,11 +62,16 @@ pub(crate) fn evict(path: &Path, txn: &WriteTransaction, now_ms: u64, max: usize
                 records
                     .remove(key.as_slice())
                     .map_err(|e| map_err(path, e))?;
+                if let Some(bk) = &rec.business_key {
+                    unbind(path, txn, &rec.key.business_binding(bk), &key)?;
+                }
+                events.push(Event::evicted(&rec));
                 evicted += 1;
             }
             Ok(_) => {}
             Err(err) => {
-                tracing::warn!(error = %err, "expiry index names a record that does not decode");
+                // Left for `check` to report; the audit log says so now.
+                events.extend(Event::corruption(&err));
             }
         }
     }

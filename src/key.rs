@@ -12,6 +12,17 @@ pub const MAX_SCOPE_LEN: usize = 128;
 pub const MAX_ID_LEN: usize = 255;
 /// Longest fingerprint, in bytes.
 pub const MAX_FINGERPRINT_LEN: usize = 64;
+/// Longest business key, in bytes (the same limit as an id).
+pub const MAX_BUSINESS_KEY_LEN: usize = 255;
+
+/// Checks a business key: non-empty UTF-8 without control characters, at
+/// most [`MAX_BUSINESS_KEY_LEN`] bytes.
+pub(crate) fn check_business_key(business_key: &str) -> Result<()> {
+    check_part("business key", business_key, MAX_BUSINESS_KEY_LEN).map_err(|e| match e {
+        Error::InvalidKey { reason } => Error::invalid("business_key", reason),
+        other => other,
+    })
+}
 
 /// An idempotency key: a `scope` (tenant and operation, such as
 /// `"acme/tickets.create"`) and an `id` (the caller's idempotency key, such as
@@ -75,6 +86,17 @@ impl Key {
         out.push(u8::try_from(scope.len()).unwrap_or(u8::MAX));
         out.extend_from_slice(scope.as_bytes());
         Ok(out)
+    }
+
+    /// The key of a business-key binding in this key's scope:
+    /// `[scope length u8][scope][business key]`, the same unambiguous layout
+    /// as a stored key, so bindings are unique per scope.
+    pub(crate) fn business_binding(&self, business_key: &str) -> Vec<u8> {
+        // The scope of a `Key` was validated when it was built, so its
+        // prefix always encodes.
+        let mut out = Key::scope_prefix(&self.scope).unwrap_or_default();
+        out.extend_from_slice(business_key.as_bytes());
+        out
     }
 
     /// Parses the stored form, validating it as [`Key::new`] does.

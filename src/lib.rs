@@ -59,6 +59,9 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod audit;
+mod backup;
+mod check;
 mod clock;
 mod codec;
 mod commit;
@@ -68,13 +71,21 @@ mod expiry;
 pub mod http;
 mod key;
 mod record;
+mod scan;
 mod schema;
+mod stats;
 mod store;
 
+pub use backup::{ExportSummary, ImportSummary, Progress};
+pub use check::{CheckReport, Integrity, Problem, check_file};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, Result};
-pub use key::{Fingerprint, Key, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN};
-pub use record::{ClaimOutcome, Lease, Record, State};
+pub use key::{
+    Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
+};
+pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
+pub use scan::{Filter, Records};
+pub use stats::{Counters, StateCounts, Stats};
 pub use store::{ClaimOptions, Config, MAX_LEASE, MAX_VALUE_LIMIT, Store};

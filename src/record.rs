@@ -227,6 +227,43 @@ pub enum ClaimOutcome {
     Replay(Record),
 }
 
+/// How an operator (or a reconciler that asked the downstream system what
+/// happened) finishes a Processing record with [`Store::resolve`](crate::Store::resolve).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The work took effect: the record becomes [`State::Succeeded`] with
+    /// this result, replayed to every later claim until retention ends.
+    Succeeded(Vec<u8>),
+    /// The work did not take effect: the record becomes [`State::Failed`]
+    /// with this failure; a `retryable` failure lets the next claim run the
+    /// work again, a permanent one is replayed until retention ends.
+    Failed {
+        /// The stored failure.
+        failure: Vec<u8>,
+        /// Whether the next claim may run the work again.
+        retryable: bool,
+    },
+}
+
+impl Resolution {
+    /// The state the record takes.
+    pub fn state(&self) -> State {
+        match self {
+            Resolution::Succeeded(_) => State::Succeeded,
+            Resolution::Failed { retryable, .. } => State::Failed {
+                retryable: *retryable,
+            },
+        }
+    }
+
+    /// The stored bytes: the result or the failure.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Resolution::Succeeded(b) | Resolution::Failed { failure: b, .. } => b,
+        }
+    }
+}
+
 /// A request to change one key's record.
 #[derive(Debug, Clone)]
 pub(crate) enum Op {
@@ -255,6 +292,15 @@ pub(crate) enum Op {
         token: u64,
         bytes: Vec<u8>,
     },
+    /// An administrative finish of a Processing record, fenced by its token.
+    Resolve {
+        token: u64,
+        outcome: Resolution,
+    },
+    /// A record restored from a backup: fills an absent key only.
+    Import {
+        record: Box<Record>,
+    },
 }
 
 /// What a transition answers.
@@ -263,6 +309,21 @@ pub(crate) enum Reply {
     Claim(ClaimOutcome),
     Record(Record),
     Released,
+    /// The answer to an import: whether the record was written.
+    Imported(ImportResult),
+}
+
+/// What an [`Op::Import`] did with one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ImportResult {
+    /// The key was absent (or past retention): the record was written.
+    Written,
+    /// A live record of the key exists: it was kept as it is.
+    Present,
+    /// The imported record is already past retention: nothing was written.
+    Expired,
+    /// A live record of another key holds the record's business key.
+    BusinessKeyTaken,
 }
 
 /// What a transition does to the stored record.
@@ -275,7 +336,7 @@ pub(crate) enum Effect {
 
 /// The inputs a transition needs besides the record and the request.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Ctx {
+pub(crate) struct Ctx<'a> {
     /// The store's time (never backwards), ms since the epoch.
     pub now_ms: u64,
     /// Configured retention in ms (> 0).
@@ -283,6 +344,11 @@ pub(crate) struct Ctx {
     /// The token an acquisition would take; consumed only when the
     /// transition acquires.
     pub next_token: u64,
+    /// For a claim (or import) that carries a business key: the record the
+    /// business-key binding names, as stored (the writer looks it up in the
+    /// same write). `None` when nothing is bound. The transition judges
+    /// whether it is live.
+    pub business_holder: Option<&'a Record>,
 }
 
 /// The pure transition function.
@@ -341,7 +407,51 @@ pub(crate) fn transition(
             next.updated_ms = now;
             Ok((Effect::Put(next.clone()), Reply::Record(next)))
         }
+        Op::Resolve { token, outcome } => {
+            // The same fence as complete and fail: the record must still be
+            // Processing under this token, so a resolve can never overwrite
+            // a holder that has since finished, or a newer holder.
+            let rec = current_lease(key, current, *token)?;
+            Ok(finish(rec, outcome.state(), outcome.bytes(), ctx))
+        }
+        Op::Import { record } => Ok(import(key, current, record, ctx)),
     }
+}
+
+/// The business-key rule (the second layer of dedup): a fresh record may
+/// bind business key `business_key` only if no live record of another key
+/// holds it.
+fn business_key_free(key: &Key, business_key: &str, ctx: &Ctx) -> Result<()> {
+    match ctx.business_holder {
+        Some(holder) if holder.key != *key && !holder.is_expired_at(ctx.now_ms) => {
+            Err(Error::BusinessKeyConflict {
+                business_key: business_key.to_string(),
+                existing: holder.key.clone(),
+                state: holder.state,
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+fn import(key: &Key, current: Option<&Record>, record: &Record, ctx: &Ctx) -> (Effect, Reply) {
+    let result = if current.is_some() {
+        ImportResult::Present
+    } else if record.is_expired_at(ctx.now_ms) {
+        ImportResult::Expired
+    } else if record
+        .business_key
+        .as_deref()
+        .is_some_and(|bk| business_key_free(key, bk, ctx).is_err())
+    {
+        ImportResult::BusinessKeyTaken
+    } else {
+        return (
+            Effect::Put(record.clone()),
+            Reply::Imported(ImportResult::Written),
+        );
+    };
+    (Effect::None, Reply::Imported(result))
 }
 
 fn claim(
@@ -356,6 +466,9 @@ fn claim(
     let lease_until = now.saturating_add(lease_ms);
     let expires = now.saturating_add(ctx.retention_ms).max(lease_until);
     let Some(rec) = current else {
+        if let Some(bk) = business_key {
+            business_key_free(key, bk, ctx)?;
+        }
         let rec = Record {
             key: key.clone(),
             state: State::Processing,
@@ -439,11 +552,12 @@ fn current_lease<'a>(key: &Key, current: Option<&'a Record>, token: u64) -> Resu
 mod tests {
     use super::*;
 
-    fn ctx(now_ms: u64, next_token: u64) -> Ctx {
+    fn ctx(now_ms: u64, next_token: u64) -> Ctx<'static> {
         Ctx {
             now_ms,
             retention_ms: 60_000,
             next_token,
+            business_holder: None,
         }
     }
 
@@ -494,5 +608,67 @@ mod tests {
         assert!(matches!(r, Reply::Claim(ClaimOutcome::Replay(_))));
         let (_, r) = transition(&k, Some(&done), &claim_op(b"b", 1_000), &ctx(62_000, 2)).unwrap();
         assert!(matches!(r, Reply::Claim(ClaimOutcome::Acquired(_))));
+    }
+
+    #[test]
+    fn resolve_is_fenced_by_the_token() {
+        let k = Key::new("s", "k").unwrap();
+        let rec = put(transition(&k, None, &claim_op(b"a", 1_000), &ctx(10, 5))
+            .unwrap()
+            .0);
+        let resolve = |token| Op::Resolve {
+            token,
+            outcome: Resolution::Failed {
+                failure: b"downstream says no".to_vec(),
+                retryable: false,
+            },
+        };
+        // An older or newer token changes nothing.
+        for token in [4, 6] {
+            let err = transition(&k, Some(&rec), &resolve(token), &ctx(5_000, 7)).unwrap_err();
+            assert!(matches!(err, Error::StaleLease { .. }), "{err}");
+        }
+        let done = put(transition(&k, Some(&rec), &resolve(5), &ctx(5_000, 7))
+            .unwrap()
+            .0);
+        assert_eq!(done.state, State::Failed { retryable: false });
+        assert_eq!(done.expires_ms, 65_000);
+        // A finished record is never resolved again, nor completed.
+        assert!(transition(&k, Some(&done), &resolve(5), &ctx(5_001, 7)).is_err());
+        let complete = Op::Complete {
+            token: 5,
+            result: b"late".to_vec(),
+        };
+        assert!(transition(&k, Some(&done), &complete, &ctx(5_001, 7)).is_err());
+    }
+
+    #[test]
+    fn a_live_business_key_holder_blocks_a_fresh_claim() {
+        let k1 = Key::new("s", "k1").unwrap();
+        let k2 = Key::new("s", "k2").unwrap();
+        let with_bk = Op::Claim {
+            fingerprint: Fingerprint::of(b"a"),
+            lease_ms: 1_000,
+            business_key: Some("order-1".into()),
+        };
+        let holder = put(transition(&k1, None, &with_bk, &ctx(10, 1)).unwrap().0);
+        assert_eq!(holder.business_key(), Some("order-1"));
+        let mut c = ctx(20, 2);
+        c.business_holder = Some(&holder);
+        match transition(&k2, None, &with_bk, &c) {
+            Err(Error::BusinessKeyConflict {
+                existing, state, ..
+            }) => {
+                assert_eq!(existing, k1);
+                assert_eq!(state, State::Processing);
+            }
+            other => panic!("{other:?}"),
+        }
+        // The holder's own key is not a conflict.
+        assert!(transition(&k1, None, &with_bk, &c).is_ok());
+        // Past retention the holder no longer counts.
+        let mut late = ctx(holder.expires_ms, 2);
+        late.business_holder = Some(&holder);
+        assert!(transition(&k2, None, &with_bk, &late).is_ok());
     }
 }

@@ -93,6 +93,12 @@ pub(crate) fn open<B: redb::StorageBackend>(
     guard(path, || {
         let mut builder = Database::builder();
         builder.set_cache_size(cache_bytes);
+        // Verify every page checksum on every open, not only after a crash.
+        // The record checksum cannot see a damaged key (the lookup simply
+        // misses, and the key would be acquired twice), and a plain open of
+        // a damaged file may panic inside redb. This reads the whole file,
+        // as crash recovery already does.
+        builder.set_check_integrity_on_open(true);
         let opened = match backend {
             Some(backend) => builder.create_with_backend(backend),
             None => builder.create(path),
@@ -103,6 +109,15 @@ pub(crate) fn open<B: redb::StorageBackend>(
             {
                 Error::AlreadyOpen {
                     path: path.to_path_buf(),
+                }
+            }
+            // redb's answer to a file without its magic number.
+            redb::DatabaseError::Storage(redb::StorageError::Io(io))
+                if io.kind() == std::io::ErrorKind::InvalidData =>
+            {
+                Error::IncompatibleFile {
+                    path: path.to_path_buf(),
+                    detail: format!("not a redb file, so not an idemstore file ({io})"),
                 }
             }
             other => map_err(path, other),
@@ -166,7 +181,10 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
     Ok(meta)
 }
 
-fn read_meta(path: &Path, table: &impl ReadableTable<&'static str, &'static [u8]>) -> Result<Meta> {
+pub(crate) fn read_meta(
+    path: &Path,
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> Result<Meta> {
     let get = |name: &str| -> Result<Option<Vec<u8>>> {
         Ok(table
             .get(name)
@@ -219,5 +237,14 @@ pub(crate) fn record_count(path: &Path, db: &Database) -> Result<u64> {
         let txn = db.begin_read().map_err(|e| map_err(path, e))?;
         let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
         table.len().map_err(|e| map_err(path, e))
+    })
+}
+
+/// The token counter as of the latest commit.
+pub(crate) fn next_token(path: &Path, db: &Database) -> Result<u64> {
+    guard(path, || {
+        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+        let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+        read_meta(path, &table).map(|m| m.next_token)
     })
 }

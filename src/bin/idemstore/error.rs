@@ -61,9 +61,16 @@ impl CliError {
     /// `error: ` prefix, plus its tip if it gives one.
     pub fn usage(err: &clap::Error) -> CliError {
         let text = err.render().to_string();
-        let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
-        let first = lines.next().unwrap_or("invalid command line");
+        let mut raw = text.lines().peekable();
+        let first = raw.next().map_or("invalid command line", str::trim);
         let mut message = first.strip_prefix("error: ").unwrap_or(first).to_owned();
+        // Indented lines right after the first one continue it (clap lists
+        // the missing arguments there).
+        while let Some(more) = raw.next_if(|l| l.starts_with(' ') && !l.trim().is_empty()) {
+            message.push(' ');
+            message.push_str(more.trim());
+        }
+        let mut lines = raw.map(str::trim).filter(|l| !l.is_empty());
         if let Some(tip) = lines.find(|l| l.starts_with("tip: ")) {
             message.push_str("; ");
             message.push_str(tip);

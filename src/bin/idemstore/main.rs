@@ -4,11 +4,13 @@
 //! pipe (`idemstore demo | head`) ends the program quietly; any other error
 //! is printed as one line, `idemstore: <what failed>: <cause>: ...`, and
 //! the exit code is 2. Subcommands choose their own success codes (`demo`
-//! exits 1 when the idemstore phase created a duplicate).
+//! exits 1 when the idemstore phase created a duplicate, `check` when it
+//! found damage, `get` when there is no record).
 #![forbid(unsafe_code)]
 
 mod demo;
 mod error;
+mod ops;
 
 use std::io::{self, Write};
 use std::process::ExitCode;
@@ -32,6 +34,22 @@ enum Command {
     /// Replay the duplicate-ticket incident: agents retrying over a lossy
     /// link, first naively, then through idemstore.
     Demo(demo::Args),
+    /// Show records by state, the oldest work in flight and the file size.
+    Stats(ops::stats::Args),
+    /// Show the record of one idempotency key.
+    Get(ops::get::Args),
+    /// List records, filtered by state, scope prefix and age.
+    List(ops::list::Args),
+    /// Evict every record past retention.
+    Sweep(ops::sweep::Args),
+    /// Finish a Processing record as succeeded or failed, fenced by its token.
+    Resolve(ops::resolve::Args),
+    /// Verify every record's checksum and redb's integrity; exit 1 on damage.
+    Check(ops::check::Args),
+    /// Write a portable backup of every live record.
+    Export(ops::export::Args),
+    /// Restore records from a backup (idempotent).
+    Import(ops::import::Args),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +74,14 @@ fn run() -> Result<ExitCode, CliError> {
     let mut out = stdout.lock();
     match cli.command {
         Command::Demo(args) => demo::run(&args, &mut out),
+        Command::Stats(args) => ops::stats::run(&args, &mut out),
+        Command::Get(args) => ops::get::run(&args, &mut out),
+        Command::List(args) => ops::list::run(&args, &mut out),
+        Command::Sweep(args) => ops::sweep::run(&args, &mut out),
+        Command::Resolve(args) => ops::resolve::run(&args, &mut out),
+        Command::Check(args) => ops::check::run(&args, &mut out),
+        Command::Export(args) => ops::export::run(&args, &mut out),
+        Command::Import(args) => ops::import::run(&args, &mut out),
     }
 }
 

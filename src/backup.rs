@@ -1,0 +1,588 @@
+//! Export and import: a portable backup of a store as a stream of
+//! length-prefixed, crc32-framed records.
+//!
+//! # Stream format (version 1)
+//!
+//! All integers little-endian.
+//!
+//! ```text
+//! header  : magic "IDEMSTORE-EXPORT" (16 bytes) | version u32 = 1 | crc32 u32 over the 20 bytes before
+//! frame   : length u32 (of kind + payload, ≤ MAX_FRAME) | crc32 u32 over kind + payload | kind u8 | payload
+//! stream  : header, one META frame, any number of RECORD frames, one END frame, nothing after
+//!
+//! META    (kind 1): store id u128 | next token u64 | clock high-water mark (ms) u64 | record envelope version u8
+//! RECORD  (kind 2): key length u16 | stored key bytes | record envelope (as stored; see codec.rs)
+//! END     (kind 3): number of RECORD frames u64
+//! ```
+//!
+//! A record frame carries the record exactly as the store keeps it: the
+//! envelope with its own crc32 over key and body, so a record is checked
+//! twice (frame and envelope) on import, and the body is only ever decoded
+//! by the codec. The END frame lets import tell a complete stream from a
+//! truncated one. Frame lengths are checked against [`MAX_FRAME`] before
+//! anything is allocated, so a hostile stream cannot make import allocate
+//! more than one largest record.
+
+use std::io::{self, Read, Write};
+use std::path::Path;
+
+use redb::{Database, ReadableDatabase, ReadableTable};
+
+use crate::codec::{self, DECODE_LIMIT, RECORD_VERSION};
+use crate::error::{Error, Result};
+use crate::record::{ImportResult, Record};
+use crate::schema::{self, META, RECORDS, guard, map_err};
+
+/// The magic bytes an export stream starts with.
+pub(crate) const MAGIC: &[u8; 16] = b"IDEMSTORE-EXPORT";
+/// The stream format this build writes and reads.
+pub(crate) const EXPORT_VERSION: u32 = 1;
+/// The largest frame (kind + payload) a stream may hold, in bytes: the
+/// longest stored key and the largest record envelope, with room to spare.
+pub(crate) const MAX_FRAME: usize = DECODE_LIMIT + 4096;
+const HEADER_LEN: u64 = 24;
+
+const KIND_META: u8 = 1;
+const KIND_RECORD: u8 = 2;
+const KIND_END: u8 = 3;
+
+/// How far an export, import or check has come, for a progress display.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Progress {
+    /// Records handled so far.
+    pub records: u64,
+    /// Bytes of the stream written or read so far (0 for a check).
+    pub bytes: u64,
+}
+
+/// What [`Store::export`](crate::Store::export) wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ExportSummary {
+    /// Records written: every live record of the snapshot (records past
+    /// retention are left out).
+    pub records: u64,
+    /// Bytes written.
+    pub bytes: u64,
+    /// The token counter of the snapshot: every token in the export is
+    /// below it.
+    pub next_token: u64,
+}
+
+/// What [`Store::import`](crate::Store::import) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ImportSummary {
+    /// Record frames read.
+    pub records: u64,
+    /// Records written (their key was absent or past retention).
+    pub imported: u64,
+    /// Records skipped because a live record of the key exists: an import
+    /// never overwrites one (so running it again changes nothing).
+    pub present: u64,
+    /// Records skipped because their retention has ended.
+    pub expired: u64,
+    /// Records skipped because a live record of another key holds their
+    /// business key.
+    pub business_key_taken: u64,
+    /// The store's token counter after the import: above every token the
+    /// stream holds, so no token is handed out twice.
+    pub next_token: u64,
+}
+
+/// The META frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct StreamMeta {
+    pub store_id: u128,
+    pub next_token: u64,
+    pub clock_hwm: u64,
+}
+
+fn write_err(err: &io::Error) -> Error {
+    Error::Storage(format!("writing the export stream: {err}"))
+}
+
+/// Writes frames, counting bytes.
+pub(crate) struct FrameWriter<W: Write> {
+    out: W,
+    bytes: u64,
+}
+
+impl<W: Write> FrameWriter<W> {
+    /// Writes the stream header.
+    pub(crate) fn new(mut out: W) -> Result<FrameWriter<W>> {
+        let mut header = Vec::with_capacity(24);
+        header.extend_from_slice(MAGIC);
+        header.extend_from_slice(&EXPORT_VERSION.to_le_bytes());
+        let crc = crc32fast::hash(&header);
+        header.extend_from_slice(&crc.to_le_bytes());
+        out.write_all(&header).map_err(|e| write_err(&e))?;
+        Ok(FrameWriter {
+            out,
+            bytes: HEADER_LEN,
+        })
+    }
+
+    fn frame(&mut self, kind: u8, payload: &[u8]) -> Result<()> {
+        let len = payload.len() + 1;
+        let len32 = u32::try_from(len)
+            .ok()
+            .filter(|_| len <= MAX_FRAME)
+            .ok_or_else(|| Error::Storage(format!("export frame of {len} bytes is too large")))?;
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&[kind]);
+        hasher.update(payload);
+        let mut head = [0u8; 9];
+        head[..4].copy_from_slice(&len32.to_le_bytes());
+        head[4..8].copy_from_slice(&hasher.finalize().to_le_bytes());
+        head[8] = kind;
+        self.out.write_all(&head).map_err(|e| write_err(&e))?;
+        self.out.write_all(payload).map_err(|e| write_err(&e))?;
+        self.bytes += 8 + len as u64;
+        Ok(())
+    }
+
+    pub(crate) fn meta(&mut self, meta: &StreamMeta) -> Result<()> {
+        let mut p = Vec::with_capacity(33);
+        p.extend_from_slice(&meta.store_id.to_le_bytes());
+        p.extend_from_slice(&meta.next_token.to_le_bytes());
+        p.extend_from_slice(&meta.clock_hwm.to_le_bytes());
+        p.push(RECORD_VERSION);
+        self.frame(KIND_META, &p)
+    }
+
+    /// A record frame: `key_bytes` and the envelope as stored.
+    pub(crate) fn record(&mut self, key_bytes: &[u8], envelope: &[u8]) -> Result<()> {
+        let key_len = u16::try_from(key_bytes.len())
+            .map_err(|_| Error::Storage("stored key longer than 65535 bytes".into()))?;
+        let mut p = Vec::with_capacity(2 + key_bytes.len() + envelope.len());
+        p.extend_from_slice(&key_len.to_le_bytes());
+        p.extend_from_slice(key_bytes);
+        p.extend_from_slice(envelope);
+        self.frame(KIND_RECORD, &p)
+    }
+
+    pub(crate) fn end(mut self, records: u64) -> Result<u64> {
+        self.frame(KIND_END, &records.to_le_bytes())?;
+        self.out.flush().map_err(|e| write_err(&e))?;
+        Ok(self.bytes)
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// One frame read from a stream.
+#[derive(Debug)]
+pub(crate) enum Frame {
+    Meta(StreamMeta),
+    Record(Box<Record>),
+    End { records: u64 },
+}
+
+/// Reads and checks frames, tracking the byte offset for error messages.
+pub(crate) struct FrameReader<R: Read> {
+    input: R,
+    offset: u64,
+}
+
+fn corrupt(offset: u64, detail: impl Into<String>) -> Error {
+    Error::CorruptExport {
+        offset,
+        detail: detail.into(),
+    }
+}
+
+impl<R: Read> FrameReader<R> {
+    /// Reads and checks the stream header.
+    pub(crate) fn new(mut input: R) -> Result<FrameReader<R>> {
+        let mut header = [0u8; 24];
+        let got = read_full(&mut input, &mut header)?;
+        if got < header.len() || &header[..16] != MAGIC {
+            return Err(corrupt(
+                0,
+                "not an idemstore export (the stream does not start with its magic bytes)",
+            ));
+        }
+        let version = u32::from_le_bytes([header[16], header[17], header[18], header[19]]);
+        let crc = u32::from_le_bytes([header[20], header[21], header[22], header[23]]);
+        if crc32fast::hash(&header[..20]) != crc {
+            return Err(corrupt(0, "stream header fails its crc32"));
+        }
+        if version > EXPORT_VERSION {
+            return Err(corrupt(
+                16,
+                format!(
+                    "export format version {version} is newer than {EXPORT_VERSION}, the newest this build reads"
+                ),
+            ));
+        }
+        Ok(FrameReader {
+            input,
+            offset: HEADER_LEN,
+        })
+    }
+
+    /// The byte offset of the next frame.
+    pub(crate) fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The next frame with its offset, or `None` at a clean end of input.
+    pub(crate) fn next_frame(&mut self) -> Result<Option<(u64, Frame)>> {
+        let at = self.offset;
+        let mut head = [0u8; 8];
+        match read_full(&mut self.input, &mut head)? {
+            0 => return Ok(None),
+            8 => {}
+            n => {
+                return Err(corrupt(
+                    at,
+                    format!("stream ends {n} bytes into a frame header"),
+                ));
+            }
+        }
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
+        if len == 0 || len > MAX_FRAME {
+            return Err(corrupt(
+                at,
+                format!("frame length {len} is out of range (1 to {MAX_FRAME} bytes)"),
+            ));
+        }
+        let mut body = vec![0u8; len];
+        let got = read_full(&mut self.input, &mut body)?;
+        if got < len {
+            return Err(corrupt(
+                at,
+                format!("stream ends {got} bytes into a frame of {len} bytes"),
+            ));
+        }
+        self.offset += 8 + len as u64;
+        if crc32fast::hash(&body) != crc {
+            return Err(corrupt(at, "frame fails its crc32"));
+        }
+        let (kind, payload) = (body[0], &body[1..]);
+        let frame = match kind {
+            KIND_META => Frame::Meta(parse_meta(at, payload)?),
+            KIND_RECORD => Frame::Record(Box::new(parse_record(at, payload)?)),
+            KIND_END => {
+                let n: [u8; 8] = payload
+                    .try_into()
+                    .map_err(|_| corrupt(at, "end frame is not 8 bytes"))?;
+                Frame::End {
+                    records: u64::from_le_bytes(n),
+                }
+            }
+            other => return Err(corrupt(at, format!("unknown frame kind {other}"))),
+        };
+        Ok(Some((at, frame)))
+    }
+}
+
+fn parse_meta(at: u64, p: &[u8]) -> Result<StreamMeta> {
+    if p.len() != 33 {
+        return Err(corrupt(
+            at,
+            format!("meta frame is {} bytes, not 33", p.len()),
+        ));
+    }
+    let u64_at = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&p[i..i + 8]);
+        u64::from_le_bytes(b)
+    };
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&p[..16]);
+    if p[32] != RECORD_VERSION {
+        return Err(corrupt(
+            at,
+            format!(
+                "records are in envelope version {}, this build reads {RECORD_VERSION}",
+                p[32]
+            ),
+        ));
+    }
+    Ok(StreamMeta {
+        store_id: u128::from_le_bytes(id),
+        next_token: u64_at(16),
+        clock_hwm: u64_at(24),
+    })
+}
+
+fn parse_record(at: u64, p: &[u8]) -> Result<Record> {
+    if p.len() < 2 {
+        return Err(corrupt(at, "record frame too short"));
+    }
+    let key_len = usize::from(u16::from_le_bytes([p[0], p[1]]));
+    if p.len() < 2 + key_len {
+        return Err(corrupt(at, "record frame shorter than its key"));
+    }
+    let (key, envelope) = p[2..].split_at(key_len);
+    codec::decode_record(key, envelope).map_err(|e| corrupt(at, e.to_string()))
+}
+
+/// Reads until `buf` is full or the input ends; returns the bytes read.
+fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match input.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::Storage(format!("reading the export stream: {e}"))),
+        }
+    }
+    Ok(got)
+}
+
+/// Writes every live record of one read snapshot of `db` to `out`.
+pub(crate) fn export(
+    path: &Path,
+    db: &Database,
+    now_ms: u64,
+    out: impl Write,
+    mut progress: impl FnMut(Progress),
+) -> Result<ExportSummary> {
+    let txn = guard(path, || db.begin_read().map_err(|e| map_err(path, e)))?;
+    let meta = guard(path, || {
+        let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+        schema::read_meta(path, &table)
+    })?;
+    let table = guard(path, || {
+        txn.open_table(RECORDS).map_err(|e| map_err(path, e))
+    })?;
+    let mut writer = FrameWriter::new(out)?;
+    writer.meta(&StreamMeta {
+        store_id: meta.store_id,
+        next_token: meta.next_token,
+        clock_hwm: meta.clock_hwm.max(now_ms),
+    })?;
+    let mut records = 0u64;
+    let mut iter = guard(path, || table.iter().map_err(|e| map_err(path, e)))?;
+    loop {
+        let entry = guard(path, || {
+            iter.next()
+                .transpose()
+                .map_err(|e| map_err(path, e))
+                .map(|o| o.map(|(k, v)| (k.value().to_vec(), v.value().to_vec())))
+        })?;
+        let Some((key, envelope)) = entry else { break };
+        // Verify before writing: an export is only as good as its records.
+        let record = codec::decode_record(&key, &envelope)?;
+        if record.is_expired_at(now_ms) {
+            continue;
+        }
+        writer.record(&key, &envelope)?;
+        records += 1;
+        progress(Progress {
+            records,
+            bytes: writer.bytes(),
+        });
+    }
+    let bytes = writer.end(records)?;
+    Ok(ExportSummary {
+        records,
+        bytes,
+        next_token: meta.next_token,
+    })
+}
+
+/// How many records one import write holds.
+pub(crate) const IMPORT_BATCH: usize = 1024;
+
+/// One batch of an import for the writer: the records, and the floors the
+/// token counter and the clock must be raised to (at least one above every
+/// token seen so far, and the latest time seen so far).
+pub(crate) struct ImportBatch {
+    pub records: Vec<Record>,
+    pub token_floor: u64,
+    pub clock_floor: u64,
+}
+
+/// What the writer did with each record of a batch.
+pub(crate) type BatchResult = Vec<Result<ImportResult>>;
+
+/// Reads a stream and hands it to `apply` in batches of up to
+/// [`IMPORT_BATCH`] records, each applied atomically. A batch is handed
+/// over only once every frame in it has been read and checked, so a damaged
+/// frame stops the import before any record of its batch is written.
+pub(crate) fn import(
+    input: impl Read,
+    mut progress: impl FnMut(Progress),
+    mut apply: impl FnMut(ImportBatch) -> Result<BatchResult>,
+) -> Result<ImportSummary> {
+    let mut reader = FrameReader::new(input)?;
+    let meta = match reader.next_frame()? {
+        Some((_, Frame::Meta(meta))) => meta,
+        Some((at, _)) => return Err(corrupt(at, "the first frame is not the meta frame")),
+        None => {
+            return Err(corrupt(
+                reader.offset(),
+                "stream ends before its meta frame",
+            ));
+        }
+    };
+    let mut summary = ImportSummary::default();
+    let mut token_floor = meta.next_token;
+    let mut clock_floor = meta.clock_hwm;
+    let mut batch: Vec<Record> = Vec::with_capacity(IMPORT_BATCH);
+    let mut flush = |batch: &mut Vec<Record>,
+                     token_floor: u64,
+                     clock_floor: u64,
+                     summary: &mut ImportSummary|
+     -> Result<()> {
+        let results = apply(ImportBatch {
+            records: std::mem::take(batch),
+            token_floor,
+            clock_floor,
+        })?;
+        for result in results {
+            match result? {
+                ImportResult::Written => summary.imported += 1,
+                ImportResult::Present => summary.present += 1,
+                ImportResult::Expired => summary.expired += 1,
+                ImportResult::BusinessKeyTaken => summary.business_key_taken += 1,
+            }
+        }
+        Ok(())
+    };
+    loop {
+        let Some((at, frame)) = reader.next_frame()? else {
+            return Err(corrupt(
+                reader.offset(),
+                "stream ends before its end frame (truncated export)",
+            ));
+        };
+        match frame {
+            Frame::Record(record) => {
+                token_floor = token_floor.max(record.token.saturating_add(1));
+                clock_floor = clock_floor.max(record.created_ms.max(record.updated_ms));
+                batch.push(*record);
+                summary.records += 1;
+                if batch.len() >= IMPORT_BATCH {
+                    flush(&mut batch, token_floor, clock_floor, &mut summary)?;
+                }
+                progress(Progress {
+                    records: summary.records,
+                    bytes: reader.offset(),
+                });
+            }
+            Frame::End { records } => {
+                if records != summary.records {
+                    return Err(corrupt(
+                        at,
+                        format!(
+                            "end frame counts {records} records, the stream holds {}",
+                            summary.records
+                        ),
+                    ));
+                }
+                if let Some((after, _)) = reader.next_frame()? {
+                    return Err(corrupt(after, "data after the end frame"));
+                }
+                // The last write goes through even with no record left in
+                // it, so the floors always land.
+                flush(&mut batch, token_floor, clock_floor, &mut summary)?;
+                return Ok(summary);
+            }
+            Frame::Meta(_) => return Err(corrupt(at, "a second meta frame")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::{Fingerprint, Key};
+    use crate::record::State;
+
+    fn sample(id: &str) -> Record {
+        Record {
+            key: Key::new("acme/t", id).unwrap(),
+            state: State::Succeeded,
+            token: 7,
+            fingerprint: Fingerprint::of(b"p"),
+            created_ms: 1,
+            updated_ms: 2,
+            lease_until_ms: 3,
+            expires_ms: 4,
+            output: Some(b"ok".to_vec()),
+            recovery_point: None,
+            business_key: Some("order-1".into()),
+            acquisitions: 1,
+        }
+    }
+
+    fn stream(records: &[Record]) -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut w = FrameWriter::new(&mut out).unwrap();
+        w.meta(&StreamMeta {
+            store_id: 9,
+            next_token: 10,
+            clock_hwm: 11,
+        })
+        .unwrap();
+        for r in records {
+            let kb = r.key.to_bytes();
+            w.record(&kb, &codec::encode_record(&kb, r)).unwrap();
+        }
+        w.end(records.len() as u64).unwrap();
+        out
+    }
+
+    #[test]
+    fn frames_round_trip() {
+        let recs = [sample("a"), sample("b")];
+        let bytes = stream(&recs);
+        let mut r = FrameReader::new(bytes.as_slice()).unwrap();
+        assert!(
+            matches!(r.next_frame().unwrap(), Some((24, Frame::Meta(m))) if m.next_token == 10)
+        );
+        for want in &recs {
+            match r.next_frame().unwrap() {
+                Some((_, Frame::Record(got))) => assert_eq!(*got, *want),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(matches!(
+            r.next_frame().unwrap(),
+            Some((_, Frame::End { records: 2 }))
+        ));
+        assert!(r.next_frame().unwrap().is_none());
+    }
+
+    #[test]
+    fn every_flipped_byte_is_refused() {
+        let bytes = stream(&[sample("a")]);
+        for i in 0..bytes.len() {
+            let mut damaged = bytes.clone();
+            damaged[i] ^= 0x04;
+            let result = FrameReader::new(damaged.as_slice()).and_then(|mut r| {
+                while r.next_frame()?.is_some() {}
+                Ok(())
+            });
+            assert!(
+                matches!(result, Err(Error::CorruptExport { .. })),
+                "byte {i}: {result:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_huge_length_is_refused_before_allocating() {
+        let mut bytes = stream(&[]);
+        let at = 24usize;
+        bytes[at..at + 4].copy_from_slice(&u32::MAX.to_le_bytes());
+        let mut r = FrameReader::new(bytes.as_slice()).unwrap();
+        match r.next_frame() {
+            Err(Error::CorruptExport { offset, detail }) => {
+                assert_eq!(offset, 24);
+                assert!(detail.contains("out of range"), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,218 @@
+//! Operator subcommands on a store file: `stats`, `get`, `list`, `sweep`,
+//! `resolve`, `check`, `export` and `import`.
+//!
+//! Each opens the file itself, so it needs the file to itself: redb locks
+//! the file while a `Store` holds it. When a service holds it, the error
+//! says so and points to `Store::stats()`, which a service exposes for live
+//! numbers. Output is a human-readable table by default and JSON with
+//! `--json`; progress bars go to stderr, only when it is a terminal.
+
+pub mod check;
+pub mod export;
+pub mod get;
+pub mod import;
+pub mod list;
+pub mod resolve;
+pub mod stats;
+pub mod sweep;
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use idemstore::{Config, Error, Record, State, Store};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde_json::{Value, json};
+
+use crate::error::CliError;
+
+/// The store file every operator subcommand works on.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StoreArg {
+    /// The store file (a redb file written by idemstore).
+    #[arg(value_name = "STORE")]
+    pub store: PathBuf,
+}
+
+/// Opens an existing store for an operator command: no background sweeper,
+/// `retention` for what the command writes (the default, 24 h, when `None`).
+pub fn open(path: &Path, retention: Option<Duration>) -> Result<Store, CliError> {
+    let mut config = Config::new().sweep_interval(None);
+    if let Some(retention) = retention {
+        config = config.retention(retention);
+    }
+    Store::open_existing(path, config).map_err(|e| open_error(path, e))
+}
+
+/// The one-line error for a store that cannot be opened: names the file and
+/// the problem (missing, in use, not an idemstore file, newer format).
+pub fn open_error(path: &Path, err: Error) -> CliError {
+    match err {
+        Error::AlreadyOpen { .. } => CliError::Failed(format!(
+            "{} is in use: another process holds the store (redb locks the file while a Store \
+             has it open). Operator commands need the file to themselves: stop the service \
+             first, or read live numbers from the service's Store::stats()",
+            path.display()
+        )),
+        other => CliError::store("cannot open the store", other),
+    }
+}
+
+/// What a progress bar counts.
+#[derive(Debug, Clone, Copy)]
+pub enum Unit {
+    /// Records.
+    Records,
+    /// Bytes of a stream.
+    Bytes,
+}
+
+/// A progress bar on stderr, hidden unless stderr is a terminal. `len` is
+/// the expected count (a spinner when unknown).
+pub fn progress(len: Option<u64>, message: &'static str, unit: Unit) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let template = match (len.is_some(), unit) {
+        (true, Unit::Records) => "{msg} [{bar:32}] {human_pos}/{human_len} records (eta {eta})",
+        (true, Unit::Bytes) => {
+            "{msg} [{bar:32}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, eta {eta})"
+        }
+        (false, Unit::Records) => "{spinner} {msg} {human_pos} records ({elapsed})",
+        (false, Unit::Bytes) => "{spinner} {msg} {binary_bytes} ({binary_bytes_per_sec})",
+    };
+    let style =
+        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    let bar = match len {
+        Some(len) => ProgressBar::new(len),
+        None => ProgressBar::new_spinner(),
+    }
+    .with_style(style);
+    bar.set_draw_target(ProgressDrawTarget::stderr_with_hz(10));
+    bar.set_message(message);
+    bar
+}
+
+/// A duration in milliseconds for people: `3m 12s`, `850ms`.
+pub fn age(ms: u64) -> String {
+    if ms < 1_000 {
+        return format!("{ms}ms");
+    }
+    humantime::format_duration(Duration::from_secs(ms / 1_000)).to_string()
+}
+
+/// A size in bytes for people: `12.3 MiB`.
+pub fn size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    #[allow(clippy::cast_precision_loss)] // display only
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// Lowercase hex of `bytes`.
+pub fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes.iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// Stored bytes as JSON: `{"text": …}` when they are UTF-8, else
+/// `{"hex": …}`; `null` when absent.
+pub fn bytes_json(bytes: Option<&[u8]>) -> Value {
+    match bytes {
+        None => Value::Null,
+        Some(b) => match std::str::from_utf8(b) {
+            Ok(text) => json!({ "text": text }),
+            Err(_) => json!({ "hex": hex(b) }),
+        },
+    }
+}
+
+/// Stored bytes for people: the text (escaped) when UTF-8, else hex.
+pub fn bytes_text(bytes: Option<&[u8]>) -> String {
+    match bytes {
+        None => "-".into(),
+        Some(b) => match std::str::from_utf8(b) {
+            Ok(text) => format!("{:?}", text),
+            Err(_) => format!("0x{}", hex(b)),
+        },
+    }
+}
+
+/// A record as JSON, with times judged at `now_ms`.
+pub fn record_json(record: &Record, now_ms: u64) -> Value {
+    json!({
+        "scope": record.key().scope(),
+        "id": record.key().id(),
+        "state": record.state().name(),
+        "token": record.token(),
+        "fingerprint": hex(record.fingerprint().as_bytes()),
+        "created_ms": record.created_ms(),
+        "updated_ms": record.updated_ms(),
+        "lease_until_ms": record.lease_until_ms(),
+        "expires_ms": record.expires_ms(),
+        "age_ms": now_ms.saturating_sub(record.created_ms()),
+        "lease_lapsed": record.state() == State::Processing && !record.lease_valid_at(now_ms),
+        "acquisitions": record.acquisitions(),
+        "business_key": record.business_key(),
+        "result": bytes_json(record.result()),
+        "failure": bytes_json(record.failure()),
+        "recovery_point": bytes_json(record.recovery_point()),
+    })
+}
+
+/// Writes `value` as pretty JSON and a newline.
+pub fn write_json(out: &mut impl std::io::Write, value: &Value) -> Result<(), CliError> {
+    serde_json::to_writer_pretty(&mut *out, value)
+        .map_err(|e| CliError::Output(std::io::Error::other(e)))?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// The lease column: time left, or how long ago it lapsed.
+pub fn lease_text(record: &Record, now_ms: u64) -> String {
+    if record.state() != State::Processing {
+        return "-".into();
+    }
+    let until = record.lease_until_ms();
+    if now_ms < until {
+        format!("{} left", age(until - now_ms))
+    } else {
+        format!("lapsed {} ago", age(now_ms - until))
+    }
+}
+
+/// The state names `--state` accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StateArg {
+    /// A lease holder is running the work (or abandoned it).
+    Processing,
+    /// Finished with a stored result.
+    Succeeded,
+    /// Failed permanently; replayed until retention ends.
+    Failed,
+    /// Failed retryably; the next claim runs the work again.
+    FailedRetryable,
+}
+
+impl From<StateArg> for State {
+    fn from(s: StateArg) -> State {
+        match s {
+            StateArg::Processing => State::Processing,
+            StateArg::Succeeded => State::Succeeded,
+            StateArg::Failed => State::Failed { retryable: false },
+            StateArg::FailedRetryable => State::Failed { retryable: true },
+        }
+    }
+}

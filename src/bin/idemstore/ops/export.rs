@@ -1,0 +1,119 @@
+//! `idemstore export STORE [--output FILE]`: a portable backup of every
+//! live record.
+
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use idemstore::ExportSummary;
+use serde_json::json;
+
+use crate::error::CliError;
+use crate::ops::{self, StoreArg};
+
+/// Arguments of `idemstore export`.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "The stream is versioned, each record a length-prefixed, \
+crc32-framed copy of the stored record; `idemstore import` reads it. Without --output \
+the stream goes to stdout (never to a terminal) and the summary to stderr."
+)]
+pub struct Args {
+    #[command(flatten)]
+    store: StoreArg,
+    /// Write to this file (written beside it under a temporary name, then
+    /// renamed, so a failed export leaves no partial file).
+    #[arg(long, short)]
+    output: Option<PathBuf>,
+    /// Replace the output file if it exists.
+    #[arg(long, requires = "output")]
+    force: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `idemstore export`.
+pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
+    if args.output.is_none() && std::io::stdout().is_terminal() {
+        return Err(CliError::Usage(
+            "refusing to write a binary export to a terminal: give --output FILE or redirect stdout"
+                .into(),
+        ));
+    }
+    if let Some(target) = &args.output
+        && target.exists()
+        && !args.force
+    {
+        return Err(CliError::Failed(format!(
+            "{} exists; give --force to replace it",
+            target.display()
+        )));
+    }
+    let store = ops::open(&args.store.store, None)?;
+    let total = store
+        .len()
+        .map_err(|e| CliError::store("cannot read the store", e))?;
+    let bar = ops::progress(Some(total), "exporting", ops::Unit::Records);
+    let tick = |p: idemstore::Progress| bar.set_position(p.records);
+    let summary = match &args.output {
+        Some(target) => export_to_file(&store, target, tick)?,
+        None => store
+            .export(&mut *out, tick)
+            .map_err(|e| CliError::store("export failed", e))?,
+    };
+    bar.finish_and_clear();
+    let report = json!({
+        "records": summary.records,
+        "bytes": summary.bytes,
+        "next_token": summary.next_token,
+    });
+    let text = format!(
+        "exported {} records ({}) to {}",
+        summary.records,
+        ops::size(summary.bytes),
+        args.output
+            .as_ref()
+            .map_or("stdout".into(), |p| p.display().to_string())
+    );
+    match (&args.output, args.json) {
+        (Some(_), true) => ops::write_json(out, &report)?,
+        (Some(_), false) => writeln!(out, "{text}")?,
+        (None, true) => eprintln!("{report}"),
+        (None, false) => eprintln!("{text}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn export_to_file(
+    store: &idemstore::Store,
+    target: &Path,
+    tick: impl FnMut(idemstore::Progress),
+) -> Result<ExportSummary, CliError> {
+    let mut partial = target.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let write = || -> Result<ExportSummary, CliError> {
+        let file = File::create(&partial)
+            .map_err(|e| CliError::io(format!("cannot create {}", partial.display()), e))?;
+        let mut writer = BufWriter::new(file);
+        let summary = store
+            .export(&mut writer, tick)
+            .map_err(|e| CliError::store("export failed", e))?;
+        let file = writer.into_inner().map_err(|e| {
+            CliError::io(
+                format!("cannot write {}", partial.display()),
+                e.into_error(),
+            )
+        })?;
+        file.sync_all()
+            .map_err(|e| CliError::io(format!("cannot sync {}", partial.display()), e))?;
+        std::fs::rename(&partial, target)
+            .map_err(|e| CliError::io(format!("cannot rename to {}", target.display()), e))?;
+        Ok(summary)
+    };
+    write().inspect_err(|_| {
+        let _ = std::fs::remove_file(&partial);
+    })
+}

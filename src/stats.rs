@@ -1,0 +1,236 @@
+//! The numbers an operator watches: records by state, the oldest work in
+//! flight, the file's size, and counters of what the store answered since
+//! it was opened.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use redb::{Database, ReadableDatabase, ReadableTable};
+
+use crate::audit::{Cause, Event};
+use crate::codec;
+use crate::error::Result;
+use crate::record::State;
+use crate::schema::{RECORDS, guard, map_err};
+
+/// Counters since the store was opened, as seen by
+/// [`Store::stats`](crate::Store::stats). They are kept in memory (atomics)
+/// and start at zero on every open.
+///
+/// Every claim the store answers counts once in `claims` and once in exactly
+/// one of `acquired`, `replays`, `in_progress`, `fingerprint_mismatches` or
+/// `business_key_conflicts` (a claim that fails on storage or a corrupt
+/// record counts nowhere). Writes are counted once they are durable.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Counters {
+    /// Claims answered.
+    pub claims: u64,
+    /// Claims that acquired a lease (including takeovers).
+    pub acquired: u64,
+    /// Claims answered with a stored outcome (duplicates prevented).
+    pub replays: u64,
+    /// Claims answered "in progress" (HTTP 409 + Retry-After; concurrent
+    /// duplicates prevented).
+    pub in_progress: u64,
+    /// Claims refused because the key was used with another payload (422).
+    pub fingerprint_mismatches: u64,
+    /// Claims refused because another key holds their business key (409).
+    pub business_key_conflicts: u64,
+    /// Writes (complete, fail, release, extend, recovery point, resolve)
+    /// refused because the lease was no longer current.
+    pub stale_lease_rejections: u64,
+    /// Acquisitions that took over a Processing record whose lease had
+    /// lapsed: each is work that may have run twice unless the new holder
+    /// asks the downstream system first.
+    pub takeovers: u64,
+    /// Records removed by eviction after retention.
+    pub evictions: u64,
+}
+
+impl Counters {
+    /// The duplicate-prevention hit rate: the share of answered claims that
+    /// were duplicates the store stopped (replays, "in progress" answers and
+    /// business-key conflicts), from 0.0 to 1.0; `None` before any claim.
+    pub fn duplicate_hit_rate(&self) -> Option<f64> {
+        if self.claims == 0 {
+            return None;
+        }
+        let hits = self.replays + self.in_progress + self.business_key_conflicts;
+        #[allow(clippy::cast_precision_loss)] // counts far below 2^52
+        Some(hits as f64 / self.claims as f64)
+    }
+}
+
+/// The live counters behind [`Counters`].
+#[derive(Debug, Default)]
+pub(crate) struct LiveCounters {
+    claims: AtomicU64,
+    acquired: AtomicU64,
+    replays: AtomicU64,
+    in_progress: AtomicU64,
+    fingerprint_mismatches: AtomicU64,
+    business_key_conflicts: AtomicU64,
+    stale_lease_rejections: AtomicU64,
+    takeovers: AtomicU64,
+    evictions: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+impl LiveCounters {
+    /// Counts one published event.
+    pub(crate) fn count(&self, event: &Event) {
+        match event {
+            Event::Transition { cause, .. } => match cause {
+                Cause::Claim => {
+                    bump(&self.claims);
+                    bump(&self.acquired);
+                }
+                Cause::Takeover => {
+                    bump(&self.claims);
+                    bump(&self.acquired);
+                    bump(&self.takeovers);
+                }
+                Cause::Evict => bump(&self.evictions),
+                Cause::Complete | Cause::Fail | Cause::Release | Cause::Resolve | Cause::Import => {
+                }
+            },
+            Event::Replay { .. } => {
+                bump(&self.claims);
+                bump(&self.replays);
+            }
+            Event::InProgress { .. } => {
+                bump(&self.claims);
+                bump(&self.in_progress);
+            }
+            Event::FingerprintMismatch { .. } => {
+                bump(&self.claims);
+                bump(&self.fingerprint_mismatches);
+            }
+            Event::BusinessKeyConflict { .. } => {
+                bump(&self.claims);
+                bump(&self.business_key_conflicts);
+            }
+            Event::StaleLease { .. } => bump(&self.stale_lease_rejections),
+            Event::Corrupt { .. } => {}
+        }
+    }
+
+    pub(crate) fn snapshot(&self) -> Counters {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Counters {
+            claims: get(&self.claims),
+            acquired: get(&self.acquired),
+            replays: get(&self.replays),
+            in_progress: get(&self.in_progress),
+            fingerprint_mismatches: get(&self.fingerprint_mismatches),
+            business_key_conflicts: get(&self.business_key_conflicts),
+            stale_lease_rejections: get(&self.stale_lease_rejections),
+            takeovers: get(&self.takeovers),
+            evictions: get(&self.evictions),
+        }
+    }
+}
+
+/// How many stored records are in each state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StateCounts {
+    /// Live Processing records (work in flight, or abandoned with a lapsed
+    /// lease: see [`Store::compensation`](crate::Store::compensation)).
+    pub processing: u64,
+    /// Of `processing`, those whose lease has lapsed.
+    pub lapsed: u64,
+    /// Live Succeeded records.
+    pub succeeded: u64,
+    /// Live permanently Failed records.
+    pub failed: u64,
+    /// Live retryably Failed records.
+    pub failed_retryable: u64,
+    /// Records past retention that eviction has not removed yet (absent to
+    /// every read; they only take space).
+    pub expired: u64,
+    /// Records that fail their checksum or do not decode (run
+    /// `idemstore check`).
+    pub corrupt: u64,
+}
+
+impl StateCounts {
+    /// Every stored record, live, expired or corrupt.
+    pub fn total(&self) -> u64 {
+        self.processing
+            + self.succeeded
+            + self.failed
+            + self.failed_retryable
+            + self.expired
+            + self.corrupt
+    }
+
+    /// Live records (not past retention, not corrupt).
+    pub fn live(&self) -> u64 {
+        self.processing + self.succeeded + self.failed + self.failed_retryable
+    }
+}
+
+/// A snapshot of the store for a dashboard: see
+/// [`Store::stats`](crate::Store::stats).
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// The store's time when the snapshot was taken (ms since the epoch).
+    pub now_ms: u64,
+    /// Records by state, counted by a scan of one read snapshot.
+    pub records: StateCounts,
+    /// Age of the oldest live Processing record, `now − created_ms`
+    /// (milliseconds since its key was first acquired); `None` when nothing
+    /// is in flight.
+    pub oldest_processing_age_ms: Option<u64>,
+    /// Size of the store file (in bytes), from the file system; `None` for
+    /// a store opened on a custom backend or when the size cannot be read.
+    pub file_bytes: Option<u64>,
+    /// Counters since the store was opened.
+    pub counters: Counters,
+}
+
+/// Counts records by state with one pass over a read snapshot: reads and
+/// decodes every stored record. Returns the counts and the oldest live
+/// Processing record's `created_ms`.
+pub(crate) fn count_states(
+    path: &Path,
+    db: &Database,
+    now_ms: u64,
+) -> Result<(StateCounts, Option<u64>)> {
+    guard(path, || {
+        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+        let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
+        let mut counts = StateCounts::default();
+        let mut oldest: Option<u64> = None;
+        for entry in table.iter().map_err(|e| map_err(path, e))? {
+            let (k, v) = entry.map_err(|e| map_err(path, e))?;
+            let Ok(record) = codec::decode_record(k.value(), v.value()) else {
+                counts.corrupt += 1;
+                continue;
+            };
+            if record.is_expired_at(now_ms) {
+                counts.expired += 1;
+                continue;
+            }
+            match record.state {
+                State::Processing => {
+                    counts.processing += 1;
+                    if !record.lease_valid_at(now_ms) {
+                        counts.lapsed += 1;
+                    }
+                    oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
+                }
+                State::Succeeded => counts.succeeded += 1,
+                State::Failed { retryable: false } => counts.failed += 1,
+                State::Failed { retryable: true } => counts.failed_retryable += 1,
+            }
+        }
+        Ok((counts, oldest))
+    })
+}

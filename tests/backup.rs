@@ -1,0 +1,326 @@
+//! Export and import: round trip, idempotence, damaged streams, and the
+//! token counter and clock raised above everything imported.
+
+use std::path::Path;
+use std::time::Duration;
+
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Config, Error, Filter, Fingerprint, Key, Lease, ManualClock,
+    Record, State, Store,
+};
+
+const T0: u64 = 1_704_067_200_000;
+
+fn open(path: &Path, clock: &ManualClock) -> Store {
+    Store::open_with(
+        path,
+        Config::new()
+            .clock(clock.clone())
+            .retention(Duration::from_secs(3600))
+            .lease(Duration::from_secs(10))
+            .sweep_interval(None),
+    )
+    .unwrap()
+}
+
+fn key(id: &str) -> Key {
+    Key::new("acme/tickets", id).unwrap()
+}
+
+fn acquire(store: &Store, k: &Key, opts: &ClaimOptions) -> Lease {
+    match store
+        .claim(k, &Fingerprint::of(k.id().as_bytes()), opts)
+        .unwrap()
+    {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn all(store: &Store) -> Vec<Record> {
+    store
+        .scan(&Filter::new())
+        .unwrap()
+        .collect::<idemstore::Result<_>>()
+        .unwrap()
+}
+
+/// A store with one record in every state, a recovery point and a
+/// business key. Returns the export of it.
+fn populated(path: &Path, clock: &ManualClock) -> (Vec<Record>, Vec<u8>) {
+    let store = open(path, clock);
+    let l = acquire(
+        &store,
+        &key("done"),
+        &ClaimOptions::new().business_key("T-1"),
+    );
+    store.complete(&l, b"ticket T-1").unwrap();
+    let l = acquire(&store, &key("failed"), &ClaimOptions::new());
+    store.fail(&l, b"declined", false).unwrap();
+    let l = acquire(&store, &key("retry"), &ClaimOptions::new());
+    store.fail(&l, b"timeout", true).unwrap();
+    let l = acquire(&store, &key("running"), &ClaimOptions::new());
+    store.set_recovery_point(&l, b"step-2").unwrap();
+    let records = all(&store);
+    assert_eq!(records.len(), 4);
+    let mut out = Vec::new();
+    let summary = store.export(&mut out, |_| {}).unwrap();
+    assert_eq!(summary.records, 4);
+    assert_eq!(summary.bytes, out.len() as u64);
+    (records, out)
+}
+
+#[test]
+fn export_then_import_restores_every_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let (records, stream) = populated(&dir.path().join("a.redb"), &clock);
+
+    let b_path = dir.path().join("b.redb");
+    let b = open(&b_path, &clock);
+    let mut seen = Vec::new();
+    let summary = b
+        .import(stream.as_slice(), |p| seen.push(p.records))
+        .unwrap();
+    assert_eq!(
+        (summary.records, summary.imported, summary.present),
+        (4, 4, 0)
+    );
+    assert_eq!(seen, vec![1, 2, 3, 4]);
+    assert_eq!(all(&b), records);
+    // The restored store behaves as the original: replay, business key,
+    // the in-flight record with its recovery point, retryable failure.
+    match b
+        .claim(
+            &key("done"),
+            &Fingerprint::of(b"done"),
+            &ClaimOptions::new(),
+        )
+        .unwrap()
+    {
+        ClaimOutcome::Replay(r) => assert_eq!(r.result(), Some(&b"ticket T-1"[..])),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        b.claim(
+            &key("other"),
+            &Fingerprint::of(b"x"),
+            &ClaimOptions::new().business_key("T-1")
+        ),
+        Err(Error::BusinessKeyConflict { .. })
+    ));
+    clock.advance(Duration::from_secs(11));
+    let taken = acquire(&b, &key("running"), &ClaimOptions::new());
+    assert_eq!(taken.recovery_point(), Some(&b"step-2"[..]));
+    assert!(taken.is_takeover());
+    let report = b.verify(|_| {}).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    drop(b);
+    // And it is durable.
+    let b = open(&b_path, &clock);
+    assert_eq!(b.len().unwrap(), 4);
+}
+
+#[test]
+fn import_is_idempotent_and_never_overwrites_a_live_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let a_path = dir.path().join("a.redb");
+    let (_, stream) = populated(&a_path, &clock);
+    let b = open(&dir.path().join("b.redb"), &clock);
+    b.import(stream.as_slice(), |_| {}).unwrap();
+    let before = all(&b);
+    let again = b.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!((again.imported, again.present), (0, 4));
+    assert_eq!(all(&b), before);
+
+    // A record that moved on since the export is kept as it is now.
+    let a = open(&a_path, &clock);
+    clock.advance(Duration::from_secs(11));
+    let l = acquire(&a, &key("running"), &ClaimOptions::new());
+    let now = a.complete(&l, b"finished later").unwrap();
+    let summary = a.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!(summary.present, 4);
+    assert_eq!(a.get(&key("running")).unwrap().unwrap(), now);
+}
+
+#[test]
+fn import_skips_expired_records_and_taken_business_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let (_, stream) = populated(&dir.path().join("a.redb"), &clock);
+    let b = open(&dir.path().join("b.redb"), &clock);
+    // In the target, another key already holds business key T-1.
+    acquire(&b, &key("mine"), &ClaimOptions::new().business_key("T-1"));
+    let summary = b.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!((summary.imported, summary.business_key_taken), (3, 1));
+    assert!(b.get(&key("done")).unwrap().is_none());
+
+    let c = open(&dir.path().join("c.redb"), &clock);
+    clock.advance(Duration::from_secs(3601));
+    let summary = c.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!((summary.imported, summary.expired), (0, 4));
+    assert!(c.is_empty().unwrap());
+}
+
+#[test]
+fn import_raises_the_token_counter_above_everything_it_imports() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let a = open(&dir.path().join("a.redb"), &clock);
+    let kept = acquire(&a, &key("kept"), &ClaimOptions::new());
+    a.complete(&kept, b"ok").unwrap();
+    // Tokens handed out and then released leave no record, but the export
+    // still carries the counter.
+    for i in 0..20 {
+        let l = acquire(&a, &key(&format!("gone-{i}")), &ClaimOptions::new());
+        a.release(l).unwrap();
+    }
+    let last = acquire(&a, &key("last"), &ClaimOptions::new());
+    let highest = last.token();
+    let mut stream = Vec::new();
+    let exported = a.export(&mut stream, |_| {}).unwrap();
+    assert_eq!(exported.next_token, highest + 1);
+
+    let b_path = dir.path().join("b.redb");
+    let b = open(&b_path, &clock);
+    let summary = b.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!(summary.next_token, highest + 1);
+    let fresh = acquire(&b, &key("fresh"), &ClaimOptions::new());
+    assert!(fresh.token() > highest, "{} <= {highest}", fresh.token());
+    drop(b);
+    // The counter is durable.
+    let b = open(&b_path, &clock);
+    let again = acquire(&b, &key("fresh-2"), &ClaimOptions::new());
+    assert!(again.token() > fresh.token());
+}
+
+#[test]
+fn import_raises_the_clock_high_water_mark() {
+    let dir = tempfile::tempdir().unwrap();
+    let ahead = ManualClock::new(T0 + 3_600_000);
+    let (_, stream) = populated(&dir.path().join("a.redb"), &ahead);
+    let behind = ManualClock::new(T0);
+    let b_path = dir.path().join("b.redb");
+    let b = open(&b_path, &behind);
+    assert_eq!(b.now_ms(), T0);
+    b.import(stream.as_slice(), |_| {}).unwrap();
+    assert!(b.now_ms() >= T0 + 3_600_000);
+    drop(b);
+    let b = open(&b_path, &behind);
+    assert!(
+        b.now_ms() >= T0 + 3_600_000,
+        "the raised clock is persisted"
+    );
+}
+
+/// Offsets of the frames in a stream: header 24 bytes, then
+/// `[len u32][crc u32][len bytes]`.
+fn frame_offsets(stream: &[u8]) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut at = 24;
+    while at < stream.len() {
+        out.push(at);
+        let len = u32::from_le_bytes(stream[at..at + 4].try_into().unwrap()) as usize;
+        at += 8 + len;
+    }
+    assert_eq!(at, stream.len());
+    out
+}
+
+#[test]
+fn a_damaged_frame_is_refused_with_its_offset_and_nothing_of_its_batch_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let (_, stream) = populated(&dir.path().join("a.redb"), &clock);
+    let frames = frame_offsets(&stream);
+    // meta, 4 records, end
+    assert_eq!(frames.len(), 6);
+    let b = open(&dir.path().join("b.redb"), &clock);
+    for (i, &at) in frames.iter().enumerate() {
+        let mut damaged = stream.clone();
+        damaged[at + 12] ^= 0x01;
+        match b.import(damaged.as_slice(), |_| {}) {
+            Err(Error::CorruptExport { offset, detail }) => {
+                assert_eq!(offset, at as u64, "frame {i}: {detail}");
+            }
+            other => panic!("frame {i}: {other:?}"),
+        }
+        assert!(b.is_empty().unwrap(), "frame {i}");
+    }
+    // Truncated: the offset is where the stream ended.
+    let cut = frames[5];
+    match b.import(&stream[..cut], |_| {}) {
+        Err(Error::CorruptExport { offset, detail }) => {
+            assert_eq!(offset, cut as u64);
+            assert!(detail.contains("truncated"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Not an export at all.
+    match b.import(&b"SQLite format 3\0 and more bytes"[..], |_| {}) {
+        Err(Error::CorruptExport { offset: 0, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    // A newer format version.
+    let mut newer = stream.clone();
+    newer[16..20].copy_from_slice(&2u32.to_le_bytes());
+    let crc = crc32fast::hash(&newer[..20]);
+    newer[20..24].copy_from_slice(&crc.to_le_bytes());
+    match b.import(newer.as_slice(), |_| {}) {
+        Err(Error::CorruptExport { detail, .. }) => assert!(detail.contains("newer"), "{detail}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(b.is_empty().unwrap());
+}
+
+#[test]
+fn a_large_import_goes_in_atomic_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let a = std::sync::Arc::new(open(&dir.path().join("a.redb"), &clock));
+    // 1,100 records (two import batches), claimed from 16 threads so that
+    // group commit keeps this quick.
+    std::thread::scope(|s| {
+        for t in 0..16 {
+            let a = a.clone();
+            s.spawn(move || {
+                for i in (t..1100).step_by(16) {
+                    let l = acquire(&a, &key(&format!("k{i:05}")), &ClaimOptions::new());
+                    if i % 2 == 0 {
+                        a.complete(&l, b"ok").unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let mut stream = Vec::new();
+    a.export(&mut stream, |_| {}).unwrap();
+    let frames = frame_offsets(&stream);
+    // Damage record 1,050: the first batch (1,024 records) is imported, the
+    // second is refused whole.
+    let at = frames[1 + 1050];
+    let mut damaged = stream.clone();
+    damaged[at + 20] ^= 0xFF;
+    let b = open(&dir.path().join("b.redb"), &clock);
+    match b.import(damaged.as_slice(), |_| {}) {
+        Err(Error::CorruptExport { offset, .. }) => assert_eq!(offset, at as u64),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(b.len().unwrap(), 1024);
+    // Running the repaired stream again completes the import.
+    let summary = b.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!(
+        (summary.records, summary.imported, summary.present),
+        (1100, 76, 1024)
+    );
+    assert_eq!(all(&b), all(&a));
+    let s = b.stats().unwrap();
+    assert_eq!((s.records.processing, s.records.succeeded), (550, 550));
+    assert_eq!(
+        b.scan(&Filter::new().state(State::Processing))
+            .unwrap()
+            .count(),
+        550
+    );
+}

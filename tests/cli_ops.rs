@@ -1,0 +1,472 @@
+//! The operator subcommands of the `idemstore` binary, run as a user would:
+//! the built binary on a store file written through the library.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Clock, Config, Fingerprint, Key, Lease, ManualClock, Store,
+    SystemClock,
+};
+use serde_json::Value;
+
+fn idemstore(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .output()
+        .expect("the idemstore binary runs")
+}
+
+fn code(out: &Output) -> i32 {
+    out.status.code().expect("exited normally")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(out), stderr(out)))
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn key(id: &str) -> Key {
+    Key::new("acme/tickets", id).unwrap()
+}
+
+fn acquire(store: &Store, k: &Key, opts: &ClaimOptions) -> Lease {
+    match store
+        .claim(k, &Fingerprint::of(k.id().as_bytes()), opts)
+        .unwrap()
+    {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A store written a minute ago (the binary reads the system clock): one
+/// record whose 10 s lease has lapsed, with a recovery point and a
+/// business key; one succeeded; one failed; one in another scope.
+/// Returns the lapsed record's token.
+fn populate(path: &Path) -> u64 {
+    let clock = ManualClock::new(SystemClock.now_ms() - 60_000);
+    let store = Store::open_with(
+        path,
+        Config::new()
+            .clock(clock)
+            .lease(Duration::from_secs(10))
+            .sweep_interval(None),
+    )
+    .unwrap();
+    let lapsed = acquire(
+        &store,
+        &key("lapsed"),
+        &ClaimOptions::new().business_key("T-9"),
+    );
+    store.set_recovery_point(&lapsed, b"step-2").unwrap();
+    let l = acquire(&store, &key("done"), &ClaimOptions::new());
+    store.complete(&l, b"ticket T-1").unwrap();
+    let l = acquire(&store, &key("failed"), &ClaimOptions::new());
+    store.fail(&l, &[0xff, 0x00], false).unwrap();
+    let other = Key::new("beta/refunds", "r-1").unwrap();
+    let l = acquire(&store, &other, &ClaimOptions::new());
+    store.complete(&l, b"ok").unwrap();
+    lapsed.token()
+}
+
+#[test]
+fn stats_shows_records_by_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    populate(&path);
+    let out = idemstore(&["stats", p(&path), "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["records"]["processing"], 1);
+    assert_eq!(v["records"]["lapsed"], 1);
+    assert_eq!(v["records"]["succeeded"], 2);
+    assert_eq!(v["records"]["failed"], 1);
+    assert_eq!(v["records"]["total"], 4);
+    assert!(v["oldest_processing_age_ms"].as_u64().unwrap() >= 60_000);
+    assert!(v["file_bytes"].as_u64().unwrap() > 0);
+
+    let out = idemstore(&["stats", p(&path)]);
+    assert_eq!(code(&out), 0);
+    let text = stdout(&out);
+    assert!(text.contains("processing         1 (1 lapsed)"), "{text}");
+    assert!(text.contains("oldest processing    1m"), "{text}");
+}
+
+#[test]
+fn get_shows_one_record_and_exits_1_when_absent() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let token = populate(&path);
+    let out = idemstore(&["get", p(&path), "acme/tickets", "lapsed", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["state"], "processing");
+    assert_eq!(v["token"], token);
+    assert_eq!(v["lease_lapsed"], true);
+    assert_eq!(v["business_key"], "T-9");
+    assert_eq!(v["recovery_point"]["text"], "step-2");
+
+    let out = idemstore(&["get", p(&path), "acme/tickets", "failed", "--json"]);
+    assert_eq!(json(&out)["failure"]["hex"], "ff00");
+
+    let out = idemstore(&["get", p(&path), "acme/tickets", "done"]);
+    assert!(stdout(&out).contains("\"ticket T-1\""), "{}", stdout(&out));
+
+    let out = idemstore(&["get", p(&path), "acme/tickets", "nope", "--json"]);
+    assert_eq!(code(&out), 1);
+    assert_eq!(json(&out), Value::Null);
+    let out = idemstore(&["get", p(&path), "", "x"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).starts_with("idemstore: invalid key"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn list_filters_and_finds_work_to_compensate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    populate(&path);
+    let ids = |args: &[&str]| -> Vec<String> {
+        let mut all = vec!["list", p(&path), "--json"];
+        all.extend_from_slice(args);
+        let out = idemstore(&all);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+        json(&out)
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}/{}",
+                    r["scope"].as_str().unwrap(),
+                    r["id"].as_str().unwrap()
+                )
+            })
+            .collect()
+    };
+    assert_eq!(ids(&[]).len(), 4);
+    assert_eq!(ids(&["--compensation"]), vec!["acme/tickets/lapsed"]);
+    assert_eq!(ids(&["--lapsed"]), vec!["acme/tickets/lapsed"]);
+    assert_eq!(
+        ids(&["--state", "succeeded"]),
+        vec!["acme/tickets/done", "beta/refunds/r-1"]
+    );
+    assert_eq!(ids(&["--scope-prefix", "beta/"]), vec!["beta/refunds/r-1"]);
+    assert_eq!(ids(&["--older-than", "1h"]).len(), 0);
+    assert_eq!(ids(&["--older-than", "30s"]).len(), 4);
+    assert_eq!(ids(&["--limit", "2"]).len(), 2);
+
+    let out = idemstore(&["list", p(&path), "--state", "processing"]);
+    let text = stdout(&out);
+    assert!(text.starts_with("STATE"), "{text}");
+    assert!(text.contains("lapsed"), "{text}");
+    assert!(text.contains("acme/tickets/lapsed"), "{text}");
+    assert_eq!(text.lines().count(), 2, "{text}");
+}
+
+#[test]
+fn resolve_finishes_a_record_fenced_by_its_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let token = populate(&path);
+    let t = token.to_string();
+    // A wrong token changes nothing.
+    let wrong = (token + 100).to_string();
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "acme/tickets",
+        "lapsed",
+        "--token",
+        &wrong,
+        "--succeeded",
+        "T-9",
+    ]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("no longer current"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "acme/tickets",
+        "lapsed",
+        "--token",
+        &t,
+        "--succeeded",
+        "T-9",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["state"], "succeeded");
+    assert_eq!(json(&out)["result"]["text"], "T-9");
+    // Done once: the same token is now stale.
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "acme/tickets",
+        "lapsed",
+        "--token",
+        &t,
+        "--failed",
+        "x",
+    ]);
+    assert_eq!(code(&out), 2);
+    let out = idemstore(&["get", p(&path), "acme/tickets", "lapsed", "--json"]);
+    assert_eq!(json(&out)["result"]["text"], "T-9");
+    // --succeeded or --failed is required.
+    let out = idemstore(&["resolve", p(&path), "acme/tickets", "lapsed", "--token", &t]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("--succeeded RESULT or --failed FAILURE"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn sweep_evicts_records_past_retention() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    {
+        let clock = ManualClock::new(SystemClock.now_ms() - 3_600_000);
+        let store = Store::open_with(
+            &path,
+            Config::new()
+                .clock(clock)
+                .retention(Duration::from_secs(60))
+                .sweep_interval(None),
+        )
+        .unwrap();
+        for i in 0..25 {
+            let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
+            store.complete(&l, b"ok").unwrap();
+        }
+    }
+    let out = idemstore(&["stats", p(&path), "--json"]);
+    assert_eq!(json(&out)["records"]["expired"], 25);
+    let out = idemstore(&["sweep", p(&path), "--batch", "10", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["evicted"], 25);
+    let out = idemstore(&["stats", p(&path), "--json"]);
+    assert_eq!(json(&out)["records"]["total"], 0);
+    let out = idemstore(&["sweep", p(&path)]);
+    assert_eq!(stdout(&out).trim(), "evicted 0 records past retention");
+}
+
+/// Flips a byte in the stored body of `k`'s record, through redb directly.
+fn damage_record(path: &Path, k: &Key) {
+    use redb::ReadableTable;
+    let records: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("records");
+    let db = redb::Database::open(path).unwrap();
+    let mut kb = vec![u8::try_from(k.scope().len()).unwrap()];
+    kb.extend_from_slice(k.scope().as_bytes());
+    kb.extend_from_slice(k.id().as_bytes());
+    let txn = db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(records).unwrap();
+        let mut bytes = table.get(kb.as_slice()).unwrap().unwrap().value().to_vec();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x55;
+        table.insert(kb.as_slice(), bytes.as_slice()).unwrap();
+    }
+    txn.commit().unwrap();
+}
+
+#[test]
+fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    populate(&path);
+    let out = idemstore(&["check", p(&path)]);
+    assert_eq!(code(&out), 0, "{}{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("redb integrity   clean"), "{text}");
+    assert!(text.contains("records          4 checked"), "{text}");
+    assert!(text.trim_end().ends_with("OK"), "{text}");
+
+    damage_record(&path, &key("done"));
+    let out = idemstore(&["check", p(&path), "--json"]);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["clean"], false);
+    assert_eq!(v["problems"][0]["key"], "acme/tickets/done");
+    assert!(
+        v["problems"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("checksum")
+    );
+    // list reports it on stderr, goes on, and exits 1.
+    let out = idemstore(&["list", p(&path)]);
+    assert_eq!(code(&out), 1);
+    assert!(stderr(&out).contains("corrupt record for key acme/tickets/done"));
+    assert_eq!(stdout(&out).lines().count(), 4);
+}
+
+#[test]
+fn export_then_import_restores_and_a_second_import_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let token = populate(&path);
+    let backup = dir.path().join("backup.idem");
+    let out = idemstore(&["export", p(&path), "--output", p(&backup), "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["records"], 4);
+    assert!(!dir.path().join("backup.idem.partial").exists());
+    // No silent overwrite.
+    let out = idemstore(&["export", p(&path), "--output", p(&backup)]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("--force"), "{}", stderr(&out));
+
+    let restored = dir.path().join("restored.redb");
+    let out = idemstore(&["import", p(&restored), p(&backup)]);
+    assert_eq!(
+        code(&out),
+        2,
+        "a missing store is not created without --create"
+    );
+    let out = idemstore(&["import", p(&restored), p(&backup), "--create", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(
+        (v["imported"].as_u64(), v["present"].as_u64()),
+        (Some(4), Some(0))
+    );
+    assert!(v["next_token"].as_u64().unwrap() > token);
+    let out = idemstore(&["import", p(&restored), p(&backup), "--json"]);
+    let v = json(&out);
+    assert_eq!(
+        (v["imported"].as_u64(), v["present"].as_u64()),
+        (Some(0), Some(4))
+    );
+    let out = idemstore(&["get", p(&restored), "acme/tickets", "lapsed", "--json"]);
+    assert_eq!(json(&out)["recovery_point"]["text"], "step-2");
+
+    // Export to stdout when it is a pipe; import from stdin.
+    let out = idemstore(&["export", p(&path)]);
+    assert_eq!(code(&out), 0);
+    assert!(out.stdout.starts_with(b"IDEMSTORE-EXPORT"));
+    assert!(
+        stderr(&out).contains("exported 4 records"),
+        "{}",
+        stderr(&out)
+    );
+
+    // A damaged frame is refused with its offset.
+    let mut bytes = std::fs::read(&backup).unwrap();
+    let at = bytes.len() - 30;
+    bytes[at] ^= 0x10;
+    let damaged = dir.path().join("damaged.idem");
+    std::fs::write(&damaged, &bytes).unwrap();
+    let other = dir.path().join("other.redb");
+    let out = idemstore(&["import", p(&other), p(&damaged), "--create"]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(err.contains("damaged.idem"), "{err}");
+    assert!(err.contains("at byte offset"), "{err}");
+}
+
+#[test]
+fn usage_errors_are_one_line_naming_what_is_missing() {
+    let out = idemstore(&["get"]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("<STORE> <SCOPE> <ID>"), "{err}");
+    let err = stderr(&idemstore(&["list", "x.redb", "--state", "bogus"]));
+    assert!(err.contains("possible values: processing"), "{err}");
+}
+
+#[test]
+fn errors_name_the_file_and_the_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.redb");
+    let out = idemstore(&["stats", p(&missing)]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(err.starts_with("idemstore: "), "{err}");
+    assert!(err.contains("missing.redb: no such store file"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        !missing.exists(),
+        "an operator command never creates a store"
+    );
+
+    let text = dir.path().join("notes.txt");
+    std::fs::write(&text, "hello").unwrap();
+    let err = stderr(&idemstore(&["check", p(&text)]));
+    assert!(
+        err.contains("notes.txt") && err.contains("not an idemstore file"),
+        "{err}"
+    );
+
+    let plain = dir.path().join("plain.redb");
+    {
+        let db = redb::Database::create(&plain).unwrap();
+        let txn = db.begin_write().unwrap();
+        let t: redb::TableDefinition<u64, u64> = redb::TableDefinition::new("other");
+        txn.open_table(t).unwrap();
+        txn.commit().unwrap();
+    }
+    let err = stderr(&idemstore(&["stats", p(&plain)]));
+    assert!(
+        err.contains("plain.redb") && err.contains("not an idemstore file"),
+        "{err}"
+    );
+
+    // A newer format version.
+    let newer = dir.path().join("newer.redb");
+    drop(Store::open(&newer).unwrap());
+    {
+        let meta: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+        let db = redb::Database::open(&newer).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(meta)
+            .unwrap()
+            .insert("format_version", &99u64.to_le_bytes()[..])
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    let err = stderr(&idemstore(&["stats", p(&newer)]));
+    assert!(
+        err.contains("newer.redb") && err.contains("format version 99 is newer"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_store_held_by_a_service_is_reported_as_in_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let service = Store::open(&path).unwrap();
+    for cmd in ["stats", "check", "list"] {
+        let out = idemstore(&[cmd, p(&path)]);
+        assert_eq!(code(&out), 2, "{cmd}");
+        let err = stderr(&out);
+        assert!(err.contains("s.redb is in use"), "{cmd}: {err}");
+        assert!(err.contains("Store::stats()"), "{cmd}: {err}");
+    }
+    drop(service);
+    assert_eq!(code(&idemstore(&["stats", p(&path)])), 0);
+}

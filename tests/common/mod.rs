@@ -1,0 +1,377 @@
+//! Helpers shared by the integration tests: a store in a temporary directory
+//! with a [`ManualClock`] at a real epoch time, key and fingerprint
+//! shorthands, and real crashes (a child process that holds the store and is
+//! killed with SIGKILL).
+//!
+//! # Child processes
+//!
+//! A test that needs a crash re-runs its own test binary as the child:
+//! `current_exe() --exact <test name> --nocapture --test-threads=1`, with
+//! [`CHILD_ENV`] set to the test's name. The test function asks
+//! [`child_role`] first; in the child it does its part, reports values with
+//! [`report`], calls [`ready_and_wait`] and is killed there by the parent.
+//! The same command line works under `cargo test` and `cargo nextest` (both
+//! run libtest binaries). Dropping a store is a clean shutdown, never a
+//! crash: the child is always killed while it holds the store.
+#![allow(dead_code)] // Each test crate uses a different part of this module.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Lease, ManualClock, Store};
+
+/// The environment variable that makes a test act as the child of the test
+/// named by its value.
+pub const CHILD_ENV: &str = "IDEMSTORE_TEST_CHILD";
+/// The prefix of every line the child reports on stdout (libtest prints its
+/// own lines there too).
+const REPORT_PREFIX: &str = "@@idemstore-child@@ ";
+/// The line a child prints when it is ready to be killed.
+const READY: &str = "READY";
+/// How long a parent waits for a child to report before giving up: only a
+/// guard against a hung child, never a measurement.
+pub const CHILD_REPORT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The scope used by [`key`].
+pub const SCOPE: &str = "test/op";
+
+/// A key in [`SCOPE`].
+pub fn key(id: &str) -> Key {
+    Key::new(SCOPE, id).expect("valid test key")
+}
+
+/// A key in `scope`.
+pub fn key_in(scope: &str, id: &str) -> Key {
+    Key::new(scope, id).expect("valid test key")
+}
+
+/// The fingerprint of a payload given as text.
+pub fn fp(payload: &str) -> Fingerprint {
+    Fingerprint::of(payload.as_bytes())
+}
+
+/// A duration in milliseconds.
+pub fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// A duration in seconds.
+pub fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+/// Claim options with a lease of `lease`.
+pub fn lease_of(lease: Duration) -> ClaimOptions {
+    ClaimOptions::new().lease(lease)
+}
+
+/// The lease of an `Acquired` outcome; panics with the outcome otherwise.
+#[track_caller]
+pub fn acquired(outcome: ClaimOutcome) -> Lease {
+    match outcome {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// A temporary directory holding one store file, and the manual clock the
+/// store reads. The clock starts at the current system time (a real epoch
+/// time, so unit mistakes such as seconds for milliseconds show).
+pub struct TestDir {
+    /// The directory; removed on drop.
+    pub dir: tempfile::TempDir,
+    /// The store file inside it.
+    pub path: PathBuf,
+    /// The clock; clones share its time.
+    pub clock: ManualClock,
+}
+
+impl TestDir {
+    /// A fresh directory, no store file yet, clock at the current time.
+    pub fn new() -> TestDir {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("idem.redb");
+        TestDir {
+            dir,
+            path,
+            clock: ManualClock::starting_now(),
+        }
+    }
+
+    /// A configuration reading this clock, with no background sweeper (so a
+    /// test decides when eviction runs).
+    pub fn config(&self) -> Config {
+        Config::new().clock(self.clock.clone()).sweep_interval(None)
+    }
+
+    /// Opens the store with [`TestDir::config`].
+    #[track_caller]
+    pub fn open(&self) -> Store {
+        self.open_with(self.config())
+    }
+
+    /// Opens the store with `config`.
+    #[track_caller]
+    pub fn open_with(&self, config: Config) -> Store {
+        match Store::open_with(&self.path, config) {
+            Ok(store) => store,
+            Err(err) => panic!("open {}: {err}", self.path.display()),
+        }
+    }
+
+    /// The clock's reading (ms since the epoch).
+    pub fn now_ms(&self) -> u64 {
+        idemstore::Clock::now_ms(&self.clock)
+    }
+}
+
+impl Default for TestDir {
+    fn default() -> Self {
+        TestDir::new()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Child processes
+// ---------------------------------------------------------------------------
+
+/// In a child started by [`spawn_child`] for `test_name`: `true`. In the
+/// parent (or in a child of another test): `false`.
+pub fn child_role(test_name: &str) -> bool {
+    std::env::var(CHILD_ENV).is_ok_and(|v| v == test_name)
+}
+
+/// A variable the parent passed to the child; panics when absent.
+#[track_caller]
+pub fn child_var(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("child variable {name} is not set"))
+}
+
+/// A variable the parent passed to the child, parsed.
+#[track_caller]
+pub fn child_var_parsed<T: std::str::FromStr>(name: &str) -> T
+where
+    T::Err: std::fmt::Debug,
+{
+    child_var(name)
+        .parse()
+        .unwrap_or_else(|e| panic!("child variable {name}: {e:?}"))
+}
+
+/// In the child: reports `name=value` to the parent.
+pub fn report(name: &str, value: impl std::fmt::Display) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{REPORT_PREFIX}{name}={value}");
+    let _ = out.flush();
+}
+
+/// In the child: tells the parent it is ready to be killed, then blocks
+/// (holding everything it opened) until it is killed. If the parent dies
+/// first, its end of the child's stdin closes and the child exits without
+/// any clean-up.
+pub fn ready_and_wait() -> ! {
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{REPORT_PREFIX}{READY}");
+        let _ = out.flush();
+    }
+    let mut sink = [0u8; 64];
+    let mut stdin = std::io::stdin().lock();
+    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+    // No destructor runs: this is not a clean shutdown either.
+    std::process::exit(3)
+}
+
+/// A running child process: the test binary re-run as the child of one test.
+/// Dropping it kills the child (SIGKILL) so that a failing parent never
+/// leaves one behind.
+pub struct ChildProc {
+    child: std::process::Child,
+    lines: Receiver<String>,
+    stderr: Arc<Mutex<String>>,
+    readers: Vec<JoinHandle<()>>,
+    test_name: String,
+}
+
+/// Starts the test binary as the child of `test_name`, with `vars` in its
+/// environment.
+pub fn spawn_child(test_name: &str, vars: &[(&str, String)]) -> ChildProc {
+    let exe = std::env::current_exe().expect("current test binary");
+    let mut cmd = Command::new(exe);
+    cmd.args(["--exact", test_name, "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, test_name)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (name, value) in vars {
+        cmd.env(name, value);
+    }
+    let mut child = cmd.spawn().expect("spawn child test process");
+    let stdout = child.stdout.take().expect("child stdout");
+    let stderr = child.stderr.take().expect("child stderr");
+    let (tx, lines) = channel();
+    let out_reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            // libtest may have printed "test <name> ... " on the same line.
+            if let Some(at) = line.find(REPORT_PREFIX) {
+                let report = &line[at + REPORT_PREFIX.len()..];
+                if tx.send(report.to_string()).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let collected = Arc::new(Mutex::new(String::new()));
+    let sink = collected.clone();
+    let err_reader = std::thread::spawn(move || {
+        let mut reader = BufReader::new(stderr);
+        let mut buf = String::new();
+        while matches!(reader.read_line(&mut buf), Ok(n) if n > 0) {
+            sink.lock().expect("stderr sink").push_str(&buf);
+            buf.clear();
+        }
+    });
+    ChildProc {
+        child,
+        lines,
+        stderr: collected,
+        readers: vec![out_reader, err_reader],
+        test_name: test_name.to_string(),
+    }
+}
+
+impl ChildProc {
+    /// Waits until the child is ready and returns everything it reported.
+    /// Panics, with the child's stderr, if it exits or hangs first.
+    #[track_caller]
+    pub fn wait_ready(&mut self) -> HashMap<String, String> {
+        let mut reports = HashMap::new();
+        let deadline = Instant::now() + CHILD_REPORT_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line == READY => return reports,
+                Ok(line) => {
+                    let (name, value) = line.split_once('=').unwrap_or((line.as_str(), ""));
+                    reports.insert(name.to_string(), value.to_string());
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    self.fail("did not report READY in time");
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.fail("exited before reporting READY");
+                }
+            }
+        }
+    }
+
+    /// Whether the child already reported READY (without waiting).
+    pub fn is_ready(&mut self) -> bool {
+        while let Ok(line) = self.lines.try_recv() {
+            if line == READY {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Panics if the child has already exited: a child that fails an
+    /// assertion exits early, and its failure must not pass unnoticed.
+    #[track_caller]
+    pub fn assert_running(&mut self) {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            self.fail(&format!("exited early with {status}"));
+        }
+    }
+
+    /// Kills the child with SIGKILL (a real crash: no destructor, no flush,
+    /// no unlock but the kernel's) and reaps it.
+    pub fn kill(mut self) {
+        self.kill_and_reap();
+    }
+
+    fn kill_and_reap(&mut self) {
+        // `Child::kill` sends SIGKILL on Unix.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for reader in self.readers.drain(..) {
+            let _ = reader.join();
+        }
+    }
+
+    #[track_caller]
+    fn fail(&mut self, what: &str) -> ! {
+        self.kill_and_reap();
+        let stderr = self.stderr.lock().expect("stderr sink").clone();
+        panic!("child of {} {what}; its stderr:\n{stderr}", self.test_name);
+    }
+}
+
+impl Drop for ChildProc {
+    fn drop(&mut self) {
+        self.kill_and_reap();
+    }
+}
+
+/// The path of a file as the child should receive it.
+pub fn path_var(path: &Path) -> String {
+    path.to_str().expect("UTF-8 temp path").to_string()
+}
+
+// ---------------------------------------------------------------------------
+// Seeded randomness
+// ---------------------------------------------------------------------------
+
+/// A small seeded generator (SplitMix64): reproducible runs without a
+/// dependency. Tests print their seed so a failure can be replayed.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// A generator from `seed`.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `0..n` (`n > 0`).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+
+    /// `true` with probability `1 / n`.
+    pub fn one_in(&mut self, n: u64) -> bool {
+        self.below(n) == 0
+    }
+}
+
+/// A seed from the environment variable `var` (decimal), or `default`.
+pub fn seed_from_env(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A count from the environment variable `var` (decimal), or `default`.
+pub fn count_from_env(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

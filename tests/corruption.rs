@@ -1,0 +1,383 @@
+//! Corruption of the redb file is detected and reported, never turned into a
+//! wrong answer or a panic (DESIGN.md guarantee 5).
+//!
+//! Two layers catch it: the record envelope's crc32 over key and body, which
+//! every read checks ([`Error::CorruptRecord`] naming the key, other keys keep
+//! working), and redb's page checksums, which the store verifies when it
+//! opens a file ([`Error::CorruptFile`] naming the file).
+//!
+//! `IDEMSTORE_CORRUPTION_SAMPLES` raises the number of random offsets the
+//! sampled test flips (default 60) and `IDEMSTORE_CORRUPTION_SEED` changes
+//! its seed.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::*;
+use idemstore::{ClaimOutcome, Error, Key, Record, State, Store};
+
+/// The result stored under [`victim`]: a byte string found nowhere else in
+/// the file.
+const MARKER: &[u8] = b"MARKER-5c0ffee-7d1e-a11c-result-of-the-victim";
+const VICTIM_ID: &str = "victim-record";
+
+fn victim() -> Key {
+    key(VICTIM_ID)
+}
+
+/// A store with records in every state and the victim completed with
+/// [`MARKER`]; returns every record as written.
+fn populate(store: &Store) -> BTreeMap<Key, Record> {
+    for i in 0..24 {
+        let k = key(&format!("other-{i:02}"));
+        let lease = acquired(store.claim(&k, &fp(k.id()), &lease_of(secs(600))).unwrap());
+        let filler = "f".repeat(i * 37);
+        match i % 3 {
+            0 => {}
+            1 => {
+                store
+                    .complete(&lease, format!("result-{i}-{filler}").as_bytes())
+                    .unwrap();
+            }
+            _ => {
+                store
+                    .fail(&lease, format!("failure-{i}-{filler}").as_bytes(), false)
+                    .unwrap();
+            }
+        }
+    }
+    let lease = acquired(
+        store
+            .claim(&victim(), &fp(VICTIM_ID), &lease_of(secs(600)))
+            .unwrap(),
+    );
+    store.complete(&lease, MARKER).unwrap();
+    let mut expected = BTreeMap::new();
+    for i in 0..24 {
+        let k = key(&format!("other-{i:02}"));
+        expected.insert(k.clone(), store.get(&k).unwrap().unwrap());
+    }
+    expected.insert(victim(), store.get(&victim()).unwrap().unwrap());
+    expected
+}
+
+fn find_all(haystack: &[u8], needle: &[u8]) -> Vec<usize> {
+    haystack
+        .windows(needle.len())
+        .enumerate()
+        .filter(|(_, w)| *w == needle)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// XORs the byte at `offset` of the file with `mask`, in place (the file
+/// may be open by a store).
+fn flip(path: &Path, offset: usize, mask: u8) {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, offset as u64).unwrap();
+    byte[0] ^= mask;
+    file.write_all_at(&byte, offset as u64).unwrap();
+    file.sync_all().unwrap();
+}
+
+/// Whether `err` reports damage (or a storage failure) rather than being an
+/// answer about the input.
+fn is_damage_report(err: &Error) -> bool {
+    matches!(
+        err,
+        Error::CorruptRecord { .. }
+            | Error::CorruptFile { .. }
+            | Error::IncompatibleFile { .. }
+            | Error::Storage(_)
+            | Error::Poisoned
+    )
+}
+
+/// What a store said about a damaged file.
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord, Clone, Copy)]
+enum Verdict {
+    /// Every answer was the one written.
+    Correct,
+    /// The open failed with a damage report.
+    OpenError,
+    /// Some reads or writes failed with a damage report; every other answer
+    /// was the one written.
+    ReadError,
+}
+
+/// Numbers the fresh keys that [`interrogate`] claims.
+static FRESH: AtomicUsize = AtomicUsize::new(0);
+
+/// Asks the store everything it knows: `get` and `claim` of every key, and a
+/// claim of a fresh key (whose fencing token must exceed every stored one).
+/// `Err` describes a wrong answer.
+fn interrogate(store: &Store, expected: &BTreeMap<Key, Record>) -> Result<Verdict, String> {
+    let mut verdict = Verdict::Correct;
+    let mut saw = |err: Error, what: &str| -> Result<(), String> {
+        if is_damage_report(&err) {
+            verdict = Verdict::ReadError;
+            Ok(())
+        } else {
+            Err(format!("{what}: unexpected error {err:?}"))
+        }
+    };
+    for (k, rec) in expected {
+        match store.get(k) {
+            Ok(Some(got)) if &got == rec => {}
+            Ok(got) => return Err(format!("get {k}: {got:?}, written {rec:?}")),
+            Err(err) => saw(err, &format!("get {k}"))?,
+        }
+        match store.claim(k, rec.fingerprint(), &lease_of(secs(600))) {
+            Ok(ClaimOutcome::InProgress { lease_until_ms, .. })
+                if rec.state() == State::Processing && lease_until_ms == rec.lease_until_ms() => {}
+            Ok(ClaimOutcome::Replay(got)) if rec.state() != State::Processing && &got == rec => {}
+            Ok(other) => return Err(format!("claim {k}: {other:?}, written {rec:?}")),
+            Err(err) => saw(err, &format!("claim {k}"))?,
+        }
+    }
+    let highest = expected.values().map(Record::token).max().unwrap_or(0);
+    let fresh = key(&format!("fresh-{}", FRESH.fetch_add(1, Ordering::Relaxed)));
+    match store.claim(&fresh, &fp("fresh"), &lease_of(secs(600))) {
+        Ok(ClaimOutcome::Acquired(lease)) if lease.token() > highest => {}
+        Ok(other) => {
+            return Err(format!(
+                "claim of a fresh key: {other:?}, tokens up to {highest}"
+            ));
+        }
+        Err(err) => saw(err, "claim of a fresh key")?,
+    }
+    Ok(verdict)
+}
+
+/// Opens `t`'s file and interrogates it; panics on a wrong answer.
+fn open_and_interrogate(t: &TestDir, expected: &BTreeMap<Key, Record>) -> Result<Verdict, String> {
+    let store = match Store::open_with(&t.path, t.config()) {
+        Ok(store) => store,
+        Err(err) if is_damage_report(&err) => return Ok(Verdict::OpenError),
+        Err(err) => return Err(format!("open: unexpected error {err:?}")),
+    };
+    interrogate(&store, expected)
+}
+
+/// A byte of a stored result, flipped in the closed file, is refused: the
+/// open fails naming the file (redb's page checksum), instead of the store
+/// replaying a damaged outcome.
+#[test]
+fn flipped_result_byte_in_a_closed_file_fails_the_open() {
+    let t = TestDir::new();
+    let store = t.open();
+    populate(&store);
+    drop(store);
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, MARKER);
+    assert_eq!(at.len(), 1, "the marker is written once");
+    flip(&t.path, at[0] + 9, 0x01);
+
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
+        Err(err) => panic!("expected CorruptFile, got {err:?}"),
+        Ok(store) => panic!(
+            "a damaged file opened; victim reads {:?}",
+            store.get(&victim())
+        ),
+    }
+}
+
+/// A byte of a stored key, flipped in the closed file, is refused too. The
+/// record checksum alone cannot catch this: a lookup of the original key no
+/// longer finds the record, so without redb's page checksums the key would
+/// read as absent and be acquired a second time.
+#[test]
+fn flipped_key_byte_in_a_closed_file_fails_the_open() {
+    let t = TestDir::new();
+    let store = t.open();
+    let expected = populate(&store);
+    drop(store);
+    let bytes = std::fs::read(&t.path).unwrap();
+    // The key is stored in the records table and in the expiry index.
+    let at = find_all(&bytes, VICTIM_ID.as_bytes());
+    assert!(!at.is_empty());
+    for offset in &at {
+        // 'v' → 'V': the damaged key is still a valid key.
+        flip(&t.path, *offset, 0x20);
+    }
+
+    match open_and_interrogate(&t, &expected) {
+        Ok(Verdict::OpenError) => {}
+        Ok(verdict) => panic!("a file with a damaged key gave {verdict:?}"),
+        Err(wrong) => panic!("wrong answer: {wrong}"),
+    }
+}
+
+/// Damage that reaches a record while the store is open (redb verifies page
+/// checksums only when it opens a file) is caught by the record checksum:
+/// `get` and `claim` of that key fail with CorruptRecord naming it, and every
+/// other key keeps working. After a reopen it is still reported, by redb's
+/// page checksum or, if a later write rewrote the page, by the record's.
+#[test]
+fn record_damaged_while_open_is_corrupt_record_naming_the_key() {
+    let t = TestDir::new();
+    // No page cache, so that every read goes to the file.
+    let store = t.open_with(t.config().cache_bytes(0));
+    let expected = populate(&store);
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, MARKER);
+    assert_eq!(at.len(), 1, "the marker is written once");
+    flip(&t.path, at[0] + 9, 0x01);
+
+    let is_victim_corrupt = |r: Result<_, Error>| match r {
+        Err(Error::CorruptRecord { key, .. }) => assert_eq!(key, victim().to_string()),
+        other => panic!("expected CorruptRecord naming the victim, got {other:?}"),
+    };
+    is_victim_corrupt(store.get(&victim()).map(drop));
+    is_victim_corrupt(
+        store
+            .claim(&victim(), &fp(VICTIM_ID), &lease_of(secs(600)))
+            .map(drop),
+    );
+
+    let others: BTreeMap<Key, Record> = expected
+        .iter()
+        .filter(|(k, _)| **k != victim())
+        .map(|(k, r)| (k.clone(), r.clone()))
+        .collect();
+    assert_eq!(interrogate(&store, &others), Ok(Verdict::Correct));
+    // Writes to other keys still work (they may rewrite the damaged page).
+    for i in 0..8 {
+        let k = key(&format!("after-{i}"));
+        let lease = acquired(store.claim(&k, &fp("after"), &lease_of(secs(600))).unwrap());
+        store.complete(&lease, b"written after the damage").unwrap();
+    }
+    is_victim_corrupt(store.get(&victim()).map(drop));
+    drop(store);
+
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { path, .. }) => {
+            assert_eq!(path, t.path);
+            eprintln!("reopen refused by redb's page checksums");
+        }
+        Err(err) => panic!("expected CorruptFile, got {err:?}"),
+        Ok(store) => {
+            eprintln!("reopened; the record checksum still reports the victim");
+            is_victim_corrupt(store.get(&victim()).map(drop));
+            is_victim_corrupt(
+                store
+                    .claim(&victim(), &fp(VICTIM_ID), &lease_of(secs(600)))
+                    .map(drop),
+            );
+            assert_eq!(interrogate(&store, &others), Ok(Verdict::Correct));
+        }
+    }
+}
+
+/// A key damaged while the store is open: the record now sits under a key
+/// it was not written for, and the checksum over key and body reports it
+/// under the damaged key. The original key reads as absent: the record
+/// checksum cannot see a lookup that misses, and redb verifies page
+/// checksums only when it opens a file (which then refuses it, unless a
+/// later write rewrote the page first).
+#[test]
+fn key_damaged_while_open_is_corrupt_record_and_refused_at_reopen() {
+    let t = TestDir::new();
+    let store = t.open_with(t.config().cache_bytes(0));
+    let expected = populate(&store);
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, VICTIM_ID.as_bytes());
+    assert!(!at.is_empty());
+    // The victim's key sorts last, so changing its last byte upward keeps
+    // the B-tree in order and a lookup of the damaged key finds the record.
+    for offset in &at {
+        flip(&t.path, offset + VICTIM_ID.len() - 1, 0x01); // 'd' → 'e'
+    }
+    let damaged = key("victim-recore");
+    match store.get(&damaged) {
+        Err(Error::CorruptRecord { key, .. }) => assert_eq!(key, damaged.to_string()),
+        other => panic!("expected CorruptRecord naming {damaged}, got {other:?}"),
+    }
+    let others: BTreeMap<Key, Record> = expected
+        .into_iter()
+        .filter(|(k, _)| *k != victim())
+        .collect();
+    assert_eq!(interrogate(&store, &others), Ok(Verdict::Correct));
+    drop(store);
+
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
+        Err(err) => panic!("expected CorruptFile, got {err:?}"),
+        // A later write rewrote the page, so redb's checksums cover the
+        // damage: the record checksum still reports it.
+        Ok(store) => match store.get(&damaged) {
+            Err(Error::CorruptRecord { key, .. }) => assert_eq!(key, damaged.to_string()),
+            other => panic!("expected CorruptRecord naming {damaged}, got {other:?}"),
+        },
+    }
+}
+
+/// Flipping a byte anywhere in the closed file (the header region of every
+/// 4 KiB page, and a seeded sample of offsets) gives an error at open or at
+/// read, or the unchanged correct answers: never a wrong answer, never a
+/// panic out of the store.
+#[test]
+fn flipped_bytes_anywhere_never_give_a_wrong_answer() {
+    let seed = seed_from_env("IDEMSTORE_CORRUPTION_SEED", 0x5eed_c0de);
+    let samples = count_from_env("IDEMSTORE_CORRUPTION_SAMPLES", 60);
+    let t = TestDir::new();
+    let store = t.open();
+    let expected = populate(&store);
+    drop(store);
+    let pristine = std::fs::read(&t.path).unwrap();
+    // The pristine file answers correctly (this also checks the checker).
+    assert_eq!(open_and_interrogate(&t, &expected), Ok(Verdict::Correct));
+    std::fs::write(&t.path, &pristine).unwrap();
+
+    let mut rng = Rng::new(seed);
+    let mut offsets = Vec::new();
+    for page in (0..pristine.len()).step_by(4096) {
+        for _ in 0..3 {
+            offsets.push(page + rng.below(64) as usize);
+        }
+    }
+    for _ in 0..samples {
+        offsets.push(rng.below(pristine.len() as u64) as usize);
+    }
+
+    let mut tally: BTreeMap<Verdict, usize> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for &offset in &offsets {
+        let mask = 1u8 << rng.below(8);
+        let mut damaged = pristine.clone();
+        damaged[offset] ^= mask;
+        std::fs::write(&t.path, &damaged).unwrap();
+        match catch_unwind(AssertUnwindSafe(|| open_and_interrogate(&t, &expected))) {
+            Ok(Ok(verdict)) => *tally.entry(verdict).or_default() += 1,
+            Ok(Err(wrong)) => failures.push(format!("offset {offset} mask {mask:#04x}: {wrong}")),
+            Err(_) => failures.push(format!("offset {offset} mask {mask:#04x}: panicked")),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "seed {seed}, {} of {} flips went wrong:\n{}",
+        failures.len(),
+        offsets.len(),
+        failures.join("\n")
+    );
+    // Some flips hit live pages: the test must have seen damage reported.
+    assert!(
+        tally.get(&Verdict::OpenError).copied().unwrap_or(0)
+            + tally.get(&Verdict::ReadError).copied().unwrap_or(0)
+            > 0,
+        "no flip was detected: {tally:?}"
+    );
+    eprintln!("seed {seed}: {} flips: {tally:?}", offsets.len());
+}

@@ -1,0 +1,722 @@
+//! Operating a store: compensation scans, `resolve`, business keys, stats
+//! counters and audit events.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Clock, Config, Error, Filter, Fingerprint, Key, Lease, ManualClock,
+    Record, Resolution, State, Store,
+};
+use tracing::field::{Field, Visit};
+use tracing_subscriber::Layer;
+use tracing_subscriber::layer::{Context, SubscriberExt};
+
+/// 2024-01-01T00:00:00Z, a real epoch so units are exercised.
+const T0: u64 = 1_704_067_200_000;
+
+fn config(clock: &ManualClock) -> Config {
+    Config::new()
+        .clock(clock.clone())
+        .retention(Duration::from_secs(60))
+        .lease(Duration::from_secs(10))
+        .sweep_interval(None)
+}
+
+fn open(path: &Path, clock: &ManualClock) -> Store {
+    Store::open_with(path, config(clock)).unwrap()
+}
+
+fn key(scope: &str, id: &str) -> Key {
+    Key::new(scope, id).unwrap()
+}
+
+fn fp(s: &str) -> Fingerprint {
+    Fingerprint::of(s.as_bytes())
+}
+
+fn acquire(store: &Store, k: &Key, opts: &ClaimOptions) -> Lease {
+    match store.claim(k, &fp("payload"), opts).unwrap() {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired for {k}, got {other:?}"),
+    }
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn ids(records: impl IntoIterator<Item = idemstore::Result<Record>>) -> Vec<String> {
+    let mut out: Vec<String> = records
+        .into_iter()
+        .map(|r| r.unwrap().key().to_string())
+        .collect();
+    out.sort();
+    out
+}
+
+// ---------------------------------------------------------------- compensation
+
+#[test]
+fn compensation_yields_lapsed_and_old_processing_records_with_their_recovery_point() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let abandoned = key("acme/pay", "abandoned");
+    let slow = key("acme/pay", "slow");
+    let done = key("acme/pay", "done");
+
+    let lease = acquire(&store, &abandoned, &ClaimOptions::new());
+    store.set_recovery_point(&lease, b"charged-card").unwrap();
+    let slow_lease = acquire(&store, &slow, &ClaimOptions::new().lease(secs(3600)));
+    let done_lease = acquire(&store, &done, &ClaimOptions::new());
+    store.complete(&done_lease, b"ok").unwrap();
+
+    // Nothing has lapsed yet.
+    assert!(ids(store.compensation(None).unwrap()).is_empty());
+
+    clock.advance(secs(11));
+    let found: Vec<Record> = store
+        .compensation(None)
+        .unwrap()
+        .collect::<idemstore::Result<_>>()
+        .unwrap();
+    assert_eq!(found.len(), 1);
+    let rec = &found[0];
+    assert_eq!(rec.key(), &abandoned);
+    assert_eq!(rec.token(), lease.token());
+    assert_eq!(rec.recovery_point(), Some(&b"charged-card"[..]));
+    assert_eq!(rec.created_ms(), T0);
+    assert_eq!(rec.lease_until_ms(), T0 + 10_000);
+
+    // With an age limit, the slow one (valid lease, 11 s old) shows too.
+    assert_eq!(
+        ids(store.compensation(Some(secs(5))).unwrap()),
+        vec!["acme/pay/abandoned", "acme/pay/slow"]
+    );
+    assert_eq!(
+        ids(store.compensation(Some(secs(20))).unwrap()),
+        vec!["acme/pay/abandoned"]
+    );
+    drop(slow_lease);
+}
+
+#[test]
+fn a_scan_reads_one_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    for i in 0..3 {
+        acquire(&store, &key("s", &format!("k{i}")), &ClaimOptions::new());
+    }
+    let scan = store.scan(&Filter::new()).unwrap();
+    // Written after the scan began: not in it.
+    acquire(&store, &key("s", "late"), &ClaimOptions::new());
+    assert_eq!(ids(scan), vec!["s/k0", "s/k1", "s/k2"]);
+    assert_eq!(ids(store.scan(&Filter::new()).unwrap()).len(), 4);
+}
+
+#[test]
+fn scan_filters_by_state_scope_prefix_and_age() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    // Scopes of different lengths sharing a prefix, and one that does not.
+    let old = key("acme/a", "old");
+    acquire(&store, &old, &ClaimOptions::new());
+    clock.advance(secs(30));
+    let l = acquire(&store, &key("acme/tickets", "done"), &ClaimOptions::new());
+    store.complete(&l, b"T-1").unwrap();
+    let l = acquire(&store, &key("acme/tickets", "failed"), &ClaimOptions::new());
+    store.fail(&l, b"boom", true).unwrap();
+    acquire(&store, &key("acmeX", "other"), &ClaimOptions::new());
+    acquire(&store, &key("beta/a", "x"), &ClaimOptions::new());
+
+    let all = |f: Filter| ids(store.scan(&f).unwrap());
+    assert_eq!(
+        all(Filter::new().scope_prefix("acme/")),
+        vec!["acme/a/old", "acme/tickets/done", "acme/tickets/failed"]
+    );
+    assert_eq!(all(Filter::new().scope_prefix("acme")).len(), 4);
+    assert_eq!(
+        all(Filter::new().state(State::Succeeded)),
+        vec!["acme/tickets/done"]
+    );
+    assert_eq!(
+        all(Filter::new()
+            .state(State::Succeeded)
+            .state(State::Failed { retryable: true })),
+        vec!["acme/tickets/done", "acme/tickets/failed"]
+    );
+    assert_eq!(all(Filter::new().older_than(secs(20))), vec!["acme/a/old"]);
+    assert_eq!(all(Filter::new().lapsed()), vec!["acme/a/old"]);
+    assert_eq!(all(Filter::new().scope_prefix("nobody")).len(), 0);
+    assert!(matches!(
+        store.scan(&Filter::new().scope_prefix("x".repeat(129))),
+        Err(Error::InvalidArgument { .. })
+    ));
+    // Past retention, records vanish from scans as from `get`.
+    clock.advance(secs(120));
+    assert!(all(Filter::new()).is_empty());
+}
+
+// --------------------------------------------------------------------- resolve
+
+#[test]
+fn resolve_is_fenced_by_the_token_and_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let k = key("acme/pay", "order-7");
+    let (stale, newer) = {
+        let store = open(&path, &clock);
+        let first = acquire(&store, &k, &ClaimOptions::new());
+        clock.advance(secs(11));
+        // The reconciler sees the lapsed record with token t1...
+        let seen: Vec<Record> = store
+            .compensation(None)
+            .unwrap()
+            .collect::<idemstore::Result<_>>()
+            .unwrap();
+        assert_eq!(seen[0].token(), first.token());
+        // ...but meanwhile a retry takes the key over.
+        let second = acquire(&store, &k, &ClaimOptions::new());
+        assert!(second.token() > first.token());
+        // Resolving with the old token must not overwrite the new holder.
+        let err = store
+            .resolve(&k, first.token(), Resolution::Succeeded(b"T-1".to_vec()))
+            .unwrap_err();
+        assert!(matches!(err, Error::StaleLease { .. }), "{err}");
+        let rec = store.get(&k).unwrap().unwrap();
+        assert_eq!(
+            (rec.state(), rec.token()),
+            (State::Processing, second.token())
+        );
+
+        // Resolving the current token finishes the record...
+        let resolved = store
+            .resolve(
+                &k,
+                second.token(),
+                Resolution::Failed {
+                    failure: b"gateway says declined".to_vec(),
+                    retryable: false,
+                },
+            )
+            .unwrap();
+        assert_eq!(resolved.state(), State::Failed { retryable: false });
+        assert_eq!(resolved.expires_ms(), clock.now_ms() + 60_000);
+        (first, second)
+    };
+    // ...durably: after reopen the failure replays, and the holder whose
+    // lease it was can no longer complete, nor can a second resolve run.
+    let store = open(&path, &clock);
+    match store
+        .claim(&k, &fp("payload"), &ClaimOptions::new())
+        .unwrap()
+    {
+        ClaimOutcome::Replay(rec) => {
+            assert_eq!(rec.failure(), Some(&b"gateway says declined"[..]));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        store.complete(&newer, b"late"),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(matches!(
+        store.resolve(&k, newer.token(), Resolution::Succeeded(vec![])),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(matches!(
+        store.resolve(&k, stale.token(), Resolution::Succeeded(vec![])),
+        Err(Error::StaleLease { .. })
+    ));
+}
+
+#[test]
+fn resolve_checks_value_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = Store::open_with(
+        dir.path().join("s.redb"),
+        config(&clock).max_result_bytes(4),
+    )
+    .unwrap();
+    let k = key("s", "k");
+    let lease = acquire(&store, &k, &ClaimOptions::new());
+    assert!(matches!(
+        store.resolve(&k, lease.token(), Resolution::Succeeded(b"12345".to_vec())),
+        Err(Error::TooLarge { .. })
+    ));
+    assert_eq!(store.get(&k).unwrap().unwrap().state(), State::Processing);
+    let done = store
+        .resolve(&k, lease.token(), Resolution::Succeeded(b"1234".to_vec()))
+        .unwrap();
+    assert_eq!(done.result(), Some(&b"1234"[..]));
+}
+
+// --------------------------------------------------------------- business keys
+
+fn conflict(store: &Store, k: &Key, bk: &str) -> (Key, State) {
+    match store.claim(
+        k,
+        &fp(&format!("{k}")),
+        &ClaimOptions::new().business_key(bk),
+    ) {
+        Err(Error::BusinessKeyConflict {
+            business_key,
+            existing,
+            state,
+        }) => {
+            assert_eq!(business_key, bk);
+            (existing, state)
+        }
+        other => panic!("expected a business-key conflict for {k}, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_business_key_is_unique_per_scope_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let first = key("acme/orders", "req-1");
+    let bk = ClaimOptions::new().business_key("order-42");
+    {
+        let store = open(&path, &clock);
+        let lease = acquire(&store, &first, &bk);
+        assert_eq!(
+            conflict(&store, &key("acme/orders", "req-2"), "order-42"),
+            (first.clone(), State::Processing)
+        );
+        // Nothing was written for the refused key.
+        assert!(store.get(&key("acme/orders", "req-2")).unwrap().is_none());
+        // Another business key, or another scope, is free.
+        acquire(
+            &store,
+            &key("acme/orders", "req-3"),
+            &ClaimOptions::new().business_key("order-43"),
+        );
+        acquire(&store, &key("other/orders", "req-2"), &bk);
+        // The same idempotency key is answered as usual, not as a conflict.
+        assert!(matches!(
+            store.claim(&first, &fp("payload"), &bk).unwrap(),
+            ClaimOutcome::InProgress { .. }
+        ));
+        store.complete(&lease, b"shipped").unwrap();
+        let err = store
+            .claim(&key("acme/orders", "req-2"), &fp("x"), &bk)
+            .unwrap_err();
+        assert!(err.is_client_error());
+    }
+    let store = open(&path, &clock);
+    assert_eq!(
+        conflict(&store, &key("acme/orders", "req-9"), "order-42"),
+        (first.clone(), State::Succeeded)
+    );
+    let report = store.verify(|_| {}).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.bindings, 3);
+}
+
+#[test]
+fn a_business_key_is_freed_by_release() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let bk = ClaimOptions::new().business_key("T-100");
+    let lease = acquire(&store, &key("s", "a"), &bk);
+    conflict(&store, &key("s", "b"), "T-100");
+    store.release(lease).unwrap();
+    acquire(&store, &key("s", "b"), &bk);
+    assert_eq!(conflict(&store, &key("s", "a"), "T-100").0, key("s", "b"));
+    assert!(store.verify(|_| {}).unwrap().is_clean());
+}
+
+#[test]
+fn a_business_key_is_held_through_takeover_and_retryable_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let bk = ClaimOptions::new().business_key("B");
+    let holder = key("s", "a");
+    let lease = acquire(&store, &holder, &bk);
+    clock.advance(secs(11));
+    // A takeover keeps the binding.
+    let lease2 = acquire(&store, &holder, &ClaimOptions::new());
+    assert!(lease2.token() > lease.token());
+    assert_eq!(conflict(&store, &key("s", "b"), "B").1, State::Processing);
+    store.fail(&lease2, b"try again", true).unwrap();
+    assert_eq!(
+        conflict(&store, &key("s", "b"), "B").1,
+        State::Failed { retryable: true }
+    );
+}
+
+#[test]
+fn a_business_key_is_freed_by_retention_and_eviction_keeps_the_new_binding() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let bk = ClaimOptions::new().business_key("order-1");
+    let old = key("s", "old");
+    let lease = acquire(&store, &old, &bk);
+    store.complete(&lease, b"done").unwrap();
+    clock.advance(secs(61));
+    // Past retention, before any eviction: the business key is free.
+    let newer = key("s", "new");
+    let new_lease = acquire(&store, &newer, &bk);
+    // Evicting the old record must not remove the new holder's binding.
+    assert_eq!(store.sweep(100).unwrap(), 1);
+    assert!(store.get(&old).unwrap().is_none());
+    assert_eq!(
+        conflict(&store, &key("s", "third"), "order-1"),
+        (newer.clone(), State::Processing)
+    );
+    // The old key, now absent, is itself refused while the new holder lives.
+    assert_eq!(conflict(&store, &old, "order-1").0, newer);
+    // After the new record's retention and its eviction the key is free.
+    store.complete(&new_lease, b"x").unwrap();
+    clock.advance(secs(61));
+    assert_eq!(store.sweep(100).unwrap(), 1);
+    let report = store.verify(|_| {}).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.bindings, 0);
+    acquire(&store, &key("s", "fourth"), &bk);
+}
+
+#[test]
+fn a_reclaimed_key_past_retention_rebinds_its_business_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let k = key("s", "k");
+    let lease = acquire(&store, &k, &ClaimOptions::new().business_key("A"));
+    store.complete(&lease, b"1").unwrap();
+    clock.advance(secs(61));
+    // The same key, past retention, claimed for another business key.
+    acquire(&store, &k, &ClaimOptions::new().business_key("B"));
+    acquire(
+        &store,
+        &key("s", "other"),
+        &ClaimOptions::new().business_key("A"),
+    );
+    assert_eq!(conflict(&store, &key("s", "x"), "B").0, k);
+    let report = store.verify(|_| {}).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+#[test]
+fn an_invalid_business_key_is_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    for bad in [String::new(), "x".repeat(256), "a\nb".to_string()] {
+        let err = store
+            .claim(
+                &key("s", "k"),
+                &fp("p"),
+                &ClaimOptions::new().business_key(bad),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::InvalidArgument {
+                    what: "business_key",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+    assert!(store.is_empty().unwrap());
+}
+
+// ----------------------------------------------------------------------- stats
+
+#[test]
+fn stats_count_states_and_every_kind_of_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let s0 = store.stats().unwrap();
+    assert_eq!(s0.counters, idemstore::Counters::default());
+    assert_eq!(s0.counters.duplicate_hit_rate(), None);
+    assert_eq!(s0.records.total(), 0);
+    assert!(s0.file_bytes.unwrap() > 0);
+
+    let bk = ClaimOptions::new().business_key("order-1");
+    let a = acquire(&store, &key("s", "a"), &bk); // claim 1: acquired
+    store.complete(&a, b"ok").unwrap();
+    let _ = store.claim(&key("s", "a"), &fp("payload"), &bk).unwrap(); // 2: replay
+    let _ = store.claim(&key("s", "a"), &fp("other"), &bk).unwrap_err(); // 3: mismatch
+    let _ = store
+        .claim(&key("s", "z"), &fp("payload"), &bk)
+        .unwrap_err(); // 4: conflict
+    let b = acquire(&store, &key("s", "b"), &ClaimOptions::new()); // 5: acquired
+    let _ = store
+        .claim(&key("s", "b"), &fp("payload"), &ClaimOptions::new())
+        .unwrap(); // 6: in progress
+    clock.advance(secs(11));
+    let b2 = acquire(&store, &key("s", "b"), &ClaimOptions::new()); // 7: takeover
+    assert!(matches!(
+        store.complete(&b, b"x"),
+        Err(Error::StaleLease { .. })
+    ));
+    let c = acquire(&store, &key("s", "c"), &ClaimOptions::new()); // 8
+    store.fail(&c, b"no", true).unwrap();
+    let d = acquire(&store, &key("s", "d"), &ClaimOptions::new()); // 9
+    store.fail(&d, b"no", false).unwrap();
+    clock.advance(secs(3));
+
+    let s = store.stats().unwrap();
+    let n = s.counters;
+    assert_eq!(n.claims, 9);
+    assert_eq!(n.acquired, 5);
+    assert_eq!(n.replays, 1);
+    assert_eq!(n.in_progress, 1);
+    assert_eq!(n.fingerprint_mismatches, 1);
+    assert_eq!(n.business_key_conflicts, 1);
+    assert_eq!(n.stale_lease_rejections, 1);
+    assert_eq!(n.takeovers, 1);
+    assert_eq!(n.evictions, 0);
+    assert_eq!(n.duplicate_hit_rate(), Some(3.0 / 9.0));
+    let r = s.records;
+    assert_eq!(
+        (
+            r.processing,
+            r.lapsed,
+            r.succeeded,
+            r.failed,
+            r.failed_retryable
+        ),
+        (1, 0, 1, 1, 1)
+    );
+    // "b" was first acquired at T0, 14 s ago.
+    assert_eq!(s.oldest_processing_age_ms, Some(14_000));
+    assert_eq!(s.now_ms, T0 + 14_000);
+
+    clock.advance(secs(11));
+    assert_eq!(store.stats().unwrap().records.lapsed, 1);
+    store.complete(&b2, b"y").unwrap();
+    clock.advance(secs(120));
+    let s = store.stats().unwrap();
+    assert_eq!(s.records.expired, 4);
+    assert_eq!(s.records.live(), 0);
+    assert_eq!(s.oldest_processing_age_ms, None);
+    assert_eq!(store.sweep(100).unwrap(), 4);
+    let s = store.stats().unwrap();
+    assert_eq!(s.counters.evictions, 4);
+    assert_eq!(s.records.total(), 0);
+}
+
+#[test]
+fn stats_count_corrupt_records_and_verify_names_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    {
+        let store = open(&path, &clock);
+        acquire(&store, &key("s", "good"), &ClaimOptions::new());
+        acquire(&store, &key("s", "bad"), &ClaimOptions::new());
+    }
+    damage_record(&path, &key("s", "bad"));
+    let store = open(&path, &clock);
+    let s = store.stats().unwrap();
+    assert_eq!((s.records.corrupt, s.records.processing), (1, 1));
+    let report = store.verify(|_| {}).unwrap();
+    assert!(!report.is_clean());
+    assert_eq!(report.records, 2);
+    assert_eq!(report.problems.len(), 1, "{report:?}");
+    assert_eq!(report.problems[0].key, "s/bad");
+    assert!(report.problems[0].detail.contains("checksum"));
+    // Scans report it and go on.
+    let results: Vec<_> = store.scan(&Filter::new()).unwrap().collect();
+    assert_eq!(results.len(), 2);
+    assert_eq!(results.iter().filter(|r| r.is_err()).count(), 1);
+}
+
+/// Flips a byte in the stored body of `k`'s record, through redb directly.
+fn damage_record(path: &Path, k: &Key) {
+    use redb::ReadableTable;
+    let records: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("records");
+    let db = redb::Database::open(path).unwrap();
+    let mut kb = vec![u8::try_from(k.scope().len()).unwrap()];
+    kb.extend_from_slice(k.scope().as_bytes());
+    kb.extend_from_slice(k.id().as_bytes());
+    let txn = db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(records).unwrap();
+        let mut bytes = table.get(kb.as_slice()).unwrap().unwrap().value().to_vec();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x55;
+        table.insert(kb.as_slice(), bytes.as_slice()).unwrap();
+    }
+    txn.commit().unwrap();
+}
+
+// ----------------------------------------------------------------------- audit
+
+/// One captured `tracing` event: level and fields.
+#[derive(Debug, Clone)]
+struct Captured {
+    level: tracing::Level,
+    fields: BTreeMap<String, String>,
+}
+
+struct Capture(Arc<Mutex<Vec<Captured>>>);
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0
+            .insert(field.name().to_string(), format!("{value:?}"));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_string(), value.to_string());
+    }
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.0.insert(field.name().to_string(), value.to_string());
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Capture {
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        if event.metadata().target() != "idemstore::audit" {
+            return;
+        }
+        let mut fields = BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.0.lock().unwrap().push(Captured {
+            level: *event.metadata().level(),
+            fields,
+        });
+    }
+}
+
+/// The events of every test in this binary (the writer emits on its own
+/// thread, so the subscriber must be global); each test filters by scope.
+fn captured() -> Arc<Mutex<Vec<Captured>>> {
+    static EVENTS: OnceLock<Arc<Mutex<Vec<Captured>>>> = OnceLock::new();
+    EVENTS
+        .get_or_init(|| {
+            let events = Arc::new(Mutex::new(Vec::new()));
+            let subscriber = tracing_subscriber::registry().with(Capture(events.clone()));
+            tracing::subscriber::set_global_default(subscriber).unwrap();
+            events
+        })
+        .clone()
+}
+
+fn events_of(scope: &str) -> Vec<Captured> {
+    captured()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.fields.get("scope").map(String::as_str) == Some(scope))
+        .cloned()
+        .collect()
+}
+
+fn summary(e: &Captured) -> String {
+    let f = |k: &str| e.fields.get(k).cloned().unwrap_or_default();
+    format!(
+        "{} {} {} {}->{} t{}",
+        e.level,
+        f("cause"),
+        f("id"),
+        f("from"),
+        f("to"),
+        f("token")
+    )
+}
+
+#[test]
+fn every_transition_is_one_audit_event() {
+    let events = captured();
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let store = open(&dir.path().join("s.redb"), &clock);
+    let scope = "audit/one";
+    let a = acquire(&store, &key(scope, "a"), &ClaimOptions::new()); // token 1
+    store.complete(&a, b"ok").unwrap();
+    let b = acquire(&store, &key(scope, "b"), &ClaimOptions::new()); // 2
+    store.fail(&b, b"no", true).unwrap();
+    let b2 = acquire(&store, &key(scope, "b"), &ClaimOptions::new()); // 3
+    store.release(b2).unwrap();
+    let c = acquire(&store, &key(scope, "c"), &ClaimOptions::new()); // 4
+    clock.advance(secs(11));
+    let c2 = acquire(&store, &key(scope, "c"), &ClaimOptions::new()); // 5: takeover
+    assert!(store.complete(&c, b"late").is_err()); // stale lease
+    store
+        .resolve(
+            &key(scope, "c"),
+            c2.token(),
+            Resolution::Succeeded(b"r".to_vec()),
+        )
+        .unwrap();
+    // Replays and extends are not transitions.
+    let _ = store
+        .claim(&key(scope, "a"), &fp("payload"), &ClaimOptions::new())
+        .unwrap();
+    clock.advance(secs(120));
+    assert_eq!(store.sweep(100).unwrap(), 2);
+    drop(store);
+
+    // Answers without a write (the replay above) carry no cause.
+    let got: Vec<String> = events_of(scope)
+        .iter()
+        .filter(|e| e.fields.contains_key("cause"))
+        .map(summary)
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            "INFO claim a none->processing t1",
+            "INFO complete a processing->succeeded t1",
+            "INFO claim b none->processing t2",
+            "INFO fail b processing->failed-retryable t2",
+            "INFO claim b failed-retryable->processing t3",
+            "INFO release b processing->none t3",
+            "INFO claim c none->processing t4",
+            "WARN takeover c processing->processing t5",
+            "WARN stale-lease c -> t4",
+            "INFO resolve c processing->succeeded t5",
+            "INFO evict a succeeded->none t1",
+            "INFO evict c succeeded->none t5",
+        ]
+    );
+    drop(events);
+}
+
+#[test]
+fn a_corrupt_record_is_a_warning() {
+    let events = captured();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let k = key("audit/corrupt", "k");
+    {
+        let store = open(&path, &clock);
+        acquire(&store, &k, &ClaimOptions::new());
+    }
+    damage_record(&path, &k);
+    let store = open(&path, &clock);
+    assert!(matches!(
+        store.claim(&k, &fp("payload"), &ClaimOptions::new()),
+        Err(Error::CorruptRecord { .. })
+    ));
+    let warned = events.lock().unwrap().iter().any(|e| {
+        e.level == tracing::Level::WARN
+            && e.fields.get("cause").map(String::as_str) == Some("corruption")
+            && e.fields
+                .get("key")
+                .is_some_and(|k| k.contains("audit/corrupt/k"))
+    });
+    assert!(warned);
+}
