@@ -8,11 +8,14 @@
 //! ```
 //!
 //! Routes:
-//! - `POST /tickets` `{"title": "..."}` with an `Idempotency-Key` header:
-//!   creates a ticket once per key (201, `Location: /tickets/{id}`); a
-//!   retry gets the same ticket with `Idempotent-Replayed: true`.
+//! - `POST /tickets` `{"title": "...", "alert_id": "..."}` (`alert_id`
+//!   optional) with an `Idempotency-Key` header: creates a ticket once per
+//!   key (201, `Location: /tickets/{id}`); a retry gets the same ticket with
+//!   `Idempotent-Replayed: true`. `alert_id` is a business key: a second
+//!   idempotency key for the same alert is answered 409 naming the first.
 //! - `GET /tickets/count`: `{"count": n}`.
 //! - `GET /tickets/{id}`: one ticket.
+//! - `GET /idempotency/stats`: the store's `Store::stats()` as JSON.
 //!
 //! The ticket table lives in its own redb file, unique on the idempotency
 //! key; a handler that takes a key over (an earlier attempt died, or its

@@ -342,6 +342,19 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
             Some(keys_total as u64),
             "seed {seed}: GET /tickets/count"
         );
+        let req = http::Request::get(format!("http://{addr}/idempotency/stats"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (_, _, body) = request(&client, req, Duration::from_secs(10))
+            .await
+            .expect("stats");
+        let stats: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let records = &stats["records"];
+        assert_eq!(
+            (records["succeeded"].as_u64(), records["total"].as_u64()),
+            (Some(keys_total as u64), Some(keys_total as u64)),
+            "seed {seed}: GET /idempotency/stats: {stats}"
+        );
         kills
     });
     server.lock().unwrap().kill();

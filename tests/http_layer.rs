@@ -605,3 +605,31 @@ async fn a_slow_handler_keeps_its_key_while_the_lease_is_extended() {
     assert_eq!(first.await.unwrap().0, 201);
     assert_eq!(runs.count(), 1);
 }
+
+#[tokio::test]
+async fn a_business_key_held_by_another_key_is_409_naming_it() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store).business_key(|_, body| {
+        std::str::from_utf8(body)
+            .ok()?
+            .strip_prefix("order:")
+            .map(str::to_owned)
+    });
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+    assert_eq!(send(&svc, post(Some("k1"), "order:9")).await.0, 201);
+
+    let (code, headers, body) = send(&svc, post(Some("k2"), "order:9")).await;
+    assert_eq!(code, StatusCode::CONFLICT);
+    assert!(headers.get("retry-after").is_none());
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["existing_idempotency_key"], "k1");
+    assert_eq!(problem["existing_state"], "succeeded");
+    assert_eq!(problem["business_key"], "9");
+
+    // The original key still replays; another business key still runs.
+    assert!(replayed(&send(&svc, post(Some("k1"), "order:9")).await.1));
+    assert_eq!(send(&svc, post(Some("k3"), "order:10")).await.0, 201);
+    // A business key the store refuses is the client's fault.
+    assert_eq!(send(&svc, post(Some("k4"), "order:\u{1}")).await.0, 400);
+    assert_eq!(runs.count(), 2);
+}

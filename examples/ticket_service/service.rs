@@ -161,6 +161,7 @@ impl Tickets {
 
 #[derive(Clone)]
 struct App {
+    store: Arc<Store>,
     tickets: Tickets,
     work: Duration,
 }
@@ -257,10 +258,53 @@ async fn count_tickets(State(app): State<App>) -> Response {
     }
 }
 
+/// `GET /idempotency/stats`: [`Store::stats`] as JSON.
+async fn idempotency_stats(State(app): State<App>) -> Response {
+    let stats = match blocking(move || Ok(app.store.stats()?)).await {
+        Ok(stats) => stats,
+        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    };
+    let (r, c) = (stats.records, stats.counters);
+    Json(json!({
+        "now_ms": stats.now_ms,
+        "file_bytes": stats.file_bytes,
+        "records": {
+            "total": r.total(),
+            "live": r.live(),
+            "processing": r.processing,
+            "lapsed": r.lapsed,
+            "succeeded": r.succeeded,
+            "failed": r.failed,
+            "failed_retryable": r.failed_retryable,
+            "expired": r.expired,
+            "corrupt": r.corrupt,
+        },
+        "oldest_processing_age_ms": stats.oldest_processing_age_ms,
+        "since_open": {
+            "claims": c.claims,
+            "acquired": c.acquired,
+            "replays": c.replays,
+            "in_progress": c.in_progress,
+            "fingerprint_mismatches": c.fingerprint_mismatches,
+            "business_key_conflicts": c.business_key_conflicts,
+            "stale_lease_rejections": c.stale_lease_rejections,
+            "takeovers": c.takeovers,
+            "evictions": c.evictions,
+        },
+    }))
+    .into_response()
+}
+
 /// The service's routes over an open store and ticket table.
 pub fn router(store: Arc<Store>, tickets: Tickets, lease: Duration, work: Duration) -> Router {
-    let idempotency = IdempotencyLayer::new(store)
+    let idempotency = IdempotencyLayer::new(store.clone())
         .lease(lease)
+        // One ticket per alert: a second key for the same `alert_id` is
+        // answered 409 naming the key that holds it.
+        .business_key(|_, body| {
+            let v: Value = serde_json::from_slice(body).ok()?;
+            v.get("alert_id")?.as_str().map(str::to_owned)
+        })
         // Scope keys by route template rather than by concrete path.
         .route(|parts| match parts.extensions.get::<MatchedPath>() {
             Some(path) => path.as_str().to_owned(),
@@ -270,8 +314,13 @@ pub fn router(store: Arc<Store>, tickets: Tickets, lease: Duration, work: Durati
         .route("/tickets", post(create_ticket))
         .route("/tickets/count", get(count_tickets))
         .route("/tickets/{id}", get(get_ticket))
+        .route("/idempotency/stats", get(idempotency_stats))
         .layer(idempotency)
-        .with_state(App { tickets, work })
+        .with_state(App {
+            store,
+            tickets,
+            work,
+        })
 }
 
 /// Opens the files, listens on `options.addr`, and serves until `shutdown`

@@ -16,6 +16,8 @@ use super::service::Idempotency;
 pub(crate) type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 /// Names the route of a request.
 pub(crate) type RouteFn = dyn Fn(&Parts) -> String + Send + Sync;
+/// Picks a business key out of a request and its body.
+pub(crate) type BusinessKeyFn = dyn Fn(&Parts, &[u8]) -> Option<String> + Send + Sync;
 
 /// The default request header that carries the idempotency key, as named by
 /// the IETF Idempotency-Key header draft (and used by Stripe).
@@ -33,6 +35,7 @@ pub(crate) struct Settings {
     pub(crate) methods: Vec<Method>,
     pub(crate) tenant: Option<Arc<TenantFn>>,
     pub(crate) route: Option<Arc<RouteFn>>,
+    pub(crate) business_key: Option<Arc<BusinessKeyFn>>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
     pub(crate) replay_headers: Vec<HeaderName>,
     pub(crate) max_request_bytes: usize,
@@ -49,6 +52,7 @@ impl fmt::Debug for Settings {
             .field("methods", &self.methods)
             .field("tenant", &self.tenant.is_some())
             .field("route", &self.route.is_some())
+            .field("business_key", &self.business_key.is_some())
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("replay_headers", &self.replay_headers)
             .field("max_request_bytes", &self.max_request_bytes)
@@ -70,6 +74,7 @@ impl fmt::Debug for Settings {
 ///   not idempotent by definition, RFC 9110 §9.2.2); every other method
 ///   passes through untouched
 /// - scope: `METHOD path` (the request's URI path); no tenant
+/// - no business key
 /// - fingerprint: method, path and query, body; no headers
 /// - replayed headers: `content-type` and `location`
 /// - `max_request_bytes`: 1 MiB (in bytes)
@@ -91,6 +96,7 @@ impl IdempotencyLayer {
                 methods: vec![Method::POST, Method::PATCH],
                 tenant: None,
                 route: None,
+                business_key: None,
                 fingerprint_headers: Vec::new(),
                 replay_headers: vec![http::header::CONTENT_TYPE, http::header::LOCATION],
                 max_request_bytes: 1024 * 1024,
@@ -161,6 +167,33 @@ impl IdempotencyLayer {
         route: impl Fn(&Parts) -> String + Send + Sync + 'static,
     ) -> IdempotencyLayer {
         self.settings.route = Some(Arc::new(route));
+        self
+    }
+
+    /// Takes a business key out of each request and its body (an order
+    /// number, the alert a ticket is opened for): the same business
+    /// operation requested under a *new* idempotency key, while a record of
+    /// another key in the same scope holds it, is answered 409 naming that
+    /// key and its state, and the handler does not run
+    /// ([`ClaimOptions::business_key`](crate::ClaimOptions::business_key)).
+    /// `None` means no business key. A business key that is empty, over 255
+    /// bytes or holds a control character is answered 400.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemstore::http::IdempotencyLayer;
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let store = Arc::new(idemstore::Store::open(dir.path().join("i.redb")).unwrap());
+    /// let layer = IdempotencyLayer::new(store).business_key(|_parts, body| {
+    ///     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    ///     v.get("order_id")?.as_str().map(str::to_owned)
+    /// });
+    /// ```
+    pub fn business_key(
+        mut self,
+        business_key: impl Fn(&Parts, &[u8]) -> Option<String> + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.settings.business_key = Some(Arc::new(business_key));
         self
     }
 

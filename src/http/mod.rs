@@ -53,6 +53,8 @@
 //! | body over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) | 413 | no |
 //! | key held by a live request | 409 with `Retry-After` (seconds until its lease lapses, rounded up) | no |
 //! | key used before with a different payload | 422 | no |
+//! | the request's [business key](IdempotencyLayer::business_key) is held by another key of the scope | 409 naming that key (`existing_idempotency_key`) and its state | no |
+//! | business key empty, over 255 bytes or with a control character | 400 | no |
 //! | key finished before, same payload | the stored status, stored headers and body, plus `Idempotent-Replayed: true` | no |
 //! | store unavailable (I/O error, poisoned, closed) | 503 | no |
 //! | stored record or response damaged, bad configuration | 500 | no |

@@ -238,7 +238,14 @@ where
         &settings.fingerprint_headers,
         &bytes,
     );
-    let options = ClaimOptions::new().lease(settings.lease);
+    let mut options = ClaimOptions::new().lease(settings.lease);
+    if let Some(business_key) = settings
+        .business_key
+        .as_ref()
+        .and_then(|f| f(&parts, &bytes))
+    {
+        options = options.business_key(business_key);
+    }
     match settings.store.claim_async(&key, &fp, &options).await {
         Ok(ClaimOutcome::Acquired(lease)) => {
             let held = Held::new(settings.clone(), lease.clone());
@@ -438,9 +445,33 @@ fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
                 key.id()
             ),
         ),
+        Error::BusinessKeyConflict {
+            business_key,
+            existing,
+            state,
+        } => {
+            let mut extra = serde_json::Map::new();
+            extra.insert("business_key".into(), business_key.as_str().into());
+            extra.insert("existing_idempotency_key".into(), existing.id().into());
+            extra.insert("existing_state".into(), state.name().into());
+            problem_with(
+                StatusCode::CONFLICT,
+                "Business key in use",
+                &format!(
+                    "business key {business_key:?} is already held by idempotency key {:?} ({})",
+                    existing.id(),
+                    state.name()
+                ),
+                extra,
+            )
+        }
         Error::InvalidKey { reason } => {
             problem(StatusCode::BAD_REQUEST, "Invalid idempotency key", reason)
         }
+        Error::InvalidArgument {
+            what: "business_key",
+            reason,
+        } => problem(StatusCode::BAD_REQUEST, "Invalid business key", reason),
         Error::InvalidArgument { .. } | Error::CorruptRecord { .. } => {
             tracing::error!(%key, %error, "claim failed");
             problem(
