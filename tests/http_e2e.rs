@@ -1,5 +1,6 @@
 //! End to end: the ticket service of `examples/ticket_service` runs as a
-//! child process (this test binary re-run with `IDEMSTORE_E2E_SERVER` set),
+//! child process (this test binary re-run as the child, see
+//! `tests/common/mod.rs`),
 //! many HTTP clients create tickets with idempotency keys, time out early
 //! and retry with the same key, and the server is killed with SIGKILL at
 //! random moments and restarted on the same files. At the end there is
@@ -11,13 +12,13 @@
 //!   the number of keys grows with it
 //! - `IDEMSTORE_E2E_SEED`: the seed of every random choice (default 7)
 
+mod common;
 #[path = "../examples/ticket_service/service.rs"]
 mod service;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,7 +32,6 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
-const SERVER_ENV: &str = "IDEMSTORE_E2E_SERVER";
 const TEST_NAME: &str = "one_ticket_per_key_across_sigkills_and_retries";
 /// The server's lease: how long a key of a killed server stays held.
 const LEASE_MS: u64 = 1_000;
@@ -50,73 +50,59 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// In the child: serve until killed.
-fn run_server(spec: &str) {
-    let parts: Vec<&str> = spec.split('|').collect();
-    let [addr, store, tickets] = parts[..] else {
-        panic!("bad {SERVER_ENV}: {spec}");
-    };
+/// In the child: serve on the address the parent chose, report READY once
+/// the port accepts connections, and serve until killed.
+fn run_server() -> ! {
     let options = service::Options {
-        addr: addr.parse().expect("address"),
-        store: PathBuf::from(store),
-        tickets: PathBuf::from(tickets),
+        addr: common::child_var_parsed("E2E_ADDR"),
+        store: PathBuf::from(common::child_var("E2E_STORE")),
+        tickets: PathBuf::from(common::child_var("E2E_TICKETS")),
         lease: Duration::from_millis(LEASE_MS),
         work: Duration::from_millis(WORK_MS),
     };
+    let addr = options.addr;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
-    runtime
-        .block_on(service::serve(options, std::future::pending()))
-        .expect("ticket service");
+    let serving = runtime.spawn(service::serve(options, std::future::pending()));
+    let start = Instant::now();
+    while std::net::TcpStream::connect(addr).is_err() {
+        if serving.is_finished() {
+            let result = runtime.block_on(serving).expect("serve task");
+            panic!("the ticket service stopped: {result:?}");
+        }
+        assert!(
+            start.elapsed() < common::CHILD_REPORT_TIMEOUT,
+            "the ticket service did not listen on {addr}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The runtime's threads serve; this thread waits to be killed.
+    common::ready_and_wait()
 }
 
 /// The ticket service as a child process.
 struct Server {
-    addr: SocketAddr,
-    store: PathBuf,
-    tickets: PathBuf,
-    child: Option<Child>,
+    vars: Vec<(&'static str, String)>,
+    child: Option<common::ChildProc>,
 }
 
 impl Server {
+    /// Starts the child and waits until it listens.
     fn start(&mut self) {
-        let spec = format!(
-            "{}|{}|{}",
-            self.addr,
-            self.store.display(),
-            self.tickets.display()
-        );
-        let child = Command::new(std::env::current_exe().expect("test binary"))
-            .args([TEST_NAME, "--exact", "--nocapture", "--test-threads=1"])
-            .env(SERVER_ENV, spec)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn the server");
+        let mut child = common::spawn_child(TEST_NAME, &self.vars);
+        child.wait_ready();
         self.child = Some(child);
     }
 
-    /// SIGKILL, then reap, so the file lock is gone before a restart.
+    /// SIGKILL, then reap, so the file locks are gone before a restart.
     fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
-            child.kill().expect("SIGKILL");
-            child.wait().expect("reap");
+            child.assert_running();
+            child.kill();
         }
-    }
-
-    /// Whether the child died by itself.
-    fn exited(&mut self) -> Option<std::process::ExitStatus> {
-        self.child.as_mut()?.try_wait().expect("try_wait")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
     }
 }
 
@@ -136,27 +122,6 @@ async fn request(
     tokio::time::timeout(timeout, exchange)
         .await
         .map_err(|_| "client timeout".to_owned())?
-}
-
-async fn wait_ready(server: &Mutex<Server>, client: &HttpClient, addr: SocketAddr) {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = server.lock().unwrap().exited() {
-            panic!("the ticket service exited: {status}");
-        }
-        let req = http::Request::get(format!("http://{addr}/tickets/count"))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let answer = request(client, req, Duration::from_millis(500)).await;
-        if answer.is_ok_and(|(status, _, _)| status.is_success()) {
-            return;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the ticket service did not answer within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// What the clients saw.
@@ -257,9 +222,8 @@ fn free_port(rng: &mut StdRng) -> SocketAddr {
 
 #[test]
 fn one_ticket_per_key_across_sigkills_and_retries() {
-    if let Ok(spec) = std::env::var(SERVER_ENV) {
-        run_server(&spec);
-        return;
+    if common::child_role(TEST_NAME) {
+        run_server();
     }
     let rounds = env_u64("IDEMSTORE_E2E_ROUNDS", 6);
     let seed = env_u64("IDEMSTORE_E2E_SEED", 7);
@@ -271,13 +235,15 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
     let tickets_path = dir.path().join("tickets.redb");
     let mut rng = StdRng::seed_from_u64(seed);
     let addr = free_port(&mut rng);
-    let server = Arc::new(Mutex::new(Server {
-        addr,
-        store: store_path.clone(),
-        tickets: tickets_path.clone(),
+    let mut server = Server {
+        vars: vec![
+            ("E2E_ADDR", addr.to_string()),
+            ("E2E_STORE", common::path_var(&store_path)),
+            ("E2E_TICKETS", common::path_var(&tickets_path)),
+        ],
         child: None,
-    }));
-    server.lock().unwrap().start();
+    };
+    server.start();
 
     let keys: Vec<String> = (0..keys_total).map(|i| format!("e2e-{seed}-{i}")).collect();
     // Each key goes to CLIENTS_PER_KEY different clients, in a shuffled order.
@@ -299,7 +265,6 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let kills = runtime.block_on(async {
         let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
-        wait_ready(&server, &client, addr).await;
 
         let mut tasks = Vec::new();
         for (c, plan) in plans.into_iter().enumerate() {
@@ -317,13 +282,11 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
         let mut kills = 0;
         while kills < rounds && !tasks.iter().all(|t| t.is_finished()) {
             tokio::time::sleep(Duration::from_millis(rng.random_range(100..600))).await;
-            {
-                let mut s = server.lock().unwrap();
-                s.kill();
-                s.start();
-            }
+            // This blocks the test's own thread (the one in `block_on`), not
+            // a runtime worker: the clients keep retrying meanwhile.
+            server.kill();
+            server.start();
             kills += 1;
-            wait_ready(&server, &client, addr).await;
         }
         for task in tasks {
             if let Err(e) = task.await.unwrap() {
@@ -357,7 +320,7 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
         );
         kills
     });
-    server.lock().unwrap().kill();
+    server.kill();
 
     let seen = seen.lock().unwrap();
     eprintln!(
