@@ -69,6 +69,8 @@ mod codec;
 mod commit;
 mod error;
 mod expiry;
+#[cfg(feature = "http")]
+pub mod http;
 mod key;
 mod record;
 mod scan;

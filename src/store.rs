@@ -509,6 +509,17 @@ impl Store {
         expect_record(self.inner.submit_op(lease.key(), op).await)
     }
 
+    /// Queues a retryable failure under `lease` without waiting for it, for
+    /// a caller that is being dropped and cannot await: the HTTP layer when
+    /// a client goes away while its handler runs. The outcome is not
+    /// reported; a stale lease changes nothing, as always.
+    #[cfg(feature = "http")]
+    pub(crate) fn fail_detached(&self, lease: &Lease, failure: &[u8]) {
+        if let Ok(op) = self.inner.fail_op(lease, failure, true) {
+            drop(self.inner.submit_op(lease.key(), op));
+        }
+    }
+
     /// Deletes the record and its recovery point: "nothing happened". The key
     /// is free again, for any payload. Durable when this returns.
     ///

@@ -1,0 +1,343 @@
+//! The ticket service: an axum app whose `POST /tickets` runs behind
+//! [`IdempotencyLayer`], and whose ticket table closes the gap the store
+//! cannot: it is unique on the idempotency key, and a handler that takes a
+//! key over looks the ticket up before creating one.
+//!
+//! Shared by `examples/ticket_service.rs` and `tests/http_e2e.rs`.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{MatchedPath, Path as UrlPath, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use bytes::Bytes;
+use idemstore::http::{IdempotencyContext, IdempotencyLayer, IdempotencyOutcome};
+use idemstore::{Config, Store};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use serde_json::{Value, json};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Idempotency key (`scope/id`) → ticket id. The key is the table's key,
+/// so a second ticket for one key cannot exist.
+const BY_KEY: TableDefinition<&str, u64> = TableDefinition::new("tickets_by_idempotency_key");
+/// Ticket id → ticket as JSON.
+const TICKETS: TableDefinition<u64, &str> = TableDefinition::new("tickets");
+
+/// How the service runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The address to listen on.
+    pub addr: SocketAddr,
+    /// The idempotency store's file.
+    pub store: PathBuf,
+    /// The ticket table's file.
+    pub tickets: PathBuf,
+    /// The lease of each claim: how long a key whose server died stays
+    /// held before a retry may take it over.
+    pub lease: Duration,
+    /// Simulated work per ticket, half before the ticket is written and
+    /// half after (so a crash can fall between the ticket and the stored
+    /// response).
+    pub work: Duration,
+}
+
+/// A ticket as the service returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ticket {
+    /// Its id, from 1 up.
+    pub id: u64,
+    /// The idempotency key (`scope/id`) it was created under.
+    pub idempotency_key: String,
+    /// Its title.
+    pub title: String,
+}
+
+impl Ticket {
+    fn to_json(&self) -> Value {
+        json!({"id": self.id, "title": self.title, "idempotency_key": self.idempotency_key})
+    }
+
+    fn from_json(id: u64, text: &str) -> Result<Ticket, BoxError> {
+        let v: Value = serde_json::from_str(text)?;
+        Ok(Ticket {
+            id,
+            idempotency_key: v["idempotency_key"].as_str().unwrap_or_default().to_owned(),
+            title: v["title"].as_str().unwrap_or_default().to_owned(),
+        })
+    }
+}
+
+/// The ticket table: a redb file of its own, unique on the idempotency key.
+#[derive(Clone)]
+pub struct Tickets(Arc<Database>);
+
+impl Tickets {
+    /// Opens (or creates) the ticket file.
+    pub fn open(path: &Path) -> Result<Tickets, BoxError> {
+        let db = Database::create(path)?;
+        let txn = db.begin_write()?;
+        txn.open_table(BY_KEY)?;
+        txn.open_table(TICKETS)?;
+        txn.commit()?;
+        Ok(Tickets(Arc::new(db)))
+    }
+
+    /// The ticket created under `key`, if any.
+    pub fn find(&self, key: &str) -> Result<Option<Ticket>, BoxError> {
+        let txn = self.0.begin_read()?;
+        let Some(id) = txn.open_table(BY_KEY)?.get(key)?.map(|v| v.value()) else {
+            return Ok(None);
+        };
+        let tickets = txn.open_table(TICKETS)?;
+        let text = tickets
+            .get(id)?
+            .ok_or("ticket index names a missing ticket")?;
+        Ticket::from_json(id, text.value()).map(Some)
+    }
+
+    /// Creates a ticket under `key`, or returns the one that exists: one
+    /// durable write transaction, so the uniqueness holds whoever races.
+    pub fn create(&self, key: &str, title: &str) -> Result<Ticket, BoxError> {
+        let txn = self.0.begin_write()?;
+        let ticket = {
+            let mut by_key = txn.open_table(BY_KEY)?;
+            let mut tickets = txn.open_table(TICKETS)?;
+            let existing = by_key.get(key)?.map(|v| v.value());
+            if let Some(id) = existing {
+                let text = tickets
+                    .get(id)?
+                    .ok_or("ticket index names a missing ticket")?;
+                return Ticket::from_json(id, text.value());
+            }
+            let id = tickets.last()?.map_or(1, |(k, _)| k.value() + 1);
+            let ticket = Ticket {
+                id,
+                idempotency_key: key.to_owned(),
+                title: title.to_owned(),
+            };
+            tickets.insert(id, ticket.to_json().to_string().as_str())?;
+            by_key.insert(key, id)?;
+            ticket
+        };
+        txn.commit()?;
+        Ok(ticket)
+    }
+
+    /// The ticket with `id`, if any.
+    pub fn get(&self, id: u64) -> Result<Option<Ticket>, BoxError> {
+        let txn = self.0.begin_read()?;
+        let tickets = txn.open_table(TICKETS)?;
+        match tickets.get(id)? {
+            Some(text) => Ticket::from_json(id, text.value()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// How many tickets exist.
+    pub fn count(&self) -> Result<u64, BoxError> {
+        Ok(self.0.begin_read()?.open_table(TICKETS)?.len()?)
+    }
+
+    /// Every ticket, by id.
+    #[allow(dead_code)] // Used by tests/http_e2e.rs, not by the example.
+    pub fn all(&self) -> Result<Vec<Ticket>, BoxError> {
+        let txn = self.0.begin_read()?;
+        let tickets = txn.open_table(TICKETS)?;
+        let mut out = Vec::new();
+        for entry in tickets.iter()? {
+            let (id, text) = entry?;
+            out.push(Ticket::from_json(id.value(), text.value())?);
+        }
+        Ok(out)
+    }
+}
+
+#[derive(Clone)]
+struct App {
+    store: Arc<Store>,
+    tickets: Tickets,
+    work: Duration,
+}
+
+/// Runs a blocking ticket-table call off the async runtime.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, BoxError> + Send + 'static,
+) -> Result<T, BoxError> {
+    tokio::task::spawn_blocking(f).await?
+}
+
+fn created(ticket: &Ticket) -> Response {
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, format!("/tickets/{}", ticket.id))],
+        Json(ticket.to_json()),
+    )
+        .into_response()
+}
+
+/// The ticket table failed: nothing was created that a retry would not
+/// find by its key, so the key is released ([`IdempotencyOutcome::NoEffect`]).
+fn unavailable(error: &BoxError) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Extension(IdempotencyOutcome::NoEffect),
+        Json(json!({"error": error.to_string()})),
+    )
+        .into_response()
+}
+
+/// `POST /tickets` with `{"title": "..."}` and an `Idempotency-Key` header.
+async fn create_ticket(
+    State(app): State<App>,
+    Extension(ctx): Extension<IdempotencyContext>,
+    body: Bytes,
+) -> Response {
+    let title = match serde_json::from_slice::<Value>(&body) {
+        Ok(v) => match v["title"].as_str() {
+            Some(t) if !t.is_empty() => t.to_owned(),
+            _ => {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    Json(json!({"error": "a ticket needs a non-empty \"title\""})),
+                )
+                    .into_response();
+            }
+        },
+        Err(e) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": format!("the body is not JSON: {e}")})),
+            )
+                .into_response();
+        }
+    };
+    let key = ctx.key().to_string();
+
+    // An earlier attempt may have created the ticket and died before its
+    // response was stored: query instead of acting again.
+    if ctx.is_takeover() {
+        let (tickets, k) = (app.tickets.clone(), key.clone());
+        match blocking(move || tickets.find(&k)).await {
+            Ok(Some(ticket)) => return created(&ticket),
+            Ok(None) => {}
+            Err(e) => return unavailable(&e),
+        }
+    }
+
+    tokio::time::sleep(app.work / 2).await;
+    let tickets = app.tickets.clone();
+    // Unique on the key: even a race that slipped past the lookup above
+    // finds the existing ticket instead of creating a second one.
+    let ticket = match blocking(move || tickets.create(&key, &title)).await {
+        Ok(ticket) => ticket,
+        Err(e) => return unavailable(&e),
+    };
+    tokio::time::sleep(app.work / 2).await;
+    created(&ticket)
+}
+
+async fn get_ticket(State(app): State<App>, UrlPath(id): UrlPath<u64>) -> Response {
+    match blocking(move || app.tickets.get(id)).await {
+        Ok(Some(ticket)) => Json(ticket.to_json()).into_response(),
+        Ok(None) => StatusCode::NOT_FOUND.into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+async fn count_tickets(State(app): State<App>) -> Response {
+    match blocking(move || app.tickets.count()).await {
+        Ok(n) => Json(json!({"count": n})).into_response(),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    }
+}
+
+/// `GET /idempotency/stats`: [`Store::stats`] as JSON.
+async fn idempotency_stats(State(app): State<App>) -> Response {
+    let stats = match blocking(move || Ok(app.store.stats()?)).await {
+        Ok(stats) => stats,
+        Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
+    };
+    let (r, c) = (stats.records, stats.counters);
+    Json(json!({
+        "now_ms": stats.now_ms,
+        "file_bytes": stats.file_bytes,
+        "records": {
+            "total": r.total(),
+            "live": r.live(),
+            "processing": r.processing,
+            "lapsed": r.lapsed,
+            "succeeded": r.succeeded,
+            "failed": r.failed,
+            "failed_retryable": r.failed_retryable,
+            "expired": r.expired,
+            "corrupt": r.corrupt,
+        },
+        "oldest_processing_age_ms": stats.oldest_processing_age_ms,
+        "since_open": {
+            "claims": c.claims,
+            "acquired": c.acquired,
+            "replays": c.replays,
+            "in_progress": c.in_progress,
+            "fingerprint_mismatches": c.fingerprint_mismatches,
+            "business_key_conflicts": c.business_key_conflicts,
+            "stale_lease_rejections": c.stale_lease_rejections,
+            "takeovers": c.takeovers,
+            "evictions": c.evictions,
+        },
+    }))
+    .into_response()
+}
+
+/// The service's routes over an open store and ticket table.
+pub fn router(store: Arc<Store>, tickets: Tickets, lease: Duration, work: Duration) -> Router {
+    let idempotency = IdempotencyLayer::new(store.clone())
+        .lease(lease)
+        // One ticket per alert: a second key for the same `alert_id` is
+        // answered 409 naming the key that holds it.
+        .business_key(|_, body| {
+            let v: Value = serde_json::from_slice(body).ok()?;
+            v.get("alert_id")?.as_str().map(str::to_owned)
+        })
+        // Scope keys by route template rather than by concrete path.
+        .route(|parts| match parts.extensions.get::<MatchedPath>() {
+            Some(path) => path.as_str().to_owned(),
+            None => parts.uri.path().to_owned(),
+        });
+    Router::new()
+        .route("/tickets", post(create_ticket))
+        .route("/tickets/count", get(count_tickets))
+        .route("/tickets/{id}", get(get_ticket))
+        .route("/idempotency/stats", get(idempotency_stats))
+        .layer(idempotency)
+        .with_state(App {
+            store,
+            tickets,
+            work,
+        })
+}
+
+/// Opens the files, listens on `options.addr`, and serves until `shutdown`
+/// completes.
+///
+/// # Errors
+/// When a file cannot be opened or the address cannot be bound.
+pub async fn serve(
+    options: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), BoxError> {
+    let store = Store::open_with(&options.store, Config::new().lease(options.lease))?;
+    let tickets = Tickets::open(&options.tickets)?;
+    let app = router(Arc::new(store), tickets, options.lease, options.work);
+    let listener = tokio::net::TcpListener::bind(options.addr).await?;
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    Ok(())
+}

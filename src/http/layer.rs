@@ -1,0 +1,269 @@
+//! [`IdempotencyLayer`]: the settings, and the tower `Layer` that applies them.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::request::Parts;
+use http::{HeaderName, Method};
+use tower::Layer;
+
+use crate::store::Store;
+
+use super::service::Idempotency;
+
+/// Picks a tenant (or any other partition) out of a request.
+pub(crate) type TenantFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+/// Names the route of a request.
+pub(crate) type RouteFn = dyn Fn(&Parts) -> String + Send + Sync;
+/// Picks a business key out of a request and its body.
+pub(crate) type BusinessKeyFn = dyn Fn(&Parts, &[u8]) -> Option<String> + Send + Sync;
+
+/// The default request header that carries the idempotency key, as named by
+/// the IETF Idempotency-Key header draft (and used by Stripe).
+pub const DEFAULT_KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The header a replayed response carries, set to `true` (the name Stripe
+/// uses).
+pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Everything an [`Idempotency`] service needs, shared by all its clones.
+#[derive(Clone)]
+pub(crate) struct Settings {
+    pub(crate) store: Arc<Store>,
+    pub(crate) key_header: HeaderName,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) tenant: Option<Arc<TenantFn>>,
+    pub(crate) route: Option<Arc<RouteFn>>,
+    pub(crate) business_key: Option<Arc<BusinessKeyFn>>,
+    pub(crate) fingerprint_headers: Vec<HeaderName>,
+    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) max_request_bytes: usize,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) lease: Duration,
+    pub(crate) store_server_errors: bool,
+}
+
+impl fmt::Debug for Settings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Settings")
+            .field("store", &self.store.path())
+            .field("key_header", &self.key_header)
+            .field("methods", &self.methods)
+            .field("tenant", &self.tenant.is_some())
+            .field("route", &self.route.is_some())
+            .field("business_key", &self.business_key.is_some())
+            .field("fingerprint_headers", &self.fingerprint_headers)
+            .field("replay_headers", &self.replay_headers)
+            .field("max_request_bytes", &self.max_request_bytes)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .field("lease", &self.lease)
+            .field("store_server_errors", &self.store_server_errors)
+            .finish()
+    }
+}
+
+/// A tower [`Layer`] that makes the requests of an HTTP service idempotent,
+/// backed by a [`Store`]. It wraps a service in [`Idempotency`].
+///
+/// See the [module docs](crate::http) for what it answers and when.
+///
+/// # Defaults
+/// - key header: `Idempotency-Key` ([`DEFAULT_KEY_HEADER`])
+/// - methods that require a key: `POST` and `PATCH` (the methods that are
+///   not idempotent by definition, RFC 9110 §9.2.2); every other method
+///   passes through untouched
+/// - scope: `METHOD path` (the request's URI path); no tenant
+/// - no business key
+/// - fingerprint: method, path and query, body; no headers
+/// - replayed headers: `content-type` and `location`
+/// - `max_request_bytes`: 1 MiB (in bytes)
+/// - `max_response_bytes`: 1 MiB (in bytes)
+/// - `lease`: 30 seconds, extended every third of it while the handler runs
+/// - a 5xx response is recorded as a retryable failure, not stored
+#[derive(Clone, Debug)]
+pub struct IdempotencyLayer {
+    settings: Settings,
+}
+
+impl IdempotencyLayer {
+    /// A layer over `store` with the defaults above.
+    pub fn new(store: Arc<Store>) -> IdempotencyLayer {
+        IdempotencyLayer {
+            settings: Settings {
+                store,
+                key_header: DEFAULT_KEY_HEADER,
+                methods: vec![Method::POST, Method::PATCH],
+                tenant: None,
+                route: None,
+                business_key: None,
+                fingerprint_headers: Vec::new(),
+                replay_headers: vec![http::header::CONTENT_TYPE, http::header::LOCATION],
+                max_request_bytes: 1024 * 1024,
+                max_response_bytes: 1024 * 1024,
+                lease: Duration::from_secs(30),
+                store_server_errors: false,
+            },
+        }
+    }
+
+    /// The request header that carries the idempotency key (default
+    /// `Idempotency-Key`). Its value is the key's id: 1 to 255 bytes of
+    /// visible ASCII, either bare (as Stripe sends it) or as a quoted
+    /// structured-field string (as the IETF draft writes it, `"abc"`).
+    pub fn key_header(mut self, name: HeaderName) -> IdempotencyLayer {
+        self.settings.key_header = name;
+        self
+    }
+
+    /// The methods whose requests require a key (default `POST` and
+    /// `PATCH`). A request with one of them and no key is answered 400;
+    /// requests with any other method pass through untouched, with or
+    /// without a key.
+    pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> IdempotencyLayer {
+        self.settings.methods = methods.into_iter().collect();
+        self
+    }
+
+    /// Takes a tenant out of each request (for example from an
+    /// authenticated principal that an earlier layer put in the
+    /// extensions). Keys of different tenants never meet: the tenant
+    /// prefixes the scope, `tenant/METHOD route`. `None` means no tenant.
+    ///
+    /// A tenant with a control character, or one that makes the scope
+    /// longer than [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN) even with the
+    /// route shortened to a digest, is a server error (500).
+    pub fn tenant(
+        mut self,
+        tenant: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.settings.tenant = Some(Arc::new(tenant));
+        self
+    }
+
+    /// Names the route of each request, for the scope (default: the URI
+    /// path). With axum, the route template is a better name, so that the
+    /// same key sent to `/tickets/1/comments` and `/tickets/2/comments` is
+    /// one key whose payloads differ (422) rather than two keys:
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemstore::http::IdempotencyLayer;
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let store = Arc::new(idemstore::Store::open(dir.path().join("i.redb")).unwrap());
+    /// let layer = IdempotencyLayer::new(store).route(|parts| {
+    ///     match parts.extensions.get::<axum::extract::MatchedPath>() {
+    ///         Some(path) => path.as_str().to_owned(),
+    ///         None => parts.uri.path().to_owned(),
+    ///     }
+    /// });
+    /// ```
+    ///
+    /// A route that would make the scope longer than
+    /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN) (128 bytes) is replaced in
+    /// the scope by `#` and the first 32 hex digits of its SHA-256 digest.
+    pub fn route(
+        mut self,
+        route: impl Fn(&Parts) -> String + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.settings.route = Some(Arc::new(route));
+        self
+    }
+
+    /// Takes a business key out of each request and its body (an order
+    /// number, the alert a ticket is opened for): the same business
+    /// operation requested under a *new* idempotency key, while a record of
+    /// another key in the same scope holds it, is answered 409 naming that
+    /// key and its state, and the handler does not run
+    /// ([`ClaimOptions::business_key`](crate::ClaimOptions::business_key)).
+    /// `None` means no business key. A business key that is empty, over 255
+    /// bytes or holds a control character is answered 400.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idemstore::http::IdempotencyLayer;
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let store = Arc::new(idemstore::Store::open(dir.path().join("i.redb")).unwrap());
+    /// let layer = IdempotencyLayer::new(store).business_key(|_parts, body| {
+    ///     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    ///     v.get("order_id")?.as_str().map(str::to_owned)
+    /// });
+    /// ```
+    pub fn business_key(
+        mut self,
+        business_key: impl Fn(&Parts, &[u8]) -> Option<String> + Send + Sync + 'static,
+    ) -> IdempotencyLayer {
+        self.settings.business_key = Some(Arc::new(business_key));
+        self
+    }
+
+    /// Request headers that the fingerprint covers besides the method, the
+    /// path and query, and the body (default none). A retry that changes
+    /// one of them is a different payload (422). `content-type` is a good
+    /// candidate when the same bytes mean different things in two formats.
+    pub fn fingerprint_headers(
+        mut self,
+        names: impl IntoIterator<Item = HeaderName>,
+    ) -> IdempotencyLayer {
+        self.settings.fingerprint_headers = names.into_iter().collect();
+        self
+    }
+
+    /// Response headers that are stored with the status and body and sent
+    /// again on a replay (default `content-type` and `location`). Headers
+    /// that describe one delivery (`date`, `content-length`, cookies) should
+    /// not be stored.
+    pub fn replay_headers(
+        mut self,
+        names: impl IntoIterator<Item = HeaderName>,
+    ) -> IdempotencyLayer {
+        self.settings.replay_headers = names.into_iter().collect();
+        self
+    }
+
+    /// The largest request body read for the fingerprint (in bytes, default
+    /// 1 MiB). A larger body is answered 413 and the handler does not run;
+    /// a `Content-Length` over the limit is refused before reading.
+    pub fn max_request_bytes(mut self, bytes: usize) -> IdempotencyLayer {
+        self.settings.max_request_bytes = bytes;
+        self
+    }
+
+    /// The largest response body buffered for storage (in bytes, default
+    /// 1 MiB). A longer body still streams to the client, but the outcome
+    /// is recorded as a retryable failure instead of being stored; so is a
+    /// response whose stored form is over the store's `max_result_bytes`
+    /// or `max_failure_bytes`.
+    pub fn max_response_bytes(mut self, bytes: usize) -> IdempotencyLayer {
+        self.settings.max_response_bytes = bytes;
+        self
+    }
+
+    /// The lease of each claim (whole milliseconds, 1 ms to
+    /// [`MAX_LEASE`](crate::MAX_LEASE); default 30 s): how long a request
+    /// whose server died holds its key before a retry may take it over.
+    /// While the handler runs, the layer extends the lease every third of
+    /// this duration, so a slow handler keeps its key. An out-of-range
+    /// lease makes every keyed request fail with 500.
+    pub fn lease(mut self, lease: Duration) -> IdempotencyLayer {
+        self.settings.lease = lease;
+        self
+    }
+
+    /// Whether a 5xx response is stored and replayed like any other
+    /// (`true`), or recorded as a retryable failure so that a retry runs
+    /// the handler again (`false`, the default). A handler can decide for
+    /// one response with [`IdempotencyOutcome`](super::IdempotencyOutcome).
+    pub fn store_server_errors(mut self, store: bool) -> IdempotencyLayer {
+        self.settings.store_server_errors = store;
+        self
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = Idempotency<S>;
+
+    fn layer(&self, inner: S) -> Idempotency<S> {
+        Idempotency::new(inner, Arc::new(self.settings.clone()))
+    }
+}

@@ -1,0 +1,137 @@
+//! Idempotency keys for HTTP services: a tower [`Layer`](tower::Layer) for
+//! axum, hyper or any tower stack (cargo feature `http`).
+//!
+//! [`IdempotencyLayer`] reads the `Idempotency-Key` header of `POST` and
+//! `PATCH` requests, claims the key in a [`Store`](crate::Store), runs the
+//! handler once, stores its response, and replays that response to every
+//! retry with the same key and payload, as the IETF Idempotency-Key header
+//! draft and Stripe describe.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::{BodyExt, Full};
+//! use bytes::Bytes;
+//! use idemstore::http::{IdempotencyBody, IdempotencyContext, IdempotencyLayer};
+//! use tower::{Layer, ServiceExt, service_fn};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # let dir = tempfile::tempdir()?;
+//! let store = Arc::new(idemstore::Store::open(dir.path().join("idem.redb"))?);
+//! let tickets = service_fn(|req: Request<IdempotencyBody<Full<Bytes>>>| async move {
+//!     // The layer holds the key's lease while this runs.
+//!     let ctx = req.extensions().get::<IdempotencyContext>().cloned();
+//!     assert!(ctx.is_some_and(|c| !c.is_takeover()));
+//!     Response::builder().status(StatusCode::CREATED).body(Full::new(Bytes::from("T-1")))
+//! });
+//! let service = IdempotencyLayer::new(store).layer(tickets);
+//! let request = || {
+//!     Request::post("/tickets")
+//!         .header("idempotency-key", "task-42:call-7")
+//!         .body(Full::new(Bytes::from(r#"{"title":"printer on fire"}"#)))
+//! };
+//!
+//! let first = service.clone().oneshot(request()?).await?;
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//!
+//! // A retry gets the stored response; the handler does not run again.
+//! let retry = service.clone().oneshot(request()?).await?;
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! assert_eq!(retry.into_body().collect().await?.to_bytes(), "T-1");
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # What it answers
+//!
+//! | situation | answer | handler runs |
+//! |---|---|---|
+//! | method not in [`methods`](IdempotencyLayer::methods) (default: all but `POST`, `PATCH`) | the handler's response, untouched | yes |
+//! | no key, two keys, or a key that is empty, over 255 bytes or not visible ASCII | 400 | no |
+//! | body over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) | 413 | no |
+//! | key held by a live request | 409 with `Retry-After` (seconds until its lease lapses, rounded up) | no |
+//! | key used before with a different payload | 422 | no |
+//! | the request's [business key](IdempotencyLayer::business_key) is held by another key of the scope | 409 naming that key (`existing_idempotency_key`) and its state | no |
+//! | business key empty, over 255 bytes or with a control character | 400 | no |
+//! | key finished before, same payload | the stored status, stored headers and body, plus `Idempotent-Replayed: true` | no |
+//! | store unavailable (I/O error, poisoned, closed) | 503 | no |
+//! | stored record or response damaged, bad configuration | 500 | no |
+//! | first attempt, a retry after a retryable failure, or a takeover after a lapsed lease | the handler's response | yes |
+//!
+//! Refusals are `application/problem+json` bodies (RFC 9457).
+//!
+//! # What is stored
+//!
+//! The key is `(scope, id)`: the scope is `METHOD route` (the route is the
+//! URI path unless [`route`](IdempotencyLayer::route) names it), prefixed
+//! by `tenant/` when [`tenant`](IdempotencyLayer::tenant) finds one; the id
+//! is the header's value. The fingerprint is SHA-256 over the method, the
+//! path and query, the [chosen request headers](IdempotencyLayer::fingerprint_headers)
+//! and the body.
+//!
+//! The handler's response is stored as its status, the
+//! [chosen response headers](IdempotencyLayer::replay_headers) (default
+//! `content-type` and `location`) and its body:
+//!
+//! - 2xx and 3xx: completed, replayed until retention ends (24 h by default);
+//! - 4xx: recorded as a permanent failure, replayed the same way;
+//! - 5xx: recorded as a *retryable* failure by default: a retry runs the
+//!   handler again, as a takeover, rather than replaying a 500 for a day.
+//!   [`store_server_errors(true)`](IdempotencyLayer::store_server_errors)
+//!   stores it as a permanent failure instead.
+//!
+//! Only the handler knows whether its effect happened, so it can overrule
+//! these defaults for one response with an [`IdempotencyOutcome`] in the
+//! response's extensions: `Final` stores the response whatever its status;
+//! `NoEffect` releases the key, as if the request had never come.
+//!
+//! A response whose body is over
+//! [`max_response_bytes`](IdempotencyLayer::max_response_bytes), or whose
+//! stored form is over the store's limit, still reaches the client but is
+//! recorded as a retryable failure. So is a request whose response future
+//! is dropped while the handler runs (the client went away), without
+//! waiting for the write.
+//!
+//! # The gap the handler must close
+//!
+//! The store cannot make the handler's effect and the stored response one
+//! atomic step. A server can die after the ticket was created and before
+//! the response was stored; after the [lease](IdempotencyLayer::lease)
+//! lapses, a retry runs the handler again. The handler therefore:
+//!
+//! 1. stores the idempotency key with its effect, under a unique
+//!    constraint (its own table, or the downstream's external reference);
+//! 2. when [`IdempotencyContext::is_takeover`] is true, looks the effect up
+//!    by key and answers from it instead of acting again.
+//!
+//! `examples/ticket_service.rs` does both.
+//!
+//! # Runtime
+//!
+//! The layer awaits the store's futures ([`Store::claim_async`](crate::Store::claim_async)
+//! and the other `_async` methods), which are woken by the store's writer
+//! thread; the lease is extended every third of its duration on a
+//! `futures-timer` timer. Neither needs a particular async runtime.
+//!
+//! # Limits
+//!
+//! - The request body is buffered (up to `max_request_bytes`) to compute
+//!   the fingerprint before the handler runs; trailers are dropped.
+//! - The response body is buffered (up to `max_response_bytes`) to store it.
+//! - Keys are at most 255 bytes, scopes at most 128 (a longer route is
+//!   replaced in the scope by a digest).
+//! - A claim that finds nothing to decide from a read alone waits for a
+//!   durable write (one fsync, shared by concurrent requests).
+
+mod body;
+mod future;
+mod layer;
+mod service;
+mod stored;
+
+pub use body::{BoxError, IdempotencyBody};
+pub use future::ResponseFuture;
+pub use layer::{DEFAULT_KEY_HEADER, IdempotencyLayer, REPLAYED_HEADER};
+pub use service::{Idempotency, IdempotencyContext, IdempotencyOutcome};

@@ -1,0 +1,529 @@
+//! [`Idempotency`]: the service that claims a key before the handler runs,
+//! and what it tells the handler ([`IdempotencyContext`]) and hears back
+//! from it ([`IdempotencyOutcome`]).
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::request::Parts;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, header};
+use http_body::Body;
+use sha2::{Digest, Sha256};
+use tower::Service;
+
+use crate::error::Error;
+use crate::key::{Key, MAX_SCOPE_LEN};
+use crate::record::{ClaimOutcome, Lease, Record};
+use crate::store::{ClaimOptions, Store};
+
+use super::body::{BoxError, Collected, IdempotencyBody, collect_limited};
+use super::future::{Held, ResponseFuture};
+use super::layer::{REPLAYED_HEADER, Settings};
+use super::stored::{StoredResponse, fingerprint};
+
+/// What the layer puts in the extensions of a request it lets through to
+/// the handler: the lease it holds on the request's key.
+///
+/// The store cannot make the handler's side effect and the stored outcome
+/// one atomic step: a server can die after the ticket was created and
+/// before the response was stored. After the lease lapses, a retry runs the
+/// handler again. When [`is_takeover`](Self::is_takeover) is true, an
+/// earlier attempt may have acted, so the handler must look its effect up
+/// by [`key`](Self::key) (a unique column in its own table, a merchant
+/// reference at a payment gateway) before acting again: "query instead of
+/// replay".
+#[derive(Debug, Clone)]
+pub struct IdempotencyContext {
+    lease: Lease,
+    store: Arc<Store>,
+}
+
+impl IdempotencyContext {
+    /// The idempotency key: scope (`[tenant/]METHOD route`) and the id the
+    /// client sent. Store `key().to_string()` with the effect, uniquely.
+    pub fn key(&self) -> &Key {
+        self.lease.key()
+    }
+
+    /// The lease the layer holds while the handler runs. Its fencing token
+    /// can be passed to downstream systems that accept one.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Whether an earlier attempt may have acted: the key was acquired
+    /// before (a lease that lapsed, a server that died, a 5xx recorded as a
+    /// retryable failure, a client that went away) or carries a recovery
+    /// point. See [`Lease::is_takeover`].
+    pub fn is_takeover(&self) -> bool {
+        self.lease.is_takeover()
+    }
+
+    /// How many times the key was acquired, this time included (1 for a
+    /// first attempt).
+    pub fn acquisitions(&self) -> u32 {
+        self.lease.record().map_or(1, Record::acquisitions)
+    }
+
+    /// The recovery point an earlier attempt saved, if any.
+    pub fn recovery_point(&self) -> Option<&[u8]> {
+        self.lease.recovery_point()
+    }
+
+    /// The store, for [`Store::set_recovery_point_async`] under
+    /// [`lease`](Self::lease) in multi-step work.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+}
+
+/// What a handler tells the layer about one response, by putting it in the
+/// response's extensions. Only the handler knows whether its effect
+/// happened, so only it can overrule the layer's default (2xx, 3xx and 4xx
+/// stored; 5xx recorded as a retryable failure).
+///
+/// With axum: `(Extension(IdempotencyOutcome::NoEffect), StatusCode::SERVICE_UNAVAILABLE)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum IdempotencyOutcome {
+    /// Store this response and replay it to every retry until retention
+    /// ends, whatever its status (a 5xx too: "the charge was declined for
+    /// good").
+    Final,
+    /// Nothing happened: release the key, so that a retry runs the handler
+    /// as a first attempt, with any payload. Use it for a refusal before
+    /// any effect (rate limited, a dependency down before the write).
+    NoEffect,
+}
+
+/// The service made by [`IdempotencyLayer`](super::IdempotencyLayer).
+///
+/// For a request whose method requires a key it reads the key and the body
+/// (up to the limit), claims the key in the store, and then either runs the
+/// inner service under the lease or answers at once without running it (a
+/// replay, or one of the refusals in the [module docs](crate::http)).
+/// Other requests pass through untouched.
+///
+/// The inner service receives the body as an [`IdempotencyBody`] (buffered
+/// for keyed requests, streamed for the others) and a keyed request carries
+/// an [`IdempotencyContext`] in its extensions. Request and response bodies
+/// must be `Unpin`, as axum's and hyper's are.
+#[derive(Debug, Clone)]
+pub struct Idempotency<S> {
+    inner: S,
+    settings: Arc<Settings>,
+}
+
+impl<S> Idempotency<S> {
+    pub(crate) fn new(inner: S, settings: Arc<Settings>) -> Idempotency<S> {
+        Idempotency { inner, settings }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S>
+where
+    S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    ReqBody: Body + Send + Unpin + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: Body + Send + Unpin + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<IdempotencyBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let settings = &self.settings;
+        if !settings.methods.contains(req.method()) {
+            return ResponseFuture::passthrough(self.inner.call(req.map(IdempotencyBody::stream)));
+        }
+        let (parts, body) = req.into_parts();
+        let id = match key_id(&parts.headers, &settings.key_header) {
+            Ok(Some(id)) => id,
+            Ok(None) => {
+                return ResponseFuture::reply(problem(
+                    StatusCode::BAD_REQUEST,
+                    "Idempotency key missing",
+                    &format!(
+                        "{} {} requires an `{}` header",
+                        parts.method,
+                        parts.uri.path(),
+                        settings.key_header
+                    ),
+                ));
+            }
+            Err(reason) => {
+                return ResponseFuture::reply(problem(
+                    StatusCode::BAD_REQUEST,
+                    "Invalid idempotency key",
+                    &reason,
+                ));
+            }
+        };
+        if content_length(&parts.headers).is_some_and(|n| n > settings.max_request_bytes as u64) {
+            return ResponseFuture::reply(too_large(settings.max_request_bytes));
+        }
+        let key = match request_key(settings, &parts, id) {
+            Ok(key) => key,
+            Err(response) => return ResponseFuture::reply(response),
+        };
+        // The service that was polled ready goes with this request; the
+        // clone stays for the next one (tower's usual hand-off).
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        ResponseFuture::prepare(Box::pin(prepare(
+            settings.clone(),
+            key,
+            parts,
+            body,
+            service,
+        )))
+    }
+}
+
+/// Reads the body, claims the key, and either calls the service under the
+/// lease or answers without calling it.
+async fn prepare<S, ReqBody, ResBody>(
+    settings: Arc<Settings>,
+    key: Key,
+    mut parts: Parts,
+    body: ReqBody,
+    mut service: S,
+) -> Result<(S::Future, Held), Response<IdempotencyBody<ResBody>>>
+where
+    S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
+    ReqBody: Body + Unpin,
+    ReqBody::Error: Into<BoxError>,
+{
+    let bytes = match collect_limited(body, settings.max_request_bytes).await {
+        Collected::Complete(bytes) => bytes,
+        Collected::Over { .. } => return Err(too_large(settings.max_request_bytes)),
+        Collected::Failed { error } => {
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "Request body could not be read",
+                &error.to_string(),
+            ));
+        }
+    };
+    let fp = fingerprint(
+        &parts.method,
+        &parts.uri,
+        &parts.headers,
+        &settings.fingerprint_headers,
+        &bytes,
+    );
+    let mut options = ClaimOptions::new().lease(settings.lease);
+    if let Some(business_key) = settings
+        .business_key
+        .as_ref()
+        .and_then(|f| f(&parts, &bytes))
+    {
+        options = options.business_key(business_key);
+    }
+    match settings.store.claim_async(&key, &fp, &options).await {
+        Ok(ClaimOutcome::Acquired(lease)) => {
+            let held = Held::new(settings.clone(), lease.clone());
+            parts.extensions.insert(IdempotencyContext {
+                lease,
+                store: settings.store.clone(),
+            });
+            let request = Request::from_parts(parts, IdempotencyBody::full(bytes));
+            Ok((service.call(request), held))
+        }
+        Ok(ClaimOutcome::InProgress { retry_after, .. }) => Err(in_progress(&key, retry_after)),
+        Ok(ClaimOutcome::Replay(record)) => Err(replay(&record)),
+        Err(error) => Err(claim_error(&key, &error)),
+    }
+}
+
+/// The key's id from the request: `Ok(None)` when the header is absent.
+fn key_id(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, String> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(format!("more than one `{name}` header"));
+    }
+    let text = value
+        .to_str()
+        .map_err(|_| format!("`{name}` is not visible ASCII"))?
+        .trim();
+    // The IETF draft writes the key as a structured-field string ("...").
+    let Some(quoted) = text
+        .strip_prefix('"')
+        .and_then(|t| t.strip_suffix('"'))
+        .filter(|_| text.len() >= 2)
+    else {
+        return Ok(Some(text.to_owned()));
+    };
+    let mut out = String::with_capacity(quoted.len());
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some(e @ ('\\' | '"')) => out.push(e),
+                _ => return Err(format!("`{name}` has a bad escape in its quoted string")),
+            },
+            '"' => return Err(format!("`{name}` has an unescaped quote")),
+            c => out.push(c),
+        }
+    }
+    Ok(Some(out))
+}
+
+fn content_length(headers: &HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// The key of a request: scope `[tenant/]METHOD route`, and the client's id.
+#[allow(clippy::result_large_err)]
+fn request_key<B>(
+    settings: &Settings,
+    parts: &Parts,
+    id: String,
+) -> Result<Key, Response<IdempotencyBody<B>>> {
+    let route = match &settings.route {
+        Some(route) => route(parts),
+        None => parts.uri.path().to_owned(),
+    };
+    let tenant = settings.tenant.as_ref().and_then(|tenant| tenant(parts));
+    let scope = scope_of(tenant.as_deref(), parts.method.as_str(), &route);
+    match Key::new(scope.clone(), id) {
+        Ok(key) => Ok(key),
+        // With a valid scope, only the client's id can be at fault.
+        Err(e) if Key::new(scope, "-").is_ok() => Err(problem(
+            StatusCode::BAD_REQUEST,
+            "Invalid idempotency key",
+            &e.to_string(),
+        )),
+        Err(e) => {
+            tracing::error!(error = %e, "the configured tenant or route gives an invalid scope");
+            Err(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Invalid idempotency scope",
+                "the server's tenant or route gives an invalid scope",
+            ))
+        }
+    }
+}
+
+/// `[tenant/]METHOD route`, with the route replaced by `#` and 32 hex digits
+/// of its SHA-256 when the whole would be over [`MAX_SCOPE_LEN`].
+fn scope_of(tenant: Option<&str>, method: &str, route: &str) -> String {
+    let prefix = tenant.map(|t| format!("{t}/")).unwrap_or_default();
+    let scope = format!("{prefix}{method} {route}");
+    if scope.len() <= MAX_SCOPE_LEN {
+        return scope;
+    }
+    let digest = Sha256::digest(route.as_bytes());
+    let hex: String = digest.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    format!("{prefix}{method} #{hex}")
+}
+
+/// An `application/problem+json` response (RFC 9457).
+pub(crate) fn problem<B>(
+    status: StatusCode,
+    title: &str,
+    detail: &str,
+) -> Response<IdempotencyBody<B>> {
+    problem_with(status, title, detail, serde_json::Map::new())
+}
+
+fn problem_with<B>(
+    status: StatusCode,
+    title: &str,
+    detail: &str,
+    mut extra: serde_json::Map<String, serde_json::Value>,
+) -> Response<IdempotencyBody<B>> {
+    extra.insert("title".into(), title.into());
+    extra.insert("status".into(), status.as_u16().into());
+    extra.insert("detail".into(), detail.into());
+    let body = serde_json::Value::Object(extra).to_string();
+    let mut response = Response::new(IdempotencyBody::full(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+fn too_large<B>(limit: usize) -> Response<IdempotencyBody<B>> {
+    problem(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "Request body too large",
+        &format!("an idempotent request body may be at most {limit} bytes"),
+    )
+}
+
+/// 409 with `Retry-After` in whole seconds, rounded up (at least 1).
+fn in_progress<B>(key: &Key, retry_after: Duration) -> Response<IdempotencyBody<B>> {
+    let seconds = retry_after.as_millis().div_ceil(1000).max(1);
+    let mut response = problem(
+        StatusCode::CONFLICT,
+        "Request in progress",
+        &format!(
+            "a request with idempotency key {:?} is still being processed; retry after {seconds} s",
+            key.id()
+        ),
+    );
+    response.headers_mut().insert(
+        header::RETRY_AFTER,
+        HeaderValue::from(u64::try_from(seconds).unwrap_or(u64::MAX)),
+    );
+    response
+}
+
+/// The stored response with `Idempotent-Replayed: true`.
+fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
+    let stored = record
+        .result()
+        .or_else(|| record.failure())
+        .ok_or_else(|| "the record has no stored outcome".to_owned())
+        .and_then(StoredResponse::decode);
+    match stored {
+        Ok(stored) => {
+            let mut response = Response::new(IdempotencyBody::full(stored.body));
+            *response.status_mut() = stored.status;
+            let headers = response.headers_mut();
+            for (name, value) in stored.headers {
+                headers.append(name, value);
+            }
+            headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+            response
+        }
+        Err(detail) => {
+            tracing::error!(key = %record.key(), %detail, "stored response cannot be replayed");
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Stored response unreadable",
+                "the outcome stored for this idempotency key cannot be read",
+            )
+        }
+    }
+}
+
+fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
+    match error {
+        Error::FingerprintMismatch { .. } => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Idempotency key reused",
+            &format!(
+                "idempotency key {:?} was already used with a different request payload",
+                key.id()
+            ),
+        ),
+        Error::BusinessKeyConflict {
+            business_key,
+            existing,
+            state,
+        } => {
+            let mut extra = serde_json::Map::new();
+            extra.insert("business_key".into(), business_key.as_str().into());
+            extra.insert("existing_idempotency_key".into(), existing.id().into());
+            extra.insert("existing_state".into(), state.name().into());
+            problem_with(
+                StatusCode::CONFLICT,
+                "Business key in use",
+                &format!(
+                    "business key {business_key:?} is already held by idempotency key {:?} ({})",
+                    existing.id(),
+                    state.name()
+                ),
+                extra,
+            )
+        }
+        Error::InvalidKey { reason } => {
+            problem(StatusCode::BAD_REQUEST, "Invalid idempotency key", reason)
+        }
+        Error::InvalidArgument {
+            what: "business_key",
+            reason,
+        } => problem(StatusCode::BAD_REQUEST, "Invalid business key", reason),
+        Error::InvalidArgument { .. } | Error::CorruptRecord { .. } => {
+            tracing::error!(%key, %error, "claim failed");
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotency store error",
+                "the request was not processed",
+            )
+        }
+        _ => {
+            tracing::warn!(%key, %error, "idempotency store unavailable");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+                "the request was not processed",
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_header_forms() {
+        let name = HeaderName::from_static("idempotency-key");
+        let one = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(&name, HeaderValue::from_static(v));
+            key_id(&h, &name)
+        };
+        assert_eq!(one("abc").unwrap().as_deref(), Some("abc"));
+        assert_eq!(one("\"abc\"").unwrap().as_deref(), Some("abc"));
+        assert_eq!(one(r#""a\"b\\c""#).unwrap().as_deref(), Some(r#"a"b\c"#));
+        assert!(one(r#""a\xb""#).is_err());
+        assert!(one(r#""a"b""#).is_err());
+        assert_eq!(one("\"").unwrap().as_deref(), Some("\""));
+        assert_eq!(key_id(&HeaderMap::new(), &name).unwrap(), None);
+        let mut two = HeaderMap::new();
+        two.append(&name, HeaderValue::from_static("a"));
+        two.append(&name, HeaderValue::from_static("b"));
+        assert!(key_id(&two, &name).is_err());
+    }
+
+    #[test]
+    fn long_routes_become_a_digest() {
+        assert_eq!(scope_of(None, "POST", "/tickets"), "POST /tickets");
+        assert_eq!(scope_of(Some("acme"), "POST", "/t"), "acme/POST /t");
+        let long = format!("/{}", "x".repeat(200));
+        let a = scope_of(Some("acme"), "POST", &long);
+        assert!(a.len() <= MAX_SCOPE_LEN);
+        assert!(a.starts_with("acme/POST #"));
+        assert_ne!(a, scope_of(Some("acme"), "POST", &format!("{long}y")));
+    }
+}

@@ -1,0 +1,241 @@
+//! The stored form of an HTTP response, and the request fingerprint.
+//!
+//! A response is stored as a small length-prefixed blob (all integers
+//! big-endian):
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 1 | format version, `1` |
+//! | 2 | status code |
+//! | 2 | header count *n* |
+//! | *n* × (2 + len + 4 + len) | header name length, name (lowercase), value length, value |
+//! | 4 | body length |
+//! | len | body |
+//!
+//! Decoding checks every length and that nothing follows the body, so a
+//! damaged blob is reported, never replayed as a wrong response.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+
+use crate::key::Fingerprint;
+
+const VERSION: u8 = 1;
+
+/// A response as the layer stores and replays it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoredResponse {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: Vec<(HeaderName, HeaderValue)>,
+    pub(crate) body: Bytes,
+}
+
+impl StoredResponse {
+    /// The chosen `names` of `headers` (every value of each, in order).
+    pub(crate) fn new(
+        status: StatusCode,
+        headers: &HeaderMap,
+        names: &[HeaderName],
+        body: Bytes,
+    ) -> StoredResponse {
+        let headers = names
+            .iter()
+            .flat_map(|name| {
+                headers
+                    .get_all(name)
+                    .iter()
+                    .map(move |v| (name.clone(), v.clone()))
+            })
+            .collect();
+        StoredResponse {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    /// The stored form. `None` when a length does not fit its field (a
+    /// header over 4 GiB, more than 65 535 headers): such a response cannot
+    /// be stored.
+    pub(crate) fn encode(&self) -> Option<Vec<u8>> {
+        let mut out = Vec::with_capacity(9 + self.body.len());
+        out.push(VERSION);
+        out.extend_from_slice(&self.status.as_u16().to_be_bytes());
+        out.extend_from_slice(&u16::try_from(self.headers.len()).ok()?.to_be_bytes());
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&u16::try_from(name.as_str().len()).ok()?.to_be_bytes());
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(&u32::try_from(value.len()).ok()?.to_be_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out.extend_from_slice(&u32::try_from(self.body.len()).ok()?.to_be_bytes());
+        out.extend_from_slice(&self.body);
+        Some(out)
+    }
+
+    /// Parses the stored form.
+    ///
+    /// # Errors
+    /// A description of what is wrong: an unknown version, a length past
+    /// the end, an invalid status, header name or value, trailing bytes.
+    pub(crate) fn decode(bytes: &[u8]) -> Result<StoredResponse, String> {
+        let mut r = Reader(bytes);
+        let version = r.take(1)?[0];
+        if version != VERSION {
+            return Err(format!("unknown stored response version {version}"));
+        }
+        let status = StatusCode::from_u16(r.u16()?).map_err(|e| e.to_string())?;
+        let count = r.u16()?;
+        let mut headers = Vec::with_capacity(usize::from(count));
+        for _ in 0..count {
+            let len = usize::from(r.u16()?);
+            let name = HeaderName::from_bytes(r.take(len)?).map_err(|e| e.to_string())?;
+            let len = r.u32_len()?;
+            let value = HeaderValue::from_bytes(r.take(len)?).map_err(|e| e.to_string())?;
+            headers.push((name, value));
+        }
+        let len = r.u32_len()?;
+        let body = Bytes::copy_from_slice(r.take(len)?);
+        if !r.0.is_empty() {
+            return Err(format!("{} bytes after the body", r.0.len()));
+        }
+        Ok(StoredResponse {
+            status,
+            headers,
+            body,
+        })
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err(format!(
+                "stored response ends early: {n} bytes wanted, {} left",
+                self.0.len()
+            ));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u16(&mut self) -> Result<u16, String> {
+        let b = self.take(2)?;
+        Ok(u16::from_be_bytes([b[0], b[1]]))
+    }
+
+    fn u32_len(&mut self) -> Result<usize, String> {
+        let b = self.take(4)?;
+        usize::try_from(u32::from_be_bytes([b[0], b[1], b[2], b[3]])).map_err(|e| e.to_string())
+    }
+}
+
+/// The fingerprint of a request: SHA-256 over a length-prefixed encoding of
+/// the method, the path and query, each chosen header (name, number of
+/// values, each value, in the order the names were chosen) and the body. The
+/// encoding is unambiguous, so two different requests never share an input.
+pub(crate) fn fingerprint(
+    method: &Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    names: &[HeaderName],
+    body: &[u8],
+) -> Fingerprint {
+    fn field(out: &mut Vec<u8>, bytes: &[u8]) {
+        out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+        out.extend_from_slice(bytes);
+    }
+    let path_and_query = uri.path_and_query().map_or("/", |pq| pq.as_str());
+    let mut enc = Vec::with_capacity(64 + path_and_query.len() + body.len());
+    field(&mut enc, b"idemstore-http-fingerprint-v1");
+    field(&mut enc, method.as_str().as_bytes());
+    field(&mut enc, path_and_query.as_bytes());
+    for name in names {
+        field(&mut enc, name.as_str().as_bytes());
+        let values: Vec<&HeaderValue> = headers.get_all(name).iter().collect();
+        enc.extend_from_slice(&(values.len() as u64).to_be_bytes());
+        for v in values {
+            field(&mut enc, v.as_bytes());
+        }
+    }
+    field(&mut enc, body);
+    Fingerprint::of(&enc)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> StoredResponse {
+        StoredResponse {
+            status: StatusCode::CREATED,
+            headers: vec![
+                (
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                ),
+                (
+                    http::header::LOCATION,
+                    HeaderValue::from_static("/tickets/7"),
+                ),
+            ],
+            body: Bytes::from_static(br#"{"id":7}"#),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let r = sample();
+        assert_eq!(StoredResponse::decode(&r.encode().unwrap()).unwrap(), r);
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_refused() {
+        let enc = sample().encode().unwrap();
+        for n in 0..enc.len() {
+            assert!(StoredResponse::decode(&enc[..n]).is_err(), "prefix {n}");
+        }
+        let mut longer = enc.clone();
+        longer.push(0);
+        assert!(StoredResponse::decode(&longer).is_err());
+        let mut other_version = enc;
+        other_version[0] = 2;
+        assert!(StoredResponse::decode(&other_version).is_err());
+    }
+
+    #[test]
+    fn fingerprint_covers_each_part() {
+        let uri: Uri = "/tickets?x=1".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("x-a", HeaderValue::from_static("1"));
+        let names = [HeaderName::from_static("x-a")];
+        let base = fingerprint(&Method::POST, &uri, &headers, &names, b"body");
+        assert_eq!(
+            base,
+            fingerprint(&Method::POST, &uri, &headers, &names, b"body")
+        );
+        assert_ne!(
+            base,
+            fingerprint(&Method::PATCH, &uri, &headers, &names, b"body")
+        );
+        let other: Uri = "/tickets?x=2".parse().unwrap();
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, &other, &headers, &names, b"body")
+        );
+        let mut h2 = headers.clone();
+        h2.insert("x-a", HeaderValue::from_static("2"));
+        assert_ne!(base, fingerprint(&Method::POST, &uri, &h2, &names, b"body"));
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, &uri, &headers, &names, b"bodz")
+        );
+        // A header that is not chosen does not count.
+        h2.insert("x-b", HeaderValue::from_static("3"));
+        h2.insert("x-a", HeaderValue::from_static("1"));
+        assert_eq!(base, fingerprint(&Method::POST, &uri, &h2, &names, b"body"));
+    }
+}

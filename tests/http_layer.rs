@@ -1,0 +1,635 @@
+//! The HTTP layer's answers, one test per row of the status-code table,
+//! driven through tower's `oneshot` with a handler that counts its runs.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::task::Context;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use idemstore::http::{
+    Idempotency, IdempotencyBody, IdempotencyContext, IdempotencyLayer, IdempotencyOutcome,
+};
+use idemstore::{Config, Key, ManualClock, State, Store};
+use tower::{Layer, Service, ServiceExt};
+
+type Req = Request<IdempotencyBody<Full<Bytes>>>;
+type Resp = Response<Full<Bytes>>;
+
+/// What the handler saw on each run.
+#[derive(Default)]
+struct Runs {
+    count: AtomicUsize,
+    takeovers: AtomicUsize,
+    last_acquisitions: AtomicUsize,
+}
+
+impl Runs {
+    fn count(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+}
+
+/// A store on a fresh file with a manual clock.
+fn store_with(config: Config) -> (tempfile::TempDir, Arc<Store>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store =
+        Store::open_with(dir.path().join("idem.redb"), config.sweep_interval(None)).unwrap();
+    (dir, Arc::new(store))
+}
+
+fn manual_store() -> (tempfile::TempDir, Arc<Store>, ManualClock) {
+    let clock = ManualClock::starting_now();
+    let (dir, store) = store_with(Config::new().clock(clock.clone()));
+    (dir, store, clock)
+}
+
+/// A service whose handler records its run and answers `respond(request)`.
+fn service<R, Fut>(
+    layer: IdempotencyLayer,
+    respond: R,
+) -> (
+    Idempotency<impl Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone>,
+    Arc<Runs>,
+)
+where
+    R: Fn(Req) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Resp> + Send + 'static,
+{
+    let runs = Arc::new(Runs::default());
+    let seen = runs.clone();
+    let handler = tower::service_fn(move |req: Req| {
+        let seen = seen.clone();
+        let respond = respond.clone();
+        async move {
+            seen.count.fetch_add(1, Ordering::SeqCst);
+            let ctx = req
+                .extensions()
+                .get::<IdempotencyContext>()
+                .cloned()
+                .expect("a keyed request carries its context");
+            if ctx.is_takeover() {
+                seen.takeovers.fetch_add(1, Ordering::SeqCst);
+            }
+            seen.last_acquisitions
+                .store(ctx.acquisitions() as usize, Ordering::SeqCst);
+            Ok::<_, Infallible>(respond(req).await)
+        }
+    });
+    (layer.layer(handler), runs)
+}
+
+fn created(body: &'static str) -> Resp {
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .header("location", "/tickets/1")
+        .header("x-request-id", "not-replayed")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+fn status(code: u16) -> Resp {
+    Response::builder()
+        .status(code)
+        .body(Full::new(Bytes::from(format!("status {code}"))))
+        .unwrap()
+}
+
+fn post(key: Option<&str>, body: &'static str) -> Request<Full<Bytes>> {
+    let mut b = Request::post("/tickets");
+    if let Some(key) = key {
+        b = b.header("idempotency-key", key);
+    }
+    b.body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap()
+}
+
+async fn send<S>(svc: &S, req: Request<Full<Bytes>>) -> (StatusCode, http::HeaderMap, Bytes)
+where
+    S: Service<
+            Request<Full<Bytes>>,
+            Response = Response<IdempotencyBody<Full<Bytes>>>,
+            Error = Infallible,
+        > + Clone,
+{
+    let resp = svc.clone().oneshot(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    (parts.status, parts.headers, bytes)
+}
+
+fn replayed(headers: &http::HeaderMap) -> bool {
+    headers.get("idempotent-replayed") == Some(&HeaderValue::from_static("true"))
+}
+
+#[tokio::test]
+async fn a_missing_or_malformed_key_is_400_and_the_handler_does_not_run() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { created("{}") });
+
+    let (code, headers, _) = send(&svc, post(None, "{}")).await;
+    assert_eq!(code, StatusCode::BAD_REQUEST);
+    assert_eq!(headers["content-type"], "application/problem+json");
+
+    let long = "k".repeat(256);
+    assert_eq!(send(&svc, post(Some(&long), "{}")).await.0, 400);
+
+    let two = Request::post("/tickets")
+        .header("idempotency-key", "a")
+        .header("idempotency-key", "b")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    assert_eq!(send(&svc, two).await.0, 400);
+    assert_eq!(runs.count(), 0);
+}
+
+#[tokio::test]
+async fn a_retry_replays_status_chosen_headers_and_body() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async {
+        created(r#"{"id":1}"#)
+    });
+
+    let (code, headers, body) = send(&svc, post(Some("k1"), r#"{"t":1}"#)).await;
+    assert_eq!(code, StatusCode::CREATED);
+    assert!(!replayed(&headers));
+    assert_eq!(headers["x-request-id"], "not-replayed");
+
+    // The quoted structured-field form of the IETF draft names the same key.
+    let (code2, headers2, body2) = send(&svc, post(Some("\"k1\""), r#"{"t":1}"#)).await;
+    assert_eq!(code2, StatusCode::CREATED);
+    assert_eq!(body2, body);
+    assert!(replayed(&headers2));
+    assert_eq!(headers2["content-type"], "application/json");
+    assert_eq!(headers2["location"], "/tickets/1");
+    assert!(headers2.get("x-request-id").is_none());
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_payload_is_422() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { created("{}") });
+    assert_eq!(send(&svc, post(Some("k"), "a")).await.0, 201);
+    let (code, _, body) = send(&svc, post(Some("k"), "b")).await;
+    assert_eq!(code, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(String::from_utf8_lossy(&body).contains("different request payload"));
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn the_fingerprint_covers_chosen_headers_only() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store).fingerprint_headers([http::header::CONTENT_TYPE]);
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+    let with = |ct: &'static str, other: &'static str| {
+        Request::post("/tickets")
+            .header("idempotency-key", "k")
+            .header("content-type", ct)
+            .header("x-trace", other)
+            .body(Full::new(Bytes::from_static(b"same")))
+            .unwrap()
+    };
+    assert_eq!(send(&svc, with("text/plain", "1")).await.0, 201);
+    let (code, headers, _) = send(&svc, with("text/plain", "2")).await;
+    assert_eq!(code, 201);
+    assert!(replayed(&headers));
+    assert_eq!(send(&svc, with("application/json", "1")).await.0, 422);
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn a_key_held_by_a_live_request_is_409_with_retry_after() {
+    let (_d, store, clock) = manual_store();
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(10));
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(tokio::sync::Notify::new());
+    let (g, s) = (gate.clone(), started.clone());
+    let (svc, runs) = service(layer, move |_| {
+        let (g, s) = (g.clone(), s.clone());
+        async move {
+            s.notify_one();
+            g.notified().await;
+            created("{}")
+        }
+    });
+
+    let first = tokio::spawn({
+        let svc = svc.clone();
+        async move { send(&svc, post(Some("k"), "x")).await }
+    });
+    started.notified().await;
+    clock.advance(Duration::from_millis(2_500));
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(code, StatusCode::CONFLICT);
+    // 7.5 s left on the lease, rounded up to whole seconds.
+    assert_eq!(headers["retry-after"], "8");
+
+    gate.notify_one();
+    assert_eq!(first.await.unwrap().0, 201);
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_and_the_handler_does_not_run() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store).max_request_bytes(8);
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+
+    // Refused from its Content-Length, before reading.
+    let declared = Request::post("/tickets")
+        .header("idempotency-key", "k")
+        .header("content-length", "9")
+        .body(Full::new(Bytes::from_static(b"123456789")))
+        .unwrap();
+    assert_eq!(send(&svc, declared).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+    // Refused while reading a body that declares no length.
+    assert_eq!(send(&svc, post(Some("k"), "123456789")).await.0, 413);
+    // At the limit it runs.
+    assert_eq!(send(&svc, post(Some("k"), "12345678")).await.0, 201);
+    assert_eq!(runs.count(), 1);
+}
+
+/// An in-memory redb backend whose writes and syncs fail once `broken` is set.
+#[derive(Debug)]
+struct Breakable {
+    inner: redb::backends::InMemoryBackend,
+    broken: Arc<AtomicBool>,
+}
+
+impl Breakable {
+    fn check(&self) -> std::io::Result<()> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected I/O error"));
+        }
+        Ok(())
+    }
+}
+
+impl redb::StorageBackend for Breakable {
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.write(offset, data)
+    }
+}
+
+#[tokio::test]
+async fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
+    let broken = Arc::new(AtomicBool::new(false));
+    let backend = Breakable {
+        inner: redb::backends::InMemoryBackend::new(),
+        broken: broken.clone(),
+    };
+    let store =
+        Store::open_with_backend("breakable", backend, Config::new().sweep_interval(None)).unwrap();
+    let (svc, runs) = service(IdempotencyLayer::new(Arc::new(store)), |_| async {
+        created("{}")
+    });
+    assert_eq!(send(&svc, post(Some("before"), "x")).await.0, 201);
+
+    broken.store(true, Ordering::SeqCst);
+    // The failing commit, then the poisoned store: 503 both times.
+    assert_eq!(send(&svc, post(Some("k1"), "x")).await.0, 503);
+    assert_eq!(send(&svc, post(Some("k2"), "x")).await.0, 503);
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn a_5xx_is_a_retryable_failure_and_the_retry_is_a_takeover() {
+    let (_d, store, _c) = manual_store();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
+        let n = c.fetch_add(1, Ordering::SeqCst);
+        async move { if n == 0 { status(500) } else { created("{}") } }
+    });
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(code, 500);
+    assert!(!replayed(&headers));
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(
+        store.get(&key).unwrap().unwrap().state(),
+        State::Failed { retryable: true }
+    );
+
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+    assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 2);
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+}
+
+#[tokio::test]
+async fn a_5xx_is_stored_when_configured() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store).store_server_errors(true);
+    let (svc, runs) = service(layer, |_| async { status(502) });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 502);
+    let (code, headers, body) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code.as_u16(), replayed(&headers)), (502, true));
+    assert_eq!(body, "status 502");
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn a_4xx_is_stored_and_replayed() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { status(409) });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 409);
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code.as_u16(), replayed(&headers)), (409, true));
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn the_handler_can_mark_a_5xx_final() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async {
+        let mut r = status(503);
+        r.extensions_mut().insert(IdempotencyOutcome::Final);
+        r
+    });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 503);
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code.as_u16(), replayed(&headers)), (503, true));
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn no_effect_releases_the_key_for_any_payload() {
+    let (_d, store, _c) = manual_store();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
+        let n = c.fetch_add(1, Ordering::SeqCst);
+        async move {
+            if n == 0 {
+                let mut r = status(429);
+                r.extensions_mut().insert(IdempotencyOutcome::NoEffect);
+                r
+            } else {
+                created("{}")
+            }
+        }
+    });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 429);
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert!(store.get(&key).unwrap().is_none());
+    // Released: another payload is a first attempt, not a 422.
+    assert_eq!(send(&svc, post(Some("k"), "other")).await.0, 201);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_response_too_large_to_store_is_delivered_and_recorded_as_a_failure() {
+    let (_d, store, _c) = manual_store();
+    let big = "x".repeat(100);
+    let layer = IdempotencyLayer::new(store.clone()).max_response_bytes(16);
+    let (svc, runs) = service(layer, move |_| {
+        let big = big.clone();
+        async move { Response::new(Full::new(Bytes::from(big))) }
+    });
+    let (code, _, body) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, body.len()), (StatusCode::OK, 100));
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(
+        store.get(&key).unwrap().unwrap().state(),
+        State::Failed { retryable: true }
+    );
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, replayed(&headers)), (StatusCode::OK, false));
+    assert_eq!(runs.count(), 2);
+}
+
+#[tokio::test]
+async fn a_response_over_the_stores_limit_is_recorded_as_a_failure() {
+    let (_d, store) = store_with(Config::new().max_result_bytes(64));
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), |_| async {
+        Response::new(Full::new(Bytes::from("y".repeat(200))))
+    });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.2.len(), 200);
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(
+        store.get(&key).unwrap().unwrap().state(),
+        State::Failed { retryable: true }
+    );
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 200);
+    assert_eq!(runs.count(), 2);
+}
+
+#[tokio::test]
+async fn other_methods_pass_through_untouched() {
+    let (_d, store, _c) = manual_store();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let handler = tower::service_fn(move |req: Req| {
+        let r = r.clone();
+        async move {
+            assert!(req.extensions().get::<IdempotencyContext>().is_none());
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Infallible>(status(200))
+        }
+    });
+    let svc = IdempotencyLayer::new(store).layer(handler);
+    for _ in 0..2 {
+        let get = Request::get("/tickets")
+            .header("idempotency-key", "k")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (code, headers, _) = send(&svc, get).await;
+        assert_eq!((code, replayed(&headers)), (StatusCode::OK, false));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn tenants_scope_keys() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store.clone()).tenant(|parts| {
+        parts
+            .headers
+            .get("x-tenant")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    });
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+    let as_tenant = |tenant: &'static str| {
+        Request::post("/tickets")
+            .header("idempotency-key", "k")
+            .header("x-tenant", tenant)
+            .body(Full::new(Bytes::from_static(b"x")))
+            .unwrap()
+    };
+    assert!(!replayed(&send(&svc, as_tenant("acme")).await.1));
+    assert!(!replayed(&send(&svc, as_tenant("globex")).await.1));
+    assert!(replayed(&send(&svc, as_tenant("acme")).await.1));
+    assert_eq!(runs.count(), 2);
+    assert!(
+        store
+            .get(&Key::new("acme/POST /tickets", "k").unwrap())
+            .unwrap()
+            .is_some()
+    );
+}
+
+/// Polls `fut` until `started` fires, then returns it, still pending.
+async fn start<F: Future + Unpin>(mut fut: F, started: &tokio::sync::Notify) -> F {
+    let notified = started.notified();
+    tokio::pin!(notified);
+    std::future::poll_fn(|cx: &mut Context<'_>| {
+        if std::pin::Pin::new(&mut fut).poll(cx).is_ready() {
+            panic!("the request finished before the handler was held");
+        }
+        notified.as_mut().poll(cx)
+    })
+    .await;
+    fut
+}
+
+/// A handler that signals `started` and then waits for `gate`, forever if
+/// the gate never opens.
+#[allow(clippy::type_complexity)]
+fn held_handler(
+    layer: IdempotencyLayer,
+) -> (
+    Idempotency<impl Service<Req, Response = Resp, Error = Infallible, Future: Send> + Clone>,
+    Arc<Runs>,
+    Arc<tokio::sync::Notify>,
+    Arc<tokio::sync::Notify>,
+) {
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let started = Arc::new(tokio::sync::Notify::new());
+    let (g, s) = (gate.clone(), started.clone());
+    let first = Arc::new(AtomicBool::new(true));
+    let (svc, runs) = service(layer, move |_| {
+        let (g, s) = (g.clone(), s.clone());
+        let hold = first.swap(false, Ordering::SeqCst);
+        async move {
+            if hold {
+                s.notify_one();
+                g.notified().await;
+            }
+            created("{}")
+        }
+    });
+    (svc, runs, gate, started)
+}
+
+#[tokio::test]
+async fn a_request_dropped_while_its_handler_runs_frees_the_key_for_a_takeover() {
+    // The clock never moves, so the lease cannot lapse: only the recorded
+    // failure lets the retry in.
+    let (_d, store, _c) = manual_store();
+    let (svc, runs, _gate, started) = held_handler(IdempotencyLayer::new(store));
+    let fut = Box::pin(svc.clone().oneshot(post(Some("k"), "x")));
+    let fut = start(fut, &started).await;
+    drop(fut);
+
+    // The failure is queued when the future is dropped; a claim that reads
+    // the record before the write lands still sees the live lease (409).
+    let mut answer = StatusCode::CONFLICT;
+    for _ in 0..500 {
+        answer = send(&svc, post(Some("k"), "x")).await.0;
+        if answer != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(answer, StatusCode::CREATED);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_crashed_request_is_taken_over_after_its_lease_lapses() {
+    let (_d, store, clock) = manual_store();
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
+    let (svc, runs, _gate, started) = held_handler(layer);
+    let fut = Box::pin(svc.clone().oneshot(post(Some("k"), "x")));
+    let fut = start(fut, &started).await;
+    // Forgetting the future runs no destructor: like a process that died.
+    std::mem::forget(fut);
+
+    clock.advance(Duration::from_millis(4_999));
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 409);
+    clock.advance(Duration::from_millis(2));
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+    assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_slow_handler_keeps_its_key_while_the_lease_is_extended() {
+    // Real time: the lease is 900 ms and the handler runs for several
+    // leases; the layer extends it every 300 ms.
+    let (_d, store) = store_with(Config::new());
+    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(900));
+    let (svc, runs, gate, started) = held_handler(layer);
+    let first = tokio::spawn({
+        let svc = svc.clone();
+        async move { send(&svc, post(Some("k"), "x")).await }
+    });
+    started.notified().await;
+    tokio::time::sleep(Duration::from_millis(2_700)).await;
+
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 409);
+    let key = Key::new("POST /tickets", "k").unwrap();
+    let record = store.get(&key).unwrap().unwrap();
+    assert_eq!(
+        (record.state(), record.acquisitions()),
+        (State::Processing, 1)
+    );
+
+    gate.notify_one();
+    assert_eq!(first.await.unwrap().0, 201);
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn a_business_key_held_by_another_key_is_409_naming_it() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store).business_key(|_, body| {
+        std::str::from_utf8(body)
+            .ok()?
+            .strip_prefix("order:")
+            .map(str::to_owned)
+    });
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+    assert_eq!(send(&svc, post(Some("k1"), "order:9")).await.0, 201);
+
+    let (code, headers, body) = send(&svc, post(Some("k2"), "order:9")).await;
+    assert_eq!(code, StatusCode::CONFLICT);
+    assert!(headers.get("retry-after").is_none());
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["existing_idempotency_key"], "k1");
+    assert_eq!(problem["existing_state"], "succeeded");
+    assert_eq!(problem["business_key"], "9");
+
+    // The original key still replays; another business key still runs.
+    assert!(replayed(&send(&svc, post(Some("k1"), "order:9")).await.1));
+    assert_eq!(send(&svc, post(Some("k3"), "order:10")).await.0, 201);
+    // A business key the store refuses is the client's fault.
+    assert_eq!(send(&svc, post(Some("k4"), "order:\u{1}")).await.0, 400);
+    assert_eq!(runs.count(), 2);
+}
