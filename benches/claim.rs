@@ -177,6 +177,9 @@ fn base_store(records: u64) -> PathBuf {
                         if n >= records {
                             return;
                         }
+                        if n > 0 && n % (records / 10).max(1) == 0 {
+                            eprintln!("  {n} records, {:.0} s", started.elapsed().as_secs_f64());
+                        }
                         let ClaimOutcome::Acquired(lease) = store
                             .claim(&key(n), &fp, &ClaimOptions::new())
                             .expect("claim")
