@@ -177,7 +177,7 @@ fn base_store(records: u64) -> PathBuf {
                         if n >= records {
                             return;
                         }
-                        if n > 0 && n % (records / 10).max(1) == 0 {
+                        if n > 0 && n.is_multiple_of((records / 10).max(1)) {
                             eprintln!("  {n} records, {:.0} s", started.elapsed().as_secs_f64());
                         }
                         let ClaimOutcome::Acquired(lease) = store

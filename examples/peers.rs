@@ -89,7 +89,8 @@ struct Args {
     /// median, min and max.
     #[arg(long, default_value_t = 1)]
     runs: usize,
-    /// Only these peers (comma-separated names); all of them by default.
+    /// Only these peers of the lifecycle runs (comma-separated names); all
+    /// of them by default.
     #[arg(long, value_delimiter = ',')]
     peers: Vec<String>,
     /// Where the peers' files go (a temporary directory is made inside);
