@@ -213,10 +213,11 @@ fn run(shared: &Shared, mut next_token: u64, mut persisted_hwm: u64, rx: &Receiv
     // Closing: reads may have advanced the clock's high-water mark past the
     // last commit; persist it so that a clock that stepped back cannot
     // revive a record that readers already saw expire.
-    if !shared.poisoned.load(Ordering::SeqCst) && shared.clock.high_water_ms() > persisted_hwm {
-        if let Err(err) = guard(&shared.path, || commit_batch(shared, &mut next_token, &[])) {
-            tracing::warn!(path = %shared.path.display(), error = %err, "could not persist the clock on close");
-        }
+    if !shared.poisoned.load(Ordering::SeqCst)
+        && shared.clock.high_water_ms() > persisted_hwm
+        && let Err(err) = guard(&shared.path, || commit_batch(shared, &mut next_token, &[]))
+    {
+        tracing::warn!(path = %shared.path.display(), error = %err, "could not persist the clock on close");
     }
 }
 

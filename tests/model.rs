@@ -51,7 +51,7 @@ fn lease_ref(handed: usize) -> BoxedStrategy<LeaseRef> {
     prop_oneof![
         // Mostly one of the latest leases (likely current), sometimes any
         // lease handed out (likely stale), sometimes a forged one.
-        6 => (handed.saturating_sub(4)..handed, rebuilt.clone())
+        6 => (handed.saturating_sub(4)..handed, rebuilt)
             .prop_map(|(index, rebuilt)| LeaseRef::Handed { index, rebuilt }),
         3 => (0..handed, rebuilt).prop_map(|(index, rebuilt)| LeaseRef::Handed { index, rebuilt }),
         1 => forged,
