@@ -93,6 +93,11 @@ impl MonotonicClock {
         }
     }
 
+    /// The largest reading seen so far, without reading the clock.
+    pub(crate) fn high_water_ms(&self) -> u64 {
+        self.high_water.load(Ordering::SeqCst)
+    }
+
     /// The current time: max(clock reading, largest reading seen).
     pub(crate) fn now_ms(&self) -> u64 {
         let reading = self.inner.now_ms();

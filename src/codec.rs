@@ -85,14 +85,20 @@ pub(crate) fn encode_record(key_bytes: &[u8], record: &Record) -> Vec<u8> {
         business_key: record.business_key.clone(),
         acquisitions: record.acquisitions,
     };
-    let mut out = vec![RECORD_VERSION, 0, 0, 0, 0];
     // Encoding into a Vec cannot fail for this plain struct; the limit only
     // applies when decoding, and every value was checked against a limit
     // below DECODE_LIMIT before it reached a record.
     let encoded = bincode::encode_to_vec(&body, bincode::config::standard()).unwrap_or_default();
-    out.extend_from_slice(&encoded);
-    let crc = checksum(key_bytes, &out[HEADER_LEN..]);
-    out[1..HEADER_LEN].copy_from_slice(&crc.to_le_bytes());
+    seal(key_bytes, &encoded)
+}
+
+/// Wraps an encoded body stored under `key_bytes` in the envelope: version
+/// and checksum.
+pub(crate) fn seal(key_bytes: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.push(RECORD_VERSION);
+    out.extend_from_slice(&checksum(key_bytes, body).to_le_bytes());
+    out.extend_from_slice(body);
     out
 }
 

@@ -135,9 +135,11 @@ pub(crate) struct Writer {
 impl Writer {
     pub(crate) fn start(shared: Arc<Shared>, next_token: u64) -> Result<Writer> {
         let (tx, rx) = sync_channel(QUEUE_BOUND);
+        // Read before any caller can advance it: what the file holds.
+        let persisted_hwm = shared.clock.high_water_ms();
         let handle = std::thread::Builder::new()
             .name("idemstore-writer".into())
-            .spawn(move || run(&shared, next_token, &rx))
+            .spawn(move || run(&shared, next_token, persisted_hwm, &rx))
             .map_err(Error::storage)?;
         Ok(Writer {
             tx: Some(tx),
@@ -174,7 +176,7 @@ impl Drop for Writer {
     }
 }
 
-fn run(shared: &Shared, mut next_token: u64, rx: &Receiver<Request>) {
+fn run(shared: &Shared, mut next_token: u64, mut persisted_hwm: u64, rx: &Receiver<Request>) {
     let mut batch: Vec<Request> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
         batch.push(first);
@@ -195,7 +197,8 @@ fn run(shared: &Shared, mut next_token: u64, rx: &Receiver<Request>) {
             commit_batch(shared, &mut next_token, &cmds)
         });
         match outcome {
-            Ok(answers) => {
+            Ok((answers, now)) => {
+                persisted_hwm = now;
                 for (req, answer) in batch.drain(..).zip(answers) {
                     let _ = req.reply.send(answer);
                 }
@@ -219,15 +222,25 @@ fn run(shared: &Shared, mut next_token: u64, rx: &Receiver<Request>) {
             }
         }
     }
+    // Closing: reads may have advanced the clock's high-water mark past the
+    // last commit; persist it so that a clock that stepped back cannot
+    // revive a record that readers already saw expire.
+    if !shared.poisoned.load(Ordering::SeqCst)
+        && shared.clock.high_water_ms() > persisted_hwm
+        && let Err(err) = guard(&shared.path, || commit_batch(shared, &mut next_token, &[]))
+    {
+        tracing::warn!(path = %shared.path.display(), error = %err, "could not persist the clock on close");
+    }
 }
 
-/// Decides and commits one batch. The outer `Err` is a storage failure of
-/// the whole batch; inner errors are per request and change nothing.
+/// Decides and commits one batch, and returns the answers and the time it
+/// persisted. The outer `Err` is a storage failure of the whole batch; inner
+/// errors are per request and change nothing.
 fn commit_batch(
     shared: &Shared,
     next_token: &mut u64,
     cmds: &[&Command],
-) -> Result<Vec<Result<Answer>>> {
+) -> Result<(Vec<Result<Answer>>, u64)> {
     let path = &shared.path;
     let now = shared.clock.now_ms();
     let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
@@ -265,7 +278,7 @@ fn commit_batch(
     *next_token = token;
     // Audit events and counters only for what is now durable.
     audit::publish(&shared.counters, events);
-    Ok(answers)
+    Ok((answers, now))
 }
 
 /// Applies every record of an import in `txn` and raises the token counter

@@ -91,3 +91,37 @@ pub use redb::{BackendError, StorageBackend};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
 pub use store::{ClaimOptions, Config, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+
+/// Entry points for the fuzz targets in `fuzz/` and their corpus replay in
+/// `tests/fuzz_corpus.rs` (cargo feature `fuzzing`). Not part of the API:
+/// no stability promise.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    use crate::{Key, Record, Result, codec};
+
+    /// Decodes a record envelope stored under the key bytes `key`.
+    ///
+    /// # Errors
+    /// [`Error::CorruptRecord`](crate::Error::CorruptRecord) for anything
+    /// that is not a valid envelope of a valid record under that key.
+    pub fn decode_record(key: &[u8], bytes: &[u8]) -> Result<Record> {
+        codec::decode_record(key, bytes)
+    }
+
+    /// Encodes `record` into its envelope, as the store writes it.
+    pub fn encode_record(record: &Record) -> Vec<u8> {
+        codec::encode_record(&record.key().to_bytes(), record)
+    }
+
+    /// Wraps arbitrary body bytes in a valid envelope (current version,
+    /// correct checksum) so that a fuzzer reaches the body decoder.
+    pub fn seal(key: &[u8], body: &[u8]) -> Vec<u8> {
+        codec::seal(key, body)
+    }
+
+    /// The stored form of `key`.
+    pub fn key_bytes(key: &Key) -> Vec<u8> {
+        key.to_bytes()
+    }
+}
