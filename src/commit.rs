@@ -1,39 +1,71 @@
-//! The group-commit writer.
+//! The group-commit writer, over the write-ahead log.
 //!
 //! One thread owns every state change. Callers queue a request on a bounded
 //! channel (a full queue makes them wait: backpressure) and receive a
-//! one-shot completion. The writer takes everything waiting, decides it in
-//! arrival order inside one write transaction (a later request sees the
-//! earlier ones), makes the whole batch durable with one commit, and only
-//! then wakes every caller with its own outcome. A lone caller is never held
-//! back: the writer commits as soon as the queue is empty.
+//! one-shot completion that they block on or `.await`. The writer takes
+//! everything waiting, decides it in arrival order inside one redb write
+//! transaction (a later request sees the earlier ones), writes the batch's
+//! effects as one frame of the write-ahead log, and applies the transaction
+//! to the index with a non-durable commit. A second thread, the syncer,
+//! makes the log durable with `fdatasync`, and only then are the batch's
+//! callers woken (in `Immediate` mode). While one fsync runs, the writer
+//! decides and applies the next batch, so the fsync of the log and the work
+//! on the index overlap; one fsync covers every frame written before it
+//! started. A lone caller is never held back: the writer takes what is
+//! waiting, however little, and the syncer syncs as soon as a frame is
+//! written.
 //!
-//! A failed commit fails every request of its batch with the storage error
-//! and poisons the store: no later write is attempted until reopen
-//! (DESIGN.md guarantee 6). If the writer thread is gone, every waiting and
-//! later call gets [`Error::Closed`]; nothing hangs.
+//! In `Buffered` mode callers are woken as soon as the batch is applied to
+//! the index, and the syncer syncs the log within the configured delay.
+//!
+//! Reads outside the writer (`get`, a claim that can only replay) read the
+//! index, where a batch may be applied before its fsync finished; the gate
+//! in [`crate::cache`] keeps them from returning such a change in
+//! `Immediate` mode.
+//!
+//! When the log is full, or on request, the writer commits a batch to redb
+//! durably instead (a checkpoint: the index then holds everything up to that
+//! batch on disk, with quick-repair so that reopening after a crash is
+//! fast) and starts the log over from its beginning, in a new epoch.
+//! Dropping the store drains the queue and ends with such a checkpoint.
+//!
+//! A failed log write, fsync or index commit fails every request of the
+//! batches it concerns with the storage error (none is reported as done)
+//! and poisons the store: no later write is attempted until reopen, which
+//! recovers from what is on disk (DESIGN.md guarantee 6). If the writer or
+//! the syncer thread dies, every waiting and later call gets
+//! [`Error::Closed`]; nothing hangs.
 
+use std::collections::VecDeque;
 use std::future::{Future, IntoFuture};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
-use redb::{Database, Durability, ReadableTable, WriteTransaction};
+use parking_lot::{Condvar, Mutex};
+use redb::{Database, WriteTransaction};
 
+use crate::cache::ReadCache;
 use crate::clock::MonotonicClock;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::expiry;
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
-use crate::schema::{self, EXPIRY, RECORDS, guard, map_err};
+use crate::schema::{self, Checkpoint, Tables, guard, map_err};
+use crate::store::Durability;
+use crate::wal::{FRAME_HEADER_LEN, LogFile, LogWriter, TOKEN_RESERVATION};
 
 /// The most requests decided in one batch.
 const MAX_BATCH: usize = 1024;
+/// A batch stops taking requests once their payloads add up to this many
+/// bytes, so that one frame stays a small part of the log.
+const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
 /// The most requests waiting for the writer before callers block.
 pub(crate) const QUEUE_BOUND: usize = 4096;
 
@@ -43,12 +75,15 @@ pub(crate) enum Command {
     Op { key: Key, op: Op },
     /// Evict up to `max` expired records.
     Sweep { max: usize },
+    /// Commit the index durably and start the log over.
+    Checkpoint,
 }
 
 /// The writer's answer to one command.
 pub(crate) enum Answer {
     Reply(Reply),
     Evicted(usize),
+    Checkpointed,
 }
 
 struct Request {
@@ -105,31 +140,280 @@ impl Future for CompletionFuture {
     }
 }
 
-/// State shared by the writer and the store.
+/// State shared by the writer, the syncer and the store.
 pub(crate) struct Shared {
     pub db: Arc<Database>,
     pub path: PathBuf,
+    pub log_path: PathBuf,
     pub clock: MonotonicClock,
     pub retention_ms: u64,
+    pub durability: Durability,
+    /// Set after any failed durable write: the store refuses writes.
     pub poisoned: AtomicBool,
+    /// Set when the failure was the index's (redb latched an error): no
+    /// closing checkpoint is attempted.
+    pub index_failed: AtomicBool,
+    pub progress: Progress,
+    pub cache: ReadCache,
 }
 
-/// The handle to the writer thread.
+impl Shared {
+    /// Marks the store poisoned after a failed durable write, and fails
+    /// every batch still waiting for durability.
+    fn poison(&self, err: &Error, index: bool) {
+        self.poisoned.store(true, Ordering::SeqCst);
+        if index {
+            self.index_failed.store(true, Ordering::SeqCst);
+        }
+        tracing::error!(path = %self.path.display(), error = %err, "durable write failed; store refuses writes until reopened");
+        self.progress.fail(err.to_string());
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Durability progress, shared by the writer, the syncer and readers.
+
+type Replier = (oneshot::Sender<Result<Answer>>, Result<Answer>);
+
+/// Answers of one batch, waiting until the log is durable up to `dep`.
+struct Parked {
+    dep: u64,
+    /// The batch's own sequence number and changed keys, to clear its gate.
+    seq: u64,
+    keys: Vec<Vec<u8>>,
+    replies: Vec<Replier>,
+}
+
+#[derive(Default)]
+struct ProgressState {
+    /// The highest sequence number whose frame is written (or checkpointed).
+    written: u64,
+    /// The highest sequence number that is durable.
+    synced: u64,
+    /// Batches waiting for durability, in sequence order.
+    parked: VecDeque<Parked>,
+    /// Why the store failed, once a durable write failed.
+    failed: Option<String>,
+    writer_done: bool,
+    syncer_gone: bool,
+    /// A caller asked for an fsync now (buffered mode).
+    flush_now: bool,
+    /// When the oldest frame not yet synced was written.
+    unsynced_since: Option<Instant>,
+}
+
+/// How far the log is written and durable, and who waits for it.
+pub(crate) struct Progress {
+    state: Mutex<ProgressState>,
+    changed: Condvar,
+    synced: AtomicU64,
+}
+
+impl Progress {
+    /// Progress after recovery: everything up to `seq` is durable.
+    pub(crate) fn new(seq: u64) -> Progress {
+        Progress {
+            state: Mutex::new(ProgressState {
+                written: seq,
+                synced: seq,
+                ..ProgressState::default()
+            }),
+            changed: Condvar::new(),
+            synced: AtomicU64::new(seq),
+        }
+    }
+
+    /// The highest durable sequence number.
+    pub(crate) fn synced(&self) -> u64 {
+        self.synced.load(Ordering::SeqCst)
+    }
+
+    /// Waits until sequence number `seq` is durable.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`] when a durable write failed first,
+    /// [`Error::Closed`] when the syncer is gone.
+    pub(crate) fn wait_durable(&self, seq: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        loop {
+            if st.synced >= seq {
+                return Ok(());
+            }
+            if st.failed.is_some() {
+                return Err(Error::Poisoned);
+            }
+            if st.syncer_gone {
+                return Err(Error::Closed);
+            }
+            self.changed.wait(&mut st);
+        }
+    }
+
+    /// Makes every frame written so far durable now, and waits for it.
+    ///
+    /// # Errors
+    /// As [`Progress::wait_durable`].
+    pub(crate) fn flush(&self) -> Result<()> {
+        let target = {
+            let mut st = self.state.lock();
+            if st.written > st.synced {
+                st.flush_now = true;
+                self.changed.notify_all();
+            }
+            st.written
+        };
+        self.wait_durable(target)
+    }
+
+    fn wrote(&self, seq: u64) {
+        let mut st = self.state.lock();
+        st.written = st.written.max(seq);
+        st.unsynced_since.get_or_insert_with(Instant::now);
+        self.changed.notify_all();
+    }
+
+    /// Records that everything up to `seq` is durable and takes the parked
+    /// batches that may now be answered.
+    fn advance(&self, st: &mut ProgressState, seq: u64) -> Vec<Parked> {
+        if seq > st.synced {
+            st.synced = seq;
+            self.synced.store(seq, Ordering::SeqCst);
+        }
+        st.written = st.written.max(seq);
+        let mut ready = Vec::new();
+        while st.parked.front().is_some_and(|p| p.dep <= st.synced) {
+            ready.extend(st.parked.pop_front());
+        }
+        self.changed.notify_all();
+        ready
+    }
+
+    /// A checkpoint made everything up to `seq` durable.
+    fn checkpointed(&self, seq: u64, cache: &ReadCache) {
+        let ready = {
+            let mut st = self.state.lock();
+            let ready = self.advance(&mut st, seq);
+            if st.written <= st.synced {
+                st.unsynced_since = None;
+            }
+            ready
+        };
+        answer(cache, ready);
+    }
+
+    /// Answers `replies` once `dep` is durable (at once if it is).
+    fn park(&self, cache: &ReadCache, parked: Parked) {
+        let mut st = self.state.lock();
+        if let Some(msg) = &st.failed {
+            let msg = msg.clone();
+            drop(st);
+            fail_all(parked.replies, &Error::Storage(msg));
+            return;
+        }
+        if st.syncer_gone && parked.dep > st.synced {
+            return; // Dropping the senders answers Closed.
+        }
+        if parked.dep <= st.synced && st.parked.is_empty() {
+            drop(st);
+            answer(cache, vec![parked]);
+            return;
+        }
+        st.parked.push_back(parked);
+    }
+
+    /// A durable write failed: fail every parked batch.
+    fn fail(&self, msg: String) {
+        let parked = {
+            let mut st = self.state.lock();
+            if st.failed.is_none() {
+                st.failed = Some(msg.clone());
+            }
+            self.changed.notify_all();
+            std::mem::take(&mut st.parked)
+        };
+        let err = Error::Storage(msg);
+        for p in parked {
+            fail_all(p.replies, &err);
+        }
+    }
+}
+
+fn answer(cache: &ReadCache, ready: Vec<Parked>) {
+    for p in ready {
+        for (tx, r) in p.replies {
+            let _ = tx.send(r);
+        }
+        cache.end_write(&p.keys, p.seq);
+    }
+}
+
+fn fail_all(replies: Vec<Replier>, err: &Error) {
+    for (tx, _) in replies {
+        let _ = tx.send(Err(copy_err(err)));
+    }
+}
+
+fn fail_requests(batch: &mut Vec<Request>, err: &Error) {
+    for req in batch.drain(..) {
+        let _ = req.reply.send(Err(copy_err(err)));
+    }
+}
+
+/// The same error for every request of a batch (errors are not `Clone`).
+fn copy_err(err: &Error) -> Error {
+    match err {
+        Error::CorruptFile { path, detail } => Error::CorruptFile {
+            path: path.clone(),
+            detail: detail.clone(),
+        },
+        Error::Poisoned => Error::Poisoned,
+        Error::Closed => Error::Closed,
+        other => Error::Storage(other.to_string()),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The writer and the syncer.
+
+/// What the writer owns besides the shared state.
+pub(crate) struct WriterState {
+    /// The token the next acquisition takes.
+    pub next_token: u64,
+    /// The sequence number of the last batch applied to the index.
+    pub last_seq: u64,
+    /// Tokens below this may be handed out before the next checkpoint
+    /// (the last checkpoint recorded it durably).
+    pub token_reserved: u64,
+    pub log: LogWriter,
+}
+
+/// The handle to the writer and syncer threads.
 pub(crate) struct Writer {
     tx: Option<SyncSender<Request>>,
     handle: Option<JoinHandle<()>>,
+    syncer: Option<JoinHandle<()>>,
 }
 
 impl Writer {
-    pub(crate) fn start(shared: Arc<Shared>, next_token: u64) -> Result<Writer> {
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        state: WriterState,
+        log: Arc<dyn LogFile>,
+    ) -> Result<Writer> {
         let (tx, rx) = sync_channel(QUEUE_BOUND);
+        let for_syncer = shared.clone();
+        let syncer = std::thread::Builder::new()
+            .name("idemstore-syncer".into())
+            .spawn(move || sync_loop(&for_syncer, log.as_ref()))
+            .map_err(Error::storage)?;
         let handle = std::thread::Builder::new()
             .name("idemstore-writer".into())
-            .spawn(move || run(&shared, next_token, &rx))
+            .spawn(move || run(&shared, state, &rx))
             .map_err(Error::storage)?;
         Ok(Writer {
             tx: Some(tx),
             handle: Some(handle),
+            syncer: Some(syncer),
         })
     }
 
@@ -154,102 +438,305 @@ impl Writer {
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        // Closing the channel lets the writer drain what is queued and stop.
+        // Closing the channel lets the writer drain what is queued, end with
+        // a checkpoint and stop; the syncer stops after it.
         self.tx = None;
-        if let Some(handle) = self.handle.take() {
+        for handle in [self.handle.take(), self.syncer.take()]
+            .into_iter()
+            .flatten()
+        {
             let _ = handle.join();
         }
     }
 }
 
-fn run(shared: &Shared, mut next_token: u64, rx: &Receiver<Request>) {
+/// Tells the syncer and waiting readers when the writer thread ends, by
+/// return or by panic.
+struct WriterDone<'a>(&'a Shared);
+
+impl Drop for WriterDone<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.progress.state.lock();
+        st.writer_done = true;
+        self.0.progress.changed.notify_all();
+    }
+}
+
+/// Tells everyone when the syncer thread ends, by return or by panic; the
+/// batches it still held are dropped, so their callers get `Closed`.
+struct SyncerGone<'a>(&'a Shared);
+
+impl Drop for SyncerGone<'_> {
+    fn drop(&mut self) {
+        let parked = {
+            let mut st = self.0.progress.state.lock();
+            st.syncer_gone = true;
+            self.0.progress.changed.notify_all();
+            std::mem::take(&mut st.parked)
+        };
+        drop(parked);
+    }
+}
+
+fn payload_bytes(cmd: &Command) -> usize {
+    256 + match cmd {
+        Command::Op { op, .. } => match op {
+            Op::Complete { result, .. } => result.len(),
+            Op::Fail { failure, .. } => failure.len(),
+            Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
+            _ => 0,
+        },
+        Command::Sweep { .. } | Command::Checkpoint => 0,
+    }
+}
+
+fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Request>) {
+    let done = WriterDone(shared);
     let mut batch: Vec<Request> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = rx.recv() {
+        let mut bytes = payload_bytes(&first.cmd);
         batch.push(first);
-        while batch.len() < MAX_BATCH {
+        while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
             match rx.try_recv() {
-                Ok(req) => batch.push(req),
+                Ok(req) => {
+                    bytes += payload_bytes(&req.cmd);
+                    batch.push(req);
+                }
                 Err(_) => break,
             }
         }
-        if shared.poisoned.load(Ordering::SeqCst) {
-            for req in batch.drain(..) {
-                let _ = req.reply.send(Err(Error::Poisoned));
-            }
-            continue;
-        }
-        let cmds: Vec<&Command> = batch.iter().map(|r| &r.cmd).collect();
-        let outcome = guard(&shared.path, || {
-            commit_batch(shared, &mut next_token, &cmds)
-        });
-        match outcome {
-            Ok(answers) => {
-                for (req, answer) in batch.drain(..).zip(answers) {
-                    let _ = req.reply.send(answer);
-                }
-            }
-            Err(err) => {
-                // Nothing of this batch is reported as done; whether it
-                // reached the disk is for the reopen to find out.
-                shared.poisoned.store(true, Ordering::SeqCst);
-                tracing::error!(path = %shared.path.display(), error = %err, "durable write failed; store refuses writes until reopened");
-                let msg = err.to_string();
-                for req in batch.drain(..) {
-                    let e = match &err {
-                        Error::CorruptFile { path, detail } => Error::CorruptFile {
-                            path: path.clone(),
-                            detail: detail.clone(),
-                        },
-                        _ => Error::Storage(msg.clone()),
-                    };
-                    let _ = req.reply.send(Err(e));
-                }
-            }
-        }
+        process(shared, &mut state, &mut batch);
     }
+    close(shared, &mut state);
+    drop(done);
 }
 
-/// Decides and commits one batch. The outer `Err` is a storage failure of
-/// the whole batch; inner errors are per request and change nothing.
-fn commit_batch(
-    shared: &Shared,
-    next_token: &mut u64,
-    cmds: &[&Command],
-) -> Result<Vec<Result<Answer>>> {
-    let path = &shared.path;
+/// A batch decided inside a write transaction, not yet committed.
+struct Decided {
+    txn: WriteTransaction,
+    answers: Vec<Result<Answer>>,
+    /// The frame body, when the batch changed anything.
+    body: Option<Vec<u8>>,
+    /// Record keys the batch changed.
+    touched: Vec<Vec<u8>>,
+    next_token: u64,
+}
+
+fn process(shared: &Shared, state: &mut WriterState, batch: &mut Vec<Request>) {
+    if shared.poisoned.load(Ordering::SeqCst) {
+        fail_requests(batch, &Error::Poisoned);
+        return;
+    }
+    if shared.durability == Durability::Immediate && shared.progress.state.lock().syncer_gone {
+        fail_requests(batch, &Error::Closed);
+        return;
+    }
     let now = shared.clock.now_ms();
-    let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
-    txn.set_durability(Durability::Immediate)
-        .map_err(|e| map_err(path, e))?;
-    let mut token = *next_token;
-    let mut answers = Vec::with_capacity(cmds.len());
-    for cmd in cmds {
-        let answer = match cmd {
-            Command::Op { key, op } => apply_op(shared, &txn, key, op, now, &mut token)?,
-            Command::Sweep { max } => Ok(Answer::Evicted(expiry::evict(path, &txn, now, *max)?)),
-        };
-        answers.push(answer);
+    let checkpoint = batch.iter().any(|r| matches!(r.cmd, Command::Checkpoint));
+    let decided = {
+        let cmds: Vec<&Command> = batch.iter().map(|r| &r.cmd).collect();
+        guard(&shared.path, || decide(shared, state, &cmds, now))
+    };
+    let d = match decided {
+        Ok(d) => d,
+        Err(err) => {
+            shared.poison(&err, true);
+            fail_requests(batch, &err);
+            return;
+        }
+    };
+    let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(d.answers).collect();
+    let Some(body) = d.body else {
+        if checkpoint {
+            let seq = state.last_seq;
+            commit_checkpoint(shared, state, d.txn, seq, Vec::new(), replies, false, 0);
+        } else {
+            // Nothing changed: answer once the state these answers saw is
+            // durable.
+            drop(d.txn);
+            let parked = Parked {
+                dep: state.last_seq,
+                seq: state.last_seq,
+                keys: Vec::new(),
+                replies,
+            };
+            match shared.durability {
+                Durability::Immediate => shared.progress.park(&shared.cache, parked),
+                Durability::Buffered { .. } => answer(&shared.cache, vec![parked]),
+            }
+        }
+        return;
+    };
+    let seq = state.last_seq + 1;
+    let frame_len = FRAME_HEADER_LEN + body.len();
+    state.next_token = d.next_token;
+    let full = !state.log.fits(frame_len);
+    // A token beyond the durable reservation must not be acknowledged before
+    // a checkpoint has moved the reservation past it.
+    if checkpoint || full || state.next_token > state.token_reserved {
+        commit_checkpoint(
+            shared, state, d.txn, seq, d.touched, replies, full, frame_len,
+        );
+        return;
     }
-    schema::write_counters(path, &txn, token, now)?;
-    txn.commit().map_err(|e| map_err(path, e))?;
-    *next_token = token;
-    Ok(answers)
+    let gated = shared.durability == Durability::Immediate;
+    shared.cache.begin_write(&d.touched, gated.then_some(seq));
+    if let Err(err) = state.log.append(seq, shared.progress.synced(), &body) {
+        shared.poison(&err, false);
+        fail_all(replies, &err);
+        return;
+    }
+    shared.progress.wrote(seq);
+    if let Err(err) = guard(&shared.path, || {
+        d.txn.commit().map_err(|e| map_err(&shared.path, e))
+    }) {
+        shared.poison(&err, true);
+        fail_all(replies, &err);
+        return;
+    }
+    state.last_seq = seq;
+    let parked = Parked {
+        dep: seq,
+        seq,
+        keys: d.touched,
+        replies,
+    };
+    if gated {
+        shared.progress.park(&shared.cache, parked);
+    } else {
+        answer(&shared.cache, vec![parked]);
+    }
 }
 
-/// Applies one transition inside `txn`. Outer `Err`: storage failure.
+/// Commits `txn` (the batch with sequence number `seq`, possibly empty)
+/// durably as a checkpoint, answers its callers and starts the log over.
+#[allow(clippy::too_many_arguments)]
+fn commit_checkpoint(
+    shared: &Shared,
+    state: &mut WriterState,
+    mut txn: WriteTransaction,
+    seq: u64,
+    touched: Vec<Vec<u8>>,
+    replies: Vec<Replier>,
+    full: bool,
+    frame_len: usize,
+) {
+    let epoch = state.log.epoch() + 1;
+    let token_reserved = state.next_token.saturating_add(TOKEN_RESERVATION);
+    shared.cache.begin_write(&touched, Some(seq));
+    let committed = guard(&shared.path, || {
+        let path = &shared.path;
+        txn.set_durability(redb::Durability::Immediate)
+            .map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        let ck = Checkpoint {
+            epoch,
+            base: seq,
+            clean: false,
+            token_reserved,
+        };
+        schema::write_checkpoint(path, &txn, ck)?;
+        txn.commit().map_err(|e| map_err(path, e))
+    });
+    if let Err(err) = committed {
+        shared.poison(&err, true);
+        fail_all(replies, &err);
+        return;
+    }
+    state.last_seq = seq;
+    state.token_reserved = token_reserved;
+    shared.progress.checkpointed(seq, &shared.cache);
+    answer(
+        &shared.cache,
+        vec![Parked {
+            dep: seq,
+            seq,
+            keys: touched,
+            replies,
+        }],
+    );
+    if let Err(err) = state.log.wrap(epoch, full, frame_len) {
+        shared.poison(&err, false);
+    }
+    tracing::debug!(seq, epoch, full, "checkpoint");
+}
+
+/// The closing checkpoint, when the channel is closed and drained: the
+/// index then holds everything on disk and the log is not needed to open
+/// the store again.
+fn close(shared: &Shared, state: &mut WriterState) {
+    if shared.index_failed.load(Ordering::SeqCst) {
+        return;
+    }
+    let path = &shared.path;
+    let done = guard(path, || {
+        let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        let ck = Checkpoint {
+            epoch: state.log.epoch() + 1,
+            base: state.last_seq,
+            clean: true,
+            token_reserved: state.next_token,
+        };
+        schema::write_checkpoint(path, &txn, ck)?;
+        txn.commit().map_err(|e| map_err(path, e))
+    });
+    match done {
+        Ok(()) => shared.progress.checkpointed(state.last_seq, &shared.cache),
+        Err(err) => {
+            tracing::error!(path = %path.display(), error = %err, "closing checkpoint failed; the log will be replayed at the next open");
+        }
+    }
+}
+
+/// Decides one batch inside a new write transaction. The outer `Err` is a
+/// storage failure of the whole batch; inner errors are per request and
+/// change nothing.
+fn decide(shared: &Shared, state: &WriterState, cmds: &[&Command], now: u64) -> Result<Decided> {
+    let path = &shared.path;
+    let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
+    txn.set_durability(redb::Durability::None)
+        .map_err(|e| map_err(path, e))?;
+    let mut token = state.next_token;
+    let mut answers = Vec::with_capacity(cmds.len());
+    let (body, touched) = {
+        let mut tables = Tables::open(path, &txn, true)?;
+        for cmd in cmds {
+            let answer = match cmd {
+                Command::Op { key, op } => apply_op(shared, &mut tables, key, op, now, &mut token)?,
+                Command::Sweep { max } => {
+                    Ok(Answer::Evicted(expiry::evict(&mut tables, now, *max)?))
+                }
+                Command::Checkpoint => Ok(Answer::Checkpointed),
+            };
+            answers.push(answer);
+        }
+        if tables.is_changed() {
+            tables.set_counters(token, now, state.last_seq + 1)?;
+        }
+        tables.finish()
+    };
+    Ok(Decided {
+        txn,
+        answers,
+        body: body.map(|b| b.finish(token, now)),
+        touched,
+        next_token: token,
+    })
+}
+
+/// Applies one transition through `tables`. Outer `Err`: storage failure.
 fn apply_op(
     shared: &Shared,
-    txn: &WriteTransaction,
+    tables: &mut Tables<'_>,
     key: &Key,
     op: &Op,
     now: u64,
     next_token: &mut u64,
 ) -> Result<Result<Answer>> {
-    let path = &shared.path;
     let kb = key.to_bytes();
-    let mut records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-    let stored: Option<Record> = match records.get(kb.as_slice()).map_err(|e| map_err(path, e))? {
-        Some(v) => match codec::decode_record(&kb, v.value()) {
+    let stored: Option<Record> = match tables.get_record(&kb)? {
+        Some(v) => match codec::decode_record(&kb, &v) {
             Ok(r) => Some(r),
             Err(e) => return Ok(Err(e)),
         },
@@ -264,37 +751,83 @@ fn apply_op(
         Ok(x) => x,
         Err(e) => return Ok(Err(e)),
     };
-    let mut expiry_index = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     match &effect {
         Effect::None => {}
         Effect::Put(new) => {
             if let Some(old) = &stored {
                 if old.expires_ms != new.expires_ms {
-                    expiry_index
-                        .remove((old.expires_ms, kb.as_slice()))
-                        .map_err(|e| map_err(path, e))?;
+                    tables.remove_expiry(old.expires_ms, &kb)?;
                 }
             }
-            expiry_index
-                .insert((new.expires_ms, kb.as_slice()), ())
-                .map_err(|e| map_err(path, e))?;
-            records
-                .insert(kb.as_slice(), codec::encode_record(&kb, new).as_slice())
-                .map_err(|e| map_err(path, e))?;
+            tables.insert_expiry(new.expires_ms, &kb)?;
+            tables.put_record(&kb, &codec::encode_record(&kb, new))?;
             if matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_))) {
                 *next_token += 1;
             }
         }
         Effect::Delete => {
             if let Some(old) = &stored {
-                expiry_index
-                    .remove((old.expires_ms, kb.as_slice()))
-                    .map_err(|e| map_err(path, e))?;
+                tables.remove_expiry(old.expires_ms, &kb)?;
             }
-            records
-                .remove(kb.as_slice())
-                .map_err(|e| map_err(path, e))?;
+            tables.remove_record(&kb)?;
         }
     }
     Ok(Ok(Answer::Reply(reply)))
+}
+
+/// The syncer: makes written frames durable and answers the batches that
+/// waited for them.
+fn sync_loop(shared: &Shared, log: &dyn LogFile) {
+    let _gone = SyncerGone(shared);
+    let p = &shared.progress;
+    loop {
+        let target = {
+            let mut st = p.state.lock();
+            loop {
+                if st.failed.is_some() {
+                    return;
+                }
+                if st.written > st.synced {
+                    if let Durability::Buffered { max_delay } = shared.durability {
+                        if !st.flush_now && !st.writer_done {
+                            let since = *st.unsynced_since.get_or_insert_with(Instant::now);
+                            let deadline = since + max_delay;
+                            if Instant::now() < deadline {
+                                p.changed.wait_until(&mut st, deadline);
+                                continue;
+                            }
+                        }
+                    }
+                    break;
+                }
+                if st.writer_done {
+                    return;
+                }
+                p.changed.wait(&mut st);
+            }
+            st.flush_now = false;
+            st.written
+        };
+        let started = Instant::now();
+        let result = log.sync_data();
+        match result {
+            Ok(()) => {
+                let ready = {
+                    let mut st = p.state.lock();
+                    let ready = p.advance(&mut st, target);
+                    st.unsynced_since = (st.written > st.synced).then_some(started);
+                    ready
+                };
+                answer(&shared.cache, ready);
+            }
+            Err(e) => {
+                let err = Error::Storage(format!(
+                    "{}: log fsync failed: {e}",
+                    shared.log_path.display()
+                ));
+                shared.poison(&err, false);
+                return;
+            }
+        }
+    }
 }

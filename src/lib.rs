@@ -59,6 +59,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod cache;
 mod clock;
 mod codec;
 mod commit;
@@ -68,6 +69,7 @@ mod key;
 mod record;
 mod schema;
 mod store;
+mod wal;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Error, Result};
@@ -75,4 +77,5 @@ pub use key::{Fingerprint, Key, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN};
 pub use record::{ClaimOutcome, Lease, Record, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
-pub use store::{ClaimOptions, Config, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+pub use store::{ClaimOptions, Config, Durability, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+pub use wal::{FileLog, LogFile, MemoryLog};
