@@ -42,7 +42,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -89,6 +89,17 @@ pub(crate) enum Answer {
 struct Request {
     cmd: Command,
     reply: oneshot::Sender<Result<Answer>>,
+}
+
+/// What the writer's queue carries.
+enum Msg {
+    /// A caller's request.
+    Req(Request),
+    /// From the syncer: an fsync ended (or the syncer stopped); a batch held
+    /// open while the disk was busy can be sealed.
+    Nudge,
+    /// From the store's drop: finish what is queued, checkpoint, stop.
+    Close,
 }
 
 /// A pending answer: block on it with [`Completion::wait`] or `.await` it.
@@ -249,6 +260,17 @@ impl Progress {
         }
     }
 
+    /// Whether an fsync of written frames is pending or running (and the
+    /// syncer is there to finish it).
+    fn busy(&self) -> bool {
+        let st = self.state.lock();
+        st.written > st.synced && !st.syncer_gone && st.failed.is_none()
+    }
+
+    fn syncer_gone(&self) -> bool {
+        self.state.lock().syncer_gone
+    }
+
     /// Makes every frame written so far durable now, and waits for it.
     ///
     /// # Errors
@@ -387,12 +409,18 @@ pub(crate) struct WriterState {
     pub log: LogWriter,
 }
 
-/// The handle to the writer and syncer threads.
+/// The handle to the writer, syncer and waker threads.
 pub(crate) struct Writer {
-    tx: Option<SyncSender<Request>>,
+    tx: Option<SyncSender<Msg>>,
     handle: Option<JoinHandle<()>>,
     syncer: Option<JoinHandle<()>>,
+    waker: Option<JoinHandle<()>>,
 }
+
+/// Above this many callers made durable by one fsync, the syncer hands the
+/// wake-ups to the waker thread and starts the next fsync at once; below
+/// it, it wakes them itself (a lone caller pays no extra thread hop).
+const WAKE_INLINE: usize = 4;
 
 impl Writer {
     pub(crate) fn start(
@@ -401,10 +429,21 @@ impl Writer {
         log: Arc<dyn LogFile>,
     ) -> Result<Writer> {
         let (tx, rx) = sync_channel(QUEUE_BOUND);
+        let (wake_tx, wake_rx) = std::sync::mpsc::channel::<Vec<Parked>>();
+        let for_waker = shared.clone();
+        let waker = std::thread::Builder::new()
+            .name("idemstore-waker".into())
+            .spawn(move || {
+                for ready in wake_rx {
+                    answer(&for_waker.cache, ready);
+                }
+            })
+            .map_err(Error::storage)?;
         let for_syncer = shared.clone();
+        let nudge = tx.clone();
         let syncer = std::thread::Builder::new()
             .name("idemstore-syncer".into())
-            .spawn(move || sync_loop(&for_syncer, log.as_ref()))
+            .spawn(move || sync_loop(&for_syncer, log.as_ref(), &wake_tx, &nudge))
             .map_err(Error::storage)?;
         let handle = std::thread::Builder::new()
             .name("idemstore-writer".into())
@@ -414,6 +453,7 @@ impl Writer {
             tx: Some(tx),
             handle: Some(handle),
             syncer: Some(syncer),
+            waker: Some(waker),
         })
     }
 
@@ -423,10 +463,10 @@ impl Writer {
             return Completion::Ready(Err(Error::Closed));
         };
         let (reply, rx) = oneshot::channel();
-        let req = Request { cmd, reply };
-        let sent = match tx.try_send(req) {
+        let msg = Msg::Req(Request { cmd, reply });
+        let sent = match tx.try_send(msg) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(req)) => tx.send(req).map_err(|_| ()),
+            Err(TrySendError::Full(msg)) => tx.send(msg).map_err(|_| ()),
             Err(TrySendError::Disconnected(_)) => Err(()),
         };
         match sent {
@@ -438,13 +478,13 @@ impl Writer {
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        // Closing the channel lets the writer drain what is queued, end with
-        // a checkpoint and stop; the syncer stops after it.
-        self.tx = None;
-        for handle in [self.handle.take(), self.syncer.take()]
-            .into_iter()
-            .flatten()
-        {
+        // The writer decides everything queued before `Close`, ends with a
+        // checkpoint and stops; the syncer and the waker stop after it.
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Msg::Close);
+        }
+        let threads = [self.handle.take(), self.syncer.take(), self.waker.take()];
+        for handle in threads.into_iter().flatten() {
             let _ = handle.join();
         }
     }
@@ -464,7 +504,7 @@ impl Drop for WriterDone<'_> {
 
 /// Tells everyone when the syncer thread ends, by return or by panic; the
 /// batches it still held are dropped, so their callers get `Closed`.
-struct SyncerGone<'a>(&'a Shared);
+struct SyncerGone<'a>(&'a Shared, &'a SyncSender<Msg>);
 
 impl Drop for SyncerGone<'_> {
     fn drop(&mut self) {
@@ -475,6 +515,7 @@ impl Drop for SyncerGone<'_> {
             std::mem::take(&mut st.parked)
         };
         drop(parked);
+        let _ = self.1.try_send(Msg::Nudge);
     }
 }
 
@@ -490,115 +531,180 @@ fn payload_bytes(cmd: &Command) -> usize {
     }
 }
 
-fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Request>) {
+fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Msg>) {
     let done = WriterDone(shared);
-    let mut batch: Vec<Request> = Vec::with_capacity(MAX_BATCH);
-    while let Ok(first) = rx.recv() {
-        let mut bytes = payload_bytes(&first.cmd);
-        batch.push(first);
-        while batch.len() < MAX_BATCH && bytes < MAX_BATCH_BYTES {
-            match rx.try_recv() {
-                Ok(req) => {
-                    bytes += payload_bytes(&req.cmd);
-                    batch.push(req);
-                }
-                Err(_) => break,
-            }
+    loop {
+        let first = match rx.recv() {
+            Ok(Msg::Req(req)) => req,
+            Ok(Msg::Nudge) => continue,
+            Ok(Msg::Close) | Err(_) => break,
+        };
+        if process(shared, &mut state, first, rx) {
+            break;
         }
-        process(shared, &mut state, &mut batch);
     }
     close(shared, &mut state);
     drop(done);
 }
 
-/// A batch decided inside a write transaction, not yet committed.
-struct Decided {
-    txn: WriteTransaction,
-    answers: Vec<Result<Answer>>,
-    /// The frame body, when the batch changed anything.
-    body: Option<Vec<u8>>,
-    /// Record keys the batch changed.
-    touched: Vec<Vec<u8>>,
-    next_token: u64,
+/// Takes what is queued (without waiting) into `batch`. Returns whether the
+/// store is closing.
+fn take_queued(rx: &Receiver<Msg>, batch: &mut Vec<Request>) -> bool {
+    loop {
+        match rx.try_recv() {
+            Ok(Msg::Req(req)) => batch.push(req),
+            Ok(Msg::Nudge) => {}
+            Ok(Msg::Close) | Err(TryRecvError::Disconnected) => return true,
+            Err(TryRecvError::Empty) => return false,
+        }
+    }
 }
 
-fn process(shared: &Shared, state: &mut WriterState, batch: &mut Vec<Request>) {
-    if shared.poisoned.load(Ordering::SeqCst) {
-        fail_requests(batch, &Error::Poisoned);
-        return;
+/// Forms, decides and seals one batch, starting with `first`. Returns
+/// whether the store is closing.
+///
+/// Requests are decided as they arrive, inside one write transaction. The
+/// batch is sealed (its frame written and the transaction applied) as soon
+/// as nothing more is queued — unless, in `Immediate` mode, an earlier
+/// frame's fsync is still running: the new frame could not be synced before
+/// it ends anyway, so the writer keeps taking requests into the batch until
+/// the syncer reports the disk free. A lone caller is never held back.
+fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiver<Msg>) -> bool {
+    let mut batch = vec![first];
+    let gated = shared.durability == Durability::Immediate;
+    if shared.poisoned.load(Ordering::SeqCst) || (gated && shared.progress.syncer_gone()) {
+        let closing = take_queued(rx, &mut batch);
+        let err = if shared.poisoned.load(Ordering::SeqCst) {
+            Error::Poisoned
+        } else {
+            Error::Closed
+        };
+        fail_requests(&mut batch, &err);
+        return closing;
     }
-    if shared.durability == Durability::Immediate && shared.progress.state.lock().syncer_gone {
-        fail_requests(batch, &Error::Closed);
-        return;
-    }
+    let path = &shared.path;
     let now = shared.clock.now_ms();
-    let checkpoint = batch.iter().any(|r| matches!(r.cmd, Command::Checkpoint));
-    let decided = {
-        let cmds: Vec<&Command> = batch.iter().map(|r| &r.cmd).collect();
-        guard(&shared.path, || decide(shared, state, &cmds, now))
-    };
-    let d = match decided {
-        Ok(d) => d,
+    let opened = guard(path, || {
+        let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
+        txn.set_durability(redb::Durability::None)
+            .map_err(|e| map_err(path, e))?;
+        Ok(txn)
+    });
+    let txn = match opened {
+        Ok(txn) => txn,
         Err(err) => {
             shared.poison(&err, true);
-            fail_requests(batch, &err);
-            return;
+            let closing = take_queued(rx, &mut batch);
+            fail_requests(&mut batch, &err);
+            return closing;
         }
     };
-    let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(d.answers).collect();
-    let Some(body) = d.body else {
+    let mut token = state.next_token;
+    let mut answers: Vec<Result<Answer>> = Vec::new();
+    let mut closing = false;
+    let mut checkpoint = false;
+    let decided = guard(path, || {
+        let mut tables = Tables::open(path, &txn, true)?;
+        let mut bytes = 0;
+        loop {
+            while answers.len() < batch.len() {
+                let cmd = &batch[answers.len()].cmd;
+                bytes += payload_bytes(cmd);
+                checkpoint |= matches!(cmd, Command::Checkpoint);
+                answers.push(decide(shared, &mut tables, cmd, now, &mut token)?);
+            }
+            if closing || checkpoint || batch.len() >= MAX_BATCH || bytes >= MAX_BATCH_BYTES {
+                break;
+            }
+            match rx.try_recv() {
+                Ok(Msg::Req(req)) => {
+                    batch.push(req);
+                    continue;
+                }
+                Ok(Msg::Nudge) => continue,
+                Ok(Msg::Close) | Err(TryRecvError::Disconnected) => {
+                    closing = true;
+                    break;
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            if !gated || !shared.progress.busy() {
+                break;
+            }
+            match rx.recv() {
+                Ok(Msg::Req(req)) => batch.push(req),
+                Ok(Msg::Nudge) => {}
+                Ok(Msg::Close) | Err(_) => closing = true,
+            }
+        }
+        if tables.is_changed() {
+            tables.set_counters(token, now, state.last_seq + 1)?;
+        }
+        Ok(tables.finish())
+    });
+    let (body, touched) = match decided {
+        Ok(x) => x,
+        Err(err) => {
+            shared.poison(&err, true);
+            fail_requests(&mut batch, &err);
+            return closing;
+        }
+    };
+    if shared.poisoned.load(Ordering::SeqCst) {
+        fail_requests(&mut batch, &Error::Poisoned);
+        return closing;
+    }
+    let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(answers).collect();
+    let Some(body) = body else {
         if checkpoint {
             let seq = state.last_seq;
-            commit_checkpoint(shared, state, d.txn, seq, Vec::new(), replies, false, 0);
+            commit_checkpoint(shared, state, txn, seq, Vec::new(), replies, false, 0);
         } else {
             // Nothing changed: answer once the state these answers saw is
             // durable.
-            drop(d.txn);
+            drop(txn);
             let parked = Parked {
                 dep: state.last_seq,
                 seq: state.last_seq,
                 keys: Vec::new(),
                 replies,
             };
-            match shared.durability {
-                Durability::Immediate => shared.progress.park(&shared.cache, parked),
-                Durability::Buffered { .. } => answer(&shared.cache, vec![parked]),
+            if gated {
+                shared.progress.park(&shared.cache, parked);
+            } else {
+                answer(&shared.cache, vec![parked]);
             }
         }
-        return;
+        return closing;
     };
+    let body = body.finish(token, now);
+    state.next_token = token;
     let seq = state.last_seq + 1;
     let frame_len = FRAME_HEADER_LEN + body.len();
-    state.next_token = d.next_token;
     let full = !state.log.fits(frame_len);
     // A token beyond the durable reservation must not be acknowledged before
     // a checkpoint has moved the reservation past it.
     if checkpoint || full || state.next_token > state.token_reserved {
-        commit_checkpoint(
-            shared, state, d.txn, seq, d.touched, replies, full, frame_len,
-        );
-        return;
+        commit_checkpoint(shared, state, txn, seq, touched, replies, full, frame_len);
+        return closing;
     }
-    let gated = shared.durability == Durability::Immediate;
-    shared.cache.begin_write(&d.touched, gated.then_some(seq));
+    shared.cache.begin_write(&touched, gated.then_some(seq));
     if let Err(err) = state.log.append(seq, shared.progress.synced(), &body) {
         shared.poison(&err, false);
         fail_all(replies, &err);
-        return;
+        return closing;
     }
     shared.progress.wrote(seq);
-    if let Err(err) = guard(&shared.path, || {
-        d.txn.commit().map_err(|e| map_err(&shared.path, e))
-    }) {
+    if let Err(err) = guard(path, || txn.commit().map_err(|e| map_err(path, e))) {
         shared.poison(&err, true);
         fail_all(replies, &err);
-        return;
+        return closing;
     }
     state.last_seq = seq;
     let parked = Parked {
         dep: seq,
         seq,
-        keys: d.touched,
+        keys: touched,
         replies,
     };
     if gated {
@@ -606,6 +712,7 @@ fn process(shared: &Shared, state: &mut WriterState, batch: &mut Vec<Request>) {
     } else {
         answer(&shared.cache, vec![parked]);
     }
+    closing
 }
 
 /// Commits `txn` (the batch with sequence number `seq`, possibly empty)
@@ -689,40 +796,21 @@ fn close(shared: &Shared, state: &mut WriterState) {
     }
 }
 
-/// Decides one batch inside a new write transaction. The outer `Err` is a
-/// storage failure of the whole batch; inner errors are per request and
-/// change nothing.
-fn decide(shared: &Shared, state: &WriterState, cmds: &[&Command], now: u64) -> Result<Decided> {
-    let path = &shared.path;
-    let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
-    txn.set_durability(redb::Durability::None)
-        .map_err(|e| map_err(path, e))?;
-    let mut token = state.next_token;
-    let mut answers = Vec::with_capacity(cmds.len());
-    let (body, touched) = {
-        let mut tables = Tables::open(path, &txn, true)?;
-        for cmd in cmds {
-            let answer = match cmd {
-                Command::Op { key, op } => apply_op(shared, &mut tables, key, op, now, &mut token)?,
-                Command::Sweep { max } => {
-                    Ok(Answer::Evicted(expiry::evict(&mut tables, now, *max)?))
-                }
-                Command::Checkpoint => Ok(Answer::Checkpointed),
-            };
-            answers.push(answer);
-        }
-        if tables.is_changed() {
-            tables.set_counters(token, now, state.last_seq + 1)?;
-        }
-        tables.finish()
-    };
-    Ok(Decided {
-        txn,
-        answers,
-        body: body.map(|b| b.finish(token, now)),
-        touched,
-        next_token: token,
-    })
+/// Decides one command through `tables`. The outer `Err` is a storage
+/// failure of the whole batch; inner errors are per request and change
+/// nothing.
+fn decide(
+    shared: &Shared,
+    tables: &mut Tables<'_>,
+    cmd: &Command,
+    now: u64,
+    token: &mut u64,
+) -> Result<Result<Answer>> {
+    match cmd {
+        Command::Op { key, op } => apply_op(shared, tables, key, op, now, token),
+        Command::Sweep { max } => Ok(Ok(Answer::Evicted(expiry::evict(tables, now, *max)?))),
+        Command::Checkpoint => Ok(Ok(Answer::Checkpointed)),
+    }
 }
 
 /// Applies one transition through `tables`. Outer `Err`: storage failure.
@@ -776,9 +864,14 @@ fn apply_op(
 }
 
 /// The syncer: makes written frames durable and answers the batches that
-/// waited for them.
-fn sync_loop(shared: &Shared, log: &dyn LogFile) {
-    let _gone = SyncerGone(shared);
+/// waited for them (through the waker when there are many).
+fn sync_loop(
+    shared: &Shared,
+    log: &dyn LogFile,
+    waker: &std::sync::mpsc::Sender<Vec<Parked>>,
+    nudge: &SyncSender<Msg>,
+) {
+    let _gone = SyncerGone(shared, nudge);
     let p = &shared.progress;
     loop {
         let target = {
@@ -810,6 +903,7 @@ fn sync_loop(shared: &Shared, log: &dyn LogFile) {
         };
         let started = Instant::now();
         let result = log.sync_data();
+
         match result {
             Ok(()) => {
                 let ready = {
@@ -818,7 +912,15 @@ fn sync_loop(shared: &Shared, log: &dyn LogFile) {
                     st.unsynced_since = (st.written > st.synced).then_some(started);
                     ready
                 };
-                answer(&shared.cache, ready);
+                // The writer may be holding a batch open until the disk is
+                // free; if the queue is full it has work anyway.
+                let _ = nudge.try_send(Msg::Nudge);
+                let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
+                if callers <= WAKE_INLINE {
+                    answer(&shared.cache, ready);
+                } else if let Err(unsent) = waker.send(ready) {
+                    answer(&shared.cache, unsent.0);
+                }
             }
             Err(e) => {
                 let err = Error::Storage(format!(
