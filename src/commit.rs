@@ -842,10 +842,10 @@ fn apply_op(
     match &effect {
         Effect::None => {}
         Effect::Put(new) => {
-            if let Some(old) = &stored {
-                if old.expires_ms != new.expires_ms {
-                    tables.remove_expiry(old.expires_ms, &kb)?;
-                }
+            if let Some(old) = &stored
+                && old.expires_ms != new.expires_ms
+            {
+                tables.remove_expiry(old.expires_ms, &kb)?;
             }
             tables.insert_expiry(new.expires_ms, &kb)?;
             tables.put_record(&kb, &codec::encode_record(&kb, new))?;
@@ -881,14 +881,15 @@ fn sync_loop(
                     return;
                 }
                 if st.written > st.synced {
-                    if let Durability::Buffered { max_delay } = shared.durability {
-                        if !st.flush_now && !st.writer_done {
-                            let since = *st.unsynced_since.get_or_insert_with(Instant::now);
-                            let deadline = since + max_delay;
-                            if Instant::now() < deadline {
-                                p.changed.wait_until(&mut st, deadline);
-                                continue;
-                            }
+                    if let Durability::Buffered { max_delay } = shared.durability
+                        && !st.flush_now
+                        && !st.writer_done
+                    {
+                        let since = *st.unsynced_since.get_or_insert_with(Instant::now);
+                        let deadline = since + max_delay;
+                        if Instant::now() < deadline {
+                            p.changed.wait_until(&mut st, deadline);
+                            continue;
                         }
                     }
                     break;

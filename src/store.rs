@@ -257,13 +257,13 @@ impl Config {
         if self.sweep_interval.is_some_and(|d| d.is_zero()) {
             return Err(Error::invalid("sweep_interval", "must be non-zero"));
         }
-        if let Durability::Buffered { max_delay } = self.durability {
-            if max_delay < Duration::from_millis(1) || max_delay > Duration::from_secs(3600) {
-                return Err(Error::invalid(
-                    "durability",
-                    "a buffered max_delay must be between 1 ms and 1 hour",
-                ));
-            }
+        if let Durability::Buffered { max_delay } = self.durability
+            && (max_delay < Duration::from_millis(1) || max_delay > Duration::from_secs(3600))
+        {
+            return Err(Error::invalid(
+                "durability",
+                "a buffered max_delay must be between 1 ms and 1 hour",
+            ));
         }
         if self.max_log_bytes < wal::MIN_LOG_BYTES {
             return Err(Error::invalid(
