@@ -572,7 +572,8 @@ fn take_queued(rx: &Receiver<Msg>, batch: &mut Vec<Request>) -> bool {
 fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiver<Msg>) -> bool {
     let mut batch = vec![first];
     let gated = shared.durability == Durability::Immediate;
-    if shared.poisoned.load(Ordering::SeqCst) || (gated && shared.progress.syncer_gone()) {
+    // Without the syncer nothing would become durable, in either mode.
+    if shared.poisoned.load(Ordering::SeqCst) || shared.progress.syncer_gone() {
         let closing = take_queued(rx, &mut batch);
         let err = if shared.poisoned.load(Ordering::SeqCst) {
             Error::Poisoned

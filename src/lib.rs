@@ -45,7 +45,11 @@
 //! - One valid lease per key at a time, under any number of threads.
 //! - Every acknowledged change (claim, complete, fail, release, extend,
 //!   recovery point) is on stable storage when the call returns; after a
-//!   crash the store answers as if the process had paused.
+//!   crash the store answers as if the process had paused. (Opt-in
+//!   [`Durability::Buffered`] trades a bounded window of acknowledged
+//!   changes for speed.) Concurrent changes share one fsync of a
+//!   write-ahead log beside the store file; `docs/design.md` has the file
+//!   formats and the crash analysis.
 //! - Fencing tokens come from one store-wide counter and are never reused; a
 //!   holder whose lease was taken over gets [`Error::StaleLease`].
 //! - Corruption is detected (checksums over key and body) and reported as an
