@@ -2,17 +2,19 @@
 //! the gate that keeps reads outside the writer from seeing a change before
 //! it is durable.
 //!
-//! The writer applies a batch to the redb index (a non-durable commit) while
-//! the log's fsync for it may still be running. Before that commit it marks
-//! every record key the batch changes as *pending* with the batch's sequence
-//! number; a key is pending while that number is above the durable sequence
-//! number. A reader reads redb and then checks the gate: if the key is
-//! pending, what it read may not be durable yet, and it waits (a `get`) or
-//! goes through the writer (a claim). A read that saw the new value found the
-//! key pending at its check, since the mark was set before the commit and
-//! is cleared only after the fsync; a read that saw an older value read
-//! something already durable. In `Buffered` mode nothing is marked: reads see
-//! acknowledged changes at once.
+//! The writer applies batches to the redb index with non-durable commits,
+//! each covering one or several batches, while the log's fsync for them may
+//! still be running. Before it applies a batch it marks every record key the
+//! batch changes as *pending* with the batch's sequence number; a key is
+//! pending while that number is above the *visible* sequence number: the
+//! last one both committed to the index and, in `Immediate` mode, durable.
+//! A reader reads redb and then checks the gate: if the key is pending, what
+//! it read may be older than an acknowledged change or not durable yet, and
+//! it waits (a `get`) or goes through the writer (a claim). A read that saw
+//! the new value found the key pending at its check, since the mark was set
+//! before the commit and is cleared only once the change is visible; a read
+//! that saw an older value while the key was not pending read the latest
+//! visible state. In `Buffered` mode a mark lasts only until the commit.
 //!
 //! The cache holds only finished records (succeeded, or failed permanently):
 //! never an in-progress or retryably failed one, whose answer depends on the
@@ -84,7 +86,7 @@ impl ReadCache {
         &self.shards[(h as usize) % SHARDS]
     }
 
-    /// Looks `key` up before a read of the index. `synced` is the durable
+    /// Looks `key` up before a read of the index. `synced` is the visible
     /// sequence number.
     pub(crate) fn lookup(&self, key: &[u8], now_ms: u64, synced: u64) -> Lookup {
         let mut shard = self.shard(key).lock();
@@ -127,8 +129,8 @@ impl ReadCache {
     }
 
     /// Called by the writer before it applies a batch to the index: drops
-    /// the cached entries of `keys` and, for a batch whose acknowledgement
-    /// waits for the log's fsync, marks them pending until `seq` is durable.
+    /// the cached entries of `keys` and, with `Some(seq)`, marks them pending
+    /// until `seq` is visible.
     pub(crate) fn begin_write(&self, keys: &[Vec<u8>], seq: Option<u64>) {
         for key in keys {
             let mut shard = self.shard(key).lock();
@@ -140,8 +142,8 @@ impl ReadCache {
         }
     }
 
-    /// Called once batch `seq` is durable: forgets its pending marks (a
-    /// later batch's mark on the same key stays).
+    /// Called once everything up to `seq` is visible: forgets those pending
+    /// marks (a later batch's mark on the same key stays).
     pub(crate) fn end_write(&self, keys: &[Vec<u8>], seq: u64) {
         for key in keys {
             let mut shard = self.shard(key).lock();

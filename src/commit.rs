@@ -77,6 +77,9 @@ pub(crate) enum Command {
     Sweep { max: usize },
     /// Commit the index durably and start the log over.
     Checkpoint,
+    /// Commit the writer's open index transaction (non-durably), so that
+    /// reads outside the writer see what was acknowledged.
+    Commit,
 }
 
 /// The writer's answer to one command.
@@ -84,6 +87,7 @@ pub(crate) enum Answer {
     Reply(Reply),
     Evicted(usize),
     Checkpointed,
+    Committed,
 }
 
 struct Request {
@@ -218,6 +222,9 @@ pub(crate) struct Progress {
     state: Mutex<ProgressState>,
     changed: Condvar,
     synced: AtomicU64,
+    /// The highest sequence number applied to the index by a commit (the
+    /// writer keeps one index transaction open across a few batches).
+    committed: AtomicU64,
 }
 
 impl Progress {
@@ -231,6 +238,23 @@ impl Progress {
             }),
             changed: Condvar::new(),
             synced: AtomicU64::new(seq),
+            committed: AtomicU64::new(seq),
+        }
+    }
+
+    /// The highest sequence number committed to the index.
+    pub(crate) fn committed(&self) -> u64 {
+        self.committed.load(Ordering::SeqCst)
+    }
+
+    /// Changes up to this sequence number may be shown to readers outside
+    /// the writer: committed to the index, and durable when `gated`.
+    pub(crate) fn visible_upto(&self, gated: bool) -> u64 {
+        let committed = self.committed();
+        if gated {
+            committed.min(self.synced())
+        } else {
+            committed
         }
     }
 
@@ -311,7 +335,7 @@ impl Progress {
     }
 
     /// A checkpoint made everything up to `seq` durable.
-    fn checkpointed(&self, seq: u64, cache: &ReadCache) {
+    fn checkpointed(&self, seq: u64, shared: &Shared) {
         let ready = {
             let mut st = self.state.lock();
             let ready = self.advance(&mut st, seq);
@@ -320,11 +344,11 @@ impl Progress {
             }
             ready
         };
-        answer(cache, ready);
+        answer(shared, ready);
     }
 
     /// Answers `replies` once `dep` is durable (at once if it is).
-    fn park(&self, cache: &ReadCache, parked: Parked) {
+    fn park(&self, shared: &Shared, parked: Parked) {
         let mut st = self.state.lock();
         if let Some(msg) = &st.failed {
             let msg = msg.clone();
@@ -335,9 +359,9 @@ impl Progress {
         if st.syncer_gone && parked.dep > st.synced {
             return; // Dropping the senders answers Closed.
         }
-        if parked.dep <= st.synced && st.parked.is_empty() {
+        if parked.dep <= st.synced {
             drop(st);
-            answer(cache, vec![parked]);
+            answer(shared, vec![parked]);
             return;
         }
         st.parked.push_back(parked);
@@ -360,12 +384,17 @@ impl Progress {
     }
 }
 
-fn answer(cache: &ReadCache, ready: Vec<Parked>) {
+/// Wakes the callers of `ready`, and forgets their read-gate marks as far
+/// as the changes are visible (a mark stays until the change is committed to
+/// the index too; the commit clears it then).
+fn answer(shared: &Shared, ready: Vec<Parked>) {
+    let gated = shared.durability == Durability::Immediate;
     for p in ready {
         for (tx, r) in p.replies {
             let _ = tx.send(r);
         }
-        cache.end_write(&p.keys, p.seq);
+        let visible = shared.progress.visible_upto(gated);
+        shared.cache.end_write(&p.keys, p.seq.min(visible));
     }
 }
 
@@ -407,6 +436,35 @@ pub(crate) struct WriterState {
     /// (the last checkpoint recorded it durably).
     pub token_reserved: u64,
     pub log: LogWriter,
+    /// The index transaction batches are being applied to, not yet
+    /// committed.
+    open: Option<OpenTxn>,
+}
+
+impl WriterState {
+    pub(crate) fn new(next_token: u64, token_reserved: u64, last_seq: u64, log: LogWriter) -> Self {
+        WriterState {
+            next_token,
+            last_seq,
+            token_reserved,
+            log,
+            open: None,
+        }
+    }
+}
+
+/// Commit the open index transaction after this many sealed batches (or as
+/// soon as the writer is idle, or a reader asks): one commit then covers
+/// several batches, and a page changed by several of them is copied once.
+const COMMIT_EVERY: usize = 64;
+
+/// The writer's open index transaction.
+struct OpenTxn {
+    txn: WriteTransaction,
+    /// Batches sealed into it.
+    batches: usize,
+    /// Record keys those batches changed (to clear their read-gate marks).
+    keys: Vec<Vec<u8>>,
 }
 
 /// The handle to the writer, syncer and waker threads.
@@ -435,7 +493,7 @@ impl Writer {
             .name("idemstore-waker".into())
             .spawn(move || {
                 for ready in wake_rx {
-                    answer(&for_waker.cache, ready);
+                    answer(&for_waker, ready);
                 }
             })
             .map_err(Error::storage)?;
@@ -527,17 +585,30 @@ fn payload_bytes(cmd: &Command) -> usize {
             Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
             _ => 0,
         },
-        Command::Sweep { .. } | Command::Checkpoint => 0,
+        Command::Sweep { .. } | Command::Checkpoint | Command::Commit => 0,
     }
 }
 
 fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Msg>) {
     let done = WriterDone(shared);
     loop {
-        let first = match rx.recv() {
-            Ok(Msg::Req(req)) => req,
-            Ok(Msg::Nudge) => continue,
-            Ok(Msg::Close) | Err(_) => break,
+        let msg = match rx.try_recv() {
+            Ok(msg) => msg,
+            Err(TryRecvError::Empty) => {
+                // Idle: make what was acknowledged visible to readers
+                // before waiting.
+                commit_open(shared, &mut state);
+                match rx.recv() {
+                    Ok(msg) => msg,
+                    Err(_) => break,
+                }
+            }
+            Err(TryRecvError::Disconnected) => break,
+        };
+        let first = match msg {
+            Msg::Req(req) => req,
+            Msg::Nudge => continue,
+            Msg::Close => break,
         };
         if process(shared, &mut state, first, rx) {
             break;
@@ -560,20 +631,69 @@ fn take_queued(rx: &Receiver<Msg>, batch: &mut Vec<Request>) -> bool {
     }
 }
 
+/// Drops the open index transaction after a failure. Batches in it may have
+/// been acknowledged (their frames are durable), so the closing checkpoint
+/// must not run: the next open replays them from the log.
+fn abandon_open(shared: &Shared, state: &mut WriterState) {
+    if state.open.take().is_some_and(|o| o.batches > 0) {
+        shared.index_failed.store(true, Ordering::SeqCst);
+    }
+}
+
+/// After the log failed: the open transaction's batches are committed to
+/// the index all the same (those not durable stay gated: their marks are
+/// above the durable sequence number for good, and readers of them get
+/// `Poisoned`), so that acknowledged changes stay readable until reopen. If
+/// the index itself failed, the transaction is dropped instead.
+fn settle_open(shared: &Shared, state: &mut WriterState) {
+    if shared.index_failed.load(Ordering::SeqCst) {
+        abandon_open(shared, state);
+    } else {
+        commit_open(shared, state);
+    }
+}
+
+/// Commits the open index transaction (non-durably: the log holds its
+/// batches) and clears the read-gate marks that are now visible.
+fn commit_open(shared: &Shared, state: &mut WriterState) {
+    let Some(open) = state.open.take() else {
+        return;
+    };
+    if open.batches == 0 {
+        return; // Nothing changed: dropping it aborts nothing of value.
+    }
+    let path = &shared.path;
+    let OpenTxn { txn, keys, .. } = open;
+    if let Err(err) = guard(path, || txn.commit().map_err(|e| map_err(path, e))) {
+        shared.index_failed.store(true, Ordering::SeqCst);
+        shared.poison(&err, true);
+        return;
+    }
+    shared
+        .progress
+        .committed
+        .store(state.last_seq, Ordering::SeqCst);
+    let gated = shared.durability == Durability::Immediate;
+    shared
+        .cache
+        .end_write(&keys, shared.progress.visible_upto(gated));
+}
+
 /// Forms, decides and seals one batch, starting with `first`. Returns
 /// whether the store is closing.
 ///
-/// Requests are decided as they arrive, inside one write transaction. The
-/// batch is sealed (its frame written and the transaction applied) as soon
-/// as nothing more is queued — unless, in `Immediate` mode, an earlier
-/// frame's fsync is still running: the new frame could not be synced before
-/// it ends anyway, so the writer keeps taking requests into the batch until
-/// the syncer reports the disk free. A lone caller is never held back.
+/// Requests are decided as they arrive, inside the writer's open index
+/// transaction. The batch is sealed (its frame written) as soon as nothing
+/// more is queued — unless, in `Immediate` mode, an earlier frame's fsync is
+/// still running: the new frame could not be synced before it ends anyway,
+/// so the writer keeps taking requests into the batch until the syncer
+/// reports the disk free. A lone caller is never held back.
 fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiver<Msg>) -> bool {
     let mut batch = vec![first];
     let gated = shared.durability == Durability::Immediate;
     // Without the syncer nothing would become durable, in either mode.
     if shared.poisoned.load(Ordering::SeqCst) || shared.progress.syncer_gone() {
+        settle_open(shared, state);
         let closing = take_queued(rx, &mut batch);
         let err = if shared.poisoned.load(Ordering::SeqCst) {
             Error::Poisoned
@@ -585,14 +705,21 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     }
     let path = &shared.path;
     let now = shared.clock.now_ms();
-    let opened = guard(path, || {
-        let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
-        txn.set_durability(redb::Durability::None)
-            .map_err(|e| map_err(path, e))?;
-        Ok(txn)
-    });
-    let txn = match opened {
-        Ok(txn) => txn,
+    let open = match state.open.take() {
+        Some(open) => Ok(open),
+        None => guard(path, || {
+            let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
+            txn.set_durability(redb::Durability::None)
+                .map_err(|e| map_err(path, e))?;
+            Ok(OpenTxn {
+                txn,
+                batches: 0,
+                keys: Vec::new(),
+            })
+        }),
+    };
+    let mut open = match open {
+        Ok(open) => open,
         Err(err) => {
             shared.poison(&err, true);
             let closing = take_queued(rx, &mut batch);
@@ -604,14 +731,16 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     let mut answers: Vec<Result<Answer>> = Vec::new();
     let mut closing = false;
     let mut checkpoint = false;
+    let mut commit = false;
     let decided = guard(path, || {
-        let mut tables = Tables::open(path, &txn, true)?;
+        let mut tables = Tables::open(path, &open.txn, true)?;
         let mut bytes = 0;
         loop {
             while answers.len() < batch.len() {
                 let cmd = &batch[answers.len()].cmd;
                 bytes += payload_bytes(cmd);
                 checkpoint |= matches!(cmd, Command::Checkpoint);
+                commit |= matches!(cmd, Command::Commit);
                 answers.push(decide(shared, &mut tables, cmd, now, &mut token)?);
             }
             if closing || checkpoint || batch.len() >= MAX_BATCH || bytes >= MAX_BATCH_BYTES {
@@ -646,12 +775,20 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     let (body, touched) = match decided {
         Ok(x) => x,
         Err(err) => {
+            // The transaction may hold half of this batch: drop all of it.
+            state.open = Some(open);
+            abandon_open(shared, state);
             shared.poison(&err, true);
             fail_requests(&mut batch, &err);
             return closing;
         }
     };
     if shared.poisoned.load(Ordering::SeqCst) {
+        // The log failed meanwhile. This batch's changes are in the open
+        // transaction: gate them for good, then keep the rest.
+        shared.cache.begin_write(&touched, Some(state.last_seq + 1));
+        state.open = Some(open);
+        settle_open(shared, state);
         fail_requests(&mut batch, &Error::Poisoned);
         return closing;
     }
@@ -659,22 +796,25 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     let Some(body) = body else {
         if checkpoint {
             let seq = state.last_seq;
-            commit_checkpoint(shared, state, txn, seq, Vec::new(), replies, false, 0);
+            commit_checkpoint(shared, state, open, seq, Vec::new(), replies, false, 0);
+            return closing;
+        }
+        state.open = Some(open);
+        if commit {
+            commit_open(shared, state);
+        }
+        // Nothing changed: answer once the state these answers saw is
+        // durable.
+        let parked = Parked {
+            dep: state.last_seq,
+            seq: state.last_seq,
+            keys: Vec::new(),
+            replies,
+        };
+        if gated {
+            shared.progress.park(shared, parked);
         } else {
-            // Nothing changed: answer once the state these answers saw is
-            // durable.
-            drop(txn);
-            let parked = Parked {
-                dep: state.last_seq,
-                seq: state.last_seq,
-                keys: Vec::new(),
-                replies,
-            };
-            if gated {
-                shared.progress.park(&shared.cache, parked);
-            } else {
-                answer(&shared.cache, vec![parked]);
-            }
+            answer(shared, vec![parked]);
         }
         return closing;
     };
@@ -686,22 +826,28 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     // A token beyond the durable reservation must not be acknowledged before
     // a checkpoint has moved the reservation past it.
     if checkpoint || full || state.next_token > state.token_reserved {
-        commit_checkpoint(shared, state, txn, seq, touched, replies, full, frame_len);
+        commit_checkpoint(shared, state, open, seq, touched, replies, full, frame_len);
         return closing;
     }
-    shared.cache.begin_write(&touched, gated.then_some(seq));
+    // Readers must not see these changes before they are committed to the
+    // index (and, when gated, durable): mark them before anything else.
+    shared.cache.begin_write(&touched, Some(seq));
     if let Err(err) = state.log.append(seq, shared.progress.synced(), &body) {
         shared.poison(&err, false);
+        state.open = Some(open);
+        settle_open(shared, state);
         fail_all(replies, &err);
         return closing;
     }
     shared.progress.wrote(seq);
-    if let Err(err) = guard(path, || txn.commit().map_err(|e| map_err(path, e))) {
-        shared.poison(&err, true);
-        fail_all(replies, &err);
-        return closing;
-    }
     state.last_seq = seq;
+    open.batches += 1;
+    open.keys.extend(touched.iter().cloned());
+    let due = commit || open.batches >= COMMIT_EVERY;
+    state.open = Some(open);
+    if due {
+        commit_open(shared, state);
+    }
     let parked = Parked {
         dep: seq,
         seq,
@@ -709,20 +855,21 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         replies,
     };
     if gated {
-        shared.progress.park(&shared.cache, parked);
+        shared.progress.park(shared, parked);
     } else {
-        answer(&shared.cache, vec![parked]);
+        answer(shared, vec![parked]);
     }
     closing
 }
 
-/// Commits `txn` (the batch with sequence number `seq`, possibly empty)
-/// durably as a checkpoint, answers its callers and starts the log over.
+/// Commits `open` (with the batch of sequence number `seq`, possibly empty)
+/// durably as a checkpoint, answers the batch's callers and starts the log
+/// over.
 #[allow(clippy::too_many_arguments)]
 fn commit_checkpoint(
     shared: &Shared,
     state: &mut WriterState,
-    mut txn: WriteTransaction,
+    open: OpenTxn,
     seq: u64,
     touched: Vec<Vec<u8>>,
     replies: Vec<Replier>,
@@ -732,6 +879,7 @@ fn commit_checkpoint(
     let epoch = state.log.epoch() + 1;
     let token_reserved = state.next_token.saturating_add(TOKEN_RESERVATION);
     shared.cache.begin_write(&touched, Some(seq));
+    let OpenTxn { mut txn, keys, .. } = open;
     let committed = guard(&shared.path, || {
         let path = &shared.path;
         txn.set_durability(redb::Durability::Immediate)
@@ -747,15 +895,18 @@ fn commit_checkpoint(
         txn.commit().map_err(|e| map_err(path, e))
     });
     if let Err(err) = committed {
+        shared.index_failed.store(true, Ordering::SeqCst);
         shared.poison(&err, true);
         fail_all(replies, &err);
         return;
     }
     state.last_seq = seq;
     state.token_reserved = token_reserved;
-    shared.progress.checkpointed(seq, &shared.cache);
+    shared.progress.committed.store(seq, Ordering::SeqCst);
+    shared.progress.checkpointed(seq, shared);
+    shared.cache.end_write(&keys, seq);
     answer(
-        &shared.cache,
+        shared,
         vec![Parked {
             dep: seq,
             seq,
@@ -769,16 +920,21 @@ fn commit_checkpoint(
     tracing::debug!(seq, epoch, full, "checkpoint");
 }
 
-/// The closing checkpoint, when the channel is closed and drained: the
-/// index then holds everything on disk and the log is not needed to open
-/// the store again.
+/// The closing checkpoint, when the queue is drained: the index then holds
+/// everything on disk and the log is not needed to open the store again.
 fn close(shared: &Shared, state: &mut WriterState) {
     if shared.index_failed.load(Ordering::SeqCst) {
         return;
     }
     let path = &shared.path;
+    let open = state.open.take();
     let done = guard(path, || {
-        let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
+        let mut txn = match open {
+            Some(open) => open.txn,
+            None => shared.db.begin_write().map_err(|e| map_err(path, e))?,
+        };
+        txn.set_durability(redb::Durability::Immediate)
+            .map_err(|e| map_err(path, e))?;
         txn.set_quick_repair(true);
         let ck = Checkpoint {
             epoch: state.log.epoch() + 1,
@@ -790,7 +946,13 @@ fn close(shared: &Shared, state: &mut WriterState) {
         txn.commit().map_err(|e| map_err(path, e))
     });
     match done {
-        Ok(()) => shared.progress.checkpointed(state.last_seq, &shared.cache),
+        Ok(()) => {
+            shared
+                .progress
+                .committed
+                .store(state.last_seq, Ordering::SeqCst);
+            shared.progress.checkpointed(state.last_seq, shared);
+        }
         Err(err) => {
             tracing::error!(path = %path.display(), error = %err, "closing checkpoint failed; the log will be replayed at the next open");
         }
@@ -811,6 +973,7 @@ fn decide(
         Command::Op { key, op } => apply_op(shared, tables, key, op, now, token),
         Command::Sweep { max } => Ok(Ok(Answer::Evicted(expiry::evict(tables, now, *max)?))),
         Command::Checkpoint => Ok(Ok(Answer::Checkpointed)),
+        Command::Commit => Ok(Ok(Answer::Committed)),
     }
 }
 
@@ -919,9 +1082,9 @@ fn sync_loop(
                 let _ = nudge.try_send(Msg::Nudge);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
                 if callers <= WAKE_INLINE {
-                    answer(&shared.cache, ready);
+                    answer(shared, ready);
                 } else if let Err(unsent) = waker.send(ready) {
-                    answer(&shared.cache, unsent.0);
+                    answer(shared, unsent.0);
                 }
             }
             Err(e) => {

@@ -436,12 +436,12 @@ impl Store {
             progress: Progress::new(opened.last_seq),
             cache: ReadCache::new(config.read_cache_bytes),
         });
-        let state = WriterState {
-            next_token: opened.next_token,
-            token_reserved: opened.token_reserved,
-            last_seq: opened.last_seq,
-            log: opened.writer,
-        };
+        let state = WriterState::new(
+            opened.next_token,
+            opened.token_reserved,
+            opened.last_seq,
+            opened.writer,
+        );
         let writer = Writer::start(shared.clone(), state, log)?;
         let inner = Arc::new(Inner {
             shared,
@@ -693,6 +693,8 @@ impl Store {
     /// read.
     pub fn len(&self) -> Result<u64> {
         let shared = &self.inner.shared;
+        // Apply what was acknowledged to the index first.
+        self.inner.commit_index()?;
         let (count, seq) = schema::record_count(&shared.path, &shared.db)?;
         if shared.durability == Durability::Immediate {
             // The snapshot may hold a batch whose fsync is still running.
@@ -811,12 +813,27 @@ impl Inner {
         Ok(Err(op))
     }
 
-    /// The record of `key` as durable (in `Immediate` mode), waiting for a
-    /// change in flight to become durable.
+    /// Has the writer commit its open index transaction, so that reads see
+    /// every change acknowledged before this call.
+    fn commit_index(&self) -> Result<()> {
+        match self.submit(Command::Commit).wait()? {
+            Answer::Committed => Ok(()),
+            _ => Err(Error::Storage(
+                "writer answered a commit with another answer".into(),
+            )),
+        }
+    }
+
+    /// The record of `key` as durable (in `Immediate` mode). A change in
+    /// flight is waited for: its commit to the index is asked of the
+    /// writer, its fsync awaited.
     fn get(&self, key: &Key) -> Result<Option<Record>> {
         loop {
             match self.read(key)? {
                 Read::Done(r) => return Ok(r),
+                Read::Pending(seq) if self.shared.progress.committed() < seq => {
+                    self.commit_index()?;
+                }
                 Read::Pending(seq) => self.shared.progress.wait_durable(seq)?,
             }
         }
@@ -829,7 +846,11 @@ impl Inner {
         let path = &shared.path;
         let kb = key.to_bytes();
         let now = shared.clock.now_ms();
-        let version = match shared.cache.lookup(&kb, now, shared.progress.synced()) {
+        let gated = shared.durability == Durability::Immediate;
+        let version = match shared
+            .cache
+            .lookup(&kb, now, shared.progress.visible_upto(gated))
+        {
             Lookup::Hit(record) => return Ok(Read::Done(Some(record))),
             Lookup::Pending(seq) => return Ok(Read::Pending(seq)),
             Lookup::Miss(version) => version,
@@ -847,9 +868,10 @@ impl Inner {
             None => None,
         };
         let record = record.filter(|r| !r.is_expired_at(now));
+        let visible = shared.progress.visible_upto(gated);
         match shared
             .cache
-            .after_read(&kb, record.as_ref(), version, now, shared.progress.synced())
+            .after_read(&kb, record.as_ref(), version, now, visible)
         {
             Some(seq) => Ok(Read::Pending(seq)),
             None => Ok(Read::Done(record)),
