@@ -3,31 +3,34 @@
 //! One thread owns every state change. Callers queue a request on a bounded
 //! channel (a full queue makes them wait: backpressure) and receive a
 //! one-shot completion that they block on or `.await`. The writer takes
-//! everything waiting, decides it in arrival order inside one redb write
-//! transaction (a later request sees the earlier ones), writes the batch's
-//! effects as one frame of the write-ahead log, and applies the transaction
-//! to the index with a non-durable commit. A second thread, the syncer,
-//! makes the log durable with `fdatasync`, and only then are the batch's
-//! callers woken (in `Immediate` mode). While one fsync runs, the writer
-//! decides and applies the next batch, so the fsync of the log and the work
-//! on the index overlap; one fsync covers every frame written before it
-//! started. A lone caller is never held back: the writer takes what is
-//! waiting, however little, and the syncer syncs as soon as a frame is
-//! written.
+//! everything waiting and decides it in arrival order inside its open redb
+//! write transaction (a later request sees the earlier ones), then seals the
+//! batch: its effects become one frame of the write-ahead log. A second
+//! thread, the syncer, makes the log durable with `fdatasync`, and only then
+//! are the batch's callers woken (in `Immediate` mode; a third thread does
+//! the waking when there are many). One fsync covers every frame written
+//! before it started. While an fsync runs, the writer keeps deciding the
+//! requests that arrive into the next batch and seals it when the syncer
+//! reports the disk free; a lone caller is never held back (nothing waits
+//! for a batch to fill when the disk is idle).
 //!
-//! In `Buffered` mode callers are woken as soon as the batch is applied to
-//! the index, and the syncer syncs the log within the configured delay.
+//! The open transaction is committed to the index with `Durability::None`
+//! when the writer is idle, every [`COMMIT_EVERY`] batches, when a reader
+//! asks ([`Command::Commit`]) and at checkpoints; the log, not redb, makes
+//! changes durable. Reads outside the writer (`get`, a claim that can only
+//! replay) read the index; the gate in [`crate::cache`] keeps them from
+//! returning a change that is not yet committed there and, in `Immediate`
+//! mode, durable.
 //!
-//! Reads outside the writer (`get`, a claim that can only replay) read the
-//! index, where a batch may be applied before its fsync finished; the gate
-//! in [`crate::cache`] keeps them from returning such a change in
-//! `Immediate` mode.
+//! In `Buffered` mode callers are woken as soon as their batch is sealed,
+//! and the syncer syncs the log within the configured delay.
 //!
-//! When the log is full, or on request, the writer commits a batch to redb
-//! durably instead (a checkpoint: the index then holds everything up to that
-//! batch on disk, with quick-repair so that reopening after a crash is
-//! fast) and starts the log over from its beginning, in a new epoch.
-//! Dropping the store drains the queue and ends with such a checkpoint.
+//! When the log is full, or on request, the writer commits the open
+//! transaction to redb durably instead (a checkpoint: the index then holds
+//! everything up to that batch on disk, with quick-repair so that reopening
+//! after a crash is fast) and starts the log over from its beginning, in a
+//! new epoch. Dropping the store drains the queue and ends with such a
+//! checkpoint.
 //!
 //! A failed log write, fsync or index commit fails every request of the
 //! batches it concerns with the storage error (none is reported as done)
@@ -35,6 +38,10 @@
 //! recovers from what is on disk (DESIGN.md guarantee 6). If the writer or
 //! the syncer thread dies, every waiting and later call gets
 //! [`Error::Closed`]; nothing hangs.
+//!
+//! Every change to the index goes through [`Tables`], which logs it: a new
+//! kind of write (a table, an operation) must be added there, or it would be
+//! lost in a crash.
 
 use std::collections::VecDeque;
 use std::future::{Future, IntoFuture};
@@ -42,7 +49,9 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::sync::mpsc::{
+    Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError, sync_channel,
+};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -170,6 +179,10 @@ pub(crate) struct Shared {
     pub index_failed: AtomicBool,
     pub progress: Progress,
     pub cache: ReadCache,
+    /// Whether the writer may fsync a lone batch itself instead of handing
+    /// it to the syncer (always on; the crate's tests turn it off to look
+    /// at a batch applied to the index before its fsync ended).
+    pub sync_inline: AtomicBool,
 }
 
 impl Shared {
@@ -213,6 +226,8 @@ struct ProgressState {
     syncer_gone: bool,
     /// A caller asked for an fsync now (buffered mode).
     flush_now: bool,
+    /// The writer is syncing a frame itself (the syncer keeps off).
+    writer_syncing: bool,
     /// When the oldest frame not yet synced was written.
     unsynced_since: Option<Instant>,
 }
@@ -288,7 +303,30 @@ impl Progress {
     /// syncer is there to finish it).
     fn busy(&self) -> bool {
         let st = self.state.lock();
-        st.written > st.synced && !st.syncer_gone && st.failed.is_none()
+        (st.written > st.synced || st.writer_syncing) && !st.syncer_gone && st.failed.is_none()
+    }
+
+    /// Claims the fsync of frame `seq` for the writer itself, when nothing
+    /// else is written or being synced (so the syncer is idle).
+    fn take_inline_sync(&self, seq: u64) -> bool {
+        let mut st = self.state.lock();
+        if st.written != st.synced || st.writer_syncing || st.failed.is_some() {
+            return false;
+        }
+        st.written = seq;
+        st.writer_syncing = true;
+        true
+    }
+
+    /// The writer's own fsync of frame `seq` succeeded.
+    fn inline_synced(&self, seq: u64) -> Vec<Parked> {
+        let mut st = self.state.lock();
+        st.writer_syncing = false;
+        let ready = self.advance(&mut st, seq);
+        if st.written <= st.synced {
+            st.unsynced_since = None;
+        }
+        ready
     }
 
     fn syncer_gone(&self) -> bool {
@@ -458,6 +496,11 @@ impl WriterState {
 /// several batches, and a page changed by several of them is copied once.
 const COMMIT_EVERY: usize = 64;
 
+/// How long the writer waits for more requests before it commits the open
+/// index transaction when idle. Readers never wait for it: a read of a key
+/// with an uncommitted change asks for the commit.
+const IDLE_COMMIT_DELAY: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The writer's open index transaction.
 struct OpenTxn {
     txn: WriteTransaction,
@@ -594,15 +637,20 @@ fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Msg>) {
     loop {
         let msg = match rx.try_recv() {
             Ok(msg) => msg,
-            Err(TryRecvError::Empty) => {
-                // Idle: make what was acknowledged visible to readers
-                // before waiting.
-                commit_open(shared, &mut state);
-                match rx.recv() {
-                    Ok(msg) => msg,
-                    Err(_) => break,
+            Err(TryRecvError::Empty) => match rx.recv_timeout(IDLE_COMMIT_DELAY) {
+                Ok(msg) => msg,
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    // Idle: apply what was acknowledged to the index
+                    // before waiting (a caller's next request, which
+                    // usually follows its answer at once, goes first).
+                    commit_open(shared, &mut state);
+                    match rx.recv() {
+                        Ok(msg) => msg,
+                        Err(_) => break,
+                    }
                 }
-            }
+            },
             Err(TryRecvError::Disconnected) => break,
         };
         let first = match msg {
@@ -732,6 +780,10 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     let mut closing = false;
     let mut checkpoint = false;
     let mut commit = false;
+    // Whether the batch was sealed because nothing more was queued and the
+    // disk was free: then the writer syncs it itself (one thread hop fewer
+    // for a lone caller).
+    let mut alone = false;
     let decided = guard(path, || {
         let mut tables = Tables::open(path, &open.txn, true)?;
         let mut bytes = 0;
@@ -759,6 +811,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
                 Err(TryRecvError::Empty) => {}
             }
             if !gated || !shared.progress.busy() {
+                alone = true;
                 break;
             }
             match rx.recv() {
@@ -839,7 +892,13 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         fail_all(replies, &err);
         return closing;
     }
-    shared.progress.wrote(seq);
+    let inline = gated
+        && alone
+        && shared.sync_inline.load(Ordering::Relaxed)
+        && shared.progress.take_inline_sync(seq);
+    if !inline {
+        shared.progress.wrote(seq);
+    }
     state.last_seq = seq;
     open.batches += 1;
     open.keys.extend(touched.iter().cloned());
@@ -854,7 +913,20 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         keys: touched,
         replies,
     };
-    if gated {
+    if inline {
+        match state.log.sync() {
+            Ok(()) => {
+                let mut ready = shared.progress.inline_synced(seq);
+                ready.push(parked);
+                answer(shared, ready);
+            }
+            Err(err) => {
+                fail_all(parked.replies, &err);
+                shared.poison(&err, false);
+                settle_open(shared, state);
+            }
+        }
+    } else if gated {
         shared.progress.park(shared, parked);
     } else {
         answer(shared, vec![parked]);
@@ -1044,7 +1116,7 @@ fn sync_loop(
                 if st.failed.is_some() {
                     return;
                 }
-                if st.written > st.synced {
+                if st.written > st.synced && !st.writer_syncing {
                     if let Durability::Buffered { max_delay } = shared.durability
                         && !st.flush_now
                         && !st.writer_done

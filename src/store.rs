@@ -435,6 +435,7 @@ impl Store {
             index_failed: AtomicBool::new(false),
             progress: Progress::new(opened.last_seq),
             cache: ReadCache::new(config.read_cache_bytes),
+            sync_inline: AtomicBool::new(true),
         });
         let state = WriterState::new(
             opened.next_token,
@@ -1001,6 +1002,13 @@ mod tests {
         );
         let key = Key::new("s", "held").unwrap();
         let fp = Fingerprint::of(b"p");
+        // Through the syncer: the writer applies the batch to the index
+        // while the fsync runs.
+        store
+            .inner
+            .shared
+            .sync_inline
+            .store(false, Ordering::Relaxed);
         *log.held.0.lock() = true;
         let claimer = {
             let (store, key, fp) = (store.clone(), key.clone(), fp.clone());

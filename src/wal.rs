@@ -42,9 +42,9 @@ use crate::error::{Error, Result};
 /// writes zeros to extend it).
 ///
 /// An error from any method fails the batch that needed it and poisons the
-/// store ([`Error::Poisoned`](crate::Error::Poisoned)) until it is reopened;
+/// store ([`Error::Poisoned`]) until it is reopened;
 /// a panic in `sync_data` stops the store's syncer, and every waiting and
-/// later call gets [`Error::Closed`](crate::Error::Closed).
+/// later call gets [`Error::Closed`].
 // `len` without `is_empty`: named as in redb's `StorageBackend`, which this
 // trait sits beside; an empty log is not a case callers ask about.
 #[allow(clippy::len_without_is_empty)]
@@ -939,6 +939,13 @@ impl LogWriter {
     /// Whether a frame of `frame_len` bytes fits before the end of the log.
     pub(crate) fn fits(&self, frame_len: usize) -> bool {
         self.pos.saturating_add(frame_len as u64) <= self.len
+    }
+
+    /// Makes the frames written so far durable (`fdatasync`).
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| io_err(&self.path, "fsync", &e))
     }
 
     /// Writes frame `seq` at the next position. Not durable until the file
