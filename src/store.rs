@@ -348,14 +348,24 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     /// Opens the store at `path`, creating it if absent, with the default
-    /// [`Config`] (retention 24 h, lease 30 s, every write fsynced).
+    /// [`Config`] (retention 24 h, lease 30 s, every write fsynced). The
+    /// write-ahead log is `<path>-wal`, created beside it if absent. After an
+    /// unclean shutdown (a crash, a power cut) the open replays the log, so
+    /// every acknowledged change is there again; it then ends with a
+    /// checkpoint (`docs/design.md` describes the recovery).
     ///
     /// # Errors
     /// - [`Error::AlreadyOpen`]: another `Store` in this or another process
     ///   holds the file (the second open fails at once, it does not wait).
-    /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer format.
+    /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer
+    ///   format; or a log that belongs to another store, is of another
+    ///   format version, or is not a log (naming the log).
     /// - [`Error::CorruptFile`]: the file is damaged.
-    /// - [`Error::Storage`]: the file cannot be read or created.
+    /// - [`Error::CorruptLog`]: after an unclean shutdown, a log frame that
+    ///   was durable is damaged while later frames are intact, or the log is
+    ///   missing or its header damaged (naming the log and the offset).
+    ///   A torn last frame is not an error: recovery ends before it.
+    /// - [`Error::Storage`]: a file cannot be read or created.
     pub fn open(path: impl AsRef<Path>) -> Result<Store> {
         Store::open_with(path, Config::default())
     }
@@ -369,17 +379,7 @@ impl Store {
     pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
         let path = path.as_ref().to_path_buf();
         let log_path = log_path_of(&path);
-        config.validate()?;
-        let log = FileLog::open(&log_path).map_err(|e| {
-            Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
-        })?;
-        Store::open_inner::<redb::backends::FileBackend>(
-            path,
-            log_path,
-            None,
-            Arc::new(log),
-            config,
-        )
+        Store::open_inner::<redb::backends::FileBackend>(path, log_path, None, None, config)
     }
 
     /// Opens a store on a caller-supplied redb
@@ -401,18 +401,26 @@ impl Store {
     ) -> Result<Store> {
         let path = name.as_ref().to_path_buf();
         let log_path = log_path_of(&path);
-        Store::open_inner(path, log_path, Some(backend), Arc::new(log), config)
+        Store::open_inner(path, log_path, Some(backend), Some(Arc::new(log)), config)
     }
 
     fn open_inner<B: redb::StorageBackend>(
         path: PathBuf,
         log_path: PathBuf,
         backend: Option<B>,
-        log: Arc<dyn LogFile>,
+        log: Option<Arc<dyn LogFile>>,
         config: Config,
     ) -> Result<Store> {
         config.validate()?;
         let (db, meta) = schema::open(&path, backend, config.cache_bytes)?;
+        // The log file is opened (or created) only once the index is known
+        // to be this store's and held by this process.
+        let log = match log {
+            Some(log) => log,
+            None => Arc::new(FileLog::open(&log_path).map_err(|e| {
+                Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
+            })?),
+        };
         let opened = wal::open(
             &db,
             &path,
