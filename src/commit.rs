@@ -752,7 +752,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         return closing;
     }
     let path = &shared.path;
-    let now = shared.clock.now_ms();
+    let mut now = shared.clock.now_ms();
     let open = match state.open.take() {
         Some(open) => Ok(open),
         None => guard(path, || {
@@ -789,6 +789,9 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         let mut bytes = 0;
         loop {
             while answers.len() < batch.len() {
+                // A batch may stay open for an fsync's duration: each
+                // request is decided at its own time (never earlier).
+                now = shared.clock.now_ms();
                 let cmd = &batch[answers.len()].cmd;
                 bytes += payload_bytes(cmd);
                 checkpoint |= matches!(cmd, Command::Checkpoint);
