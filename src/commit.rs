@@ -1,41 +1,82 @@
-//! The group-commit writer.
+//! The group-commit writer, over the write-ahead log.
 //!
 //! One thread owns every state change. Callers queue a request on a bounded
 //! channel (a full queue makes them wait: backpressure) and receive a
-//! one-shot completion. The writer takes everything waiting, decides it in
-//! arrival order inside one write transaction (a later request sees the
-//! earlier ones), makes the whole batch durable with one commit, and only
-//! then wakes every caller with its own outcome. A lone caller is never held
-//! back: the writer commits as soon as the queue is empty.
+//! one-shot completion that they block on or `.await`. The writer takes
+//! everything waiting and decides it in arrival order inside its open redb
+//! write transaction (a later request sees the earlier ones), then seals the
+//! batch: its effects become one frame of the write-ahead log. A second
+//! thread, the syncer, makes the log durable with `fdatasync`, and only then
+//! are the batch's callers woken (in `Immediate` mode; a third thread does
+//! the waking when there are many). One fsync covers every frame written
+//! before it started. While an fsync runs, the writer keeps deciding the
+//! requests that arrive into the next batch and seals it when the syncer
+//! reports the disk free; a lone caller is never held back (nothing waits
+//! for a batch to fill when the disk is idle).
 //!
-//! A failed commit fails every request of its batch with the storage error
-//! and poisons the store: no later write is attempted until reopen
-//! (DESIGN.md guarantee 6). If the writer thread is gone, every waiting and
-//! later call gets [`Error::Closed`]; nothing hangs.
+//! The open transaction is committed to the index with `Durability::None`
+//! when the writer is idle, every [`COMMIT_EVERY`] batches, when a reader
+//! asks ([`Command::Commit`]) and at checkpoints; the log, not redb, makes
+//! changes durable. Reads outside the writer (`get`, a claim that can only
+//! replay) read the index; the gate in [`crate::cache`] keeps them from
+//! returning a change that is not yet committed there and, in `Immediate`
+//! mode, durable.
+//!
+//! In `Buffered` mode callers are woken as soon as their batch is sealed,
+//! and the syncer syncs the log within the configured delay.
+//!
+//! When the log is full, or on request, the writer commits the open
+//! transaction to redb durably instead (a checkpoint: the index then holds
+//! everything up to that batch on disk, with quick-repair so that reopening
+//! after a crash is fast) and starts the log over from its beginning, in a
+//! new epoch. Dropping the store drains the queue and ends with such a
+//! checkpoint.
+//!
+//! A failed log write, fsync or index commit fails every request of the
+//! batches it concerns with the storage error (none is reported as done)
+//! and poisons the store: no later write is attempted until reopen, which
+//! recovers from what is on disk (DESIGN.md guarantee 6). If the writer or
+//! the syncer thread dies, every waiting and later call gets
+//! [`Error::Closed`]; nothing hangs.
+//!
+//! Every change to the index goes through [`Tables`], which logs it: a new
+//! kind of write (a table, an operation) must be added there, or it would be
+//! lost in a crash.
 
+use std::collections::VecDeque;
 use std::future::{Future, IntoFuture};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{
+    Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError, sync_channel,
+};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
-use redb::{Database, Durability, ReadableTable, WriteTransaction};
+use parking_lot::{Condvar, Mutex};
+use redb::{Database, WriteTransaction};
 
 use crate::audit::{self, Event};
+use crate::cache::ReadCache;
 use crate::clock::MonotonicClock;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::expiry;
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
-use crate::schema::{self, BUSINESS, EXPIRY, RECORDS, guard, map_err};
+use crate::schema::{self, Checkpoint, Tables, guard, map_err};
 use crate::stats::LiveCounters;
+use crate::store::Durability;
+use crate::wal::{FRAME_HEADER_LEN, LogFile, LogWriter, TOKEN_RESERVATION};
 
 /// The most requests decided in one batch.
 const MAX_BATCH: usize = 1024;
+/// A batch stops taking requests once their payloads add up to this many
+/// bytes, so that one frame stays a small part of the log.
+const MAX_BATCH_BYTES: usize = 4 * 1024 * 1024;
 /// The most requests waiting for the writer before callers block.
 pub(crate) const QUEUE_BOUND: usize = 4096;
 
@@ -51,12 +92,19 @@ pub(crate) enum Command {
         ops: Vec<(Key, Op)>,
         token_floor: u64,
     },
+    /// Commit the index durably and start the log over.
+    Checkpoint,
+    /// Commit the writer's open index transaction (non-durably), so that
+    /// reads outside the writer see what was acknowledged.
+    Commit,
 }
 
 /// The writer's answer to one command.
 pub(crate) enum Answer {
     Reply(Reply),
     Evicted(usize),
+    Checkpointed,
+    Committed,
     /// One reply per imported record, in order.
     Imported(Vec<Result<Reply>>),
 }
@@ -64,6 +112,17 @@ pub(crate) enum Answer {
 struct Request {
     cmd: Command,
     reply: oneshot::Sender<Result<Answer>>,
+}
+
+/// What the writer's queue carries.
+enum Msg {
+    /// A caller's request.
+    Req(Request),
+    /// From the syncer: an fsync ended (or the syncer stopped); a batch held
+    /// open while the disk was busy can be sealed.
+    Nudge,
+    /// From the store's drop: finish what is queued, checkpoint, stop.
+    Close,
 }
 
 /// A pending answer: block on it with [`Completion::wait`] or `.await` it.
@@ -115,35 +174,403 @@ impl Future for CompletionFuture {
     }
 }
 
-/// State shared by the writer and the store.
+/// State shared by the writer, the syncer and the store.
 pub(crate) struct Shared {
     pub db: Arc<Database>,
     pub path: PathBuf,
+    pub log_path: PathBuf,
     pub clock: MonotonicClock,
     pub retention_ms: u64,
+    pub durability: Durability,
+    /// Set after any failed durable write: the store refuses writes.
     pub poisoned: AtomicBool,
+    /// Set when the failure was the index's (redb latched an error): no
+    /// closing checkpoint is attempted.
+    pub index_failed: AtomicBool,
+    pub progress: Progress,
+    pub cache: ReadCache,
+    /// Whether the writer may fsync a lone batch itself instead of handing
+    /// it to the syncer (always on; the crate's tests turn it off to look
+    /// at a batch applied to the index before its fsync ended).
+    pub sync_inline: AtomicBool,
     /// Counters behind `Store::stats`, bumped as audit events are published.
     pub counters: LiveCounters,
 }
 
-/// The handle to the writer thread.
-pub(crate) struct Writer {
-    tx: Option<SyncSender<Request>>,
-    handle: Option<JoinHandle<()>>,
+impl Shared {
+    /// Marks the store poisoned after a failed durable write, and fails
+    /// every batch still waiting for durability.
+    fn poison(&self, err: &Error, index: bool) {
+        self.poisoned.store(true, Ordering::SeqCst);
+        if index {
+            self.index_failed.store(true, Ordering::SeqCst);
+        }
+        tracing::error!(path = %self.path.display(), error = %err, "durable write failed; store refuses writes until reopened");
+        self.progress.fail(err.to_string());
+    }
 }
 
+// ---------------------------------------------------------------------------
+// Durability progress, shared by the writer, the syncer and readers.
+
+type Replier = (oneshot::Sender<Result<Answer>>, Result<Answer>);
+
+/// Answers of one batch, waiting until the log is durable up to `dep`.
+struct Parked {
+    dep: u64,
+    /// The batch's own sequence number and changed keys, to clear its gate.
+    seq: u64,
+    keys: Vec<Vec<u8>>,
+    replies: Vec<Replier>,
+    /// Audit events of the batch, published once it is durable (never for
+    /// a change a crash could undo).
+    events: Vec<Event>,
+}
+
+#[derive(Default)]
+struct ProgressState {
+    /// The highest sequence number whose frame is written (or checkpointed).
+    written: u64,
+    /// The highest sequence number that is durable.
+    synced: u64,
+    /// Batches waiting for durability, in sequence order.
+    parked: VecDeque<Parked>,
+    /// Why the store failed, once a durable write failed.
+    failed: Option<String>,
+    writer_done: bool,
+    syncer_gone: bool,
+    /// A caller asked for an fsync now (buffered mode).
+    flush_now: bool,
+    /// The writer is syncing a frame itself (the syncer keeps off).
+    writer_syncing: bool,
+    /// When the oldest frame not yet synced was written.
+    unsynced_since: Option<Instant>,
+}
+
+/// How far the log is written and durable, and who waits for it.
+pub(crate) struct Progress {
+    state: Mutex<ProgressState>,
+    changed: Condvar,
+    synced: AtomicU64,
+    /// The highest sequence number applied to the index by a commit (the
+    /// writer keeps one index transaction open across a few batches).
+    committed: AtomicU64,
+}
+
+impl Progress {
+    /// Progress after recovery: everything up to `seq` is durable.
+    pub(crate) fn new(seq: u64) -> Progress {
+        Progress {
+            state: Mutex::new(ProgressState {
+                written: seq,
+                synced: seq,
+                ..ProgressState::default()
+            }),
+            changed: Condvar::new(),
+            synced: AtomicU64::new(seq),
+            committed: AtomicU64::new(seq),
+        }
+    }
+
+    /// The highest sequence number committed to the index.
+    pub(crate) fn committed(&self) -> u64 {
+        self.committed.load(Ordering::SeqCst)
+    }
+
+    /// Changes up to this sequence number may be shown to readers outside
+    /// the writer: committed to the index, and durable when `gated`.
+    pub(crate) fn visible_upto(&self, gated: bool) -> u64 {
+        let committed = self.committed();
+        if gated {
+            committed.min(self.synced())
+        } else {
+            committed
+        }
+    }
+
+    /// The highest durable sequence number.
+    pub(crate) fn synced(&self) -> u64 {
+        self.synced.load(Ordering::SeqCst)
+    }
+
+    /// Waits until sequence number `seq` is durable.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`] when a durable write failed first,
+    /// [`Error::Closed`] when the syncer is gone.
+    pub(crate) fn wait_durable(&self, seq: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        loop {
+            if st.synced >= seq {
+                return Ok(());
+            }
+            if st.failed.is_some() {
+                return Err(Error::Poisoned);
+            }
+            if st.syncer_gone {
+                return Err(Error::Closed);
+            }
+            self.changed.wait(&mut st);
+        }
+    }
+
+    /// Whether an fsync of written frames is pending or running (and the
+    /// syncer is there to finish it).
+    fn busy(&self) -> bool {
+        let st = self.state.lock();
+        (st.written > st.synced || st.writer_syncing) && !st.syncer_gone && st.failed.is_none()
+    }
+
+    /// Claims the fsync of frame `seq` for the writer itself, when nothing
+    /// else is written or being synced (so the syncer is idle).
+    fn take_inline_sync(&self, seq: u64) -> bool {
+        let mut st = self.state.lock();
+        if st.written != st.synced || st.writer_syncing || st.failed.is_some() {
+            return false;
+        }
+        st.written = seq;
+        st.writer_syncing = true;
+        true
+    }
+
+    /// The writer's own fsync of frame `seq` succeeded.
+    fn inline_synced(&self, seq: u64) -> Vec<Parked> {
+        let mut st = self.state.lock();
+        st.writer_syncing = false;
+        let ready = self.advance(&mut st, seq);
+        if st.written <= st.synced {
+            st.unsynced_since = None;
+        }
+        ready
+    }
+
+    fn syncer_gone(&self) -> bool {
+        self.state.lock().syncer_gone
+    }
+
+    /// Makes every frame written so far durable now, and waits for it.
+    ///
+    /// # Errors
+    /// As [`Progress::wait_durable`].
+    pub(crate) fn flush(&self) -> Result<()> {
+        let target = {
+            let mut st = self.state.lock();
+            if st.written > st.synced {
+                st.flush_now = true;
+                self.changed.notify_all();
+            }
+            st.written
+        };
+        self.wait_durable(target)
+    }
+
+    fn wrote(&self, seq: u64) {
+        let mut st = self.state.lock();
+        st.written = st.written.max(seq);
+        st.unsynced_since.get_or_insert_with(Instant::now);
+        self.changed.notify_all();
+    }
+
+    /// Records that everything up to `seq` is durable and takes the parked
+    /// batches that may now be answered.
+    fn advance(&self, st: &mut ProgressState, seq: u64) -> Vec<Parked> {
+        if seq > st.synced {
+            st.synced = seq;
+            self.synced.store(seq, Ordering::SeqCst);
+        }
+        st.written = st.written.max(seq);
+        let mut ready = Vec::new();
+        while st.parked.front().is_some_and(|p| p.dep <= st.synced) {
+            ready.extend(st.parked.pop_front());
+        }
+        self.changed.notify_all();
+        ready
+    }
+
+    /// A checkpoint made everything up to `seq` durable.
+    fn checkpointed(&self, seq: u64, shared: &Shared) {
+        let ready = {
+            let mut st = self.state.lock();
+            let ready = self.advance(&mut st, seq);
+            if st.written <= st.synced {
+                st.unsynced_since = None;
+            }
+            ready
+        };
+        answer(shared, ready);
+    }
+
+    /// Answers `replies` once `dep` is durable (at once if it is).
+    fn park(&self, shared: &Shared, parked: Parked) {
+        let mut st = self.state.lock();
+        if let Some(msg) = &st.failed {
+            let msg = msg.clone();
+            drop(st);
+            fail_all(parked.replies, &Error::Storage(msg));
+            return;
+        }
+        if st.syncer_gone && parked.dep > st.synced {
+            return; // Dropping the senders answers Closed.
+        }
+        if parked.dep <= st.synced {
+            drop(st);
+            answer(shared, vec![parked]);
+            return;
+        }
+        st.parked.push_back(parked);
+    }
+
+    /// A durable write failed: fail every parked batch.
+    fn fail(&self, msg: String) {
+        let parked = {
+            let mut st = self.state.lock();
+            if st.failed.is_none() {
+                st.failed = Some(msg.clone());
+            }
+            self.changed.notify_all();
+            std::mem::take(&mut st.parked)
+        };
+        let err = Error::Storage(msg);
+        for p in parked {
+            fail_all(p.replies, &err);
+        }
+    }
+}
+
+/// Wakes the callers of `ready`, and forgets their read-gate marks as far
+/// as the changes are visible (a mark stays until the change is committed to
+/// the index too; the commit clears it then).
+fn answer(shared: &Shared, ready: Vec<Parked>) {
+    let gated = shared.durability == Durability::Immediate;
+    for p in ready {
+        audit::publish(&shared.counters, p.events);
+        for (tx, r) in p.replies {
+            let _ = tx.send(r);
+        }
+        let visible = shared.progress.visible_upto(gated);
+        shared.cache.end_write(&p.keys, p.seq.min(visible));
+    }
+}
+
+fn fail_all(replies: Vec<Replier>, err: &Error) {
+    for (tx, _) in replies {
+        let _ = tx.send(Err(copy_err(err)));
+    }
+}
+
+fn fail_requests(batch: &mut Vec<Request>, err: &Error) {
+    for req in batch.drain(..) {
+        let _ = req.reply.send(Err(copy_err(err)));
+    }
+}
+
+/// The same error for every request of a batch (errors are not `Clone`).
+fn copy_err(err: &Error) -> Error {
+    match err {
+        Error::CorruptFile { path, detail } => Error::CorruptFile {
+            path: path.clone(),
+            detail: detail.clone(),
+        },
+        Error::Poisoned => Error::Poisoned,
+        Error::Closed => Error::Closed,
+        other => Error::Storage(other.to_string()),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The writer and the syncer.
+
+/// What the writer owns besides the shared state.
+pub(crate) struct WriterState {
+    /// The token the next acquisition takes.
+    pub next_token: u64,
+    /// The sequence number of the last batch applied to the index.
+    pub last_seq: u64,
+    /// Tokens below this may be handed out before the next checkpoint
+    /// (the last checkpoint recorded it durably).
+    pub token_reserved: u64,
+    pub log: LogWriter,
+    /// The index transaction batches are being applied to, not yet
+    /// committed.
+    open: Option<OpenTxn>,
+}
+
+impl WriterState {
+    pub(crate) fn new(next_token: u64, token_reserved: u64, last_seq: u64, log: LogWriter) -> Self {
+        WriterState {
+            next_token,
+            last_seq,
+            token_reserved,
+            log,
+            open: None,
+        }
+    }
+}
+
+/// Commit the open index transaction after this many sealed batches (or as
+/// soon as the writer is idle, or a reader asks): one commit then covers
+/// several batches, and a page changed by several of them is copied once.
+const COMMIT_EVERY: usize = 64;
+
+/// How long the writer waits for more requests before it commits the open
+/// index transaction when idle. Readers never wait for it: a read of a key
+/// with an uncommitted change asks for the commit.
+const IDLE_COMMIT_DELAY: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The writer's open index transaction.
+struct OpenTxn {
+    txn: WriteTransaction,
+    /// Batches sealed into it.
+    batches: usize,
+    /// Record keys those batches changed (to clear their read-gate marks).
+    keys: Vec<Vec<u8>>,
+}
+
+/// The handle to the writer, syncer and waker threads.
+pub(crate) struct Writer {
+    tx: Option<SyncSender<Msg>>,
+    handle: Option<JoinHandle<()>>,
+    syncer: Option<JoinHandle<()>>,
+    waker: Option<JoinHandle<()>>,
+}
+
+/// Above this many callers made durable by one fsync, the syncer hands the
+/// wake-ups to the waker thread and starts the next fsync at once; below
+/// it, it wakes them itself (a lone caller pays no extra thread hop).
+const WAKE_INLINE: usize = 4;
+
 impl Writer {
-    pub(crate) fn start(shared: Arc<Shared>, next_token: u64) -> Result<Writer> {
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        state: WriterState,
+        log: Arc<dyn LogFile>,
+    ) -> Result<Writer> {
         let (tx, rx) = sync_channel(QUEUE_BOUND);
-        // Read before any caller can advance it: what the file holds.
-        let persisted_hwm = shared.clock.high_water_ms();
+        let (wake_tx, wake_rx) = std::sync::mpsc::channel::<Vec<Parked>>();
+        let for_waker = shared.clone();
+        let waker = std::thread::Builder::new()
+            .name("idemstore-waker".into())
+            .spawn(move || {
+                for ready in wake_rx {
+                    answer(&for_waker, ready);
+                }
+            })
+            .map_err(Error::storage)?;
+        let for_syncer = shared.clone();
+        let nudge = tx.clone();
+        let syncer = std::thread::Builder::new()
+            .name("idemstore-syncer".into())
+            .spawn(move || sync_loop(&for_syncer, log.as_ref(), &wake_tx, &nudge))
+            .map_err(Error::storage)?;
         let handle = std::thread::Builder::new()
             .name("idemstore-writer".into())
-            .spawn(move || run(&shared, next_token, persisted_hwm, &rx))
+            .spawn(move || run(&shared, state, &rx))
             .map_err(Error::storage)?;
         Ok(Writer {
             tx: Some(tx),
             handle: Some(handle),
+            syncer: Some(syncer),
+            waker: Some(waker),
         })
     }
 
@@ -153,10 +580,10 @@ impl Writer {
             return Completion::Ready(Err(Error::Closed));
         };
         let (reply, rx) = oneshot::channel();
-        let req = Request { cmd, reply };
-        let sent = match tx.try_send(req) {
+        let msg = Msg::Req(Request { cmd, reply });
+        let sent = match tx.try_send(msg) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(req)) => tx.send(req).map_err(|_| ()),
+            Err(TrySendError::Full(msg)) => tx.send(msg).map_err(|_| ()),
             Err(TrySendError::Disconnected(_)) => Err(()),
         };
         match sent {
@@ -168,124 +595,524 @@ impl Writer {
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        // Closing the channel lets the writer drain what is queued and stop.
-        self.tx = None;
-        if let Some(handle) = self.handle.take() {
+        // The writer decides everything queued before `Close`, ends with a
+        // checkpoint and stops; the syncer and the waker stop after it.
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send(Msg::Close);
+        }
+        let threads = [self.handle.take(), self.syncer.take(), self.waker.take()];
+        for handle in threads.into_iter().flatten() {
             let _ = handle.join();
         }
     }
 }
 
-fn run(shared: &Shared, mut next_token: u64, mut persisted_hwm: u64, rx: &Receiver<Request>) {
-    let mut batch: Vec<Request> = Vec::with_capacity(MAX_BATCH);
-    while let Ok(first) = rx.recv() {
-        batch.push(first);
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(req) => batch.push(req),
-                Err(_) => break,
-            }
-        }
-        if shared.poisoned.load(Ordering::SeqCst) {
-            for req in batch.drain(..) {
-                let _ = req.reply.send(Err(Error::Poisoned));
-            }
-            continue;
-        }
-        let cmds: Vec<&Command> = batch.iter().map(|r| &r.cmd).collect();
-        let outcome = guard(&shared.path, || {
-            commit_batch(shared, &mut next_token, &cmds)
-        });
-        match outcome {
-            Ok((answers, now)) => {
-                persisted_hwm = now;
-                for (req, answer) in batch.drain(..).zip(answers) {
-                    let _ = req.reply.send(answer);
+/// Tells the syncer and waiting readers when the writer thread ends, by
+/// return or by panic.
+struct WriterDone<'a>(&'a Shared);
+
+impl Drop for WriterDone<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.progress.state.lock();
+        st.writer_done = true;
+        self.0.progress.changed.notify_all();
+    }
+}
+
+/// Tells everyone when the syncer thread ends, by return or by panic; the
+/// batches it still held are dropped, so their callers get `Closed`.
+struct SyncerGone<'a>(&'a Shared, &'a SyncSender<Msg>);
+
+impl Drop for SyncerGone<'_> {
+    fn drop(&mut self) {
+        let parked = {
+            let mut st = self.0.progress.state.lock();
+            st.syncer_gone = true;
+            self.0.progress.changed.notify_all();
+            std::mem::take(&mut st.parked)
+        };
+        drop(parked);
+        let _ = self.1.try_send(Msg::Nudge);
+    }
+}
+
+fn payload_bytes(cmd: &Command) -> usize {
+    256 + match cmd {
+        Command::Op { op, .. } => match op {
+            Op::Complete { result, .. } => result.len(),
+            Op::Fail { failure, .. } => failure.len(),
+            Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
+            _ => 0,
+        },
+        Command::Import { ops, .. } => ops.len() * 512,
+        Command::Sweep { .. } | Command::Checkpoint | Command::Commit => 0,
+    }
+}
+
+fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Msg>) {
+    let done = WriterDone(shared);
+    loop {
+        let msg = match rx.try_recv() {
+            Ok(msg) => msg,
+            Err(TryRecvError::Empty) => match rx.recv_timeout(IDLE_COMMIT_DELAY) {
+                Ok(msg) => msg,
+                Err(RecvTimeoutError::Disconnected) => break,
+                Err(RecvTimeoutError::Timeout) => {
+                    // Idle: apply what was acknowledged to the index
+                    // before waiting (a caller's next request, which
+                    // usually follows its answer at once, goes first).
+                    commit_open(shared, &mut state);
+                    match rx.recv() {
+                        Ok(msg) => msg,
+                        Err(_) => break,
+                    }
                 }
+            },
+            Err(TryRecvError::Disconnected) => break,
+        };
+        let first = match msg {
+            Msg::Req(req) => req,
+            Msg::Nudge => continue,
+            Msg::Close => break,
+        };
+        if process(shared, &mut state, first, rx) {
+            break;
+        }
+    }
+    close(shared, &mut state);
+    drop(done);
+}
+
+/// Takes what is queued (without waiting) into `batch`. Returns whether the
+/// store is closing.
+fn take_queued(rx: &Receiver<Msg>, batch: &mut Vec<Request>) -> bool {
+    loop {
+        match rx.try_recv() {
+            Ok(Msg::Req(req)) => batch.push(req),
+            Ok(Msg::Nudge) => {}
+            Ok(Msg::Close) | Err(TryRecvError::Disconnected) => return true,
+            Err(TryRecvError::Empty) => return false,
+        }
+    }
+}
+
+/// Drops the open index transaction after a failure. Batches in it may have
+/// been acknowledged (their frames are durable), so the closing checkpoint
+/// must not run: the next open replays them from the log.
+fn abandon_open(shared: &Shared, state: &mut WriterState) {
+    if state.open.take().is_some_and(|o| o.batches > 0) {
+        shared.index_failed.store(true, Ordering::SeqCst);
+    }
+}
+
+/// After the log failed: the open transaction's batches are committed to
+/// the index all the same (those not durable stay gated: their marks are
+/// above the durable sequence number for good, and readers of them get
+/// `Poisoned`), so that acknowledged changes stay readable until reopen. If
+/// the index itself failed, the transaction is dropped instead.
+fn settle_open(shared: &Shared, state: &mut WriterState) {
+    if shared.index_failed.load(Ordering::SeqCst) {
+        abandon_open(shared, state);
+    } else {
+        commit_open(shared, state);
+    }
+}
+
+/// Commits the open index transaction (non-durably: the log holds its
+/// batches) and clears the read-gate marks that are now visible.
+fn commit_open(shared: &Shared, state: &mut WriterState) {
+    let Some(open) = state.open.take() else {
+        return;
+    };
+    if open.batches == 0 {
+        return; // Nothing changed: dropping it aborts nothing of value.
+    }
+    let path = &shared.path;
+    let OpenTxn { txn, keys, .. } = open;
+    if let Err(err) = guard(path, || txn.commit().map_err(|e| map_err(path, e))) {
+        shared.index_failed.store(true, Ordering::SeqCst);
+        shared.poison(&err, true);
+        return;
+    }
+    shared
+        .progress
+        .committed
+        .store(state.last_seq, Ordering::SeqCst);
+    let gated = shared.durability == Durability::Immediate;
+    shared
+        .cache
+        .end_write(&keys, shared.progress.visible_upto(gated));
+}
+
+/// Forms, decides and seals one batch, starting with `first`. Returns
+/// whether the store is closing.
+///
+/// Requests are decided as they arrive, inside the writer's open index
+/// transaction. The batch is sealed (its frame written) as soon as nothing
+/// more is queued — unless, in `Immediate` mode, an earlier frame's fsync is
+/// still running: the new frame could not be synced before it ends anyway,
+/// so the writer keeps taking requests into the batch until the syncer
+/// reports the disk free. A lone caller is never held back.
+fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiver<Msg>) -> bool {
+    let mut batch = vec![first];
+    let gated = shared.durability == Durability::Immediate;
+    // Without the syncer nothing would become durable, in either mode.
+    if shared.poisoned.load(Ordering::SeqCst) || shared.progress.syncer_gone() {
+        settle_open(shared, state);
+        let closing = take_queued(rx, &mut batch);
+        let err = if shared.poisoned.load(Ordering::SeqCst) {
+            Error::Poisoned
+        } else {
+            Error::Closed
+        };
+        fail_requests(&mut batch, &err);
+        return closing;
+    }
+    let path = &shared.path;
+    let mut now = shared.clock.now_ms();
+    let open = match state.open.take() {
+        Some(open) => Ok(open),
+        None => guard(path, || {
+            let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
+            txn.set_durability(redb::Durability::None)
+                .map_err(|e| map_err(path, e))?;
+            Ok(OpenTxn {
+                txn,
+                batches: 0,
+                keys: Vec::new(),
+            })
+        }),
+    };
+    let mut open = match open {
+        Ok(open) => open,
+        Err(err) => {
+            shared.poison(&err, true);
+            let closing = take_queued(rx, &mut batch);
+            fail_requests(&mut batch, &err);
+            return closing;
+        }
+    };
+    let mut token = state.next_token;
+    let mut answers: Vec<Result<Answer>> = Vec::new();
+    let mut events: Vec<Event> = Vec::new();
+    let mut closing = false;
+    let mut checkpoint = false;
+    let mut commit = false;
+    // Whether the batch was sealed because nothing more was queued and the
+    // disk was free: then the writer syncs it itself (one thread hop fewer
+    // for a lone caller).
+    let mut alone = false;
+    let decided = guard(path, || {
+        let mut tables = Tables::open(path, &open.txn, true)?;
+        let mut bytes = 0;
+        loop {
+            while answers.len() < batch.len() {
+                // A batch may stay open for an fsync's duration: each
+                // request is decided at its own time (never earlier).
+                now = shared.clock.now_ms();
+                let cmd = &batch[answers.len()].cmd;
+                bytes += payload_bytes(cmd);
+                checkpoint |= matches!(cmd, Command::Checkpoint);
+                commit |= matches!(cmd, Command::Commit);
+                answers.push(decide(
+                    shared,
+                    &mut tables,
+                    cmd,
+                    now,
+                    &mut token,
+                    &mut events,
+                )?);
+            }
+            if closing || checkpoint || batch.len() >= MAX_BATCH || bytes >= MAX_BATCH_BYTES {
+                break;
+            }
+            match rx.try_recv() {
+                Ok(Msg::Req(req)) => {
+                    batch.push(req);
+                    continue;
+                }
+                Ok(Msg::Nudge) => continue,
+                Ok(Msg::Close) | Err(TryRecvError::Disconnected) => {
+                    closing = true;
+                    break;
+                }
+                Err(TryRecvError::Empty) => {}
+            }
+            if !gated || !shared.progress.busy() {
+                alone = true;
+                break;
+            }
+            match rx.recv() {
+                Ok(Msg::Req(req)) => batch.push(req),
+                Ok(Msg::Nudge) => {}
+                Ok(Msg::Close) | Err(_) => closing = true,
+            }
+        }
+        if tables.is_changed() {
+            tables.set_counters(token, now, state.last_seq + 1)?;
+        }
+        Ok(tables.finish())
+    });
+    let (body, touched) = match decided {
+        Ok(x) => x,
+        Err(err) => {
+            // The transaction may hold half of this batch: drop all of it.
+            state.open = Some(open);
+            abandon_open(shared, state);
+            shared.poison(&err, true);
+            fail_requests(&mut batch, &err);
+            return closing;
+        }
+    };
+    if shared.poisoned.load(Ordering::SeqCst) {
+        // The log failed meanwhile. This batch's changes are in the open
+        // transaction: gate them for good, then keep the rest.
+        shared.cache.begin_write(&touched, Some(state.last_seq + 1));
+        state.open = Some(open);
+        settle_open(shared, state);
+        fail_requests(&mut batch, &Error::Poisoned);
+        return closing;
+    }
+    let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(answers).collect();
+    let Some(body) = body else {
+        if checkpoint {
+            let seq = state.last_seq;
+            commit_checkpoint(
+                shared,
+                state,
+                open,
+                seq,
+                Vec::new(),
+                (replies, events),
+                false,
+                0,
+            );
+            return closing;
+        }
+        state.open = Some(open);
+        if commit {
+            commit_open(shared, state);
+        }
+        // Nothing changed: answer once the state these answers saw is
+        // durable.
+        let parked = Parked {
+            dep: state.last_seq,
+            seq: state.last_seq,
+            keys: Vec::new(),
+            replies,
+            events,
+        };
+        if gated {
+            shared.progress.park(shared, parked);
+        } else {
+            answer(shared, vec![parked]);
+        }
+        return closing;
+    };
+    let body = body.finish(token, now);
+    state.next_token = token;
+    let seq = state.last_seq + 1;
+    let frame_len = FRAME_HEADER_LEN + body.len();
+    let full = !state.log.fits(frame_len);
+    // A token beyond the durable reservation must not be acknowledged before
+    // a checkpoint has moved the reservation past it.
+    if checkpoint || full || state.next_token > state.token_reserved {
+        commit_checkpoint(
+            shared,
+            state,
+            open,
+            seq,
+            touched,
+            (replies, events),
+            full,
+            frame_len,
+        );
+        return closing;
+    }
+    // Readers must not see these changes before they are committed to the
+    // index (and, when gated, durable): mark them before anything else.
+    shared.cache.begin_write(&touched, Some(seq));
+    if let Err(err) = state.log.append(seq, shared.progress.synced(), &body) {
+        shared.poison(&err, false);
+        state.open = Some(open);
+        settle_open(shared, state);
+        fail_all(replies, &err);
+        return closing;
+    }
+    let inline = gated
+        && alone
+        && shared.sync_inline.load(Ordering::Relaxed)
+        && shared.progress.take_inline_sync(seq);
+    if !inline {
+        shared.progress.wrote(seq);
+    }
+    state.last_seq = seq;
+    open.batches += 1;
+    open.keys.extend(touched.iter().cloned());
+    let due = commit || open.batches >= COMMIT_EVERY;
+    state.open = Some(open);
+    if due {
+        commit_open(shared, state);
+    }
+    let parked = Parked {
+        dep: seq,
+        seq,
+        keys: touched,
+        replies,
+        events,
+    };
+    if inline {
+        match state.log.sync() {
+            Ok(()) => {
+                let mut ready = shared.progress.inline_synced(seq);
+                ready.push(parked);
+                answer(shared, ready);
             }
             Err(err) => {
-                // Nothing of this batch is reported as done; whether it
-                // reached the disk is for the reopen to find out.
-                shared.poisoned.store(true, Ordering::SeqCst);
-                tracing::error!(path = %shared.path.display(), error = %err, "durable write failed; store refuses writes until reopened");
-                let msg = err.to_string();
-                for req in batch.drain(..) {
-                    let e = match &err {
-                        Error::CorruptFile { path, detail } => Error::CorruptFile {
-                            path: path.clone(),
-                            detail: detail.clone(),
-                        },
-                        _ => Error::Storage(msg.clone()),
-                    };
-                    let _ = req.reply.send(Err(e));
-                }
+                fail_all(parked.replies, &err);
+                shared.poison(&err, false);
+                settle_open(shared, state);
             }
         }
+    } else if gated {
+        shared.progress.park(shared, parked);
+    } else {
+        answer(shared, vec![parked]);
     }
-    // Closing: reads may have advanced the clock's high-water mark past the
-    // last commit; persist it so that a clock that stepped back cannot
-    // revive a record that readers already saw expire.
-    if !shared.poisoned.load(Ordering::SeqCst)
-        && shared.clock.high_water_ms() > persisted_hwm
-        && let Err(err) = guard(&shared.path, || commit_batch(shared, &mut next_token, &[]))
-    {
-        tracing::warn!(path = %shared.path.display(), error = %err, "could not persist the clock on close");
-    }
+    closing
 }
 
-/// Decides and commits one batch, and returns the answers and the time it
-/// persisted. The outer `Err` is a storage failure of the whole batch; inner
-/// errors are per request and change nothing.
-fn commit_batch(
+/// Commits `open` (with the batch of sequence number `seq`, possibly empty)
+/// durably as a checkpoint, answers the batch's callers and starts the log
+/// over.
+#[allow(clippy::too_many_arguments)]
+fn commit_checkpoint(
     shared: &Shared,
-    next_token: &mut u64,
-    cmds: &[&Command],
-) -> Result<(Vec<Result<Answer>>, u64)> {
-    let path = &shared.path;
-    let now = shared.clock.now_ms();
-    let mut txn = shared.db.begin_write().map_err(|e| map_err(path, e))?;
-    txn.set_durability(Durability::Immediate)
-        .map_err(|e| map_err(path, e))?;
-    let mut token = *next_token;
-    let mut answers = Vec::with_capacity(cmds.len());
-    let mut events = Vec::new();
-    for cmd in cmds {
-        let answer = match cmd {
-            Command::Op { key, op } => {
-                apply_op(shared, &txn, key, op, now, &mut token, &mut events)?
-            }
-            Command::Sweep { max } => Ok(Answer::Evicted(expiry::evict(
-                path,
-                &txn,
-                now,
-                *max,
-                &mut events,
-            )?)),
-            Command::Import { ops, token_floor } => apply_import(
-                shared,
-                &txn,
-                ops,
-                *token_floor,
-                now,
-                &mut token,
-                &mut events,
-            )?,
+    state: &mut WriterState,
+    open: OpenTxn,
+    seq: u64,
+    touched: Vec<Vec<u8>>,
+    (replies, events): (Vec<Replier>, Vec<Event>),
+    full: bool,
+    frame_len: usize,
+) {
+    let epoch = state.log.epoch() + 1;
+    let token_reserved = state.next_token.saturating_add(TOKEN_RESERVATION);
+    shared.cache.begin_write(&touched, Some(seq));
+    let OpenTxn { mut txn, keys, .. } = open;
+    let committed = guard(&shared.path, || {
+        let path = &shared.path;
+        txn.set_durability(redb::Durability::Immediate)
+            .map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        let ck = Checkpoint {
+            epoch,
+            base: seq,
+            clean: false,
+            token_reserved,
         };
-        answers.push(answer);
+        schema::write_checkpoint(path, &txn, ck)?;
+        txn.commit().map_err(|e| map_err(path, e))
+    });
+    if let Err(err) = committed {
+        shared.index_failed.store(true, Ordering::SeqCst);
+        shared.poison(&err, true);
+        fail_all(replies, &err);
+        return;
     }
-    schema::write_counters(path, &txn, token, now)?;
-    txn.commit().map_err(|e| map_err(path, e))?;
-    *next_token = token;
-    // Audit events and counters only for what is now durable.
-    audit::publish(&shared.counters, events);
-    Ok((answers, now))
+    state.last_seq = seq;
+    state.token_reserved = token_reserved;
+    shared.progress.committed.store(seq, Ordering::SeqCst);
+    shared.progress.checkpointed(seq, shared);
+    shared.cache.end_write(&keys, seq);
+    answer(
+        shared,
+        vec![Parked {
+            dep: seq,
+            seq,
+            keys: touched,
+            replies,
+            events,
+        }],
+    );
+    if let Err(err) = state.log.wrap(epoch, full, frame_len) {
+        shared.poison(&err, false);
+    }
+    tracing::debug!(seq, epoch, full, "checkpoint");
 }
 
-/// Applies every record of an import in `txn` and raises the token counter
-/// above every imported token. Outer `Err`: storage failure.
+/// The closing checkpoint, when the queue is drained: the index then holds
+/// everything on disk and the log is not needed to open the store again.
+fn close(shared: &Shared, state: &mut WriterState) {
+    if shared.index_failed.load(Ordering::SeqCst) {
+        return;
+    }
+    let path = &shared.path;
+    let open = state.open.take();
+    let done = guard(path, || {
+        let mut txn = match open {
+            Some(open) => open.txn,
+            None => shared.db.begin_write().map_err(|e| map_err(path, e))?,
+        };
+        txn.set_durability(redb::Durability::Immediate)
+            .map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        let ck = Checkpoint {
+            epoch: state.log.epoch() + 1,
+            base: state.last_seq,
+            clean: true,
+            token_reserved: state.next_token,
+        };
+        schema::write_checkpoint(path, &txn, ck)?;
+        // Reads may have advanced the clock's high-water mark past the last
+        // batch; persist it so that a clock that stepped back cannot revive
+        // a record that readers already saw expire.
+        schema::write_clock_hwm(path, &txn, shared.clock.high_water_ms())?;
+        txn.commit().map_err(|e| map_err(path, e))
+    });
+    match done {
+        Ok(()) => {
+            shared
+                .progress
+                .committed
+                .store(state.last_seq, Ordering::SeqCst);
+            shared.progress.checkpointed(state.last_seq, shared);
+        }
+        Err(err) => {
+            tracing::error!(path = %path.display(), error = %err, "closing checkpoint failed; the log will be replayed at the next open");
+        }
+    }
+}
+
+/// Decides one command through `tables`. The outer `Err` is a storage
+/// failure of the whole batch; inner errors are per request and change
+/// nothing.
+fn decide(
+    shared: &Shared,
+    tables: &mut Tables<'_>,
+    cmd: &Command,
+    now: u64,
+    token: &mut u64,
+    events: &mut Vec<Event>,
+) -> Result<Result<Answer>> {
+    match cmd {
+        Command::Op { key, op } => apply_op(shared, tables, key, op, now, token, events),
+        Command::Sweep { max } => Ok(Ok(Answer::Evicted(expiry::evict(
+            tables, now, *max, events,
+        )?))),
+        Command::Import { ops, token_floor } => {
+            apply_import(shared, tables, ops, *token_floor, now, token, events)
+        }
+        Command::Checkpoint => Ok(Ok(Answer::Checkpointed)),
+        Command::Commit => Ok(Ok(Answer::Committed)),
+    }
+}
+
+/// Applies every record of an import through `tables` and raises the token
+/// counter above every imported token. Outer `Err`: storage failure.
 fn apply_import(
     shared: &Shared,
-    txn: &WriteTransaction,
+    tables: &mut Tables<'_>,
     ops: &[(Key, Op)],
     token_floor: u64,
     now: u64,
@@ -295,7 +1122,7 @@ fn apply_import(
     *next_token = (*next_token).max(token_floor);
     let mut replies = Vec::with_capacity(ops.len());
     for (key, op) in ops {
-        let reply = match apply_op(shared, txn, key, op, now, next_token, events)? {
+        let reply = match apply_op(shared, tables, key, op, now, next_token, events)? {
             Ok(Answer::Reply(reply)) => Ok(reply),
             Ok(_) => Err(Error::Storage("import answered with another reply".into())),
             Err(e) => Err(e),
@@ -305,29 +1132,27 @@ fn apply_import(
     Ok(Ok(Answer::Imported(replies)))
 }
 
-/// Applies one transition inside `txn`, with its business-key binding and
-/// expiry index entry in the same write, and collects its audit event.
+/// Applies one transition through `tables`, with its business-key binding
+/// and expiry index entry in the same write, and collects its audit event.
 /// Outer `Err`: storage failure.
 fn apply_op(
     shared: &Shared,
-    txn: &WriteTransaction,
+    tables: &mut Tables<'_>,
     key: &Key,
     op: &Op,
     now: u64,
     next_token: &mut u64,
     events: &mut Vec<Event>,
 ) -> Result<Result<Answer>> {
-    let path = &shared.path;
     let kb = key.to_bytes();
-    let mut records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-    let stored = match read_record(path, &records, &kb)? {
+    let stored = match read_record(tables, &kb)? {
         Ok(r) => r,
         Err(e) => return Ok(Err(rejected(key, e, events))),
     };
     // The business-key rule needs the binding's holder, read in this write.
     let fresh = stored.as_ref().is_none_or(|r| r.is_expired_at(now));
     let holder = match op_business_key(op).filter(|_| fresh) {
-        Some(bk) => match business_holder(path, txn, &records, key, bk)? {
+        Some(bk) => match business_holder(tables, key, bk)? {
             Ok(h) => h,
             Err(e) => return Ok(Err(rejected(key, e, events))),
         },
@@ -343,40 +1168,29 @@ fn apply_op(
         Ok(x) => x,
         Err(e) => return Ok(Err(rejected(key, e, events))),
     };
-    let mut expiry_index = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     match &effect {
         Effect::None => {}
         Effect::Put(new) => {
             if let Some(old) = &stored
                 && old.expires_ms != new.expires_ms
             {
-                expiry_index
-                    .remove((old.expires_ms, kb.as_slice()))
-                    .map_err(|e| map_err(path, e))?;
+                tables.remove_expiry(old.expires_ms, &kb)?;
             }
-            expiry_index
-                .insert((new.expires_ms, kb.as_slice()), ())
-                .map_err(|e| map_err(path, e))?;
-            records
-                .insert(kb.as_slice(), codec::encode_record(&kb, new).as_slice())
-                .map_err(|e| map_err(path, e))?;
-            rebind(path, txn, key, stored.as_ref(), new, fresh)?;
+            tables.insert_expiry(new.expires_ms, &kb)?;
+            tables.put_record(&kb, &codec::encode_record(&kb, new))?;
+            rebind(tables, key, stored.as_ref(), new, fresh)?;
             if matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_))) {
                 *next_token += 1;
             }
         }
         Effect::Delete => {
             if let Some(old) = &stored {
-                expiry_index
-                    .remove((old.expires_ms, kb.as_slice()))
-                    .map_err(|e| map_err(path, e))?;
+                tables.remove_expiry(old.expires_ms, &kb)?;
                 if let Some(bk) = &old.business_key {
-                    unbind(path, txn, &key.business_binding(bk), &kb)?;
+                    unbind(tables, &key.business_binding(bk), &kb)?;
                 }
             }
-            records
-                .remove(kb.as_slice())
-                .map_err(|e| map_err(path, e))?;
+            tables.remove_record(&kb)?;
         }
     }
     events.extend(Event::of_transition(
@@ -398,13 +1212,9 @@ fn rejected(key: &Key, err: Error, events: &mut Vec<Event>) -> Error {
 
 /// Reads and decodes the record stored under `kb`. Outer `Err`: storage
 /// failure; inner: a corrupt record.
-fn read_record(
-    path: &std::path::Path,
-    records: &impl ReadableTable<&'static [u8], &'static [u8]>,
-    kb: &[u8],
-) -> Result<Result<Option<Record>>> {
-    Ok(match records.get(kb).map_err(|e| map_err(path, e))? {
-        Some(v) => codec::decode_record(kb, v.value()).map(Some),
+fn read_record(tables: &Tables<'_>, kb: &[u8]) -> Result<Result<Option<Record>>> {
+    Ok(match tables.get_record(kb)? {
+        Some(v) => codec::decode_record(kb, &v).map(Some),
         None => Ok(None),
     })
 }
@@ -422,19 +1232,12 @@ fn op_business_key(op: &Op) -> Option<&str> {
 /// if any (live or not: the transition judges). Outer `Err`: storage
 /// failure; inner: the holder's record is corrupt.
 fn business_holder(
-    path: &std::path::Path,
-    txn: &WriteTransaction,
-    records: &impl ReadableTable<&'static [u8], &'static [u8]>,
+    tables: &Tables<'_>,
     key: &Key,
     business_key: &str,
 ) -> Result<Result<Option<Record>>> {
-    let bindings = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
-    let holder_kb = bindings
-        .get(key.business_binding(business_key).as_slice())
-        .map_err(|e| map_err(path, e))?
-        .map(|v| v.value().to_vec());
-    match holder_kb {
-        Some(hkb) if hkb != key.to_bytes() => read_record(path, records, &hkb),
+    match tables.get_business(&key.business_binding(business_key))? {
+        Some(hkb) if hkb != key.to_bytes() => read_record(tables, &hkb),
         _ => Ok(Ok(None)),
     }
 }
@@ -443,8 +1246,7 @@ fn business_holder(
 /// a record that appears (or replaces one past retention) binds its
 /// business key; a replaced record's other business key is unbound.
 fn rebind(
-    path: &std::path::Path,
-    txn: &WriteTransaction,
+    tables: &mut Tables<'_>,
     key: &Key,
     old: Option<&Record>,
     new: &Record,
@@ -454,13 +1256,10 @@ fn rebind(
     let new_bk = new.business_key.as_deref();
     let kb = key.to_bytes();
     if let Some(ob) = old_bk.filter(|ob| Some(*ob) != new_bk) {
-        unbind(path, txn, &key.business_binding(ob), &kb)?;
+        unbind(tables, &key.business_binding(ob), &kb)?;
     }
     if let Some(nb) = new_bk.filter(|nb| fresh || old_bk != Some(*nb)) {
-        let mut bindings = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
-        bindings
-            .insert(key.business_binding(nb).as_slice(), kb.as_slice())
-            .map_err(|e| map_err(path, e))?;
+        tables.put_business(&key.business_binding(nb), &kb)?;
     }
     Ok(())
 }
@@ -468,19 +1267,81 @@ fn rebind(
 /// Removes the binding `binding` if it still names the record `kb` (a
 /// binding taken over by another key after this record's retention ended
 /// is left alone).
-pub(crate) fn unbind(
-    path: &std::path::Path,
-    txn: &WriteTransaction,
-    binding: &[u8],
-    kb: &[u8],
-) -> Result<()> {
-    let mut bindings = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
-    let ours = bindings
-        .get(binding)
-        .map_err(|e| map_err(path, e))?
-        .is_some_and(|v| v.value() == kb);
-    if ours {
-        bindings.remove(binding).map_err(|e| map_err(path, e))?;
+pub(crate) fn unbind(tables: &mut Tables<'_>, binding: &[u8], kb: &[u8]) -> Result<()> {
+    if tables.get_business(binding)?.is_some_and(|v| v == kb) {
+        tables.remove_business(binding)?;
     }
     Ok(())
+}
+
+/// The syncer: makes written frames durable and answers the batches that
+/// waited for them (through the waker when there are many).
+fn sync_loop(
+    shared: &Shared,
+    log: &dyn LogFile,
+    waker: &std::sync::mpsc::Sender<Vec<Parked>>,
+    nudge: &SyncSender<Msg>,
+) {
+    let _gone = SyncerGone(shared, nudge);
+    let p = &shared.progress;
+    loop {
+        let target = {
+            let mut st = p.state.lock();
+            loop {
+                if st.failed.is_some() {
+                    return;
+                }
+                if st.written > st.synced && !st.writer_syncing {
+                    if let Durability::Buffered { max_delay } = shared.durability
+                        && !st.flush_now
+                        && !st.writer_done
+                    {
+                        let since = *st.unsynced_since.get_or_insert_with(Instant::now);
+                        let deadline = since + max_delay;
+                        if Instant::now() < deadline {
+                            p.changed.wait_until(&mut st, deadline);
+                            continue;
+                        }
+                    }
+                    break;
+                }
+                if st.writer_done {
+                    return;
+                }
+                p.changed.wait(&mut st);
+            }
+            st.flush_now = false;
+            st.written
+        };
+        let started = Instant::now();
+        let result = log.sync_data();
+
+        match result {
+            Ok(()) => {
+                let ready = {
+                    let mut st = p.state.lock();
+                    let ready = p.advance(&mut st, target);
+                    st.unsynced_since = (st.written > st.synced).then_some(started);
+                    ready
+                };
+                // The writer may be holding a batch open until the disk is
+                // free; if the queue is full it has work anyway.
+                let _ = nudge.try_send(Msg::Nudge);
+                let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
+                if callers <= WAKE_INLINE {
+                    answer(shared, ready);
+                } else if let Err(unsent) = waker.send(ready) {
+                    answer(shared, unsent.0);
+                }
+            }
+            Err(e) => {
+                let err = Error::Storage(format!(
+                    "{}: log fsync failed: {e}",
+                    shared.log_path.display()
+                ));
+                shared.poison(&err, false);
+                return;
+            }
+        }
+    }
 }

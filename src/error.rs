@@ -140,6 +140,22 @@ pub enum Error {
         detail: String,
     },
 
+    /// The write-ahead log beside the store file is damaged where recovery
+    /// needs it: a frame that was already durable fails its checksum while
+    /// later frames are intact, or the log's header is unreadable after an
+    /// unclean shutdown. A torn last frame (a write cut by a crash) is not
+    /// corruption: recovery ends before it. Nothing is replayed and the
+    /// store does not open; acknowledged changes may be in the damaged part.
+    #[error("corrupt write-ahead log {} at offset {offset}: {detail}", path.display())]
+    CorruptLog {
+        /// The log file (`<store file>-wal`).
+        path: PathBuf,
+        /// The byte offset in the log where the damage was found.
+        offset: u64,
+        /// What failed.
+        detail: String,
+    },
+
     /// The file is not an idemstore file, or was written by a newer format
     /// version than this build reads.
     #[error("{} is not a store this version can open: {detail}", path.display())]

@@ -6,64 +6,42 @@
 //! index in deadline order and stops at the first deadline still in the
 //! future, so its cost grows with what it evicts, not with the store's size.
 
-use std::path::Path;
 use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
-
-use redb::{ReadableTable, WriteTransaction};
 
 use crate::audit::Event;
 use crate::codec;
 use crate::commit::unbind;
 use crate::error::Result;
 use crate::record::is_expired;
-use crate::schema::{EXPIRY, RECORDS, map_err};
+use crate::schema::Tables;
 
 /// Evicts up to `max` records whose retention ended at or before `now_ms`,
-/// inside `txn`, with their business-key bindings, and collects one audit
+/// through the writer's `tables` (so that eviction is logged like every
+/// other change), with their business-key bindings, and collects one audit
 /// event per eviction. Returns how many records were removed.
 pub(crate) fn evict(
-    path: &Path,
-    txn: &WriteTransaction,
+    tables: &mut Tables<'_>,
     now_ms: u64,
     max: usize,
     events: &mut Vec<Event>,
 ) -> Result<usize> {
-    let mut index = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
-    let mut records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-    let mut due: Vec<(u64, Vec<u8>)> = Vec::new();
-    for entry in index.iter().map_err(|e| map_err(path, e))? {
-        if due.len() >= max {
-            break;
-        }
-        let (k, _) = entry.map_err(|e| map_err(path, e))?;
-        let (deadline, key) = k.value();
-        if !is_expired(deadline, now_ms) {
-            break;
-        }
-        due.push((deadline, key.to_vec()));
-    }
+    let due = tables.expiry_due(now_ms, max, is_expired)?;
     let mut evicted = 0;
     for (deadline, key) in due {
-        index
-            .remove((deadline, key.as_slice()))
-            .map_err(|e| map_err(path, e))?;
-        let stored = records
-            .get(key.as_slice())
-            .map_err(|e| map_err(path, e))?
-            .map(|v| v.value().to_vec());
-        let Some(bytes) = stored else { continue };
+        tables.remove_expiry(deadline, &key)?;
+        let Some(bytes) = tables.get_record(&key)? else {
+            continue;
+        };
         // The index entry is authoritative only if the record agrees; a
         // record that fails to decode is left for `check` to report.
         match codec::decode_record(&key, &bytes) {
             Ok(rec) if rec.expires_ms == deadline => {
-                records
-                    .remove(key.as_slice())
-                    .map_err(|e| map_err(path, e))?;
+                tables.remove_record(&key)?;
                 if let Some(bk) = &rec.business_key {
-                    unbind(path, txn, &rec.key.business_binding(bk), &key)?;
+                    unbind(tables, &rec.key.business_binding(bk), &key)?;
                 }
                 events.push(Event::evicted(&rec));
                 evicted += 1;

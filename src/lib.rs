@@ -45,7 +45,11 @@
 //! - One valid lease per key at a time, under any number of threads.
 //! - Every acknowledged change (claim, complete, fail, release, extend,
 //!   recovery point) is on stable storage when the call returns; after a
-//!   crash the store answers as if the process had paused.
+//!   crash the store answers as if the process had paused. (Opt-in
+//!   [`Durability::Buffered`] trades a bounded window of acknowledged
+//!   changes for speed.) Concurrent changes share one fsync of a
+//!   write-ahead log beside the store file; `docs/design.md` has the file
+//!   formats and the crash analysis.
 //! - Fencing tokens come from one store-wide counter and are never reused; a
 //!   holder whose lease was taken over gets [`Error::StaleLease`].
 //! - Corruption is detected (checksums over key and body) and reported as an
@@ -63,6 +67,7 @@
 pub mod agent;
 mod audit;
 mod backup;
+mod cache;
 mod check;
 mod clock;
 mod codec;
@@ -77,6 +82,7 @@ mod scan;
 mod schema;
 mod stats;
 mod store;
+mod wal;
 
 pub use backup::{ExportSummary, ImportSummary, Progress};
 pub use check::{CheckReport, Integrity, Problem, check_file};
@@ -90,7 +96,8 @@ pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 pub use redb::{BackendError, StorageBackend};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
-pub use store::{ClaimOptions, Config, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+pub use store::{ClaimOptions, Config, Durability, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+pub use wal::{FileLog, LogFile, MemoryLog};
 
 /// Entry points for the fuzz targets in `fuzz/` and their corpus replay in
 /// `tests/fuzz_corpus.rs` (cargo feature `fuzzing`). Not part of the API:

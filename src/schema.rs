@@ -5,11 +5,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
 use redb::{
-    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle,
-    WriteTransaction,
+    Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table, TableDefinition,
+    TableHandle, WriteTransaction,
 };
 
 use crate::error::{Error, Result};
+use crate::wal::{BodyWriter, Change, LogTable};
 
 /// Records: stored key bytes → record envelope (see `codec`).
 pub(crate) const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("records");
@@ -28,6 +29,20 @@ pub(crate) const META_FORMAT: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
 pub(crate) const META_NEXT_TOKEN: &str = "next_token";
 pub(crate) const META_CLOCK_HWM: &str = "clock_high_water_ms";
+/// The sequence number of the last log frame whose effects the index holds.
+pub(crate) const META_APPLIED_SEQ: &str = "log_applied_seq";
+/// The checkpoint epoch: frames written since the last checkpoint carry it.
+pub(crate) const META_LOG_EPOCH: &str = "log_epoch";
+/// The sequence number the last checkpoint covered; the first frame of the
+/// epoch is `log_base_seq + 1`.
+pub(crate) const META_LOG_BASE: &str = "log_base_seq";
+/// 1 when the last durable commit was a clean close (or the creation): no
+/// frame after it is needed, so a missing log loses nothing.
+pub(crate) const META_CLEAN: &str = "clean_shutdown";
+/// Tokens below this may have been handed out: after an unclean shutdown
+/// the counter restarts here, so a token acknowledged but lost with the
+/// unsynced end of the log (buffered mode) is never issued twice.
+pub(crate) const META_TOKEN_RESERVED: &str = "token_reserved";
 
 /// What the metadata table says about a store.
 #[derive(Debug, Clone, Copy)]
@@ -35,6 +50,16 @@ pub(crate) struct Meta {
     pub store_id: u128,
     pub next_token: u64,
     pub clock_hwm: u64,
+    /// See [`META_APPLIED_SEQ`].
+    pub applied_seq: u64,
+    /// See [`META_LOG_EPOCH`].
+    pub log_epoch: u64,
+    /// See [`META_LOG_BASE`].
+    pub log_base: u64,
+    /// See [`META_CLEAN`].
+    pub clean: bool,
+    /// See [`META_TOKEN_RESERVED`].
+    pub token_reserved: u64,
 }
 
 /// Runs `f`, turning a panic inside redb (possible on a damaged file) into
@@ -92,6 +117,9 @@ pub(crate) fn open<B: redb::StorageBackend>(
 ) -> Result<(Database, Meta)> {
     guard(path, || {
         let mut builder = Database::builder();
+        // redb's own repair after a crash is skipped when the last durable
+        // commit recorded its allocator state (quick-repair, which every
+        // checkpoint sets); otherwise it walks the whole file.
         builder.set_cache_size(cache_bytes);
         // Verify every page checksum on every open, not only after a crash.
         // The record checksum cannot see a damaged key (the lookup simply
@@ -128,7 +156,8 @@ pub(crate) fn open<B: redb::StorageBackend>(
 }
 
 fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
-    let txn = db.begin_write().map_err(|e| map_err(path, e))?;
+    let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
+    txn.set_quick_repair(true);
     let existing: Vec<String> = txn
         .list_tables()
         .map_err(|e| map_err(path, e))?
@@ -156,10 +185,18 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
                 table
                     .insert(META_STORE_ID, &id.to_le_bytes()[..])
                     .map_err(|e| map_err(path, e))?;
+                table
+                    .insert(META_CLEAN, &1u64.to_le_bytes()[..])
+                    .map_err(|e| map_err(path, e))?;
                 Meta {
                     store_id: id,
                     next_token: 1,
                     clock_hwm: 0,
+                    applied_seq: 0,
+                    log_epoch: 0,
+                    log_base: 0,
+                    clean: true,
+                    token_reserved: 1,
                 }
             }
             Some(v) if v > FORMAT_VERSION => {
@@ -199,44 +236,307 @@ pub(crate) fn read_meta(
         path: path.to_path_buf(),
         detail: "store identity is not 16 bytes".into(),
     })?;
-    let next_token = get(META_NEXT_TOKEN)?
-        .map(|v| u64_of(path, META_NEXT_TOKEN, &v))
-        .transpose()?
-        .unwrap_or(1);
-    let clock_hwm = get(META_CLOCK_HWM)?
-        .map(|v| u64_of(path, META_CLOCK_HWM, &v))
-        .transpose()?
-        .unwrap_or(0);
+    let num = |name: &str, default: u64| -> Result<u64> {
+        Ok(get(name)?
+            .map(|v| u64_of(path, name, &v))
+            .transpose()?
+            .unwrap_or(default))
+    };
     Ok(Meta {
         store_id: u128::from_le_bytes(id),
-        next_token,
-        clock_hwm,
+        next_token: num(META_NEXT_TOKEN, 1)?,
+        clock_hwm: num(META_CLOCK_HWM, 0)?,
+        applied_seq: num(META_APPLIED_SEQ, 0)?,
+        log_epoch: num(META_LOG_EPOCH, 0)?,
+        log_base: num(META_LOG_BASE, 0)?,
+        clean: num(META_CLEAN, 0)? == 1,
+        token_reserved: num(META_TOKEN_RESERVED, 1)?,
     })
 }
 
-/// Writes the token counter and clock high-water mark in `txn`.
-pub(crate) fn write_counters(
-    path: &Path,
-    txn: &WriteTransaction,
-    next_token: u64,
-    clock_hwm: u64,
-) -> Result<()> {
+/// What a checkpoint records.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Checkpoint {
+    /// The epoch frames written after the checkpoint carry.
+    pub epoch: u64,
+    /// The sequence number of the last change the index holds.
+    pub base: u64,
+    /// Whether this is a clean close (the log may then be absent).
+    pub clean: bool,
+    /// Tokens below this may be handed out before the next checkpoint.
+    pub token_reserved: u64,
+}
+
+/// Raises the persisted clock high-water mark to `hwm_ms` in `txn`.
+pub(crate) fn write_clock_hwm(path: &Path, txn: &WriteTransaction, hwm_ms: u64) -> Result<()> {
     let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-    table
-        .insert(META_NEXT_TOKEN, &next_token.to_le_bytes()[..])
-        .map_err(|e| map_err(path, e))?;
-    table
-        .insert(META_CLOCK_HWM, &clock_hwm.to_le_bytes()[..])
-        .map_err(|e| map_err(path, e))?;
+    let current = table
+        .get(META_CLOCK_HWM)
+        .map_err(|e| map_err(path, e))?
+        .map(|v| u64_of(path, META_CLOCK_HWM, v.value()))
+        .transpose()?
+        .unwrap_or(0);
+    if hwm_ms > current {
+        table
+            .insert(META_CLOCK_HWM, &hwm_ms.to_le_bytes()[..])
+            .map_err(|e| map_err(path, e))?;
+    }
     Ok(())
 }
 
-/// Number of stored records (including expired ones not yet evicted).
-pub(crate) fn record_count(path: &Path, db: &Database) -> Result<u64> {
+/// Records a checkpoint in `txn`, which the caller commits durably.
+pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoint) -> Result<()> {
+    let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    for (name, value) in [
+        (META_LOG_EPOCH, ck.epoch),
+        (META_LOG_BASE, ck.base),
+        (META_CLEAN, u64::from(ck.clean)),
+        (META_TOKEN_RESERVED, ck.token_reserved),
+    ] {
+        table
+            .insert(name, &value.to_le_bytes()[..])
+            .map_err(|e| map_err(path, e))?;
+    }
+    Ok(())
+}
+
+/// The tables of one write transaction of the writer (or of recovery).
+///
+/// **Every change to the store's tables in the writer goes through these
+/// methods**: each one changes the redb table and, when the transaction is
+/// logged, appends the same change to the batch's log frame. A table written
+/// around them would be lost in a crash (its redb commit is not durable;
+/// only the log is). To add a table: add a `LogTable` code, methods here, and
+/// an arm in [`Tables::apply`].
+pub(crate) struct Tables<'t> {
+    path: &'t Path,
+    records: Table<'t, &'static [u8], &'static [u8]>,
+    expiry: Table<'t, (u64, &'static [u8]), ()>,
+    business: Table<'t, &'static [u8], &'static [u8]>,
+    meta: Table<'t, &'static str, &'static [u8]>,
+    log: Option<BodyWriter>,
+    touched: Vec<Vec<u8>>,
+}
+
+impl<'t> Tables<'t> {
+    /// Opens the tables in `txn`; `logged` records every change for a frame.
+    pub(crate) fn open(path: &'t Path, txn: &'t WriteTransaction, logged: bool) -> Result<Self> {
+        Ok(Tables {
+            path,
+            records: txn.open_table(RECORDS).map_err(|e| map_err(path, e))?,
+            expiry: txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?,
+            business: txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?,
+            meta: txn.open_table(META).map_err(|e| map_err(path, e))?,
+            log: logged.then(BodyWriter::new),
+            touched: Vec::new(),
+        })
+    }
+
+    /// Whether a logged change was recorded.
+    pub(crate) fn is_changed(&self) -> bool {
+        self.log.as_ref().is_some_and(|l| !l.is_empty())
+    }
+
+    /// The stored bytes of a record (its envelope), if present.
+    pub(crate) fn get_record(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self
+            .records
+            .get(key)
+            .map_err(|e| map_err(self.path, e))?
+            .map(|v| v.value().to_vec()))
+    }
+
+    /// Stores a record envelope under `key`.
+    pub(crate) fn put_record(&mut self, key: &[u8], envelope: &[u8]) -> Result<()> {
+        self.records
+            .insert(key, envelope)
+            .map_err(|e| map_err(self.path, e))?;
+        if let Some(log) = &mut self.log {
+            log.insert(LogTable::Records, &[key], envelope);
+        }
+        self.touched.push(key.to_vec());
+        Ok(())
+    }
+
+    /// Removes the record under `key`.
+    pub(crate) fn remove_record(&mut self, key: &[u8]) -> Result<()> {
+        self.records
+            .remove(key)
+            .map_err(|e| map_err(self.path, e))?;
+        if let Some(log) = &mut self.log {
+            log.remove(LogTable::Records, &[key]);
+        }
+        self.touched.push(key.to_vec());
+        Ok(())
+    }
+
+    /// Adds `(deadline, key)` to the expiry index.
+    pub(crate) fn insert_expiry(&mut self, deadline: u64, key: &[u8]) -> Result<()> {
+        self.expiry
+            .insert((deadline, key), ())
+            .map_err(|e| map_err(self.path, e))?;
+        if let Some(log) = &mut self.log {
+            log.insert(LogTable::Expiry, &[&deadline.to_le_bytes(), key], &[]);
+        }
+        Ok(())
+    }
+
+    /// Removes `(deadline, key)` from the expiry index.
+    pub(crate) fn remove_expiry(&mut self, deadline: u64, key: &[u8]) -> Result<()> {
+        self.expiry
+            .remove((deadline, key))
+            .map_err(|e| map_err(self.path, e))?;
+        if let Some(log) = &mut self.log {
+            log.remove(LogTable::Expiry, &[&deadline.to_le_bytes(), key]);
+        }
+        Ok(())
+    }
+
+    /// Up to `max` expiry index entries whose deadline is due at `now_ms`,
+    /// earliest first.
+    pub(crate) fn expiry_due(
+        &self,
+        now_ms: u64,
+        max: usize,
+        is_due: impl Fn(u64, u64) -> bool,
+    ) -> Result<Vec<(u64, Vec<u8>)>> {
+        let mut due = Vec::new();
+        for entry in self.expiry.iter().map_err(|e| map_err(self.path, e))? {
+            if due.len() >= max {
+                break;
+            }
+            let (k, _) = entry.map_err(|e| map_err(self.path, e))?;
+            let (deadline, key) = k.value();
+            if !is_due(deadline, now_ms) {
+                break;
+            }
+            due.push((deadline, key.to_vec()));
+        }
+        Ok(due)
+    }
+
+    /// The stored key a business-key binding names, if any.
+    pub(crate) fn get_business(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        Ok(self
+            .business
+            .get(key)
+            .map_err(|e| map_err(self.path, e))?
+            .map(|v| v.value().to_vec()))
+    }
+
+    /// Binds a business key to a stored key.
+    pub(crate) fn put_business(&mut self, key: &[u8], stored_key: &[u8]) -> Result<()> {
+        self.business
+            .insert(key, stored_key)
+            .map_err(|e| map_err(self.path, e))?;
+        if let Some(log) = &mut self.log {
+            log.insert(LogTable::Business, &[key], stored_key);
+        }
+        Ok(())
+    }
+
+    /// Removes a business key.
+    pub(crate) fn remove_business(&mut self, key: &[u8]) -> Result<()> {
+        self.business
+            .remove(key)
+            .map_err(|e| map_err(self.path, e))?;
+        if let Some(log) = &mut self.log {
+            log.remove(LogTable::Business, &[key]);
+        }
+        Ok(())
+    }
+
+    /// Applies one logged change (recovery's replay). `Ok(false)` when the
+    /// change is malformed (an expiry key shorter than its deadline).
+    pub(crate) fn apply(&mut self, change: Change<'_>) -> Result<bool> {
+        match change {
+            Change::Insert {
+                table: LogTable::Records,
+                key,
+                value,
+            } => self.put_record(key, value)?,
+            Change::Remove {
+                table: LogTable::Records,
+                key,
+            } => self.remove_record(key)?,
+            Change::Insert {
+                table: LogTable::Expiry,
+                key,
+                ..
+            } => match split_expiry(key) {
+                Some((d, k)) => self.insert_expiry(d, k)?,
+                None => return Ok(false),
+            },
+            Change::Remove {
+                table: LogTable::Expiry,
+                key,
+            } => match split_expiry(key) {
+                Some((d, k)) => self.remove_expiry(d, k)?,
+                None => return Ok(false),
+            },
+            Change::Insert {
+                table: LogTable::Business,
+                key,
+                value,
+            } => self.put_business(key, value)?,
+            Change::Remove {
+                table: LogTable::Business,
+                key,
+            } => self.remove_business(key)?,
+        }
+        Ok(true)
+    }
+
+    /// Writes the token counter, the clock high-water mark and the last
+    /// applied log sequence number. Not logged: every frame carries them.
+    pub(crate) fn set_counters(
+        &mut self,
+        next_token: u64,
+        clock_hwm: u64,
+        applied_seq: u64,
+    ) -> Result<()> {
+        for (name, value) in [
+            (META_NEXT_TOKEN, next_token),
+            (META_CLOCK_HWM, clock_hwm),
+            (META_APPLIED_SEQ, applied_seq),
+        ] {
+            self.meta
+                .insert(name, &value.to_le_bytes()[..])
+                .map_err(|e| map_err(self.path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Closes the tables: the frame body being built (`None` when nothing
+    /// was changed or the transaction is not logged) and the record keys
+    /// changed.
+    pub(crate) fn finish(self) -> (Option<BodyWriter>, Vec<Vec<u8>>) {
+        (self.log.filter(|l| !l.is_empty()), self.touched)
+    }
+}
+
+fn split_expiry(key: &[u8]) -> Option<(u64, &[u8])> {
+    let (d, k) = key.split_at_checked(8)?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(d);
+    Some((u64::from_le_bytes(a), k))
+}
+
+/// The sequence number of the last log frame `txn` holds the effects of.
+pub(crate) fn applied_seq(path: &Path, txn: &redb::ReadTransaction) -> Result<u64> {
+    let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    let value = table.get(META_APPLIED_SEQ).map_err(|e| map_err(path, e))?;
+    value.map_or(Ok(0), |v| u64_of(path, META_APPLIED_SEQ, v.value()))
+}
+
+/// Number of stored records (including expired ones not yet evicted), and
+/// the last log sequence number the snapshot holds.
+pub(crate) fn record_count(path: &Path, db: &Database) -> Result<(u64, u64)> {
     guard(path, || {
         let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+        let seq = applied_seq(path, &txn)?;
         let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-        table.len().map_err(|e| map_err(path, e))
+        Ok((table.len().map_err(|e| map_err(path, e))?, seq))
     })
 }
 

@@ -9,10 +9,13 @@ use redb::ReadableDatabase;
 
 use crate::audit::{self, Event};
 use crate::backup::{self, ExportSummary, ImportSummary, Progress};
+use crate::cache::{Lookup, ReadCache};
 use crate::check::{self, CheckReport};
 use crate::clock::{Clock, MonotonicClock, SystemClock, duration_ms};
 use crate::codec;
-use crate::commit::{Answer, Command, Completion, Shared, Writer};
+use crate::commit::{
+    Answer, Command, Completion, Progress as WriteProgress, Shared, Writer, WriterState,
+};
 use crate::error::{Error, Result};
 use crate::expiry::Sweeper;
 use crate::key::{Fingerprint, Key, check_business_key};
@@ -20,12 +23,55 @@ use crate::record::{ClaimOutcome, Ctx, Effect, Lease, Op, Record, Reply, Resolut
 use crate::scan::{Filter, Records};
 use crate::schema::{self, RECORDS, guard, map_err};
 use crate::stats::{self, LiveCounters, Stats};
+use crate::wal::{self, FileLog, LogFile};
 
 /// The largest value limit [`Config`] accepts for results, failures and
 /// recovery points: 16 MiB (in bytes).
 pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
 /// The longest lease a claim or extend accepts: 30 days.
 pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// When a change is acknowledged, relative to the fsync of the write-ahead
+/// log.
+///
+/// Whatever the mode, a batch is all or nothing after a crash (a frame of the
+/// log is whole or ignored), a caller's own later reads see its acknowledged
+/// change, and dropping the store makes everything acknowledged durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// Acknowledged = durable: every call that changes state returns only
+    /// after the log holding its change was fsynced (`fdatasync`), and no
+    /// reader sees a change before it is durable (DESIGN.md guarantees 2
+    /// and 3). A crash or power loss loses no acknowledged change; a change
+    /// whose call had not returned may or may not survive (the call failed
+    /// or never answered, so the caller cannot have relied on it).
+    #[default]
+    Immediate,
+    /// Acknowledged before durable: a call returns as soon as its change is
+    /// decided and applied to the index, and the log is fsynced at most
+    /// `max_delay` after the change was written (plus the time the fsync
+    /// takes). Readers see acknowledged changes at once. [`Store::flush`]
+    /// forces the fsync; dropping the store flushes.
+    ///
+    /// What a crash can lose: a process crash (the process killed, the OS
+    /// still up) loses nothing that was acknowledged, since the log's writes
+    /// are in the OS's page cache. A power loss or OS crash loses the
+    /// changes acknowledged in the last `max_delay` (and those of the fsync
+    /// in progress), as whole batches: the store reopens as it was at an
+    /// earlier moment. In idempotency terms: a lost claim means the key is
+    /// free again, so a retry acquires it and the work runs a second time
+    /// (a duplicate); a lost completion means a retry finds the claim in
+    /// progress and, after its lease lapses, takes it over and runs the work
+    /// again; a lost release or failure is harmless (the key is claimable
+    /// again once the lease lapses). Use this mode only when the downstream
+    /// system also deduplicates on the key, or a rare duplicate is
+    /// acceptable.
+    Buffered {
+        /// The longest an acknowledged change waits for the fsync (1 ms to
+        /// 1 hour).
+        max_delay: Duration,
+    },
+}
 
 /// Store configuration.
 ///
@@ -39,8 +85,12 @@ pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
 /// - `sweep_batch`: 10 000 records per sweep step
 /// - `clock`: [`SystemClock`]
 /// - `cache_bytes`: 64 MiB, redb's page cache (in bytes)
-///
-/// Every acknowledged write is durable (fsynced) before the call returns.
+/// - `durability`: [`Durability::Immediate`], every acknowledged write is
+///   durable (fsynced) before the call returns
+/// - `max_log_bytes`: 64 MiB, the size the write-ahead log grows to (in
+///   bytes)
+/// - `read_cache_bytes`: 16 MiB, the cache of finished records that answers
+///   replays without reading the index (in bytes)
 #[derive(Clone)]
 pub struct Config {
     retention: Duration,
@@ -52,6 +102,9 @@ pub struct Config {
     sweep_batch: usize,
     clock: Arc<dyn Clock>,
     cache_bytes: usize,
+    durability: Durability,
+    max_log_bytes: u64,
+    read_cache_bytes: usize,
 }
 
 impl Default for Config {
@@ -66,6 +119,9 @@ impl Default for Config {
             sweep_batch: 10_000,
             clock: Arc::new(SystemClock),
             cache_bytes: 64 * 1024 * 1024,
+            durability: Durability::Immediate,
+            max_log_bytes: 64 * 1024 * 1024,
+            read_cache_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -81,6 +137,9 @@ impl std::fmt::Debug for Config {
             .field("sweep_interval", &self.sweep_interval)
             .field("sweep_batch", &self.sweep_batch)
             .field("cache_bytes", &self.cache_bytes)
+            .field("durability", &self.durability)
+            .field("max_log_bytes", &self.max_log_bytes)
+            .field("read_cache_bytes", &self.read_cache_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -155,6 +214,33 @@ impl Config {
         self
     }
 
+    /// When changes are acknowledged relative to the log's fsync (see
+    /// [`Durability`]).
+    pub fn durability(mut self, durability: Durability) -> Config {
+        self.durability = durability;
+        self
+    }
+
+    /// The size the write-ahead log may grow to (in bytes, at least 64 KiB).
+    /// The log starts at 1 MiB (or this, if smaller) and doubles each time it
+    /// fills, up to this size; a full log forces a checkpoint (a durable
+    /// commit of the index) and is then reused from its start. A larger log
+    /// means fewer checkpoints and a longer replay after a crash (replay
+    /// reads the whole log). A single batch larger than the log grows it
+    /// beyond this size.
+    pub fn max_log_bytes(mut self, bytes: u64) -> Config {
+        self.max_log_bytes = bytes;
+        self
+    }
+
+    /// The size of the cache of finished records (succeeded, or failed
+    /// permanently) that answers replays without reading the index (in
+    /// bytes; 0 disables it). In-progress records are never cached.
+    pub fn read_cache_bytes(mut self, bytes: usize) -> Config {
+        self.read_cache_bytes = bytes;
+        self
+    }
+
     fn validate(&self) -> Result<()> {
         if duration_ms(self.retention) == 0 {
             return Err(Error::invalid("retention", "must be at least 1 ms"));
@@ -177,6 +263,20 @@ impl Config {
         }
         if self.sweep_interval.is_some_and(|d| d.is_zero()) {
             return Err(Error::invalid("sweep_interval", "must be non-zero"));
+        }
+        if let Durability::Buffered { max_delay } = self.durability
+            && (max_delay < Duration::from_millis(1) || max_delay > Duration::from_secs(3600))
+        {
+            return Err(Error::invalid(
+                "durability",
+                "a buffered max_delay must be between 1 ms and 1 hour",
+            ));
+        }
+        if self.max_log_bytes < wal::MIN_LOG_BYTES {
+            return Err(Error::invalid(
+                "max_log_bytes",
+                format!("must be at least {} bytes", wal::MIN_LOG_BYTES),
+            ));
         }
         Ok(())
     }
@@ -268,12 +368,19 @@ struct Inner {
 /// An embedded, crash-safe idempotency store on one file.
 ///
 /// `Store` is `Send + Sync`; share it between threads with an `Arc`. Every
-/// method that changes state blocks until the change is durable (fsynced),
-/// and concurrent changes share one commit (group commit). Reads and claims
-/// that can only replay or answer "in progress" do not wait for the writer.
+/// method that changes state blocks until the change is durable (fsynced,
+/// with the default [`Durability::Immediate`]), and concurrent changes share
+/// one fsync (group commit). Reads and claims that can only replay or answer
+/// "in progress" do not wait for the writer.
+///
+/// Two files hold a store: the redb file at the given path (the index) and
+/// the write-ahead log beside it at `<path>-wal` (see [`Store::log_path`]).
+/// Keep them together; the log carries the store's identity and is refused
+/// by any other store.
 ///
 /// Dropping the store stops the background sweeper, lets the writer finish
-/// every queued request, and closes the file.
+/// every queued request, makes everything durable in the index (a final
+/// checkpoint), and closes both files.
 pub struct Store {
     // Field order is drop order: the sweeper stops before the writer.
     _sweeper: Option<Sweeper>,
@@ -295,7 +402,11 @@ impl std::fmt::Debug for Store {
 
 impl Store {
     /// Opens the store at `path`, creating it if absent, with the default
-    /// [`Config`] (retention 24 h, lease 30 s, every write fsynced).
+    /// [`Config`] (retention 24 h, lease 30 s, every write fsynced). The
+    /// write-ahead log is `<path>-wal`, created beside it if absent. After an
+    /// unclean shutdown (a crash, a power cut) the open replays the log, so
+    /// every acknowledged change is there again; it then ends with a
+    /// checkpoint (`docs/design.md` describes the recovery).
     ///
     /// Opening verifies the checksum of every page of the file (redb's
     /// integrity check), so it reads the whole file, as recovery after a
@@ -305,9 +416,15 @@ impl Store {
     /// # Errors
     /// - [`Error::AlreadyOpen`]: another `Store` in this or another process
     ///   holds the file (the second open fails at once, it does not wait).
-    /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer format.
+    /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer
+    ///   format; or a log that belongs to another store, is of another
+    ///   format version, or is not a log (naming the log).
     /// - [`Error::CorruptFile`]: the file is damaged.
-    /// - [`Error::Storage`]: the file cannot be read or created.
+    /// - [`Error::CorruptLog`]: after an unclean shutdown, a log frame that
+    ///   was durable is damaged while later frames are intact, or the log is
+    ///   missing or its header damaged (naming the log and the offset).
+    ///   A torn last frame is not an error: recovery ends before it.
+    /// - [`Error::Storage`]: a file cannot be read or created.
     pub fn open(path: impl AsRef<Path>) -> Result<Store> {
         Store::open_with(path, Config::default())
     }
@@ -332,41 +449,82 @@ impl Store {
     /// retention, a zero or over-long lease, a zero sweep batch or interval,
     /// or a value limit over [`MAX_VALUE_LIMIT`].
     pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
-        Store::open_inner::<redb::backends::FileBackend>(path.as_ref().to_path_buf(), None, config)
+        let path = path.as_ref().to_path_buf();
+        let log_path = log_path_of(&path);
+        Store::open_inner::<redb::backends::FileBackend>(path, log_path, None, None, config)
     }
 
-    /// Opens a store on a caller-supplied redb [`StorageBackend`](redb::StorageBackend)
-    /// instead of a file: for fault injection and simulated power loss in
-    /// tests, or for storage of your own. `name` only names the store in
-    /// errors and logs. The backend must implement redb's file-lock methods
-    /// for [`Error::AlreadyOpen`] to be detected.
+    /// Opens a store on a caller-supplied redb
+    /// [`StorageBackend`](redb::StorageBackend) and write-ahead [`LogFile`]
+    /// instead of files: for fault injection and simulated power loss in
+    /// tests (of the index, of the log, or both), or for storage of your
+    /// own. [`MemoryLog`](crate::MemoryLog) pairs with redb's
+    /// `InMemoryBackend`. `name` only names the store in errors and logs
+    /// (the log as `<name>-wal`). The backend must implement redb's
+    /// file-lock methods for [`Error::AlreadyOpen`] to be detected.
     ///
     /// # Errors
     /// As [`Store::open_with`].
     pub fn open_with_backend(
         name: impl AsRef<Path>,
         backend: impl redb::StorageBackend,
+        log: impl LogFile,
         config: Config,
     ) -> Result<Store> {
-        Store::open_inner(name.as_ref().to_path_buf(), Some(backend), config)
+        let path = name.as_ref().to_path_buf();
+        let log_path = log_path_of(&path);
+        Store::open_inner(path, log_path, Some(backend), Some(Arc::new(log)), config)
     }
 
     fn open_inner<B: redb::StorageBackend>(
         path: PathBuf,
+        log_path: PathBuf,
         backend: Option<B>,
+        log: Option<Arc<dyn LogFile>>,
         config: Config,
     ) -> Result<Store> {
         config.validate()?;
         let (db, meta) = schema::open(&path, backend, config.cache_bytes)?;
+        // The log file is opened (or created) only once the index is known
+        // to be this store's and held by this process.
+        let log = match log {
+            Some(log) => log,
+            None => Arc::new(FileLog::open(&log_path).map_err(|e| {
+                Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
+            })?),
+        };
+        let opened = wal::open(
+            &db,
+            &path,
+            &log_path,
+            log.clone(),
+            &meta,
+            config.max_log_bytes,
+        )?;
+        if opened.replayed > 0 {
+            tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
+        }
         let shared = Arc::new(Shared {
             db: Arc::new(db),
             path,
-            clock: MonotonicClock::new(config.clock.clone(), meta.clock_hwm),
+            log_path,
+            clock: MonotonicClock::new(config.clock.clone(), opened.clock_hwm),
             retention_ms: duration_ms(config.retention),
+            durability: config.durability,
             poisoned: AtomicBool::new(false),
             counters: LiveCounters::default(),
+            index_failed: AtomicBool::new(false),
+            progress: WriteProgress::new(opened.last_seq),
+            cache: ReadCache::new(config.read_cache_bytes),
+            sync_inline: AtomicBool::new(true),
         });
-        let writer = Writer::start(shared.clone(), meta.next_token)?;
+        let state = WriterState::new(
+            opened.next_token,
+            opened.token_reserved,
+            opened.last_seq,
+            opened.writer,
+        );
+        let writer = Writer::start(shared.clone(), state, log)?;
         let inner = Arc::new(Inner {
             shared,
             config,
@@ -396,6 +554,11 @@ impl Store {
     /// The file this store holds.
     pub fn path(&self) -> &Path {
         &self.inner.shared.path
+    }
+
+    /// The store's write-ahead log: `<path>-wal` beside the store file.
+    pub fn log_path(&self) -> &Path {
+        &self.inner.shared.log_path
     }
 
     /// The store's current time (ms since the epoch): the clock's reading,
@@ -679,6 +842,7 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the snapshot cannot
     /// be opened.
     pub fn scan(&self, filter: &Filter) -> Result<Records> {
+        self.inner.commit_index()?;
         let shared = &self.inner.shared;
         Records::open(
             &shared.path,
@@ -704,6 +868,11 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read. Corrupt records are counted, not returned as errors.
     pub fn stats(&self) -> Result<Stats> {
+        // A store that refuses writes still reports what its index holds.
+        match self.inner.commit_index() {
+            Ok(()) | Err(Error::Poisoned) => {}
+            Err(e) => return Err(e),
+        }
         let shared = &self.inner.shared;
         let now_ms = shared.clock.now_ms();
         let (records, oldest) = stats::count_states(&shared.path, &shared.db, now_ms)?;
@@ -730,6 +899,7 @@ impl Store {
         out: impl std::io::Write,
         progress: impl FnMut(Progress),
     ) -> Result<ExportSummary> {
+        self.inner.commit_index()?;
         let shared = &self.inner.shared;
         backup::export(
             &shared.path,
@@ -800,6 +970,7 @@ impl Store {
                 )),
             }
         })?;
+        inner.commit_index()?;
         summary.next_token = schema::next_token(&inner.shared.path, &inner.shared.db)?;
         tracing::info!(
             target: "idemstore::audit",
@@ -826,6 +997,7 @@ impl Store {
     /// read; damaged records are reported in the [`CheckReport`], not as
     /// errors.
     pub fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
+        self.inner.commit_index()?;
         let shared = &self.inner.shared;
         check::verify(&shared.path, &shared.db, shared.clock.now_ms(), progress)
     }
@@ -837,7 +1009,46 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read.
     pub fn len(&self) -> Result<u64> {
-        schema::record_count(&self.inner.shared.path, &self.inner.shared.db)
+        let shared = &self.inner.shared;
+        // Apply what was acknowledged to the index first.
+        self.inner.commit_index()?;
+        let (count, seq) = schema::record_count(&shared.path, &shared.db)?;
+        if shared.durability == Durability::Immediate {
+            // The snapshot may hold a batch whose fsync is still running.
+            shared.progress.wait_durable(seq)?;
+        }
+        Ok(count)
+    }
+
+    /// Makes every change acknowledged so far durable, and returns when it
+    /// is. With [`Durability::Buffered`] this forces the log's fsync now
+    /// instead of within `max_delay`; with [`Durability::Immediate`]
+    /// acknowledged changes are durable already and this returns at once.
+    ///
+    /// # Errors
+    /// [`Error::Poisoned`] when a durable write failed (the changes may or
+    /// may not be durable; reopen the store to find out), [`Error::Closed`]
+    /// when the store's syncer is gone.
+    pub fn flush(&self) -> Result<()> {
+        self.inner.shared.progress.flush()
+    }
+
+    /// Commits the index durably (a checkpoint) and starts the write-ahead
+    /// log over, so that a reopen after a crash has nothing to replay. The
+    /// store checkpoints by itself whenever the log fills and when it is
+    /// dropped; call this to bound recovery time before a planned risk, or
+    /// in tests. Goes through the writer; every change acknowledged before
+    /// it is durable when it returns, whatever the durability mode.
+    ///
+    /// # Errors
+    /// Storage errors as for [`Store::claim`].
+    pub fn checkpoint(&self) -> Result<()> {
+        match self.inner.submit(Command::Checkpoint).wait()? {
+            Answer::Checkpointed => Ok(()),
+            _ => Err(Error::Storage(
+                "writer answered a checkpoint with another answer".into(),
+            )),
+        }
     }
 
     /// Whether the file holds no record at all.
@@ -847,6 +1058,21 @@ impl Store {
     pub fn is_empty(&self) -> Result<bool> {
         self.len().map(|n| n == 0)
     }
+}
+
+/// The log's path for the store file at `path`: `<path>-wal`.
+fn log_path_of(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push("-wal");
+    PathBuf::from(name)
+}
+
+/// What a read outside the writer found.
+enum Read {
+    /// The record (or its absence), durable in `Immediate` mode.
+    Done(Option<Record>),
+    /// The key has a change that may not be durable yet, in this batch.
+    Pending(u64),
 }
 
 impl Inner {
@@ -873,9 +1099,10 @@ impl Inner {
         }
     }
 
-    /// Answers a claim from a read transaction when it can only replay, only
-    /// report a valid lease, or only refuse a fingerprint. Otherwise returns
-    /// the operation for the writer.
+    /// Answers a claim from the cache or a read transaction when it can only
+    /// replay, only report a valid lease, or only refuse a fingerprint.
+    /// Otherwise (including when the key has a change that is not durable
+    /// yet) returns the operation for the writer.
     fn claim_fast(
         &self,
         key: &Key,
@@ -891,7 +1118,7 @@ impl Inner {
             lease_ms,
             business_key: options.business_key.clone(),
         };
-        if let Some(current) = self.get(key)? {
+        if let Read::Done(Some(current)) = self.read(key)? {
             let now_ms = self.shared.clock.now_ms();
             let ctx = Ctx {
                 now_ms,
@@ -921,21 +1148,69 @@ impl Inner {
         Ok(Err(op))
     }
 
+    /// Has the writer commit its open index transaction, so that reads see
+    /// every change acknowledged before this call.
+    fn commit_index(&self) -> Result<()> {
+        match self.submit(Command::Commit).wait()? {
+            Answer::Committed => Ok(()),
+            _ => Err(Error::Storage(
+                "writer answered a commit with another answer".into(),
+            )),
+        }
+    }
+
+    /// The record of `key` as durable (in `Immediate` mode). A change in
+    /// flight is waited for: its commit to the index is asked of the
+    /// writer, its fsync awaited.
     fn get(&self, key: &Key) -> Result<Option<Record>> {
-        let path = &self.shared.path;
+        loop {
+            match self.read(key)? {
+                Read::Done(r) => return Ok(r),
+                Read::Pending(seq) if self.shared.progress.committed() < seq => {
+                    self.commit_index()?;
+                }
+                Read::Pending(seq) => self.shared.progress.wait_durable(seq)?,
+            }
+        }
+    }
+
+    /// One read outside the writer: the cache, else a read transaction,
+    /// then the durability gate (see [`crate::cache`]).
+    fn read(&self, key: &Key) -> Result<Read> {
+        let shared = &self.shared;
+        let path = &shared.path;
         let kb = key.to_bytes();
+        let now = shared.clock.now_ms();
+        let gated = shared.durability == Durability::Immediate;
+        let version = match shared
+            .cache
+            .lookup(&kb, now, shared.progress.visible_upto(gated))
+        {
+            Lookup::Hit(record) => return Ok(Read::Done(Some(record))),
+            Lookup::Pending(seq) => return Ok(Read::Pending(seq)),
+            Lookup::Miss(version) => version,
+        };
         let bytes = guard(path, || {
-            let txn = self.shared.db.begin_read().map_err(|e| map_err(path, e))?;
+            let txn = shared.db.begin_read().map_err(|e| map_err(path, e))?;
             let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
             let value = table.get(kb.as_slice()).map_err(|e| map_err(path, e))?;
             Ok(value.map(|v| v.value().to_vec()))
         })?;
-        let Some(bytes) = bytes else { return Ok(None) };
-        let record = codec::decode_record(&kb, &bytes).inspect_err(|e| {
-            audit::publish(&self.shared.counters, Event::corruption(e));
-        })?;
-        let now = self.shared.clock.now_ms();
-        Ok((!record.is_expired_at(now)).then_some(record))
+        let record = match bytes {
+            Some(bytes) => Some(codec::decode_record(&kb, &bytes).inspect_err(|e| {
+                audit::publish(&self.shared.counters, Event::corruption(e));
+            })?),
+            None => None,
+        };
+        let record = record.filter(|r| !r.is_expired_at(now));
+        let visible = shared.progress.visible_upto(gated);
+        match shared
+            .cache
+            .after_read(&kb, record.as_ref(), version, now, visible)
+        {
+            Some(seq) => Ok(Read::Pending(seq)),
+            None => Ok(Read::Done(record)),
+        }
     }
 
     fn check_len(what: &'static str, len: usize, limit: usize) -> Result<()> {
@@ -978,7 +1253,7 @@ impl Inner {
 fn expect_reply(answer: Result<Answer>) -> Result<Reply> {
     match answer? {
         Answer::Reply(r) => Ok(r),
-        _ => Err(Error::Storage("writer answered with another answer".into())),
+        _ => Err(Error::Storage("writer answered without a reply".into())),
     }
 }
 
@@ -1004,5 +1279,97 @@ fn expect_released(answer: Result<Answer>) -> Result<()> {
         _ => Err(Error::Storage(
             "writer answered a release with another reply".into(),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wal::MemoryLog;
+    use parking_lot::{Condvar, Mutex};
+
+    /// A log whose fsync can be held, to look at the store while a batch is
+    /// applied to the index but not yet durable.
+    #[derive(Clone, Default)]
+    struct HeldSync {
+        log: MemoryLog,
+        held: Arc<(Mutex<bool>, Condvar)>,
+    }
+
+    impl LogFile for HeldSync {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.log.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.log.write_at(offset, data)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            let (lock, cv) = &*self.held;
+            let mut held = lock.lock();
+            while *held {
+                cv.wait(&mut held);
+            }
+            Ok(())
+        }
+        fn len(&self) -> std::io::Result<u64> {
+            self.log.len()
+        }
+    }
+
+    fn in_index(store: &Store, key: &Key) -> bool {
+        let txn = store.inner.shared.db.begin_read().unwrap();
+        let table = txn.open_table(RECORDS).unwrap();
+        table.get(key.to_bytes().as_slice()).unwrap().is_some()
+    }
+
+    #[test]
+    fn immediate_reads_never_see_a_change_before_its_fsync() {
+        let log = HeldSync::default();
+        let store = Arc::new(
+            Store::open_with_backend(
+                "held.redb",
+                redb::backends::InMemoryBackend::new(),
+                log.clone(),
+                Config::new().sweep_interval(None),
+            )
+            .unwrap(),
+        );
+        let key = Key::new("s", "held").unwrap();
+        let fp = Fingerprint::of(b"p");
+        // Through the syncer: the writer applies the batch to the index
+        // while the fsync runs.
+        store
+            .inner
+            .shared
+            .sync_inline
+            .store(false, Ordering::Relaxed);
+        *log.held.0.lock() = true;
+        let claimer = {
+            let (store, key, fp) = (store.clone(), key.clone(), fp.clone());
+            std::thread::spawn(move || store.claim(&key, &fp, &ClaimOptions::new()))
+        };
+        // The batch reaches the index (a non-durable commit) while its
+        // fsync is held.
+        while !in_index(&store, &key) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(matches!(store.inner.read(&key).unwrap(), Read::Pending(_)));
+        assert!(
+            store
+                .inner
+                .claim_fast(&key, &fp, &ClaimOptions::new())
+                .unwrap()
+                .is_err()
+        );
+        assert!(!claimer.is_finished());
+        {
+            let (lock, cv) = &*log.held;
+            *lock.lock() = false;
+            cv.notify_all();
+        }
+        let ClaimOutcome::Acquired(lease) = claimer.join().unwrap().unwrap() else {
+            panic!("fresh key");
+        };
+        assert_eq!(store.get(&key).unwrap().unwrap().token(), lease.token());
     }
 }

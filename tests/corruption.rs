@@ -228,8 +228,8 @@ fn flipped_key_byte_in_a_closed_file_fails_the_open() {
 #[test]
 fn record_damaged_while_open_is_corrupt_record_naming_the_key() {
     let t = TestDir::new();
-    // No page cache, so that every read goes to the file.
-    let store = t.open_with(t.config().cache_bytes(0));
+    // No page cache and no read cache, so that every read goes to the file.
+    let store = t.open_with(t.config().cache_bytes(0).read_cache_bytes(0));
     let expected = populate(&store);
     let bytes = std::fs::read(&t.path).unwrap();
     let at = find_all(&bytes, MARKER);
@@ -290,7 +290,7 @@ fn record_damaged_while_open_is_corrupt_record_naming_the_key() {
 #[test]
 fn key_damaged_while_open_is_corrupt_record_and_refused_at_reopen() {
     let t = TestDir::new();
-    let store = t.open_with(t.config().cache_bytes(0));
+    let store = t.open_with(t.config().cache_bytes(0).read_cache_bytes(0));
     let expected = populate(&store);
     let bytes = std::fs::read(&t.path).unwrap();
     let at = find_all(&bytes, VICTIM_ID.as_bytes());

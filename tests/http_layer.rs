@@ -292,6 +292,39 @@ impl redb::StorageBackend for Breakable {
     }
 }
 
+/// A write-ahead log in memory whose writes and syncs fail once `broken` is
+/// set (with the write-ahead log, a claim's durable write is the log's).
+struct BreakableLog {
+    inner: idemstore::MemoryLog,
+    broken: Arc<AtomicBool>,
+}
+
+impl BreakableLog {
+    fn check(&self) -> std::io::Result<()> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected I/O error"));
+        }
+        Ok(())
+    }
+}
+
+impl idemstore::LogFile for BreakableLog {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.write_at(offset, data)
+    }
+    fn sync_data(&self) -> std::io::Result<()> {
+        self.check()?;
+        self.inner.sync_data()
+    }
+    fn len(&self) -> std::io::Result<u64> {
+        self.inner.len()
+    }
+}
+
 #[tokio::test]
 async fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
     let broken = Arc::new(AtomicBool::new(false));
@@ -299,8 +332,17 @@ async fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
         inner: redb::backends::InMemoryBackend::new(),
         broken: broken.clone(),
     };
-    let store =
-        Store::open_with_backend("breakable", backend, Config::new().sweep_interval(None)).unwrap();
+    let log = BreakableLog {
+        inner: idemstore::MemoryLog::new(),
+        broken: broken.clone(),
+    };
+    let store = Store::open_with_backend(
+        "breakable",
+        backend,
+        log,
+        Config::new().sweep_interval(None),
+    )
+    .unwrap();
     let (svc, runs) = service(IdempotencyLayer::new(Arc::new(store)), |_| async {
         created("{}")
     });

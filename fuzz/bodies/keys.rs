@@ -23,8 +23,13 @@ fn store() -> &'static Store {
         let config = Config::new()
             .sweep_interval(None)
             .clock(ManualClock::new(1_700_000_000_000));
-        Store::open_with_backend("fuzz-keys", InMemoryBackend::new(), config)
-            .expect("open the in-memory store")
+        Store::open_with_backend(
+            "fuzz-keys",
+            InMemoryBackend::new(),
+            idemstore::MemoryLog::new(),
+            config,
+        )
+        .expect("open the in-memory store")
     })
 }
 

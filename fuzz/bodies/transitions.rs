@@ -9,7 +9,7 @@ pub mod reference;
 
 use std::sync::Arc;
 
-use idemstore::{StorageBackend, Store};
+use idemstore::{MemoryLog, StorageBackend, Store};
 use redb::backends::InMemoryBackend;
 
 use reference::{
@@ -144,8 +144,9 @@ impl Bytes<'_> {
 /// the store and the model.
 pub fn transitions(data: &[u8]) {
     let memory = SharedMemory(Arc::new(InMemoryBackend::new()));
+    let log = MemoryLog::new();
     let mut harness = Harness::new(Box::new(move |config| {
-        Store::open_with_backend("fuzz-transitions", memory.clone(), config)
+        Store::open_with_backend("fuzz-transitions", memory.clone(), log.clone(), config)
             .expect("open the in-memory store")
     }));
     let mut model = Model::new();

@@ -1,0 +1,1162 @@
+//! The write-ahead log: frames, the log-file seam, fsync, recovery, reuse.
+//!
+//! Every state change is first written to a preallocated log file beside the
+//! redb file (`<file>-wal`, as SQLite keeps its `-wal`) and made durable
+//! there with one `fdatasync` per group of batches; the redb index is then
+//! updated with non-durable commits. Periodic checkpoints (durable redb
+//! commits that record the last applied sequence number) let the log be
+//! overwritten from its start again. Recovery opens redb, which reverts to
+//! its last durable commit, and replays the frames written after it.
+//!
+//! The byte layout of the header, frames and change records, the crash
+//! analysis and the assumptions about the disk are in `docs/design.md`.
+//!
+//! A frame logs the *effects* of a batch (records put and removed, expiry
+//! index entries, counters), not the requests, so replay is deterministic and
+//! idempotent: applying a suffix of the log twice gives the same index.
+//!
+//! All I/O of the log goes through the [`LogFile`] trait, so that tests can
+//! inject faults and simulate power loss in the log as in redb (whose seam is
+//! [`redb::StorageBackend`]).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// The storage under the write-ahead log: a file that is read and written at
+/// offsets and made durable with [`LogFile::sync_data`].
+///
+/// The store opens a [`FileLog`] at `<file>-wal` by itself;
+/// [`Store::open_with_backend`](crate::Store::open_with_backend) takes any
+/// implementation, so that tests can inject I/O errors, lose what was not
+/// synced (a power cut), or keep the log in memory ([`MemoryLog`]).
+///
+/// The store calls these methods from two threads (the writer writes frames,
+/// a syncer calls `sync_data`), so an implementation must allow concurrent
+/// calls. Bytes never written read as zero (a new file is empty; the store
+/// writes zeros to extend it).
+///
+/// An error from any method fails the batch that needed it and poisons the
+/// store ([`Error::Poisoned`]) until it is reopened;
+/// a panic in `sync_data` stops the store's syncer, and every waiting and
+/// later call gets [`Error::Closed`].
+// `len` without `is_empty`: named as in redb's `StorageBackend`, which this
+// trait sits beside; an empty log is not a case callers ask about.
+#[allow(clippy::len_without_is_empty)]
+pub trait LogFile: Send + Sync + 'static {
+    /// Fills `buf` with the bytes at `offset`.
+    ///
+    /// # Errors
+    /// An [`io::Error`] of kind `UnexpectedEof` when the file ends before
+    /// `offset + buf.len()`, or any other read error.
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+
+    /// Writes all of `data` at `offset`, extending the file (with zeros
+    /// between the old end and `offset`) when it is shorter. Need not be
+    /// durable until [`LogFile::sync_data`] returns.
+    ///
+    /// # Errors
+    /// Any write error; the bytes may then be partly written.
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+
+    /// Makes every write that returned before this call durable (POSIX
+    /// `fdatasync`). A real disk may keep any subset of the writes that were
+    /// not yet synced when power is lost.
+    ///
+    /// # Errors
+    /// Any I/O error. After an error nothing is known about which writes are
+    /// durable; the store refuses writes until it is reopened.
+    fn sync_data(&self) -> io::Result<()>;
+
+    /// The current length of the file in bytes.
+    ///
+    /// # Errors
+    /// Any I/O error.
+    fn len(&self) -> io::Result<u64>;
+}
+
+/// A [`LogFile`] on a file of the operating system, the one the store uses
+/// for `<file>-wal`.
+#[derive(Debug)]
+pub struct FileLog {
+    file: File,
+    #[cfg(not(unix))]
+    cursor: Mutex<()>,
+}
+
+impl FileLog {
+    /// Opens the file at `path` for reading and writing, creating it when it
+    /// is absent. A newly created file's directory entry is made durable
+    /// (the parent directory is synced on Unix) before this returns.
+    ///
+    /// # Errors
+    /// Any I/O error from opening or creating the file or syncing its
+    /// directory.
+    pub fn open(path: impl AsRef<Path>) -> io::Result<FileLog> {
+        let path = path.as_ref();
+        let (file, created) = match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(f) => (f, true),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                (OpenOptions::new().read(true).write(true).open(path)?, false)
+            }
+            Err(e) => return Err(e),
+        };
+        if created {
+            file.sync_all()?;
+            sync_parent_dir(path)?;
+        }
+        Ok(FileLog {
+            file,
+            #[cfg(not(unix))]
+            cursor: Mutex::new(()),
+        })
+    }
+}
+
+#[cfg(unix)]
+fn sync_parent_dir(path: &Path) -> io::Result<()> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    File::open(parent)?.sync_all()
+}
+
+#[cfg(not(unix))]
+fn sync_parent_dir(_path: &Path) -> io::Result<()> {
+    // Directories cannot be opened for syncing here; NTFS journals the entry.
+    Ok(())
+}
+
+impl LogFile for FileLog {
+    #[cfg(unix)]
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, offset)
+    }
+
+    #[cfg(not(unix))]
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        use std::io::{Read, Seek, SeekFrom};
+        let _held = self.cursor.lock();
+        let mut f = &self.file;
+        f.seek(SeekFrom::Start(offset))?;
+        f.read_exact(buf)
+    }
+
+    #[cfg(unix)]
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        std::os::unix::fs::FileExt::write_all_at(&self.file, data, offset)
+    }
+
+    #[cfg(not(unix))]
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        use std::io::{Seek, SeekFrom, Write};
+        let _held = self.cursor.lock();
+        let mut f = &self.file;
+        f.seek(SeekFrom::Start(offset))?;
+        f.write_all(data)
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+}
+
+/// A [`LogFile`] kept in memory, to pair with redb's `InMemoryBackend` in
+/// [`Store::open_with_backend`](crate::Store::open_with_backend). Clones
+/// share the same bytes, so a test can keep one handle, drop the store and
+/// reopen on the same log. `sync_data` does nothing: nothing is lost unless
+/// the bytes are changed through [`MemoryLog::set_contents`].
+#[derive(Debug, Clone, Default)]
+pub struct MemoryLog(Arc<Mutex<Vec<u8>>>);
+
+impl MemoryLog {
+    /// An empty log.
+    pub fn new() -> MemoryLog {
+        MemoryLog::default()
+    }
+
+    /// A copy of the log's bytes.
+    pub fn contents(&self) -> Vec<u8> {
+        self.0.lock().clone()
+    }
+
+    /// Replaces the log's bytes, e.g. with a damaged copy.
+    pub fn set_contents(&self, bytes: Vec<u8>) {
+        *self.0.lock() = bytes;
+    }
+}
+
+impl LogFile for MemoryLog {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let data = self.0.lock();
+        let start = usize::try_from(offset).map_err(|_| eof())?;
+        let end = start.checked_add(buf.len()).ok_or_else(eof)?;
+        let src = data.get(start..end).ok_or_else(eof)?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        let mut data = self.0.lock();
+        let start = usize::try_from(offset).map_err(|_| too_far())?;
+        let end = start.checked_add(bytes.len()).ok_or_else(too_far)?;
+        if data.len() < end {
+            data.resize(end, 0);
+        }
+        data[start..end].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn sync_data(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.0.lock().len() as u64)
+    }
+}
+
+fn eof() -> io::Error {
+    io::Error::new(io::ErrorKind::UnexpectedEof, "read past the end of the log")
+}
+
+fn too_far() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, "offset out of range")
+}
+
+// ---------------------------------------------------------------------------
+// Layout
+
+/// Bytes reserved for the log header; frames start here.
+pub(crate) const HEADER_LEN: u64 = 4096;
+/// The log format this build writes and reads.
+pub(crate) const LOG_VERSION: u32 = 1;
+const LOG_MAGIC: [u8; 8] = *b"IDEMWAL\0";
+/// The header bytes that carry data (the rest of [`HEADER_LEN`] is zero).
+const HEADER_USED: usize = 32;
+
+/// Marks the start of a frame: "IWF" and the frame format version 1.
+const FRAME_MAGIC: [u8; 4] = [b'I', b'W', b'F', 1];
+/// Bytes of a frame header.
+pub(crate) const FRAME_HEADER_LEN: usize = 36;
+/// The largest frame body accepted when reading (in bytes): a guard against
+/// a damaged length field, well above any batch the writer forms.
+const MAX_BODY_LEN: usize = 1 << 30;
+/// Bytes of a body before its changes: next token, clock, change count.
+const BODY_HEADER_LEN: usize = 20;
+
+/// The log length a new log starts with (in bytes); it doubles on each
+/// checkpoint forced by a full log, up to the configured maximum.
+pub(crate) const INITIAL_LOG_BYTES: u64 = 1024 * 1024;
+/// How many fencing tokens a checkpoint reserves: the counter may hand them
+/// out before the next checkpoint, and jumps past them after a crash. A
+/// batch that needs a token beyond the reservation is committed as a
+/// checkpoint that extends it (once per this many acquisitions).
+pub(crate) const TOKEN_RESERVATION: u64 = 1 << 20;
+/// The smallest maximum log size [`crate::Config`] accepts (in bytes).
+pub(crate) const MIN_LOG_BYTES: u64 = 64 * 1024;
+
+/// The tables a change applies to (the byte in each change record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LogTable {
+    /// Records: stored key bytes → record envelope.
+    Records = 1,
+    /// Expiry index: key = deadline (u64 LE) ‖ stored key bytes; no value.
+    Expiry = 2,
+    /// Business keys: key → stored key bytes.
+    Business = 3,
+}
+
+impl LogTable {
+    fn from_code(code: u8) -> Option<LogTable> {
+        Some(match code {
+            1 => LogTable::Records,
+            2 => LogTable::Expiry,
+            3 => LogTable::Business,
+            _ => return None,
+        })
+    }
+}
+
+const CHANGE_INSERT: u8 = 1;
+const CHANGE_REMOVE: u8 = 2;
+
+/// One logged change, borrowed from a decoded frame body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Change<'a> {
+    /// Insert or overwrite `key` → `value` in `table`.
+    Insert {
+        table: LogTable,
+        key: &'a [u8],
+        value: &'a [u8],
+    },
+    /// Remove `key` from `table` (absent is fine).
+    Remove { table: LogTable, key: &'a [u8] },
+}
+
+/// Builds the body of one frame while the writer decides a batch.
+#[derive(Debug)]
+pub(crate) struct BodyWriter {
+    buf: Vec<u8>,
+    count: u32,
+}
+
+impl Default for BodyWriter {
+    fn default() -> Self {
+        BodyWriter::new()
+    }
+}
+
+impl BodyWriter {
+    pub(crate) fn new() -> BodyWriter {
+        BodyWriter {
+            buf: vec![0; BODY_HEADER_LEN],
+            count: 0,
+        }
+    }
+
+    /// Whether no change was recorded.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    fn key(&mut self, op: u8, table: LogTable, key: &[&[u8]]) {
+        let len: usize = key.iter().map(|p| p.len()).sum();
+        self.buf.push(op);
+        self.buf.push(table as u8);
+        self.buf.extend_from_slice(&len_u32(len).to_le_bytes());
+        for part in key {
+            self.buf.extend_from_slice(part);
+        }
+        self.count += 1;
+    }
+
+    /// Records an insert; `key` is given in parts that are concatenated.
+    pub(crate) fn insert(&mut self, table: LogTable, key: &[&[u8]], value: &[u8]) {
+        self.key(CHANGE_INSERT, table, key);
+        self.buf
+            .extend_from_slice(&len_u32(value.len()).to_le_bytes());
+        self.buf.extend_from_slice(value);
+    }
+
+    /// Records a removal; `key` is given in parts that are concatenated.
+    pub(crate) fn remove(&mut self, table: LogTable, key: &[&[u8]]) {
+        self.key(CHANGE_REMOVE, table, key);
+    }
+
+    /// The finished body, with the counters the index holds after it.
+    pub(crate) fn finish(mut self, next_token: u64, clock_hwm: u64) -> Vec<u8> {
+        self.buf[0..8].copy_from_slice(&next_token.to_le_bytes());
+        self.buf[8..16].copy_from_slice(&clock_hwm.to_le_bytes());
+        self.buf[16..20].copy_from_slice(&self.count.to_le_bytes());
+        self.buf
+    }
+}
+
+/// Keys and values are bounded far below 4 GiB (keys by `Key`, values by
+/// `MAX_VALUE_LIMIT`), so lengths always fit a `u32`.
+fn len_u32(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX)
+}
+
+/// A decoded frame body.
+#[derive(Debug)]
+pub(crate) struct Body<'a> {
+    pub next_token: u64,
+    pub clock_hwm: u64,
+    pub changes: Vec<Change<'a>>,
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n)?;
+        let s = self.buf.get(self.at..end)?;
+        self.at = end;
+        Some(s)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(le_u64)
+    }
+}
+
+fn le_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(a)
+}
+
+fn le_u32(b: &[u8]) -> u32 {
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Decodes a frame body. `None` when it is malformed (a frame whose checksum
+/// passed but whose body does not decode: a bug or a foreign writer).
+pub(crate) fn decode_body(buf: &[u8]) -> Option<Body<'_>> {
+    let mut r = Reader { buf, at: 0 };
+    let next_token = r.u64()?;
+    let clock_hwm = r.u64()?;
+    let count = r.u32()? as usize;
+    // Each change takes at least 6 bytes: never trust `count` for capacity.
+    let mut changes = Vec::with_capacity(count.min(buf.len() / 6));
+    for _ in 0..count {
+        let op = r.u8()?;
+        let table = LogTable::from_code(r.u8()?)?;
+        let klen = r.u32()? as usize;
+        let key = r.take(klen)?;
+        changes.push(match op {
+            CHANGE_INSERT => {
+                let vlen = r.u32()? as usize;
+                let value = r.take(vlen)?;
+                Change::Insert { table, key, value }
+            }
+            CHANGE_REMOVE => Change::Remove { table, key },
+            _ => return None,
+        });
+    }
+    (r.at == buf.len()).then_some(Body {
+        next_token,
+        clock_hwm,
+        changes,
+    })
+}
+
+/// The fixed fields of a frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FrameHeader {
+    pub body_len: usize,
+    pub seq: u64,
+    pub epoch: u64,
+    pub synced_through: u64,
+}
+
+impl FrameHeader {
+    fn total_len(&self) -> usize {
+        FRAME_HEADER_LEN + self.body_len
+    }
+}
+
+fn frame_crc(store_id: u128, header: &[u8], body: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&store_id.to_le_bytes());
+    h.update(&header[..32]);
+    h.update(body);
+    h.finalize()
+}
+
+/// Encodes a frame: header then body.
+pub(crate) fn encode_frame(store_id: u128, header: &FrameHeader, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(FRAME_HEADER_LEN + body.len());
+    out.extend_from_slice(&FRAME_MAGIC);
+    out.extend_from_slice(&len_u32(body.len()).to_le_bytes());
+    out.extend_from_slice(&header.seq.to_le_bytes());
+    out.extend_from_slice(&header.epoch.to_le_bytes());
+    out.extend_from_slice(&header.synced_through.to_le_bytes());
+    let crc = frame_crc(store_id, &out, body);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// Parses the frame at `at` in `buf`: its magic, length and checksum must
+/// all be right. `None` for anything else (zeros, a torn or damaged frame,
+/// the middle of an older frame, another store's frame).
+fn parse_frame(buf: &[u8], at: usize, store_id: u128) -> Option<FrameHeader> {
+    let head = buf.get(at..at.checked_add(FRAME_HEADER_LEN)?)?;
+    if head[0..4] != FRAME_MAGIC {
+        return None;
+    }
+    let body_len = le_u32(&head[4..8]) as usize;
+    if body_len > MAX_BODY_LEN {
+        return None;
+    }
+    let body_start = at + FRAME_HEADER_LEN;
+    let body = buf.get(body_start..body_start.checked_add(body_len)?)?;
+    if frame_crc(store_id, head, body) != le_u32(&head[32..36]) {
+        return None;
+    }
+    Some(FrameHeader {
+        body_len,
+        seq: le_u64(&head[8..16]),
+        epoch: le_u64(&head[16..24]),
+        synced_through: le_u64(&head[24..32]),
+    })
+}
+
+/// The log header: what store the log belongs to, in which format.
+pub(crate) fn encode_header(store_id: u128) -> Vec<u8> {
+    let mut out = vec![0u8; HEADER_LEN as usize];
+    out[0..8].copy_from_slice(&LOG_MAGIC);
+    out[8..12].copy_from_slice(&LOG_VERSION.to_le_bytes());
+    out[12..28].copy_from_slice(&store_id.to_le_bytes());
+    let crc = crc32fast::hash(&out[0..28]);
+    out[28..32].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// What the first bytes of a log file say.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum HeaderState {
+    /// Empty or all zero: a log that was never written (or whose creation
+    /// was cut short).
+    Blank,
+    /// A valid header of this format, naming a store.
+    Valid { store_id: u128 },
+    /// This format's magic, but a damaged header (a torn creation, or
+    /// damage).
+    Damaged,
+    /// Not a log of this format: another file, or another format version.
+    Foreign(String),
+}
+
+/// Reads and checks the header of `log`.
+pub(crate) fn read_header(log: &dyn LogFile) -> io::Result<HeaderState> {
+    let len = log.len()?;
+    if len == 0 {
+        return Ok(HeaderState::Blank);
+    }
+    let mut head = [0u8; HEADER_USED];
+    let n = usize::try_from(len.min(HEADER_USED as u64)).unwrap_or(HEADER_USED);
+    log.read_at(0, &mut head[..n])?;
+    if head.iter().all(|&b| b == 0) {
+        return Ok(HeaderState::Blank);
+    }
+    if head[0..8] != LOG_MAGIC {
+        return Ok(HeaderState::Foreign(
+            "not an idemstore write-ahead log (bad magic)".into(),
+        ));
+    }
+    if n < HEADER_USED || crc32fast::hash(&head[0..28]) != le_u32(&head[28..32]) {
+        return Ok(HeaderState::Damaged);
+    }
+    let version = le_u32(&head[8..12]);
+    if version != LOG_VERSION {
+        return Ok(HeaderState::Foreign(format!(
+            "log format version {version}; this build reads version {LOG_VERSION}"
+        )));
+    }
+    let mut id = [0u8; 16];
+    id.copy_from_slice(&head[12..28]);
+    Ok(HeaderState::Valid {
+        store_id: u128::from_le_bytes(id),
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Opening: header checks, replay, the opening checkpoint.
+
+/// What the writer starts from after the log was opened and replayed.
+pub(crate) struct Opened {
+    pub writer: LogWriter,
+    /// The last sequence number the index holds (durably).
+    pub last_seq: u64,
+    pub next_token: u64,
+    /// Tokens below this may be handed out before the next checkpoint.
+    pub token_reserved: u64,
+    pub clock_hwm: u64,
+    /// How many frames were replayed.
+    pub replayed: usize,
+}
+
+/// Opens the log of the store whose metadata is `meta`, replays the frames
+/// after its last checkpoint into the index, and commits a checkpoint
+/// (durable, with redb's quick-repair) that starts a new epoch. After this
+/// the log holds nothing the index needs.
+///
+/// # Errors
+/// - [`Error::IncompatibleFile`] naming the log: it belongs to another store
+///   (another identity), is another format version, or is not a log.
+/// - [`Error::CorruptLog`]: a durable frame is damaged (see [`recover`]), or
+///   the log is missing or its header damaged after an unclean shutdown.
+/// - [`Error::Storage`], [`Error::CorruptFile`]: the log or the index cannot
+///   be read or written.
+pub(crate) fn open(
+    db: &redb::Database,
+    path: &Path,
+    log_path: &Path,
+    log: Arc<dyn LogFile>,
+    meta: &crate::schema::Meta,
+    max_len: u64,
+) -> Result<Opened> {
+    use crate::schema::{Checkpoint, Tables, guard, map_err, write_checkpoint};
+
+    let header = read_header(log.as_ref()).map_err(|e| io_err(log_path, "read", &e))?;
+    let lost = |what: &str| Error::CorruptLog {
+        path: log_path.to_path_buf(),
+        offset: 0,
+        detail: format!(
+            "{what} after an unclean shutdown: changes acknowledged since the last \
+             checkpoint cannot be recovered"
+        ),
+    };
+    match header {
+        HeaderState::Valid { store_id } if store_id == meta.store_id => {}
+        HeaderState::Valid { store_id } => {
+            return Err(Error::IncompatibleFile {
+                path: log_path.to_path_buf(),
+                detail: format!(
+                    "the write-ahead log belongs to store {store_id:032x}, not to {:032x} ({})",
+                    meta.store_id,
+                    path.display()
+                ),
+            });
+        }
+        HeaderState::Foreign(detail) => {
+            return Err(Error::IncompatibleFile {
+                path: log_path.to_path_buf(),
+                detail,
+            });
+        }
+        HeaderState::Blank if meta.clean => {
+            LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
+        }
+        HeaderState::Damaged if meta.clean => {
+            LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
+        }
+        HeaderState::Blank => return Err(lost("the write-ahead log is empty or missing")),
+        HeaderState::Damaged => return Err(lost("the write-ahead log's header is damaged")),
+    }
+
+    let recovered = if meta.clean {
+        None
+    } else {
+        Some(recover(
+            log.as_ref(),
+            log_path,
+            meta.store_id,
+            meta.log_epoch,
+            meta.log_base,
+        )?)
+    };
+    let frames = match &recovered {
+        Some(r) => r.frames_after(log_path, meta.applied_seq)?,
+        None => Vec::new(),
+    };
+    let mut last_seq = meta.applied_seq.max(meta.log_base);
+    // After an unclean shutdown, tokens up to the reservation may have been
+    // handed out by changes that were lost (buffered mode): skip them.
+    let mut next_token = if meta.clean {
+        meta.next_token
+    } else {
+        meta.next_token.max(meta.token_reserved)
+    };
+    let mut clock_hwm = meta.clock_hwm;
+    if let Some(r) = &recovered {
+        tracing::info!(
+            log = %log_path.display(),
+            frames = frames.len(),
+            chain_end_seq = r.last_seq(meta.log_base),
+            end = r.end,
+            torn_tail = r.discarded_tail,
+            "recovering from the write-ahead log after an unclean shutdown"
+        );
+    }
+    let epoch = meta.log_epoch + 1;
+    guard(path, || {
+        let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        {
+            let mut tables = Tables::open(path, &txn, false)?;
+            for frame in &frames {
+                for change in &frame.body.changes {
+                    if !tables.apply(*change)? {
+                        return Err(Error::CorruptLog {
+                            path: log_path.to_path_buf(),
+                            offset: frame.offset,
+                            detail: format!("frame {} holds a malformed change", frame.seq),
+                        });
+                    }
+                }
+                last_seq = frame.seq;
+                next_token = next_token.max(frame.body.next_token);
+                clock_hwm = clock_hwm.max(frame.body.clock_hwm);
+            }
+            tables.set_counters(next_token, clock_hwm, last_seq)?;
+        }
+        write_checkpoint(
+            path,
+            &txn,
+            Checkpoint {
+                epoch,
+                base: last_seq,
+                clean: false,
+                token_reserved: next_token.saturating_add(TOKEN_RESERVATION),
+            },
+        )?;
+        txn.commit().map_err(|e| map_err(path, e))
+    })?;
+    let writer = LogWriter::start(log, log_path.to_path_buf(), meta.store_id, epoch, max_len)?;
+    Ok(Opened {
+        writer,
+        last_seq,
+        next_token,
+        token_reserved: next_token.saturating_add(TOKEN_RESERVATION),
+        clock_hwm,
+        replayed: frames.len(),
+    })
+}
+
+// ---------------------------------------------------------------------------
+// Recovery
+
+/// The frames recovery found after the last checkpoint, with their bodies.
+pub(crate) struct Recovered {
+    /// The log's bytes; frames are ranges into it.
+    bytes: Vec<u8>,
+    /// (header, body offset) of each frame of the chain, in order.
+    frames: Vec<(FrameHeader, usize)>,
+    /// Where the chain ends (the first byte after its last frame).
+    pub end: u64,
+    /// Whether non-zero bytes follow the chain (a torn tail, or frames of
+    /// an earlier epoch): they are ignored; recovery logs the fact.
+    pub discarded_tail: bool,
+}
+
+/// One frame of the chain, decoded.
+pub(crate) struct RecoveredFrame<'a> {
+    pub seq: u64,
+    pub offset: u64,
+    pub body: Body<'a>,
+}
+
+impl Recovered {
+    /// The last sequence number of the chain, or `base` when it is empty.
+    pub(crate) fn last_seq(&self, base: u64) -> u64 {
+        self.frames.last().map_or(base, |(h, _)| h.seq)
+    }
+
+    /// Decodes the chain's frames with a sequence number above `after`.
+    ///
+    /// # Errors
+    /// [`Error::CorruptLog`] for a frame whose checksum passed but whose
+    /// body does not decode.
+    pub(crate) fn frames_after(&self, path: &Path, after: u64) -> Result<Vec<RecoveredFrame<'_>>> {
+        let mut out = Vec::new();
+        for (h, at) in &self.frames {
+            if h.seq <= after {
+                continue;
+            }
+            let start = at + FRAME_HEADER_LEN;
+            let body = decode_body(&self.bytes[start..start + h.body_len]).ok_or_else(|| {
+                Error::CorruptLog {
+                    path: path.to_path_buf(),
+                    offset: *at as u64,
+                    detail: format!("frame {} has a valid checksum but a malformed body", h.seq),
+                }
+            })?;
+            out.push(RecoveredFrame {
+                seq: h.seq,
+                offset: *at as u64,
+                body,
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// Reads the log after the checkpoint that began `epoch` at sequence
+/// number `base`.
+///
+/// The chain is the run of frames from the first frame position, of this
+/// epoch, with sequence numbers `base + 1, base + 2, …`. It ends at the
+/// first position that does not hold its next frame. What follows is a torn
+/// tail (a batch whose write was cut by the crash, and any batch after it
+/// that was not yet known to be durable) or older frames, and is ignored —
+/// unless a later frame of this epoch says, by its `synced_through` field,
+/// that the missing frame had already been made durable: then a durable
+/// frame was damaged, and recovery stops with [`Error::CorruptLog`] rather
+/// than silently losing acknowledged changes.
+///
+/// # Errors
+/// [`Error::CorruptLog`] as above (naming the log and the offset where the
+/// chain broke), [`Error::Storage`] when the log cannot be read.
+pub(crate) fn recover(
+    log: &dyn LogFile,
+    path: &Path,
+    store_id: u128,
+    epoch: u64,
+    base: u64,
+) -> Result<Recovered> {
+    let len = log.len().map_err(|e| io_err(path, "read", &e))?;
+    let len = usize::try_from(len)
+        .map_err(|_| Error::Storage(format!("{}: the log is too large to read", path.display())))?;
+    let mut bytes = vec![0u8; len];
+    log.read_at(0, &mut bytes)
+        .map_err(|e| io_err(path, "read", &e))?;
+
+    let mut frames = Vec::new();
+    let mut at = HEADER_LEN as usize;
+    let mut last = base;
+    while let Some(h) = parse_frame(&bytes, at, store_id) {
+        if h.epoch != epoch || h.seq != last + 1 {
+            break;
+        }
+        frames.push((h, at));
+        last = h.seq;
+        at += h.total_len();
+    }
+    let end = at;
+
+    // Look past the chain for a frame of this epoch that proves the missing
+    // frame `last + 1` was durable.
+    let mut discarded_tail = false;
+    let mut pos = end;
+    while pos < bytes.len() {
+        let Some(rel) = bytes[pos..].iter().position(|&b| b == FRAME_MAGIC[0]) else {
+            break;
+        };
+        let cand = pos + rel;
+        match parse_frame(&bytes, cand, store_id) {
+            Some(h) if h.epoch == epoch && h.seq > last => {
+                discarded_tail = true;
+                if h.synced_through > last {
+                    return Err(Error::CorruptLog {
+                        path: path.to_path_buf(),
+                        offset: end as u64,
+                        detail: format!(
+                            "frame {} is missing or damaged, but frame {} at offset {cand} \
+                             records that frames up to {} were durable",
+                            last + 1,
+                            h.seq,
+                            h.synced_through
+                        ),
+                    });
+                }
+                pos = cand + h.total_len();
+            }
+            Some(h) => pos = cand + h.total_len(),
+            None => pos = cand + 1,
+        }
+    }
+    // Anything but zeros where the next frame would start was cut off.
+    let next = &bytes[end.min(bytes.len())..end.saturating_add(FRAME_HEADER_LEN).min(bytes.len())];
+    discarded_tail |= next.iter().any(|&b| b != 0);
+    Ok(Recovered {
+        bytes,
+        frames,
+        end: end as u64,
+        discarded_tail,
+    })
+}
+
+fn io_err(path: &Path, what: &str, e: &io::Error) -> Error {
+    Error::Storage(format!("{}: log {what} failed: {e}", path.display()))
+}
+
+// ---------------------------------------------------------------------------
+// Writing
+
+/// The writer's side of the log: where the next frame goes.
+pub(crate) struct LogWriter {
+    file: Arc<dyn LogFile>,
+    path: PathBuf,
+    store_id: u128,
+    /// The checkpoint epoch frames are written in.
+    epoch: u64,
+    /// Where the next frame goes.
+    pos: u64,
+    /// The log's length (bytes in use as log space, from offset 0).
+    len: u64,
+    /// The length the log may grow to on its own.
+    max_len: u64,
+}
+
+impl LogWriter {
+    /// Opens the log for writing after recovery: frames of `epoch` start at
+    /// the first frame position. Extends a log shorter than its initial size.
+    pub(crate) fn start(
+        file: Arc<dyn LogFile>,
+        path: PathBuf,
+        store_id: u128,
+        epoch: u64,
+        max_len: u64,
+    ) -> Result<LogWriter> {
+        let len = file.len().map_err(|e| io_err(&path, "stat", &e))?;
+        let mut w = LogWriter {
+            file,
+            path,
+            store_id,
+            epoch,
+            pos: HEADER_LEN,
+            len,
+            max_len,
+        };
+        let initial = INITIAL_LOG_BYTES.min(max_len);
+        if w.len < initial {
+            w.grow_to(initial)?;
+        }
+        Ok(w)
+    }
+
+    /// Writes a fresh header for `store_id` and zero space after it, and
+    /// syncs: the log of a new store, or one whose previous contents are
+    /// known to be obsolete.
+    pub(crate) fn initialise(
+        file: &dyn LogFile,
+        path: &Path,
+        store_id: u128,
+        max_len: u64,
+    ) -> Result<()> {
+        file.write_at(0, &encode_header(store_id))
+            .map_err(|e| io_err(path, "write", &e))?;
+        let initial = INITIAL_LOG_BYTES.min(max_len);
+        let len = file.len().map_err(|e| io_err(path, "stat", &e))?;
+        zero_fill(file, path, len.max(HEADER_LEN), initial)?;
+        file.sync_data().map_err(|e| io_err(path, "fsync", &e))
+    }
+
+    /// The epoch frames are written in.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Whether a frame of `frame_len` bytes fits before the end of the log.
+    pub(crate) fn fits(&self, frame_len: usize) -> bool {
+        self.pos.saturating_add(frame_len as u64) <= self.len
+    }
+
+    /// Makes the frames written so far durable (`fdatasync`).
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| io_err(&self.path, "fsync", &e))
+    }
+
+    /// Writes frame `seq` at the next position. Not durable until the file
+    /// is synced.
+    pub(crate) fn append(&mut self, seq: u64, synced_through: u64, body: &[u8]) -> Result<usize> {
+        let header = FrameHeader {
+            body_len: body.len(),
+            seq,
+            epoch: self.epoch,
+            synced_through,
+        };
+        let frame = encode_frame(self.store_id, &header, body);
+        self.file
+            .write_at(self.pos, &frame)
+            .map_err(|e| io_err(&self.path, "write", &e))?;
+        self.pos += frame.len() as u64;
+        Ok(frame.len())
+    }
+
+    /// Starts the log over after a checkpoint: frames of `epoch` are written
+    /// from the first frame position again. When the checkpoint was forced
+    /// by a full log, the log doubles (up to its maximum, or beyond it to
+    /// fit `need` bytes of frame).
+    pub(crate) fn wrap(&mut self, epoch: u64, was_full: bool, need: usize) -> Result<()> {
+        self.epoch = epoch;
+        self.pos = HEADER_LEN;
+        let need = HEADER_LEN.saturating_add(need as u64);
+        let mut target = self.len;
+        if was_full && self.len < self.max_len {
+            target = self.len.saturating_mul(2).min(self.max_len);
+        }
+        target = target.max(need);
+        if target > self.len {
+            self.grow_to(target)?;
+        }
+        Ok(())
+    }
+
+    fn grow_to(&mut self, len: u64) -> Result<()> {
+        zero_fill(
+            self.file.as_ref(),
+            &self.path,
+            self.len.max(HEADER_LEN),
+            len,
+        )?;
+        self.file
+            .sync_data()
+            .map_err(|e| io_err(&self.path, "fsync", &e))?;
+        self.len = len;
+        Ok(())
+    }
+}
+
+/// Writes zeros over `[from, to)`: the log is preallocated with real blocks
+/// (not a sparse hole or an unwritten extent) so that later overwrites sync
+/// data only, without a journal commit for the file's size or extents.
+fn zero_fill(file: &dyn LogFile, path: &Path, from: u64, to: u64) -> Result<()> {
+    const CHUNK: u64 = 1024 * 1024;
+    let zeros = vec![0u8; CHUNK as usize];
+    let mut at = from;
+    while at < to {
+        let n = (to - at).min(CHUNK);
+        file.write_at(at, &zeros[..n as usize])
+            .map_err(|e| io_err(path, "write", &e))?;
+        at += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(n: u8) -> Vec<u8> {
+        let mut w = BodyWriter::new();
+        w.insert(LogTable::Records, &[b"key", &[n]], b"value");
+        w.remove(LogTable::Expiry, &[&7u64.to_le_bytes(), b"key"]);
+        w.finish(u64::from(n) + 10, 99)
+    }
+
+    fn log_with(frames: u8, synced: impl Fn(u64) -> u64) -> (MemoryLog, Vec<u64>) {
+        let log = MemoryLog::new();
+        LogWriter::initialise(&log, Path::new("t"), 7, 1 << 20).unwrap();
+        let mut w = LogWriter::start(Arc::new(log.clone()), "t".into(), 7, 3, 1 << 20).unwrap();
+        let mut offsets = Vec::new();
+        for i in 1..=frames {
+            offsets.push(w.pos);
+            w.append(10 + u64::from(i), synced(10 + u64::from(i)), &body(i))
+                .unwrap();
+        }
+        (log, offsets)
+    }
+
+    #[test]
+    fn body_round_trip() {
+        let b = body(4);
+        let d = decode_body(&b).unwrap();
+        assert_eq!((d.next_token, d.clock_hwm), (14, 99));
+        assert_eq!(
+            d.changes,
+            vec![
+                Change::Insert {
+                    table: LogTable::Records,
+                    key: b"key\x04",
+                    value: b"value"
+                },
+                Change::Remove {
+                    table: LogTable::Expiry,
+                    key: &[7, 0, 0, 0, 0, 0, 0, 0, b'k', b'e', b'y']
+                },
+            ]
+        );
+        for cut in 0..b.len() {
+            assert!(decode_body(&b[..cut]).is_none(), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn chain_is_read_in_order() {
+        let (log, _) = log_with(5, |s| s - 1);
+        let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
+        assert_eq!(r.last_seq(10), 15);
+        let seqs: Vec<u64> = r
+            .frames_after(Path::new("t"), 12)
+            .unwrap()
+            .iter()
+            .map(|f| f.seq)
+            .collect();
+        assert_eq!(seqs, vec![13, 14, 15]);
+        assert!(!r.discarded_tail);
+        // Another store or another epoch sees no frame.
+        assert_eq!(
+            recover(&log, Path::new("t"), 8, 3, 10)
+                .unwrap()
+                .last_seq(10),
+            10
+        );
+        assert_eq!(
+            recover(&log, Path::new("t"), 7, 4, 10)
+                .unwrap()
+                .last_seq(10),
+            10
+        );
+    }
+
+    #[test]
+    fn torn_tail_ends_the_chain() {
+        let (log, offsets) = log_with(5, |s| s - 1);
+        let mut bytes = log.contents();
+        let last = offsets[4] as usize;
+        for b in &mut bytes[last + 10..last + 20] {
+            *b ^= 0xff;
+        }
+        log.set_contents(bytes);
+        let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
+        assert_eq!(r.last_seq(10), 14);
+        assert_eq!(r.end, offsets[4]);
+        assert!(r.discarded_tail);
+    }
+
+    #[test]
+    fn unsynced_frames_after_a_hole_are_a_torn_tail() {
+        // Frames 13..15 were written before 12 was known durable (buffered
+        // mode, or a pipelined fsync): losing 12 loses them too.
+        let (log, offsets) = log_with(5, |_| 11);
+        let mut bytes = log.contents();
+        bytes[offsets[1] as usize + 40] ^= 1;
+        log.set_contents(bytes);
+        let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
+        assert_eq!(r.last_seq(10), 11);
+        assert!(r.discarded_tail);
+    }
+
+    #[test]
+    fn damaged_durable_frame_is_corruption() {
+        let (log, offsets) = log_with(5, |s| s - 1);
+        let mut bytes = log.contents();
+        bytes[offsets[2] as usize + 40] ^= 1;
+        log.set_contents(bytes);
+        match recover(&log, Path::new("t"), 7, 3, 10) {
+            Err(Error::CorruptLog { offset, .. }) => assert_eq!(offset, offsets[2]),
+            other => panic!("expected corruption, got {:?}", other.map(|r| r.end)),
+        }
+    }
+
+    #[test]
+    fn header_states() {
+        let log = MemoryLog::new();
+        assert_eq!(read_header(&log).unwrap(), HeaderState::Blank);
+        log.set_contents(encode_header(42));
+        assert_eq!(
+            read_header(&log).unwrap(),
+            HeaderState::Valid { store_id: 42 }
+        );
+        let mut bad = encode_header(42);
+        bad[13] ^= 1;
+        log.set_contents(bad);
+        assert_eq!(read_header(&log).unwrap(), HeaderState::Damaged);
+        let mut newer = encode_header(42);
+        newer[8] = 2;
+        let crc = crc32fast::hash(&newer[0..28]);
+        newer[28..32].copy_from_slice(&crc.to_le_bytes());
+        log.set_contents(newer);
+        assert!(matches!(
+            read_header(&log).unwrap(),
+            HeaderState::Foreign(_)
+        ));
+        log.set_contents(b"hello world".to_vec());
+        assert!(matches!(
+            read_header(&log).unwrap(),
+            HeaderState::Foreign(_)
+        ));
+    }
+}
