@@ -1,0 +1,780 @@
+//! Fault injection at every storage call, and power loss after each fault.
+//!
+//! Two wrappers sit between the store and its storage: [`FaultyBackend`]
+//! around a redb `StorageBackend` (forwarding the file-lock methods too) and
+//! [`FaultyLog`] around a write-ahead [`LogFile`]. Both consult one
+//! [`FaultPlan`] that fails the Nth call of one kind (write, sync, length,
+//! resize) on one file, counting from when it was armed. Under them,
+//! [`SimDisk`] and [`SimLog`] keep each file in memory twice: as written,
+//! and as of its last sync; a power cut keeps only the synced bytes.
+//!
+//! For each operation (claim, complete, fail, release, extend, set recovery
+//! point, sweep, checkpoint, open) and each fault kind, N runs over every
+//! call of that kind the operation makes (until the operation completes
+//! without reaching the fault). At each N the operation must return or fail
+//! with a typed error within a deadline (no panic, no hang); after a failed
+//! sync the store must refuse writes (DESIGN.md guarantee 6); after a power
+//! cut and reopen every acknowledged change must be there, and scenarios 4
+//! and 12 of `scenarios.md` must hold for the operation's key.
+//!
+//! `Store::resolve` is not on this branch, so it is not covered here.
+//!
+//! `IDEMSTORE_FAULTS_REPEAT=<n>` runs every fault point n times (default
+//! 1): the writer's idle commit and the syncer run on their own threads, so
+//! repeated runs meet the fault at different moments.
+
+use std::collections::HashMap;
+use std::io;
+use std::ops::Bound;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idemstore::{
+    BackendError, ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, LogFile,
+    ManualClock, State, StorageBackend, Store,
+};
+
+// ---------------------------------------------------------------------------
+// Simulated storage: a file as written, and as of its last sync.
+
+#[derive(Default)]
+struct Image {
+    live: Vec<u8>,
+    /// The bytes as of the last successful sync: what a power cut leaves.
+    durable: Vec<u8>,
+}
+
+impl Image {
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let end = offset as usize + data.len();
+        if self.live.len() < end {
+            self.live.resize(end, 0);
+        }
+        self.live[offset as usize..end].copy_from_slice(data);
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> io::Result<()> {
+        let start = offset as usize;
+        let src = self
+            .live
+            .get(start..start + out.len())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "past the end"))?;
+        out.copy_from_slice(src);
+        Ok(())
+    }
+    fn sync(&mut self) {
+        self.durable.clone_from(&self.live);
+    }
+}
+
+/// One simulated file, shared by every handle (`Arc`), so that a test keeps
+/// a handle while the store owns another.
+#[derive(Clone, Default)]
+struct SimFile(Arc<Mutex<Image>>);
+
+impl SimFile {
+    fn from_bytes(bytes: Vec<u8>) -> SimFile {
+        SimFile(Arc::new(Mutex::new(Image {
+            live: bytes.clone(),
+            durable: bytes,
+        })))
+    }
+    /// A new file holding what a power cut now would leave.
+    fn power_cut(&self) -> SimFile {
+        SimFile::from_bytes(self.0.lock().unwrap().durable.clone())
+    }
+    fn image(&self) -> std::sync::MutexGuard<'_, Image> {
+        self.0.lock().unwrap()
+    }
+}
+
+/// The redb index file on simulated storage.
+#[derive(Clone, Default)]
+struct SimDisk(SimFile);
+
+impl std::fmt::Debug for SimDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SimDisk")
+    }
+}
+
+impl StorageBackend for SimDisk {
+    fn len(&self) -> Result<u64, io::Error> {
+        Ok(self.0.image().live.len() as u64)
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
+        self.0.image().read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), io::Error> {
+        self.0.image().live.resize(len as usize, 0);
+        Ok(())
+    }
+    fn sync_data(&self) -> Result<(), io::Error> {
+        self.0.image().sync();
+        Ok(())
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
+        self.0.image().write(offset, data);
+        Ok(())
+    }
+}
+
+/// The write-ahead log on simulated storage. Every write is also kept in a
+/// journal, in order, for the batch test's cut images.
+#[derive(Clone, Default)]
+struct SimLog {
+    file: SimFile,
+    journal: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+}
+
+impl SimLog {
+    fn power_cut(&self) -> SimLog {
+        SimLog {
+            file: self.file.power_cut(),
+            journal: Arc::default(),
+        }
+    }
+}
+
+impl LogFile for SimLog {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.image().read(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.journal.lock().unwrap().push((offset, data.to_vec()));
+        self.file.image().write(offset, data);
+        Ok(())
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.file.image().sync();
+        Ok(())
+    }
+    fn len(&self) -> io::Result<u64> {
+        Ok(self.file.image().live.len() as u64)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Fault injection.
+
+/// Which file a fault hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Target {
+    Index,
+    Log,
+}
+
+/// Which kind of storage call a fault hits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Call {
+    Write,
+    Sync,
+    Len,
+    SetLen,
+}
+
+/// Every (file, call) pair a fault can hit. The log has no resize call (it
+/// is extended by writing zeros).
+const FAULT_KINDS: [(Target, Call); 7] = [
+    (Target::Index, Call::Write),
+    (Target::Index, Call::Sync),
+    (Target::Index, Call::Len),
+    (Target::Index, Call::SetLen),
+    (Target::Log, Call::Write),
+    (Target::Log, Call::Sync),
+    (Target::Log, Call::Len),
+];
+
+/// Fails the Nth call of one kind on one file, once, counting from
+/// [`FaultPlan::arm`].
+#[derive(Default)]
+struct FaultPlan {
+    armed: Mutex<Option<(Target, Call, u64)>>,
+    /// The fault fired (and which call it hit).
+    fired: Mutex<Option<(Target, Call)>>,
+}
+
+impl FaultPlan {
+    fn arm(&self, target: Target, call: Call, n: u64) {
+        *self.fired.lock().unwrap() = None;
+        *self.armed.lock().unwrap() = Some((target, call, n));
+    }
+    /// Disarms; returns what fired since [`FaultPlan::arm`].
+    fn disarm(&self) -> Option<(Target, Call)> {
+        *self.armed.lock().unwrap() = None;
+        *self.fired.lock().unwrap()
+    }
+    fn check(&self, target: Target, call: Call) -> io::Result<()> {
+        let mut armed = self.armed.lock().unwrap();
+        if armed.is_some() && std::env::var_os("FAULTS_TRACE").is_some() {
+            eprintln!("  call {target:?} {call:?} {}", std::thread::current().name().unwrap_or("?"));
+        }
+        if let Some((t, c, n)) = armed.as_mut() {
+            if *t == target && *c == call {
+                if *n == 0 {
+                    *armed = None;
+                    *self.fired.lock().unwrap() = Some((target, call));
+                    return Err(io::Error::other(format!(
+                        "injected {call:?} failure on the {target:?} file"
+                    )));
+                }
+                *n -= 1;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A redb `StorageBackend` that forwards every call, the file-lock methods
+/// included, to `inner`, failing the call its [`FaultPlan`] names. A failed
+/// write writes its first half (a torn write), as a real disk may.
+struct FaultyBackend<B> {
+    inner: B,
+    plan: Arc<FaultPlan>,
+}
+
+impl<B: std::fmt::Debug> std::fmt::Debug for FaultyBackend<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyBackend").field("inner", &self.inner).finish_non_exhaustive()
+    }
+}
+
+impl<B: StorageBackend> StorageBackend for FaultyBackend<B> {
+    fn len(&self) -> Result<u64, io::Error> {
+        self.plan.check(Target::Index, Call::Len)?;
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), io::Error> {
+        self.plan.check(Target::Index, Call::SetLen)?;
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> Result<(), io::Error> {
+        self.plan.check(Target::Index, Call::Sync)?;
+        self.inner.sync_data()
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
+        if let Err(e) = self.plan.check(Target::Index, Call::Write) {
+            self.inner.write(offset, &data[..data.len() / 2])?;
+            return Err(e);
+        }
+        self.inner.write(offset, data)
+    }
+    fn close(&self) -> Result<(), io::Error> {
+        self.inner.close()
+    }
+    fn try_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.inner.try_lock_range(start, end)
+    }
+    fn try_lock_shared_range(
+        &self,
+        start: Bound<u64>,
+        end: Bound<u64>,
+    ) -> Result<bool, BackendError> {
+        self.inner.try_lock_shared_range(start, end)
+    }
+    fn lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.inner.lock_range(start, end)
+    }
+    fn lock_shared_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.inner.lock_shared_range(start, end)
+    }
+    fn unlock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<(), BackendError> {
+        self.inner.unlock_range(start, end)
+    }
+    fn query_lock_range(&self, start: Bound<u64>, end: Bound<u64>) -> Result<bool, BackendError> {
+        self.inner.query_lock_range(start, end)
+    }
+}
+
+/// A [`LogFile`] that forwards to `inner`, failing the call its
+/// [`FaultPlan`] names. A failed write writes its first half.
+struct FaultyLog<L> {
+    inner: L,
+    plan: Arc<FaultPlan>,
+}
+
+impl<L: LogFile> LogFile for FaultyLog<L> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read_at(offset, buf)
+    }
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        if let Err(e) = self.plan.check(Target::Log, Call::Write) {
+            self.inner.write_at(offset, &data[..data.len() / 2])?;
+            return Err(e);
+        }
+        self.inner.write_at(offset, data)
+    }
+    fn sync_data(&self) -> io::Result<()> {
+        self.plan.check(Target::Log, Call::Sync)?;
+        self.inner.sync_data()
+    }
+    fn len(&self) -> io::Result<u64> {
+        self.plan.check(Target::Log, Call::Len)?;
+        self.inner.len()
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Harness.
+
+const LEASE: Duration = Duration::from_secs(10);
+const RETENTION: Duration = Duration::from_secs(600);
+/// How long any one call may take before the test calls it a hang.
+const HANG: Duration = Duration::from_secs(60);
+/// A start time at a real epoch (2026-01-01), not 0.
+const START_MS: u64 = 1_767_225_600_000;
+
+fn repeat() -> usize {
+    std::env::var("IDEMSTORE_FAULTS_REPEAT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
+}
+
+fn config(clock: &ManualClock) -> Config {
+    Config::new()
+        .sweep_interval(None)
+        .lease(LEASE)
+        .retention(RETENTION)
+        .clock(clock.clone())
+        .max_log_bytes(64 * 1024)
+}
+
+/// Both files of one store, the fault plan in front of them, and the clock.
+struct Rig {
+    disk: SimDisk,
+    log: SimLog,
+    plan: Arc<FaultPlan>,
+    clock: ManualClock,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        Rig {
+            disk: SimDisk::default(),
+            log: SimLog::default(),
+            plan: Arc::default(),
+            clock: ManualClock::new(START_MS),
+        }
+    }
+    fn open(&self) -> Result<Store, Error> {
+        Store::open_with_backend(
+            "faults.redb",
+            FaultyBackend {
+                inner: self.disk.clone(),
+                plan: self.plan.clone(),
+            },
+            FaultyLog {
+                inner: self.log.clone(),
+                plan: self.plan.clone(),
+            },
+            config(&self.clock),
+        )
+    }
+    /// The storage a power cut now would leave, with a fresh fault plan.
+    fn power_cut(&self) -> Rig {
+        Rig {
+            disk: SimDisk(self.disk.0.power_cut()),
+            log: self.log.power_cut(),
+            plan: Arc::default(),
+            clock: self.clock.clone(),
+        }
+    }
+}
+
+/// Runs `f` on its own thread; fails the test if it panics or takes longer
+/// than [`HANG`].
+fn timed<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(HANG) {
+        Ok(v) => v,
+        Err(mpsc::RecvTimeoutError::Timeout) => panic!("{what}: hung for {HANG:?}"),
+        Err(mpsc::RecvTimeoutError::Disconnected) => panic!("{what}: panicked"),
+    }
+}
+
+/// A storage failure must surface as one of these, never as a wrong answer.
+fn assert_typed(what: &str, e: &Error) {
+    assert!(
+        matches!(
+            e,
+            Error::Storage(_)
+                | Error::Poisoned
+                | Error::Closed
+                | Error::CorruptFile { .. }
+                | Error::CorruptLog { .. }
+        ),
+        "{what}: a storage fault surfaced as {e:?}"
+    );
+}
+
+fn key(id: &str) -> Key {
+    Key::new("test/faults", id).unwrap()
+}
+
+fn fp() -> Fingerprint {
+    Fingerprint::of(b"payload")
+}
+
+fn acquire(store: &Store, k: &Key) -> Lease {
+    match store.claim(k, &fp(), &ClaimOptions::new()).unwrap() {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("{k}: expected Acquired, got {other:?}"),
+    }
+}
+
+/// The operations under test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Op {
+    Claim,
+    Complete,
+    Fail,
+    Release,
+    Extend,
+    SetRecoveryPoint,
+    Sweep,
+    Checkpoint,
+}
+
+
+/// Records evicted by the sweep under test.
+const OLD: usize = 5;
+
+/// What the setup left, all acknowledged.
+struct Setup {
+    done: Key,
+    held: Lease,
+    target: Key,
+    /// The target's lease (every op but claim starts from a held target).
+    lease: Option<Lease>,
+    lease_until_ms: u64,
+}
+
+fn setup(store: &Store, clock: &ManualClock, op: Op) -> Setup {
+    if op == Op::Sweep {
+        for i in 0..OLD {
+            let l = acquire(store, &key(&format!("old-{i}")));
+            store.complete(&l, b"old").unwrap();
+        }
+        clock.advance(RETENTION + Duration::from_secs(1));
+    }
+    let done = key("done");
+    let l = acquire(store, &done);
+    store.complete(&l, b"done").unwrap();
+    let held = acquire(store, &key("held"));
+    let target = key("target");
+    let (lease, lease_until_ms) = if op == Op::Claim {
+        (None, 0)
+    } else {
+        let l = acquire(store, &target);
+        let until = l.lease_until_ms().unwrap();
+        (Some(l), until)
+    };
+    Setup {
+        done,
+        held,
+        target,
+        lease,
+        lease_until_ms,
+    }
+}
+
+/// What an operation answered.
+#[derive(Debug)]
+enum Answer {
+    Claimed(ClaimOutcome),
+    Done,
+    Extended(u64),
+    Swept(usize),
+}
+
+fn run(store: &Store, s: &Setup, op: Op) -> Result<Answer, Error> {
+    let lease = || s.lease.clone().unwrap();
+    match op {
+        Op::Claim => store
+            .claim(&s.target, &fp(), &ClaimOptions::new())
+            .map(Answer::Claimed),
+        Op::Complete => store.complete(&lease(), b"result").map(|_| Answer::Done),
+        Op::Fail => store
+            .fail(&lease(), b"failure", false)
+            .map(|_| Answer::Done),
+        Op::Release => store.release(lease()).map(|_| Answer::Done),
+        Op::Extend => store
+            .extend(&lease(), Duration::from_secs(50))
+            .map(Answer::Extended),
+        Op::SetRecoveryPoint => store
+            .set_recovery_point(&lease(), b"step-2")
+            .map(|_| Answer::Done),
+        Op::Sweep => store.sweep(100).map(Answer::Swept),
+        Op::Checkpoint => store.checkpoint().map(|_| Answer::Done),
+    }
+}
+
+/// After reopen: the operation's own change is there if it was
+/// acknowledged, and whole either way.
+fn check_target(
+    store: &Store,
+    s: &Setup,
+    op: Op,
+    acked: Option<&Answer>,
+    probe: Option<&Lease>,
+    at: &str,
+) {
+    let rec = store.get(&s.target).unwrap();
+    let token = s.lease.as_ref().map(Lease::token);
+    let processing_as_before = |r: &idemstore::Record| {
+        r.state() == State::Processing && Some(r.token()) == token && r.recovery_point().is_none()
+    };
+    match op {
+        Op::Claim => match (acked, &rec) {
+            (Some(Answer::Claimed(ClaimOutcome::Acquired(l))), Some(r)) => {
+                assert_eq!(r.state(), State::Processing, "{at}");
+                assert_eq!(r.token(), l.token(), "{at}");
+            }
+            (Some(a), _) => panic!("{at}: acknowledged claim {a:?} lost: {rec:?}"),
+            (None, None) => {}
+            (None, Some(r)) => assert_eq!(r.state(), State::Processing, "{at}"),
+        },
+        Op::Complete => {
+            let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
+            let whole = r.state() == State::Succeeded && r.result() == Some(&b"result"[..]);
+            assert!(
+                whole || (acked.is_none() && processing_as_before(&r)),
+                "{at}: acked={acked:?} {r:?}"
+            );
+        }
+        Op::Fail => {
+            let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
+            let whole = matches!(r.state(), State::Failed { retryable: false })
+                && r.failure() == Some(&b"failure"[..]);
+            assert!(
+                whole || (acked.is_none() && processing_as_before(&r)),
+                "{at}: acked={acked:?} {r:?}"
+            );
+        }
+        Op::Release => match &rec {
+            None => {}
+            Some(r) => assert!(
+                acked.is_none() && processing_as_before(r),
+                "{at}: acked={acked:?} {r:?}"
+            ),
+        },
+        Op::Extend => {
+            let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
+            assert_eq!(r.state(), State::Processing, "{at}");
+            assert_eq!(Some(r.token()), token, "{at}");
+            match acked {
+                Some(Answer::Extended(until)) => assert_eq!(r.lease_until_ms(), *until, "{at}"),
+                Some(a) => panic!("{at}: {a:?}"),
+                None => assert!(r.lease_until_ms() >= s.lease_until_ms, "{at}: {r:?}"),
+            }
+            assert!(r.expires_ms() >= r.lease_until_ms(), "{at}: {r:?}");
+        }
+        Op::SetRecoveryPoint => {
+            let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
+            assert_eq!(r.state(), State::Processing, "{at}");
+            assert_eq!(Some(r.token()), token, "{at}");
+            match r.recovery_point() {
+                Some(rp) => assert_eq!(rp, b"step-2", "{at}"),
+                None => assert!(acked.is_none(), "{at}: acknowledged recovery point lost"),
+            }
+        }
+        Op::Sweep | Op::Checkpoint => {
+            let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
+            assert!(processing_as_before(&r), "{at}: {r:?}");
+        }
+    }
+    if op == Op::Sweep {
+        // The setup's records are done, held and target (and the probe's if
+        // it was acknowledged); the sweep's batch is all there or not at all.
+        let kept = 3 + u64::from(probe.is_some());
+        let len = store.len().unwrap();
+        match acked {
+            Some(Answer::Swept(n)) => {
+                assert_eq!(*n, OLD, "{at}");
+                assert_eq!(len, kept, "{at}");
+            }
+            Some(a) => panic!("{at}: {a:?}"),
+            None => assert!(len == kept || len == kept + OLD as u64, "{at}: {len} records"),
+        }
+    }
+}
+
+/// Scenarios 4 and 12 on the reopened store: a claim on the operation's key
+/// replays a whole outcome, or answers InProgress until the lease lapses and
+/// then Acquired; and every record, whatever the crash left, has an expiry
+/// index entry (a sweep past retention evicts every one of them).
+fn check_scenarios(store: &Store, clock: &ManualClock, s: &Setup, at: &str) {
+    if let Some(r) = store.get(&s.target).unwrap() {
+        if r.state() == State::Succeeded {
+            assert!(r.result().is_some(), "{at}: Succeeded without its result");
+        }
+        assert!(r.lease_until_ms() > 0, "{at}: no lease deadline: {r:?}");
+        assert!(r.expires_ms() >= r.lease_until_ms(), "{at}: {r:?}");
+    }
+    match store.claim(&s.target, &fp(), &ClaimOptions::new()).unwrap() {
+        ClaimOutcome::Replay(r) => assert!(
+            r.result() == Some(&b"result"[..]) || r.failure() == Some(&b"failure"[..]),
+            "{at}: replayed {r:?}"
+        ),
+        ClaimOutcome::InProgress { lease_until_ms, .. } => {
+            clock.set_ms(lease_until_ms + 1);
+            match store.claim(&s.target, &fp(), &ClaimOptions::new()).unwrap() {
+                ClaimOutcome::Acquired(_) => {}
+                other => panic!("{at}: after the lease lapsed: {other:?}"),
+            }
+        }
+        ClaimOutcome::Acquired(_) => {}
+    }
+    // Scenario 12 for every key: past every retention, sweeping empties the
+    // store only if each record has its expiry index entry.
+    clock.advance(RETENTION * 2);
+    let mut evicted = 0;
+    loop {
+        let n = store.sweep(1000).unwrap();
+        if n == 0 {
+            break;
+        }
+        evicted += n;
+    }
+    assert_eq!(
+        store.len().unwrap(),
+        0,
+        "{at}: a record without an expiry index entry survived the sweep (evicted {evicted})"
+    );
+}
+
+/// After a failed sync the store refuses writes until reopened
+/// (guarantee 6). Returns the probe's lease if a write was acknowledged.
+fn probe_writes(store: &Store, fired: Option<(Target, Call)>, at: &str) -> Option<Lease> {
+    let r = store.claim(&key("probe"), &fp(), &ClaimOptions::new());
+    if matches!(fired, Some((_, Call::Sync))) {
+        assert!(
+            matches!(r, Err(Error::Poisoned | Error::Storage(_))),
+            "{at}: a write after a failed sync answered {r:?}"
+        );
+        let again = store.claim(&key("probe-2"), &fp(), &ClaimOptions::new());
+        assert!(
+            matches!(again, Err(Error::Poisoned)),
+            "{at}: a second write after a failed sync answered {again:?}"
+        );
+        return None;
+    }
+    match r {
+        Ok(ClaimOutcome::Acquired(l)) => Some(l),
+        Ok(other) => panic!("{at}: probe {other:?}"),
+        Err(e) => {
+            assert_typed(at, &e);
+            None
+        }
+    }
+}
+
+/// Acknowledged before the operation, or by it: must survive any crash.
+fn check_setup(store: &Store, s: &Setup, probe: Option<&Lease>, at: &str) {
+    let done = store.get(&s.done).unwrap();
+    assert_eq!(
+        done.as_ref().and_then(|r| r.result()),
+        Some(&b"done"[..]),
+        "{at}: {done:?}"
+    );
+    let held = store.get(s.held.key()).unwrap();
+    assert_eq!(held.map(|r| r.token()), Some(s.held.token()), "{at}");
+    if let Some(p) = probe {
+        let r = store.get(p.key()).unwrap();
+        assert_eq!(r.map(|r| r.token()), Some(p.token()), "{at}: probe lost");
+    }
+}
+
+/// One fault point of one operation. Returns whether the fault fired.
+fn one_point(op: Op, target: Target, call: Call, n: u64) -> bool {
+    let at = format!("{op:?} with {target:?} {call:?} #{n} failing");
+    let rig = Rig::new();
+    let store = Arc::new(rig.open().unwrap());
+    let s = Arc::new(setup(&store, &rig.clock, op));
+
+    rig.plan.arm(target, call, n);
+    let answer = {
+        let (store, s) = (store.clone(), s.clone());
+        timed(&at, move || run(&store, &s, op))
+    };
+    // Let the writer's idle index commit and the syncer run while armed.
+    std::thread::sleep(Duration::from_millis(3));
+    if let Err(e) = &answer {
+        assert_typed(&at, e);
+    }
+    let fired = rig.plan.disarm();
+    let probe = {
+        let (store, at2) = (store.clone(), at.clone());
+        timed(&at, move || probe_writes(&store, fired, &at2))
+    };
+
+    // The power cut: only what was synced survives. The old store is then
+    // dropped (its closing checkpoint writes to storage nobody reads).
+    let cut = rig.power_cut();
+    timed(&at, move || drop(store));
+    let reopened = cut.open().unwrap_or_else(|e| panic!("{at}: reopen: {e}"));
+    let acked = answer.ok();
+    check_setup(&reopened, &s, probe.as_ref(), &at);
+    check_target(&reopened, &s, op, acked.as_ref(), probe.as_ref(), &at);
+    check_scenarios(&reopened, &cut.clock, &s, &at);
+    fired.is_some()
+}
+
+/// Runs `op` with each fault kind at every N until the operation runs past
+/// all its calls of that kind; returns the fault points per kind.
+fn every_point(op: Op) -> HashMap<(Target, Call), u64> {
+    let mut points = HashMap::new();
+    for (target, call) in FAULT_KINDS {
+        let mut n = 0;
+        loop {
+            let mut fired = false;
+            for _ in 0..repeat() {
+                fired |= one_point(op, target, call, n);
+            }
+            if !fired {
+                break;
+            }
+            n += 1;
+            assert!(n < 10_000, "{op:?}: no end to {target:?} {call:?} calls");
+        }
+        points.insert((target, call), n);
+    }
+    eprintln!("{op:?}: fault points {points:?}");
+    points
+}
+
+macro_rules! op_test {
+    ($name:ident, $op:expr) => {
+        #[test]
+        fn $name() {
+            let points = every_point($op);
+            // Every operation here makes a durable write: it must reach a
+            // write and a sync of some file.
+            let of = |call| points[&(Target::Index, call)] + points[&(Target::Log, call)];
+            assert!(of(Call::Write) > 0, "{points:?}");
+            assert!(of(Call::Sync) > 0, "{points:?}");
+        }
+    };
+}
+
+op_test!(claim_survives_a_fault_at_every_storage_call, Op::Claim);
+op_test!(complete_survives_a_fault_at_every_storage_call, Op::Complete);
+op_test!(fail_survives_a_fault_at_every_storage_call, Op::Fail);
+op_test!(release_survives_a_fault_at_every_storage_call, Op::Release);
+op_test!(extend_survives_a_fault_at_every_storage_call, Op::Extend);
+op_test!(
+    set_recovery_point_survives_a_fault_at_every_storage_call,
+    Op::SetRecoveryPoint
+);
+op_test!(sweep_survives_a_fault_at_every_storage_call, Op::Sweep);
+op_test!(
+    checkpoint_survives_a_fault_at_every_storage_call,
+    Op::Checkpoint
+);
