@@ -207,7 +207,10 @@ impl FaultPlan {
     fn check(&self, target: Target, call: Call) -> io::Result<()> {
         let mut armed = self.armed.lock().unwrap();
         if armed.is_some() && std::env::var_os("FAULTS_TRACE").is_some() {
-            eprintln!("  call {target:?} {call:?} {}", std::thread::current().name().unwrap_or("?"));
+            eprintln!(
+                "  call {target:?} {call:?} {}",
+                std::thread::current().name().unwrap_or("?")
+            );
         }
         if let Some((t, c, n)) = armed.as_mut() {
             if *t == target && *c == call {
@@ -235,7 +238,9 @@ struct FaultyBackend<B> {
 
 impl<B: std::fmt::Debug> std::fmt::Debug for FaultyBackend<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FaultyBackend").field("inner", &self.inner).finish_non_exhaustive()
+        f.debug_struct("FaultyBackend")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
     }
 }
 
@@ -442,7 +447,6 @@ enum Op {
     Checkpoint,
 }
 
-
 /// Records evicted by the sweep under test.
 const OLD: usize = 5;
 
@@ -601,7 +605,10 @@ fn check_target(
                 assert_eq!(len, kept, "{at}");
             }
             Some(a) => panic!("{at}: {a:?}"),
-            None => assert!(len == kept || len == kept + OLD as u64, "{at}: {len} records"),
+            None => assert!(
+                len == kept || len == kept + OLD as u64,
+                "{at}: {len} records"
+            ),
         }
     }
 }
@@ -765,7 +772,10 @@ macro_rules! op_test {
 }
 
 op_test!(claim_survives_a_fault_at_every_storage_call, Op::Claim);
-op_test!(complete_survives_a_fault_at_every_storage_call, Op::Complete);
+op_test!(
+    complete_survives_a_fault_at_every_storage_call,
+    Op::Complete
+);
 op_test!(fail_survives_a_fault_at_every_storage_call, Op::Fail);
 op_test!(release_survives_a_fault_at_every_storage_call, Op::Release);
 op_test!(extend_survives_a_fault_at_every_storage_call, Op::Extend);
@@ -778,3 +788,160 @@ op_test!(
     checkpoint_survives_a_fault_at_every_storage_call,
     Op::Checkpoint
 );
+
+/// What one fault point of `open` found.
+struct OpenPoint {
+    fired: bool,
+    /// The store was being created, its creation failed, and after the
+    /// power cut the storage left does not open again (the error).
+    unopenable: Option<String>,
+}
+
+/// One fault point of `open`: on storage a crash left (`crashed`, with log
+/// frames to replay), or on empty storage (creating the store).
+fn one_open_point(crashed: bool, target: Target, call: Call, n: u64) -> OpenPoint {
+    let at = format!("open (crashed: {crashed}) with {target:?} {call:?} #{n} failing");
+    let first = Rig::new();
+    let (before, rig) = if crashed {
+        let store = first.open().unwrap();
+        let mut s = setup(&store, &first.clock, Op::Complete);
+        store
+            .complete(s.lease.as_ref().unwrap(), b"result")
+            .unwrap();
+        s.lease = None;
+        // The crash: the log holds frames the index has not checkpointed.
+        let cut = first.power_cut();
+        drop(store);
+        (Some(s), cut)
+    } else {
+        (None, first)
+    };
+
+    rig.plan.arm(target, call, n);
+    let opened = {
+        let (disk, log, plan, clock) = (
+            rig.disk.clone(),
+            rig.log.clone(),
+            rig.plan.clone(),
+            rig.clock.clone(),
+        );
+        timed(&at, move || {
+            Rig {
+                disk,
+                log,
+                plan,
+                clock,
+            }
+            .open()
+        })
+    };
+    std::thread::sleep(Duration::from_millis(3));
+    let fired = rig.plan.disarm();
+    let first_failed = opened.is_err();
+    let probe = match opened {
+        Ok(store) => {
+            let store = Arc::new(store);
+            let probe = {
+                let (store, at2) = (store.clone(), at.clone());
+                timed(&at, move || probe_writes(&store, fired, &at2))
+            };
+            let cut = rig.power_cut();
+            timed(&at, move || drop(store));
+            (probe, cut)
+        }
+        Err(e) => {
+            assert_typed(&at, &e);
+            (None, rig.power_cut())
+        }
+    };
+    let (probe, cut) = probe;
+    let reopened = match cut.open() {
+        Ok(store) => store,
+        Err(e) if !crashed && first_failed => {
+            // Nothing was ever acknowledged on this storage.
+            assert_typed(&at, &e);
+            return OpenPoint {
+                fired: fired.is_some(),
+                unopenable: Some(format!("{at}: {e}")),
+            };
+        }
+        Err(e) => panic!("{at}: reopen: {e}"),
+    };
+    if let Some(p) = &probe {
+        let r = reopened.get(p.key()).unwrap();
+        assert_eq!(r.map(|r| r.token()), Some(p.token()), "{at}: probe lost");
+    }
+    if let Some(s) = &before {
+        check_setup(&reopened, s, probe.as_ref(), &at);
+        let r = reopened.get(&s.target).unwrap();
+        assert_eq!(
+            r.as_ref().and_then(|r| r.result()),
+            Some(&b"result"[..]),
+            "{at}: {r:?}"
+        );
+        check_scenarios(&reopened, &cut.clock, s, &at);
+    }
+    OpenPoint {
+        fired: fired.is_some(),
+        unopenable: None,
+    }
+}
+
+/// Every fault point of `open`, and the points after which the storage a
+/// power cut left does not open again.
+fn every_open_point(crashed: bool) -> (HashMap<(Target, Call), u64>, Vec<String>) {
+    let mut points = HashMap::new();
+    let mut unopenable = Vec::new();
+    for (target, call) in FAULT_KINDS {
+        let mut n = 0;
+        loop {
+            let mut fired = false;
+            for _ in 0..repeat() {
+                let point = one_open_point(crashed, target, call, n);
+                fired |= point.fired;
+                unopenable.extend(point.unopenable);
+            }
+            if !fired {
+                break;
+            }
+            n += 1;
+            assert!(n < 10_000, "open: no end to {target:?} {call:?} calls");
+        }
+        points.insert((target, call), n);
+    }
+    eprintln!("open (crashed: {crashed}): fault points {points:?}");
+    for u in &unopenable {
+        eprintln!("does not open again: {u}");
+    }
+    (points, unopenable)
+}
+
+#[test]
+fn open_after_a_crash_survives_a_fault_at_every_storage_call() {
+    let (points, unopenable) = every_open_point(true);
+    assert!(points[&(Target::Index, Call::Write)] > 0, "{points:?}");
+    assert!(points[&(Target::Log, Call::Len)] > 0, "{points:?}");
+    assert!(unopenable.is_empty());
+}
+
+/// A fault while creating a store: the open fails with a typed error or
+/// succeeds, and what it acknowledged survives a power cut. Storage whose
+/// creation failed may refuse to open again (with a typed error): see
+/// `a_store_whose_creation_was_cut_opens_again`.
+#[test]
+fn creating_a_store_survives_a_fault_at_every_storage_call() {
+    let (points, _) = every_open_point(false);
+    assert!(points[&(Target::Index, Call::Write)] > 0, "{points:?}");
+    assert!(points[&(Target::Log, Call::Write)] > 0, "{points:?}");
+}
+
+/// Known to fail on this branch: a fault and a power cut while redb creates
+/// the file leave a file without redb's magic number, which redb (and so
+/// the store) refuses for good ("Not a redb database") although the store
+/// never acknowledged anything on it. Run with `--ignored`.
+#[test]
+#[ignore = "a creation cut by a fault leaves storage that never opens again"]
+fn a_store_whose_creation_was_cut_opens_again() {
+    let (_, unopenable) = every_open_point(false);
+    assert!(unopenable.is_empty(), "{unopenable:#?}");
+}
