@@ -26,13 +26,14 @@
 use std::collections::HashMap;
 use std::io;
 use std::ops::Bound;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idemstore::{
-    BackendError, ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, LogFile,
-    ManualClock, State, StorageBackend, Store,
+    BackendError, ClaimOptions, ClaimOutcome, Clock, Config, Error, Fingerprint, Key, Lease,
+    LogFile, ManualClock, State, StorageBackend, Store,
 };
 
 // ---------------------------------------------------------------------------
@@ -125,13 +126,16 @@ impl StorageBackend for SimDisk {
 struct SimLog {
     file: SimFile,
     journal: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    /// While set, a sync takes a millisecond, so that requests queue up
+    /// behind it and share batches (group commit).
+    slow_sync: Arc<AtomicBool>,
 }
 
 impl SimLog {
     fn power_cut(&self) -> SimLog {
         SimLog {
             file: self.file.power_cut(),
-            journal: Arc::default(),
+            ..SimLog::default()
         }
     }
 }
@@ -146,6 +150,9 @@ impl LogFile for SimLog {
         Ok(())
     }
     fn sync_data(&self) -> io::Result<()> {
+        if self.slow_sync.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         self.file.image().sync();
         Ok(())
     }
@@ -944,4 +951,257 @@ fn creating_a_store_survives_a_fault_at_every_storage_call() {
 fn a_store_whose_creation_was_cut_opens_again() {
     let (_, unopenable) = every_open_point(false);
     assert!(unopenable.is_empty(), "{unopenable:#?}");
+}
+
+// ---------------------------------------------------------------------------
+// Group commit under power loss at every point of the log.
+
+/// The index under the batch test: each sync snapshots its durable image
+/// with the number of log writes made by then, so that a cut after any log
+/// write can be paired with the index as it was durable at that moment.
+#[derive(Clone)]
+struct TimelineDisk {
+    inner: SimDisk,
+    log: SimLog,
+    snapshots: Arc<Mutex<Vec<(usize, Vec<u8>)>>>,
+}
+
+impl std::fmt::Debug for TimelineDisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TimelineDisk")
+    }
+}
+
+impl StorageBackend for TimelineDisk {
+    fn len(&self) -> Result<u64, io::Error> {
+        self.inner.len()
+    }
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), io::Error> {
+        self.inner.read(offset, out)
+    }
+    fn set_len(&self, len: u64) -> Result<(), io::Error> {
+        self.inner.set_len(len)
+    }
+    fn sync_data(&self) -> Result<(), io::Error> {
+        self.inner.sync_data()?;
+        let writes = self.log.journal.lock().unwrap().len();
+        let durable = self.inner.0.image().durable.clone();
+        self.snapshots.lock().unwrap().push((writes, durable));
+        Ok(())
+    }
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
+        self.inner.write(offset, data)
+    }
+}
+
+const THREADS: usize = 16;
+const ROUNDS: usize = 3;
+
+fn batch_key(round: usize, thread: usize) -> Key {
+    key(&format!("bk-{round}-{thread:02}"))
+}
+
+/// Many threads claim and complete keys at once, so that requests share
+/// group-commit batches (one log frame each). Then for every prefix of the
+/// log's writes, and every prefix plus the first half of the next write (a
+/// torn frame), with the index as it was durable then: the store reopens;
+/// every change acknowledged by then is there; each batch is all there or
+/// not at all; and the batches there are a prefix of those written.
+#[test]
+fn a_power_cut_after_any_log_write_keeps_whole_batches() {
+    let log = SimLog::default();
+    let disk = TimelineDisk {
+        inner: SimDisk::default(),
+        log: log.clone(),
+        snapshots: Arc::default(),
+    };
+    let clock = ManualClock::new(START_MS);
+    let store =
+        Store::open_with_backend("batch.redb", disk.clone(), log.clone(), config(&clock)).unwrap();
+    let start = log.journal.lock().unwrap().len();
+    disk.snapshots
+        .lock()
+        .unwrap()
+        .push((start, disk.inner.0.image().durable.clone()));
+
+    // (key, token, journal length when the claim / the completion returned)
+    let mut acks: Vec<(Key, u64, usize, usize)> = Vec::new();
+    log.slow_sync.store(true, Ordering::SeqCst);
+    for round in 0..ROUNDS {
+        let barrier = std::sync::Barrier::new(THREADS);
+        let acked: Vec<(Key, u64, usize, usize)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let (store, log, barrier) = (&store, &log, &barrier);
+                    s.spawn(move || {
+                        let k = batch_key(round, t);
+                        barrier.wait();
+                        let lease = acquire(store, &k);
+                        let claimed = log.journal.lock().unwrap().len();
+                        barrier.wait();
+                        store.complete(&lease, k.to_string().as_bytes()).unwrap();
+                        let completed = log.journal.lock().unwrap().len();
+                        (k, lease.token(), claimed, completed)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        acks.extend(acked);
+    }
+    log.slow_sync.store(false, Ordering::SeqCst);
+    let journal = log.journal.lock().unwrap().clone();
+    let snapshots = disk.snapshots.lock().unwrap().clone();
+    let now = clock.now_ms();
+    drop(store);
+
+    // Each frame: the log write holding it, and (key, level) for the changes
+    // in it: level 1 a claim, level 2 a completion.
+    let mut seen: HashMap<Key, usize> = HashMap::new();
+    let mut frames: Vec<(usize, Vec<(Key, usize)>)> = Vec::new();
+    for (i, (_, data)) in journal.iter().enumerate().skip(start) {
+        let mut changes = Vec::new();
+        for (k, ..) in &acks {
+            let id = k.id().as_bytes();
+            if data.windows(id.len()).any(|w| w == id) {
+                let level = seen.entry(k.clone()).or_default();
+                *level += 1;
+                changes.push((k.clone(), *level));
+            }
+        }
+        if !changes.is_empty() {
+            frames.push((i, changes));
+        }
+    }
+    for (k, ..) in &acks {
+        assert_eq!(seen.get(k), Some(&2), "{k}: not in exactly two log writes");
+    }
+    let widest = frames.iter().map(|(_, c)| c.len()).max().unwrap();
+    assert!(
+        widest > 1,
+        "no two requests shared a batch: the test shows nothing"
+    );
+
+    let mut cuts = 0;
+    for cut in start..=journal.len() {
+        for torn in [false, true] {
+            if torn && cut == journal.len() {
+                continue;
+            }
+            cuts += 1;
+            let at = format!("cut after log write {cut} (torn next: {torn})");
+            let mut image = Image::default();
+            for (offset, data) in &journal[..cut] {
+                image.write(*offset, data);
+            }
+            if torn {
+                let (offset, data) = &journal[cut];
+                image.write(*offset, &data[..data.len() / 2]);
+            }
+            let index = snapshots
+                .iter()
+                .rev()
+                .find(|(writes, _)| *writes <= cut)
+                .map(|(_, bytes)| bytes.clone())
+                .unwrap();
+            let rig = Rig {
+                disk: SimDisk(SimFile::from_bytes(index)),
+                log: SimLog {
+                    file: SimFile::from_bytes(image.live),
+                    ..SimLog::default()
+                },
+                plan: Arc::default(),
+                clock: ManualClock::new(now),
+            };
+            let store = rig.open().unwrap_or_else(|e| panic!("{at}: reopen: {e}"));
+            let level = |k: &Key| match store.get(k).unwrap() {
+                None => 0,
+                Some(r) if r.state() == State::Processing => 1,
+                Some(r) => {
+                    assert_eq!(r.state(), State::Succeeded, "{at}: {r:?}");
+                    assert_eq!(r.result(), Some(k.to_string().as_bytes()), "{at}");
+                    2
+                }
+            };
+            for (k, token, claimed, completed) in &acks {
+                let l = level(k);
+                if *claimed <= cut {
+                    assert!(l >= 1, "{at}: acknowledged claim of {k} lost");
+                    assert_eq!(store.get(k).unwrap().unwrap().token(), *token, "{at}");
+                }
+                if *completed <= cut {
+                    assert_eq!(l, 2, "{at}: acknowledged completion of {k} lost");
+                }
+            }
+            let applied: Vec<bool> = frames
+                .iter()
+                .map(|(i, changes)| {
+                    let there: Vec<bool> = changes.iter().map(|(k, lv)| level(k) >= *lv).collect();
+                    assert!(
+                        there.iter().all(|&t| t == there[0]),
+                        "{at}: the batch in log write {i} is half there: {changes:?} {there:?}"
+                    );
+                    there[0]
+                })
+                .collect();
+            assert!(
+                applied.windows(2).all(|w| w[0] || !w[1]),
+                "{at}: a batch is there while an earlier one is not: {applied:?}"
+            );
+            if cut == journal.len() {
+                check_all_expire(&store, &rig.clock, &at);
+            }
+        }
+    }
+    eprintln!(
+        "batches: {} frames, up to {widest} changes in one, {cuts} cut images",
+        frames.len()
+    );
+}
+
+/// Scenario 12 for every record: past every retention, a sweep evicts them
+/// all, which it can only do through their expiry index entries.
+fn check_all_expire(store: &Store, clock: &ManualClock, at: &str) {
+    clock.advance(RETENTION * 2);
+    loop {
+        if store.sweep(1000).unwrap() == 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        store.len().unwrap(),
+        0,
+        "{at}: a record without an expiry index entry"
+    );
+}
+
+/// The index wrapper forwards redb's file-lock methods: two stores on one
+/// real file through it are refused as they are without it.
+#[test]
+fn the_index_wrapper_forwards_the_file_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locked.redb");
+    let backend = || {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .unwrap();
+        FaultyBackend {
+            inner: redb::backends::FileBackend::new(file).unwrap(),
+            plan: Arc::default(),
+        }
+    };
+    let clock = ManualClock::new(START_MS);
+    let first =
+        Store::open_with_backend(&path, backend(), SimLog::default(), config(&clock)).unwrap();
+    let second = Store::open_with_backend(&path, backend(), SimLog::default(), config(&clock));
+    assert!(
+        matches!(second, Err(Error::AlreadyOpen { .. })),
+        "{second:?}"
+    );
+    drop(first);
+    Store::open_with_backend(&path, backend(), SimLog::default(), config(&clock)).unwrap();
 }
