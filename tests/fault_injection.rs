@@ -386,13 +386,14 @@ impl Rig {
             config(&self.clock),
         )
     }
-    /// The storage a power cut now would leave, with a fresh fault plan.
+    /// The storage a power cut now would leave, with a fresh fault plan
+    /// and a clock of its own at the same time.
     fn power_cut(&self) -> Rig {
         Rig {
             disk: SimDisk(self.disk.0.power_cut()),
             log: self.log.power_cut(),
             plan: Arc::default(),
-            clock: self.clock.clone(),
+            clock: ManualClock::new(self.clock.now_ms()),
         }
     }
 }
@@ -452,6 +453,8 @@ enum Op {
     SetRecoveryPoint,
     Sweep,
     Checkpoint,
+    /// Dropping the store: its closing checkpoint.
+    Close,
 }
 
 /// Records evicted by the sweep under test.
@@ -524,6 +527,7 @@ fn run(store: &Store, s: &Setup, op: Op) -> Result<Answer, Error> {
             .map(|_| Answer::Done),
         Op::Sweep => store.sweep(100).map(Answer::Swept),
         Op::Checkpoint => store.checkpoint().map(|_| Answer::Done),
+        Op::Close => unreachable!("closing is run by one_point"),
     }
 }
 
@@ -596,7 +600,7 @@ fn check_target(
                 None => assert!(acked.is_none(), "{at}: acknowledged recovery point lost"),
             }
         }
-        Op::Sweep | Op::Checkpoint => {
+        Op::Sweep | Op::Checkpoint | Op::Close => {
             let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
             assert!(processing_as_before(&r), "{at}: {r:?}");
         }
@@ -646,22 +650,8 @@ fn check_scenarios(store: &Store, clock: &ManualClock, s: &Setup, at: &str) {
         }
         ClaimOutcome::Acquired(_) => {}
     }
-    // Scenario 12 for every key: past every retention, sweeping empties the
-    // store only if each record has its expiry index entry.
-    clock.advance(RETENTION * 2);
-    let mut evicted = 0;
-    loop {
-        let n = store.sweep(1000).unwrap();
-        if n == 0 {
-            break;
-        }
-        evicted += n;
-    }
-    assert_eq!(
-        store.len().unwrap(),
-        0,
-        "{at}: a record without an expiry index entry survived the sweep (evicted {evicted})"
-    );
+    // Scenario 12 for every key.
+    check_all_expire(store, clock, at);
 }
 
 /// After a failed sync the store refuses writes until reopened
@@ -714,6 +704,9 @@ fn one_point(op: Op, target: Target, call: Call, n: u64) -> bool {
     let s = Arc::new(setup(&store, &rig.clock, op));
 
     rig.plan.arm(target, call, n);
+    if op == Op::Close {
+        return close_point(rig, store, &s, &at);
+    }
     let answer = {
         let (store, s) = (store.clone(), s.clone());
         timed(&at, move || run(&store, &s, op))
@@ -738,6 +731,27 @@ fn one_point(op: Op, target: Target, call: Call, n: u64) -> bool {
     check_setup(&reopened, &s, probe.as_ref(), &at);
     check_target(&reopened, &s, op, acked.as_ref(), probe.as_ref(), &at);
     check_scenarios(&reopened, &cut.clock, &s, &at);
+    fired.is_some()
+}
+
+/// The fault point of one_point for closing: the store is dropped (no
+/// answer to check); then both what the storage holds as the process left
+/// it and what a power cut leaves must reopen with everything acknowledged.
+fn close_point(rig: Rig, store: Arc<Store>, s: &Setup, at: &str) -> bool {
+    timed(at, move || drop(store));
+    let fired = rig.plan.disarm();
+    let cut = rig.power_cut();
+    let as_left = Rig {
+        plan: Arc::default(),
+        ..rig
+    };
+    for (what, rig) in [("as left", as_left), ("power cut", cut)] {
+        let at = format!("{at}, reopened {what}");
+        let reopened = rig.open().unwrap_or_else(|e| panic!("{at}: {e}"));
+        check_setup(&reopened, s, None, &at);
+        check_target(&reopened, s, Op::Close, None, None, &at);
+        check_scenarios(&reopened, &rig.clock, s, &at);
+    }
     fired.is_some()
 }
 
@@ -795,6 +809,7 @@ op_test!(
     checkpoint_survives_a_fault_at_every_storage_call,
     Op::Checkpoint
 );
+op_test!(close_survives_a_fault_at_every_storage_call, Op::Close);
 
 /// What one fault point of `open` found.
 struct OpenPoint {
@@ -1027,7 +1042,7 @@ fn a_power_cut_after_any_log_write_keeps_whole_batches() {
     // (key, token, journal length when the claim / the completion returned)
     let mut acks: Vec<(Key, u64, usize, usize)> = Vec::new();
     log.slow_sync.store(true, Ordering::SeqCst);
-    for round in 0..ROUNDS {
+    for round in 0..ROUNDS * repeat() {
         let barrier = std::sync::Barrier::new(THREADS);
         let acked: Vec<(Key, u64, usize, usize)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..THREADS)
