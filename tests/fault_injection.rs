@@ -120,12 +120,15 @@ impl StorageBackend for SimDisk {
     }
 }
 
+/// One write to a file: (offset, bytes).
+type LogWrite = (u64, Vec<u8>);
+
 /// The write-ahead log on simulated storage. Every write is also kept in a
 /// journal, in order, for the batch test's cut images.
 #[derive(Clone, Default)]
 struct SimLog {
     file: SimFile,
-    journal: Arc<Mutex<Vec<(u64, Vec<u8>)>>>,
+    journal: Arc<Mutex<Vec<LogWrite>>>,
     /// While set, a sync takes a millisecond, so that requests queue up
     /// behind it and share batches (group commit).
     slow_sync: Arc<AtomicBool>,
@@ -219,17 +222,18 @@ impl FaultPlan {
                 std::thread::current().name().unwrap_or("?")
             );
         }
-        if let Some((t, c, n)) = armed.as_mut() {
-            if *t == target && *c == call {
-                if *n == 0 {
-                    *armed = None;
-                    *self.fired.lock().unwrap() = Some((target, call));
-                    return Err(io::Error::other(format!(
-                        "injected {call:?} failure on the {target:?} file"
-                    )));
-                }
-                *n -= 1;
+        if let Some((t, c, n)) = armed.as_mut()
+            && *t == target
+            && *c == call
+        {
+            if *n == 0 {
+                *armed = None;
+                *self.fired.lock().unwrap() = Some((target, call));
+                return Err(io::Error::other(format!(
+                    "injected {call:?} failure on the {target:?} file"
+                )));
             }
+            *n -= 1;
         }
         Ok(())
     }
@@ -978,7 +982,24 @@ fn a_store_whose_creation_was_cut_opens_again() {
 struct TimelineDisk {
     inner: SimDisk,
     log: SimLog,
-    snapshots: Arc<Mutex<Vec<(usize, Vec<u8>)>>>,
+    snapshots: Arc<Mutex<Vec<Snapshot>>>,
+}
+
+/// The index's durable bytes at one of its syncs, with the number of log
+/// writes made by then.
+type Snapshot = (usize, Vec<u8>);
+
+/// A point in the batch test's history: (log writes, index syncs) by then.
+type Moment = (usize, usize);
+
+impl TimelineDisk {
+    /// Now, as (log writes, index syncs) so far. The index's snapshots are
+    /// taken under their lock, so a sync is either counted with its
+    /// snapshot or not at all.
+    fn moment(&self) -> Moment {
+        let snapshots = self.snapshots.lock().unwrap();
+        (self.log.journal.lock().unwrap().len(), snapshots.len())
+    }
 }
 
 impl std::fmt::Debug for TimelineDisk {
@@ -998,10 +1019,11 @@ impl StorageBackend for TimelineDisk {
         self.inner.set_len(len)
     }
     fn sync_data(&self) -> Result<(), io::Error> {
+        let mut snapshots = self.snapshots.lock().unwrap();
         self.inner.sync_data()?;
         let writes = self.log.journal.lock().unwrap().len();
         let durable = self.inner.0.image().durable.clone();
-        self.snapshots.lock().unwrap().push((writes, durable));
+        snapshots.push((writes, durable));
         Ok(())
     }
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
@@ -1014,6 +1036,15 @@ const ROUNDS: usize = 3;
 
 fn batch_key(round: usize, thread: usize) -> Key {
     key(&format!("bk-{round}-{thread:02}"))
+}
+
+/// The result a batch test key is completed with: it names the key, so a
+/// log frame holding it is the key's completion, and is long enough that
+/// the workload fills the log and makes it wrap (a checkpoint).
+fn batch_result(k: &Key) -> Vec<u8> {
+    let mut r = format!("result:{}:", k.id()).into_bytes();
+    r.resize(2000, b'x');
+    r
 }
 
 /// Many threads claim and complete keys at once, so that requests share
@@ -1039,23 +1070,23 @@ fn a_power_cut_after_any_log_write_keeps_whole_batches() {
         .unwrap()
         .push((start, disk.inner.0.image().durable.clone()));
 
-    // (key, token, journal length when the claim / the completion returned)
-    let mut acks: Vec<(Key, u64, usize, usize)> = Vec::new();
+    // (key, token, the moment the claim / the completion returned)
+    let mut acks: Vec<(Key, u64, Moment, Moment)> = Vec::new();
     log.slow_sync.store(true, Ordering::SeqCst);
     for round in 0..ROUNDS * repeat() {
         let barrier = std::sync::Barrier::new(THREADS);
-        let acked: Vec<(Key, u64, usize, usize)> = std::thread::scope(|s| {
+        let acked: Vec<(Key, u64, Moment, Moment)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..THREADS)
                 .map(|t| {
-                    let (store, log, barrier) = (&store, &log, &barrier);
+                    let (store, disk, barrier) = (&store, &disk, &barrier);
                     s.spawn(move || {
                         let k = batch_key(round, t);
                         barrier.wait();
                         let lease = acquire(store, &k);
-                        let claimed = log.journal.lock().unwrap().len();
+                        let claimed = disk.moment();
                         barrier.wait();
-                        store.complete(&lease, k.to_string().as_bytes()).unwrap();
-                        let completed = log.journal.lock().unwrap().len();
+                        store.complete(&lease, &batch_result(&k)).unwrap();
+                        let completed = disk.moment();
                         (k, lease.token(), claimed, completed)
                     })
                 })
@@ -1071,39 +1102,58 @@ fn a_power_cut_after_any_log_write_keeps_whole_batches() {
     drop(store);
 
     // Each frame: the log write holding it, and (key, level) for the changes
-    // in it: level 1 a claim, level 2 a completion.
-    let mut seen: HashMap<Key, usize> = HashMap::new();
+    // in it: level 1 a claim, level 2 a completion. A batch that did not fit
+    // in the log went to the index in a checkpoint instead.
+    let contains = |data: &[u8], what: &[u8]| data.windows(what.len()).any(|w| w == what);
     let mut frames: Vec<(usize, Vec<(Key, usize)>)> = Vec::new();
-    for (i, (_, data)) in journal.iter().enumerate().skip(start) {
+    let mut wrapped = false;
+    let mut last_offset = 0;
+    for (i, (offset, data)) in journal.iter().enumerate().skip(start) {
         let mut changes = Vec::new();
         for (k, ..) in &acks {
-            let id = k.id().as_bytes();
-            if data.windows(id.len()).any(|w| w == id) {
-                let level = seen.entry(k.clone()).or_default();
-                *level += 1;
-                changes.push((k.clone(), *level));
+            if contains(data, format!("result:{}:", k.id()).as_bytes()) {
+                changes.push((k.clone(), 2));
+            } else if contains(data, k.id().as_bytes()) {
+                changes.push((k.clone(), 1));
             }
         }
         if !changes.is_empty() {
+            wrapped |= *offset < last_offset;
+            last_offset = *offset;
             frames.push((i, changes));
         }
     }
-    for (k, ..) in &acks {
-        assert_eq!(seen.get(k), Some(&2), "{k}: not in exactly two log writes");
-    }
+    assert!(
+        wrapped,
+        "the log never wrapped: the test misses checkpoints"
+    );
     let widest = frames.iter().map(|(_, c)| c.len()).max().unwrap();
     assert!(
         widest > 1,
         "no two requests shared a batch: the test shows nothing"
     );
 
+    if std::env::var_os("FAULTS_DUMP").is_some() {
+        for (i, (o, d)) in journal.iter().enumerate() {
+            eprintln!(
+                "write {i}: offset {o} len {} head {:?}",
+                d.len(),
+                &d[..d.len().min(12)]
+            );
+        }
+        for (j, (w, _)) in snapshots.iter().enumerate() {
+            eprintln!("sync {j} at {w} writes");
+        }
+        for (k, t, c, d) in &acks {
+            eprintln!("{k} token {t} claimed {c:?} completed {d:?}");
+        }
+    }
     let mut cuts = 0;
     for cut in start..=journal.len() {
         for torn in [false, true] {
             if torn && cut == journal.len() {
                 continue;
             }
-            cuts += 1;
             let at = format!("cut after log write {cut} (torn next: {torn})");
             let mut image = Image::default();
             for (offset, data) in &journal[..cut] {
@@ -1113,58 +1163,70 @@ fn a_power_cut_after_any_log_write_keeps_whole_batches() {
                 let (offset, data) = &journal[cut];
                 image.write(*offset, &data[..data.len() / 2]);
             }
-            let index = snapshots
-                .iter()
-                .rev()
-                .find(|(writes, _)| *writes <= cut)
-                .map(|(_, bytes)| bytes.clone())
-                .unwrap();
-            let rig = Rig {
-                disk: SimDisk(SimFile::from_bytes(index)),
-                log: SimLog {
-                    file: SimFile::from_bytes(image.live),
-                    ..SimLog::default()
-                },
-                plan: Arc::default(),
-                clock: ManualClock::new(now),
-            };
-            let store = rig.open().unwrap_or_else(|e| panic!("{at}: reopen: {e}"));
-            let level = |k: &Key| match store.get(k).unwrap() {
-                None => 0,
-                Some(r) if r.state() == State::Processing => 1,
-                Some(r) => {
-                    assert_eq!(r.state(), State::Succeeded, "{at}: {r:?}");
-                    assert_eq!(r.result(), Some(k.to_string().as_bytes()), "{at}");
-                    2
-                }
-            };
-            for (k, token, claimed, completed) in &acks {
-                let l = level(k);
-                if *claimed <= cut {
-                    assert!(l >= 1, "{at}: acknowledged claim of {k} lost");
-                    assert_eq!(store.get(k).unwrap().unwrap().token(), *token, "{at}");
-                }
-                if *completed <= cut {
-                    assert_eq!(l, 2, "{at}: acknowledged completion of {k} lost");
-                }
-            }
-            let applied: Vec<bool> = frames
-                .iter()
-                .map(|(i, changes)| {
-                    let there: Vec<bool> = changes.iter().map(|(k, lv)| level(k) >= *lv).collect();
-                    assert!(
-                        there.iter().all(|&t| t == there[0]),
-                        "{at}: the batch in log write {i} is half there: {changes:?} {there:?}"
-                    );
-                    there[0]
-                })
+            // The index as durable then: each sync made at this point of
+            // the log (a checkpoint syncs more than once), else the last one
+            // before it.
+            // A torn write started after every sync made before it.
+            let mut indexes: Vec<usize> = (0..snapshots.len())
+                .filter(|&j| snapshots[j].0 == cut && !torn)
                 .collect();
-            assert!(
-                applied.windows(2).all(|w| w[0] || !w[1]),
-                "{at}: a batch is there while an earlier one is not: {applied:?}"
-            );
-            if cut == journal.len() {
-                check_all_expire(&store, &rig.clock, &at);
+            if indexes.is_empty() {
+                indexes.extend((0..snapshots.len()).rev().find(|&j| snapshots[j].0 <= cut));
+            }
+            for j in indexes {
+                cuts += 1;
+                let index = &snapshots[j].1;
+                // Acknowledged by now: before this log write and this sync.
+                let by_now = |(writes, syncs): Moment| writes <= cut && syncs <= j + 1;
+                let at = format!("{at}, index as of its sync {j}");
+                let rig = Rig {
+                    disk: SimDisk(SimFile::from_bytes(index.clone())),
+                    log: SimLog {
+                        file: SimFile::from_bytes(image.live.clone()),
+                        ..SimLog::default()
+                    },
+                    plan: Arc::default(),
+                    clock: ManualClock::new(now),
+                };
+                let store = rig.open().unwrap_or_else(|e| panic!("{at}: reopen: {e}"));
+                let level = |k: &Key| match store.get(k).unwrap() {
+                    None => 0,
+                    Some(r) if r.state() == State::Processing => 1,
+                    Some(r) => {
+                        assert_eq!(r.state(), State::Succeeded, "{at}: {r:?}");
+                        assert_eq!(r.result(), Some(&batch_result(k)[..]), "{at}");
+                        2
+                    }
+                };
+                for (k, token, claimed, completed) in &acks {
+                    let l = level(k);
+                    if by_now(*claimed) {
+                        assert!(l >= 1, "{at}: acknowledged claim of {k} lost");
+                        assert_eq!(store.get(k).unwrap().unwrap().token(), *token, "{at}");
+                    }
+                    if by_now(*completed) {
+                        assert_eq!(l, 2, "{at}: acknowledged completion of {k} lost");
+                    }
+                }
+                let applied: Vec<bool> = frames
+                    .iter()
+                    .map(|(i, changes)| {
+                        let there: Vec<bool> =
+                            changes.iter().map(|(k, lv)| level(k) >= *lv).collect();
+                        assert!(
+                            there.iter().all(|&t| t == there[0]),
+                            "{at}: the batch in log write {i} is half there: {changes:?} {there:?}"
+                        );
+                        there[0]
+                    })
+                    .collect();
+                assert!(
+                    applied.windows(2).all(|w| w[0] || !w[1]),
+                    "{at}: a batch is there while an earlier one is not: {applied:?}"
+                );
+                if cut == journal.len() {
+                    check_all_expire(&store, &rig.clock, &at);
+                }
             }
         }
     }
