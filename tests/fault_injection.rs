@@ -457,9 +457,23 @@ enum Op {
     SetRecoveryPoint,
     Sweep,
     Checkpoint,
+    /// A completion whose frame does not fit in the log: the writer commits
+    /// it to the index in a checkpoint and starts the log over.
+    CompleteWhenLogFull,
     /// Dropping the store: its closing checkpoint.
     Close,
 }
+
+/// The result the operation under test completes with.
+fn result_of(op: Op) -> Vec<u8> {
+    match op {
+        Op::CompleteWhenLogFull => vec![b'r'; BIG],
+        _ => b"result".to_vec(),
+    }
+}
+
+/// A result of this many bytes takes a third of the smallest log (64 KiB).
+const BIG: usize = 20_000;
 
 /// Records evicted by the sweep under test.
 const OLD: usize = 5;
@@ -481,6 +495,13 @@ fn setup(store: &Store, clock: &ManualClock, op: Op) -> Setup {
             store.complete(&l, b"old").unwrap();
         }
         clock.advance(RETENTION + Duration::from_secs(1));
+    }
+    if op == Op::CompleteWhenLogFull {
+        // Two frames of a third of the log each: the next one does not fit.
+        for i in 0..2 {
+            let l = acquire(store, &key(&format!("filler-{i}")));
+            store.complete(&l, &vec![b'f'; BIG]).unwrap();
+        }
     }
     let done = key("done");
     let l = acquire(store, &done);
@@ -518,7 +539,9 @@ fn run(store: &Store, s: &Setup, op: Op) -> Result<Answer, Error> {
         Op::Claim => store
             .claim(&s.target, &fp(), &ClaimOptions::new())
             .map(Answer::Claimed),
-        Op::Complete => store.complete(&lease(), b"result").map(|_| Answer::Done),
+        Op::Complete | Op::CompleteWhenLogFull => store
+            .complete(&lease(), &result_of(op))
+            .map(|_| Answer::Done),
         Op::Fail => store
             .fail(&lease(), b"failure", false)
             .map(|_| Answer::Done),
@@ -560,9 +583,9 @@ fn check_target(
             (None, None) => {}
             (None, Some(r)) => assert_eq!(r.state(), State::Processing, "{at}"),
         },
-        Op::Complete => {
+        Op::Complete | Op::CompleteWhenLogFull => {
             let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
-            let whole = r.state() == State::Succeeded && r.result() == Some(&b"result"[..]);
+            let whole = r.state() == State::Succeeded && r.result() == Some(&result_of(op)[..]);
             assert!(
                 whole || (acked.is_none() && processing_as_before(&r)),
                 "{at}: acked={acked:?} {r:?}"
@@ -632,7 +655,7 @@ fn check_target(
 /// replays a whole outcome, or answers InProgress until the lease lapses and
 /// then Acquired; and every record, whatever the crash left, has an expiry
 /// index entry (a sweep past retention evicts every one of them).
-fn check_scenarios(store: &Store, clock: &ManualClock, s: &Setup, at: &str) {
+fn check_scenarios(store: &Store, clock: &ManualClock, s: &Setup, op: Op, at: &str) {
     if let Some(r) = store.get(&s.target).unwrap() {
         if r.state() == State::Succeeded {
             assert!(r.result().is_some(), "{at}: Succeeded without its result");
@@ -642,7 +665,7 @@ fn check_scenarios(store: &Store, clock: &ManualClock, s: &Setup, at: &str) {
     }
     match store.claim(&s.target, &fp(), &ClaimOptions::new()).unwrap() {
         ClaimOutcome::Replay(r) => assert!(
-            r.result() == Some(&b"result"[..]) || r.failure() == Some(&b"failure"[..]),
+            r.result() == Some(&result_of(op)[..]) || r.failure() == Some(&b"failure"[..]),
             "{at}: replayed {r:?}"
         ),
         ClaimOutcome::InProgress { lease_until_ms, .. } => {
@@ -734,7 +757,7 @@ fn one_point(op: Op, target: Target, call: Call, n: u64) -> bool {
     let acked = answer.ok();
     check_setup(&reopened, &s, probe.as_ref(), &at);
     check_target(&reopened, &s, op, acked.as_ref(), probe.as_ref(), &at);
-    check_scenarios(&reopened, &cut.clock, &s, &at);
+    check_scenarios(&reopened, &cut.clock, &s, op, &at);
     fired.is_some()
 }
 
@@ -754,7 +777,7 @@ fn close_point(rig: Rig, store: Arc<Store>, s: &Setup, at: &str) -> bool {
         let reopened = rig.open().unwrap_or_else(|e| panic!("{at}: {e}"));
         check_setup(&reopened, s, None, &at);
         check_target(&reopened, s, Op::Close, None, None, &at);
-        check_scenarios(&reopened, &rig.clock, s, &at);
+        check_scenarios(&reopened, &rig.clock, s, Op::Close, &at);
     }
     fired.is_some()
 }
@@ -814,6 +837,15 @@ op_test!(
     Op::Checkpoint
 );
 op_test!(close_survives_a_fault_at_every_storage_call, Op::Close);
+
+/// The checkpoint the writer makes by itself when the log is full.
+#[test]
+fn a_completion_into_a_full_log_survives_a_fault_at_every_storage_call() {
+    let points = every_point(Op::CompleteWhenLogFull);
+    // The completion went to the index in a checkpoint.
+    assert!(points[&(Target::Index, Call::Write)] > 0, "{points:?}");
+    assert!(points[&(Target::Index, Call::Sync)] > 0, "{points:?}");
+}
 
 /// What one fault point of `open` found.
 struct OpenPoint {
@@ -905,7 +937,7 @@ fn one_open_point(crashed: bool, target: Target, call: Call, n: u64) -> OpenPoin
             Some(&b"result"[..]),
             "{at}: {r:?}"
         );
-        check_scenarios(&reopened, &cut.clock, s, &at);
+        check_scenarios(&reopened, &cut.clock, s, Op::Complete, &at);
     }
     OpenPoint {
         fired: fired.is_some(),
