@@ -47,7 +47,7 @@ use std::time::Duration;
 
 use idemstore::{
     BackendError, ClaimOptions, ClaimOutcome, Clock, Config, Error, Fingerprint, Key, Lease,
-    LogFile, ManualClock, State, StorageBackend, Store,
+    LogFile, ManualClock, Resolution, State, StorageBackend, Store,
 };
 
 // ---------------------------------------------------------------------------
@@ -431,6 +431,9 @@ fn timed<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) 
 }
 
 /// A storage failure must surface as one of these, never as a wrong answer.
+/// `IncompatibleFile` appears only when a fault cut the creation of a store
+/// before redb's header was written: the file then has no redb magic number
+/// (see `a_store_whose_creation_was_cut_opens_again`).
 fn assert_typed(what: &str, e: &Error) {
     assert!(
         matches!(
@@ -440,7 +443,7 @@ fn assert_typed(what: &str, e: &Error) {
                 | Error::Closed
                 | Error::CorruptFile { .. }
                 | Error::CorruptLog { .. }
-        ),
+        ) || matches!(e, Error::IncompatibleFile { detail, .. } if detail.contains("magic number")),
         "{what}: a storage fault surfaced as {e:?}"
     );
 }
@@ -469,6 +472,9 @@ enum Op {
     Release,
     Extend,
     SetRecoveryPoint,
+    /// A reconciler finishing the target with `Store::resolve`, fenced by
+    /// its token.
+    Resolve,
     Sweep,
     Checkpoint,
     /// A completion whose frame does not fit in the log: the writer commits
@@ -556,6 +562,13 @@ fn run(store: &Store, s: &Setup, op: Op) -> Result<Answer, Error> {
         Op::Complete | Op::CompleteWhenLogFull => store
             .complete(&lease(), &result_of(op))
             .map(|_| Answer::Done),
+        Op::Resolve => store
+            .resolve(
+                &s.target,
+                lease().token(),
+                Resolution::Succeeded(result_of(op)),
+            )
+            .map(|_| Answer::Done),
         Op::Fail => store
             .fail(&lease(), b"failure", false)
             .map(|_| Answer::Done),
@@ -597,7 +610,7 @@ fn check_target(
             (None, None) => {}
             (None, Some(r)) => assert_eq!(r.state(), State::Processing, "{at}"),
         },
-        Op::Complete | Op::CompleteWhenLogFull => {
+        Op::Complete | Op::CompleteWhenLogFull | Op::Resolve => {
             let r = rec.unwrap_or_else(|| panic!("{at}: record lost"));
             let whole = r.state() == State::Succeeded && r.result() == Some(&result_of(op)[..]);
             assert!(
@@ -847,6 +860,7 @@ op_test!(
     set_recovery_point_survives_a_fault_at_every_storage_call,
     Op::SetRecoveryPoint
 );
+op_test!(resolve_survives_a_fault_at_every_storage_call, Op::Resolve);
 op_test!(sweep_survives_a_fault_at_every_storage_call, Op::Sweep);
 op_test!(
     checkpoint_survives_a_fault_at_every_storage_call,
