@@ -13,7 +13,11 @@
 //! stores a 64-byte result and a 24 h retention), each durable before it
 //! returns. The peers:
 //!
-//! - `idemstore`: [`Store`] with the default [`Config`].
+//! - `idemstore`: [`Store`] with the default [`Config`] (every change
+//!   fsynced before it is acknowledged); with `--buffered-ms N`, with
+//!   [`Durability::Buffered`] instead (acknowledged before the fsync, which
+//!   follows within N ms): not the default durability, and not durable
+//!   against a power loss, so its ratios are not the targets' ratios.
 //! - `sqlite`: SQLite (bundled) in WAL mode with `synchronous=FULL`, one
 //!   connection per thread, one transaction per operation:
 //!   `INSERT … ON CONFLICT DO NOTHING` and a guarded `UPDATE`.
@@ -54,7 +58,10 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
-use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Lease, Store};
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Config, Durability as IdemDurability, Fingerprint, Key, Lease,
+    Store,
+};
 use redb::{Durability, ReadableTable, TableDefinition};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -97,12 +104,21 @@ struct Args {
     /// the system's temporary directory by default. Not a tmpfs.
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Open the idemstore peer with `Durability::Buffered` and this
+    /// `max_delay` (milliseconds, 1 to 3 600 000) instead of the default
+    /// `Durability::Immediate`: calls return before the fsync. Not the
+    /// default durability; the other peers are unchanged.
+    #[arg(long)]
+    buffered_ms: Option<u64>,
 }
 
 fn main() -> BoxResult<()> {
     let args = Args::parse();
     if args.threads == 0 || args.runs == 0 || args.seconds <= 0.0 || args.replay_keys == 0 {
         return Err("--threads, --runs, --seconds and --replay-keys must be positive".into());
+    }
+    if let Some(ms) = args.buffered_ms {
+        println!("idemstore durability=buffered max_delay_ms={ms} (not the default)");
     }
     let base = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = tempfile::Builder::new()
@@ -382,7 +398,7 @@ fn time_peer(
     let (threads, seconds) = (args.threads, args.seconds);
     Ok(Some(match name {
         "idemstore" => {
-            let peer = IdemPeer::open(&dir.join("idem.redb"))?;
+            let peer = IdemPeer::open(&dir.join("idem.redb"), args.buffered_ms)?;
             time_lifecycles(&peer, name, threads, seconds)?
         }
         "sqlite" => {
@@ -457,7 +473,7 @@ fn run_replay(args: &Args, dir: &Path) -> BoxResult<()> {
             Ok((req, result))
         })
         .collect::<BoxResult<_>>()?;
-    let idem = IdemPeer::open(&dir.join("idem.redb"))?;
+    let idem = IdemPeer::open(&dir.join("idem.redb"), args.buffered_ms)?;
     let map = MapPeer::default();
     populate(&idem, args.replay_keys)?;
     populate(&map, args.replay_keys)?;
@@ -591,9 +607,17 @@ struct IdemPeer {
 }
 
 impl IdemPeer {
-    fn open(path: &Path) -> BoxResult<IdemPeer> {
+    /// Opens the store with the default durability, or buffered with a
+    /// `max_delay` of `buffered_ms` milliseconds.
+    fn open(path: &Path, buffered_ms: Option<u64>) -> BoxResult<IdemPeer> {
+        let mut config = Config::new();
+        if let Some(ms) = buffered_ms {
+            config = config.durability(IdemDurability::Buffered {
+                max_delay: Duration::from_millis(ms),
+            });
+        }
         Ok(IdemPeer {
-            store: Store::open_with(path, Config::new())?,
+            store: Store::open_with(path, config)?,
             options: ClaimOptions::new(),
         })
     }
