@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Store};
+use idemstore::{ClaimOptions, ClaimOutcome, Config, Durability, Fingerprint, Key, Store};
 
 /// Client thread counts.
 const THREADS: [usize; 4] = [1, 4, 16, 64];
@@ -37,12 +37,23 @@ struct Mode {
     configure: fn(Config) -> Config,
 }
 
-/// The durability modes measured, one entry each. The default (every
-/// acknowledged write fsynced) is the only mode the store has today.
-const MODES: &[Mode] = &[Mode {
-    name: "immediate",
-    configure: |config| config,
-}];
+/// The durability modes measured: the default (every acknowledged write
+/// fsynced) and buffered (acknowledged before the fsync, flushed within
+/// 10 ms).
+const MODES: &[Mode] = &[
+    Mode {
+        name: "immediate",
+        configure: |config| config,
+    },
+    Mode {
+        name: "buffered-10ms",
+        configure: |config| {
+            config.durability(Durability::Buffered {
+                max_delay: Duration::from_millis(10),
+            })
+        },
+    },
+];
 
 /// Records in the starting store, with the label used in benchmark ids.
 const SIZE: (u64, &str) = (10_000, "10k");
