@@ -2,8 +2,13 @@
 //! counters behind [`Store::stats`](crate::Store::stats).
 //!
 //! The writer collects an [`Event`] for every decision it makes inside a
-//! batch and publishes them only after the batch is durable, so the audit
-//! log never shows a transition that a crash could undo. Answers that need
+//! batch and publishes them when the batch's callers are answered: with the
+//! default [`Durability::Immediate`](crate::Durability::Immediate) that is
+//! after the batch is durable, so the audit log never shows a transition
+//! that a crash could undo. With `Durability::Buffered` callers (and the
+//! audit log) are answered before the fsync, so a power loss can undo a
+//! transition that was already logged, exactly as it can undo the
+//! acknowledgement itself. Answers that need
 //! no write (a replay, "in progress", a refused fingerprint on the fast
 //! path) are published at once.
 //!

@@ -850,6 +850,11 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         }
         if tables.is_changed() {
             tables.set_counters(token, now, state.last_seq + 1)?;
+        } else if token != state.next_token {
+            // Only the token counter moved (an import whose records were all
+            // present or skipped still raises it): no frame is written, so
+            // the checkpoint below makes the counter durable.
+            tables.set_counters(token, now, state.last_seq)?;
         }
         Ok(tables.finish())
     });
@@ -875,7 +880,11 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     }
     let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(answers).collect();
     let Some(body) = body else {
-        if checkpoint {
+        let counter_moved = token != state.next_token;
+        if counter_moved {
+            state.next_token = token;
+        }
+        if checkpoint || counter_moved {
             let seq = state.last_seq;
             commit_checkpoint(
                 shared,
@@ -1012,6 +1021,7 @@ fn commit_checkpoint(
             token_reserved,
         };
         schema::write_checkpoint(path, &txn, ck)?;
+        schema::write_clock_hwm(path, &txn, shared.clock.high_water_ms())?;
         txn.commit().map_err(|e| map_err(path, e))
     });
     if let Err(err) = committed {
