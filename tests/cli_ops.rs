@@ -1,6 +1,9 @@
 //! The operator subcommands of the `idemstore` binary, run as a user would:
 //! the built binary on a store file written through the library.
 
+mod common;
+use common::damage_record;
+
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -272,25 +275,6 @@ fn sweep_evicts_records_past_retention() {
     assert_eq!(json(&out)["records"]["total"], 0);
     let out = idemstore(&["sweep", p(&path)]);
     assert_eq!(stdout(&out).trim(), "evicted 0 records past retention");
-}
-
-/// Flips a byte in the stored body of `k`'s record, through redb directly.
-fn damage_record(path: &Path, k: &Key) {
-    use redb::ReadableTable;
-    let records: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("records");
-    let db = redb::Database::open(path).unwrap();
-    let mut kb = vec![u8::try_from(k.scope().len()).unwrap()];
-    kb.extend_from_slice(k.scope().as_bytes());
-    kb.extend_from_slice(k.id().as_bytes());
-    let txn = db.begin_write().unwrap();
-    {
-        let mut table = txn.open_table(records).unwrap();
-        let mut bytes = table.get(kb.as_slice()).unwrap().unwrap().value().to_vec();
-        let last = bytes.len() - 1;
-        bytes[last] ^= 0x55;
-        table.insert(kb.as_slice(), bytes.as_slice()).unwrap();
-    }
-    txn.commit().unwrap();
 }
 
 #[test]

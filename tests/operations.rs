@@ -1,6 +1,9 @@
 //! Operating a store: compensation scans, `resolve`, business keys, stats
 //! counters and audit events.
 
+mod common;
+use common::damage_record;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -538,25 +541,6 @@ fn stats_count_corrupt_records_and_verify_names_them() {
     let results: Vec<_> = store.scan(&Filter::new()).unwrap().collect();
     assert_eq!(results.len(), 2);
     assert_eq!(results.iter().filter(|r| r.is_err()).count(), 1);
-}
-
-/// Flips a byte in the stored body of `k`'s record, through redb directly.
-fn damage_record(path: &Path, k: &Key) {
-    use redb::ReadableTable;
-    let records: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("records");
-    let db = redb::Database::open(path).unwrap();
-    let mut kb = vec![u8::try_from(k.scope().len()).unwrap()];
-    kb.extend_from_slice(k.scope().as_bytes());
-    kb.extend_from_slice(k.id().as_bytes());
-    let txn = db.begin_write().unwrap();
-    {
-        let mut table = txn.open_table(records).unwrap();
-        let mut bytes = table.get(kb.as_slice()).unwrap().unwrap().value().to_vec();
-        let last = bytes.len() - 1;
-        bytes[last] ^= 0x55;
-        table.insert(kb.as_slice(), bytes.as_slice()).unwrap();
-    }
-    txn.commit().unwrap();
 }
 
 // ----------------------------------------------------------------------- audit

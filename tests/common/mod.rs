@@ -375,3 +375,22 @@ pub fn count_from_env(var: &str, default: usize) -> usize {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// Flips a byte in the stored body of `k`'s record, through redb directly.
+pub fn damage_record(path: &Path, k: &Key) {
+    use redb::ReadableTable;
+    let records: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("records");
+    let db = redb::Database::open(path).unwrap();
+    let mut kb = vec![u8::try_from(k.scope().len()).unwrap()];
+    kb.extend_from_slice(k.scope().as_bytes());
+    kb.extend_from_slice(k.id().as_bytes());
+    let txn = db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(records).unwrap();
+        let mut bytes = table.get(kb.as_slice()).unwrap().unwrap().value().to_vec();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x55;
+        table.insert(kb.as_slice(), bytes.as_slice()).unwrap();
+    }
+    txn.commit().unwrap();
+}
