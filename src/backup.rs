@@ -26,7 +26,7 @@
 use std::io::{self, Read, Write};
 use std::path::Path;
 
-use redb::{Database, ReadableDatabase, ReadableTable};
+use redb::ReadableTable;
 
 use crate::codec::{self, DECODE_LIMIT, RECORD_VERSION};
 use crate::error::{Error, Result};
@@ -338,15 +338,14 @@ fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
     Ok(got)
 }
 
-/// Writes every live record of one read snapshot of `db` to `out`.
+/// Writes every live record of the read snapshot `txn` to `out`.
 pub(crate) fn export(
     path: &Path,
-    db: &Database,
+    txn: &redb::ReadTransaction,
     now_ms: u64,
     out: impl Write,
     mut progress: impl FnMut(Progress),
 ) -> Result<ExportSummary> {
-    let txn = guard(path, || db.begin_read().map_err(|e| map_err(path, e)))?;
     let meta = guard(path, || {
         let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
         schema::read_meta(path, &table)

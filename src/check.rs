@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use redb::{Database, ReadableDatabase, ReadableTable};
+use redb::{Database, ReadableTable};
 
 use crate::backup::Progress;
 use crate::codec;
@@ -125,15 +125,14 @@ fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
     }
 }
 
-/// Verifies every record and binding of one read snapshot of `db`.
+/// Verifies every record and binding of the read snapshot `txn`.
 pub(crate) fn verify(
     path: &Path,
-    db: &Database,
+    txn: &redb::ReadTransaction,
     now_ms: u64,
     mut progress: impl FnMut(Progress),
 ) -> Result<CheckReport> {
     guard(path, || {
-        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
         let meta = {
             let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
             schema::read_meta(path, &table)?

@@ -9,10 +9,9 @@
 //! grow while it is open; drop it when done.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
-use redb::{Database, ReadOnlyTable, ReadableDatabase};
+use redb::ReadOnlyTable;
 
 use crate::clock::duration_ms;
 use crate::codec;
@@ -173,7 +172,7 @@ impl std::fmt::Debug for Records {
 impl Records {
     pub(crate) fn open(
         path: &Path,
-        db: &Arc<Database>,
+        txn: &redb::ReadTransaction,
         filter: Filter,
         now_ms: u64,
     ) -> Result<Records> {
@@ -186,7 +185,6 @@ impl Records {
             ));
         }
         let table = guard(path, || {
-            let txn = db.begin_read().map_err(|e| map_err(path, e))?;
             txn.open_table(RECORDS).map_err(|e| map_err(path, e))
         })?;
         Ok(Records {

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use redb::{Database, ReadableDatabase, ReadableTable};
+use redb::ReadableTable;
 
 use crate::audit::{Cause, Event};
 use crate::codec;
@@ -200,11 +200,10 @@ pub struct Stats {
 /// Processing record's `created_ms`.
 pub(crate) fn count_states(
     path: &Path,
-    db: &Database,
+    txn: &redb::ReadTransaction,
     now_ms: u64,
 ) -> Result<(StateCounts, Option<u64>)> {
     guard(path, || {
-        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
         let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
         let mut counts = StateCounts::default();
         let mut oldest: Option<u64> = None;

@@ -842,14 +842,9 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the snapshot cannot
     /// be opened.
     pub fn scan(&self, filter: &Filter) -> Result<Records> {
-        self.inner.commit_index()?;
+        let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
-        Records::open(
-            &shared.path,
-            &shared.db,
-            filter.clone(),
-            shared.clock.now_ms(),
-        )
+        Records::open(&shared.path, &txn, filter.clone(), shared.clock.now_ms())
     }
 
     /// The numbers an operator alerts on: records by state, the age of the
@@ -868,14 +863,17 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read. Corrupt records are counted, not returned as errors.
     pub fn stats(&self) -> Result<Stats> {
-        // A store that refuses writes still reports what its index holds.
-        match self.inner.commit_index() {
-            Ok(()) | Err(Error::Poisoned) => {}
-            Err(e) => return Err(e),
-        }
         let shared = &self.inner.shared;
+        let txn = match self.inner.durable_snapshot() {
+            Ok(txn) => txn,
+            // A store that refuses writes still reports what its index holds.
+            Err(Error::Poisoned) => guard(&shared.path, || {
+                shared.db.begin_read().map_err(|e| map_err(&shared.path, e))
+            })?,
+            Err(e) => return Err(e),
+        };
         let now_ms = shared.clock.now_ms();
-        let (records, oldest) = stats::count_states(&shared.path, &shared.db, now_ms)?;
+        let (records, oldest) = stats::count_states(&shared.path, &txn, now_ms)?;
         Ok(Stats {
             now_ms,
             records,
@@ -899,15 +897,9 @@ impl Store {
         out: impl std::io::Write,
         progress: impl FnMut(Progress),
     ) -> Result<ExportSummary> {
-        self.inner.commit_index()?;
+        let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
-        backup::export(
-            &shared.path,
-            &shared.db,
-            shared.clock.now_ms(),
-            out,
-            progress,
-        )
+        backup::export(&shared.path, &txn, shared.clock.now_ms(), out, progress)
     }
 
     /// Restores records from a stream written by [`Store::export`].
@@ -997,9 +989,9 @@ impl Store {
     /// read; damaged records are reported in the [`CheckReport`], not as
     /// errors.
     pub fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
-        self.inner.commit_index()?;
+        let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
-        check::verify(&shared.path, &shared.db, shared.clock.now_ms(), progress)
+        check::verify(&shared.path, &txn, shared.clock.now_ms(), progress)
     }
 
     /// How many records the file holds, including expired records that are
@@ -1146,6 +1138,27 @@ impl Inner {
             }
         }
         Ok(Err(op))
+    }
+
+    /// A read snapshot of the index for the operator's reads (scans, stats,
+    /// export, verify): it holds every change acknowledged before this call
+    /// and, with [`Durability::Immediate`], nothing that is not yet durable
+    /// (the writer may commit a batch to the index while its fsync runs, so
+    /// this waits for the durability of whatever the snapshot holds, as
+    /// [`Store::len`] does).
+    fn durable_snapshot(&self) -> Result<redb::ReadTransaction> {
+        self.commit_index()?;
+        let shared = &self.shared;
+        let path = &shared.path;
+        guard(path, || {
+            let txn = shared.db.begin_read().map_err(|e| map_err(path, e))?;
+            if shared.durability == Durability::Immediate {
+                shared
+                    .progress
+                    .wait_durable(schema::applied_seq(path, &txn)?)?;
+            }
+            Ok(txn)
+        })
     }
 
     /// Has the writer commit its open index transaction, so that reads see
