@@ -8,7 +8,7 @@
 //! cargo run --release --example throughput -- --threads 64 --seconds 3 floor
 //! ```
 //!
-//! This is a rough gauge for development; `examples/peers.rs` is the full
+//! This is a rough gauge for development; `idemstore-peers/src/main.rs` is the full
 //! benchmark against other stores.
 
 use std::fs::OpenOptions;

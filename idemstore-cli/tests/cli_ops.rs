@@ -1,6 +1,7 @@
 //! The operator subcommands of the `idemstore` binary, run as a user would:
 //! the built binary on a store file written through the library.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 use common::damage_record;
 

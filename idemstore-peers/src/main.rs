@@ -2,9 +2,9 @@
 //! one process run, side by side.
 //!
 //! ```text
-//! cargo run --release --example peers -- --threads 64 --seconds 5
-//! cargo run --release --example peers -- --threads 2 --seconds 5 --replay
-//! REDIS_URL=redis://127.0.0.1:6399/ cargo run --release --example peers -- --threads 64
+//! cargo run --release -p idemstore-peers -- --threads 64 --seconds 5
+//! cargo run --release -p idemstore-peers -- --threads 2 --seconds 5 --replay
+//! REDIS_URL=redis://127.0.0.1:6399/ cargo run --release -p idemstore-peers -- --threads 64
 //! ```
 //!
 //! Every peer runs the same client threads doing the same lifecycles: a claim
