@@ -13,6 +13,10 @@
 //!   key (201, `Location: /tickets/{id}`); a retry gets the same ticket with
 //!   `Idempotent-Replayed: true`. `alert_id` is a business key: a second
 //!   idempotency key for the same alert is answered 409 naming the first.
+//! - `POST /tickets/triage`, the same body and header: creates the ticket
+//!   as `POST /tickets` does, then streams `text/event-stream` progress
+//!   events `--stream-ms` apart and the ticket last; a retry while it
+//!   streams gets 409, a retry after it gets the whole stream replayed.
 //! - `GET /tickets/count`: `{"count": n}`.
 //! - `GET /tickets/{id}`: one ticket.
 //! - `GET /idempotency/stats`: the store's `Store::stats()` as JSON.
@@ -52,6 +56,10 @@ struct Args {
     /// is written, half after).
     #[arg(long, default_value_t = 0)]
     work_ms: u64,
+    /// The pause between two events of `POST /tickets/triage`, in
+    /// milliseconds.
+    #[arg(long, default_value_t = 500)]
+    stream_ms: u64,
 }
 
 fn main() -> ExitCode {
@@ -62,6 +70,7 @@ fn main() -> ExitCode {
         tickets: args.tickets,
         lease: Duration::from_millis(args.lease_ms),
         work: Duration::from_millis(args.work_ms),
+        stream_interval: Duration::from_millis(args.stream_ms),
     };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

@@ -59,6 +59,7 @@ fn run_server() -> ! {
         tickets: PathBuf::from(common::child_var("E2E_TICKETS")),
         lease: Duration::from_millis(LEASE_MS),
         work: Duration::from_millis(WORK_MS),
+        stream_interval: Duration::from_millis(10),
     };
     let addr = options.addr;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -360,4 +361,96 @@ fn check_files(store: &Path, tickets: &Path, keys: &[String], seen: &Seen, seed:
         let record = idem.get(&scoped).unwrap().expect("a record per key");
         assert_eq!(record.state(), State::Succeeded, "seed {seed}: {key}");
     }
+}
+
+/// `POST /tickets/triage` streams its body for several leases (300 ms
+/// lease, six events 200 ms apart): retries sent by another client while
+/// it streams get 409, the ticket is created once, and a retry after the
+/// last event gets the whole stream replayed. A real server on loopback and
+/// a real HTTP client.
+#[test]
+fn a_streaming_response_retried_while_it_streams_is_409_then_replayed_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    // A port of its own (the other test of this binary picks its port from
+    // the seed, and the two run at once).
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap();
+    let options = service::Options {
+        addr,
+        store: dir.path().join("idempotency.redb"),
+        tickets: dir.path().join("tickets.redb"),
+        lease: Duration::from_millis(300),
+        work: Duration::ZERO,
+        stream_interval: Duration::from_millis(200),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = runtime.spawn(service::serve(options, async {
+        let _ = stopped.await;
+    }));
+    runtime.block_on(async {
+        let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
+        let triage = || {
+            http::Request::post(format!("http://{addr}/tickets/triage"))
+                .header("idempotency-key", "triage-1")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from_static(br#"{"title":"disk full"}"#)))
+                .unwrap()
+        };
+        let mut first = loop {
+            match client.request(triage()).await {
+                Ok(resp) => break resp,
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            }
+        };
+        assert_eq!(first.status(), http::StatusCode::CREATED);
+        let mut streamed = Vec::new();
+        let mut retries = Vec::new();
+        while let Some(frame) = first.body_mut().frame().await {
+            let data = frame.unwrap().into_data().unwrap();
+            streamed.extend_from_slice(&data);
+            let events = streamed.windows(2).filter(|w| w == b"\n\n").count();
+            // After the first and the fourth event: the stream is under way.
+            if events == 1 || events == 4 {
+                let (status, headers, _) = request(&client, triage(), Duration::from_secs(30))
+                    .await
+                    .unwrap();
+                retries.push((status, headers.contains_key("retry-after")));
+            }
+        }
+        let events = u32::try_from(streamed.windows(2).filter(|w| w == b"\n\n").count()).unwrap();
+        assert_eq!(events, service::TRIAGE_STEPS + 1);
+        assert!(String::from_utf8_lossy(&streamed).contains("event: ticket"));
+        assert_eq!(
+            retries,
+            [
+                (http::StatusCode::CONFLICT, true),
+                (http::StatusCode::CONFLICT, true)
+            ]
+        );
+
+        let (status, headers, body) = request(&client, triage(), Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert_eq!(status, http::StatusCode::CREATED);
+        assert_eq!(headers["idempotent-replayed"], "true");
+        assert_eq!(headers["content-type"], "text/event-stream");
+        assert_eq!(body, streamed);
+
+        let count = http::Request::get(format!("http://{addr}/tickets/count"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let (_, _, body) = request(&client, count, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let count: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(count["count"], 1);
+    });
+    let _ = stop.send(());
+    runtime.block_on(server).unwrap().unwrap();
 }

@@ -12,7 +12,8 @@ use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idemstore::http::{
-    Idempotency, IdempotencyBody, IdempotencyContext, IdempotencyLayer, IdempotencyOutcome,
+    BoxError, Idempotency, IdempotencyBody, IdempotencyContext, IdempotencyLayer,
+    IdempotencyOutcome,
 };
 use idemstore::{Config, Key, ManualClock, State, Store};
 use tower::{Layer, Service, ServiceExt};
@@ -109,13 +110,12 @@ fn post(key: Option<&str>, body: &'static str) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
-async fn send<S>(svc: &S, req: Request<Full<Bytes>>) -> (StatusCode, http::HeaderMap, Bytes)
+async fn send<S, B>(svc: &S, req: Request<Full<Bytes>>) -> (StatusCode, http::HeaderMap, Bytes)
 where
-    S: Service<
-            Request<Full<Bytes>>,
-            Response = Response<IdempotencyBody<Full<Bytes>>>,
-            Error = Infallible,
-        > + Clone,
+    S: Service<Request<Full<Bytes>>, Response = Response<IdempotencyBody<B>>, Error = Infallible>
+        + Clone,
+    B: http_body::Body,
+    B::Error: Into<BoxError>,
 {
     let resp = svc.clone().oneshot(req).await.unwrap();
     let (parts, body) = resp.into_parts();
@@ -151,9 +151,9 @@ async fn a_missing_or_malformed_key_is_400_and_the_handler_does_not_run() {
 #[tokio::test]
 async fn a_retry_replays_status_chosen_headers_and_body() {
     let (_d, store, _c) = manual_store();
-    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async {
-        created(r#"{"id":1}"#)
-    });
+    let layer = IdempotencyLayer::new(store)
+        .replay_headers([http::header::CONTENT_TYPE, http::header::LOCATION]);
+    let (svc, runs) = service(layer, |_| async { created(r#"{"id":1}"#) });
 
     let (code, headers, body) = send(&svc, post(Some("k1"), r#"{"t":1}"#)).await;
     assert_eq!(code, StatusCode::CREATED);
@@ -167,8 +167,79 @@ async fn a_retry_replays_status_chosen_headers_and_body() {
     assert!(replayed(&headers2));
     assert_eq!(headers2["content-type"], "application/json");
     assert_eq!(headers2["location"], "/tickets/1");
+    // Narrowed to two headers: the others are not replayed.
     assert!(headers2.get("x-request-id").is_none());
     assert_eq!(runs.count(), 1);
+}
+
+/// A 201 with the headers a client relies on next, and two that belong to
+/// one delivery.
+fn created_with_headers() -> Resp {
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .header("location", "/tickets/7")
+        .header("etag", "\"v1\"")
+        .header("last-modified", "Tue, 01 Dec 2026 02:00:00 GMT")
+        .header("cache-control", "no-store")
+        .header("link", "</tickets/7/comments>; rel=\"comments\"")
+        .header("x-ticket-shard", "eu-3")
+        .header("set-cookie", "session=first-client; HttpOnly")
+        .header("date", "Tue, 01 Dec 2026 02:00:01 GMT")
+        .body(Full::new(Bytes::from_static(br#"{"id":7}"#)))
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_replay_returns_every_header_but_the_deny_list() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async {
+        created_with_headers()
+    });
+    let (code, first, body) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(code, StatusCode::CREATED);
+    assert_eq!(first["set-cookie"], "session=first-client; HttpOnly");
+
+    let (code, replay, replay_body) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, replayed(&replay)), (StatusCode::CREATED, true));
+    assert_eq!(replay_body, body);
+    for name in [
+        "content-type",
+        "location",
+        "etag",
+        "last-modified",
+        "cache-control",
+        "link",
+        "x-ticket-shard",
+    ] {
+        assert_eq!(replay.get(name), first.get(name), "{name} is replayed");
+    }
+    // A cookie belongs to the client that got it; a date to one delivery.
+    assert!(replay.get("set-cookie").is_none());
+    assert!(replay.get("date").is_none());
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn the_deny_list_can_be_widened_or_extended() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store.clone()).replay_all_headers_except([]);
+    let (svc, _) = service(layer, |_| async { created_with_headers() });
+    send(&svc, post(Some("k"), "x")).await;
+    let replay = send(&svc, post(Some("k"), "x")).await.1;
+    assert_eq!(replay["set-cookie"], "session=first-client; HttpOnly");
+
+    let layer = IdempotencyLayer::new(store).replay_all_headers_except(
+        idemstore::http::REPLAY_DENY_LIST
+            .into_iter()
+            .chain([http::HeaderName::from_static("x-ticket-shard")]),
+    );
+    let (svc, _) = service(layer, |_| async { created_with_headers() });
+    send(&svc, post(Some("k2"), "x")).await;
+    let replay = send(&svc, post(Some("k2"), "x")).await.1;
+    assert!(replay.get("x-ticket-shard").is_none());
+    assert!(replay.get("set-cookie").is_none());
+    assert_eq!(replay["etag"], "\"v1\"");
 }
 
 #[tokio::test]
@@ -443,41 +514,136 @@ async fn no_effect_releases_the_key_for_any_payload() {
     assert_eq!(runs.takeovers.load(Ordering::SeqCst), 0);
 }
 
-#[tokio::test]
-async fn a_response_too_large_to_store_is_delivered_and_recorded_as_a_failure() {
-    let (_d, store, _c) = manual_store();
-    let big = "x".repeat(100);
-    let layer = IdempotencyLayer::new(store.clone()).max_response_bytes(16);
-    let (svc, runs) = service(layer, move |_| {
-        let big = big.clone();
-        async move { Response::new(Full::new(Bytes::from(big))) }
-    });
-    let (code, _, body) = send(&svc, post(Some("k"), "x")).await;
-    assert_eq!((code, body.len()), (StatusCode::OK, 100));
-    let key = Key::new("POST /tickets", "k").unwrap();
-    assert_eq!(
-        store.get(&key).unwrap().unwrap().state(),
-        State::Failed { retryable: true }
-    );
-    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
-    assert_eq!((code, replayed(&headers)), (StatusCode::OK, false));
-    assert_eq!(runs.count(), 2);
+/// The answer to a retry of a response that was too large to keep.
+async fn assert_not_kept<S, B>(svc: &S, original: u16, location: Option<&str>)
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<IdempotencyBody<B>>, Error = Infallible>
+        + Clone,
+    B: http_body::Body,
+    B::Error: Into<BoxError>,
+{
+    let (code, headers, body) = send(svc, post(Some("k"), "x")).await;
+    assert_eq!((code, replayed(&headers)), (StatusCode::GONE, true));
+    assert_eq!(headers["content-type"], "application/problem+json");
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(problem["original_status"], original);
+    assert_eq!(problem["location"].as_str(), location);
 }
 
 #[tokio::test]
-async fn a_response_over_the_stores_limit_is_recorded_as_a_failure() {
+async fn a_response_too_large_to_keep_finishes_the_key_and_a_retry_gets_410() {
+    let (_d, store, _c) = manual_store();
+    let big = "x".repeat(100);
+    let layer = IdempotencyLayer::new(store.clone()).max_response_bytes(64);
+    let (svc, runs) = service(layer, move |_| {
+        let big = big.clone();
+        async move {
+            Response::builder()
+                .status(StatusCode::CREATED)
+                .header("location", "/tickets/1")
+                .body(Full::new(Bytes::from(big)))
+                .unwrap()
+        }
+    });
+    let (code, _, body) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, body.len()), (StatusCode::CREATED, 100));
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(store.get(&key).unwrap().unwrap().state(), State::Succeeded);
+    assert_not_kept(&svc, 201, Some("/tickets/1")).await;
+    assert_not_kept(&svc, 201, Some("/tickets/1")).await;
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn the_stored_size_counts_headers_too() {
+    let (_d, store, _c) = manual_store();
+    // A 2-byte body under headers of 200 bytes does not fit 128 bytes.
+    let layer = IdempotencyLayer::new(store.clone()).max_response_bytes(128);
+    let (svc, runs) = service(layer, |_| async {
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("x-large", "h".repeat(200))
+            .body(Full::new(Bytes::from_static(b"ok")))
+            .unwrap()
+    });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.2, "ok");
+    assert_not_kept(&svc, 200, None).await;
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn a_response_over_the_stores_limit_finishes_the_key_and_a_retry_gets_410() {
     let (_d, store) = store_with(Config::new().max_result_bytes(64));
     let (svc, runs) = service(IdempotencyLayer::new(store.clone()), |_| async {
         Response::new(Full::new(Bytes::from("y".repeat(200))))
     });
     assert_eq!(send(&svc, post(Some("k"), "x")).await.2.len(), 200);
     let key = Key::new("POST /tickets", "k").unwrap();
-    assert_eq!(
-        store.get(&key).unwrap().unwrap().state(),
-        State::Failed { retryable: true }
-    );
-    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 200);
+    assert_eq!(store.get(&key).unwrap().unwrap().state(), State::Succeeded);
+    assert_not_kept(&svc, 200, None).await;
+    assert_eq!(runs.count(), 1);
+}
+
+#[tokio::test]
+async fn refusals_that_did_nothing_release_the_key() {
+    let (_d, store, _c) = manual_store();
+    let first = Arc::new(AtomicUsize::new(0));
+    for refusal in [408u16, 425, 429] {
+        first.store(0, Ordering::SeqCst);
+        let seen = first.clone();
+        let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
+            let n = seen.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    status(refusal)
+                } else {
+                    created("{}")
+                }
+            }
+        });
+        let id = format!("k{refusal}");
+        assert_eq!(send(&svc, post(Some(&id), "a")).await.0, refusal);
+        let key = Key::new("POST /tickets", id.as_str()).unwrap();
+        assert!(store.get(&key).unwrap().is_none(), "{refusal} released");
+        // Released: the retry, even with another payload, is a first attempt.
+        assert_eq!(send(&svc, post(Some(&id), "b")).await.0, 201);
+        assert_eq!(runs.count(), 2);
+        assert_eq!(runs.takeovers.load(Ordering::SeqCst), 0);
+    }
+}
+
+#[tokio::test]
+async fn a_configured_status_releases_and_final_overrules_a_release() {
+    let (_d, store, _c) = manual_store();
+    let layer = IdempotencyLayer::new(store.clone()).release_statuses([
+        StatusCode::TOO_MANY_REQUESTS,
+        StatusCode::SERVICE_UNAVAILABLE,
+    ]);
+    let (svc, runs) = service(layer.clone(), |_| async { status(503) });
+    assert_eq!(send(&svc, post(Some("a"), "x")).await.0, 503);
+    let key = |id: &str| Key::new("POST /tickets", id).unwrap();
+    assert!(store.get(&key("a")).unwrap().is_none());
+    assert_eq!(send(&svc, post(Some("a"), "x")).await.0, 503);
     assert_eq!(runs.count(), 2);
+
+    // 408 is no longer in the list: stored and replayed like any 4xx.
+    let (svc, runs) = service(layer.clone(), |_| async { status(408) });
+    send(&svc, post(Some("b"), "x")).await;
+    assert!(replayed(&send(&svc, post(Some("b"), "x")).await.1));
+    assert_eq!(runs.count(), 1);
+
+    let (svc, runs) = service(layer, |_| async {
+        let mut r = status(429);
+        r.extensions_mut().insert(IdempotencyOutcome::Final);
+        r
+    });
+    send(&svc, post(Some("c"), "x")).await;
+    assert_eq!(
+        store.get(&key("c")).unwrap().unwrap().state(),
+        State::Failed { retryable: false }
+    );
+    assert!(replayed(&send(&svc, post(Some("c"), "x")).await.1));
+    assert_eq!(runs.count(), 1);
 }
 
 #[tokio::test]
@@ -674,4 +840,237 @@ async fn a_business_key_held_by_another_key_is_409_naming_it() {
     // A business key the store refuses is the client's fault.
     assert_eq!(send(&svc, post(Some("k4"), "order:\u{1}")).await.0, 400);
     assert_eq!(runs.count(), 2);
+}
+
+/// A response body fed through a channel, as a handler that returns at once
+/// and streams its body (server-sent events, model tokens, a download)
+/// gives it.
+struct ChannelBody(tokio::sync::mpsc::UnboundedReceiver<Result<Bytes, std::io::Error>>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|item| item.map(|r| r.map(http_body::Frame::data)))
+    }
+}
+
+type Chunks = tokio::sync::mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
+
+/// A service whose first run answers 201 at once with a body the test feeds
+/// (its sender arrives on the returned channel, with `headers` on the
+/// response); later runs answer 201 with the body `again`.
+#[allow(clippy::type_complexity)]
+fn streaming(
+    layer: IdempotencyLayer,
+    headers: &'static [(&'static str, &'static str)],
+) -> (
+    Idempotency<
+        impl Service<Req, Response = Response<ChannelBody>, Error = Infallible, Future: Send> + Clone,
+    >,
+    Arc<Runs>,
+    tokio::sync::mpsc::UnboundedReceiver<Chunks>,
+) {
+    let runs = Arc::new(Runs::default());
+    let (senders_tx, senders) = tokio::sync::mpsc::unbounded_channel();
+    let seen = runs.clone();
+    let handler = tower::service_fn(move |req: Req| {
+        let seen = seen.clone();
+        let senders_tx = senders_tx.clone();
+        async move {
+            let n = seen.count.fetch_add(1, Ordering::SeqCst);
+            let ctx = req
+                .extensions()
+                .get::<IdempotencyContext>()
+                .cloned()
+                .unwrap();
+            if ctx.is_takeover() {
+                seen.takeovers.fetch_add(1, Ordering::SeqCst);
+            }
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let mut builder = Response::builder().status(StatusCode::CREATED);
+            if n == 0 {
+                for (name, value) in headers {
+                    builder = builder.header(*name, *value);
+                }
+                senders_tx.send(tx).unwrap();
+            } else {
+                tx.send(Ok(Bytes::from_static(b"again"))).unwrap();
+            }
+            Ok::<_, Infallible>(builder.body(ChannelBody(rx)).unwrap())
+        }
+    });
+    (layer.layer(handler), runs, senders)
+}
+
+fn chunk(i: usize) -> Result<Bytes, std::io::Error> {
+    Ok(Bytes::from(format!("event {i}\n")))
+}
+
+#[tokio::test]
+async fn a_body_streaming_for_several_leases_keeps_its_key_until_the_last_byte() {
+    // Real time: a 300 ms lease, and a body of six chunks 200 ms apart that
+    // streams for four leases; a retry while it streams must get 409.
+    let (_d, store) = store_with(Config::new());
+    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(300));
+    let (svc, runs, mut senders) = streaming(layer, &[]);
+    let first = tokio::spawn({
+        let svc = svc.clone();
+        async move { send(&svc, post(Some("k"), "x")).await }
+    });
+    let tx = senders.recv().await.unwrap();
+    let mut during = Vec::new();
+    for i in 0..6 {
+        tx.send(chunk(i)).unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        if i == 2 || i == 5 {
+            during.push(send(&svc, post(Some("k"), "x")).await.0);
+        }
+    }
+    drop(tx);
+    let (code, _, body) = first.await.unwrap();
+    assert_eq!(code, StatusCode::CREATED);
+    let expected: String = (0..6).map(|i| format!("event {i}\n")).collect();
+    assert_eq!(body, expected);
+    assert_eq!(during, [StatusCode::CONFLICT, StatusCode::CONFLICT]);
+
+    let (code, headers, replay) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+    assert_eq!(replay, expected);
+    assert_eq!(runs.count(), 1);
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(store.get(&key).unwrap().unwrap().acquisitions(), 1);
+}
+
+#[tokio::test]
+async fn a_body_that_fails_halfway_records_a_retryable_failure() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs, mut senders) = streaming(IdempotencyLayer::new(store.clone()), &[]);
+    let first = tokio::spawn({
+        let svc = svc.clone();
+        async move {
+            let resp = svc.oneshot(post(Some("k"), "x")).await.unwrap();
+            resp.into_body().collect().await.map(|c| c.to_bytes())
+        }
+    });
+    let tx = senders.recv().await.unwrap();
+    tx.send(chunk(0)).unwrap();
+    tx.send(Err(std::io::Error::other("upstream reset")))
+        .unwrap();
+    let error = first.await.unwrap().unwrap_err();
+    assert!(error.to_string().contains("upstream reset"), "{error}");
+
+    // Recorded before the error reached the client: a retry at once is a
+    // takeover that the handler answers by looking its effect up.
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(
+        store.get(&key).unwrap().unwrap().state(),
+        State::Failed { retryable: true }
+    );
+    let (code, headers, body) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(
+        (code, replayed(&headers), &body[..]),
+        (StatusCode::CREATED, false, &b"again"[..])
+    );
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_drops_the_response_mid_body_frees_the_key_for_a_takeover() {
+    // The clock never moves: only the recorded failure lets the retry in.
+    let (_d, store, _c) = manual_store();
+    let (svc, runs, mut senders) = streaming(IdempotencyLayer::new(store.clone()), &[]);
+    let resp = svc.clone().oneshot(post(Some("k"), "x")).await.unwrap();
+    let tx = senders.recv().await.unwrap();
+    tx.send(chunk(0)).unwrap();
+    let mut body = resp.into_body();
+    let frame = body.frame().await.unwrap().unwrap();
+    assert_eq!(frame.into_data().unwrap(), "event 0\n");
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(store.get(&key).unwrap().unwrap().state(), State::Processing);
+    drop(body);
+
+    // The failure is queued when the body is dropped; a claim that reads
+    // the record before the write lands still sees the live lease (409).
+    let mut answer = StatusCode::CONFLICT;
+    for _ in 0..500 {
+        answer = send(&svc, post(Some("k"), "x")).await.0;
+        if answer != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(answer, StatusCode::CREATED);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+    drop(tx);
+}
+
+#[tokio::test]
+async fn the_outcome_is_recorded_before_the_last_byte_is_handed_on() {
+    let (_d, store, _c) = manual_store();
+    let state = |id: &str| {
+        store
+            .get(&Key::new("POST /tickets", id).unwrap())
+            .unwrap()
+            .unwrap()
+            .state()
+    };
+
+    // A body of known length: its only frame is its last.
+    let (svc, _) = service(IdempotencyLayer::new(store.clone()), |_| async {
+        created("{}")
+    });
+    let mut body = svc
+        .clone()
+        .oneshot(post(Some("full"), "x"))
+        .await
+        .unwrap()
+        .into_body();
+    assert!(body.frame().await.unwrap().unwrap().is_data());
+    assert_eq!(state("full"), State::Succeeded);
+    assert!(body.frame().await.is_none());
+
+    // A stream that declares its length: the frame that completes it.
+    let (svc, _, mut senders) = streaming(
+        IdempotencyLayer::new(store.clone()),
+        &[("content-length", "16")],
+    );
+    let mut body = svc
+        .clone()
+        .oneshot(post(Some("declared"), "x"))
+        .await
+        .unwrap()
+        .into_body();
+    let tx = senders.recv().await.unwrap();
+    tx.send(chunk(0)).unwrap();
+    body.frame().await.unwrap().unwrap();
+    assert_eq!(state("declared"), State::Processing);
+    tx.send(chunk(1)).unwrap();
+    body.frame().await.unwrap().unwrap();
+    assert_eq!(state("declared"), State::Succeeded);
+    drop(tx);
+
+    // A chunked stream: its end, before the end is handed on.
+    let (svc, _, mut senders) = streaming(IdempotencyLayer::new(store.clone()), &[]);
+    let mut body = svc
+        .clone()
+        .oneshot(post(Some("chunked"), "x"))
+        .await
+        .unwrap()
+        .into_body();
+    let tx = senders.recv().await.unwrap();
+    tx.send(chunk(0)).unwrap();
+    body.frame().await.unwrap().unwrap();
+    assert_eq!(state("chunked"), State::Processing);
+    drop(tx);
+    assert!(body.frame().await.is_none());
+    assert_eq!(state("chunked"), State::Succeeded);
 }

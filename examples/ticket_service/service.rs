@@ -46,7 +46,14 @@ pub struct Options {
     /// half after (so a crash can fall between the ticket and the stored
     /// response).
     pub work: Duration,
+    /// The pause between two events of `POST /tickets/triage`'s streamed
+    /// body (it sends [`TRIAGE_STEPS`] progress events, then the ticket).
+    pub stream_interval: Duration,
 }
+
+/// How many progress events `POST /tickets/triage` streams before the
+/// ticket.
+pub const TRIAGE_STEPS: u32 = 5;
 
 /// A ticket as the service returns it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,6 +171,7 @@ struct App {
     store: Arc<Store>,
     tickets: Tickets,
     work: Duration,
+    stream_interval: Duration,
 }
 
 /// Runs a blocking ticket-table call off the async runtime.
@@ -199,23 +207,82 @@ async fn create_ticket(
     Extension(ctx): Extension<IdempotencyContext>,
     body: Bytes,
 ) -> Response {
-    let title = match serde_json::from_slice::<Value>(&body) {
+    match ensure_ticket(&app, &ctx, &body).await {
+        Ok(ticket) => created(&ticket),
+        Err(response) => response,
+    }
+}
+
+/// `POST /tickets/triage` with `{"title": "..."}` and an `Idempotency-Key`
+/// header: creates the ticket as `POST /tickets` does, then answers 201
+/// with a `text/event-stream` body that streams [`TRIAGE_STEPS`] progress
+/// events, `stream_interval` apart, and then the ticket: a handler that
+/// returns at once with a body that streams for longer than the lease, as
+/// a model streaming tokens does. The layer holds the key until the last
+/// event is sent, then stores the whole stream for replay.
+async fn triage_ticket(
+    State(app): State<App>,
+    Extension(ctx): Extension<IdempotencyContext>,
+    body: Bytes,
+) -> Response {
+    let ticket = match ensure_ticket(&app, &ctx, &body).await {
+        Ok(ticket) => ticket,
+        Err(response) => return response,
+    };
+    let interval = app.stream_interval;
+    let last = format!("event: ticket\ndata: {}\n\n", ticket.to_json());
+    let events = futures_lite::stream::unfold(0u32, move |step| {
+        let last = last.clone();
+        async move {
+            if step > TRIAGE_STEPS {
+                return None;
+            }
+            if step > 0 {
+                tokio::time::sleep(interval).await;
+            }
+            let event = if step < TRIAGE_STEPS {
+                format!("event: progress\ndata: step {}\n\n", step + 1)
+            } else {
+                last
+            };
+            Some((Ok::<_, std::io::Error>(Bytes::from(event)), step + 1))
+        }
+    });
+    (
+        StatusCode::CREATED,
+        [
+            (header::LOCATION, format!("/tickets/{}", ticket.id)),
+            (header::CONTENT_TYPE, "text/event-stream".to_owned()),
+        ],
+        axum::body::Body::from_stream(events),
+    )
+        .into_response()
+}
+
+/// The ticket of this key: found (a takeover whose earlier attempt created
+/// it) or created; or the response that refuses the request.
+async fn ensure_ticket(
+    app: &App,
+    ctx: &IdempotencyContext,
+    body: &[u8],
+) -> Result<Ticket, Response> {
+    let title = match serde_json::from_slice::<Value>(body) {
         Ok(v) => match v["title"].as_str() {
             Some(t) if !t.is_empty() => t.to_owned(),
             _ => {
-                return (
+                return Err((
                     StatusCode::BAD_REQUEST,
                     Json(json!({"error": "a ticket needs a non-empty \"title\""})),
                 )
-                    .into_response();
+                    .into_response());
             }
         },
         Err(e) => {
-            return (
+            return Err((
                 StatusCode::BAD_REQUEST,
                 Json(json!({"error": format!("the body is not JSON: {e}")})),
             )
-                .into_response();
+                .into_response());
         }
     };
     let key = ctx.key().to_string();
@@ -225,9 +292,9 @@ async fn create_ticket(
     if ctx.is_takeover() {
         let (tickets, k) = (app.tickets.clone(), key.clone());
         match blocking(move || tickets.find(&k)).await {
-            Ok(Some(ticket)) => return created(&ticket),
+            Ok(Some(ticket)) => return Ok(ticket),
             Ok(None) => {}
-            Err(e) => return unavailable(&e),
+            Err(e) => return Err(unavailable(&e)),
         }
     }
 
@@ -237,10 +304,10 @@ async fn create_ticket(
     // finds the existing ticket instead of creating a second one.
     let ticket = match blocking(move || tickets.create(&key, &title)).await {
         Ok(ticket) => ticket,
-        Err(e) => return unavailable(&e),
+        Err(e) => return Err(unavailable(&e)),
     };
     tokio::time::sleep(app.work / 2).await;
-    created(&ticket)
+    Ok(ticket)
 }
 
 async fn get_ticket(State(app): State<App>, UrlPath(id): UrlPath<u64>) -> Response {
@@ -296,9 +363,9 @@ async fn idempotency_stats(State(app): State<App>) -> Response {
 }
 
 /// The service's routes over an open store and ticket table.
-pub fn router(store: Arc<Store>, tickets: Tickets, lease: Duration, work: Duration) -> Router {
+pub fn router(store: Arc<Store>, tickets: Tickets, options: &Options) -> Router {
     let idempotency = IdempotencyLayer::new(store.clone())
-        .lease(lease)
+        .lease(options.lease)
         // One ticket per alert: a second key for the same `alert_id` is
         // answered 409 naming the key that holds it.
         .business_key(|_, body| {
@@ -312,6 +379,7 @@ pub fn router(store: Arc<Store>, tickets: Tickets, lease: Duration, work: Durati
         });
     Router::new()
         .route("/tickets", post(create_ticket))
+        .route("/tickets/triage", post(triage_ticket))
         .route("/tickets/count", get(count_tickets))
         .route("/tickets/{id}", get(get_ticket))
         .route("/idempotency/stats", get(idempotency_stats))
@@ -319,7 +387,8 @@ pub fn router(store: Arc<Store>, tickets: Tickets, lease: Duration, work: Durati
         .with_state(App {
             store,
             tickets,
-            work,
+            work: options.work,
+            stream_interval: options.stream_interval,
         })
 }
 
@@ -334,7 +403,7 @@ pub async fn serve(
 ) -> Result<(), BoxError> {
     let store = Store::open_with(&options.store, Config::new().lease(options.lease))?;
     let tickets = Tickets::open(&options.tickets)?;
-    let app = router(Arc::new(store), tickets, options.lease, options.work);
+    let app = router(Arc::new(store), tickets, &options);
     let listener = tokio::net::TcpListener::bind(options.addr).await?;
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)

@@ -2,23 +2,39 @@
 //! directions, and the bounded read of a body into memory.
 
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
 use pin_project_lite::pin_project;
 
+use super::future::Recorder;
+
 /// The boxed error of an [`IdempotencyBody`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pin_project! {
-    /// A body that is either held in memory (a buffered request, a stored
-    /// or replayed response, a rejection) or streamed from an inner body,
-    /// possibly after a prefix that was already read.
+    /// A body that is either held in memory (a buffered request, a replayed
+    /// response, a rejection) or streamed from an inner body.
     ///
     /// The inner service receives requests with this body, and the layer's
     /// responses carry it. Trailers of a buffered body are not kept.
+    ///
+    /// The body of a response whose outcome the layer records streams to
+    /// the client frame by frame as the handler's body yields it, while the
+    /// layer keeps a copy for storage and extends the key's lease whenever
+    /// the body is polled (each poll also arms the lease timer, which wakes
+    /// the task). The outcome is recorded, durably, before the last frame
+    /// is handed on (the frame after which the inner body is at its end or
+    /// has sent its declared `Content-Length`), so that a client holding
+    /// the whole response that retries is answered by a replay. If the
+    /// body fails, a retryable failure is recorded and the error handed
+    /// on; if the body is dropped before its end (the client went away),
+    /// a retryable failure is queued. Either way a retry runs the handler
+    /// again as a takeover ([`IdempotencyContext::is_takeover`](super::IdempotencyContext::is_takeover)),
+    /// which looks its effect up by key: the first client saw only part of
+    /// the response, so there is no whole response to replay.
     pub struct IdempotencyBody<B> {
         #[pin]
         kind: Kind<B>,
@@ -29,8 +45,8 @@ pin_project! {
     #[project = KindProj]
     enum Kind<B> {
         Full { data: Option<Bytes> },
-        Stream { prefix: Option<Bytes>, #[pin] rest: B },
-        Failed { error: Option<BoxError> },
+        Stream { #[pin] rest: B },
+        Recording { #[pin] rest: B, recorder: Box<Recorder> },
     }
 }
 
@@ -45,25 +61,17 @@ impl<B> IdempotencyBody<B> {
     }
 
     /// The inner body, streamed as it is.
-    pub(crate) fn stream(body: B) -> Self {
-        Self::stream_after(Bytes::new(), body)
-    }
-
-    /// `prefix`, then the rest of an inner body.
-    pub(crate) fn stream_after(prefix: Bytes, rest: B) -> Self {
+    pub(crate) fn stream(rest: B) -> Self {
         IdempotencyBody {
-            kind: Kind::Stream {
-                prefix: (!prefix.is_empty()).then_some(prefix),
-                rest,
-            },
+            kind: Kind::Stream { rest },
         }
     }
 
-    /// A body whose first frame is `error` (the inner body failed while the
-    /// layer was reading it).
-    pub(crate) fn failed(error: BoxError) -> Self {
+    /// The inner body, streamed while `recorder` keeps it and records the
+    /// outcome at its end.
+    pub(crate) fn recording(rest: B, recorder: Box<Recorder>) -> Self {
         IdempotencyBody {
-            kind: Kind::Failed { error: Some(error) },
+            kind: Kind::Recording { rest, recorder },
         }
     }
 }
@@ -73,7 +81,7 @@ impl<B> std::fmt::Debug for IdempotencyBody<B> {
         let kind = match &self.kind {
             Kind::Full { data } => format!("full, {} bytes", data.as_ref().map_or(0, Bytes::len)),
             Kind::Stream { .. } => "stream".to_owned(),
-            Kind::Failed { .. } => "failed".to_owned(),
+            Kind::Recording { .. } => "recording".to_owned(),
         };
         f.debug_tuple("IdempotencyBody").field(&kind).finish()
     }
@@ -93,28 +101,37 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
-            KindProj::Failed { error } => Poll::Ready(error.take().map(Err)),
-            KindProj::Stream { prefix, rest } => {
-                if let Some(p) = prefix.take() {
-                    return Poll::Ready(Some(Ok(Frame::data(p))));
+            KindProj::Stream { rest } => Poll::Ready(ready!(rest.poll_frame(cx)).map(out)),
+            KindProj::Recording { mut rest, recorder } => loop {
+                if let Some(poll) = recorder.poll_recording(cx) {
+                    return poll;
                 }
-                match rest.poll_frame(cx) {
-                    Poll::Pending => Poll::Pending,
-                    Poll::Ready(None) => Poll::Ready(None),
-                    Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(
-                        frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))
-                    ))),
+                if recorder.is_done() {
+                    return Poll::Ready(ready!(rest.poll_frame(cx)).map(out));
                 }
-            }
+                recorder.heartbeat(cx);
+                match ready!(rest.as_mut().poll_frame(cx)).map(out) {
+                    None => recorder.end(None),
+                    Some(Err(error)) => recorder.fail(error),
+                    Some(Ok(frame)) => {
+                        let last = frame.data_ref().is_some_and(|data| recorder.data(data));
+                        if last || rest.is_end_stream() {
+                            recorder.end(Some(Ok(frame)));
+                        } else {
+                            return Poll::Ready(Some(Ok(frame)));
+                        }
+                    }
+                }
+            },
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Full { data } => data.is_none(),
-            Kind::Failed { error } => error.is_none(),
-            Kind::Stream { prefix, rest } => prefix.is_none() && rest.is_end_stream(),
+            Kind::Stream { rest } => rest.is_end_stream(),
+            // Not at its end before the outcome is recorded and handed on.
+            Kind::Recording { rest, recorder } => recorder.is_done() && rest.is_end_stream(),
         }
     }
 
@@ -123,34 +140,32 @@ where
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
-            Kind::Failed { .. } => SizeHint::default(),
-            Kind::Stream { prefix, rest } => {
-                let extra = prefix.as_ref().map_or(0, |p| p.len() as u64);
-                let inner = rest.size_hint();
-                let mut hint = SizeHint::new();
-                hint.set_lower(inner.lower().saturating_add(extra));
-                if let Some(upper) = inner.upper() {
-                    hint.set_upper(upper.saturating_add(extra));
-                }
-                hint
-            }
+            Kind::Stream { rest } | Kind::Recording { rest, .. } => rest.size_hint(),
         }
     }
 }
 
+/// A frame of an inner body as this body hands it on.
+fn out<D: Buf, E: Into<BoxError>>(frame: Result<Frame<D>, E>) -> Result<Frame<Bytes>, BoxError> {
+    match frame {
+        Ok(frame) => Ok(frame.map_data(|mut d| d.copy_to_bytes(d.remaining()))),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// What a bounded read of a body found.
-pub(crate) enum Collected<B> {
+pub(crate) enum Collected {
     /// The whole body, at most the limit.
     Complete(Bytes),
-    /// The body is longer than the limit: what was read, and the rest.
-    Over { prefix: Bytes, rest: B },
+    /// The body is longer than the limit.
+    Over,
     /// The body failed before its end.
     Failed { error: BoxError },
 }
 
 /// Reads `body` into memory, stopping as soon as it is longer than `limit`
 /// bytes. Trailers are dropped.
-pub(crate) async fn collect_limited<B>(mut body: B, limit: usize) -> Collected<B>
+pub(crate) async fn collect_limited<B>(mut body: B, limit: usize) -> Collected
 where
     B: Body + Unpin,
     B::Error: Into<BoxError>,
@@ -169,10 +184,7 @@ where
                         data.advance(n);
                     }
                     if buf.len() > limit {
-                        return Collected::Over {
-                            prefix: buf.freeze(),
-                            rest: body,
-                        };
+                        return Collected::Over;
                     }
                 }
             }

@@ -6,18 +6,19 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use bytes::{Bytes, BytesMut};
 use futures_timer::Delay;
 use http::Response;
-use http_body::Body;
+use http_body::{Body, Frame};
 use pin_project_lite::pin_project;
 
 use crate::error::{Error, Result};
 use crate::record::Lease;
 
-use super::body::{BoxError, Collected, IdempotencyBody, collect_limited};
+use super::body::{BoxError, IdempotencyBody};
 use super::layer::Settings;
 use super::service::IdempotencyOutcome;
-use super::stored::StoredResponse;
+use super::stored::{Stored, StoredResponse};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
@@ -32,9 +33,13 @@ pin_project! {
     /// large by its `Content-Length`), a replay, and every other refusal
     /// after the claim (409, 422, 503) are answered without calling the
     /// inner service. When the key is acquired, the inner service runs
-    /// while this future extends the lease every third of its duration; its
-    /// response is then stored, or recorded as a failure, before it is
-    /// returned.
+    /// while this future extends the lease every third of its duration.
+    /// Its response is then returned at once, with a body that streams to
+    /// the client while it is kept for storage and that goes on extending
+    /// the lease; the outcome is recorded before the body's last byte is
+    /// handed on (see [`IdempotencyBody`]). A response whose status
+    /// releases the key (408, 425, 429 by default) or that the handler
+    /// marked `NoEffect` is returned once the key is released.
     ///
     /// Dropping the future while the handler runs (the client went away)
     /// records a retryable failure without waiting for it, so that a retry
@@ -60,8 +65,8 @@ pin_project! {
         Claim { future: BoxFuture<Prepared<F, B>> },
         // The handler runs under the lease.
         Run { #[pin] future: F, held: Option<Held>, heartbeat: Heartbeat },
-        // Storing the outcome.
-        Record { future: BoxFuture<Response<IdempotencyBody<B>>> },
+        // Releasing the key before the response is returned.
+        Release { future: BoxFuture<Response<IdempotencyBody<B>>> },
         Done,
     }
 }
@@ -95,7 +100,7 @@ impl<F, B> std::fmt::Debug for ResponseFuture<F, B> {
             State::Passthrough { .. } => "passthrough",
             State::Claim { .. } => "claim",
             State::Run { .. } => "run",
-            State::Record { .. } => "record",
+            State::Release { .. } => "release",
             State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
@@ -156,9 +161,30 @@ where
                         panic!("ResponseFuture polled after completion")
                     };
                     match result {
-                        Ok(response) => state.set(State::Record {
-                            future: Box::pin(record(held, response)),
-                        }),
+                        Ok(response) => {
+                            let (mut parts, body) = response.into_parts();
+                            let outcome = parts.extensions.remove::<IdempotencyOutcome>();
+                            let release = match outcome {
+                                Some(IdempotencyOutcome::NoEffect) => true,
+                                Some(IdempotencyOutcome::Final) => false,
+                                None => held.settings.release_statuses.contains(&parts.status),
+                            };
+                            if release {
+                                state.set(State::Release {
+                                    future: Box::pin(async move {
+                                        held.release().await;
+                                        Response::from_parts(parts, IdempotencyBody::stream(body))
+                                    }),
+                                });
+                                continue;
+                            }
+                            let recorder = Recorder::new(held, outcome, &parts, &body);
+                            state.set(State::Done);
+                            return Poll::Ready(Ok(Response::from_parts(
+                                parts,
+                                IdempotencyBody::recording(body, recorder),
+                            )));
+                        }
                         Err(error) => {
                             held.abandon("the service returned an error instead of a response");
                             state.set(State::Done);
@@ -166,7 +192,7 @@ where
                         }
                     }
                 }
-                StateProj::Record { future } => {
+                StateProj::Release { future } => {
                     let response = ready!(future.as_mut().poll(cx));
                     state.set(State::Done);
                     return Poll::Ready(Ok(response));
@@ -183,6 +209,8 @@ pub(crate) struct Held {
     settings: Arc<Settings>,
     lease: Lease,
     finished: bool,
+    /// What a retryable failure recorded on drop says.
+    dropped: &'static str,
 }
 
 impl Held {
@@ -191,6 +219,7 @@ impl Held {
             settings,
             lease,
             finished: false,
+            dropped: "the request was dropped while its handler ran",
         }
     }
 
@@ -203,8 +232,15 @@ impl Held {
             .fail_detached(&self.lease, reason.as_bytes());
     }
 
+    /// Releases the key, waiting for it to be durable.
+    async fn release(mut self) {
+        let result = self.settings.store.release_async(self.lease.clone()).await;
+        self.finished = true;
+        self.report(result);
+    }
+
     /// Records a retryable failure, waiting for it to be durable.
-    async fn fail_retryable(&mut self, reason: &str) {
+    async fn fail_retryable(mut self, reason: String) {
         tracing::warn!(key = %self.lease.key(), reason, "recording a retryable failure");
         let result = self
             .settings
@@ -215,43 +251,72 @@ impl Held {
         self.report(result.map(drop));
     }
 
-    /// Stores `stored`, records it as a failure, or releases the key, as
-    /// the outcome and the settings say.
-    async fn finish(&mut self, outcome: Option<IdempotencyOutcome>, stored: &StoredResponse) {
+    /// Records the response the client got: a retryable failure for a 5xx
+    /// (unless stored by the settings or marked `Final`), else stored as a
+    /// completion (1xx–3xx) or a permanent failure (4xx, 5xx). A response
+    /// that is over `max_response_bytes` (`kept` false) or the store's
+    /// limit is stored as the not-kept marker, so that the key is finished
+    /// all the same and a retry never runs the handler again.
+    async fn finish(
+        mut self,
+        outcome: Option<IdempotencyOutcome>,
+        stored: StoredResponse,
+        kept: bool,
+    ) {
         let status = stored.status;
+        let retryable =
+            outcome.is_none() && status.is_server_error() && !self.settings.store_server_errors;
+        if retryable {
+            let reason = format!("the handler answered {status}; a retry runs it again");
+            let bytes = stored.encode().filter(|_| kept);
+            let failure = bytes.as_deref().unwrap_or(reason.as_bytes());
+            let result = match self
+                .settings
+                .store
+                .fail_async(&self.lease, failure, true)
+                .await
+            {
+                Err(Error::TooLarge { .. }) => {
+                    self.settings
+                        .store
+                        .fail_async(&self.lease, reason.as_bytes(), true)
+                        .await
+                }
+                other => other,
+            };
+            self.finished = true;
+            return self.report(result.map(drop));
+        }
+        let location = stored
+            .headers
+            .iter()
+            .find(|(n, _)| n == http::header::LOCATION)
+            .map(|(_, v)| v.clone());
+        let limit = self.settings.max_response_bytes;
+        let marker = || Stored::not_kept(status, location.as_ref(), limit);
+        let (bytes, is_marker) = match stored.encode().filter(|_| kept) {
+            Some(bytes) => (bytes, false),
+            None => (marker(), true),
+        };
+        let mut result = self.store_outcome(status, &bytes).await;
+        if let (Err(Error::TooLarge { len, limit, .. }), false) = (&result, is_marker) {
+            tracing::warn!(key = %self.lease.key(), len, limit, "the response is over the store's limit; keeping a marker instead");
+            result = self.store_outcome(status, &marker()).await;
+        }
+        if is_marker {
+            tracing::warn!(key = %self.lease.key(), %status, "the response was too large to keep; a retry is answered 410");
+        }
+        self.finished = true;
+        self.report(result);
+    }
+
+    /// Completes the key (status below 400) or fails it for good.
+    async fn store_outcome(&self, status: http::StatusCode, bytes: &[u8]) -> Result<()> {
         let store = &self.settings.store;
-        let retryable = match outcome {
-            Some(IdempotencyOutcome::NoEffect) => {
-                let result = store.release_async(self.lease.clone()).await;
-                self.finished = true;
-                return self.report(result);
-            }
-            Some(IdempotencyOutcome::Final) => false,
-            None => status.is_server_error() && !self.settings.store_server_errors,
-        };
-        let Some(bytes) = stored.encode() else {
-            return self
-                .fail_retryable("the response cannot be stored: a header is too long")
-                .await;
-        };
-        let result = if retryable {
-            store.fail_async(&self.lease, &bytes, true).await
-        } else if status.is_client_error() || status.is_server_error() {
-            store.fail_async(&self.lease, &bytes, false).await
+        if status.is_client_error() || status.is_server_error() {
+            store.fail_async(&self.lease, bytes, false).await.map(drop)
         } else {
-            store.complete_async(&self.lease, &bytes).await
-        };
-        match result {
-            Err(Error::TooLarge { len, limit, .. }) => {
-                let reason = format!(
-                    "the response cannot be stored: {len} bytes, over the store's limit of {limit} bytes"
-                );
-                self.fail_retryable(&reason).await;
-            }
-            other => {
-                self.finished = true;
-                self.report(other.map(drop));
-            }
+            store.complete_async(&self.lease, bytes).await.map(drop)
         }
     }
 
@@ -271,51 +336,147 @@ impl Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if !self.finished {
-            tracing::warn!(key = %self.lease.key(), "request dropped while its handler ran; recording a retryable failure");
-            self.settings.store.fail_detached(
-                &self.lease,
-                b"the request was dropped while its handler ran",
-            );
+            tracing::warn!(key = %self.lease.key(), reason = self.dropped, "recording a retryable failure");
+            self.settings
+                .store
+                .fail_detached(&self.lease, self.dropped.as_bytes());
         }
     }
 }
 
-/// Buffers the response body, records the outcome, and returns the response.
-async fn record<B>(mut held: Held, response: Response<B>) -> Response<IdempotencyBody<B>>
-where
-    B: Body + Unpin,
-    B::Error: Into<BoxError>,
-{
-    let (mut parts, body) = response.into_parts();
-    let outcome = parts.extensions.remove::<IdempotencyOutcome>();
-    let limit = held.settings.max_response_bytes;
-    match collect_limited(body, limit).await {
-        Collected::Complete(bytes) => {
-            let stored = StoredResponse::new(
-                parts.status,
-                &parts.headers,
-                &held.settings.replay_headers,
-                bytes.clone(),
-            );
-            held.finish(outcome, &stored).await;
-            Response::from_parts(parts, IdempotencyBody::full(bytes))
+/// A frame as the layer hands it on.
+pub(crate) type OutFrame = Option<std::result::Result<Frame<Bytes>, BoxError>>;
+
+/// The part of a response body that records the outcome: it keeps the
+/// body (up to the limit) as it streams to the client, extends the lease
+/// while it streams, and records the outcome before the last frame is
+/// handed on, so that a client that has the whole response and retries is
+/// answered by a replay.
+pub(crate) struct Recorder {
+    held: Option<Held>,
+    heartbeat: Heartbeat,
+    outcome: Option<IdempotencyOutcome>,
+    stored: Option<StoredResponse>,
+    body: BytesMut,
+    /// Body bytes that still fit the stored response.
+    room: usize,
+    kept: bool,
+    /// Body bytes handed on so far, and how many the response declares.
+    sent: u64,
+    declared: Option<u64>,
+    recording: Option<BoxFuture<()>>,
+    /// What to hand on once the recording is durable.
+    then: OutFrame,
+    done: bool,
+}
+
+impl Recorder {
+    fn new<B: Body>(
+        mut held: Held,
+        outcome: Option<IdempotencyOutcome>,
+        parts: &http::response::Parts,
+        body: &B,
+    ) -> Box<Recorder> {
+        held.dropped = "the client went away before the whole response was sent";
+        let settings = &held.settings;
+        let stored = StoredResponse::new(parts.status, &parts.headers, &settings.replay_headers);
+        let room = settings
+            .max_response_bytes
+            .checked_sub(stored.len_without_body());
+        let declared = parts
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .or_else(|| body.size_hint().exact());
+        Box::new(Recorder {
+            heartbeat: Heartbeat::new(settings.lease),
+            held: Some(held),
+            outcome,
+            stored: Some(stored),
+            body: BytesMut::new(),
+            room: room.unwrap_or(0),
+            kept: room.is_some(),
+            sent: 0,
+            declared,
+            recording: None,
+            then: None,
+            done: false,
+        })
+    }
+
+    /// Whether the outcome is recorded and the rest of the body (if any)
+    /// passes through untouched.
+    pub(crate) fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Drives the recording in flight: `Some` with what to hand on when
+    /// there is one, `None` when the body should be read on.
+    pub(crate) fn poll_recording(&mut self, cx: &mut Context<'_>) -> Option<Poll<OutFrame>> {
+        let recording = self.recording.as_mut()?;
+        if recording.as_mut().poll(cx).is_pending() {
+            return Some(Poll::Pending);
         }
-        Collected::Over { prefix, rest } => {
-            let reason = format!(
-                "the response cannot be stored: its body is over max_response_bytes ({limit} bytes)"
-            );
-            held.fail_retryable(&reason).await;
-            Response::from_parts(parts, IdempotencyBody::stream_after(prefix, rest))
+        self.recording = None;
+        self.done = true;
+        Some(Poll::Ready(self.then.take()))
+    }
+
+    /// Extends the lease when it is time to.
+    pub(crate) fn heartbeat(&mut self, cx: &mut Context<'_>) {
+        if let Some(held) = self.held.as_ref() {
+            self.heartbeat.poll(cx, held);
         }
-        Collected::Failed { error } => {
-            held.fail_retryable(&format!("the response body failed: {error}"))
-                .await;
-            Response::from_parts(parts, IdempotencyBody::failed(error))
+    }
+
+    /// Keeps a data frame; `true` when it is the last one the response
+    /// declared.
+    pub(crate) fn data(&mut self, data: &Bytes) -> bool {
+        if self.kept {
+            if data.len() <= self.room {
+                self.body.extend_from_slice(data);
+                self.room -= data.len();
+            } else {
+                self.kept = false;
+                self.body = BytesMut::new();
+            }
         }
+        self.sent = self.sent.saturating_add(data.len() as u64);
+        self.declared.is_some_and(|n| self.sent >= n)
+    }
+
+    /// The body ended (`then` is what to hand on after the recording:
+    /// the last frame, or `None`): records the outcome.
+    pub(crate) fn end(&mut self, then: OutFrame) {
+        let (Some(held), Some(mut stored)) = (self.held.take(), self.stored.take()) else {
+            self.done = true;
+            self.then = then;
+            return;
+        };
+        stored.body = std::mem::take(&mut self.body).freeze();
+        self.recording = Some(Box::pin(held.finish(self.outcome, stored, self.kept)));
+        self.then = then;
+    }
+
+    /// The body failed: records a retryable failure, then hands the error
+    /// on.
+    pub(crate) fn fail(&mut self, error: BoxError) {
+        let Some(held) = self.held.take() else {
+            self.done = true;
+            self.then = Some(Err(error));
+            return;
+        };
+        let reason = format!(
+            "the response body failed after {} bytes: {error}",
+            self.sent
+        );
+        self.recording = Some(Box::pin(held.fail_retryable(reason)));
+        self.then = Some(Err(error));
     }
 }
 
-/// Extends the lease every third of its duration while the handler runs.
+/// Extends the lease every third of its duration while the handler runs and
+/// while the response body streams.
 /// Timers come from `futures-timer`, which needs no async runtime.
 pub(crate) struct Heartbeat {
     lease: Duration,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::request::Parts;
-use http::{HeaderName, Method};
+use http::{HeaderName, Method, StatusCode, header};
 use tower::Layer;
 
 use crate::store::Store;
@@ -27,6 +27,71 @@ pub const DEFAULT_KEY_HEADER: HeaderName = HeaderName::from_static("idempotency-
 /// uses).
 pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// Response headers that are never stored for a replay by default: they
+/// describe one delivery, one connection or one client, not the outcome.
+///
+/// - hop-by-hop and per-connection headers (RFC 9110 §7.6.1): `connection`,
+///   `keep-alive`, `proxy-connection`, `te`, `trailer`, `transfer-encoding`,
+///   `upgrade`; `content-length` too, which the replay computes anew;
+/// - cookies and authentication, which belong to the client that got them:
+///   `set-cookie`, `www-authenticate`, `proxy-authenticate`,
+///   `authentication-info`, `proxy-authentication-info`;
+/// - `date`, the time of one delivery (a replay gets its own);
+/// - [`REPLAYED_HEADER`], which the replay sets itself.
+///
+/// Every other header (`location`, `etag`, `last-modified`, `cache-control`,
+/// `link`, `content-type`, `content-encoding`, application headers) is
+/// stored and replayed, so that a retry gets the response the first client
+/// saw, as the IETF Idempotency-Key draft asks ("the same response").
+pub const REPLAY_DENY_LIST: [HeaderName; 15] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::CONTENT_LENGTH,
+    header::SET_COOKIE,
+    header::WWW_AUTHENTICATE,
+    header::PROXY_AUTHENTICATE,
+    HeaderName::from_static("authentication-info"),
+    HeaderName::from_static("proxy-authentication-info"),
+    header::DATE,
+    REPLAYED_HEADER,
+];
+
+/// The statuses that release the key by default instead of storing the
+/// response: refusals that did nothing, so a retry must be able to run the
+/// handler. 408 Request Timeout (the request was not read in time), 425 Too
+/// Early (RFC 8470: not processed, retry later) and 429 Too Many Requests
+/// (rate limited before any work; Stripe saves a result only once the
+/// endpoint started executing).
+pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 3] = [
+    StatusCode::REQUEST_TIMEOUT,
+    StatusCode::TOO_EARLY,
+    StatusCode::TOO_MANY_REQUESTS,
+];
+
+/// Which response headers are stored for a replay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ReplayHeaders {
+    /// Every header but these.
+    AllExcept(Vec<HeaderName>),
+    /// These headers only, in this order.
+    Only(Vec<HeaderName>),
+}
+
+impl ReplayHeaders {
+    /// Whether a header of this name is stored.
+    pub(crate) fn keeps(&self, name: &HeaderName) -> bool {
+        match self {
+            ReplayHeaders::AllExcept(deny) => !deny.contains(name),
+            ReplayHeaders::Only(allow) => allow.contains(name),
+        }
+    }
+}
+
 /// Everything an [`Idempotency`] service needs, shared by all its clones.
 #[derive(Clone)]
 pub(crate) struct Settings {
@@ -37,7 +102,8 @@ pub(crate) struct Settings {
     pub(crate) route: Option<Arc<RouteFn>>,
     pub(crate) business_key: Option<Arc<BusinessKeyFn>>,
     pub(crate) fingerprint_headers: Vec<HeaderName>,
-    pub(crate) replay_headers: Vec<HeaderName>,
+    pub(crate) replay_headers: ReplayHeaders,
+    pub(crate) release_statuses: Vec<StatusCode>,
     pub(crate) max_request_bytes: usize,
     pub(crate) max_response_bytes: usize,
     pub(crate) lease: Duration,
@@ -55,6 +121,7 @@ impl fmt::Debug for Settings {
             .field("business_key", &self.business_key.is_some())
             .field("fingerprint_headers", &self.fingerprint_headers)
             .field("replay_headers", &self.replay_headers)
+            .field("release_statuses", &self.release_statuses)
             .field("max_request_bytes", &self.max_request_bytes)
             .field("max_response_bytes", &self.max_response_bytes)
             .field("lease", &self.lease)
@@ -76,10 +143,13 @@ impl fmt::Debug for Settings {
 /// - scope: `METHOD path` (the request's URI path); no tenant
 /// - no business key
 /// - fingerprint: method, path and query, body; no headers
-/// - replayed headers: `content-type` and `location`
+/// - replayed headers: every response header but [`REPLAY_DENY_LIST`]
+/// - statuses that release the key: [`DEFAULT_RELEASE_STATUSES`] (408, 425,
+///   429)
 /// - `max_request_bytes`: 1 MiB (in bytes)
-/// - `max_response_bytes`: 1 MiB (in bytes)
+/// - `max_response_bytes`: 1 MiB (in bytes, status and headers included)
 /// - `lease`: 30 seconds, extended every third of it while the handler runs
+///   and while the response body is sent, until the outcome is recorded
 /// - a 5xx response is recorded as a retryable failure, not stored
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
@@ -98,7 +168,8 @@ impl IdempotencyLayer {
                 route: None,
                 business_key: None,
                 fingerprint_headers: Vec::new(),
-                replay_headers: vec![http::header::CONTENT_TYPE, http::header::LOCATION],
+                replay_headers: ReplayHeaders::AllExcept(REPLAY_DENY_LIST.to_vec()),
+                release_statuses: DEFAULT_RELEASE_STATUSES.to_vec(),
                 max_request_bytes: 1024 * 1024,
                 max_response_bytes: 1024 * 1024,
                 lease: Duration::from_secs(30),
@@ -209,15 +280,55 @@ impl IdempotencyLayer {
         self
     }
 
-    /// Response headers that are stored with the status and body and sent
-    /// again on a replay (default `content-type` and `location`). Headers
-    /// that describe one delivery (`date`, `content-length`, cookies) should
-    /// not be stored.
+    /// Stores and replays only these response headers, in this order (every
+    /// value of each): the narrowest choice. The default is every header
+    /// but [`REPLAY_DENY_LIST`]; see [`replay_all_headers_except`](Self::replay_all_headers_except)
+    /// to widen or extend that. Naming a header of the deny-list here
+    /// stores it: a `set-cookie` named here is replayed to every retry,
+    /// whoever sends it.
     pub fn replay_headers(
         mut self,
         names: impl IntoIterator<Item = HeaderName>,
     ) -> IdempotencyLayer {
-        self.settings.replay_headers = names.into_iter().collect();
+        self.settings.replay_headers = ReplayHeaders::Only(names.into_iter().collect());
+        self
+    }
+
+    /// Stores and replays every response header except `deny` (default
+    /// [`REPLAY_DENY_LIST`]). To keep one more header out, pass the default
+    /// list and that header:
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use http::HeaderName;
+    /// # use idemstore::http::{IdempotencyLayer, REPLAY_DENY_LIST};
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let store = Arc::new(idemstore::Store::open(dir.path().join("i.redb")).unwrap());
+    /// let layer = IdempotencyLayer::new(store).replay_all_headers_except(
+    ///     REPLAY_DENY_LIST.into_iter().chain([HeaderName::from_static("x-request-id")]),
+    /// );
+    /// ```
+    pub fn replay_all_headers_except(
+        mut self,
+        deny: impl IntoIterator<Item = HeaderName>,
+    ) -> IdempotencyLayer {
+        self.settings.replay_headers = ReplayHeaders::AllExcept(deny.into_iter().collect());
+        self
+    }
+
+    /// The response statuses that release the key instead of storing the
+    /// response, as [`IdempotencyOutcome::NoEffect`](super::IdempotencyOutcome::NoEffect)
+    /// does: a retry then runs the handler as a first attempt. Replaces the
+    /// default [`DEFAULT_RELEASE_STATUSES`] (408, 425, 429); pass those
+    /// and more to add a status (for example a 503 the service gives
+    /// before doing any work). Use it only for statuses that mean "nothing
+    /// was done": a released key protects nothing. A handler's
+    /// `IdempotencyOutcome::Final` overrules it for one response.
+    pub fn release_statuses(
+        mut self,
+        statuses: impl IntoIterator<Item = StatusCode>,
+    ) -> IdempotencyLayer {
+        self.settings.release_statuses = statuses.into_iter().collect();
         self
     }
 
@@ -229,11 +340,14 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The largest response body buffered for storage (in bytes, default
-    /// 1 MiB). A longer body still streams to the client, but the outcome
-    /// is recorded as a retryable failure instead of being stored; so is a
-    /// response whose stored form is over the store's `max_result_bytes`
-    /// or `max_failure_bytes`.
+    /// The largest stored response (in bytes, default 1 MiB): the status,
+    /// the stored headers (names and values) and the body together. A
+    /// longer response still streams to the client whole, and its key is
+    /// still finished, so a retry never runs the handler again: the store
+    /// keeps a marker instead of the response, and a retry is answered
+    /// `410 Gone` (see the [module docs](crate::http)). So is a response
+    /// whose stored form is over the store's `max_result_bytes` or
+    /// `max_failure_bytes`.
     pub fn max_response_bytes(mut self, bytes: usize) -> IdempotencyLayer {
         self.settings.max_response_bytes = bytes;
         self
@@ -242,9 +356,11 @@ impl IdempotencyLayer {
     /// The lease of each claim (whole milliseconds, 1 ms to
     /// [`MAX_LEASE`](crate::MAX_LEASE); default 30 s): how long a request
     /// whose server died holds its key before a retry may take it over.
-    /// While the handler runs, the layer extends the lease every third of
-    /// this duration, so a slow handler keeps its key. An out-of-range
-    /// lease makes every keyed request fail with 500.
+    /// While the handler runs, and then while its response body is sent,
+    /// the layer extends the lease every third of this duration, so a slow
+    /// handler or a long stream keeps its key until its outcome is
+    /// recorded. An out-of-range lease makes every keyed request fail with
+    /// 500.
     pub fn lease(mut self, lease: Duration) -> IdempotencyLayer {
         self.settings.lease = lease;
         self

@@ -34,6 +34,9 @@
 //!
 //! let first = service.clone().oneshot(request()?).await?;
 //! assert_eq!(first.status(), StatusCode::CREATED);
+//! // The key is held until the body's last byte is handed on (a server
+//! // sends it; here it is read): then the response is stored.
+//! assert_eq!(first.into_body().collect().await?.to_bytes(), "T-1");
 //!
 //! // A retry gets the stored response; the handler does not run again.
 //! let retry = service.clone().oneshot(request()?).await?;
@@ -56,9 +59,10 @@
 //! | the request's [business key](IdempotencyLayer::business_key) is held by another key of the scope | 409 naming that key (`existing_idempotency_key`) and its state | no |
 //! | business key empty, over 255 bytes or with a control character | 400 | no |
 //! | key finished before, same payload | the stored status, stored headers and body, plus `Idempotent-Replayed: true` | no |
+//! | key finished before, its response too large to keep | 410 with `original_status` and `location`, plus `Idempotent-Replayed: true` | no |
 //! | store unavailable (I/O error, poisoned, closed) | 503 | no |
 //! | stored record or response damaged, bad configuration | 500 | no |
-//! | first attempt, a retry after a retryable failure, or a takeover after a lapsed lease | the handler's response | yes |
+//! | first attempt, a retry after a retryable failure or a released key, or a takeover after a lapsed lease | the handler's response | yes |
 //!
 //! Refusals are `application/problem+json` bodies (RFC 9457).
 //!
@@ -71,28 +75,29 @@
 //! path and query, the [chosen request headers](IdempotencyLayer::fingerprint_headers)
 //! and the body.
 //!
-//! The handler's response is stored as its status, the
-//! [chosen response headers](IdempotencyLayer::replay_headers) (default
-//! `content-type` and `location`) and its body:
+//! The handler's response is stored as its status, its headers (all but
+//! [`REPLAY_DENY_LIST`], unless [`replay_headers`](IdempotencyLayer::replay_headers)
+//! or [`replay_all_headers_except`](IdempotencyLayer::replay_all_headers_except)
+//! choose otherwise) and its body. What happens to the key:
 //!
-//! - 2xx and 3xx: completed, replayed until retention ends (24 h by default);
-//! - 4xx: recorded as a permanent failure, replayed the same way;
-//! - 5xx: recorded as a *retryable* failure by default: a retry runs the
-//!   handler again, as a takeover, rather than replaying a 500 for a day.
-//!   [`store_server_errors(true)`](IdempotencyLayer::store_server_errors)
-//!   stores it as a permanent failure instead.
+//! | handler's answer | the key | a retry |
+//! |---|---|---|
+//! | 1xx–3xx | completed, response stored | replayed until retention ends (24 h by default) |
+//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 408, 425, 429) | released: nothing was done | runs the handler as a first attempt |
+//! | other 4xx | permanent failure, response stored | replayed |
+//! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |
+//! | marked [`IdempotencyOutcome::Final`] | stored whatever the status | replayed |
+//! | marked [`IdempotencyOutcome::NoEffect`] | released | first attempt |
+//! | stored form over [`max_response_bytes`](IdempotencyLayer::max_response_bytes) or the store's limit | finished with a marker: the effect happened | `410 Gone` naming the original status and `location` |
+//! | body fails halfway, or the client goes away | retryable failure | takeover: the handler looks its effect up |
 //!
-//! Only the handler knows whether its effect happened, so it can overrule
-//! these defaults for one response with an [`IdempotencyOutcome`] in the
-//! response's extensions: `Final` stores the response whatever its status;
-//! `NoEffect` releases the key, as if the request had never come.
-//!
-//! A response whose body is over
-//! [`max_response_bytes`](IdempotencyLayer::max_response_bytes), or whose
-//! stored form is over the store's limit, still reaches the client but is
-//! recorded as a retryable failure. So is a request whose response future
-//! is dropped while the handler runs (the client went away), without
-//! waiting for the write.
+//! The response is returned as soon as the handler returns it and its body
+//! streams to the client while a copy is kept; the lease is extended while
+//! the handler runs and while the body streams, and the outcome is recorded
+//! before the body's last frame is handed on (see [`IdempotencyBody`]).
+//! A request whose response future is dropped while the handler runs (the
+//! client went away) is recorded as a retryable failure without waiting for
+//! the write.
 //!
 //! # The gap the handler must close
 //!
@@ -113,13 +118,18 @@
 //! The layer awaits the store's futures ([`Store::claim_async`](crate::Store::claim_async)
 //! and the other `_async` methods), which are woken by the store's writer
 //! thread; the lease is extended every third of its duration on a
-//! `futures-timer` timer. Neither needs a particular async runtime.
+//! `futures-timer` timer, while the handler runs and while its response
+//! body streams. Neither needs a particular async runtime.
 //!
 //! # Limits
 //!
 //! - The request body is buffered (up to `max_request_bytes`) to compute
 //!   the fingerprint before the handler runs; trailers are dropped.
-//! - The response body is buffered (up to `max_response_bytes`) to store it.
+//! - The response body streams; a copy of up to `max_response_bytes`
+//!   (status and headers included) is kept to store it.
+//! - The lease is extended whenever the server polls the response body; a
+//!   client that stops reading for longer than the lease while the
+//!   server's send buffer is full lets it lapse.
 //! - Keys are at most 255 bytes, scopes at most 128 (a longer route is
 //!   replaced in the scope by a digest).
 //! - A claim that finds nothing to decide from a read alone waits for a
@@ -133,5 +143,8 @@ mod stored;
 
 pub use body::{BoxError, IdempotencyBody};
 pub use future::ResponseFuture;
-pub use layer::{DEFAULT_KEY_HEADER, IdempotencyLayer, REPLAYED_HEADER};
+pub use layer::{
+    DEFAULT_KEY_HEADER, DEFAULT_RELEASE_STATUSES, IdempotencyLayer, REPLAY_DENY_LIST,
+    REPLAYED_HEADER,
+};
 pub use service::{Idempotency, IdempotencyContext, IdempotencyOutcome};

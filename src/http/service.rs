@@ -21,7 +21,7 @@ use crate::store::{ClaimOptions, Store};
 use super::body::{BoxError, Collected, IdempotencyBody, collect_limited};
 use super::future::{Held, ResponseFuture};
 use super::layer::{REPLAYED_HEADER, Settings};
-use super::stored::{StoredResponse, fingerprint};
+use super::stored::{Stored, fingerprint};
 
 /// What the layer puts in the extensions of a request it lets through to
 /// the handler: the lease it holds on the request's key.
@@ -222,7 +222,7 @@ where
 {
     let bytes = match collect_limited(body, settings.max_request_bytes).await {
         Collected::Complete(bytes) => bytes,
-        Collected::Over { .. } => return Err(too_large(settings.max_request_bytes)),
+        Collected::Over => return Err(too_large(settings.max_request_bytes)),
         Collected::Failed { error } => {
             return Err(problem(
                 StatusCode::BAD_REQUEST,
@@ -406,33 +406,66 @@ fn in_progress<B>(key: &Key, retry_after: Duration) -> Response<IdempotencyBody<
     response
 }
 
-/// The stored response with `Idempotent-Replayed: true`.
+/// The stored response with `Idempotent-Replayed: true`; for a response
+/// that was too large to keep, `410 Gone` saying so.
 fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
     let stored = record
         .result()
         .or_else(|| record.failure())
         .ok_or_else(|| "the record has no stored outcome".to_owned())
-        .and_then(StoredResponse::decode);
-    match stored {
-        Ok(stored) => {
+        .and_then(Stored::decode);
+    let mut response = match stored {
+        Ok(Stored::Kept(stored)) => {
             let mut response = Response::new(IdempotencyBody::full(stored.body));
             *response.status_mut() = stored.status;
             let headers = response.headers_mut();
             for (name, value) in stored.headers {
                 headers.append(name, value);
             }
-            headers.insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
             response
         }
+        Ok(Stored::NotKept { status, location }) => not_kept(record.key(), status, location),
         Err(detail) => {
             tracing::error!(key = %record.key(), %detail, "stored response cannot be replayed");
-            problem(
+            return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "Stored response unreadable",
                 "the outcome stored for this idempotency key cannot be read",
-            )
+            );
         }
+    };
+    response
+        .headers_mut()
+        .insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+    response
+}
+
+/// 410 Gone for a key whose request ran and whose response was too large to
+/// keep: the effect happened, the handler will not run again, and the
+/// client looks the result up another way (the `location` the first
+/// response gave, when it gave one) or sends a new request with a new key.
+fn not_kept<B>(
+    key: &Key,
+    status: StatusCode,
+    location: Option<HeaderValue>,
+) -> Response<IdempotencyBody<B>> {
+    let mut extra = serde_json::Map::new();
+    extra.insert("original_status".into(), status.as_u16().into());
+    if let Some(location) = location.as_ref().and_then(|l| l.to_str().ok()) {
+        extra.insert("location".into(), location.into());
     }
+    problem_with(
+        StatusCode::GONE,
+        "Response not kept",
+        &format!(
+            "the request with idempotency key {:?} was processed (status {}) and will not run again, \
+             but its response was too large to keep; look the result up (see `location` when given) \
+             or send a new request with a new idempotency key",
+            key.id(),
+            status.as_u16()
+        ),
+        extra,
+    )
 }
 
 fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {

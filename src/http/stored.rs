@@ -12,6 +12,16 @@
 //! | 4 | body length |
 //! | len | body |
 //!
+//! A response that could not be kept (over `max_response_bytes` or the
+//! store's limit) is stored as a marker instead:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 1 | format version, `2` |
+//! | 2 | status code of the response the first client got |
+//! | 4 | length of its `location` header (0: none) |
+//! | len | the `location` value |
+//!
 //! Decoding checks every length and that nothing follows the body, so a
 //! damaged blob is reported, never replayed as a wrong response.
 
@@ -20,7 +30,74 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 
 use crate::key::Fingerprint;
 
+use super::layer::ReplayHeaders;
+
 const VERSION: u8 = 1;
+const NOT_KEPT_VERSION: u8 = 2;
+/// Bytes of the stored form besides the header names, values and the
+/// body: version, status, header count, body length.
+const FIXED_BYTES: usize = 1 + 2 + 2 + 4;
+/// Bytes of each stored header besides its name and value.
+const PER_HEADER_BYTES: usize = 2 + 4;
+
+/// What the store holds for one response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Stored {
+    /// The response, to replay as it was.
+    Kept(StoredResponse),
+    /// The response was delivered but too large to keep: its status and
+    /// `location`, for the answer to a retry.
+    NotKept {
+        status: StatusCode,
+        location: Option<HeaderValue>,
+    },
+}
+
+impl Stored {
+    /// Parses either stored form.
+    ///
+    /// # Errors
+    /// A description of what is wrong (see [`StoredResponse::decode`]).
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Stored, String> {
+        if bytes.first() != Some(&NOT_KEPT_VERSION) {
+            return StoredResponse::decode(bytes).map(Stored::Kept);
+        }
+        let mut r = Reader(&bytes[1..]);
+        let status = StatusCode::from_u16(r.u16()?).map_err(|e| e.to_string())?;
+        let len = r.u32_len()?;
+        let location = if len == 0 {
+            None
+        } else {
+            Some(HeaderValue::from_bytes(r.take(len)?).map_err(|e| e.to_string())?)
+        };
+        if !r.0.is_empty() {
+            return Err(format!("{} bytes after the marker", r.0.len()));
+        }
+        Ok(Stored::NotKept { status, location })
+    }
+
+    /// The marker's stored form; the location is left out when it would
+    /// make the marker longer than `limit` bytes (or 4 GiB).
+    pub(crate) fn not_kept(
+        status: StatusCode,
+        location: Option<&HeaderValue>,
+        limit: usize,
+    ) -> Vec<u8> {
+        let location = location
+            .filter(|l| l.len().saturating_add(7) <= limit)
+            .and_then(|l| Some((u32::try_from(l.len()).ok()?, l.as_bytes())));
+        let mut out = vec![NOT_KEPT_VERSION];
+        out.extend_from_slice(&status.as_u16().to_be_bytes());
+        match location {
+            Some((len, bytes)) => {
+                out.extend_from_slice(&len.to_be_bytes());
+                out.extend_from_slice(bytes);
+            }
+            None => out.extend_from_slice(&0u32.to_be_bytes()),
+        }
+        out
+    }
+}
 
 /// A response as the layer stores and replays it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,34 +108,50 @@ pub(crate) struct StoredResponse {
 }
 
 impl StoredResponse {
-    /// The chosen `names` of `headers` (every value of each, in order).
+    /// The headers of `headers` that `choice` keeps (every value of each),
+    /// with an empty body to be filled in.
     pub(crate) fn new(
         status: StatusCode,
         headers: &HeaderMap,
-        names: &[HeaderName],
-        body: Bytes,
+        choice: &ReplayHeaders,
     ) -> StoredResponse {
-        let headers = names
-            .iter()
-            .flat_map(|name| {
-                headers
-                    .get_all(name)
-                    .iter()
-                    .map(move |v| (name.clone(), v.clone()))
-            })
-            .collect();
+        let headers = match choice {
+            ReplayHeaders::Only(names) => names
+                .iter()
+                .flat_map(|name| {
+                    headers
+                        .get_all(name)
+                        .iter()
+                        .map(move |v| (name.clone(), v.clone()))
+                })
+                .collect(),
+            ReplayHeaders::AllExcept(_) => headers
+                .iter()
+                .filter(|(name, _)| choice.keeps(name))
+                .map(|(name, value)| (name.clone(), value.clone()))
+                .collect(),
+        };
         StoredResponse {
             status,
             headers,
-            body,
+            body: Bytes::new(),
         }
+    }
+
+    /// Bytes of the stored form without the body (saturating).
+    pub(crate) fn len_without_body(&self) -> usize {
+        self.headers.iter().fold(FIXED_BYTES, |n, (name, value)| {
+            n.saturating_add(PER_HEADER_BYTES)
+                .saturating_add(name.as_str().len())
+                .saturating_add(value.len())
+        })
     }
 
     /// The stored form. `None` when a length does not fit its field (a
     /// header over 4 GiB, more than 65 535 headers): such a response cannot
     /// be stored.
     pub(crate) fn encode(&self) -> Option<Vec<u8>> {
-        let mut out = Vec::with_capacity(9 + self.body.len());
+        let mut out = Vec::with_capacity(self.len_without_body().saturating_add(self.body.len()));
         out.push(VERSION);
         out.extend_from_slice(&self.status.as_u16().to_be_bytes());
         out.extend_from_slice(&u16::try_from(self.headers.len()).ok()?.to_be_bytes());
@@ -193,6 +286,68 @@ mod tests {
     }
 
     #[test]
+    fn the_length_without_body_is_the_encoded_length_of_an_empty_body() {
+        let mut r = sample();
+        let with_body = r.encode().unwrap().len();
+        let body = r.body.len();
+        r.body = Bytes::new();
+        assert_eq!(r.len_without_body(), r.encode().unwrap().len());
+        assert_eq!(r.len_without_body() + body, with_body);
+    }
+
+    #[test]
+    fn headers_are_chosen_by_allow_list_or_deny_list() {
+        let mut h = HeaderMap::new();
+        h.insert("etag", HeaderValue::from_static("\"v1\""));
+        h.insert("set-cookie", HeaderValue::from_static("s=1"));
+        h.append("link", HeaderValue::from_static("</a>"));
+        h.append("link", HeaderValue::from_static("</b>"));
+        let deny = ReplayHeaders::AllExcept(crate::http::REPLAY_DENY_LIST.to_vec());
+        let names: Vec<String> = StoredResponse::new(StatusCode::OK, &h, &deny)
+            .headers
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .collect();
+        assert_eq!(names, ["etag", "link", "link"]);
+        let only = ReplayHeaders::Only(vec![HeaderName::from_static("set-cookie")]);
+        let kept = StoredResponse::new(StatusCode::OK, &h, &only).headers;
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept[0].0, "set-cookie");
+    }
+
+    #[test]
+    fn the_not_kept_marker_round_trips_and_refuses_damage() {
+        let loc = HeaderValue::from_static("/tickets/9");
+        let enc = Stored::not_kept(StatusCode::CREATED, Some(&loc), 1024);
+        assert_eq!(
+            Stored::decode(&enc).unwrap(),
+            Stored::NotKept {
+                status: StatusCode::CREATED,
+                location: Some(loc.clone())
+            }
+        );
+        for n in 1..enc.len() {
+            assert!(Stored::decode(&enc[..n]).is_err(), "prefix {n}");
+        }
+        let mut longer = enc.clone();
+        longer.push(0);
+        assert!(Stored::decode(&longer).is_err());
+        // A location that does not fit the limit is left out.
+        let small = Stored::not_kept(StatusCode::CREATED, Some(&loc), 8);
+        assert_eq!(
+            Stored::decode(&small).unwrap(),
+            Stored::NotKept {
+                status: StatusCode::CREATED,
+                location: None
+            }
+        );
+        assert_eq!(
+            Stored::decode(&sample().encode().unwrap()).unwrap(),
+            Stored::Kept(sample())
+        );
+    }
+
+    #[test]
     fn every_truncation_and_extension_is_refused() {
         let enc = sample().encode().unwrap();
         for n in 0..enc.len() {
@@ -202,7 +357,7 @@ mod tests {
         longer.push(0);
         assert!(StoredResponse::decode(&longer).is_err());
         let mut other_version = enc;
-        other_version[0] = 2;
+        other_version[0] = 3;
         assert!(StoredResponse::decode(&other_version).is_err());
     }
 
