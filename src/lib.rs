@@ -105,7 +105,181 @@ pub use wal::{FileLog, LogFile, MemoryLog};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    use crate::{Key, Record, Result, codec};
+    use std::collections::HashMap;
+
+    use crate::record::{Ctx, Effect, Op, Reply, transition};
+    use crate::{ClaimOutcome, Error, Fingerprint, Key, Record, Result, codec};
+
+    /// The records of one store decided by the pure transition function
+    /// alone: no storage, no threads, no clock (the caller gives the store's
+    /// time), no business keys. Inputs are not validated (sizes, lease
+    /// bounds): the store does that before the transition, and a caller
+    /// must not present what the store would refuse. Tokens start at 1 and
+    /// grow by one per acquisition.
+    #[derive(Debug, Clone)]
+    pub struct Machine {
+        records: HashMap<Key, Record>,
+        next_token: u64,
+        retention_ms: u64,
+    }
+
+    impl Machine {
+        /// An empty store whose records are kept `retention_ms` after they
+        /// finish.
+        pub fn new(retention_ms: u64) -> Machine {
+            Machine {
+                records: HashMap::new(),
+                next_token: 1,
+                retention_ms,
+            }
+        }
+
+        fn step(&mut self, key: &Key, op: &Op, now_ms: u64) -> Result<Reply> {
+            let ctx = Ctx {
+                now_ms,
+                retention_ms: self.retention_ms,
+                next_token: self.next_token,
+                business_holder: None,
+            };
+            let (effect, reply) = transition(key, self.records.get(key), op, &ctx)?;
+            match effect {
+                Effect::None => {}
+                Effect::Put(record) => {
+                    if matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_))) {
+                        self.next_token =
+                            self.next_token
+                                .checked_add(1)
+                                .ok_or(Error::InvalidArgument {
+                                    what: "token",
+                                    reason: "the token counter is exhausted".into(),
+                                })?;
+                    }
+                    self.records.insert(key.clone(), record);
+                }
+                Effect::Delete => {
+                    self.records.remove(key);
+                }
+            }
+            Ok(reply)
+        }
+
+        /// Claims `key` at `now_ms` with a lease of `lease_ms`.
+        ///
+        /// # Errors
+        /// What the transition refuses (a fingerprint mismatch).
+        pub fn claim(
+            &mut self,
+            key: &Key,
+            fingerprint: &Fingerprint,
+            lease_ms: u64,
+            now_ms: u64,
+        ) -> Result<ClaimOutcome> {
+            let op = Op::Claim {
+                fingerprint: fingerprint.clone(),
+                lease_ms,
+                business_key: None,
+            };
+            match self.step(key, &op, now_ms)? {
+                Reply::Claim(outcome) => Ok(outcome),
+                other => unexpected(&other),
+            }
+        }
+
+        /// Completes (`failure` `None`) or fails the record of `key` held
+        /// with `token`.
+        ///
+        /// # Errors
+        /// [`Error::StaleLease`] when `token` does not hold the record.
+        pub fn finish(
+            &mut self,
+            key: &Key,
+            token: u64,
+            bytes: &[u8],
+            failure: Option<bool>,
+            now_ms: u64,
+        ) -> Result<Record> {
+            let op = match failure {
+                None => Op::Complete {
+                    token,
+                    result: bytes.to_vec(),
+                },
+                Some(retryable) => Op::Fail {
+                    token,
+                    failure: bytes.to_vec(),
+                    retryable,
+                },
+            };
+            match self.step(key, &op, now_ms)? {
+                Reply::Record(record) => Ok(record),
+                other => unexpected(&other),
+            }
+        }
+
+        /// Releases the record of `key` held with `token`.
+        ///
+        /// # Errors
+        /// [`Error::StaleLease`] when `token` does not hold the record.
+        pub fn release(&mut self, key: &Key, token: u64, now_ms: u64) -> Result<()> {
+            self.step(key, &Op::Release { token }, now_ms).map(drop)
+        }
+
+        /// Extends the lease of `key` held with `token`; the new deadline.
+        ///
+        /// # Errors
+        /// [`Error::StaleLease`] when `token` does not hold the record.
+        pub fn extend(&mut self, key: &Key, token: u64, lease_ms: u64, now_ms: u64) -> Result<u64> {
+            match self.step(key, &Op::Extend { token, lease_ms }, now_ms)? {
+                Reply::Record(record) => Ok(record.lease_until_ms()),
+                other => unexpected(&other),
+            }
+        }
+
+        /// Sets the recovery point of `key` held with `token`.
+        ///
+        /// # Errors
+        /// [`Error::StaleLease`] when `token` does not hold the record.
+        pub fn set_recovery_point(
+            &mut self,
+            key: &Key,
+            token: u64,
+            bytes: &[u8],
+            now_ms: u64,
+        ) -> Result<()> {
+            let op = Op::SetRecoveryPoint {
+                token,
+                bytes: bytes.to_vec(),
+            };
+            self.step(key, &op, now_ms).map(drop)
+        }
+
+        /// The record of `key` as a reader sees it at `now_ms` (none once
+        /// past retention).
+        pub fn get(&self, key: &Key, now_ms: u64) -> Option<&Record> {
+            self.records.get(key).filter(|r| !r.is_expired_at(now_ms))
+        }
+
+        /// Forgets the record of `key` (an eviction).
+        pub fn evict(&mut self, key: &Key) {
+            self.records.remove(key);
+        }
+
+        /// How many records are kept, expired ones included.
+        pub fn len(&self) -> usize {
+            self.records.len()
+        }
+
+        /// Whether no record is kept.
+        pub fn is_empty(&self) -> bool {
+            self.records.is_empty()
+        }
+    }
+
+    fn unexpected<T>(reply: &Reply) -> Result<T> {
+        Err(Error::InvalidArgument {
+            what: "reply",
+            reason: format!("the transition answered {reply:?}"),
+        })
+    }
 
     /// Decodes a record envelope stored under the key bytes `key`.
     ///

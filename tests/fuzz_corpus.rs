@@ -12,6 +12,9 @@ mod transitions;
 #[cfg(feature = "fuzzing")]
 #[path = "../fuzz/bodies/decode.rs"]
 mod decode;
+#[cfg(feature = "fuzzing")]
+#[path = "../fuzz/bodies/pure.rs"]
+mod pure;
 
 use std::path::PathBuf;
 
@@ -49,6 +52,12 @@ fn transitions_corpus() {
 #[test]
 fn keys_corpus() {
     replay("keys", keys::keys);
+}
+
+#[cfg(feature = "fuzzing")]
+#[test]
+fn pure_corpus() {
+    replay("pure", pure::pure);
 }
 
 #[cfg(feature = "fuzzing")]
