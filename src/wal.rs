@@ -268,6 +268,16 @@ pub(crate) const INITIAL_LOG_BYTES: u64 = 1024 * 1024;
 /// batch that needs a token beyond the reservation is committed as a
 /// checkpoint that extends it (once per this many acquisitions).
 pub(crate) const TOKEN_RESERVATION: u64 = 1 << 20;
+/// The token reservation a checkpoint records when the counter is at
+/// `next_token`: [`TOKEN_RESERVATION`] tokens ahead, but never past
+/// [`MAX_TOKEN`](crate::MAX_TOKEN) (nor below the counter itself).
+pub(crate) fn reserve_tokens(next_token: u64) -> u64 {
+    next_token
+        .checked_add(TOKEN_RESERVATION)
+        .map_or(crate::store::MAX_TOKEN, |t| t.min(crate::store::MAX_TOKEN))
+        .max(next_token)
+}
+
 /// The smallest maximum log size [`crate::Config`] accepts (in bytes).
 pub(crate) const MIN_LOG_BYTES: u64 = 64 * 1024;
 
@@ -706,7 +716,7 @@ pub(crate) fn open(
                 epoch,
                 base: last_seq,
                 clean: false,
-                token_reserved: next_token.saturating_add(TOKEN_RESERVATION),
+                token_reserved: reserve_tokens(next_token),
             },
         )?;
         txn.commit().map_err(|e| map_err(path, e))
@@ -716,7 +726,7 @@ pub(crate) fn open(
         writer,
         last_seq,
         next_token,
-        token_reserved: next_token.saturating_add(TOKEN_RESERVATION),
+        token_reserved: reserve_tokens(next_token),
         clock_hwm,
         replayed: frames.len(),
     })
