@@ -648,7 +648,17 @@ fn payload_bytes(cmd: &Command) -> usize {
             Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
             _ => 0,
         },
-        Command::Import { ops, .. } => ops.len() * 512,
+        Command::Import { ops, .. } => ops
+            .iter()
+            .map(|(key, op)| match op {
+                Op::Import { record } => {
+                    512 + key.id().len()
+                        + record.output.as_ref().map_or(0, Vec::len)
+                        + record.recovery_point.as_ref().map_or(0, Vec::len)
+                }
+                _ => 512,
+            })
+            .fold(0, usize::saturating_add),
         Command::Sweep { .. } | Command::Checkpoint | Command::Commit => 0,
     }
 }
@@ -898,7 +908,6 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
                 Vec::new(),
                 (replies, events),
                 false,
-                0,
             );
             return closing;
         }
@@ -930,16 +939,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     // A token beyond the durable reservation must not be acknowledged before
     // a checkpoint has moved the reservation past it.
     if checkpoint || full || state.next_token > state.token_reserved {
-        commit_checkpoint(
-            shared,
-            state,
-            open,
-            seq,
-            touched,
-            (replies, events),
-            full,
-            frame_len,
-        );
+        commit_checkpoint(shared, state, open, seq, touched, (replies, events), full);
         return closing;
     }
     // Readers must not see these changes before they are committed to the
@@ -1007,7 +1007,6 @@ fn commit_checkpoint(
     touched: Vec<Vec<u8>>,
     (replies, events): (Vec<Replier>, Vec<Event>),
     full: bool,
-    frame_len: usize,
 ) {
     let epoch = state.log.epoch() + 1;
     let token_reserved = wal::reserve_tokens(state.next_token);
@@ -1049,7 +1048,7 @@ fn commit_checkpoint(
             events,
         }],
     );
-    if let Err(err) = state.log.wrap(epoch, full, frame_len) {
+    if let Err(err) = state.log.wrap(epoch, full) {
         shared.poison(&err, false);
     }
     tracing::debug!(seq, epoch, full, "checkpoint");
