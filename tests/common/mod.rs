@@ -517,25 +517,35 @@ impl RawRecord {
         opt(&mut body, self.business_key.as_deref().map(str::as_bytes));
         varint(&mut body, u64::from(self.acquisitions));
         let kb = self.key_bytes();
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&kb);
-        crc.update(&body);
         let mut out = vec![1u8];
-        out.extend_from_slice(&crc.finalize().to_le_bytes());
+        out.extend_from_slice(&crc32(&[&kb, &body]).to_le_bytes());
         out.extend_from_slice(&body);
         out
     }
 }
 
+/// CRC-32 (IEEE, as `crc32fast` computes it) over the concatenation of
+/// `parts`; bitwise, so the helpers need no dependency of their own.
+pub fn crc32(parts: &[&[u8]]) -> u32 {
+    let mut crc = !0u32;
+    for part in parts {
+        for &byte in *part {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                let mask = (crc & 1).wrapping_neg();
+                crc = (crc >> 1) ^ (0xEDB8_8320 & mask);
+            }
+        }
+    }
+    !crc
+}
+
 /// One frame of an export stream: length, crc32 over kind and payload,
 /// kind, payload.
 pub fn export_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&[kind]);
-    crc.update(payload);
     let mut out = Vec::with_capacity(9 + payload.len());
     out.extend_from_slice(&u32::try_from(payload.len() + 1).unwrap().to_le_bytes());
-    out.extend_from_slice(&crc.finalize().to_le_bytes());
+    out.extend_from_slice(&crc32(&[&[kind], payload]).to_le_bytes());
     out.push(kind);
     out.extend_from_slice(payload);
     out
@@ -546,7 +556,7 @@ pub fn export_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
 pub fn export_stream(next_token: u64, clock_hwm: u64, records: &[RawRecord]) -> Vec<u8> {
     let mut out = b"IDEMSTORE-EXPORT".to_vec();
     out.extend_from_slice(&1u32.to_le_bytes());
-    let crc = crc32fast::hash(&out);
+    let crc = crc32(&[&out]);
     out.extend_from_slice(&crc.to_le_bytes());
     let mut meta = 7u128.to_le_bytes().to_vec();
     meta.extend_from_slice(&next_token.to_le_bytes());
