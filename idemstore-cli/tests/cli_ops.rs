@@ -347,6 +347,40 @@ fn check_reports_a_damaged_page_as_damage_with_exit_1_and_json() {
     }
 }
 
+/// An export from a host whose clock ran an hour ahead is refused (the
+/// error names the frame's offset and the rule); `--accept-clock-ahead`
+/// imports it.
+#[test]
+fn import_refuses_a_clock_far_ahead_unless_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("ahead.redb");
+    let backup = dir.path().join("ahead.export");
+    {
+        let clock = ManualClock::new(SystemClock.now_ms() + 3_600_000);
+        let store =
+            Store::open_with(&source, Config::new().clock(clock).sweep_interval(None)).unwrap();
+        let l = acquire(&store, &key("ahead"), &ClaimOptions::new());
+        store.complete(&l, b"ok").unwrap();
+        let mut out = std::fs::File::create(&backup).unwrap();
+        store.export(&mut out, |_| {}).unwrap();
+    }
+    let restored = dir.path().join("restored.redb");
+    let out = idemstore(&["import", p(&restored), p(&backup), "--create"]);
+    assert_eq!(code(&out), 2, "{}{}", stdout(&out), stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("byte offset 24"), "{err}");
+    assert!(err.contains("clock-ahead"), "{err}");
+    let out = idemstore(&[
+        "import",
+        p(&restored),
+        p(&backup),
+        "--accept-clock-ahead",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["imported"].as_u64(), Some(1));
+}
+
 #[test]
 fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
     let dir = tempfile::tempdir().unwrap();
