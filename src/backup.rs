@@ -429,8 +429,9 @@ impl ImportOptions {
         ImportOptions::default()
     }
 
-    /// How far (in ms precision) the stream's clock high-water mark and its
-    /// records' creation and update times may be ahead of the store's clock.
+    /// How far (whole milliseconds) the stream's clock high-water mark and
+    /// its records' update (and so creation) times may be ahead of the
+    /// store's clock.
     /// A time further ahead is refused with [`Error::ImportRefused`]
     /// ([`ImportRule::ClockAhead`]) unless
     /// [`accept_clock_ahead`](ImportOptions::accept_clock_ahead) is set.

@@ -140,9 +140,9 @@ pub enum Error {
     /// [`MAX_TOKEN`](crate::MAX_TOKEN) (`i64::MAX`): no further
     /// acquisition can get a token that is unique and fits a PostgreSQL
     /// `bigint`. The claim acquired nothing and changed nothing; the counter
-    /// never wraps. Only an import of a hostile or damaged export (refused
-    /// since [`Error::ImportRefused`] exists) or about 9.2 × 10^18
-    /// acquisitions gets a store here. Maps to HTTP 503.
+    /// never wraps. A store gets here after about 9.2 × 10^18 acquisitions,
+    /// or after an import whose counter is at (not above) the cap. Maps to
+    /// HTTP 503.
     #[error("the fencing-token counter is exhausted at {next_token} (the cap is i64::MAX)")]
     TokensExhausted {
         /// The counter's value: the token the claim would have taken.

@@ -615,6 +615,8 @@ impl Store {
     /// - [`Error::InvalidArgument`] for a zero or over-long lease or an
     ///   invalid business key.
     /// - [`Error::CorruptRecord`] when the stored record is damaged.
+    /// - [`Error::TokensExhausted`] when the claim would acquire but the
+    ///   token counter is at [`MAX_TOKEN`]; nothing is written.
     /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: the
     ///   store could not write. After a storage error the claim may or may
     ///   not be durable; a later claim finds out.
