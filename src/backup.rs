@@ -25,13 +25,15 @@
 
 use std::io::{self, Read, Write};
 use std::path::Path;
+use std::time::Duration;
 
 use redb::ReadableTable;
 
 use crate::codec::{self, DECODE_LIMIT, RECORD_VERSION};
-use crate::error::{Error, Result};
+use crate::error::{Error, ImportRule, Result};
 use crate::record::{ImportResult, Record};
 use crate::schema::{self, META, RECORDS, guard, map_err};
+use crate::store::{MAX_LEASE, MAX_RETENTION, MAX_TOKEN};
 
 /// The magic bytes an export stream starts with.
 pub(crate) const MAGIC: &[u8; 16] = b"IDEMSTORE-EXPORT";
@@ -389,8 +391,209 @@ pub(crate) fn export(
     })
 }
 
-/// How many records one import write holds.
+/// The most records one import write holds.
 pub(crate) const IMPORT_BATCH: usize = 1024;
+/// An import batch is handed to the writer once its record frames add up to
+/// this many bytes (or [`IMPORT_BATCH`] records, whichever comes first), so
+/// that an import holds at most this much of the stream in memory, plus the
+/// one record that crosses the line (at most [`MAX_FRAME`] bytes).
+pub(crate) const IMPORT_BATCH_BYTES: usize = 4 * 1024 * 1024;
+
+/// The default of [`ImportOptions::clock_tolerance`]: 5 minutes.
+pub const DEFAULT_CLOCK_TOLERANCE: Duration = Duration::from_secs(5 * 60);
+
+/// How [`Store::import_with`](crate::Store::import_with) treats a stream.
+///
+/// # Defaults
+/// - `clock_tolerance`: [`DEFAULT_CLOCK_TOLERANCE`] (5 minutes)
+/// - `accept_clock_ahead`: `false`
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ImportOptions {
+    clock_tolerance: Duration,
+    accept_clock_ahead: bool,
+}
+
+impl Default for ImportOptions {
+    fn default() -> Self {
+        ImportOptions {
+            clock_tolerance: DEFAULT_CLOCK_TOLERANCE,
+            accept_clock_ahead: false,
+        }
+    }
+}
+
+impl ImportOptions {
+    /// The defaults (see the type's docs).
+    pub fn new() -> ImportOptions {
+        ImportOptions::default()
+    }
+
+    /// How far (whole milliseconds) the stream's clock high-water mark and
+    /// its records' update (and so creation) times may be ahead of the
+    /// store's clock.
+    /// A time further ahead is refused with [`Error::ImportRefused`]
+    /// ([`ImportRule::ClockAhead`]) unless
+    /// [`accept_clock_ahead`](ImportOptions::accept_clock_ahead) is set.
+    /// The store's clock is raised to the latest imported time, but never
+    /// by more than this: an import moves the store's time forward at most
+    /// `clock_tolerance`, so it never makes every record expire at once.
+    pub fn clock_tolerance(mut self, tolerance: Duration) -> ImportOptions {
+        self.clock_tolerance = tolerance;
+        self
+    }
+
+    /// Accept records and a clock high-water mark further ahead of the
+    /// store's clock than [`clock_tolerance`](ImportOptions::clock_tolerance)
+    /// (an export from a host whose clock ran ahead). The records are
+    /// imported as they are, but the store's clock is still raised by at
+    /// most the tolerance: the far-ahead time is not adopted. Off by
+    /// default.
+    pub fn accept_clock_ahead(mut self, accept: bool) -> ImportOptions {
+        self.accept_clock_ahead = accept;
+        self
+    }
+}
+
+/// The limits an import checks every record against.
+pub(crate) struct ImportLimits<'a> {
+    pub options: ImportOptions,
+    /// The store's clock (ms since the epoch), read when a frame is checked.
+    pub now_ms: &'a dyn Fn() -> u64,
+    pub max_result_bytes: usize,
+    pub max_failure_bytes: usize,
+    pub max_recovery_point_bytes: usize,
+}
+
+impl ImportLimits<'_> {
+    /// The latest time an imported time may be without being refused (and
+    /// the highest the import raises the store's clock to).
+    fn latest_ms(&self) -> u64 {
+        (self.now_ms)().saturating_add(crate::clock::duration_ms(self.options.clock_tolerance))
+    }
+
+    /// Checks a time read from the stream against the tolerance.
+    fn time(&self, what: &str, t: u64) -> std::result::Result<(), (ImportRule, String)> {
+        let latest = self.latest_ms();
+        if t > latest && !self.options.accept_clock_ahead {
+            return Err((
+                ImportRule::ClockAhead,
+                format!(
+                    "{what} {t} ms is {} ms ahead of the store's clock, over the tolerance of {} ms \
+                     (accept it explicitly to import anyway)",
+                    t - (self.now_ms)(),
+                    crate::clock::duration_ms(self.options.clock_tolerance)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks one record's invariants (see [`ImportRule`]).
+    fn record(&self, r: &Record) -> std::result::Result<(), (ImportRule, String)> {
+        use crate::record::State;
+        if r.token >= MAX_TOKEN {
+            return Err((
+                ImportRule::TokenCap,
+                format!("token {} is not below the cap {MAX_TOKEN}", r.token),
+            ));
+        }
+        if r.created_ms > r.updated_ms {
+            return Err((
+                ImportRule::TimesOutOfOrder,
+                format!(
+                    "created at {} ms, after its last update at {} ms",
+                    r.created_ms, r.updated_ms
+                ),
+            ));
+        }
+        self.time("its update time", r.updated_ms)?;
+        let max_lease = crate::clock::duration_ms(MAX_LEASE);
+        if r.updated_ms
+            .checked_add(max_lease)
+            .is_none_or(|m| r.lease_until_ms > m)
+        {
+            return Err((
+                ImportRule::LeaseTooLong,
+                format!(
+                    "lease until {} ms is more than the longest lease ({max_lease} ms) after its \
+                     last update at {} ms",
+                    r.lease_until_ms, r.updated_ms
+                ),
+            ));
+        }
+        let max_retention = crate::clock::duration_ms(MAX_RETENTION);
+        if r.updated_ms
+            .checked_add(max_retention)
+            .is_none_or(|m| r.expires_ms > m)
+        {
+            return Err((
+                ImportRule::RetentionTooLong,
+                format!(
+                    "expiry at {} ms is more than the longest retention ({max_retention} ms) \
+                     after its last update at {} ms",
+                    r.expires_ms, r.updated_ms
+                ),
+            ));
+        }
+        if r.state == State::Processing && r.expires_ms < r.lease_until_ms {
+            return Err((
+                ImportRule::ExpiryBeforeLease,
+                format!(
+                    "a Processing record expiring at {} ms, before its lease ends at {} ms",
+                    r.expires_ms, r.lease_until_ms
+                ),
+            ));
+        }
+        let output_limit = match r.state {
+            State::Processing => self.max_failure_bytes,
+            State::Succeeded => self.max_result_bytes,
+            State::Failed { .. } => self.max_failure_bytes,
+        };
+        match (&r.output, r.state) {
+            (None, State::Succeeded | State::Failed { .. }) => {
+                return Err((
+                    ImportRule::StateOutput,
+                    format!("a {} record without its output", r.state.name()),
+                ));
+            }
+            (Some(out), _) if out.len() > output_limit => {
+                return Err((
+                    ImportRule::TooLarge,
+                    format!(
+                        "its output is {} bytes, over the store's limit of {output_limit} bytes",
+                        out.len()
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(rp) = &r.recovery_point
+            && rp.len() > self.max_recovery_point_bytes
+        {
+            return Err((
+                ImportRule::TooLarge,
+                format!(
+                    "its recovery point is {} bytes, over the store's limit of {} bytes",
+                    rp.len(),
+                    self.max_recovery_point_bytes
+                ),
+            ));
+        }
+        if r.acquisitions == 0 {
+            return Err((
+                ImportRule::StateOutput,
+                "a record that was never acquired (0 acquisitions)".into(),
+            ));
+        }
+        if let Some(bk) = &r.business_key
+            && let Err(e) = crate::key::check_business_key(bk)
+        {
+            return Err((ImportRule::BusinessKey, e.to_string()));
+        }
+        Ok(())
+    }
+}
 
 /// One batch of an import for the writer: the records, and the floors the
 /// token counter and the clock must be raised to (at least one above every
@@ -405,17 +608,48 @@ pub(crate) struct ImportBatch {
 pub(crate) type BatchResult = Vec<Result<ImportResult>>;
 
 /// Reads a stream and hands it to `apply` in batches of up to
-/// [`IMPORT_BATCH`] records, each applied atomically. A batch is handed
+/// [`IMPORT_BATCH`] records and [`IMPORT_BATCH_BYTES`] bytes, each applied
+/// atomically. The meta frame is checked against `limits` before anything
+/// is written; every record is checked as it is read, and a batch is handed
 /// over only once every frame in it has been read and checked, so a damaged
-/// frame stops the import before any record of its batch is written.
+/// or refused frame stops the import before any record of its batch is
+/// written.
 pub(crate) fn import(
     input: impl Read,
+    limits: &ImportLimits<'_>,
     mut progress: impl FnMut(Progress),
     mut apply: impl FnMut(ImportBatch) -> Result<BatchResult>,
 ) -> Result<ImportSummary> {
     let mut reader = FrameReader::new(input)?;
+    let mut summary = ImportSummary::default();
+    let refused = |at: u64, (rule, detail): (ImportRule, String), summary: &ImportSummary| {
+        Error::ImportRefused {
+            offset: at,
+            rule,
+            detail,
+            imported: summary.imported,
+        }
+    };
     let meta = match reader.next_frame()? {
-        Some((_, Frame::Meta(meta))) => meta,
+        Some((at, Frame::Meta(meta))) => {
+            if meta.next_token > MAX_TOKEN {
+                return Err(refused(
+                    at,
+                    (
+                        ImportRule::TokenCap,
+                        format!(
+                            "the token counter {} is above the cap {MAX_TOKEN}",
+                            meta.next_token
+                        ),
+                    ),
+                    &summary,
+                ));
+            }
+            limits
+                .time("the clock high-water mark", meta.clock_hwm)
+                .map_err(|e| refused(at, e, &summary))?;
+            meta
+        }
         Some((at, _)) => return Err(corrupt(at, "the first frame is not the meta frame")),
         None => {
             return Err(corrupt(
@@ -424,10 +658,12 @@ pub(crate) fn import(
             ));
         }
     };
-    let mut summary = ImportSummary::default();
     let mut token_floor = meta.next_token;
-    let mut clock_floor = meta.clock_hwm;
-    let mut batch: Vec<Record> = Vec::with_capacity(IMPORT_BATCH);
+    // Never raised past the tolerance, even when far-ahead times are
+    // accepted.
+    let mut clock_floor = meta.clock_hwm.min(limits.latest_ms());
+    let mut batch: Vec<Record> = Vec::new();
+    let mut batch_bytes = 0usize;
     let mut flush = |batch: &mut Vec<Record>,
                      token_floor: u64,
                      clock_floor: u64,
@@ -449,6 +685,7 @@ pub(crate) fn import(
         Ok(())
     };
     loop {
+        let before = reader.offset();
         let Some((at, frame)) = reader.next_frame()? else {
             return Err(corrupt(
                 reader.offset(),
@@ -457,12 +694,20 @@ pub(crate) fn import(
         };
         match frame {
             Frame::Record(record) => {
-                token_floor = token_floor.max(record.token.saturating_add(1));
-                clock_floor = clock_floor.max(record.created_ms.max(record.updated_ms));
+                limits
+                    .record(&record)
+                    .map_err(|e| refused(at, e, &summary))?;
+                // Checked above: the token is below the cap.
+                token_floor = token_floor.max(record.token.checked_add(1).unwrap_or(MAX_TOKEN));
+                clock_floor = clock_floor.max(record.updated_ms.min(limits.latest_ms()));
                 batch.push(*record);
+                batch_bytes = batch_bytes.saturating_add(
+                    usize::try_from(reader.offset().saturating_sub(before)).unwrap_or(usize::MAX),
+                );
                 summary.records += 1;
-                if batch.len() >= IMPORT_BATCH {
+                if batch.len() >= IMPORT_BATCH || batch_bytes >= IMPORT_BATCH_BYTES {
                     flush(&mut batch, token_floor, clock_floor, &mut summary)?;
+                    batch_bytes = 0;
                 }
                 progress(Progress {
                     records: summary.records,

@@ -24,7 +24,12 @@ pub enum Integrity {
     /// damaged pages are gone (the record check that follows sees the
     /// repaired file).
     Repaired,
-    /// redb found damage it could not repair; records were not checked.
+    /// The file's pages are damaged: redb found damage it could not repair,
+    /// or the file does not open at all because of it (redb's message, such
+    /// as "Primary is corrupted despite 2-phase commit", names what
+    /// failed). Records were not checked. The next step is a restore from
+    /// the latest export into a new file (`idemstore import --create NEW
+    /// EXPORT`).
     Failed(String),
 }
 
@@ -67,18 +72,30 @@ impl CheckReport {
 ///
 /// This reads the whole file; its cost grows with the file's size.
 ///
+/// Damage is reported in the [`CheckReport`], not as an error: a damaged
+/// record as a [`Problem`], and damaged pages, including a file that does
+/// not open because of them (redb's "Primary is corrupted despite 2-phase
+/// commit", or a panic inside redb), as [`Integrity::Failed`] with what
+/// failed. [`CheckReport::is_clean`] is then `false`.
+///
 /// # Errors
 /// - [`Error::Missing`]: no file at `path`.
 /// - [`Error::IncompatibleFile`]: the file is empty, not an idemstore
 ///   file, or of a newer format.
 /// - [`Error::AlreadyOpen`]: a `Store` (a running service) holds the file.
+/// - [`Error::CorruptLog`]: the write-ahead log beside the file is damaged
+///   where recovery needs it (see [`Store::open`]).
 /// - [`Error::Storage`]: the file cannot be read.
-///
-/// Damage is reported in the [`CheckReport`], not as an error.
 pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Result<CheckReport> {
     let path = path.as_ref();
     crate::store::check_existing(path)?;
-    let integrity = guard(path, || {
+    let damaged = |integrity| CheckReport {
+        integrity,
+        records: 0,
+        bindings: 0,
+        problems: Vec::new(),
+    };
+    let checked = guard(path, || {
         let mut db = Database::builder()
             .open(path)
             .map_err(|e| open_error(path, e))?;
@@ -87,16 +104,26 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
             Ok(false) => Integrity::Repaired,
             Err(e) => Integrity::Failed(e.to_string()),
         })
-    })?;
-    if let Integrity::Failed(_) = integrity {
-        return Ok(CheckReport {
-            integrity,
-            records: 0,
-            bindings: 0,
-            problems: Vec::new(),
-        });
-    }
-    let store = Store::open_existing(path, Config::new().sweep_interval(None))?;
+    });
+    let integrity = match checked {
+        Ok(Integrity::Failed(detail)) => return Ok(damaged(Integrity::Failed(detail))),
+        Ok(integrity) => integrity,
+        Err(Error::CorruptFile { detail, .. }) => {
+            return Ok(damaged(Integrity::Failed(format!(
+                "the file does not open: {detail}"
+            ))));
+        }
+        Err(e) => return Err(e),
+    };
+    let store = match Store::open_existing(path, Config::new().sweep_interval(None)) {
+        Ok(store) => store,
+        Err(Error::CorruptFile { detail, .. }) => {
+            return Ok(damaged(Integrity::Failed(format!(
+                "the store does not open: {detail}"
+            ))));
+        }
+        Err(e) => return Err(e),
+    };
     let mut report = store.verify(progress)?;
     report.integrity = integrity;
     Ok(report)

@@ -65,12 +65,13 @@ use crate::clock::MonotonicClock;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::expiry;
+use crate::fence::Fence;
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
 use crate::schema::{self, Checkpoint, Tables, guard, map_err};
 use crate::stats::LiveCounters;
-use crate::store::Durability;
-use crate::wal::{FRAME_HEADER_LEN, LogFile, LogWriter, TOKEN_RESERVATION};
+use crate::store::{Durability, MAX_TOKEN};
+use crate::wal::{self, FRAME_HEADER_LEN, LogFile, LogWriter};
 
 /// The most requests decided in one batch.
 const MAX_BATCH: usize = 1024;
@@ -195,6 +196,9 @@ pub(crate) struct Shared {
     pub sync_inline: AtomicBool,
     /// Counters behind `Store::stats`, bumped as audit events are published.
     pub counters: LiveCounters,
+    /// Raised when the writer stops on a poisoned store, so that redb's
+    /// close cannot make a non-durable commit durable (see `fence.rs`).
+    pub fence: Fence,
 }
 
 impl Shared {
@@ -644,7 +648,17 @@ fn payload_bytes(cmd: &Command) -> usize {
             Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
             _ => 0,
         },
-        Command::Import { ops, .. } => ops.len() * 512,
+        Command::Import { ops, .. } => ops
+            .iter()
+            .map(|(key, op)| match op {
+                Op::Import { record } => {
+                    512 + key.id().len()
+                        + record.output.as_ref().map_or(0, Vec::len)
+                        + record.recovery_point.as_ref().map_or(0, Vec::len)
+                }
+                _ => 512,
+            })
+            .fold(0, usize::saturating_add),
         Command::Sweep { .. } | Command::Checkpoint | Command::Commit => 0,
     }
 }
@@ -894,7 +908,6 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
                 Vec::new(),
                 (replies, events),
                 false,
-                0,
             );
             return closing;
         }
@@ -926,16 +939,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
     // A token beyond the durable reservation must not be acknowledged before
     // a checkpoint has moved the reservation past it.
     if checkpoint || full || state.next_token > state.token_reserved {
-        commit_checkpoint(
-            shared,
-            state,
-            open,
-            seq,
-            touched,
-            (replies, events),
-            full,
-            frame_len,
-        );
+        commit_checkpoint(shared, state, open, seq, touched, (replies, events), full);
         return closing;
     }
     // Readers must not see these changes before they are committed to the
@@ -1003,10 +1007,9 @@ fn commit_checkpoint(
     touched: Vec<Vec<u8>>,
     (replies, events): (Vec<Replier>, Vec<Event>),
     full: bool,
-    frame_len: usize,
 ) {
     let epoch = state.log.epoch() + 1;
-    let token_reserved = state.next_token.saturating_add(TOKEN_RESERVATION);
+    let token_reserved = wal::reserve_tokens(state.next_token);
     shared.cache.begin_write(&touched, Some(seq));
     let OpenTxn { mut txn, keys, .. } = open;
     let committed = guard(&shared.path, || {
@@ -1045,7 +1048,7 @@ fn commit_checkpoint(
             events,
         }],
     );
-    if let Err(err) = state.log.wrap(epoch, full, frame_len) {
+    if let Err(err) = state.log.wrap(epoch, full) {
         shared.poison(&err, false);
     }
     tracing::debug!(seq, epoch, full, "checkpoint");
@@ -1053,8 +1056,22 @@ fn commit_checkpoint(
 
 /// The closing checkpoint, when the queue is drained: the index then holds
 /// everything on disk and the log is not needed to open the store again.
+///
+/// A poisoned store (or one whose last frames cannot be made durable) gets
+/// no closing checkpoint, and its index file is fenced: the index may hold
+/// changes whose callers got an error, and neither this checkpoint nor
+/// redb's own close may make them durable (DESIGN.md guarantee 6). The next
+/// open recovers from the last checkpoint and the log.
 fn close(shared: &Shared, state: &mut WriterState) {
-    if shared.index_failed.load(Ordering::SeqCst) {
+    // Every frame written must be durable before a checkpoint may cover it:
+    // a frame whose fsync fails now poisons the store here.
+    let synced = shared.progress.flush();
+    if shared.index_failed.load(Ordering::SeqCst)
+        || shared.poisoned.load(Ordering::SeqCst)
+        || synced.is_err()
+    {
+        state.open = None;
+        shared.fence.raise();
         return;
     }
     let path = &shared.path;
@@ -1178,6 +1195,16 @@ fn apply_op(
         Ok(x) => x,
         Err(e) => return Ok(Err(rejected(key, e, events))),
     };
+    // A new token must stay below the cap: refused before anything is
+    // applied, so the counter never wraps.
+    let acquires = matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_)));
+    let after = next_token.checked_add(1).filter(|t| *t <= MAX_TOKEN);
+    if acquires && after.is_none() {
+        let err = Error::TokensExhausted {
+            next_token: *next_token,
+        };
+        return Ok(Err(rejected(key, err, events)));
+    }
     match &effect {
         Effect::None => {}
         Effect::Put(new) => {
@@ -1189,8 +1216,8 @@ fn apply_op(
             tables.insert_expiry(new.expires_ms, &kb)?;
             tables.put_record(&kb, &codec::encode_record(&kb, new))?;
             rebind(tables, key, stored.as_ref(), new, fresh)?;
-            if matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_))) {
-                *next_token += 1;
+            if let (true, Some(after)) = (acquires, after) {
+                *next_token = after;
             }
         }
         Effect::Delete => {

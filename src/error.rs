@@ -111,6 +111,44 @@ pub enum Error {
         detail: String,
     },
 
+    /// An export stream was read without damage, but a frame holds a value
+    /// the store refuses (see [`ImportRule`]): a token at or above
+    /// [`MAX_TOKEN`](crate::MAX_TOKEN), a time too far ahead of the store's
+    /// clock, a lease or retention longer than the store allows, a record
+    /// whose state and fields disagree, or a value over the store's limits.
+    /// The meta frame is checked before anything is written, and every
+    /// record before its batch is written: nothing of the refused frame's
+    /// batch is written, batches before it stay imported (`imported`
+    /// records), and the store's token counter and clock are raised only by
+    /// those batches.
+    #[error(
+        "import refused at byte offset {offset} ({rule}): {detail}; \
+         {imported} records were imported before it"
+    )]
+    ImportRefused {
+        /// Byte offset of the refused frame from the start of the stream.
+        offset: u64,
+        /// The rule the frame broke.
+        rule: ImportRule,
+        /// What the frame holds, for a person.
+        detail: String,
+        /// Records written by the batches before the refused one.
+        imported: u64,
+    },
+
+    /// The store's fencing-token counter has reached
+    /// [`MAX_TOKEN`](crate::MAX_TOKEN) (`i64::MAX`): no further
+    /// acquisition can get a token that is unique and fits a PostgreSQL
+    /// `bigint`. The claim acquired nothing and changed nothing; the counter
+    /// never wraps. A store gets here after about 9.2 × 10^18 acquisitions,
+    /// or after an import whose counter is at (not above) the cap. Maps to
+    /// HTTP 503.
+    #[error("the fencing-token counter is exhausted at {next_token} (the cap is i64::MAX)")]
+    TokensExhausted {
+        /// The counter's value: the token the claim would have taken.
+        next_token: u64,
+    },
+
     /// The store file does not exist. Returned by
     /// [`Store::open_existing`](crate::Store::open_existing), which never
     /// creates a file.
@@ -220,5 +258,62 @@ impl Error {
                 | Error::StaleLease { .. }
                 | Error::BusinessKeyConflict { .. }
         )
+    }
+}
+
+/// The rule an imported frame broke (see [`Error::ImportRefused`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ImportRule {
+    /// The stream's token counter is above [`MAX_TOKEN`](crate::MAX_TOKEN),
+    /// or a record's token is not below it: importing it would leave no
+    /// token for the next acquisition, or wrap the counter.
+    TokenCap,
+    /// The stream's clock high-water mark, or a record's update time, is
+    /// further ahead of the store's clock than the import's tolerance
+    /// ([`ImportOptions::clock_tolerance`](crate::ImportOptions::clock_tolerance),
+    /// 5 minutes by default).
+    ClockAhead,
+    /// A record was created after its last update.
+    TimesOutOfOrder,
+    /// A record's lease ends more than [`MAX_LEASE`](crate::MAX_LEASE)
+    /// after its last update.
+    LeaseTooLong,
+    /// A record expires more than [`MAX_RETENTION`](crate::MAX_RETENTION)
+    /// after its last update.
+    RetentionTooLong,
+    /// A Processing record expires before its lease ends.
+    ExpiryBeforeLease,
+    /// A record's state and its other fields disagree: a Succeeded or
+    /// Failed record without its output, or a record with no acquisition.
+    StateOutput,
+    /// A record's output or recovery point is over the store's configured
+    /// limit (in bytes).
+    TooLarge,
+    /// A record's business key is empty, too long or malformed.
+    BusinessKey,
+}
+
+impl ImportRule {
+    /// A short name of the rule, for messages and JSON (`"token-cap"`,
+    /// `"clock-ahead"`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            ImportRule::TokenCap => "token-cap",
+            ImportRule::ClockAhead => "clock-ahead",
+            ImportRule::TimesOutOfOrder => "times-out-of-order",
+            ImportRule::LeaseTooLong => "lease-too-long",
+            ImportRule::RetentionTooLong => "retention-too-long",
+            ImportRule::ExpiryBeforeLease => "expiry-before-lease",
+            ImportRule::StateOutput => "state-output",
+            ImportRule::TooLarge => "too-large",
+            ImportRule::BusinessKey => "business-key",
+        }
+    }
+}
+
+impl std::fmt::Display for ImportRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }

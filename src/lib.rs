@@ -74,6 +74,7 @@ mod codec;
 mod commit;
 mod error;
 mod expiry;
+mod fence;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
@@ -84,10 +85,10 @@ mod stats;
 mod store;
 mod wal;
 
-pub use backup::{ExportSummary, ImportSummary, Progress};
+pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary, Progress};
 pub use check::{CheckReport, Integrity, Problem, check_file};
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use error::{Error, Result};
+pub use error::{Error, ImportRule, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
 };
@@ -96,7 +97,9 @@ pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 pub use redb::{BackendError, StorageBackend};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
-pub use store::{ClaimOptions, Config, Durability, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+pub use store::{
+    ClaimOptions, Config, Durability, MAX_LEASE, MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT, Store,
+};
 pub use wal::{FileLog, LogFile, MemoryLog};
 
 /// Entry points for the fuzz targets in `fuzz/` and their corpus replay in

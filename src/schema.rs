@@ -10,6 +10,7 @@ use redb::{
 };
 
 use crate::error::{Error, Result};
+use crate::fence::{Fence, Fenced};
 use crate::wal::{BodyWriter, Change, LogTable};
 
 /// Records: stored key bytes → record envelope (see `codec`).
@@ -114,6 +115,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
     path: &Path,
     backend: Option<B>,
     cache_bytes: usize,
+    fence: &Fence,
 ) -> Result<(Database, Meta)> {
     guard(path, || {
         let mut builder = Database::builder();
@@ -127,9 +129,19 @@ pub(crate) fn open<B: redb::StorageBackend>(
         // a damaged file may panic inside redb. This reads the whole file,
         // as crash recovery already does.
         builder.set_check_integrity_on_open(true);
+        // Every backend goes behind the fence (see `fence.rs`); for a file,
+        // opened as redb's `create` opens it.
         let opened = match backend {
-            Some(backend) => builder.create_with_backend(backend),
-            None => builder.create(path),
+            Some(backend) => builder.create_with_backend(Fenced::new(backend, fence.clone())),
+            None => std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+                .map_err(redb::DatabaseError::from)
+                .and_then(redb::backends::FileBackend::new)
+                .and_then(|file| builder.create_with_backend(Fenced::new(file, fence.clone()))),
         };
         let db = opened.map_err(|e| match e {
             redb::DatabaseError::Storage(redb::StorageError::Io(io))

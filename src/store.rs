@@ -8,7 +8,7 @@ use std::time::Duration;
 use redb::ReadableDatabase;
 
 use crate::audit::{self, Event};
-use crate::backup::{self, ExportSummary, ImportSummary, Progress};
+use crate::backup::{self, ExportSummary, ImportLimits, ImportOptions, ImportSummary, Progress};
 use crate::cache::{Lookup, ReadCache};
 use crate::check::{self, CheckReport};
 use crate::clock::{Clock, MonotonicClock, SystemClock, duration_ms};
@@ -18,6 +18,7 @@ use crate::commit::{
 };
 use crate::error::{Error, Result};
 use crate::expiry::Sweeper;
+use crate::fence::Fence;
 use crate::key::{Fingerprint, Key, check_business_key};
 use crate::record::{ClaimOutcome, Ctx, Effect, Lease, Op, Record, Reply, Resolution, transition};
 use crate::scan::{Filter, Records};
@@ -30,6 +31,18 @@ use crate::wal::{self, FileLog, LogFile};
 pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
 /// The longest lease a claim or extend accepts: 30 days.
 pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The longest retention [`Config::retention`] accepts, and the furthest
+/// an imported record's expiry may be after its last update: 100 years
+/// (36,500 days), room for the 10-year retention of the benchmarks.
+pub const MAX_RETENTION: Duration = Duration::from_secs(36_500 * 24 * 3600);
+/// The cap on fencing tokens: `i64::MAX` (9,223,372,036,854,775,807), the
+/// largest PostgreSQL `bigint`, so that every token and token counter of
+/// this engine fits the PostgreSQL engine. The store's token counter never
+/// exceeds it and every token handed out is below it; a claim that would
+/// need a token at the cap gets [`Error::TokensExhausted`], and an import
+/// whose counter or tokens break the cap is refused
+/// ([`Error::ImportRefused`]). Token arithmetic never wraps.
+pub const MAX_TOKEN: u64 = i64::MAX as u64;
 
 /// When a change is acknowledged, relative to the fsync of the write-ahead
 /// log.
@@ -151,8 +164,10 @@ impl Config {
     }
 
     /// How long a finished record is kept for replays, counted from when it
-    /// finished (whole milliseconds, > 0). A change applies to later writes
-    /// only: each record stores its own expiry.
+    /// finished (whole milliseconds, > 0, at most [`MAX_RETENTION`]: a
+    /// longer one makes the open fail with [`Error::InvalidArgument`]). A
+    /// change applies to later writes only: each record stores its own
+    /// expiry.
     pub fn retention(mut self, retention: Duration) -> Config {
         self.retention = retention;
         self
@@ -244,6 +259,16 @@ impl Config {
     fn validate(&self) -> Result<()> {
         if duration_ms(self.retention) == 0 {
             return Err(Error::invalid("retention", "must be at least 1 ms"));
+        }
+        if self.retention > MAX_RETENTION {
+            return Err(Error::invalid(
+                "retention",
+                format!(
+                    "{} s is over the longest retention, {} s (MAX_RETENTION)",
+                    self.retention.as_secs(),
+                    MAX_RETENTION.as_secs()
+                ),
+            ));
         }
         check_lease("lease", self.lease)?;
         for (what, v) in [
@@ -484,7 +509,8 @@ impl Store {
         config: Config,
     ) -> Result<Store> {
         config.validate()?;
-        let (db, meta) = schema::open(&path, backend, config.cache_bytes)?;
+        let fence = Fence::default();
+        let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence)?;
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
         let log = match log {
@@ -517,6 +543,7 @@ impl Store {
             progress: WriteProgress::new(opened.last_seq),
             cache: ReadCache::new(config.read_cache_bytes),
             sync_inline: AtomicBool::new(true),
+            fence,
         });
         let state = WriterState::new(
             opened.next_token,
@@ -588,6 +615,8 @@ impl Store {
     /// - [`Error::InvalidArgument`] for a zero or over-long lease or an
     ///   invalid business key.
     /// - [`Error::CorruptRecord`] when the stored record is damaged.
+    /// - [`Error::TokensExhausted`] when the claim would acquire but the
+    ///   token counter is at [`MAX_TOKEN`]; nothing is written.
     /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: the
     ///   store could not write. After a storage error the claim may or may
     ///   not be durable; a later claim finds out.
@@ -860,18 +889,15 @@ impl Store {
     /// request.
     ///
     /// # Errors
+    /// [`Error::Poisoned`] after a failed durable write (the index may hold
+    /// changes that never became durable; reopen the store);
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read. Corrupt records are counted, not returned as errors.
     pub fn stats(&self) -> Result<Stats> {
         let shared = &self.inner.shared;
-        let txn = match self.inner.durable_snapshot() {
-            Ok(txn) => txn,
-            // A store that refuses writes still reports what its index holds.
-            Err(Error::Poisoned) => guard(&shared.path, || {
-                shared.db.begin_read().map_err(|e| map_err(&shared.path, e))
-            })?,
-            Err(e) => return Err(e),
-        };
+        // A poisoned store's index may hold changes that never became
+        // durable: refuse, as scan, export and verify do.
+        let txn = self.inner.durable_snapshot()?;
         let now_ms = shared.clock.now_ms();
         let (records, oldest) = stats::count_states(&shared.path, &txn, now_ms)?;
         Ok(Stats {
@@ -902,6 +928,20 @@ impl Store {
         backup::export(&shared.path, &txn, shared.clock.now_ms(), out, progress)
     }
 
+    /// Restores records from a stream written by [`Store::export`], with the
+    /// default [`ImportOptions`] (times at most 5 minutes ahead of the
+    /// store's clock). See [`Store::import_with`].
+    ///
+    /// # Errors
+    /// As [`Store::import_with`].
+    pub fn import(
+        &self,
+        input: impl std::io::Read,
+        progress: impl FnMut(Progress),
+    ) -> Result<ImportSummary> {
+        self.import_with(input, &ImportOptions::default(), progress)
+    }
+
     /// Restores records from a stream written by [`Store::export`].
     ///
     /// - A record is written only where its key is absent or past
@@ -909,24 +949,52 @@ impl Store {
     ///   stream twice changes nothing the second time (import is
     ///   idempotent). Records already past retention and records whose
     ///   business key another live key holds are skipped.
+    /// - The stream is validated input. The meta frame is checked before
+    ///   anything is written: its token counter must not be above
+    ///   [`MAX_TOKEN`], and its clock high-water mark not more than
+    ///   `options`' clock tolerance (default 5 minutes) ahead of the store's
+    ///   clock. Every record is checked as it is read: its token below
+    ///   [`MAX_TOKEN`], its update time within the tolerance, its lease
+    ///   ending at most [`MAX_LEASE`] and its expiry at most
+    ///   [`MAX_RETENTION`] after its last update, a Processing record's
+    ///   expiry not before its lease's end, a finished record's output
+    ///   present, and its values within this store's configured limits.
     /// - The store's token counter is raised above every token in the
-    ///   stream (and the source's counter), and its clock high-water mark
-    ///   to the latest time in it, so no token is ever handed out twice.
-    /// - Records go in batches of 1,024, each one atomic and durable write;
-    ///   a batch is written only once all its frames passed their checks.
+    ///   stream (and the source's counter), so no token is ever handed out
+    ///   twice; its clock is raised to the latest time in the stream, but by
+    ///   at most the tolerance (even when `options` accepts times further
+    ///   ahead), so an import never makes every record expire at once.
+    /// - Records go in batches of up to 1,024 records and 4 MiB of record
+    ///   frames (plus the one record that crosses the line), each one atomic
+    ///   and durable write; a batch is written only once all its frames
+    ///   passed their checks, so memory stays bounded for a stream of any
+    ///   length (stdin included).
     ///
     /// # Errors
-    /// [`Error::CorruptExport`] with the byte offset of a damaged,
-    /// truncated or out-of-place frame, or for a stream that is not an
-    /// export or is of a newer format; batches before that offset stay
-    /// imported. Storage errors as for [`Store::claim`].
-    pub fn import(
+    /// - [`Error::CorruptExport`] with the byte offset of a damaged,
+    ///   truncated or out-of-place frame, or for a stream that is not an
+    ///   export or is of a newer format;
+    /// - [`Error::ImportRefused`] with the byte offset of a frame that breaks
+    ///   a rule above, the rule, and how many records went in before it.
+    ///
+    /// In both cases nothing of the frame's batch is written, and batches
+    /// before it stay imported. Storage errors as for [`Store::claim`].
+    pub fn import_with(
         &self,
         input: impl std::io::Read,
+        options: &ImportOptions,
         progress: impl FnMut(Progress),
     ) -> Result<ImportSummary> {
         let inner = &self.inner;
-        let mut summary = backup::import(input, progress, |batch| {
+        let now = || inner.shared.clock.now_ms();
+        let limits = ImportLimits {
+            options: *options,
+            now_ms: &now,
+            max_result_bytes: inner.config.max_result_bytes,
+            max_failure_bytes: inner.config.max_failure_bytes,
+            max_recovery_point_bytes: inner.config.max_recovery_point_bytes,
+        };
+        let mut summary = backup::import(input, &limits, progress, |batch| {
             // Raised before the write is queued, so the write that carries
             // the batch stores a clock at least this high.
             inner.shared.clock.raise(batch.clock_floor);

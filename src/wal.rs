@@ -268,6 +268,16 @@ pub(crate) const INITIAL_LOG_BYTES: u64 = 1024 * 1024;
 /// batch that needs a token beyond the reservation is committed as a
 /// checkpoint that extends it (once per this many acquisitions).
 pub(crate) const TOKEN_RESERVATION: u64 = 1 << 20;
+/// The token reservation a checkpoint records when the counter is at
+/// `next_token`: [`TOKEN_RESERVATION`] tokens ahead, but never past
+/// [`MAX_TOKEN`](crate::MAX_TOKEN) (nor below the counter itself).
+pub(crate) fn reserve_tokens(next_token: u64) -> u64 {
+    next_token
+        .checked_add(TOKEN_RESERVATION)
+        .map_or(crate::store::MAX_TOKEN, |t| t.min(crate::store::MAX_TOKEN))
+        .max(next_token)
+}
+
 /// The smallest maximum log size [`crate::Config`] accepts (in bytes).
 pub(crate) const MIN_LOG_BYTES: u64 = 64 * 1024;
 
@@ -484,31 +494,6 @@ pub(crate) fn encode_frame(store_id: u128, header: &FrameHeader, body: &[u8]) ->
     out
 }
 
-/// Parses the frame at `at` in `buf`: its magic, length and checksum must
-/// all be right. `None` for anything else (zeros, a torn or damaged frame,
-/// the middle of an older frame, another store's frame).
-fn parse_frame(buf: &[u8], at: usize, store_id: u128) -> Option<FrameHeader> {
-    let head = buf.get(at..at.checked_add(FRAME_HEADER_LEN)?)?;
-    if head[0..4] != FRAME_MAGIC {
-        return None;
-    }
-    let body_len = le_u32(&head[4..8]) as usize;
-    if body_len > MAX_BODY_LEN {
-        return None;
-    }
-    let body_start = at + FRAME_HEADER_LEN;
-    let body = buf.get(body_start..body_start.checked_add(body_len)?)?;
-    if frame_crc(store_id, head, body) != le_u32(&head[32..36]) {
-        return None;
-    }
-    Some(FrameHeader {
-        body_len,
-        seq: le_u64(&head[8..16]),
-        epoch: le_u64(&head[16..24]),
-        synced_through: le_u64(&head[24..32]),
-    })
-}
-
 /// The log header: what store the log belongs to, in which format.
 pub(crate) fn encode_header(store_id: u128) -> Vec<u8> {
     let mut out = vec![0u8; HEADER_LEN as usize];
@@ -654,10 +639,9 @@ pub(crate) fn open(
             meta.log_base,
         )?)
     };
-    let frames = match &recovered {
-        Some(r) => r.frames_after(log_path, meta.applied_seq)?,
-        None => Vec::new(),
-    };
+    let replayed = recovered
+        .as_ref()
+        .map_or(0, |r| r.count_after(meta.applied_seq));
     let mut last_seq = meta.applied_seq.max(meta.log_base);
     // After an unclean shutdown, tokens up to the reservation may have been
     // handed out by changes that were lost (buffered mode): skip them.
@@ -670,7 +654,7 @@ pub(crate) fn open(
     if let Some(r) = &recovered {
         tracing::info!(
             log = %log_path.display(),
-            frames = frames.len(),
+            frames = replayed,
             chain_end_seq = r.last_seq(meta.log_base),
             end = r.end,
             torn_tail = r.discarded_tail,
@@ -683,19 +667,23 @@ pub(crate) fn open(
         txn.set_quick_repair(true);
         {
             let mut tables = Tables::open(path, &txn, false)?;
-            for frame in &frames {
-                for change in &frame.body.changes {
-                    if !tables.apply(*change)? {
-                        return Err(Error::CorruptLog {
-                            path: log_path.to_path_buf(),
-                            offset: frame.offset,
-                            detail: format!("frame {} holds a malformed change", frame.seq),
-                        });
+            if let Some(r) = &recovered {
+                // One frame in memory at a time.
+                r.replay_after(log.as_ref(), log_path, meta.applied_seq, |frame| {
+                    for change in &frame.body.changes {
+                        if !tables.apply(*change)? {
+                            return Err(Error::CorruptLog {
+                                path: log_path.to_path_buf(),
+                                offset: frame.offset,
+                                detail: format!("frame {} holds a malformed change", frame.seq),
+                            });
+                        }
                     }
-                }
-                last_seq = frame.seq;
-                next_token = next_token.max(frame.body.next_token);
-                clock_hwm = clock_hwm.max(frame.body.clock_hwm);
+                    last_seq = frame.seq;
+                    next_token = next_token.max(frame.body.next_token);
+                    clock_hwm = clock_hwm.max(frame.body.clock_hwm);
+                    Ok(())
+                })?;
             }
             tables.set_counters(next_token, clock_hwm, last_seq)?;
         }
@@ -706,7 +694,7 @@ pub(crate) fn open(
                 epoch,
                 base: last_seq,
                 clean: false,
-                token_reserved: next_token.saturating_add(TOKEN_RESERVATION),
+                token_reserved: reserve_tokens(next_token),
             },
         )?;
         txn.commit().map_err(|e| map_err(path, e))
@@ -716,21 +704,27 @@ pub(crate) fn open(
         writer,
         last_seq,
         next_token,
-        token_reserved: next_token.saturating_add(TOKEN_RESERVATION),
+        token_reserved: reserve_tokens(next_token),
         clock_hwm,
-        replayed: frames.len(),
+        replayed: usize::try_from(replayed).unwrap_or(usize::MAX),
     })
 }
 
 // ---------------------------------------------------------------------------
 // Recovery
 
-/// The frames recovery found after the last checkpoint, with their bodies.
+/// What recovery found after the last checkpoint: where the chain of
+/// frames ends. The frames themselves stay in the log and are read again,
+/// one at a time, by [`Recovered::replay_after`], so recovery holds at most
+/// one frame (and one [`SCAN_CHUNK`] buffer) in memory, whatever the log's
+/// size.
 pub(crate) struct Recovered {
-    /// The log's bytes; frames are ranges into it.
-    bytes: Vec<u8>,
-    /// (header, body offset) of each frame of the chain, in order.
-    frames: Vec<(FrameHeader, usize)>,
+    store_id: u128,
+    /// The sequence number of the last checkpoint (the chain starts after
+    /// it).
+    base: u64,
+    /// The last sequence number of the chain, or `base` when it is empty.
+    last: u64,
     /// Where the chain ends (the first byte after its last frame).
     pub end: u64,
     /// Whether non-zero bytes follow the chain (a torn tail, or frames of
@@ -745,43 +739,123 @@ pub(crate) struct RecoveredFrame<'a> {
     pub body: Body<'a>,
 }
 
+/// The bytes the scan past the chain reads at a time.
+pub(crate) const SCAN_CHUNK: usize = 64 * 1024;
+
 impl Recovered {
     /// The last sequence number of the chain, or `base` when it is empty.
     pub(crate) fn last_seq(&self, base: u64) -> u64 {
-        self.frames.last().map_or(base, |(h, _)| h.seq)
+        if self.last == self.base {
+            base
+        } else {
+            self.last
+        }
     }
 
-    /// Decodes the chain's frames with a sequence number above `after`.
+    /// How many frames of the chain have a sequence number above `after`.
+    pub(crate) fn count_after(&self, after: u64) -> u64 {
+        self.last.saturating_sub(after.max(self.base))
+    }
+
+    /// Reads the chain's frames with a sequence number above `after` from
+    /// `log`, one at a time, and hands each, decoded, to `apply`.
     ///
     /// # Errors
     /// [`Error::CorruptLog`] for a frame whose checksum passed but whose
-    /// body does not decode.
-    pub(crate) fn frames_after(&self, path: &Path, after: u64) -> Result<Vec<RecoveredFrame<'_>>> {
-        let mut out = Vec::new();
-        for (h, at) in &self.frames {
-            if h.seq <= after {
-                continue;
+    /// body does not decode, or that changed since [`recover`] read it;
+    /// [`Error::Storage`] when the log cannot be read; `apply`'s errors.
+    pub(crate) fn replay_after(
+        &self,
+        log: &dyn LogFile,
+        path: &Path,
+        after: u64,
+        mut apply: impl FnMut(&RecoveredFrame<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let len = log.len().map_err(|e| io_err(path, "read", &e))?;
+        let mut at = HEADER_LEN;
+        let mut expect = self.base;
+        while expect < self.last {
+            let corrupt = |detail: String| Error::CorruptLog {
+                path: path.to_path_buf(),
+                offset: at,
+                detail,
+            };
+            let Some((h, body)) = read_frame(log, path, at, len, self.store_id)? else {
+                return Err(corrupt(format!(
+                    "frame {} changed while the log was being recovered",
+                    expect + 1
+                )));
+            };
+            if h.seq != expect + 1 {
+                return Err(corrupt(format!(
+                    "frame {} changed while the log was being recovered",
+                    expect + 1
+                )));
             }
-            let start = at + FRAME_HEADER_LEN;
-            let body = decode_body(&self.bytes[start..start + h.body_len]).ok_or_else(|| {
-                Error::CorruptLog {
-                    path: path.to_path_buf(),
-                    offset: *at as u64,
-                    detail: format!("frame {} has a valid checksum but a malformed body", h.seq),
-                }
-            })?;
-            out.push(RecoveredFrame {
-                seq: h.seq,
-                offset: *at as u64,
-                body,
-            });
+            if h.seq > after {
+                let decoded = decode_body(&body).ok_or_else(|| {
+                    corrupt(format!(
+                        "frame {} has a valid checksum but a malformed body",
+                        h.seq
+                    ))
+                })?;
+                apply(&RecoveredFrame {
+                    seq: h.seq,
+                    offset: at,
+                    body: decoded,
+                })?;
+            }
+            expect = h.seq;
+            at = at.saturating_add(h.total_len() as u64);
         }
-        Ok(out)
+        Ok(())
     }
 }
 
+/// Reads the frame at `at` of a log of `len` bytes: its magic, length and
+/// checksum must all be right. `None` for anything else (zeros, a torn or
+/// damaged frame, the middle of an older frame, another store's frame).
+/// Allocates only for a frame whose whole length lies inside the log.
+fn read_frame(
+    log: &dyn LogFile,
+    path: &Path,
+    at: u64,
+    len: u64,
+    store_id: u128,
+) -> Result<Option<(FrameHeader, Vec<u8>)>> {
+    let Some(body_start) = at.checked_add(FRAME_HEADER_LEN as u64) else {
+        return Ok(None);
+    };
+    if body_start > len {
+        return Ok(None);
+    }
+    let mut head = [0u8; FRAME_HEADER_LEN];
+    log.read_at(at, &mut head)
+        .map_err(|e| io_err(path, "read", &e))?;
+    if head[0..4] != FRAME_MAGIC {
+        return Ok(None);
+    }
+    let body_len = le_u32(&head[4..8]) as usize;
+    if body_len > MAX_BODY_LEN || body_start.saturating_add(body_len as u64) > len {
+        return Ok(None);
+    }
+    let mut body = vec![0u8; body_len];
+    log.read_at(body_start, &mut body)
+        .map_err(|e| io_err(path, "read", &e))?;
+    if frame_crc(store_id, &head, &body) != le_u32(&head[32..36]) {
+        return Ok(None);
+    }
+    let header = FrameHeader {
+        body_len,
+        seq: le_u64(&head[8..16]),
+        epoch: le_u64(&head[16..24]),
+        synced_through: le_u64(&head[24..32]),
+    };
+    Ok(Some((header, body)))
+}
+
 /// Reads the log after the checkpoint that began `epoch` at sequence
-/// number `base`.
+/// number `base`, one frame (or one [`SCAN_CHUNK`]) at a time.
 ///
 /// The chain is the run of frames from the first frame position, of this
 /// epoch, with sequence numbers `base + 1, base + 2, …`. It ends at the
@@ -804,41 +878,49 @@ pub(crate) fn recover(
     base: u64,
 ) -> Result<Recovered> {
     let len = log.len().map_err(|e| io_err(path, "read", &e))?;
-    let len = usize::try_from(len)
-        .map_err(|_| Error::Storage(format!("{}: the log is too large to read", path.display())))?;
-    let mut bytes = vec![0u8; len];
-    log.read_at(0, &mut bytes)
-        .map_err(|e| io_err(path, "read", &e))?;
 
-    let mut frames = Vec::new();
-    let mut at = HEADER_LEN as usize;
+    let mut at = HEADER_LEN;
     let mut last = base;
-    while let Some(h) = parse_frame(&bytes, at, store_id) {
-        if h.epoch != epoch || h.seq != last + 1 {
+    while let Some((h, _)) = read_frame(log, path, at, len, store_id)? {
+        if h.epoch != epoch || Some(h.seq) != last.checked_add(1) {
             break;
         }
-        frames.push((h, at));
         last = h.seq;
-        at += h.total_len();
+        at = at.saturating_add(h.total_len() as u64);
     }
     let end = at;
 
     // Look past the chain for a frame of this epoch that proves the missing
-    // frame `last + 1` was durable.
+    // frame `last + 1` was durable, a chunk at a time.
     let mut discarded_tail = false;
     let mut pos = end;
-    while pos < bytes.len() {
-        let Some(rel) = bytes[pos..].iter().position(|&b| b == FRAME_MAGIC[0]) else {
-            break;
+    let mut chunk = Vec::new();
+    while pos < len {
+        let n = usize::try_from((len - pos).min(SCAN_CHUNK as u64)).unwrap_or(SCAN_CHUNK);
+        chunk.resize(n, 0);
+        log.read_at(pos, &mut chunk)
+            .map_err(|e| io_err(path, "read", &e))?;
+        let found = chunk
+            .windows(FRAME_MAGIC.len())
+            .position(|w| w == FRAME_MAGIC);
+        let Some(rel) = found else {
+            // A magic cut by the chunk's end is found by the next chunk.
+            let step = if pos + n as u64 >= len {
+                n
+            } else {
+                n.saturating_sub(FRAME_MAGIC.len() - 1).max(1)
+            };
+            pos += step as u64;
+            continue;
         };
-        let cand = pos + rel;
-        match parse_frame(&bytes, cand, store_id) {
-            Some(h) if h.epoch == epoch && h.seq > last => {
+        let cand = pos + rel as u64;
+        match read_frame(log, path, cand, len, store_id)? {
+            Some((h, _)) if h.epoch == epoch && h.seq > last => {
                 discarded_tail = true;
                 if h.synced_through > last {
                     return Err(Error::CorruptLog {
                         path: path.to_path_buf(),
-                        offset: end as u64,
+                        offset: end,
                         detail: format!(
                             "frame {} is missing or damaged, but frame {} at offset {cand} \
                              records that frames up to {} were durable",
@@ -848,19 +930,25 @@ pub(crate) fn recover(
                         ),
                     });
                 }
-                pos = cand + h.total_len();
+                pos = cand + h.total_len() as u64;
             }
-            Some(h) => pos = cand + h.total_len(),
+            Some((h, _)) => pos = cand + h.total_len() as u64,
             None => pos = cand + 1,
         }
     }
     // Anything but zeros where the next frame would start was cut off.
-    let next = &bytes[end.min(bytes.len())..end.saturating_add(FRAME_HEADER_LEN).min(bytes.len())];
-    discarded_tail |= next.iter().any(|&b| b != 0);
+    if end < len {
+        let n = usize::try_from((len - end).min(FRAME_HEADER_LEN as u64)).unwrap_or(0);
+        let mut next = vec![0u8; n];
+        log.read_at(end, &mut next)
+            .map_err(|e| io_err(path, "read", &e))?;
+        discarded_tail |= next.iter().any(|&b| b != 0);
+    }
     Ok(Recovered {
-        bytes,
-        frames,
-        end: end as u64,
+        store_id,
+        base,
+        last,
+        end,
         discarded_tail,
     })
 }
@@ -967,17 +1055,17 @@ impl LogWriter {
 
     /// Starts the log over after a checkpoint: frames of `epoch` are written
     /// from the first frame position again. When the checkpoint was forced
-    /// by a full log, the log doubles (up to its maximum, or beyond it to
-    /// fit `need` bytes of frame).
-    pub(crate) fn wrap(&mut self, epoch: u64, was_full: bool, need: usize) -> Result<()> {
+    /// by a full log, the log doubles, up to its maximum and never past it:
+    /// a batch whose frame does not fit even an empty log of the maximum
+    /// size is not written to the log at all, but committed to the index
+    /// by a checkpoint of its own (see `commit.rs`).
+    pub(crate) fn wrap(&mut self, epoch: u64, was_full: bool) -> Result<()> {
         self.epoch = epoch;
         self.pos = HEADER_LEN;
-        let need = HEADER_LEN.saturating_add(need as u64);
         let mut target = self.len;
         if was_full && self.len < self.max_len {
             target = self.len.saturating_mul(2).min(self.max_len);
         }
-        target = target.max(need);
         if target > self.len {
             self.grow_to(target)?;
         }
@@ -1068,13 +1156,14 @@ mod tests {
         let (log, _) = log_with(5, |s| s - 1);
         let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
         assert_eq!(r.last_seq(10), 15);
-        let seqs: Vec<u64> = r
-            .frames_after(Path::new("t"), 12)
-            .unwrap()
-            .iter()
-            .map(|f| f.seq)
-            .collect();
-        assert_eq!(seqs, vec![13, 14, 15]);
+        let mut seqs = Vec::new();
+        r.replay_after(&log, Path::new("t"), 12, |f| {
+            seqs.push((f.seq, f.body.next_token));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seqs, vec![(13, 13), (14, 14), (15, 15)]);
+        assert_eq!(r.count_after(12), 3);
         assert!(!r.discarded_tail);
         // Another store or another epoch sees no frame.
         assert_eq!(

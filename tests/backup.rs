@@ -9,6 +9,9 @@ use idemstore::{
     Record, State, Store,
 };
 
+mod common;
+use common::{RawRecord, export_stream};
+
 const T0: u64 = 1_704_067_200_000;
 
 fn open(path: &Path, clock: &ManualClock) -> Store {
@@ -197,21 +200,19 @@ fn import_raises_the_token_counter_above_everything_it_imports() {
 
 #[test]
 fn import_raises_the_clock_high_water_mark() {
+    // Four minutes ahead: within the default tolerance of five.
     let dir = tempfile::tempdir().unwrap();
-    let ahead = ManualClock::new(T0 + 3_600_000);
+    let ahead = ManualClock::new(T0 + 240_000);
     let (_, stream) = populated(&dir.path().join("a.redb"), &ahead);
     let behind = ManualClock::new(T0);
     let b_path = dir.path().join("b.redb");
     let b = open(&b_path, &behind);
     assert_eq!(b.now_ms(), T0);
     b.import(stream.as_slice(), |_| {}).unwrap();
-    assert!(b.now_ms() >= T0 + 3_600_000);
+    assert!(b.now_ms() >= T0 + 240_000);
     drop(b);
     let b = open(&b_path, &behind);
-    assert!(
-        b.now_ms() >= T0 + 3_600_000,
-        "the raised clock is persisted"
-    );
+    assert!(b.now_ms() >= T0 + 240_000, "the raised clock is persisted");
 }
 
 /// Offsets of the frames in a stream: header 24 bytes, then
@@ -354,4 +355,152 @@ fn importing_only_a_token_counter_still_raises_it_durably() {
     let b = open(&b_path, &clock);
     let again = acquire(&b, &key("fresh-2"), &ClaimOptions::new());
     assert!(again.token() > fresh.token());
+}
+
+// ---------------------------------------------------------------------------
+// Hostile streams (issue 10): each is refused with the frame's offset, the
+// rule it broke and how many records went in, and changes nothing.
+
+const CAP: u64 = i64::MAX as u64;
+
+/// The store `open` makes, on the clock of a test helper stream.
+fn store_at(dir: &tempfile::TempDir, name: &str, clock: &ManualClock) -> Store {
+    open(&dir.path().join(name), clock)
+}
+
+/// `import` refused the stream at `offset` for `rule`, with `imported`
+/// records in before it (the error's message says all three).
+#[track_caller]
+fn assert_refused<T: std::fmt::Debug>(
+    result: idemstore::Result<T>,
+    offset: usize,
+    rule: &str,
+    imported: u64,
+) {
+    let err = match result {
+        Err(e) => e,
+        Ok(v) => panic!("the hostile stream was imported: {v:?}"),
+    };
+    let text = err.to_string();
+    assert!(
+        text.contains(&format!("byte offset {offset}")),
+        "offset {offset}: {text}"
+    );
+    assert!(text.contains(rule), "rule {rule}: {text}");
+    assert!(
+        text.contains(&format!("{imported} records were imported")),
+        "{imported} imported: {text}"
+    );
+}
+
+/// Issue 10, reproduction 1: an export whose token counter is `u64::MAX`
+/// was imported, the next two acquisitions got `u64::MAX` and `0`, and a
+/// holder whose lease had been taken over could complete the key.
+#[test]
+fn an_export_whose_token_counter_is_u64_max_is_refused_and_fencing_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let b = store_at(&dir, "b.redb", &clock);
+    let stream = export_stream(u64::MAX, T0, &[RawRecord::succeeded("r", 5, T0)]);
+    assert_refused(b.import(stream.as_slice(), |_| {}), 24, "token-cap", 0);
+    assert!(b.is_empty().unwrap());
+    // The counter did not move: fencing works as before.
+    let k = key("k");
+    let first = acquire(&b, &k, &ClaimOptions::new().lease(Duration::from_secs(1)));
+    clock.advance(Duration::from_secs(2));
+    let second = acquire(&b, &k, &ClaimOptions::new());
+    assert!(second.token() > first.token());
+    assert!(second.token() < 1 << 40, "{}", second.token());
+    assert!(matches!(
+        b.complete(&first, b"stale"),
+        Err(Error::StaleLease { .. })
+    ));
+    b.complete(&second, b"current").unwrap();
+    // A record whose token is at the cap is refused too (the counter above
+    // it would be past the cap), at its own frame, and nothing of its
+    // batch goes in.
+    let stream = export_stream(
+        10,
+        T0,
+        &[
+            RawRecord::succeeded("ok", 3, T0),
+            RawRecord::succeeded("capped", CAP, T0),
+        ],
+    );
+    let offsets = common::export_frame_offsets(&stream);
+    assert_refused(
+        b.import(stream.as_slice(), |_| {}),
+        offsets[2],
+        "token-cap",
+        0,
+    );
+    assert!(b.get(&common::key("ok")).unwrap().is_none());
+}
+
+/// Issue 10, reproduction 2: an export whose clock high-water mark is
+/// `u64::MAX`, or two days ahead, raised the store's time for good, so
+/// every record expired at once.
+#[test]
+fn an_export_whose_clock_is_far_ahead_is_refused_and_records_stay_live() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let b = store_at(&dir, "b.redb", &clock);
+    let live = acquire(&b, &key("live"), &ClaimOptions::new());
+    b.complete(&live, b"kept").unwrap();
+    let two_days = 2 * 24 * 3_600_000;
+    for hwm in [u64::MAX, T0 + two_days] {
+        let stream = export_stream(10, hwm, &[]);
+        assert_refused(b.import(stream.as_slice(), |_| {}), 24, "clock-ahead", 0);
+        assert!(
+            b.now_ms() < T0 + 60_000,
+            "the store's time moved: {}",
+            b.now_ms()
+        );
+    }
+    // A record updated two days ahead is refused as well.
+    let stream = export_stream(10, T0, &[RawRecord::succeeded("future", 3, T0 + two_days)]);
+    let offsets = common::export_frame_offsets(&stream);
+    assert_refused(
+        b.import(stream.as_slice(), |_| {}),
+        offsets[1],
+        "clock-ahead",
+        0,
+    );
+    assert!(b.now_ms() < T0 + 60_000);
+    match b.claim(
+        &key("live"),
+        &Fingerprint::of(b"live"),
+        &ClaimOptions::new(),
+    ) {
+        Ok(ClaimOutcome::Replay(r)) => assert_eq!(r.result(), Some(&b"kept"[..])),
+        other => panic!("the live record expired: {other:?}"),
+    }
+}
+
+/// Issue 10, reproduction 3: an imported Processing record with a lease
+/// far in the future held its key for centuries.
+#[test]
+fn an_imported_processing_record_with_an_unbounded_lease_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let b = store_at(&dir, "b.redb", &clock);
+    let century = 100 * 365 * 24 * 3_600_000;
+    let stream = export_stream(
+        10,
+        T0,
+        &[
+            RawRecord::succeeded("before", 2, T0),
+            RawRecord::processing("held", 3, T0, century),
+        ],
+    );
+    let offsets = common::export_frame_offsets(&stream);
+    assert_refused(
+        b.import(stream.as_slice(), |_| {}),
+        offsets[2],
+        "lease-too-long",
+        0,
+    );
+    assert!(b.is_empty().unwrap());
+    // The key is free.
+    acquire(&b, &common::key("held"), &ClaimOptions::new());
 }

@@ -220,6 +220,49 @@ fn flipped_key_byte_in_a_closed_file_fails_the_open() {
     }
 }
 
+/// `check_file` on a file with a damaged page (the byte flips of the two
+/// tests above, and one in the commit slot of redb's header, which makes
+/// the open itself fail with "Primary is corrupted despite 2-phase
+/// commit") reports the damage instead of failing (issue 10, point 7): a
+/// report that is not clean, whose integrity names what failed.
+#[test]
+fn check_file_reports_a_damaged_page_as_damage() {
+    for what in ["result", "key", "header"] {
+        let t = TestDir::new();
+        let store = t.open();
+        populate(&store);
+        drop(store);
+        let bytes = std::fs::read(&t.path).unwrap();
+        match what {
+            "result" => flip(&t.path, find_all(&bytes, MARKER)[0] + 9, 0x01),
+            "key" => {
+                for offset in find_all(&bytes, VICTIM_ID.as_bytes()) {
+                    flip(&t.path, offset, 0x20);
+                }
+            }
+            // A byte of the primary commit slot of redb's header (the god
+            // byte at offset 9 says which of the two 128-byte slots at 64
+            // and 192 is primary).
+            _ => flip(&t.path, 64 + 128 * usize::from(bytes[9] & 1) + 6, 0x10),
+        }
+        let report = match idemstore::check_file(&t.path, |_| {}) {
+            Ok(report) => report,
+            Err(err) => panic!("{what}: check_file failed instead of reporting: {err}"),
+        };
+        assert!(!report.is_clean(), "{what}: {report:?}");
+        match &report.integrity {
+            idemstore::Integrity::Failed(detail) => {
+                assert!(!detail.is_empty(), "{what}");
+                if what == "header" {
+                    assert!(detail.contains("does not open"), "{detail}");
+                    assert!(detail.contains("Primary is corrupted"), "{detail}");
+                }
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+}
+
 /// Damage that reaches a record while the store is open (redb verifies page
 /// checksums only when it opens a file) is caught by the record checksum:
 /// `get` and `claim` of that key fail with CorruptRecord naming it, and every

@@ -877,6 +877,78 @@ fn a_completion_into_a_full_log_survives_a_fault_at_every_storage_call() {
     assert!(points[&(Target::Index, Call::Sync)] > 0, "{points:?}");
 }
 
+/// DESIGN.md guarantee 6 at close (issue 10, point 7): after a failed log
+/// fsync, dropping the store writes no checkpoint (and lets redb make no
+/// commit durable) holding the change whose caller got the error. After a
+/// power cut the acknowledged change is there and the failed one is not;
+/// reopening the files as the process left them recovers from the log.
+#[test]
+fn a_poisoned_store_closes_without_checkpointing_the_failed_change() {
+    let rig = Rig::new();
+    let store = rig.open().unwrap();
+    let acked = acquire(&store, &key("acked"));
+    rig.plan.arm(Target::Log, Call::Sync, 0);
+    let failed = store.claim(&key("failed"), &fp(), &ClaimOptions::new());
+    assert!(failed.is_err(), "{failed:?}");
+    assert_eq!(rig.plan.disarm(), Some((Target::Log, Call::Sync)));
+    assert!(matches!(
+        store.claim(&key("later"), &fp(), &ClaimOptions::new()),
+        Err(Error::Poisoned)
+    ));
+    let cut_before_close = rig.power_cut();
+    drop(store);
+    let cut = rig.power_cut();
+    for (what, rig) in [
+        ("power cut before close", cut_before_close),
+        ("power cut after close", cut),
+    ] {
+        let reopened = rig.open().unwrap_or_else(|e| panic!("{what}: {e}"));
+        let got = reopened.get(&key("acked")).unwrap();
+        assert_eq!(got.map(|r| r.token()), Some(acked.token()), "{what}");
+        assert!(
+            reopened.get(&key("failed")).unwrap().is_none(),
+            "{what}: the change whose caller got an error was made durable"
+        );
+        assert!(reopened.get(&key("later")).unwrap().is_none(), "{what}");
+        // The reopened store works.
+        acquire(&reopened, &key("after"));
+    }
+    let as_left = Rig {
+        plan: Arc::default(),
+        ..rig
+    };
+    let reopened = as_left.open().unwrap();
+    let got = reopened.get(&key("acked")).unwrap();
+    assert_eq!(got.map(|r| r.token()), Some(acked.token()));
+    acquire(&reopened, &key("after"));
+}
+
+/// `stats` on a poisoned store refuses, as `scan`, `export` and `verify`
+/// do: its index may hold a change that never became durable.
+#[test]
+fn stats_on_a_poisoned_store_is_refused() {
+    let rig = Rig::new();
+    let store = rig.open().unwrap();
+    acquire(&store, &key("acked"));
+    rig.plan.arm(Target::Log, Call::Sync, 0);
+    assert!(
+        store
+            .claim(&key("failed"), &fp(), &ClaimOptions::new())
+            .is_err()
+    );
+    rig.plan.disarm();
+    let stats = store.stats();
+    assert!(matches!(stats, Err(Error::Poisoned)), "{stats:?}");
+    assert!(matches!(
+        store.scan(&idemstore::Filter::new()),
+        Err(Error::Poisoned)
+    ));
+    drop(store);
+    let reopened = rig.power_cut().open().unwrap();
+    let stats = reopened.stats().unwrap();
+    assert_eq!(stats.records.processing, 1);
+}
+
 /// What one fault point of `open` found.
 struct OpenPoint {
     fired: bool,

@@ -4,6 +4,8 @@
 //! `decode` replay needs the `fuzzing` feature (CI builds with
 //! `--all-features`).
 
+#[path = "../fuzz/bodies/import.rs"]
+mod import;
 #[path = "../fuzz/bodies/keys.rs"]
 mod keys;
 #[path = "../fuzz/bodies/transitions.rs"]
@@ -52,6 +54,11 @@ fn transitions_corpus() {
 #[test]
 fn keys_corpus() {
     replay("keys", keys::keys);
+}
+
+#[test]
+fn import_corpus() {
+    replay("import", import::import);
 }
 
 #[cfg(feature = "fuzzing")]

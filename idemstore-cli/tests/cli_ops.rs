@@ -278,6 +278,109 @@ fn sweep_evicts_records_past_retention() {
     assert_eq!(stdout(&out).trim(), "evicted 0 records past retention");
 }
 
+/// XORs the byte at `offset` of the file at `path` with `mask`.
+fn flip(path: &Path, offset: usize, mask: u8) {
+    let mut bytes = std::fs::read(path).unwrap();
+    bytes[offset] ^= mask;
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A page-level failure to open (the byte flips of `tests/corruption.rs`:
+/// a byte of a stored result, every copy of a key, or a byte of the commit
+/// slot in redb's header) is reported as
+/// damage: exit 1, the report naming the file and what failed, the same
+/// shape in `--json`, and the next step (issue 10, point 7).
+#[test]
+fn check_reports_a_damaged_page_as_damage_with_exit_1_and_json() {
+    const MARKER: &[u8] = b"MARKER-check-9f3e-result-of-the-victim";
+    for what in ["result", "key", "header"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        populate(&path);
+        {
+            let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+            let l = acquire(&store, &key("victim-key-7c1d"), &ClaimOptions::new());
+            store.complete(&l, MARKER).unwrap();
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let find = |needle: &[u8]| -> Vec<usize> {
+            bytes
+                .windows(needle.len())
+                .enumerate()
+                .filter(|(_, w)| *w == needle)
+                .map(|(i, _)| i)
+                .collect()
+        };
+        match what {
+            "result" => flip(&path, find(MARKER)[0] + 9, 0x01),
+            "key" => {
+                for at in find(b"victim-key-7c1d") {
+                    flip(&path, at, 0x20);
+                }
+            }
+            // A byte of the primary commit slot of redb's header (the god
+            // byte at offset 9 says which of the slots at 64 and 192): the
+            // open itself fails.
+            _ => flip(&path, 64 + 128 * usize::from(bytes[9] & 1) + 6, 0x10),
+        }
+        let out = idemstore(&["check", p(&path)]);
+        assert_eq!(code(&out), 1, "{what}: {}{}", stdout(&out), stderr(&out));
+        let text = stdout(&out);
+        assert!(text.contains(p(&path)), "{what}: {text}");
+        assert!(text.contains("damaged"), "{what}: {text}");
+        assert!(text.contains("import --create"), "{what}: {text}");
+        assert!(text.trim_end().ends_with("DAMAGED"), "{what}: {text}");
+
+        let out = idemstore(&["check", p(&path), "--json"]);
+        assert_eq!(code(&out), 1, "{what}: {}", stderr(&out));
+        let v = json(&out);
+        assert_eq!(v["path"], p(&path), "{what}");
+        assert_eq!(v["clean"], false, "{what}");
+        assert!(
+            v["integrity"].as_str().unwrap().starts_with("damaged"),
+            "{what}: {v}"
+        );
+        assert!(
+            v["next_step"].as_str().unwrap().contains("import --create"),
+            "{what}: {v}"
+        );
+    }
+}
+
+/// An export from a host whose clock ran an hour ahead is refused (the
+/// error names the frame's offset and the rule); `--accept-clock-ahead`
+/// imports it.
+#[test]
+fn import_refuses_a_clock_far_ahead_unless_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("ahead.redb");
+    let backup = dir.path().join("ahead.export");
+    {
+        let clock = ManualClock::new(SystemClock.now_ms() + 3_600_000);
+        let store =
+            Store::open_with(&source, Config::new().clock(clock).sweep_interval(None)).unwrap();
+        let l = acquire(&store, &key("ahead"), &ClaimOptions::new());
+        store.complete(&l, b"ok").unwrap();
+        let mut out = std::fs::File::create(&backup).unwrap();
+        store.export(&mut out, |_| {}).unwrap();
+    }
+    let restored = dir.path().join("restored.redb");
+    let out = idemstore(&["import", p(&restored), p(&backup), "--create"]);
+    assert_eq!(code(&out), 2, "{}{}", stdout(&out), stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("byte offset 24"), "{err}");
+    assert!(err.contains("clock-ahead"), "{err}");
+    let out = idemstore(&[
+        "import",
+        p(&restored),
+        p(&backup),
+        "--accept-clock-ahead",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["imported"].as_u64(), Some(1));
+}
+
 #[test]
 fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
     let dir = tempfile::tempdir().unwrap();

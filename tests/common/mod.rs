@@ -394,3 +394,195 @@ pub fn damage_record(path: &Path, k: &Key) {
     }
     txn.commit().unwrap();
 }
+
+// ---------------------------------------------------------------------------
+// Hand-made export streams
+// ---------------------------------------------------------------------------
+
+/// A record as an export stream carries it, with every field chosen by the
+/// test (so that a stream can hold what no store would write).
+#[derive(Debug, Clone)]
+pub struct RawRecord {
+    /// Scope and id of the key.
+    pub scope: String,
+    /// The id.
+    pub id: String,
+    /// 0 Processing, 1 Succeeded, 2 Failed, 3 Failed retryably.
+    pub state: u8,
+    /// The fencing token.
+    pub token: u64,
+    /// The fingerprint bytes.
+    pub fingerprint: Vec<u8>,
+    /// Times in ms since the epoch.
+    pub created_ms: u64,
+    /// Last update.
+    pub updated_ms: u64,
+    /// Lease deadline.
+    pub lease_until_ms: u64,
+    /// Expiry.
+    pub expires_ms: u64,
+    /// Result or failure.
+    pub output: Option<Vec<u8>>,
+    /// Recovery point.
+    pub recovery_point: Option<Vec<u8>>,
+    /// Business key.
+    pub business_key: Option<String>,
+    /// Number of acquisitions.
+    pub acquisitions: u32,
+}
+
+impl RawRecord {
+    /// A Succeeded record of `SCOPE`/`id` written at `at_ms`, kept an hour.
+    pub fn succeeded(id: &str, token: u64, at_ms: u64) -> RawRecord {
+        RawRecord {
+            scope: SCOPE.into(),
+            id: id.into(),
+            state: 1,
+            token,
+            fingerprint: b"fingerprint".to_vec(),
+            created_ms: at_ms,
+            updated_ms: at_ms,
+            lease_until_ms: at_ms + 30_000,
+            expires_ms: at_ms + 3_600_000,
+            output: Some(b"ok".to_vec()),
+            recovery_point: None,
+            business_key: None,
+            acquisitions: 1,
+        }
+    }
+
+    /// A Processing record of `SCOPE`/`id` acquired at `at_ms` with a lease
+    /// of `lease_ms`, kept an hour (or until the lease ends, if later).
+    pub fn processing(id: &str, token: u64, at_ms: u64, lease_ms: u64) -> RawRecord {
+        RawRecord {
+            state: 0,
+            output: None,
+            lease_until_ms: at_ms.saturating_add(lease_ms),
+            expires_ms: (at_ms + 3_600_000).max(at_ms.saturating_add(lease_ms)),
+            ..RawRecord::succeeded(id, token, at_ms)
+        }
+    }
+
+    /// The key bytes as stored: scope length, scope, id.
+    pub fn key_bytes(&self) -> Vec<u8> {
+        let mut kb = vec![u8::try_from(self.scope.len()).unwrap()];
+        kb.extend_from_slice(self.scope.as_bytes());
+        kb.extend_from_slice(self.id.as_bytes());
+        kb
+    }
+
+    /// The record envelope (version 1, crc32 over key and body, body in
+    /// bincode 2's standard encoding), as `src/codec.rs` writes it.
+    pub fn envelope(&self) -> Vec<u8> {
+        fn varint(out: &mut Vec<u8>, v: u64) {
+            if v < 251 {
+                out.push(v as u8);
+            } else if v <= u64::from(u16::MAX) {
+                out.push(251);
+                out.extend_from_slice(&(v as u16).to_le_bytes());
+            } else if v <= u64::from(u32::MAX) {
+                out.push(252);
+                out.extend_from_slice(&(v as u32).to_le_bytes());
+            } else {
+                out.push(253);
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        fn bytes(out: &mut Vec<u8>, b: &[u8]) {
+            varint(out, b.len() as u64);
+            out.extend_from_slice(b);
+        }
+        fn opt(out: &mut Vec<u8>, b: Option<&[u8]>) {
+            match b {
+                None => out.push(0),
+                Some(b) => {
+                    out.push(1);
+                    bytes(out, b);
+                }
+            }
+        }
+        let mut body = vec![self.state];
+        varint(&mut body, self.token);
+        bytes(&mut body, &self.fingerprint);
+        for t in [
+            self.created_ms,
+            self.updated_ms,
+            self.lease_until_ms,
+            self.expires_ms,
+        ] {
+            varint(&mut body, t);
+        }
+        opt(&mut body, self.output.as_deref());
+        opt(&mut body, self.recovery_point.as_deref());
+        opt(&mut body, self.business_key.as_deref().map(str::as_bytes));
+        varint(&mut body, u64::from(self.acquisitions));
+        let kb = self.key_bytes();
+        let mut out = vec![1u8];
+        out.extend_from_slice(&crc32(&[&kb, &body]).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+}
+
+/// CRC-32 (IEEE, as `crc32fast` computes it) over the concatenation of
+/// `parts`; bitwise, so the helpers need no dependency of their own.
+pub fn crc32(parts: &[&[u8]]) -> u32 {
+    let mut crc = !0u32;
+    for part in parts {
+        for &byte in *part {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                let mask = (crc & 1).wrapping_neg();
+                crc = (crc >> 1) ^ (0xEDB8_8320 & mask);
+            }
+        }
+    }
+    !crc
+}
+
+/// One frame of an export stream: length, crc32 over kind and payload,
+/// kind, payload.
+pub fn export_frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(9 + payload.len());
+    out.extend_from_slice(&u32::try_from(payload.len() + 1).unwrap().to_le_bytes());
+    out.extend_from_slice(&crc32(&[&[kind], payload]).to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(payload);
+    out
+}
+
+/// An export stream (format 1 of `src/backup.rs`) holding a meta frame
+/// with `next_token` and `clock_hwm`, then `records`, then the end frame.
+pub fn export_stream(next_token: u64, clock_hwm: u64, records: &[RawRecord]) -> Vec<u8> {
+    let mut out = b"IDEMSTORE-EXPORT".to_vec();
+    out.extend_from_slice(&1u32.to_le_bytes());
+    let crc = crc32(&[&out]);
+    out.extend_from_slice(&crc.to_le_bytes());
+    let mut meta = 7u128.to_le_bytes().to_vec();
+    meta.extend_from_slice(&next_token.to_le_bytes());
+    meta.extend_from_slice(&clock_hwm.to_le_bytes());
+    meta.push(1);
+    out.extend_from_slice(&export_frame(1, &meta));
+    for r in records {
+        let kb = r.key_bytes();
+        let mut p = u16::try_from(kb.len()).unwrap().to_le_bytes().to_vec();
+        p.extend_from_slice(&kb);
+        p.extend_from_slice(&r.envelope());
+        out.extend_from_slice(&export_frame(2, &p));
+    }
+    out.extend_from_slice(&export_frame(3, &(records.len() as u64).to_le_bytes()));
+    out
+}
+
+/// Byte offsets of the frames of an export stream (after its 24-byte
+/// header).
+pub fn export_frame_offsets(stream: &[u8]) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut at = 24;
+    while at < stream.len() {
+        out.push(at);
+        let len = u32::from_le_bytes(stream[at..at + 4].try_into().unwrap()) as usize;
+        at += 8 + len;
+    }
+    out
+}

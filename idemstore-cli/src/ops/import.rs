@@ -16,7 +16,12 @@ use crate::ops::{self, StoreArg};
     after_help = "Import is idempotent: a record is written only where its key is \
 absent (or past retention), never over a live record, so running it twice changes nothing. \
 The store's token counter and clock are raised above everything imported. A damaged frame \
-stops the import with its byte offset; batches before it stay imported."
+stops the import with its byte offset; batches before it stay imported. The stream is \
+validated: a token counter above i64::MAX, a record that breaks the store's rules (a lease \
+longer than 30 days, an expiry past the longest retention, a value over the store's limits), \
+or a time more than 5 minutes ahead of the store's clock is refused with the frame's offset \
+and the rule; --accept-clock-ahead imports records from a clock that ran ahead without \
+adopting their time."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -27,6 +32,11 @@ pub struct Args {
     /// Create the store if it does not exist (a restore into a new file).
     #[arg(long)]
     create: bool,
+    /// Import records and a clock high-water mark more than 5 minutes ahead
+    /// of the store's clock (an export from a host whose clock ran ahead).
+    /// The store's clock still moves forward by at most 5 minutes.
+    #[arg(long)]
+    accept_clock_ahead: bool,
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
@@ -50,8 +60,9 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         ops::open(path, None)?
     };
     let bar = ops::progress(len, "importing", ops::Unit::Bytes);
+    let options = idemstore::ImportOptions::new().accept_clock_ahead(args.accept_clock_ahead);
     let summary = store
-        .import(input, |p| bar.set_position(p.bytes))
+        .import_with(input, &options, |p| bar.set_position(p.bytes))
         .map_err(|e| CliError::store(format!("cannot import {}", args.input.display()), e))?;
     bar.finish_and_clear();
     if args.json {

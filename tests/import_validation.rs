@@ -1,0 +1,330 @@
+//! Import is validated input (issue 10, deliverable 1): the token cap, the
+//! clock tolerance and every record invariant, each refused with a typed
+//! error naming the frame's offset, the rule and the records imported
+//! before it; refused frames change nothing and earlier batches stay.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{RawRecord, TestDir, acquired, export_frame_offsets, export_stream, fp, key};
+use idemstore::{
+    ClaimOptions, Config, DEFAULT_CLOCK_TOLERANCE, Error, ImportOptions, ImportRule, MAX_LEASE,
+    MAX_RETENTION, MAX_TOKEN, Store,
+};
+
+const HOUR: u64 = 3_600_000;
+
+#[track_caller]
+fn refused<T: std::fmt::Debug>(result: idemstore::Result<T>) -> (u64, ImportRule, u64) {
+    match result {
+        Err(Error::ImportRefused {
+            offset,
+            rule,
+            imported,
+            ..
+        }) => (offset, rule, imported),
+        other => panic!("expected ImportRefused, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_token_cap_is_i64_max() {
+    assert_eq!(MAX_TOKEN, i64::MAX as u64);
+    assert_eq!(DEFAULT_CLOCK_TOLERANCE, Duration::from_secs(300));
+}
+
+#[test]
+fn well_formed_hand_made_records_import() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let mut rp = RawRecord::processing("running", 4, now, 30_000);
+    rp.recovery_point = Some(b"step-1".to_vec());
+    let stream = export_stream(10, now, &[RawRecord::succeeded("done", 3, now), rp]);
+    let summary = store.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!((summary.records, summary.imported), (2, 2));
+    assert_eq!(summary.next_token, 10);
+    let r = store.get(&key("running")).unwrap().unwrap();
+    assert_eq!(r.recovery_point(), Some(&b"step-1"[..]));
+}
+
+/// The counter at the cap: the import goes in, and the next claim gets
+/// `TokensExhausted` instead of a wrapped token; the store is unchanged,
+/// also after a reopen. Release builds wrap silently, so this runs in
+/// release too (`cargo test --release`).
+#[test]
+fn a_counter_at_the_cap_imports_and_the_next_claim_is_refused_without_wrapping() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let stream = export_stream(MAX_TOKEN, now, &[]);
+    let summary = store.import(stream.as_slice(), |_| {}).unwrap();
+    assert_eq!(summary.next_token, MAX_TOKEN);
+    for _ in 0..2 {
+        match store.claim(&key("k"), &fp("p"), &ClaimOptions::new()) {
+            Err(Error::TokensExhausted { next_token }) => assert_eq!(next_token, MAX_TOKEN),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(store.get(&key("k")).unwrap().is_none());
+    drop(store);
+    let store = t.open();
+    assert!(matches!(
+        store.claim(&key("k"), &fp("p"), &ClaimOptions::new()),
+        Err(Error::TokensExhausted { .. })
+    ));
+    assert!(store.is_empty().unwrap());
+}
+
+/// Just below the cap: one more token (the last, `MAX_TOKEN - 1`), then
+/// refusal; a takeover after that is refused too, and the holder stays
+/// current (fencing holds).
+#[test]
+fn a_counter_just_below_the_cap_hands_out_its_last_token_then_refuses() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    // A record holding the token below the cap raises the counter to it.
+    let stream = export_stream(5, now, &[RawRecord::succeeded("top", MAX_TOKEN - 2, now)]);
+    assert_eq!(
+        store.import(stream.as_slice(), |_| {}).unwrap().next_token,
+        MAX_TOKEN - 1
+    );
+    let opts = ClaimOptions::new().lease(Duration::from_secs(1));
+    let last = acquired(store.claim(&key("a"), &fp("p"), &opts).unwrap());
+    assert_eq!(last.token(), MAX_TOKEN - 1);
+    assert!(matches!(
+        store.claim(&key("b"), &fp("p"), &opts),
+        Err(Error::TokensExhausted { .. })
+    ));
+    t.clock.advance(Duration::from_secs(2));
+    // The lapsed lease cannot be taken over (no token left), so its holder
+    // is still the current one.
+    assert!(matches!(
+        store.claim(&key("a"), &fp("p"), &opts),
+        Err(Error::TokensExhausted { .. })
+    ));
+    store.complete(&last, b"done").unwrap();
+    // A stream whose counter is one past the cap is refused before anything.
+    let stream = export_stream(MAX_TOKEN + 1, now, &[RawRecord::succeeded("x", 1, now)]);
+    assert_eq!(
+        refused(store.import(stream.as_slice(), |_| {})),
+        (24, ImportRule::TokenCap, 0)
+    );
+    assert!(store.get(&key("x")).unwrap().is_none());
+}
+
+/// Every record invariant, each broken by one record after a good one in
+/// the same batch: refused at its frame, nothing of the batch written.
+#[test]
+fn each_record_invariant_is_checked() {
+    let t = TestDir::new();
+    let store = t.open_with(t.config().max_result_bytes(64).max_recovery_point_bytes(64));
+    let now = t.now_ms();
+    let max_lease = MAX_LEASE.as_millis() as u64;
+    let max_retention = MAX_RETENTION.as_millis() as u64;
+    let base = || RawRecord::succeeded("bad", 3, now);
+    let cases: Vec<(&str, RawRecord, ImportRule)> = vec![
+        (
+            "token at the cap",
+            RawRecord {
+                token: MAX_TOKEN,
+                ..base()
+            },
+            ImportRule::TokenCap,
+        ),
+        (
+            "created after updated",
+            RawRecord {
+                created_ms: now + 1,
+                ..base()
+            },
+            ImportRule::TimesOutOfOrder,
+        ),
+        (
+            "lease past the longest",
+            RawRecord::processing("bad", 3, now, max_lease + 1),
+            ImportRule::LeaseTooLong,
+        ),
+        (
+            "lease overflowing",
+            RawRecord {
+                lease_until_ms: u64::MAX,
+                ..base()
+            },
+            ImportRule::LeaseTooLong,
+        ),
+        (
+            "expiry past the longest retention",
+            RawRecord {
+                expires_ms: now + max_retention + 1,
+                ..base()
+            },
+            ImportRule::RetentionTooLong,
+        ),
+        (
+            "processing expiring before its lease",
+            RawRecord {
+                expires_ms: now + 10_000,
+                ..RawRecord::processing("bad", 3, now, 30_000)
+            },
+            ImportRule::ExpiryBeforeLease,
+        ),
+        (
+            "succeeded without output",
+            RawRecord {
+                output: None,
+                ..base()
+            },
+            ImportRule::StateOutput,
+        ),
+        (
+            "failed without output",
+            RawRecord {
+                state: 2,
+                output: None,
+                ..base()
+            },
+            ImportRule::StateOutput,
+        ),
+        (
+            "never acquired",
+            RawRecord {
+                acquisitions: 0,
+                ..base()
+            },
+            ImportRule::StateOutput,
+        ),
+        (
+            "result over the limit",
+            RawRecord {
+                output: Some(vec![7; 65]),
+                ..base()
+            },
+            ImportRule::TooLarge,
+        ),
+        (
+            "recovery point over the limit",
+            RawRecord {
+                recovery_point: Some(vec![7; 65]),
+                ..base()
+            },
+            ImportRule::TooLarge,
+        ),
+        (
+            "business key with a control character",
+            RawRecord {
+                business_key: Some("a\nb".into()),
+                ..base()
+            },
+            ImportRule::BusinessKey,
+        ),
+        (
+            "updated far ahead",
+            RawRecord::succeeded("bad", 3, now + HOUR),
+            ImportRule::ClockAhead,
+        ),
+    ];
+    for (what, bad, rule) in cases {
+        let stream = export_stream(10, now, &[RawRecord::succeeded("good", 2, now), bad]);
+        let offsets = export_frame_offsets(&stream);
+        let (offset, got, imported) = refused(store.import(stream.as_slice(), |_| {}));
+        assert_eq!(
+            (offset, got, imported),
+            (offsets[2] as u64, rule, 0),
+            "{what}"
+        );
+        assert!(store.is_empty().unwrap(), "{what}");
+    }
+    // The limits are this store's: a record within them goes in.
+    let ok = RawRecord {
+        output: Some(vec![7; 64]),
+        ..base()
+    };
+    store
+        .import(export_stream(10, now, &[ok]).as_slice(), |_| {})
+        .unwrap();
+    assert_eq!(store.len().unwrap(), 1);
+}
+
+/// A refused frame after a full batch: the batch before it stays, the
+/// error counts it, and the floors moved only with it.
+#[test]
+fn a_refused_batch_writes_nothing_and_earlier_batches_stay() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let mut records: Vec<RawRecord> = (0..1100)
+        .map(|i| RawRecord::succeeded(&format!("k{i:05}"), 1 + i, now))
+        .collect();
+    records[1050].token = MAX_TOKEN;
+    let stream = export_stream(2000, now, &records);
+    let offsets = export_frame_offsets(&stream);
+    let (offset, rule, imported) = refused(store.import(stream.as_slice(), |_| {}));
+    assert_eq!(
+        (offset, rule, imported),
+        (offsets[1051] as u64, ImportRule::TokenCap, 1024)
+    );
+    assert_eq!(store.len().unwrap(), 1024);
+    let next = acquired(
+        store
+            .claim(&key("new"), &fp("p"), &ClaimOptions::new())
+            .unwrap(),
+    );
+    // The meta frame's counter landed with the first batch.
+    assert!(next.token() >= 2000, "{}", next.token());
+    assert!(next.token() < 1 << 40);
+}
+
+/// With the explicit option, a stream two days ahead is imported, but the
+/// store's time moves by at most the tolerance: no record expires at once.
+#[test]
+fn accepting_a_clock_ahead_imports_without_adopting_the_time() {
+    let t = TestDir::new();
+    let store = t.open_with(t.config().retention(Duration::from_secs(3600)));
+    let now = t.now_ms();
+    let live = acquired(
+        store
+            .claim(&key("live"), &fp("p"), &ClaimOptions::new())
+            .unwrap(),
+    );
+    store.complete(&live, b"kept").unwrap();
+    let ahead = now + 48 * HOUR;
+    let stream = export_stream(10, ahead, &[RawRecord::succeeded("future", 3, ahead)]);
+    assert_eq!(
+        refused(store.import(stream.as_slice(), |_| {})),
+        (24, ImportRule::ClockAhead, 0)
+    );
+    let opts = ImportOptions::new().accept_clock_ahead(true);
+    let summary = store.import_with(stream.as_slice(), &opts, |_| {}).unwrap();
+    assert_eq!(summary.imported, 1);
+    let tolerance = DEFAULT_CLOCK_TOLERANCE.as_millis() as u64;
+    assert!(
+        store.now_ms() <= t.now_ms() + tolerance,
+        "{}",
+        store.now_ms()
+    );
+    assert!(store.get(&key("live")).unwrap().is_some());
+    assert!(store.get(&key("future")).unwrap().is_some());
+    // A wider tolerance accepts it without the option.
+    let t2 = TestDir::new();
+    let other = t2.open();
+    let stream = export_stream(10, t2.now_ms() + HOUR, &[]);
+    let opts = ImportOptions::new().clock_tolerance(Duration::from_secs(7200));
+    other.import_with(stream.as_slice(), &opts, |_| {}).unwrap();
+}
+
+#[test]
+fn retention_is_capped_at_max_retention() {
+    let t = TestDir::new();
+    let ten_years = Duration::from_secs(10 * 365 * 24 * 3600);
+    drop(t.open_with(t.config().retention(ten_years)));
+    let too_long = MAX_RETENTION + Duration::from_millis(1);
+    match Store::open_with(&t.path, Config::new().retention(too_long)) {
+        Err(Error::InvalidArgument {
+            what: "retention", ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}
