@@ -58,6 +58,59 @@ pub fn open_error(path: &Path, err: Error) -> CliError {
     }
 }
 
+/// A key as the operator typed it, for messages: `scope "acme/tickets" id
+/// "task-42:call-7"` (quoted and escaped, so spaces and slashes show
+/// exactly where one part ends). Never the joined `scope/id` form, which is
+/// ambiguous: a scope may contain `/`.
+pub fn key_text(scope: &str, id: &str) -> String {
+    format!("scope {scope:?} id {id:?}")
+}
+
+/// A writer that remembers whether a write failed because the reader went
+/// away (a closed pipe: `idemstore export STORE | head`). The library
+/// reports a failed write as a storage error with the cause as text; this
+/// keeps the cause so that the command can end quietly, as ripgrep does.
+pub struct PipeWatch<W> {
+    inner: W,
+    closed: bool,
+}
+
+impl<W: std::io::Write> PipeWatch<W> {
+    /// Wraps `inner`.
+    pub fn new(inner: W) -> Self {
+        PipeWatch {
+            inner,
+            closed: false,
+        }
+    }
+
+    /// Whether a write or flush failed with a closed pipe.
+    pub fn closed(&self) -> bool {
+        self.closed
+    }
+
+    fn watch<T>(&mut self, result: std::io::Result<T>) -> std::io::Result<T> {
+        if let Err(e) = &result
+            && e.kind() == std::io::ErrorKind::BrokenPipe
+        {
+            self.closed = true;
+        }
+        result
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for PipeWatch<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let result = self.inner.write(buf);
+        self.watch(result)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let result = self.inner.flush();
+        self.watch(result)
+    }
+}
+
 /// What a progress bar counts.
 #[derive(Debug, Clone, Copy)]
 pub enum Unit {
@@ -172,10 +225,18 @@ pub fn record_json(record: &Record, now_ms: u64) -> Value {
     })
 }
 
+/// A failed JSON write as an output error, keeping the I/O error's kind so
+/// that a closed pipe is recognised (and not reported).
+pub fn json_error(err: serde_json::Error) -> CliError {
+    match err.io_error_kind() {
+        Some(kind) => CliError::Output(std::io::Error::new(kind, err)),
+        None => CliError::Output(std::io::Error::other(err)),
+    }
+}
+
 /// Writes `value` as pretty JSON and a newline.
 pub fn write_json(out: &mut impl std::io::Write, value: &Value) -> Result<(), CliError> {
-    serde_json::to_writer_pretty(&mut *out, value)
-        .map_err(|e| CliError::Output(std::io::Error::other(e)))?;
+    serde_json::to_writer_pretty(&mut *out, value).map_err(json_error)?;
     writeln!(out)?;
     Ok(())
 }

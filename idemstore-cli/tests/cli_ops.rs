@@ -179,10 +179,314 @@ fn list_filters_and_finds_work_to_compensate() {
 
     let out = idemstore(&["list", p(&path), "--state", "processing"]);
     let text = stdout(&out);
-    assert!(text.starts_with("STATE"), "{text}");
-    assert!(text.contains("lapsed"), "{text}");
-    assert!(text.contains("acme/tickets/lapsed"), "{text}");
+    assert!(text.starts_with("SCOPE\tID\tSTATE"), "{text}");
+    assert!(
+        text.contains("acme/tickets\tlapsed\tprocessing\t"),
+        "{text}"
+    );
+    assert!(text.contains("\tlapsed "), "the lease column: {text}");
     assert_eq!(text.lines().count(), 2, "{text}");
+}
+
+/// Scopes hold `/` and spaces, so `list` prints scope and id as columns of
+/// their own (tab-separated; `--json` as fields) and they paste into `get`
+/// and `resolve` as two arguments.
+#[test]
+fn list_columns_paste_into_get_and_resolve() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+    // A scope/id split that the joined form `a/b c/d/e` would hide.
+    let tricky = Key::new("acme corp/tickets", "run 1/call:7").unwrap();
+    let lease = acquire(&store, &tricky, &ClaimOptions::new());
+    let decoy = Key::new("acme corp", "tickets/run 1/call:7").unwrap();
+    let l = acquire(&store, &decoy, &ClaimOptions::new());
+    store.complete(&l, b"other").unwrap();
+    drop(store);
+
+    let out = idemstore(&["list", p(&path), "--state", "processing"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let text = stdout(&out);
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next().unwrap().split('\t').collect::<Vec<_>>(),
+        [
+            "SCOPE",
+            "ID",
+            "STATE",
+            "TOKEN",
+            "AGE",
+            "LEASE",
+            "BUSINESS KEY"
+        ]
+    );
+    let row: Vec<&str> = lines.next().unwrap().split('\t').collect();
+    assert_eq!(row.len(), 7, "{text}");
+    assert_eq!(
+        row[..4],
+        [
+            "acme corp/tickets",
+            "run 1/call:7",
+            "processing",
+            &lease.token().to_string()
+        ]
+    );
+    assert_eq!(lines.next(), None);
+
+    let out = idemstore(&["get", p(&path), row[0], row[1], "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["token"], lease.token());
+    let out = idemstore(&["get", p(&path), row[0], row[1]]);
+    let text = stdout(&out);
+    assert!(
+        text.contains("scope           acme corp/tickets\n"),
+        "{text}"
+    );
+    assert!(text.contains("id              run 1/call:7\n"), "{text}");
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        row[0],
+        row[1],
+        "--token",
+        row[3],
+        "--succeeded",
+        "T-1",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(r#"resolved scope "acme corp/tickets" id "run 1/call:7""#),
+        "{}",
+        stdout(&out)
+    );
+
+    let out = idemstore(&["list", p(&path), "--json"]);
+    let rows = json(&out);
+    let mut keys: Vec<(&str, &str)> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["scope"].as_str().unwrap(), r["id"].as_str().unwrap()))
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            ("acme corp", "tickets/run 1/call:7"),
+            ("acme corp/tickets", "run 1/call:7")
+        ]
+    );
+
+    // An empty listing is the header alone on stdout.
+    let out = idemstore(&["list", p(&path), "--state", "processing"]);
+    assert_eq!(
+        stdout(&out),
+        "SCOPE\tID\tSTATE\tTOKEN\tAGE\tLEASE\tBUSINESS KEY\n"
+    );
+    assert!(stderr(&out).contains("(no records)"), "{}", stderr(&out));
+}
+
+/// A wrong split of a key is answered with the scope and id as they were
+/// received, so the operator sees which part is wrong.
+#[test]
+fn no_record_answers_show_scope_and_id_as_received() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    populate(&path);
+    let out = idemstore(&["get", p(&path), "acme", "tickets/lapsed"]);
+    assert_eq!(code(&out), 1);
+    assert_eq!(
+        stdout(&out),
+        "no record for scope \"acme\" id \"tickets/lapsed\" (absent or past retention)\n"
+    );
+    let out = idemstore(&["get", p(&path), "acme tickets", " lapsed"]);
+    assert_eq!(code(&out), 1);
+    assert!(
+        stdout(&out).contains(r#"scope "acme tickets" id " lapsed""#),
+        "{}",
+        stdout(&out)
+    );
+    let out = idemstore(&["get", p(&path), "", "x"]);
+    assert!(
+        stderr(&out).contains(r#"scope "" id "x""#),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// `resolve` refuses in three different ways, each saying which, and
+/// changes nothing in any of them.
+#[test]
+fn resolve_tells_an_absent_key_an_unknown_token_and_a_finished_record_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let token = populate(&path);
+    let resolve = |id: &str, token: u64| {
+        let t = token.to_string();
+        idemstore(&[
+            "resolve",
+            p(&path),
+            "acme/tickets",
+            id,
+            "--token",
+            &t,
+            "--succeeded",
+            "x",
+        ])
+    };
+    let records = || {
+        let mut all = json(&idemstore(&["list", p(&path), "--json"]));
+        for r in all.as_array_mut().unwrap() {
+            r.as_object_mut().unwrap().remove("age_ms");
+        }
+        all
+    };
+    let before = records();
+
+    let out = resolve("absent", token);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains(r#"no record for scope "acme/tickets" id "absent""#),
+        "{err}"
+    );
+
+    let out = resolve("lapsed", token + 100);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("token {} was never issued", token + 100))
+            && err.contains(&format!("current holder has token {token}")),
+        "{err}"
+    );
+    let out = resolve("lapsed", token - 1);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("token {} is not the current holder", token - 1)),
+        "{err}"
+    );
+
+    let done = json(&idemstore(&[
+        "get",
+        p(&path),
+        "acme/tickets",
+        "done",
+        "--json",
+    ]));
+    let done_token = done["token"].as_u64().unwrap();
+    let out = resolve("done", done_token);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!(
+            "is already finished as succeeded (token {done_token})"
+        )),
+        "{err}"
+    );
+
+    assert_eq!(records(), before);
+}
+
+/// `import` into a missing store names `--create`; a failed `import
+/// --create` removes the store and log it made, and only those.
+#[test]
+fn import_names_create_and_a_failed_create_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    populate(&path);
+    let backup = dir.path().join("backup.idem");
+    assert_eq!(code(&idemstore(&["export", p(&path), "-o", p(&backup)])), 0);
+    let mut damaged = std::fs::read(&backup).unwrap();
+    damaged.truncate(damaged.len() - 10);
+    let damaged_path = dir.path().join("damaged.idem");
+    std::fs::write(&damaged_path, &damaged).unwrap();
+
+    let fresh = dir.path().join("fresh.redb");
+    let fresh_log = dir.path().join("fresh.redb-wal");
+    let out = idemstore(&["import", p(&fresh), p(&backup)]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains("fresh.redb: no such store file") && err.contains("give --create"),
+        "{err}"
+    );
+    assert!(!fresh.exists() && !fresh_log.exists());
+
+    let out = idemstore(&["import", p(&fresh), p(&damaged_path), "--create"]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("damaged.idem"), "{}", stderr(&out));
+    assert!(
+        !fresh.exists(),
+        "the store a failed import created is removed"
+    );
+    assert!(!fresh_log.exists(), "and its log");
+
+    // An existing store that fails an import keeps its files and records.
+    let out = idemstore(&["import", p(&path), p(&damaged_path), "--create"]);
+    assert_eq!(code(&out), 2);
+    assert!(path.exists() && dir.path().join("s.redb-wal").exists());
+    assert_eq!(
+        code(&idemstore(&["get", p(&path), "acme/tickets", "done"])),
+        0
+    );
+
+    // And a successful one keeps what it made.
+    let out = idemstore(&["import", p(&fresh), p(&backup), "--create"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(fresh.exists() && fresh_log.exists());
+}
+
+/// A reader that goes away (`export | head`, `list | head`) ends the
+/// command quietly with exit 0, as ripgrep does.
+#[test]
+fn a_closed_pipe_ends_quietly_with_exit_0() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    {
+        let store = Store::open_with(
+            &path,
+            Config::new()
+                .sweep_interval(None)
+                .durability(idemstore::Durability::Buffered {
+                    max_delay: Duration::from_millis(100),
+                }),
+        )
+        .unwrap();
+        // Far more output than a pipe buffers (64 KiB), so that a command
+        // whose reader is gone must meet the closed pipe.
+        let result = vec![b'r'; 1024];
+        for n in 0..400 {
+            let k = key(&format!("{n:0>200}"));
+            let l = acquire(&store, &k, &ClaimOptions::new());
+            store.complete(&l, &result).unwrap();
+        }
+    }
+    for args in [
+        vec!["export", p(&path)],
+        vec!["list", p(&path)],
+        vec!["list", p(&path), "--json"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Read one byte, then close the pipe as `head -c 1` would.
+        let mut first = [0u8; 1];
+        std::io::Read::read_exact(child.stdout.as_mut().unwrap(), &mut first).unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+        let err = stderr(&out);
+        assert!(!err.contains("idemstore:"), "{args:?}: {err}");
+        assert!(
+            !err.to_lowercase().contains("broken pipe"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 #[test]
@@ -205,7 +509,7 @@ fn resolve_finishes_a_record_fenced_by_its_token() {
     ]);
     assert_eq!(code(&out), 2);
     assert!(
-        stderr(&out).contains("no longer current"),
+        stderr(&out).contains("was never issued"),
         "{}",
         stderr(&out)
     );
@@ -370,10 +674,15 @@ fn import_refuses_a_clock_far_ahead_unless_accepted() {
     let err = stderr(&out);
     assert!(err.contains("byte offset 24"), "{err}");
     assert!(err.contains("clock-ahead"), "{err}");
+    assert!(
+        !restored.exists(),
+        "the refused import removed the store it made"
+    );
     let out = idemstore(&[
         "import",
         p(&restored),
         p(&backup),
+        "--create",
         "--accept-clock-ahead",
         "--json",
     ]);
@@ -473,6 +782,10 @@ fn export_then_import_restores_and_a_second_import_changes_nothing() {
     let err = stderr(&out);
     assert!(err.contains("damaged.idem"), "{err}");
     assert!(err.contains("at byte offset"), "{err}");
+    assert!(
+        !other.exists(),
+        "a failed import --create removes the store it made"
+    );
 }
 
 #[test]

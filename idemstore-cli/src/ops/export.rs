@@ -59,9 +59,18 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     let tick = |p: idemstore::Progress| bar.set_position(p.records);
     let summary = match &args.output {
         Some(target) => export_to_file(&store, target, tick)?,
-        None => store
-            .export(&mut *out, tick)
-            .map_err(|e| CliError::store("export failed", e))?,
+        None => {
+            let mut watched = ops::PipeWatch::new(&mut *out);
+            match store.export(&mut watched, tick) {
+                Ok(summary) => summary,
+                // The reader went away (`export | head`): end quietly.
+                Err(_) if watched.closed() => {
+                    bar.finish_and_clear();
+                    return Err(CliError::Output(std::io::ErrorKind::BrokenPipe.into()));
+                }
+                Err(e) => return Err(CliError::store("export failed", e)),
+            }
+        }
     };
     bar.finish_and_clear();
     let report = json!({

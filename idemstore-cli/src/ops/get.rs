@@ -26,18 +26,19 @@ pub struct Args {
 
 /// Runs `idemstore get`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
+    let shown = ops::key_text(&args.scope, &args.id);
     let key = Key::new(args.scope.as_str(), args.id.as_str())
-        .map_err(|e| CliError::store("invalid key", e))?;
+        .map_err(|e| CliError::store(format!("invalid key ({shown})"), e))?;
     let store = ops::open(&args.store.store, None)?;
     let now = store.now_ms();
     let record = store
         .get(&key)
-        .map_err(|e| CliError::store(format!("cannot read {key}"), e))?;
+        .map_err(|e| CliError::store(format!("cannot read {shown}"), e))?;
     let Some(record) = record else {
         if args.json {
             ops::write_json(out, &Value::Null)?;
         } else {
-            writeln!(out, "no record for {key} (absent or past retention)")?;
+            writeln!(out, "no record for {shown} (absent or past retention)")?;
         }
         return Ok(ExitCode::from(1));
     };
@@ -54,7 +55,8 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         format!("{ms} ({rel})")
     };
     let rows = [
-        ("key", key.to_string()),
+        ("scope", record.key().scope().to_string()),
+        ("id", record.key().id().to_string()),
         ("state", record.state().name().to_string()),
         ("token", record.token().to_string()),
         ("fingerprint", ops::hex(record.fingerprint().as_bytes())),

@@ -29,7 +29,9 @@ pub struct Args {
     /// The export to read (`-` for stdin).
     #[arg(value_name = "INPUT")]
     input: PathBuf,
-    /// Create the store if it does not exist (a restore into a new file).
+    /// Create the store if it does not exist (a restore into a new file). If
+    /// the import then fails, the store file and its log are removed again
+    /// (only those this command created).
     #[arg(long)]
     create: bool,
     /// Import records and a clock high-water mark more than 5 minutes ahead
@@ -53,17 +55,61 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         (Box::new(BufReader::new(file)), len)
     };
     let path = &args.store.store;
-    let store = if args.create && !path.exists() {
+    let creating = !path.exists();
+    if creating && !args.create {
+        return Err(CliError::Failed(format!(
+            "{}: no such store file; give --create to restore into a new store",
+            path.display()
+        )));
+    }
+    // The library puts the log at `<file>-wal` (`Store::log_path`).
+    let log_before = {
+        let mut name = path.as_os_str().to_owned();
+        name.push("-wal");
+        PathBuf::from(name)
+    };
+    let log_existed = log_before.exists();
+    let store = if creating {
         idemstore::Store::open_with(path, idemstore::Config::new().sweep_interval(None))
             .map_err(|e| ops::open_error(path, e))?
     } else {
         ops::open(path, None)?
     };
+    // What this command created, to remove if the import fails: the store
+    // file, and its log unless one was already there.
+    let log = store.log_path().to_path_buf();
+    let created: Vec<PathBuf> = if creating {
+        let mut made = vec![path.clone()];
+        if !(log_existed && log == log_before) {
+            made.push(log);
+        }
+        made
+    } else {
+        Vec::new()
+    };
     let bar = ops::progress(len, "importing", ops::Unit::Bytes);
     let options = idemstore::ImportOptions::new().accept_clock_ahead(args.accept_clock_ahead);
-    let summary = store
-        .import_with(input, &options, |p| bar.set_position(p.bytes))
-        .map_err(|e| CliError::store(format!("cannot import {}", args.input.display()), e))?;
+    let summary = match store.import_with(input, &options, |p| bar.set_position(p.bytes)) {
+        Ok(summary) => summary,
+        Err(e) => {
+            bar.finish_and_clear();
+            let mut err = CliError::store(format!("cannot import {}", args.input.display()), e);
+            // Close the store before removing its files.
+            drop(store);
+            for file in &created {
+                if let Err(e) = std::fs::remove_file(file)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    err = CliError::Failed(format!(
+                        "{}; and cannot remove {} that this import created: {e}",
+                        err.one_line(),
+                        file.display()
+                    ));
+                }
+            }
+            return Err(err);
+        }
+    };
     bar.finish_and_clear();
     if args.json {
         ops::write_json(

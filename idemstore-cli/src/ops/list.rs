@@ -12,9 +12,12 @@ use crate::ops::{self, StateArg, StoreArg};
 /// Arguments of `idemstore list`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Age is the time since a key was first acquired. Records past \
-retention are never listed. Exits 1 if a record is corrupt (reported on stderr; the \
-listing goes on)."
+    after_help = "The table is tab-separated, one record a line after a header: \
+SCOPE, ID, STATE, TOKEN, AGE, LEASE, BUSINESS KEY. Scopes and ids never contain a tab, so \
+the first two columns paste into `idemstore get STORE SCOPE ID` and `idemstore resolve` \
+(e.g. `cut -f1,2`); --json gives `scope` and `id` as separate fields. Age is the time since \
+a key was first acquired. Records past retention are never listed. Exits 1 if a record is \
+corrupt (reported on stderr; the listing goes on)."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -80,11 +83,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     if args.json {
         write!(out, "[")?;
     } else {
-        writeln!(
-            out,
-            "{:<16} {:>10} {:>12} {:<22} {:<16} KEY",
-            "STATE", "TOKEN", "AGE", "LEASE", "BUSINESS KEY"
-        )?;
+        writeln!(out, "SCOPE\tID\tSTATE\tTOKEN\tAGE\tLEASE\tBUSINESS KEY")?;
     }
     for record in records {
         if shown >= limit {
@@ -103,17 +102,20 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             let sep = if shown == 0 { "\n" } else { ",\n" };
             write!(out, "{sep}")?;
             serde_json::to_writer(&mut *out, &ops::record_json(&record, now))
-                .map_err(|e| CliError::Output(std::io::Error::other(e)))?;
+                .map_err(ops::json_error)?;
         } else {
+            // Keys hold no control characters (`Key::new` refuses them), so
+            // a tab ends each column unambiguously.
             writeln!(
                 out,
-                "{:<16} {:>10} {:>12} {:<22} {:<16} {}",
+                "{}\t{}\t{}\t{}\t{}\t{}\t{}",
+                record.key().scope(),
+                record.key().id(),
                 record.state().name(),
                 record.token(),
                 ops::age(now.saturating_sub(record.created_ms())),
                 ops::lease_text(&record, now),
                 record.business_key().unwrap_or("-"),
-                record.key(),
             )?;
         }
         shown += 1;
@@ -121,7 +123,8 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     if args.json {
         writeln!(out, "{}]", if shown == 0 { "" } else { "\n" })?;
     } else if shown == 0 {
-        writeln!(out, "(no records)")?;
+        // On stderr, so that a script reading the columns sees only the header.
+        eprintln!("(no records)");
     }
     Ok(if corrupt > 0 {
         ExitCode::from(1)

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use idemstore::{Key, Resolution};
+use idemstore::{Error, Key, Resolution, State, Store};
 
 use crate::error::CliError;
 use crate::ops::{self, StoreArg};
@@ -16,7 +16,10 @@ use crate::ops::{self, StoreArg};
 #[command(
     after_help = "The token fences the change: if the record was completed, \
 failed, released or taken over since you read it, nothing changes and the command fails \
-(stale lease). Find candidates with `idemstore list STORE --compensation`."
+(exit 2), saying which: no record for the key (absent or past retention), the record is \
+already finished (its state and token), or the token is not its current holder's (never \
+issued for it, or taken over since; the current token is shown). Find candidates with \
+`idemstore list STORE --compensation`."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -48,8 +51,9 @@ pub struct Args {
 
 /// Runs `idemstore resolve`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
+    let shown = ops::key_text(&args.scope, &args.id);
     let key = Key::new(args.scope.as_str(), args.id.as_str())
-        .map_err(|e| CliError::store("invalid key", e))?;
+        .map_err(|e| CliError::store(format!("invalid key ({shown})"), e))?;
     let outcome = match (&args.succeeded, &args.failed) {
         (Some(result), _) => Resolution::Succeeded(result.clone().into_bytes()),
         (None, Some(failure)) => Resolution::Failed {
@@ -63,18 +67,52 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         }
     };
     let store = ops::open(&args.store.store, Some(args.retention))?;
-    let record = store
-        .resolve(&key, args.token, outcome)
-        .map_err(|e| CliError::store(format!("cannot resolve {key}"), e))?;
+    let record = match store.resolve(&key, args.token, outcome) {
+        Ok(record) => record,
+        Err(Error::StaleLease { .. }) => return Err(refusal(&store, &key, &shown, args.token)),
+        Err(e) => return Err(CliError::store(format!("cannot resolve {shown}"), e)),
+    };
     if args.json {
         ops::write_json(out, &ops::record_json(&record, store.now_ms()))?;
     } else {
         writeln!(
             out,
-            "resolved {key} (token {}) as {}",
+            "resolved {shown} (token {}) as {}",
             record.token(),
             record.state().name()
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Why `resolve` changed nothing, read back from the record (the command
+/// has the store to itself, so the record is what the refusal saw): no
+/// record, a finished record, or a token that is not the current holder's.
+fn refusal(store: &Store, key: &Key, shown: &str, token: u64) -> CliError {
+    let record = match store.get(key) {
+        Ok(record) => record,
+        Err(e) => return CliError::store(format!("cannot resolve {shown}"), e),
+    };
+    let why = match record {
+        None => format!(
+            "no record for {shown} (absent or past retention); nothing changed. \
+             Check the scope and id (`idemstore list STORE` prints them as columns)"
+        ),
+        Some(r) if r.state() != State::Processing => format!(
+            "{shown} is already finished as {} (token {}); nothing changed",
+            r.state().name(),
+            r.token()
+        ),
+        Some(r) if token > r.token() => format!(
+            "token {token} was never issued for {shown}: its current holder has token {}; \
+             nothing changed",
+            r.token()
+        ),
+        Some(r) => format!(
+            "token {token} is not the current holder of {shown} (an earlier holder's, or \
+             never issued for this key): the current holder has token {}; nothing changed",
+            r.token()
+        ),
+    };
+    CliError::Failed(format!("cannot resolve: {why}"))
 }
