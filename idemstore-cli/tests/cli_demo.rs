@@ -139,6 +139,60 @@ fn the_table_ends_with_the_duplicates_line() {
     assert!(stdout.contains("tickets created"), "{stdout}");
 }
 
+/// Every figure of the table has a legend line, the bracketed takeover
+/// figure is explained, and so is the difference in attempts.
+#[test]
+fn every_row_of_the_table_has_a_legend_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = small_run(dir.path(), &["--file", "store.redb"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    let header = lines
+        .iter()
+        .position(|l| l.trim_start().starts_with("naive") && l.contains("idemstore"))
+        .unwrap_or_else(|| panic!("no table header: {stdout}"));
+    // The table's rows: label, then the two phases' figures.
+    let labels: Vec<&str> = lines[header + 1..]
+        .iter()
+        .take_while(|l| !l.is_empty())
+        .map(|l| l[..26].trim_end())
+        .collect();
+    assert_eq!(labels.len(), 11, "{stdout}");
+    let legend_at = lines
+        .iter()
+        .position(|l| *l == "What each row counts:")
+        .unwrap_or_else(|| panic!("no legend: {stdout}"));
+    let legend = &lines[legend_at + 1..];
+    for label in &labels {
+        let line = legend
+            .iter()
+            .find(|l| l.starts_with(&format!("  {label:<26}")))
+            .unwrap_or_else(|| panic!("no legend line for {label:?}: {stdout}"));
+        assert!(line.len() > 30, "an empty legend line for {label:?}");
+    }
+    assert!(
+        stdout.contains("N (M): N claims took over a dead worker's lapsed lease; M of them"),
+        "{stdout}"
+    );
+    let attempts = |phase: usize| -> u64 {
+        let row = lines[header + 1..]
+            .iter()
+            .find(|l| l.starts_with("attempts "))
+            .unwrap();
+        row.split_whitespace().nth(phase).unwrap().parse().unwrap()
+    };
+    let (naive, idem) = (attempts(1), attempts(2));
+    let why = if idem > naive {
+        format!("Why idemstore needs more attempts ({idem} vs {naive})")
+    } else if idem < naive {
+        format!("Why idemstore needs fewer attempts ({idem} vs {naive})")
+    } else {
+        format!("Both phases made {idem} attempts.")
+    };
+    assert!(stdout.contains(&why), "{stdout}");
+}
+
 /// Exit code 2, nothing on stdout, exactly one line on stderr:
 /// `idemstore: ...` mentioning `mentions`.
 fn assert_one_error_line(out: &Output, mentions: &str) {

@@ -152,6 +152,13 @@ impl<'a> Report<'a> {
             writeln!(out, "{label:<26}{:>14}{:>14}", cell(naive), cell(idem))?;
         }
         writeln!(out)?;
+        writeln!(out, "What each row counts:")?;
+        for (label, meaning) in LEGEND {
+            writeln!(out, "  {label:<26}{meaning}")?;
+        }
+        writeln!(out)?;
+        writeln!(out, "{}", attempts_note(naive, idem))?;
+        writeln!(out)?;
         if idem.tickets == 0 && idem.replayed_intents == idem.intents {
             writeln!(
                 out,
@@ -204,6 +211,102 @@ impl<'a> Report<'a> {
         writeln!(out)?;
         out.flush()
     }
+}
+
+/// One line per row of the table, in its order: what the figure counts.
+const LEGEND: [(&str, &str); 12] = [
+    (
+        "intents",
+        "tickets wanted: agents x intents, one idempotency key each",
+    ),
+    ("attempts", "requests sent, retries included"),
+    (
+        "timeouts",
+        "no answer within the client timeout (lost, late, or the worker died)",
+    ),
+    (
+        "tickets created",
+        "tickets the service wrote, late requests included",
+    ),
+    ("duplicates", "tickets created beyond one per intent"),
+    (
+        "replays",
+        "answers from the store; the work did not run (a lost one is retried)",
+    ),
+    (
+        "in-progress answers",
+        "\"busy, retry after\": another attempt held the key's lease",
+    ),
+    (
+        "worker crashes",
+        "workers that died after creating a ticket (only acquired claims create)",
+    ),
+    (
+        "takeovers (found by key)",
+        "N (M): N claims took over a dead worker's lapsed lease; M of them",
+    ),
+    (
+        "",
+        "found its ticket by key instead of creating one (naive: no leases)",
+    ),
+    ("gave up", "intents dropped after --max-attempts"),
+    (
+        "wall time",
+        "from the first agent's start to the last answer",
+    ),
+];
+
+/// Why the two phases' attempt counts differ, a few lines of at most 92
+/// characters: every "busy" answer is an attempt that did no work and is
+/// retried, and each attempt draws its own fate, so later fates shift.
+fn attempts_note(naive: &Phase, idem: &Phase) -> String {
+    let text = match idem.attempts.cmp(&naive.attempts) {
+        std::cmp::Ordering::Greater => format!(
+            "Why idemstore needs more attempts ({} vs {}): its {} in-progress answers are \
+             attempts that did no work and were retried after their retry_after (the naive \
+             service never answers busy: it creates another ticket). Each retry draws its own \
+             fate from the seeded link, so the lost and late attempts after it shift too.",
+            idem.attempts, naive.attempts, idem.in_progress
+        ),
+        std::cmp::Ordering::Equal => format!("Both phases made {} attempts.", idem.attempts),
+        std::cmp::Ordering::Less => {
+            let mut text = format!(
+                "Why idemstore needs fewer attempts ({} vs {}): a worker dies only after \
+                 creating a ticket, and a replayed or busy answer creates none, so attempts \
+                 the seed meant to crash were answered.",
+                idem.attempts, naive.attempts
+            );
+            if idem.in_progress > 0 {
+                text.push_str(&format!(
+                    " Its {} in-progress answers were retried, and each retry draws its own \
+                     fate from the seeded link.",
+                    idem.in_progress
+                ));
+            }
+            text
+        }
+    };
+    wrap(&text, 92)
+}
+
+/// `text` with its spaces replaced by newlines so that no line is longer
+/// than `width` characters (a longer word stays whole).
+fn wrap(text: &str, width: usize) -> String {
+    let mut out = String::new();
+    let mut line = 0;
+    for word in text.split_whitespace() {
+        let len = word.chars().count();
+        if line > 0 && line + 1 + len > width {
+            out.push('\n');
+            line = 0;
+        } else if line > 0 {
+            out.push(' ');
+            line += 1;
+        }
+        out.push_str(word);
+        line += len;
+    }
+    out
 }
 
 /// `0.2` as `20%`.
