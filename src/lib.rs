@@ -10,8 +10,8 @@
 //! ```
 //! use idemstore::{ClaimOptions, ClaimOutcome, Fingerprint, Key, Store};
 //!
-//! # fn main() -> Result<(), idemstore::Error> {
-//! # let dir = tempfile::tempdir().unwrap();
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?; // any directory: the store is this file and its log
 //! let store = Store::open(dir.path().join("idem.redb"))?;
 //! let key = Key::new("acme/tickets.create", "task-42:call-7")?;
 //! let payload = br#"{"title":"printer on fire"}"#;
@@ -65,6 +65,35 @@
 
 #[cfg(feature = "agent")]
 pub mod agent;
+
+/// README.md's Rust snippets, compiled and run as doc tests (with
+/// `--all-features`, since some use the `agent` and `http` features; CI
+/// runs `cargo test --release --all-features`). Never part of a build.
+#[cfg(all(doctest, feature = "agent", feature = "http"))]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
+/// `docs/*.md`'s Rust snippets, compiled and run as doc tests like
+/// README's. Never part of a build.
+#[cfg(all(doctest, feature = "agent", feature = "http"))]
+pub mod docs_doctests {
+    /// docs/agents.md.
+    #[doc = include_str!("../docs/agents.md")]
+    pub struct Agents;
+    /// docs/http.md.
+    #[doc = include_str!("../docs/http.md")]
+    pub struct Http;
+    /// docs/operations.md.
+    #[doc = include_str!("../docs/operations.md")]
+    pub struct Operations;
+    /// docs/demo.md, docs/design.md and docs/testing.md (no Rust, but their
+    /// code blocks must be marked as what they are).
+    #[doc = include_str!("../docs/demo.md")]
+    #[doc = include_str!("../docs/design.md")]
+    #[doc = include_str!("../docs/testing.md")]
+    pub struct Other;
+}
+
 mod audit;
 mod backup;
 mod cache;
