@@ -707,7 +707,13 @@ impl Store {
     /// reported; a stale lease changes nothing, as always.
     #[cfg(feature = "http")]
     pub(crate) fn fail_detached(&self, lease: &Lease, failure: &[u8]) {
-        if let Ok(op) = self.inner.fail_op(lease, failure, true) {
+        // A reason over the store's failure limit is dropped rather than
+        // the failure: the retry must be able to take over.
+        let op = self
+            .inner
+            .fail_op(lease, failure, true)
+            .or_else(|_| self.inner.fail_op(lease, &[], true));
+        if let Ok(op) = op {
             drop(self.inner.submit_op(lease.key(), op));
         }
     }

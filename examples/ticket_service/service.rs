@@ -401,10 +401,23 @@ pub async fn serve(
     options: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), BoxError> {
+    let listener = tokio::net::TcpListener::bind(options.addr).await?;
+    serve_on(listener, options, shutdown).await
+}
+
+/// Opens the files and serves on `listener` (`options.addr` is not used)
+/// until `shutdown` completes.
+///
+/// # Errors
+/// When a file cannot be opened.
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    options: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), BoxError> {
     let store = Store::open_with(&options.store, Config::new().lease(options.lease))?;
     let tickets = Tickets::open(&options.tickets)?;
     let app = router(Arc::new(store), tickets, &options);
-    let listener = tokio::net::TcpListener::bind(options.addr).await?;
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;
