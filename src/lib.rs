@@ -108,8 +108,6 @@ pub use wal::{FileLog, LogFile, MemoryLog};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    use std::collections::HashMap;
-
     use crate::record::{Ctx, Effect, Op, Reply, transition};
     use crate::{ClaimOutcome, Error, Fingerprint, Key, Record, Result, codec};
 
@@ -121,7 +119,9 @@ pub mod fuzzing {
     /// grow by one per acquisition.
     #[derive(Debug, Clone)]
     pub struct Machine {
-        records: HashMap<Key, Record>,
+        /// Kept records, found by a linear search: a fuzz run has a few
+        /// keys, and hashing a key costs more than comparing it.
+        records: Vec<Record>,
         next_token: u64,
         retention_ms: u64,
     }
@@ -131,7 +131,7 @@ pub mod fuzzing {
         /// finish.
         pub fn new(retention_ms: u64) -> Machine {
             Machine {
-                records: HashMap::new(),
+                records: Vec::new(),
                 next_token: 1,
                 retention_ms,
             }
@@ -144,7 +144,9 @@ pub mod fuzzing {
                 next_token: self.next_token,
                 business_holder: None,
             };
-            let (effect, reply) = transition(key, self.records.get(key), op, &ctx)?;
+            let at = self.records.iter().position(|r| r.key() == key);
+            let current = at.map(|i| &self.records[i]);
+            let (effect, reply) = transition(key, current, op, &ctx)?;
             match effect {
                 Effect::None => {}
                 Effect::Put(record) => {
@@ -157,10 +159,15 @@ pub mod fuzzing {
                                     reason: "the token counter is exhausted".into(),
                                 })?;
                     }
-                    self.records.insert(key.clone(), record);
+                    match at {
+                        Some(i) => self.records[i] = record,
+                        None => self.records.push(record),
+                    }
                 }
                 Effect::Delete => {
-                    self.records.remove(key);
+                    if let Some(i) = at {
+                        self.records.swap_remove(i);
+                    }
                 }
             }
             Ok(reply)
@@ -258,12 +265,15 @@ pub mod fuzzing {
         /// The record of `key` as a reader sees it at `now_ms` (none once
         /// past retention).
         pub fn get(&self, key: &Key, now_ms: u64) -> Option<&Record> {
-            self.records.get(key).filter(|r| !r.is_expired_at(now_ms))
+            self.records
+                .iter()
+                .find(|r| r.key() == key)
+                .filter(|r| !r.is_expired_at(now_ms))
         }
 
         /// Forgets the record of `key` (an eviction).
         pub fn evict(&mut self, key: &Key) {
-            self.records.remove(key);
+            self.records.retain(|r| r.key() != key);
         }
 
         /// How many records are kept, expired ones included.
