@@ -975,10 +975,13 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         events,
     };
     if inline {
+        let started = Instant::now();
         match state.log.sync() {
             Ok(()) => {
                 let mut ready = shared.progress.inline_synced(seq);
                 ready.push(parked);
+                let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
+                shared.counters.group_commit(started.elapsed(), callers);
                 answer(shared, ready);
             }
             Err(err) => {
@@ -1012,6 +1015,7 @@ fn commit_checkpoint(
     let token_reserved = wal::reserve_tokens(state.next_token);
     shared.cache.begin_write(&touched, Some(seq));
     let OpenTxn { mut txn, keys, .. } = open;
+    let started = Instant::now();
     let committed = guard(&shared.path, || {
         let path = &shared.path;
         txn.set_durability(redb::Durability::Immediate)
@@ -1038,6 +1042,10 @@ fn commit_checkpoint(
     shared.progress.committed.store(seq, Ordering::SeqCst);
     shared.progress.checkpointed(seq, shared);
     shared.cache.end_write(&keys, seq);
+    // This batch was made durable by the checkpoint itself.
+    shared
+        .counters
+        .group_commit(started.elapsed(), replies.len());
     answer(
         shared,
         vec![Parked {
@@ -1365,6 +1373,7 @@ fn sync_loop(
                 // free; if the queue is full it has work anyway.
                 let _ = nudge.try_send(Msg::Nudge);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
+                shared.counters.group_commit(started.elapsed(), callers);
                 if callers <= WAKE_INLINE {
                     answer(shared, ready);
                 } else if let Err(unsent) = waker.send(ready) {

@@ -78,6 +78,8 @@ mod fence;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 mod record;
 mod scan;
 mod schema;

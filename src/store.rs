@@ -538,7 +538,7 @@ impl Store {
             retention_ms: duration_ms(config.retention),
             durability: config.durability,
             poisoned: AtomicBool::new(false),
-            counters: LiveCounters::default(),
+            counters: LiveCounters::new(),
             index_failed: AtomicBool::new(false),
             progress: WriteProgress::new(opened.last_seq),
             cache: ReadCache::new(config.read_cache_bytes),
@@ -913,6 +913,23 @@ impl Store {
             file_bytes: std::fs::metadata(&shared.path).ok().map(|m| m.len()),
             counters: shared.counters.snapshot(),
         })
+    }
+
+    /// Reads [`stats`](Self::stats) and sets the store's gauges in the
+    /// `metrics` facade from it (`idemstore_records{state}`,
+    /// `idemstore_in_progress_lapsed_records`,
+    /// `idemstore_oldest_in_progress_age_seconds`; see
+    /// [`idemstore::metrics`](crate::metrics)). It reads every record, as
+    /// `stats` does: call it when the exporter is scraped or on a timer of
+    /// seconds, not per request. Cargo feature `metrics`.
+    ///
+    /// # Errors
+    /// Those of [`stats`](Self::stats); the gauges are left as they were.
+    #[cfg(feature = "metrics")]
+    pub fn publish_gauges(&self) -> Result<Stats> {
+        let stats = self.stats()?;
+        crate::metrics::set_gauges(&stats);
+        Ok(stats)
     }
 
     /// Writes a portable backup of every live record to `out`, from one

@@ -60,6 +60,7 @@ fn run_server() -> ! {
         lease: Duration::from_millis(LEASE_MS),
         work: Duration::from_millis(WORK_MS),
         stream_interval: Duration::from_millis(10),
+        metrics: None,
     };
     let addr = options.addr;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -389,6 +390,7 @@ fn a_streaming_response_retried_while_it_streams_is_409_then_replayed_whole() {
         lease: Duration::from_millis(1_000),
         work: Duration::ZERO,
         stream_interval: Duration::from_millis(600),
+        metrics: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = runtime.spawn(service::serve_on(listener, options, async {
