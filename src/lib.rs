@@ -72,6 +72,7 @@ mod check;
 mod clock;
 mod codec;
 mod commit;
+mod create;
 mod error;
 mod expiry;
 #[cfg(feature = "http")]
@@ -86,7 +87,7 @@ mod wal;
 
 pub use backup::{ExportSummary, ImportSummary, Progress};
 pub use check::{CheckReport, Integrity, Problem, check_file};
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use error::{Error, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
