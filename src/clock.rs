@@ -1,39 +1,6 @@
 //! Time, in milliseconds since the Unix epoch, behind a trait so tests
-//! control it; and the store's time, defined once here.
-//!
-//! # The store's time
-//!
-//! Every decision of the store (is a lease valid, is a record past
-//! retention) is taken at *the store's time*, which is built from two
-//! readings of a [`Clock`]: the wall reading ([`Clock::now_ms`]) and a
-//! monotonic reading ([`Clock::monotonic_ms`]).
-//!
-//! 1. **It follows the wall clock when the wall clock is ahead.** The store's
-//!    time is `max(wall, floor + monotonic time elapsed since the floor was
-//!    set)`, where the floor is the last time adopted from the wall clock (or
-//!    from disk at open). After the wall clock steps forward (an NTP
-//!    correction, a VM resume) the store follows it at once.
-//! 2. **It never stands still.** After the wall clock steps back, the store's
-//!    time keeps advancing from where it was at the rate of the monotonic
-//!    clock, so a 30 s lease lapses after 30 s even while the wall clock is
-//!    behind.
-//! 3. **It never runs backwards, across crashes too.** No reading is ever
-//!    below an earlier one. Before any answer is based on a time (a write, a
-//!    read that reports a record expired, a claim answered "in progress"),
-//!    a *bound* at least that high is durable in the store: the store
-//!    reserves [`TIME_RESERVATION`] ahead (in the log frame of a batch, or
-//!    in a frame written for the reservation alone), the way fencing tokens
-//!    are reserved. An unclean open starts from the reserved bound.
-//! 4. **It is ahead of the wall clock by at most [`TIME_RESERVATION`] after
-//!    any number of crashes**, plus whatever the wall clock itself stepped
-//!    back (point 2). A reservation reaches [`TIME_RESERVATION`] past the
-//!    larger of the wall reading and the floor-based time (point 1), never
-//!    past the store's time alone, so crashes in a row do not add up. After
-//!    an unclean open the part of the start time that may come from the
-//!    reservation (at most [`TIME_RESERVATION`]) is caught up at half the
-//!    monotonic rate, so the store's time meets the wall clock again within
-//!    twice [`TIME_RESERVATION`]; a lease taken in that window lapses at most
-//!    [`TIME_RESERVATION`] late.
+//! control it; and the store's time, defined once here, on [`Clock`] ("The
+//! store's time").
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -41,18 +8,56 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// How far ahead of its use the store reserves time on disk: after an
 /// unclean shutdown the store's time may start up to this much ahead of the
-/// wall clock (see the module docs, point 4). One second: a reservation costs
-/// at most one extra log frame (one `fdatasync`) per second of reads that run
-/// without writes.
+/// wall clock (see [`Clock`], "The store's time", point 4). One second: a
+/// reservation is renewed half a second before it runs out, by the batch
+/// being written (free: every log frame carries the bound) or, when reads run
+/// without writes, by a log frame of its own (one `fdatasync`, at most about
+/// two a second).
 pub const TIME_RESERVATION: Duration = Duration::from_secs(1);
 
 /// A source of time: a wall reading in milliseconds since the Unix epoch and
-/// a monotonic reading that never goes back.
+/// a monotonic reading that never goes back. The wall reading may step back
+/// and forth (an NTP correction, a VM resume); the monotonic reading
+/// measures how much time passed. The store combines the two:
 ///
-/// The store combines the two (see the module docs of `idemstore::clock`,
-/// "The store's time"): the wall reading may step back and forth (an NTP
-/// correction, a VM resume); the monotonic reading measures how much time
-/// passed.
+/// # The store's time
+///
+/// Every decision of the store (is a lease valid, is a record past
+/// retention) is taken at *the store's time*, which is built from two
+/// readings of a [`Clock`]: the wall reading ([`Clock::now_ms`]) and a
+/// monotonic reading ([`Clock::monotonic_ms`]).
+///
+/// 1. **It follows the wall clock when the wall clock is ahead.** The store's
+///    time is `max(wall, floor + monotonic time elapsed since the floor was
+///    set)`, where the floor is the last time adopted from the wall clock (or
+///    from disk at open). After the wall clock steps forward (an NTP
+///    correction, a VM resume) the store follows it at once.
+/// 2. **It never stands still.** After the wall clock steps back, the store's
+///    time keeps advancing from where it was at the rate of the monotonic
+///    clock, so a 30 s lease lapses after 30 s even while the wall clock is
+///    behind.
+/// 3. **It never runs backwards, across crashes too.** No reading is ever
+///    below an earlier one. Before any answer is based on a time (a write, a
+///    read that reports a record expired, a claim answered "in progress"),
+///    a *bound* at least that high is durable in the store: the store
+///    reserves [`TIME_RESERVATION`] ahead (in the log frame of a batch, or
+///    in a frame written for the reservation alone), the way fencing tokens
+///    are reserved. An unclean open starts from the reserved bound. With
+///    [`Durability::Buffered`](crate::Durability::Buffered) the bound is as
+///    durable as any acknowledged change: a process crash keeps it, a power
+///    cut may lose the last `max_delay` of it. A store that refuses writes
+///    ([`Error::Poisoned`](crate::Error::Poisoned)) cannot reserve: its
+///    answers use no time past the last durable bound.
+/// 4. **It is ahead of the wall clock by at most [`TIME_RESERVATION`] after
+///    any number of crashes**, plus whatever the wall clock itself stepped
+///    back (point 2). A reservation reaches [`TIME_RESERVATION`] past the
+///    larger of the wall reading and the floor-based time (point 1), never
+///    past the store's time alone, so crashes in a row do not add up. After
+///    an unclean open the part of the start time that may come from the
+///    reservation (at most [`TIME_RESERVATION`]) is caught up at half the
+///    monotonic rate, so the store's time meets the wall clock again within
+///    twice [`TIME_RESERVATION`]; a lease taken in that window lapses at most
+///    [`TIME_RESERVATION`] late.
 pub trait Clock: Send + Sync + 'static {
     /// The wall reading: milliseconds since the Unix epoch. May step back
     /// or forward between calls.

@@ -97,7 +97,9 @@ pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 pub use redb::{BackendError, StorageBackend};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
-pub use store::{ClaimOptions, Config, Durability, MAX_LEASE, MAX_VALUE_LIMIT, Store};
+pub use store::{
+    ClaimOptions, Config, Durability, MAX_LEASE, MAX_VALUE_LIMIT, Store, WRITER_QUEUE_BOUND,
+};
 pub use wal::{FileLog, LogFile, MemoryLog};
 
 /// Entry points for the fuzz targets in `fuzz/` and their corpus replay in

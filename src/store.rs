@@ -28,6 +28,10 @@ use crate::wal::{self, FileLog, LogFile};
 /// The largest value limit [`Config`] accepts for results, failures and
 /// recovery points: 16 MiB (in bytes).
 pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
+/// How many requests may wait for the store's writer (in requests). Beyond
+/// it callers wait for room (back-pressure): the blocking methods block,
+/// the `*_async` methods are pending without blocking their executor.
+pub const WRITER_QUEUE_BOUND: usize = crate::commit::QUEUE_BOUND;
 /// The longest lease a claim or extend accepts: 30 days.
 pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
 
@@ -463,6 +467,17 @@ impl Store {
     /// (the log as `<name>-wal`). The backend must implement redb's
     /// file-lock methods for [`Error::AlreadyOpen`] to be detected.
     ///
+    /// **Creation rule.** A store file ([`Store::open_with`]) is created
+    /// atomically (under a temporary name, made durable, then linked into
+    /// place), so a crash while creating it leaves no store or one that
+    /// opens. A backend has no names, so an empty backend is created in
+    /// place: a crash or I/O error during that first open may leave storage
+    /// that never opens ([`Error::IncompatibleFile`], "not a redb file").
+    /// Nothing was acknowledged on such storage (the first open did not
+    /// return a store), so it may be discarded and created again; a backend
+    /// that must survive its own creation should be prepared the same way
+    /// the store prepares files: created elsewhere, then put in place.
+    ///
     /// # Errors
     /// As [`Store::open_with`].
     pub fn open_with_backend(
@@ -578,8 +593,8 @@ impl Store {
         &self.inner.shared.log_path
     }
 
-    /// The store's current time (ms since the epoch), as defined in
-    /// [`crate::clock`]: the wall clock's reading when it is ahead, else the
+    /// The store's current time (ms since the epoch), as defined on
+    /// [`Clock`] ("The store's time"): the wall clock's reading when it is ahead, else the
     /// last time taken from it plus the monotonic time elapsed since; never
     /// lower than a time returned before, across crashes too (the time is
     /// reserved durably before it is returned). On a store that refuses

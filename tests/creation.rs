@@ -62,6 +62,20 @@ fn a_creation_killed_at_any_moment_leaves_no_store_or_one_that_opens() {
         std::thread::sleep(ms(5 + rng.below(60)));
         child.assert_running();
         child.kill();
+        // A creation the kill cut before its link left a temporary file:
+        // opening that store creates it and removes the leftover.
+        for entry in std::fs::read_dir(dir.dir.path()).expect("read dir") {
+            let name = entry.expect("entry").file_name();
+            let name = name.to_string_lossy();
+            if let Some((store, _)) = name
+                .strip_prefix('.')
+                .and_then(|n| n.split_once(".creating-"))
+            {
+                let path = dir.dir.path().join(store);
+                drop(Store::open_with(&path, config()).expect("open over a leftover"));
+                assert!(leftovers(&path).is_empty(), "{:?}", leftovers(&path));
+            }
+        }
         for path in stores_in(dir.dir.path()) {
             match Store::open_existing(&path, config()) {
                 Ok(store) => drop(store),
@@ -76,5 +90,147 @@ fn a_creation_killed_at_any_moment_leaves_no_store_or_one_that_opens() {
     assert!(
         unopenable.is_empty(),
         "stores left unopenable by a killed creation: {unopenable:#?}"
+    );
+}
+
+/// The temporary name a creation of `path` uses (`docs/design.md` 2.8).
+fn temp_of(path: &Path, suffix: &str) -> PathBuf {
+    let name = path.file_name().expect("file name").to_string_lossy();
+    path.with_file_name(format!(".{name}.creating-{suffix}"))
+}
+
+fn leftovers(path: &Path) -> Vec<PathBuf> {
+    let name = path.file_name().expect("file name").to_string_lossy();
+    let prefix = format!(".{name}.creating-");
+    std::fs::read_dir(path.parent().expect("dir"))
+        .expect("read dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+        })
+        .collect()
+}
+
+/// Crash state 1: the creation died while writing its temporary file (a
+/// partial, unusable file). The next open creates the store and removes
+/// the leftover, which it never reads as the store nor reports as foreign.
+#[test]
+fn a_partial_temporary_file_is_removed_and_the_store_created() {
+    let dir = TestDir::new();
+    let temp = temp_of(&dir.path, "00000000deadbeef");
+    std::fs::write(&temp, b"redb\x1a\x0a\xa9\x0d\x0a half a header").expect("write");
+    let store = dir.open();
+    let k = key("after-partial");
+    acquired(
+        store
+            .claim(&k, &fp("p"), &Default::default())
+            .expect("claim"),
+    );
+    assert!(
+        leftovers(&dir.path).is_empty(),
+        "{:?}",
+        leftovers(&dir.path)
+    );
+    drop(store);
+    assert!(dir.open().get(&k).expect("get").is_some());
+}
+
+/// Crash state 2: the temporary store is complete and durable but was
+/// never linked: nothing was ever acknowledged on it. The next open creates
+/// a fresh store at the real name and removes the leftover.
+#[test]
+fn a_complete_unlinked_temporary_store_is_removed_and_a_store_created() {
+    let dir = TestDir::new();
+    let other = dir.dir.path().join("elsewhere.redb");
+    let store = Store::open_with(&other, dir.config()).expect("open");
+    acquired(
+        store
+            .claim(&key("orphan"), &fp("p"), &Default::default())
+            .expect("claim"),
+    );
+    drop(store);
+    let temp = temp_of(&dir.path, "0123456789abcdef");
+    std::fs::rename(&other, &temp).expect("rename");
+    let store = dir.open();
+    assert_eq!(store.get(&key("orphan")).expect("get"), None);
+    assert_eq!(store.len().expect("len"), 0);
+    assert!(
+        leftovers(&dir.path).is_empty(),
+        "{:?}",
+        leftovers(&dir.path)
+    );
+}
+
+/// Crash state 3: the store was linked into place but the temporary name
+/// was not removed yet. The store opens with what it holds and the extra
+/// name is removed (the store itself is untouched: it is the same file).
+#[test]
+fn a_linked_store_with_its_temporary_name_left_opens_and_the_name_is_removed() {
+    let dir = TestDir::new();
+    let store = dir.open();
+    let k = key("linked");
+    let lease = acquired(
+        store
+            .claim(&k, &fp("p"), &Default::default())
+            .expect("claim"),
+    );
+    store.complete(&lease, b"kept").expect("complete");
+    drop(store);
+    let temp = temp_of(&dir.path, "fedcba9876543210");
+    std::fs::hard_link(&dir.path, &temp).expect("link");
+    let store = dir.open();
+    let got = store.get(&k).expect("get").expect("kept");
+    assert_eq!(got.result(), Some(&b"kept"[..]));
+    assert!(
+        leftovers(&dir.path).is_empty(),
+        "{:?}",
+        leftovers(&dir.path)
+    );
+}
+
+/// Two stores opened at once on a name that does not exist yet: one
+/// creates it, the other finds it created and never replaces it (it gets
+/// `AlreadyOpen` while the first holds it, or opens the same store).
+#[test]
+fn a_store_created_meanwhile_is_opened_never_replaced() {
+    let dir = TestDir::new();
+    let barrier = std::sync::Barrier::new(2);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    barrier.wait();
+                    Store::open_with(&dir.path, dir.config())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("join"))
+            .collect()
+    });
+    let opened: Vec<Store> = results
+        .into_iter()
+        .filter_map(|r| match r {
+            Ok(store) => Some(store),
+            Err(idemstore::Error::AlreadyOpen { .. }) => None,
+            Err(e) => panic!("{e}"),
+        })
+        .collect();
+    assert_eq!(opened.len(), 1);
+    let store = opened.into_iter().next().expect("one store");
+    let k = key("winner");
+    acquired(
+        store
+            .claim(&k, &fp("p"), &Default::default())
+            .expect("claim"),
+    );
+    drop(store);
+    assert!(dir.open().get(&k).expect("get").is_some(), "replaced");
+    assert!(
+        leftovers(&dir.path).is_empty(),
+        "{:?}",
+        leftovers(&dir.path)
     );
 }
