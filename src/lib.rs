@@ -54,6 +54,17 @@
 //!   holder whose lease was taken over gets [`Error::StaleLease`].
 //! - Corruption is detected (checksums over key and body) and reported as an
 //!   error naming the key or file, never as a wrong answer or a panic.
+//! - The store's time, at which leases and retention are judged, is defined
+//!   once on [`Clock`] ("The store's time"): `max(wall, floor + monotonic
+//!   time elapsed since the floor was set)`, so it follows the wall clock
+//!   forward and keeps moving when the wall clock steps back; it never runs
+//!   backwards, across crashes too (a bound is reserved durably before any
+//!   answer uses a time), and after crashes it is at most
+//!   [`TIME_RESERVATION`] (1 s) ahead of the wall clock.
+//! - Creating a store file is atomic (a temporary file linked into place): a
+//!   crash while creating it leaves no store or one that opens.
+//! - The `*_async` methods never block their executor on the writer: a full
+//!   queue ([`WRITER_QUEUE_BOUND`]) is awaited.
 //!
 //! The store cannot make the side effect and [`Store::complete`] one atomic
 //! step. Pass the idempotency key to the downstream system too (a payment's
