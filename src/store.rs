@@ -808,7 +808,11 @@ impl Store {
     }
 
     /// The record of `key`, or `None` when absent or past retention (whether
-    /// or not it was evicted). Does not wait for the writer.
+    /// or not it was evicted). Does not wait for the writer, except for a
+    /// change of `key` that is not yet durable, and for a renewal of the
+    /// store's time reservation when the time has outrun it (reads that ran
+    /// for about a second without writes; see [`Clock`], "The store's
+    /// time").
     ///
     /// # Errors
     /// [`Error::CorruptRecord`] when the stored record is damaged,
