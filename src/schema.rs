@@ -142,11 +142,12 @@ pub(crate) fn open<B: redb::StorageBackend>(
             Some(backend) => builder.create_with_backend(backend),
             None => {
                 // A missing file is created atomically (`crate::create`).
+                // Errors name the store's path, not the temporary one.
                 crate::create::ensure(path, |temp| {
                     let db = Database::builder()
                         .create(temp)
-                        .map_err(|e| map_err(temp, e))?;
-                    init_meta(temp, &db).map(|_| ())
+                        .map_err(|e| map_err(path, e))?;
+                    init_meta(path, &db).map(|_| ())
                 })?;
                 builder.create(path)
             }

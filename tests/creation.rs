@@ -235,3 +235,23 @@ fn a_store_created_meanwhile_is_opened_never_replaced() {
         leftovers(&dir.path)
     );
 }
+
+/// A creation that cannot happen (no such directory) fails with a typed
+/// error naming the store's path, and leaves nothing behind.
+#[test]
+fn a_creation_that_fails_names_the_store_and_leaves_nothing() {
+    let dir = TestDir::new();
+    let path = dir.dir.path().join("missing-dir").join("idem.redb");
+    match Store::open_with(&path, dir.config()) {
+        Err(idemstore::Error::Storage(detail)) => {
+            assert!(detail.contains("idem.redb"), "{detail}");
+            assert!(!detail.contains(".creating-"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!path.exists());
+    assert_eq!(
+        std::fs::read_dir(dir.dir.path()).expect("read dir").count(),
+        0
+    );
+}
