@@ -54,6 +54,17 @@
 //!   holder whose lease was taken over gets [`Error::StaleLease`].
 //! - Corruption is detected (checksums over key and body) and reported as an
 //!   error naming the key or file, never as a wrong answer or a panic.
+//! - The store's time, at which leases and retention are judged, is defined
+//!   once on [`Clock`] ("The store's time"): `max(wall, floor + monotonic
+//!   time elapsed since the floor was set)`, so it follows the wall clock
+//!   forward and keeps moving when the wall clock steps back; it never runs
+//!   backwards, across crashes too (a bound is reserved durably before any
+//!   answer uses a time), and after crashes it is at most
+//!   [`TIME_RESERVATION`] (1 s) ahead of the wall clock.
+//! - Creating a store file is atomic (a temporary file linked into place): a
+//!   crash while creating it leaves no store or one that opens.
+//! - The `*_async` methods never block their executor on the writer: a full
+//!   queue ([`WRITER_QUEUE_BOUND`]) is awaited.
 //!
 //! The store cannot make the side effect and [`Store::complete`] one atomic
 //! step. Pass the idempotency key to the downstream system too (a payment's
@@ -72,6 +83,7 @@ mod check;
 mod clock;
 mod codec;
 mod commit;
+mod create;
 mod error;
 mod expiry;
 mod fence;
@@ -89,7 +101,7 @@ mod wal;
 
 pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary, Progress};
 pub use check::{CheckReport, Integrity, Problem, check_file};
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use error::{Error, ImportRule, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
@@ -101,6 +113,7 @@ pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
 pub use store::{
     ClaimOptions, Config, Durability, MAX_LEASE, MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT, Store,
+    WRITER_QUEUE_BOUND,
 };
 pub use wal::{FileLog, LogFile, MemoryLog};
 
