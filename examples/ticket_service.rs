@@ -1,7 +1,7 @@
 //! A ticket service whose `POST /tickets` is idempotent.
 //!
 //! ```text
-//! cargo run --example ticket_service --features http -- --addr 127.0.0.1:3000
+//! cargo run --example ticket_service --features http,metrics -- --addr 127.0.0.1:3000
 //! curl -sS --retry 5 --retry-all-errors -H 'Idempotency-Key: demo-1' \
 //!      -H 'content-type: application/json' -d '{"title":"printer on fire"}' \
 //!      http://127.0.0.1:3000/tickets
@@ -20,6 +20,8 @@
 //! - `GET /tickets/count`: `{"count": n}`.
 //! - `GET /tickets/{id}`: one ticket.
 //! - `GET /idempotency/stats`: the store's `Store::stats()` as JSON.
+//! - `GET /metrics`: the store's metrics (`idemstore::metrics`) in
+//!   Prometheus text format.
 //!
 //! The ticket table lives in its own redb file, unique on the idempotency
 //! key; a handler that takes a key over (an earlier attempt died, or its
@@ -64,14 +66,24 @@ struct Args {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let options = service::Options {
+    let mut options = service::Options {
         addr: args.addr,
         store: args.store,
         tickets: args.tickets,
         lease: Duration::from_millis(args.lease_ms),
         work: Duration::from_millis(args.work_ms),
         stream_interval: Duration::from_millis(args.stream_ms),
+        metrics: None,
     };
+    // The recorder goes in before the store opens: the store registers its
+    // metrics handles with the recorder installed at open.
+    match metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder() {
+        Ok(handle) => options.metrics = Some(handle),
+        Err(e) => {
+            eprintln!("ticket_service: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

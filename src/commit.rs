@@ -52,7 +52,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{
     Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError, sync_channel,
 };
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -61,7 +61,7 @@ use redb::{Database, WriteTransaction};
 
 use crate::audit::{self, Event};
 use crate::cache::ReadCache;
-use crate::clock::MonotonicClock;
+use crate::clock::StoreClock;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::expiry;
@@ -71,7 +71,11 @@ use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
 use crate::schema::{self, Checkpoint, Tables, guard, map_err};
 use crate::stats::LiveCounters;
 use crate::store::{Durability, MAX_TOKEN};
-use crate::wal::{self, FRAME_HEADER_LEN, LogFile, LogWriter};
+use crate::wal::{self, BodyWriter, FRAME_HEADER_LEN, LogFile, LogWriter};
+
+/// A batch renews the time reservation when its time comes this close to
+/// the reserved bound (half of [`crate::clock::TIME_RESERVATION`], in ms).
+pub(crate) const RENEW_AHEAD_MS: u64 = 500;
 
 /// The most requests decided in one batch.
 const MAX_BATCH: usize = 1024;
@@ -98,6 +102,10 @@ pub(crate) enum Command {
     /// Commit the writer's open index transaction (non-durably), so that
     /// reads outside the writer see what was acknowledged.
     Commit,
+    /// Make the store's time durable up to at least the writer's reading
+    /// (a reservation, see [`crate::clock`]): for a read about to answer at
+    /// a time beyond [`Shared::time_durable`].
+    Reserve,
 }
 
 /// The writer's answer to one command.
@@ -106,6 +114,9 @@ pub(crate) enum Answer {
     Evicted(usize),
     Checkpointed,
     Committed,
+    /// The store's time is durable up to at least the time the request was
+    /// decided at.
+    Reserved,
     /// One reply per imported record, in order.
     Imported(Vec<Result<Reply>>),
 }
@@ -180,7 +191,14 @@ pub(crate) struct Shared {
     pub db: Arc<Database>,
     pub path: PathBuf,
     pub log_path: PathBuf,
-    pub clock: MonotonicClock,
+    pub clock: StoreClock,
+    /// The store's time up to which answers may be given without a new
+    /// reservation: the bound carried by a durable frame or checkpoint (in
+    /// `Buffered` mode, an acknowledged one).
+    pub time_durable: AtomicU64,
+    /// The durable bound an early renewal was last asked for (see
+    /// `Inner::renew_early`).
+    pub renewing: AtomicU64,
     pub retention_ms: u64,
     pub durability: Durability,
     /// Set after any failed durable write: the store refuses writes.
@@ -229,6 +247,8 @@ struct Parked {
     /// Audit events of the batch, published once it is durable (never for
     /// a change a crash could undo).
     events: Vec<Event>,
+    /// The time bound that is durable once the batch is.
+    bound: u64,
 }
 
 #[derive(Default)]
@@ -447,6 +467,7 @@ impl Progress {
 fn answer(shared: &Shared, ready: Vec<Parked>) {
     let gated = shared.durability == Durability::Immediate;
     for p in ready {
+        shared.time_durable.fetch_max(p.bound, Ordering::SeqCst);
         audit::publish(&shared.counters, p.events);
         for (tx, r) in p.replies {
             let _ = tx.send(r);
@@ -493,6 +514,9 @@ pub(crate) struct WriterState {
     /// Tokens below this may be handed out before the next checkpoint
     /// (the last checkpoint recorded it durably).
     pub token_reserved: u64,
+    /// The time bound the last frame or checkpoint written carries: answers
+    /// may be based on times up to it once that write is durable.
+    pub time_reserved: u64,
     pub log: LogWriter,
     /// The index transaction batches are being applied to, not yet
     /// committed.
@@ -500,11 +524,18 @@ pub(crate) struct WriterState {
 }
 
 impl WriterState {
-    pub(crate) fn new(next_token: u64, token_reserved: u64, last_seq: u64, log: LogWriter) -> Self {
+    pub(crate) fn new(
+        next_token: u64,
+        token_reserved: u64,
+        last_seq: u64,
+        time_reserved: u64,
+        log: LogWriter,
+    ) -> Self {
         WriterState {
             next_token,
             last_seq,
             token_reserved,
+            time_reserved,
             log,
             open: None,
         }
@@ -530,9 +561,73 @@ struct OpenTxn {
     keys: Vec<Vec<u8>>,
 }
 
+/// Async callers waiting for room in the writer's full queue.
+#[derive(Default)]
+struct Space {
+    waiting: AtomicBool,
+    wakers: Mutex<Vec<Waker>>,
+}
+
+impl Space {
+    /// Registers `waker` to be woken when the writer next takes a message.
+    fn register(&self, waker: &Waker) {
+        let mut wakers = self.wakers.lock();
+        if !wakers.iter().any(|w| w.will_wake(waker)) {
+            wakers.push(waker.clone());
+        }
+        self.waiting.store(true, Ordering::SeqCst);
+    }
+
+    /// The writer took a message: there is room; wake whoever waits.
+    fn notify(&self) {
+        if self.waiting.load(Ordering::SeqCst) {
+            let wakers = {
+                let mut wakers = self.wakers.lock();
+                self.waiting.store(false, Ordering::SeqCst);
+                std::mem::take(&mut *wakers)
+            };
+            for w in wakers {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// The writer's end of the queue: every message taken makes room, which
+/// async senders waiting on a full queue are told of.
+struct Queue {
+    rx: Receiver<Msg>,
+    space: Arc<Space>,
+}
+
+impl Queue {
+    fn took<E>(&self, r: std::result::Result<Msg, E>) -> std::result::Result<Msg, E> {
+        if r.is_ok() {
+            self.space.notify();
+        }
+        r
+    }
+
+    fn try_recv(&self) -> std::result::Result<Msg, TryRecvError> {
+        self.took(self.rx.try_recv())
+    }
+
+    fn recv(&self) -> std::result::Result<Msg, std::sync::mpsc::RecvError> {
+        self.took(self.rx.recv())
+    }
+
+    fn recv_timeout(
+        &self,
+        timeout: std::time::Duration,
+    ) -> std::result::Result<Msg, RecvTimeoutError> {
+        self.took(self.rx.recv_timeout(timeout))
+    }
+}
+
 /// The handle to the writer, syncer and waker threads.
 pub(crate) struct Writer {
     tx: Option<SyncSender<Msg>>,
+    space: Arc<Space>,
     handle: Option<JoinHandle<()>>,
     syncer: Option<JoinHandle<()>>,
     waker: Option<JoinHandle<()>>,
@@ -550,6 +645,11 @@ impl Writer {
         log: Arc<dyn LogFile>,
     ) -> Result<Writer> {
         let (tx, rx) = sync_channel(QUEUE_BOUND);
+        let space = Arc::new(Space::default());
+        let rx = Queue {
+            rx,
+            space: space.clone(),
+        };
         let (wake_tx, wake_rx) = std::sync::mpsc::channel::<Vec<Parked>>();
         let for_waker = shared.clone();
         let waker = std::thread::Builder::new()
@@ -572,6 +672,7 @@ impl Writer {
             .map_err(Error::storage)?;
         Ok(Writer {
             tx: Some(tx),
+            space,
             handle: Some(handle),
             syncer: Some(syncer),
             waker: Some(waker),
@@ -593,6 +694,55 @@ impl Writer {
         match sent {
             Ok(()) => Completion::Pending(rx),
             Err(()) => Completion::Ready(Err(Error::Closed)),
+        }
+    }
+
+    /// Queues `cmd` if the queue has room, without waiting for the answer
+    /// (which is dropped). Returns whether it was queued.
+    pub(crate) fn submit_detached(&self, cmd: Command) -> bool {
+        let Some(tx) = &self.tx else {
+            return false;
+        };
+        let (reply, _rx) = oneshot::channel();
+        tx.try_send(Msg::Req(Request { cmd, reply })).is_ok()
+    }
+
+    /// Queues `cmd` from async code: while the queue is full the future
+    /// waits (woken when the writer takes a message), never blocking the
+    /// thread that polls it.
+    pub(crate) async fn submit_async(&self, cmd: Command) -> Completion {
+        let Some(tx) = &self.tx else {
+            return Completion::Ready(Err(Error::Closed));
+        };
+        let (reply, rx) = oneshot::channel();
+        let mut msg = Some(Msg::Req(Request { cmd, reply }));
+        let sent = std::future::poll_fn(|cx| {
+            let Some(m) = msg.take() else {
+                return Poll::Ready(false);
+            };
+            match tx.try_send(m) {
+                Ok(()) => Poll::Ready(true),
+                Err(TrySendError::Disconnected(_)) => Poll::Ready(false),
+                Err(TrySendError::Full(m)) => {
+                    // Registered before the second try: room made after it
+                    // wakes this task.
+                    self.space.register(cx.waker());
+                    match tx.try_send(m) {
+                        Ok(()) => Poll::Ready(true),
+                        Err(TrySendError::Disconnected(_)) => Poll::Ready(false),
+                        Err(TrySendError::Full(m)) => {
+                            msg = Some(m);
+                            Poll::Pending
+                        }
+                    }
+                }
+            }
+        })
+        .await;
+        if sent {
+            Completion::Pending(rx)
+        } else {
+            Completion::Ready(Err(Error::Closed))
         }
     }
 }
@@ -659,11 +809,11 @@ fn payload_bytes(cmd: &Command) -> usize {
                 _ => 512,
             })
             .fold(0, usize::saturating_add),
-        Command::Sweep { .. } | Command::Checkpoint | Command::Commit => 0,
+        Command::Sweep { .. } | Command::Checkpoint | Command::Commit | Command::Reserve => 0,
     }
 }
 
-fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Msg>) {
+fn run(shared: &Shared, mut state: WriterState, rx: &Queue) {
     let done = WriterDone(shared);
     loop {
         let msg = match rx.try_recv() {
@@ -699,7 +849,7 @@ fn run(shared: &Shared, mut state: WriterState, rx: &Receiver<Msg>) {
 
 /// Takes what is queued (without waiting) into `batch`. Returns whether the
 /// store is closing.
-fn take_queued(rx: &Receiver<Msg>, batch: &mut Vec<Request>) -> bool {
+fn take_queued(rx: &Queue, batch: &mut Vec<Request>) -> bool {
     loop {
         match rx.try_recv() {
             Ok(Msg::Req(req)) => batch.push(req),
@@ -767,7 +917,7 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
 /// still running: the new frame could not be synced before it ends anyway,
 /// so the writer keeps taking requests into the batch until the syncer
 /// reports the disk free. A lone caller is never held back.
-fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiver<Msg>) -> bool {
+fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Queue) -> bool {
     let mut batch = vec![first];
     let gated = shared.durability == Durability::Immediate;
     // Without the syncer nothing would become durable, in either mode.
@@ -807,6 +957,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         }
     };
     let mut token = state.next_token;
+    let mut bound = state.time_reserved;
     let mut answers: Vec<Result<Answer>> = Vec::new();
     let mut events: Vec<Event> = Vec::new();
     let mut closing = false;
@@ -862,13 +1013,21 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
                 Ok(Msg::Close) | Err(_) => closing = true,
             }
         }
-        if tables.is_changed() {
-            tables.set_counters(token, now, state.last_seq + 1)?;
+        // Every answer of the batch is based on a time up to `now` (the
+        // last, hence largest, reading): the frame must carry a bound at
+        // least that high, so that the time survives a crash.
+        // Renewed half a reservation early, so that while batches flow
+        // readers never wait for one.
+        if now.saturating_add(RENEW_AHEAD_MS) > state.time_reserved {
+            bound = shared.clock.reservation(now);
+        }
+        if tables.is_changed() || bound != state.time_reserved {
+            tables.set_counters(token, bound, state.last_seq + 1)?;
         } else if token != state.next_token {
             // Only the token counter moved (an import whose records were all
             // present or skipped still raises it): no frame is written, so
             // the checkpoint below makes the counter durable.
-            tables.set_counters(token, now, state.last_seq)?;
+            tables.set_counters(token, bound, state.last_seq)?;
         }
         Ok(tables.finish())
     });
@@ -893,6 +1052,9 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         return closing;
     }
     let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(answers).collect();
+    // A batch that changed nothing but needs a new time bound still writes
+    // a frame (with no change) to carry it.
+    let body = body.or_else(|| (bound != state.time_reserved).then(BodyWriter::new));
     let Some(body) = body else {
         let counter_moved = token != state.next_token;
         if counter_moved {
@@ -923,6 +1085,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
             keys: Vec::new(),
             replies,
             events,
+            bound: state.time_reserved,
         };
         if gated {
             shared.progress.park(shared, parked);
@@ -931,8 +1094,9 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         }
         return closing;
     };
-    let body = body.finish(token, now);
+    let body = body.finish(token, bound);
     state.next_token = token;
+    state.time_reserved = bound;
     let seq = state.last_seq + 1;
     let frame_len = FRAME_HEADER_LEN + body.len();
     let full = !state.log.fits(frame_len);
@@ -973,12 +1137,16 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Receiv
         keys: touched,
         replies,
         events,
+        bound,
     };
     if inline {
+        let started = Instant::now();
         match state.log.sync() {
             Ok(()) => {
                 let mut ready = shared.progress.inline_synced(seq);
                 ready.push(parked);
+                let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
+                shared.counters.group_commit(started.elapsed(), callers);
                 answer(shared, ready);
             }
             Err(err) => {
@@ -1012,6 +1180,7 @@ fn commit_checkpoint(
     let token_reserved = wal::reserve_tokens(state.next_token);
     shared.cache.begin_write(&touched, Some(seq));
     let OpenTxn { mut txn, keys, .. } = open;
+    let started = Instant::now();
     let committed = guard(&shared.path, || {
         let path = &shared.path;
         txn.set_durability(redb::Durability::Immediate)
@@ -1024,7 +1193,11 @@ fn commit_checkpoint(
             token_reserved,
         };
         schema::write_checkpoint(path, &txn, ck)?;
-        schema::write_clock_hwm(path, &txn, shared.clock.high_water_ms())?;
+        schema::write_clock_hwm(
+            path,
+            &txn,
+            shared.clock.high_water_ms().max(state.time_reserved),
+        )?;
         txn.commit().map_err(|e| map_err(path, e))
     });
     if let Err(err) = committed {
@@ -1038,6 +1211,10 @@ fn commit_checkpoint(
     shared.progress.committed.store(seq, Ordering::SeqCst);
     shared.progress.checkpointed(seq, shared);
     shared.cache.end_write(&keys, seq);
+    // This batch was made durable by the checkpoint itself.
+    shared
+        .counters
+        .group_commit(started.elapsed(), replies.len());
     answer(
         shared,
         vec![Parked {
@@ -1046,6 +1223,7 @@ fn commit_checkpoint(
             keys: touched,
             replies,
             events,
+            bound: state.time_reserved,
         }],
     );
     if let Err(err) = state.log.wrap(epoch, full) {
@@ -1091,10 +1269,16 @@ fn close(shared: &Shared, state: &mut WriterState) {
             token_reserved: state.next_token,
         };
         schema::write_checkpoint(path, &txn, ck)?;
-        // Reads may have advanced the clock's high-water mark past the last
-        // batch; persist it so that a clock that stepped back cannot revive
-        // a record that readers already saw expire.
-        schema::write_clock_hwm(path, &txn, shared.clock.high_water_ms())?;
+        // Every time an answer was based on is at most the high-water mark
+        // (reads reserve time through the writer, so it is within the last
+        // bound); the floor-based time tells the next open which part of
+        // its start time is still being caught up (see `crate::clock`).
+        schema::write_clean_clock(
+            path,
+            &txn,
+            shared.clock.high_water_ms(),
+            shared.clock.floor_ms(),
+        )?;
         txn.commit().map_err(|e| map_err(path, e))
     });
     match done {
@@ -1132,6 +1316,7 @@ fn decide(
         }
         Command::Checkpoint => Ok(Ok(Answer::Checkpointed)),
         Command::Commit => Ok(Ok(Answer::Committed)),
+        Command::Reserve => Ok(Ok(Answer::Reserved)),
     }
 }
 
@@ -1365,6 +1550,7 @@ fn sync_loop(
                 // free; if the queue is full it has work anyway.
                 let _ = nudge.try_send(Msg::Nudge);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
+                shared.counters.group_commit(started.elapsed(), callers);
                 if callers <= WAKE_INLINE {
                     answer(shared, ready);
                 } else if let Err(unsent) = waker.send(ready) {

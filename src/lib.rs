@@ -54,6 +54,17 @@
 //!   holder whose lease was taken over gets [`Error::StaleLease`].
 //! - Corruption is detected (checksums over key and body) and reported as an
 //!   error naming the key or file, never as a wrong answer or a panic.
+//! - The store's time, at which leases and retention are judged, is defined
+//!   once on [`Clock`] ("The store's time"): `max(wall, floor + monotonic
+//!   time elapsed since the floor was set)`, so it follows the wall clock
+//!   forward and keeps moving when the wall clock steps back; it never runs
+//!   backwards, across crashes too (a bound is reserved durably before any
+//!   answer uses a time), and after crashes it is at most
+//!   [`TIME_RESERVATION`] (1 s) ahead of the wall clock.
+//! - Creating a store file is atomic (a temporary file linked into place): a
+//!   crash while creating it leaves no store or one that opens.
+//! - The `*_async` methods never block their executor on the writer: a full
+//!   queue ([`WRITER_QUEUE_BOUND`]) is awaited.
 //!
 //! The store cannot make the side effect and [`Store::complete`] one atomic
 //! step. Pass the idempotency key to the downstream system too (a payment's
@@ -101,12 +112,15 @@ mod check;
 mod clock;
 mod codec;
 mod commit;
+mod create;
 mod error;
 mod expiry;
 mod fence;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 mod record;
 mod scan;
 mod schema;
@@ -116,7 +130,7 @@ mod wal;
 
 pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary, Progress};
 pub use check::{CheckReport, Integrity, Problem, check_file};
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use error::{Error, ImportRule, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
@@ -128,6 +142,7 @@ pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
 pub use store::{
     ClaimOptions, Config, Durability, MAX_LEASE, MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT, Store,
+    WRITER_QUEUE_BOUND,
 };
 pub use wal::{FileLog, LogFile, MemoryLog};
 
@@ -137,8 +152,6 @@ pub use wal::{FileLog, LogFile, MemoryLog};
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing {
-    use std::collections::HashMap;
-
     use crate::record::{Ctx, Effect, Op, Reply, transition};
     use crate::{ClaimOutcome, Error, Fingerprint, Key, Record, Result, codec};
 
@@ -150,7 +163,9 @@ pub mod fuzzing {
     /// grow by one per acquisition.
     #[derive(Debug, Clone)]
     pub struct Machine {
-        records: HashMap<Key, Record>,
+        /// Kept records, found by a linear search: a fuzz run has a few
+        /// keys, and hashing a key costs more than comparing it.
+        records: Vec<Record>,
         next_token: u64,
         retention_ms: u64,
     }
@@ -160,7 +175,7 @@ pub mod fuzzing {
         /// finish.
         pub fn new(retention_ms: u64) -> Machine {
             Machine {
-                records: HashMap::new(),
+                records: Vec::new(),
                 next_token: 1,
                 retention_ms,
             }
@@ -173,7 +188,9 @@ pub mod fuzzing {
                 next_token: self.next_token,
                 business_holder: None,
             };
-            let (effect, reply) = transition(key, self.records.get(key), op, &ctx)?;
+            let at = self.records.iter().position(|r| r.key() == key);
+            let current = at.map(|i| &self.records[i]);
+            let (effect, reply) = transition(key, current, op, &ctx)?;
             match effect {
                 Effect::None => {}
                 Effect::Put(record) => {
@@ -186,10 +203,15 @@ pub mod fuzzing {
                                     reason: "the token counter is exhausted".into(),
                                 })?;
                     }
-                    self.records.insert(key.clone(), record);
+                    match at {
+                        Some(i) => self.records[i] = record,
+                        None => self.records.push(record),
+                    }
                 }
                 Effect::Delete => {
-                    self.records.remove(key);
+                    if let Some(i) = at {
+                        self.records.swap_remove(i);
+                    }
                 }
             }
             Ok(reply)
@@ -287,12 +309,15 @@ pub mod fuzzing {
         /// The record of `key` as a reader sees it at `now_ms` (none once
         /// past retention).
         pub fn get(&self, key: &Key, now_ms: u64) -> Option<&Record> {
-            self.records.get(key).filter(|r| !r.is_expired_at(now_ms))
+            self.records
+                .iter()
+                .find(|r| r.key() == key)
+                .filter(|r| !r.is_expired_at(now_ms))
         }
 
         /// Forgets the record of `key` (an eviction).
         pub fn evict(&mut self, key: &Key) {
-            self.records.remove(key);
+            self.records.retain(|r| r.key() != key);
         }
 
         /// How many records are kept, expired ones included.

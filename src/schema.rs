@@ -29,7 +29,13 @@ pub(crate) const FORMAT_VERSION: u64 = 1;
 pub(crate) const META_FORMAT: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
 pub(crate) const META_NEXT_TOKEN: &str = "next_token";
+/// A bound on every time the store has based an answer on (a reserved
+/// bound, up to `TIME_RESERVATION` ahead of use; exact at a clean close).
 pub(crate) const META_CLOCK_HWM: &str = "clock_high_water_ms";
+/// Written at a clean close: the floor-based part of the store's time then
+/// (see `crate::clock`); absent in stores written before it existed, which
+/// then start with no catch-up.
+pub(crate) const META_CLOCK_FLOOR: &str = "clock_floor_ms";
 /// The sequence number of the last log frame whose effects the index holds.
 pub(crate) const META_APPLIED_SEQ: &str = "log_applied_seq";
 /// The checkpoint epoch: frames written since the last checkpoint carry it.
@@ -51,6 +57,8 @@ pub(crate) struct Meta {
     pub store_id: u128,
     pub next_token: u64,
     pub clock_hwm: u64,
+    /// See [`META_CLOCK_FLOOR`].
+    pub clock_floor: Option<u64>,
     /// See [`META_APPLIED_SEQ`].
     pub applied_seq: u64,
     /// See [`META_LOG_EPOCH`].
@@ -129,19 +137,32 @@ pub(crate) fn open<B: redb::StorageBackend>(
         // a damaged file may panic inside redb. This reads the whole file,
         // as crash recovery already does.
         builder.set_check_integrity_on_open(true);
-        // Every backend goes behind the fence (see `fence.rs`); for a file,
-        // opened as redb's `create` opens it.
+        let file = backend.is_none();
+        // Every backend goes behind the fence (see `fence.rs`).
         let opened = match backend {
+            // A custom backend is created in place: see
+            // `Store::open_with_backend` for the rule it gets.
             Some(backend) => builder.create_with_backend(Fenced::new(backend, fence.clone())),
-            None => std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(path)
-                .map_err(redb::DatabaseError::from)
-                .and_then(redb::backends::FileBackend::new)
-                .and_then(|file| builder.create_with_backend(Fenced::new(file, fence.clone()))),
+            None => {
+                // A missing file is created atomically (`crate::create`).
+                // Errors name the store's path, not the temporary one.
+                crate::create::ensure(path, |temp| {
+                    let db = Database::builder()
+                        .create(temp)
+                        .map_err(|e| map_err(path, e))?;
+                    init_meta(path, &db).map(|_| ())
+                })?;
+                // Then opened as redb's `create` opens a file, behind the
+                // fence; never created here (a file removed meanwhile is
+                // an error, not a new empty store).
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(path)
+                    .map_err(redb::DatabaseError::from)
+                    .and_then(redb::backends::FileBackend::new)
+                    .and_then(|file| builder.create_with_backend(Fenced::new(file, fence.clone())))
+            }
         };
         let db = opened.map_err(|e| match e {
             redb::DatabaseError::Storage(redb::StorageError::Io(io))
@@ -163,10 +184,15 @@ pub(crate) fn open<B: redb::StorageBackend>(
             other => map_err(path, other),
         })?;
         let meta = init_meta(path, &db)?;
+        if file {
+            crate::create::remove_leftovers(path);
+        }
         Ok((db, meta))
     })
 }
 
+/// Checks the metadata of an existing store, or initialises that of a new
+/// database (identity, format, every table) in a durable commit.
 fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
     let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
     txn.set_quick_repair(true);
@@ -204,6 +230,7 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
                     store_id: id,
                     next_token: 1,
                     clock_hwm: 0,
+                    clock_floor: None,
                     applied_seq: 0,
                     log_epoch: 0,
                     log_base: 0,
@@ -258,6 +285,9 @@ pub(crate) fn read_meta(
         store_id: u128::from_le_bytes(id),
         next_token: num(META_NEXT_TOKEN, 1)?,
         clock_hwm: num(META_CLOCK_HWM, 0)?,
+        clock_floor: get(META_CLOCK_FLOOR)?
+            .map(|v| u64_of(path, META_CLOCK_FLOOR, &v))
+            .transpose()?,
         applied_seq: num(META_APPLIED_SEQ, 0)?,
         log_epoch: num(META_LOG_EPOCH, 0)?,
         log_base: num(META_LOG_BASE, 0)?,
@@ -294,6 +324,38 @@ pub(crate) fn write_clock_hwm(path: &Path, txn: &WriteTransaction, hwm_ms: u64) 
             .map_err(|e| map_err(path, e))?;
     }
     Ok(())
+}
+
+/// Writes the clock of a clean close: the high-water mark exactly (no
+/// answer was based on a later time; the reservation is not needed once
+/// nothing runs) and the floor-based time (see [`META_CLOCK_FLOOR`]).
+pub(crate) fn write_clean_clock(
+    path: &Path,
+    txn: &WriteTransaction,
+    high_water_ms: u64,
+    floor_ms: u64,
+) -> Result<()> {
+    let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    for (name, value) in [
+        (META_CLOCK_HWM, high_water_ms),
+        (META_CLOCK_FLOOR, floor_ms.min(high_water_ms)),
+    ] {
+        table
+            .insert(name, &value.to_le_bytes()[..])
+            .map_err(|e| map_err(path, e))?;
+    }
+    Ok(())
+}
+
+/// Raises the persisted clock bound to `bound_ms` in a durable commit of
+/// its own (the first time reservation of an open).
+pub(crate) fn reserve_time(path: &Path, db: &Database, bound_ms: u64) -> Result<()> {
+    guard(path, || {
+        let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        write_clock_hwm(path, &txn, bound_ms)?;
+        txn.commit().map_err(|e| map_err(path, e))
+    })
 }
 
 /// Records a checkpoint in `txn`, which the caller commits durably.

@@ -62,9 +62,12 @@ impl Counters {
     }
 }
 
-/// The live counters behind [`Counters`].
+/// The live counters behind [`Counters`], and (feature `metrics`) the
+/// metrics handles that count the same events.
 #[derive(Debug, Default)]
 pub(crate) struct LiveCounters {
+    #[cfg(feature = "metrics")]
+    handles: Option<crate::metrics::Handles>,
     claims: AtomicU64,
     acquired: AtomicU64,
     replays: AtomicU64,
@@ -81,8 +84,31 @@ fn bump(counter: &AtomicU64) {
 }
 
 impl LiveCounters {
+    /// Counters at zero; with the `metrics` feature, the metrics handles
+    /// registered with the recorder installed now.
+    pub(crate) fn new() -> LiveCounters {
+        LiveCounters {
+            #[cfg(feature = "metrics")]
+            handles: Some(crate::metrics::Handles::register()),
+            ..LiveCounters::default()
+        }
+    }
+
+    /// One group commit made `requests` requests durable in `took`.
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    pub(crate) fn group_commit(&self, took: std::time::Duration, requests: usize) {
+        #[cfg(feature = "metrics")]
+        if let Some(h) = &self.handles {
+            h.group_commit(took, requests);
+        }
+    }
+
     /// Counts one published event.
     pub(crate) fn count(&self, event: &Event) {
+        #[cfg(feature = "metrics")]
+        if let Some(h) = &self.handles {
+            count_metric(h, event);
+        }
         match event {
             Event::Transition { cause, .. } => match cause {
                 Cause::Claim => {
@@ -119,6 +145,7 @@ impl LiveCounters {
         }
     }
 
+    /// The counters now.
     pub(crate) fn snapshot(&self) -> Counters {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Counters {
@@ -133,6 +160,29 @@ impl LiveCounters {
             evictions: get(&self.evictions),
         }
     }
+}
+
+/// Counts `event` in the metrics handles, as [`LiveCounters::count`] does
+/// in the atomics.
+#[cfg(feature = "metrics")]
+fn count_metric(h: &crate::metrics::Handles, event: &Event) {
+    let counter = match event {
+        Event::Transition { cause, .. } => match cause {
+            Cause::Claim => &h.acquired,
+            Cause::Takeover => &h.takeover,
+            Cause::Evict => &h.evictions,
+            Cause::Complete | Cause::Fail | Cause::Release | Cause::Resolve | Cause::Import => {
+                return;
+            }
+        },
+        Event::Replay { .. } => &h.replay,
+        Event::InProgress { .. } => &h.in_progress,
+        Event::FingerprintMismatch { .. } => &h.fingerprint_mismatch,
+        Event::BusinessKeyConflict { .. } => &h.business_key_conflict,
+        Event::StaleLease { .. } => &h.stale_lease,
+        Event::Corrupt { .. } => return,
+    };
+    counter.increment(1);
 }
 
 /// How many stored records are in each state.

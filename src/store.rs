@@ -11,7 +11,7 @@ use crate::audit::{self, Event};
 use crate::backup::{self, ExportSummary, ImportLimits, ImportOptions, ImportSummary, Progress};
 use crate::cache::{Lookup, ReadCache};
 use crate::check::{self, CheckReport};
-use crate::clock::{Clock, MonotonicClock, SystemClock, duration_ms};
+use crate::clock::{Clock, StoreClock, SystemClock, TIME_RESERVATION, duration_ms};
 use crate::codec;
 use crate::commit::{
     Answer, Command, Completion, Progress as WriteProgress, Shared, Writer, WriterState,
@@ -29,6 +29,10 @@ use crate::wal::{self, FileLog, LogFile};
 /// The largest value limit [`Config`] accepts for results, failures and
 /// recovery points: 16 MiB (in bytes).
 pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
+/// How many requests may wait for the store's writer (in requests). Beyond
+/// it callers wait for room (back-pressure): the blocking methods block,
+/// the `*_async` methods are pending without blocking their executor.
+pub const WRITER_QUEUE_BOUND: usize = crate::commit::QUEUE_BOUND;
 /// The longest lease a claim or extend accepts: 30 days.
 pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
 /// The longest retention [`Config::retention`] accepts, and the furthest
@@ -488,6 +492,17 @@ impl Store {
     /// (the log as `<name>-wal`). The backend must implement redb's
     /// file-lock methods for [`Error::AlreadyOpen`] to be detected.
     ///
+    /// **Creation rule.** A store file ([`Store::open_with`]) is created
+    /// atomically (under a temporary name, made durable, then linked into
+    /// place), so a crash while creating it leaves no store or one that
+    /// opens. A backend has no names, so an empty backend is created in
+    /// place: a crash or I/O error during that first open may leave storage
+    /// that never opens ([`Error::IncompatibleFile`], "not a redb file").
+    /// Nothing was acknowledged on such storage (the first open did not
+    /// return a store), so it may be discarded and created again; a backend
+    /// that must survive its own creation should be prepared the same way
+    /// the store prepares files: created elsewhere, then put in place.
+    ///
     /// # Errors
     /// As [`Store::open_with`].
     pub fn open_with_backend(
@@ -527,6 +542,20 @@ impl Store {
             &meta,
             config.max_log_bytes,
         )?;
+        // The store's time starts from the persisted bound. After an unclean
+        // shutdown up to `TIME_RESERVATION` of it may be reservation, not
+        // use: that part is caught up at half rate (see `crate::clock`).
+        let floor = if meta.clean {
+            meta.clock_floor.unwrap_or(opened.clock_hwm)
+        } else {
+            opened
+                .clock_hwm
+                .saturating_sub(duration_ms(TIME_RESERVATION))
+        };
+        let clock = StoreClock::new(config.clock.clone(), opened.clock_hwm, floor);
+        // A first reservation, durable before the store answers anything.
+        let start = clock.reservation(clock.now_ms());
+        schema::reserve_time(&path, &db, start)?;
         if opened.replayed > 0 {
             tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
         }
@@ -534,11 +563,13 @@ impl Store {
             db: Arc::new(db),
             path,
             log_path,
-            clock: MonotonicClock::new(config.clock.clone(), opened.clock_hwm),
+            clock,
+            time_durable: std::sync::atomic::AtomicU64::new(start),
+            renewing: std::sync::atomic::AtomicU64::new(0),
             retention_ms: duration_ms(config.retention),
             durability: config.durability,
             poisoned: AtomicBool::new(false),
-            counters: LiveCounters::default(),
+            counters: LiveCounters::new(),
             index_failed: AtomicBool::new(false),
             progress: WriteProgress::new(opened.last_seq),
             cache: ReadCache::new(config.read_cache_bytes),
@@ -549,6 +580,7 @@ impl Store {
             opened.next_token,
             opened.token_reserved,
             opened.last_seq,
+            start,
             opened.writer,
         );
         let writer = Writer::start(shared.clone(), state, log)?;
@@ -588,10 +620,14 @@ impl Store {
         &self.inner.shared.log_path
     }
 
-    /// The store's current time (ms since the epoch): the clock's reading,
-    /// or the largest reading seen before if the clock stepped back.
+    /// The store's current time (ms since the epoch), as defined on
+    /// [`Clock`] ("The store's time"): the wall clock's reading when it is ahead, else the
+    /// last time taken from it plus the monotonic time elapsed since; never
+    /// lower than a time returned before, across crashes too (the time is
+    /// reserved durably before it is returned). On a store that refuses
+    /// writes ([`Error::Poisoned`]) it stays at the last durable bound.
     pub fn now_ms(&self) -> u64 {
-        self.inner.shared.clock.now_ms()
+        self.inner.time()
     }
 
     /// Claims `key` for a request whose payload has `fingerprint`: the
@@ -626,7 +662,8 @@ impl Store {
         fingerprint: &Fingerprint,
         options: &ClaimOptions,
     ) -> Result<ClaimOutcome> {
-        match self.inner.claim_fast(key, fingerprint, options)? {
+        let now = self.inner.time();
+        match self.inner.claim_fast(key, fingerprint, options, now)? {
             Ok(outcome) => Ok(outcome),
             Err(op) => expect_claim(self.inner.submit_op(key, op).wait()),
         }
@@ -634,6 +671,13 @@ impl Store {
 
     /// [`Store::claim`] as a future: the same semantics, awaiting the
     /// durable commit instead of blocking the thread. No runtime is needed.
+    ///
+    /// The `*_async` methods never block the thread that polls them on the
+    /// writer: a full writer queue (4,096 waiting requests) is awaited, as
+    /// are the durable commit and a time reservation. What they still do on
+    /// the calling thread is short: validating the request and, for
+    /// `claim_async` and [`Store::get_async`], one read of the index (a redb
+    /// read transaction, usually from its page cache).
     ///
     /// # Errors
     /// As [`Store::claim`].
@@ -643,9 +687,10 @@ impl Store {
         fingerprint: &Fingerprint,
         options: &ClaimOptions,
     ) -> Result<ClaimOutcome> {
-        match self.inner.claim_fast(key, fingerprint, options)? {
+        let now = self.inner.time_async().await;
+        match self.inner.claim_fast(key, fingerprint, options, now)? {
             Ok(outcome) => Ok(outcome),
-            Err(op) => expect_claim(self.inner.submit_op(key, op).await),
+            Err(op) => expect_claim(self.inner.submit_op_async(key, op).await),
         }
     }
 
@@ -672,7 +717,7 @@ impl Store {
     /// As [`Store::complete`].
     pub async fn complete_async(&self, lease: &Lease, result: &[u8]) -> Result<Record> {
         let op = self.inner.complete_op(lease, result)?;
-        expect_record(self.inner.submit_op(lease.key(), op).await)
+        expect_record(self.inner.submit_op_async(lease.key(), op).await)
     }
 
     /// Records a failure under `lease` and ends it. A permanent failure
@@ -698,7 +743,7 @@ impl Store {
         retryable: bool,
     ) -> Result<Record> {
         let op = self.inner.fail_op(lease, failure, retryable)?;
-        expect_record(self.inner.submit_op(lease.key(), op).await)
+        expect_record(self.inner.submit_op_async(lease.key(), op).await)
     }
 
     /// Queues a retryable failure under `lease` without waiting for it, for
@@ -707,7 +752,13 @@ impl Store {
     /// reported; a stale lease changes nothing, as always.
     #[cfg(feature = "http")]
     pub(crate) fn fail_detached(&self, lease: &Lease, failure: &[u8]) {
-        if let Ok(op) = self.inner.fail_op(lease, failure, true) {
+        // A reason over the store's failure limit is dropped rather than
+        // the failure: the retry must be able to take over.
+        let op = self
+            .inner
+            .fail_op(lease, failure, true)
+            .or_else(|_| self.inner.fail_op(lease, &[], true));
+        if let Ok(op) = op {
             drop(self.inner.submit_op(lease.key(), op));
         }
     }
@@ -733,7 +784,7 @@ impl Store {
         let op = Op::Release {
             token: lease.token(),
         };
-        expect_released(self.inner.submit_op(lease.key(), op).await)
+        expect_released(self.inner.submit_op_async(lease.key(), op).await)
     }
 
     /// Extends the lease to at least `now + lease` (whole milliseconds, 1 ms
@@ -764,7 +815,7 @@ impl Store {
             token: lease.token(),
             lease_ms,
         };
-        expect_record(self.inner.submit_op(lease.key(), op).await).map(|r| r.lease_until_ms)
+        expect_record(self.inner.submit_op_async(lease.key(), op).await).map(|r| r.lease_until_ms)
     }
 
     /// Saves progress of multi-step work under `lease` (the "recovery point"
@@ -788,11 +839,15 @@ impl Store {
     /// As [`Store::set_recovery_point`].
     pub async fn set_recovery_point_async(&self, lease: &Lease, bytes: &[u8]) -> Result<()> {
         let op = self.inner.recovery_point_op(lease, bytes)?;
-        expect_record(self.inner.submit_op(lease.key(), op).await).map(|_| ())
+        expect_record(self.inner.submit_op_async(lease.key(), op).await).map(|_| ())
     }
 
     /// The record of `key`, or `None` when absent or past retention (whether
-    /// or not it was evicted). Does not wait for the writer.
+    /// or not it was evicted). Does not wait for the writer, except for a
+    /// change of `key` that is not yet durable, and for a renewal of the
+    /// store's time reservation when the time has outrun it (reads that ran
+    /// for about a second without writes; see [`Clock`], "The store's
+    /// time").
     ///
     /// # Errors
     /// [`Error::CorruptRecord`] when the stored record is damaged,
@@ -800,6 +855,32 @@ impl Store {
     /// read.
     pub fn get(&self, key: &Key) -> Result<Option<Record>> {
         self.inner.get(key)
+    }
+
+    /// [`Store::get`] as a future: the same answer, awaiting (instead of
+    /// blocking on) a change of `key` that is not yet durable and a time
+    /// reservation. No runtime is needed.
+    ///
+    /// # Errors
+    /// As [`Store::get`], and [`Error::Poisoned`] or [`Error::Closed`] when
+    /// a change of `key` in flight can no longer become durable.
+    pub async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
+        let now = self.inner.time_async().await;
+        loop {
+            match self.inner.read(key, now)? {
+                Read::Done(r) => return Ok(r),
+                // The writer answers a commit once everything decided before
+                // it is committed to the index and (when gated) durable.
+                Read::Pending(_) => match self.inner.submit_async(Command::Commit).await.await? {
+                    Answer::Committed => {}
+                    _ => {
+                        return Err(Error::Storage(
+                            "writer answered a commit with another answer".into(),
+                        ));
+                    }
+                },
+            }
+        }
     }
 
     /// Evicts up to `max_records` records past retention and returns how
@@ -873,7 +954,7 @@ impl Store {
     pub fn scan(&self, filter: &Filter) -> Result<Records> {
         let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
-        Records::open(&shared.path, &txn, filter.clone(), shared.clock.now_ms())
+        Records::open(&shared.path, &txn, filter.clone(), self.inner.time())
     }
 
     /// The numbers an operator alerts on: records by state, the age of the
@@ -898,7 +979,7 @@ impl Store {
         // A poisoned store's index may hold changes that never became
         // durable: refuse, as scan, export and verify do.
         let txn = self.inner.durable_snapshot()?;
-        let now_ms = shared.clock.now_ms();
+        let now_ms = self.inner.time();
         let (records, oldest) = stats::count_states(&shared.path, &txn, now_ms)?;
         Ok(Stats {
             now_ms,
@@ -907,6 +988,23 @@ impl Store {
             file_bytes: std::fs::metadata(&shared.path).ok().map(|m| m.len()),
             counters: shared.counters.snapshot(),
         })
+    }
+
+    /// Reads [`stats`](Self::stats) and sets the store's gauges in the
+    /// `metrics` facade from it (`idemstore_records{state}`,
+    /// `idemstore_in_progress_lapsed_records`,
+    /// `idemstore_oldest_in_progress_age_seconds`; see
+    /// [`idemstore::metrics`](crate::metrics)). It reads every record, as
+    /// `stats` does: call it when the exporter is scraped or on a timer of
+    /// seconds, not per request. Cargo feature `metrics`.
+    ///
+    /// # Errors
+    /// Those of [`stats`](Self::stats); the gauges are left as they were.
+    #[cfg(feature = "metrics")]
+    pub fn publish_gauges(&self) -> Result<Stats> {
+        let stats = self.stats()?;
+        crate::metrics::set_gauges(&stats);
+        Ok(stats)
     }
 
     /// Writes a portable backup of every live record to `out`, from one
@@ -925,7 +1023,7 @@ impl Store {
     ) -> Result<ExportSummary> {
         let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
-        backup::export(&shared.path, &txn, shared.clock.now_ms(), out, progress)
+        backup::export(&shared.path, &txn, self.inner.time(), out, progress)
     }
 
     /// Restores records from a stream written by [`Store::export`], with the
@@ -1059,7 +1157,7 @@ impl Store {
     pub fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
         let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
-        check::verify(&shared.path, &txn, shared.clock.now_ms(), progress)
+        check::verify(&shared.path, &txn, self.inner.time(), progress)
     }
 
     /// How many records the file holds, including expired records that are
@@ -1150,6 +1248,68 @@ impl Inner {
         })
     }
 
+    /// [`Inner::submit`] from async code: a full queue is awaited.
+    async fn submit_async(&self, cmd: Command) -> Completion {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return Completion::Ready(Err(Error::Poisoned));
+        }
+        self.writer.submit_async(cmd).await
+    }
+
+    async fn submit_op_async(&self, key: &Key, op: Op) -> Result<Answer> {
+        let cmd = Command::Op {
+            key: key.clone(),
+            op,
+        };
+        self.submit_async(cmd).await.await
+    }
+
+    /// The store's time for an answer about to be given: the clock's
+    /// reading once a bound at least that high is durable (asked of the
+    /// writer when it is not yet; see [`crate::clock`]). If the store can
+    /// no longer write, the last durable bound when it is lower: answers
+    /// are never based on a time a crash could take back.
+    fn time(&self) -> u64 {
+        let now = self.shared.clock.now_ms();
+        let durable = self.shared.time_durable.load(Ordering::SeqCst);
+        if now <= durable {
+            self.renew_early(now, durable);
+            return now;
+        }
+        match self.submit(Command::Reserve).wait() {
+            Ok(_) => now.min(self.shared.time_durable.load(Ordering::SeqCst)),
+            Err(_) => now.min(durable),
+        }
+    }
+
+    /// Asks the writer, without waiting, to renew the time reservation when
+    /// `now` comes within half a reservation of the durable bound, so that
+    /// later reads find it renewed. At most one such request is in flight.
+    fn renew_early(&self, now: u64, durable: u64) {
+        let shared = &self.shared;
+        if now.saturating_add(crate::commit::RENEW_AHEAD_MS) > durable
+            && !shared.poisoned.load(Ordering::SeqCst)
+            && shared.renewing.load(Ordering::SeqCst) < durable
+        {
+            shared.renewing.store(durable, Ordering::SeqCst);
+            self.writer.submit_detached(Command::Reserve);
+        }
+    }
+
+    /// [`Inner::time`] from async code: the reservation is awaited.
+    async fn time_async(&self) -> u64 {
+        let now = self.shared.clock.now_ms();
+        let durable = self.shared.time_durable.load(Ordering::SeqCst);
+        if now <= durable {
+            self.renew_early(now, durable);
+            return now;
+        }
+        match self.submit_async(Command::Reserve).await.await {
+            Ok(_) => now.min(self.shared.time_durable.load(Ordering::SeqCst)),
+            Err(_) => now.min(durable),
+        }
+    }
+
     fn sweep(&self, max_records: usize) -> Result<usize> {
         match self.submit(Command::Sweep { max: max_records }).wait()? {
             Answer::Evicted(n) => Ok(n),
@@ -1168,6 +1328,7 @@ impl Inner {
         key: &Key,
         fingerprint: &Fingerprint,
         options: &ClaimOptions,
+        now_ms: u64,
     ) -> Result<Result<ClaimOutcome, Op>> {
         let lease_ms = check_lease("lease", options.lease.unwrap_or(self.config.lease))?;
         if let Some(bk) = &options.business_key {
@@ -1178,8 +1339,7 @@ impl Inner {
             lease_ms,
             business_key: options.business_key.clone(),
         };
-        if let Read::Done(Some(current)) = self.read(key)? {
-            let now_ms = self.shared.clock.now_ms();
+        if let Read::Done(Some(current)) = self.read(key, now_ms)? {
             let ctx = Ctx {
                 now_ms,
                 retention_ms: self.shared.retention_ms,
@@ -1244,8 +1404,9 @@ impl Inner {
     /// flight is waited for: its commit to the index is asked of the
     /// writer, its fsync awaited.
     fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let now = self.time();
         loop {
-            match self.read(key)? {
+            match self.read(key, now)? {
                 Read::Done(r) => return Ok(r),
                 Read::Pending(seq) if self.shared.progress.committed() < seq => {
                     self.commit_index()?;
@@ -1255,13 +1416,13 @@ impl Inner {
         }
     }
 
-    /// One read outside the writer: the cache, else a read transaction,
-    /// then the durability gate (see [`crate::cache`]).
-    fn read(&self, key: &Key) -> Result<Read> {
+    /// One read outside the writer at the store's time `now` (from
+    /// [`Inner::time`]): the cache, else a read transaction, then the
+    /// durability gate (see [`crate::cache`]).
+    fn read(&self, key: &Key, now: u64) -> Result<Read> {
         let shared = &self.shared;
         let path = &shared.path;
         let kb = key.to_bytes();
-        let now = shared.clock.now_ms();
         let gated = shared.durability == Durability::Immediate;
         let version = match shared
             .cache
@@ -1417,6 +1578,9 @@ mod tests {
         );
         let key = Key::new("s", "held").unwrap();
         let fp = Fingerprint::of(b"p");
+        // A time reserved before the fsync is held, so that the reads below
+        // need no new reservation (which would wait for the held fsync).
+        let now = store.now_ms();
         // Through the syncer: the writer applies the batch to the index
         // while the fsync runs.
         store
@@ -1434,11 +1598,14 @@ mod tests {
         while !in_index(&store, &key) {
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert!(matches!(store.inner.read(&key).unwrap(), Read::Pending(_)));
+        assert!(matches!(
+            store.inner.read(&key, now).unwrap(),
+            Read::Pending(_)
+        ));
         assert!(
             store
                 .inner
-                .claim_fast(&key, &fp, &ClaimOptions::new())
+                .claim_fast(&key, &fp, &ClaimOptions::new(), now)
                 .unwrap()
                 .is_err()
         );

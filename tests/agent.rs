@@ -405,6 +405,10 @@ fn an_async_waiter_is_woken_directly() {
             })
         });
         acquired.recv().unwrap();
+        // The holder's claim committed to the index, so that the waiter's
+        // `get_async` answers at once instead of awaiting that commit (which
+        // it awaits, without blocking, where the sync `get` blocked).
+        assert!(store.get(key).unwrap().is_some());
         let fingerprint = fp(params);
         let mut waiter = pin!(store.execute_async(
             key,

@@ -4,6 +4,10 @@
 //! `decode` replay needs the `fuzzing` feature (CI builds with
 //! `--all-features`).
 
+// Each fuzz body includes the shared operation decoder (`fuzz/bodies/ops.rs`)
+// itself, so that each fuzz target builds alone; here two bodies meet.
+#![allow(clippy::duplicate_mod)]
+
 #[path = "../fuzz/bodies/import.rs"]
 mod import;
 #[path = "../fuzz/bodies/keys.rs"]

@@ -60,6 +60,7 @@ fn run_server() -> ! {
         lease: Duration::from_millis(LEASE_MS),
         work: Duration::from_millis(WORK_MS),
         stream_interval: Duration::from_millis(10),
+        metrics: None,
     };
     let addr = options.addr;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -363,34 +364,36 @@ fn check_files(store: &Path, tickets: &Path, keys: &[String], seen: &Seen, seed:
     }
 }
 
-/// `POST /tickets/triage` streams its body for several leases (300 ms
-/// lease, six events 200 ms apart): retries sent by another client while
+/// `POST /tickets/triage` streams its body for several leases (1 s lease,
+/// six events 600 ms apart): retries sent by another client while
 /// it streams get 409, the ticket is created once, and a retry after the
 /// last event gets the whole stream replayed. A real server on loopback and
 /// a real HTTP client.
 #[test]
 fn a_streaming_response_retried_while_it_streams_is_409_then_replayed_whole() {
     let dir = tempfile::tempdir().unwrap();
-    // A port of its own (the other test of this binary picks its port from
-    // the seed, and the two run at once).
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap();
-    let options = service::Options {
-        addr,
-        store: dir.path().join("idempotency.redb"),
-        tickets: dir.path().join("tickets.redb"),
-        lease: Duration::from_millis(300),
-        work: Duration::ZERO,
-        stream_interval: Duration::from_millis(200),
-    };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
+    // A port of its own, bound here and handed to the server (the other
+    // test of this binary picks its port from the seed).
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let options = service::Options {
+        addr,
+        store: dir.path().join("idempotency.redb"),
+        tickets: dir.path().join("tickets.redb"),
+        lease: Duration::from_millis(1_000),
+        work: Duration::ZERO,
+        stream_interval: Duration::from_millis(600),
+        metrics: None,
+    };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = runtime.spawn(service::serve(options, async {
+    let server = runtime.spawn(service::serve_on(listener, options, async {
         let _ = stopped.await;
     }));
     runtime.block_on(async {

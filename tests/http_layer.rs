@@ -915,10 +915,11 @@ fn chunk(i: usize) -> Result<Bytes, std::io::Error> {
 
 #[tokio::test]
 async fn a_body_streaming_for_several_leases_keeps_its_key_until_the_last_byte() {
-    // Real time: a 300 ms lease, and a body of six chunks 200 ms apart that
-    // streams for four leases; a retry while it streams must get 409.
+    // Real time: a 1 s lease (extended every 333 ms), and a body of six
+    // chunks 600 ms apart that streams for over three leases; a retry while
+    // it streams must get 409.
     let (_d, store) = store_with(Config::new());
-    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(300));
+    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(1_000));
     let (svc, runs, mut senders) = streaming(layer, &[]);
     let first = tokio::spawn({
         let svc = svc.clone();
@@ -928,7 +929,7 @@ async fn a_body_streaming_for_several_leases_keeps_its_key_until_the_last_byte()
     let mut during = Vec::new();
     for i in 0..6 {
         tx.send(chunk(i)).unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(600)).await;
         if i == 2 || i == 5 {
             during.push(send(&svc, post(Some("k"), "x")).await.0);
         }
@@ -1073,4 +1074,181 @@ async fn the_outcome_is_recorded_before_the_last_byte_is_handed_on() {
     drop(tx);
     assert!(body.frame().await.is_none());
     assert_eq!(state("chunked"), State::Succeeded);
+}
+
+#[test]
+fn the_bodies_the_layer_hands_on_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    // `http_body_util::combinators::BoxBody` needs both.
+    send_sync::<IdempotencyBody<Full<Bytes>>>();
+}
+
+/// Serves `app` on a loopback port of its own; the address.
+async fn serve(app: axum::Router) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// A real HTTP/1.1 client: status, headers and body of a POST with `key`.
+async fn post_to(
+    addr: std::net::SocketAddr,
+    path: &str,
+    key: &str,
+) -> (StatusCode, http::HeaderMap, Bytes) {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let req = Request::post(format!("http://{addr}{path}"))
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(b"x")))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    (
+        parts.status,
+        parts.headers,
+        body.collect().await.unwrap().to_bytes(),
+    )
+}
+
+#[tokio::test]
+async fn responses_sent_without_a_body_are_recorded_over_a_real_connection() {
+    use axum::routing::post;
+    let (_d, store, _c) = manual_store();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = |status: StatusCode| {
+        let runs = runs.clone();
+        move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move { status }
+        }
+    };
+    let unit = {
+        let runs = runs.clone();
+        move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async {}
+        }
+    };
+    let app = axum::Router::new()
+        .route("/no-content", post(counted(StatusCode::NO_CONTENT)))
+        .route("/created", post(counted(StatusCode::CREATED)))
+        .route("/unit", post(unit))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let addr = serve(app).await;
+    for (path, status) in [
+        ("/no-content", StatusCode::NO_CONTENT),
+        ("/created", StatusCode::CREATED),
+        ("/unit", StatusCode::OK),
+    ] {
+        let (code, headers, body) = post_to(addr, path, "k").await;
+        assert_eq!(
+            (code, replayed(&headers), body.len()),
+            (status, false, 0),
+            "{path}"
+        );
+        // Recorded before the head was sent: a server reads no body here.
+        let key = Key::new(format!("POST {path}"), "k").unwrap();
+        assert_eq!(
+            store.get(&key).unwrap().unwrap().state(),
+            State::Succeeded,
+            "{path}"
+        );
+        let (code, headers, _) = post_to(addr, path, "k").await;
+        assert_eq!((code, replayed(&headers)), (status, true), "{path}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+/// A body of one data frame and trailers that then never ends: a server
+/// hands the trailers on and polls no more.
+struct TrailersThenPending(std::collections::VecDeque<http_body::Frame<Bytes>>);
+
+impl http_body::Body for TrailersThenPending {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        match self.0.pop_front() {
+            Some(frame) => std::task::Poll::Ready(Some(Ok(frame))),
+            None => std::task::Poll::Pending,
+        }
+    }
+}
+
+#[tokio::test]
+async fn trailers_end_a_recorded_body_over_a_real_connection() {
+    use axum::routing::post;
+    let (_d, store, _c) = manual_store();
+    let app = axum::Router::new()
+        .route(
+            "/trailers",
+            post(|| async {
+                let mut trailers = http::HeaderMap::new();
+                trailers.insert("x-checksum", HeaderValue::from_static("abc"));
+                let frames = [
+                    http_body::Frame::data(Bytes::from_static(b"payload")),
+                    http_body::Frame::trailers(trailers),
+                ];
+                Response::builder()
+                    .status(StatusCode::CREATED)
+                    .header("trailer", "x-checksum")
+                    .body(axum::body::Body::new(TrailersThenPending(frames.into())))
+                    .unwrap()
+            }),
+        )
+        .layer(IdempotencyLayer::new(store.clone()));
+    let addr = serve(app).await;
+    let (code, _, body) = post_to(addr, "/trailers", "k").await;
+    assert_eq!((code, &body[..]), (StatusCode::CREATED, &b"payload"[..]));
+    let key = Key::new("POST /trailers", "k").unwrap();
+    assert_eq!(store.get(&key).unwrap().unwrap().state(), State::Succeeded);
+    let (code, headers, replay) = post_to(addr, "/trailers", "k").await;
+    assert_eq!(
+        (code, replayed(&headers), replay),
+        (StatusCode::CREATED, true, body)
+    );
+}
+
+#[tokio::test]
+async fn a_body_that_disagrees_with_its_content_length_is_recorded_as_sent() {
+    let (_d, store, _c) = manual_store();
+    // Longer than declared: a server sends the declared bytes, and those
+    // are what a retry gets.
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), |_| async {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("content-length", "4")
+            .body(Full::new(Bytes::from_static(b"ticket-42")))
+            .unwrap()
+    });
+    send(&svc, post(Some("long"), "x")).await;
+    let (code, headers, body) = send(&svc, post(Some("long"), "x")).await;
+    assert_eq!(
+        (code, replayed(&headers), &body[..]),
+        (StatusCode::CREATED, true, &b"tick"[..])
+    );
+    assert_eq!(runs.count(), 1);
+
+    // Shorter than declared: the server aborts the response, so the client
+    // never got it whole: a failed body.
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), |_| async {
+        Response::builder()
+            .status(StatusCode::CREATED)
+            .header("content-length", "10")
+            .body(Full::new(Bytes::from_static(b"tick")))
+            .unwrap()
+    });
+    let resp = svc.clone().oneshot(post(Some("short"), "x")).await.unwrap();
+    assert!(resp.into_body().collect().await.is_err());
+    let key = Key::new("POST /tickets", "short").unwrap();
+    assert_eq!(
+        store.get(&key).unwrap().unwrap().state(),
+        State::Failed { retryable: true }
+    );
+    assert_eq!(runs.count(), 1);
 }

@@ -899,3 +899,204 @@ fn in_buffered_mode_reads_see_acknowledged_changes_before_the_fsync() {
     store.flush().unwrap();
     assert_eq!(frames(&log.durable()).len(), 1);
 }
+
+// ---------------------------------------------------------------------------
+// The async API never blocks its executor.
+
+/// What happened, in order, on the single thread of a current-thread
+/// runtime.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    Tick,
+    Got,
+    Claimed(u64),
+}
+
+/// Releases a held log if the test has not done so by itself: on a store
+/// whose async API blocked its executor the test would otherwise hang,
+/// never reaching its own release. Not a timing assertion: the assertions
+/// that follow fail in that case, whenever the release came.
+fn release_if_stuck(log: &SimLog) -> mpsc::Sender<()> {
+    let (done, stuck) = mpsc::channel::<()>();
+    let log = log.clone();
+    std::thread::spawn(move || {
+        if stuck.recv_timeout(Duration::from_secs(30)).is_err() {
+            log.hold(false);
+        }
+    });
+    done
+}
+
+/// Holds the writer inside a frame write (so it takes nothing more from its
+/// queue), after finishing a key that `get_async` can read.
+fn held_store(log: &SimLog) -> (Arc<Store>, Key, std::thread::JoinHandle<()>) {
+    let disk = SimDisk::default();
+    // A manual clock: no time passes, so no time reservation is needed.
+    let clock = ManualClock::starting_now();
+    let store = Arc::new(open_sim(&disk, log, config().clock(clock)).unwrap());
+    let done = key("async-done");
+    let lease = acquire(&store, &done);
+    store.complete(&lease, b"result").unwrap();
+    // Committed to the index, so that reading it needs no writer.
+    assert!(store.get(&done).unwrap().is_some());
+    log.hold(true);
+    let first = {
+        let store = store.clone();
+        std::thread::spawn(move || drop(acquire(&store, &key("async-first"))))
+    };
+    log.wait_blocked();
+    (store, done, first)
+}
+
+/// Spawns one claim task per key on the current runtime; each records its
+/// answer in `steps`.
+fn spawn_claims(
+    store: &Arc<Store>,
+    keys: std::ops::Range<usize>,
+    steps: &Arc<Mutex<Vec<Step>>>,
+) -> Vec<tokio::task::JoinHandle<u64>> {
+    keys.map(|i| {
+        let (store, steps) = (store.clone(), steps.clone());
+        tokio::spawn(async move {
+            let k = key(format!("async-{i}"));
+            let outcome = store.claim_async(&k, &fp(), &ClaimOptions::new()).await;
+            let token = match outcome {
+                Ok(ClaimOutcome::Acquired(lease)) => lease.token(),
+                other => panic!("claim {i}: {other:?}"),
+            };
+            steps.lock().unwrap().push(Step::Claimed(token));
+            token
+        })
+    })
+    .collect()
+}
+
+/// With the writer held and its queue full, claim futures that wait for
+/// room stay pending while another task on the same (single) executor
+/// thread completes K steps and a `get_async` of a finished key completes;
+/// then the writer is released and every claim is answered once.
+#[test]
+fn an_async_claim_waiting_for_a_full_queue_does_not_block_its_executor() {
+    const K: usize = 200;
+    let log = SimLog::default();
+    let (store, done, first) = held_store(&log);
+    let stuck = release_if_stuck(&log);
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let n = idemstore::WRITER_QUEUE_BOUND + 64;
+    rt.block_on(async {
+        // More claims than the queue holds: the last ones wait for room.
+        let claims = spawn_claims(&store, 0..n, &steps);
+        let ticker = {
+            let steps = steps.clone();
+            tokio::spawn(async move {
+                for _ in 0..K {
+                    steps.lock().unwrap().push(Step::Tick);
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        let reader = {
+            let (store, steps) = (store.clone(), steps.clone());
+            tokio::spawn(async move {
+                let got = store.get_async(&done).await.unwrap();
+                assert_eq!(
+                    got.and_then(|r| r.result().map(<[u8]>::to_vec)),
+                    Some(b"result".to_vec())
+                );
+                steps.lock().unwrap().push(Step::Got);
+            })
+        };
+        ticker.await.unwrap();
+        reader.await.unwrap();
+        {
+            let seen = steps.lock().unwrap();
+            let ticks = seen.iter().filter(|s| **s == Step::Tick).count();
+            assert_eq!(ticks, K);
+            assert!(seen.contains(&Step::Got));
+            assert!(
+                !seen.iter().any(|s| matches!(s, Step::Claimed(_))),
+                "a claim was answered while the writer was held: {:?}",
+                seen.iter()
+                    .filter(|s| matches!(s, Step::Claimed(_)))
+                    .take(5)
+                    .collect::<Vec<_>>()
+            );
+        }
+        log.hold(false);
+        let mut tokens = Vec::new();
+        for c in claims {
+            tokens.push(c.await.unwrap());
+        }
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(
+            tokens.len(),
+            n,
+            "every claim answered once, each its own token"
+        );
+    });
+    let _ = stuck.send(());
+    first.join().unwrap();
+    let seen = steps.lock().unwrap();
+    // Every tick and the read came before any claim's answer.
+    let first_claim = seen
+        .iter()
+        .position(|s| matches!(s, Step::Claimed(_)))
+        .unwrap();
+    assert_eq!(first_claim, K + 1, "{:?}", &seen[..first_claim.min(8)]);
+    assert_eq!(seen.len(), K + 1 + n);
+}
+
+/// Back-pressure reaches the async caller: with the writer held, claims up
+/// to the queue's bound are queued, later ones wait for room (pending,
+/// without blocking the executor). Once the writer is released every
+/// request is answered exactly once, and in queue order: each claim that
+/// had to wait for room got a later token than every claim queued before
+/// the queue filled.
+#[test]
+fn back_pressure_reaches_async_callers_and_every_request_is_answered_after_the_release() {
+    let log = SimLog::default();
+    let (store, _, first) = held_store(&log);
+    let stuck = release_if_stuck(&log);
+    let steps = Arc::new(Mutex::new(Vec::new()));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let bound = idemstore::WRITER_QUEUE_BOUND;
+    let (queued, waited) = rt.block_on(async {
+        let queued = spawn_claims(&store, 0..bound, &steps);
+        let waited = spawn_claims(&store, bound..2 * bound, &steps);
+        // Every task has run up to its first wait.
+        for _ in 0..4 {
+            tokio::task::yield_now().await;
+        }
+        assert!(steps.lock().unwrap().is_empty(), "answered while held");
+        assert!(queued.iter().chain(&waited).all(|h| !h.is_finished()));
+        log.hold(false);
+        let mut q = Vec::new();
+        for h in queued {
+            q.push(h.await.unwrap());
+        }
+        let mut w = Vec::new();
+        for h in waited {
+            w.push(h.await.unwrap());
+        }
+        (q, w)
+    });
+    let _ = stuck.send(());
+    first.join().unwrap();
+    assert_eq!(steps.lock().unwrap().len(), 2 * bound, "each answered once");
+    let last_queued = queued.iter().max().unwrap();
+    let first_waited = waited.iter().min().unwrap();
+    assert!(
+        first_waited > last_queued,
+        "a claim that waited for room overtook one queued before it"
+    );
+    let mut all: Vec<u64> = queued.into_iter().chain(waited).collect();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 2 * bound);
+}

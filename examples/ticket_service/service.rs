@@ -19,6 +19,7 @@ use axum::{Extension, Json, Router};
 use bytes::Bytes;
 use idemstore::http::{IdempotencyContext, IdempotencyLayer, IdempotencyOutcome};
 use idemstore::{Config, Store};
+use metrics_exporter_prometheus::PrometheusHandle;
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
 use serde_json::{Value, json};
 
@@ -49,6 +50,9 @@ pub struct Options {
     /// The pause between two events of `POST /tickets/triage`'s streamed
     /// body (it sends [`TRIAGE_STEPS`] progress events, then the ticket).
     pub stream_interval: Duration,
+    /// The Prometheus exporter's handle, for `GET /metrics`; its recorder
+    /// must be installed before the store is opened. `None`: no route.
+    pub metrics: Option<PrometheusHandle>,
 }
 
 /// How many progress events `POST /tickets/triage` streams before the
@@ -362,6 +366,22 @@ async fn idempotency_stats(State(app): State<App>) -> Response {
     .into_response()
 }
 
+/// `GET /metrics`: the store's gauges, refreshed now, and every counter and
+/// histogram, in Prometheus text format.
+async fn metrics(
+    State(app): State<App>,
+    Extension(handle): Extension<PrometheusHandle>,
+) -> Response {
+    if let Err(e) = blocking(move || Ok(app.store.publish_gauges()?)).await {
+        return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response();
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        handle.render(),
+    )
+        .into_response()
+}
+
 /// The service's routes over an open store and ticket table.
 pub fn router(store: Arc<Store>, tickets: Tickets, options: &Options) -> Router {
     let idempotency = IdempotencyLayer::new(store.clone())
@@ -377,7 +397,11 @@ pub fn router(store: Arc<Store>, tickets: Tickets, options: &Options) -> Router 
             Some(path) => path.as_str().to_owned(),
             None => parts.uri.path().to_owned(),
         });
-    Router::new()
+    let mut router = Router::new();
+    if let Some(handle) = options.metrics.clone() {
+        router = router.route("/metrics", get(metrics).layer(Extension(handle)));
+    }
+    router
         .route("/tickets", post(create_ticket))
         .route("/tickets/triage", post(triage_ticket))
         .route("/tickets/count", get(count_tickets))
@@ -401,10 +425,23 @@ pub async fn serve(
     options: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), BoxError> {
+    let listener = tokio::net::TcpListener::bind(options.addr).await?;
+    serve_on(listener, options, shutdown).await
+}
+
+/// Opens the files and serves on `listener` (`options.addr` is not used)
+/// until `shutdown` completes.
+///
+/// # Errors
+/// When a file cannot be opened.
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    options: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), BoxError> {
     let store = Store::open_with(&options.store, Config::new().lease(options.lease))?;
     let tickets = Tickets::open(&options.tickets)?;
     let app = router(Arc::new(store), tickets, &options);
-    let listener = tokio::net::TcpListener::bind(options.addr).await?;
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await?;

@@ -25,6 +25,15 @@ use ops::reference::{
     MRecord, Model, Op, RETENTION_MS, fingerprint, key,
 };
 
+/// A description formatted only when an assertion fails and prints it.
+struct Lazy<F: Fn() -> String>(F);
+
+impl<F: Fn() -> String> std::fmt::Display for Lazy<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&(self.0)())
+    }
+}
+
 /// The machine's token of the model's `index`-th lease: tokens start at 1
 /// and the machine never skips one.
 fn token_of(index: usize) -> u64 {
@@ -55,7 +64,13 @@ impl Pure {
         }
     }
 
-    fn assert_record(&self, real: &Record, exp: &MRecord, key: usize, what: &str) {
+    fn assert_record(
+        &self,
+        real: &Record,
+        exp: &MRecord,
+        key: usize,
+        what: &dyn std::fmt::Display,
+    ) {
         assert_eq!(real.key(), &self.keys[key], "{what}: key");
         assert_eq!(real.state(), exp.state, "{what}: state");
         assert_eq!(real.token(), token_of(exp.token), "{what}: fencing token");
@@ -90,7 +105,11 @@ impl Pure {
         assert_eq!(real.failure(), failure, "{what}: failure");
     }
 
-    fn assert_err<T: std::fmt::Debug>(got: Result<T, Error>, expected: &Expected, what: &str) {
+    fn assert_err<T: std::fmt::Debug>(
+        got: Result<T, Error>,
+        expected: &Expected,
+        what: &dyn std::fmt::Display,
+    ) {
         let kind = match got {
             Ok(v) => panic!("{what}: got {v:?}, expected {expected:?}"),
             Err(Error::FingerprintMismatch { .. }) => ErrKind::FingerprintMismatch,
@@ -111,7 +130,7 @@ impl Pure {
             return;
         }
         let now = model.store_now_ms;
-        let what = format!("op {op:?}, expected {expected:?}");
+        let what = Lazy(|| format!("op {op:?}, expected {expected:?}"));
         match op {
             Op::Claim { key, fp, lease_ms } => {
                 let got = self.machine.claim(
@@ -209,7 +228,12 @@ impl Pure {
         }
     }
 
-    fn expect_finished(&self, got: Result<Record, Error>, model: &Model, what: &str) {
+    fn expect_finished(
+        &self,
+        got: Result<Record, Error>,
+        model: &Model,
+        what: &dyn std::fmt::Display,
+    ) {
         match (got, &model.expected) {
             (Ok(rec), Expected::Finished(exp)) => {
                 self.assert_record(&rec, exp, model.leases[exp.token], what);
@@ -224,7 +248,9 @@ impl Pure {
         for k in 0..KEY_COUNT {
             match (self.machine.get(&self.keys[k], now), model.visible(k, now)) {
                 (None, None) => {}
-                (Some(real), Some(exp)) => self.assert_record(real, exp, k, &format!("key {k}")),
+                (Some(real), Some(exp)) => {
+                    self.assert_record(real, exp, k, &Lazy(|| format!("key {k}")))
+                }
                 (got, exp) => panic!("key {k}: machine has {got:?}, model has {exp:?}"),
             }
         }

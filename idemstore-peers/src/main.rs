@@ -37,6 +37,9 @@
 //! It prints `peer=<name> threads=<n> lifecycles_per_s=<x>` per peer and ends
 //! with `ratio threads=<n> idemstore/sqlite=<x> idemstore/redb-naive=<y>
 //! idemstore/fsync-floor=<z>` (plus `idemstore/redis=<r>` when Redis ran).
+//! Built with `--features metrics`, idemstore publishes its metrics to an
+//! installed Prometheus recorder, to measure what the feature costs.
+//!
 //! `--replay` times replay claims of finished keys against the in-memory map
 //! instead and ends with `replay threads=<n> idemstore/map=<m>`. With
 //! `--runs N` every peer is timed N times, in turn, and the lines give the
@@ -114,6 +117,14 @@ struct Args {
 
 fn main() -> BoxResult<()> {
     let args = Args::parse();
+    // With the `metrics` feature, idemstore counts into a real recorder (as
+    // a service exporting to Prometheus would), installed before any store
+    // is opened.
+    #[cfg(feature = "metrics")]
+    {
+        metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+        println!("idemstore metrics=prometheus-recorder");
+    }
     if args.threads == 0 || args.runs == 0 || args.seconds <= 0.0 || args.replay_keys == 0 {
         return Err("--threads, --runs, --seconds and --replay-keys must be positive".into());
     }

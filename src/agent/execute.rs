@@ -602,7 +602,7 @@ impl Store {
         let mut watch = None;
         let lease = loop {
             let listener = watch.as_ref().map(super::notify::Watch::listen);
-            let before = self.get(key)?;
+            let before = self.get_async(key).await?;
             match self.claim_async(key, fingerprint, &claim_options).await? {
                 ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
                 ClaimOutcome::Acquired(lease) => break Acquired::new(lease, before.as_ref()),

@@ -19,7 +19,9 @@ pin_project! {
     /// response, a rejection) or streamed from an inner body.
     ///
     /// The inner service receives requests with this body, and the layer's
-    /// responses carry it. Trailers of a buffered body are not kept.
+    /// responses carry it. Trailers are not kept: neither those of a
+    /// buffered request nor those of a recorded response (they are handed
+    /// on to the first client, not replayed).
     ///
     /// The body of a response whose outcome the layer records streams to
     /// the client frame by frame as the handler's body yields it, while the
@@ -106,6 +108,9 @@ where
                 if let Some(poll) = recorder.poll_recording(cx) {
                     return poll;
                 }
+                if recorder.is_ended() {
+                    return Poll::Ready(None);
+                }
                 if recorder.is_done() {
                     return Poll::Ready(ready!(rest.poll_frame(cx)).map(out));
                 }
@@ -114,7 +119,12 @@ where
                     None => recorder.end(None),
                     Some(Err(error)) => recorder.fail(error),
                     Some(Ok(frame)) => {
-                        let last = frame.data_ref().is_some_and(|data| recorder.data(data));
+                        // Trailers end a body: a server hands them on and
+                        // polls no more.
+                        let last = match frame.data_ref() {
+                            Some(data) => recorder.data(data),
+                            None => frame.is_trailers(),
+                        };
                         if last || rest.is_end_stream() {
                             recorder.end(Some(Ok(frame)));
                         } else {
@@ -131,7 +141,9 @@ where
             Kind::Full { data } => data.is_none(),
             Kind::Stream { rest } => rest.is_end_stream(),
             // Not at its end before the outcome is recorded and handed on.
-            Kind::Recording { rest, recorder } => recorder.is_done() && rest.is_end_stream(),
+            Kind::Recording { rest, recorder } => {
+                recorder.is_done() && (recorder.is_ended() || rest.is_end_stream())
+            }
         }
     }
 

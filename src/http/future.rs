@@ -22,6 +22,51 @@ use super::stored::{Stored, StoredResponse};
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
+/// A boxed future that is `Sync` as well as `Send`, so that the body that
+/// holds it stays `Sync` (as `http_body_util::combinators::BoxBody`
+/// requires): the mutex is only ever reached through `&mut`, never locked
+/// by two threads.
+pub(crate) struct SyncFuture<T>(std::sync::Mutex<BoxFuture<T>>);
+
+impl<T> SyncFuture<T> {
+    fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
+        SyncFuture(std::sync::Mutex::new(Box::pin(future)))
+    }
+
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<T> {
+        self.0
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_mut()
+            .poll(cx)
+    }
+}
+
+/// Whether a server sends (and so reads) the body of this response: not for
+/// 1xx, 204 and 304 (RFC 9110 §6.4.1), nor for a body already at its end or
+/// of length zero, declared or exact.
+fn body_is_sent<B: Body>(parts: &http::response::Parts, body: &B) -> bool {
+    let status = parts.status;
+    let no_body = status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    !(no_body
+        || body.is_end_stream()
+        || body.size_hint().exact() == Some(0)
+        || declared_length(&parts.headers) == Some(0))
+}
+
+/// The `Content-Length` a response declares, if any.
+fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// What the claim step yields: the inner service's future under a held
 /// lease, or a response given without calling the inner service.
 type Prepared<F, B> = std::result::Result<(F, Held), Response<IdempotencyBody<B>>>;
@@ -65,8 +110,9 @@ pin_project! {
         Claim { future: BoxFuture<Prepared<F, B>> },
         // The handler runs under the lease.
         Run { #[pin] future: F, held: Option<Held>, heartbeat: Heartbeat },
-        // Releasing the key before the response is returned.
-        Release { future: BoxFuture<Response<IdempotencyBody<B>>> },
+        // Releasing the key, or recording a response whose body will not
+        // be read, before the response is returned.
+        Settle { future: SyncFuture<Response<IdempotencyBody<B>>> },
         Done,
     }
 }
@@ -100,7 +146,7 @@ impl<F, B> std::fmt::Debug for ResponseFuture<F, B> {
             State::Passthrough { .. } => "passthrough",
             State::Claim { .. } => "claim",
             State::Run { .. } => "run",
-            State::Release { .. } => "release",
+            State::Settle { .. } => "settle",
             State::Done => "done",
         };
         f.debug_struct("ResponseFuture")
@@ -170,9 +216,29 @@ where
                                 None => held.settings.release_statuses.contains(&parts.status),
                             };
                             if release {
-                                state.set(State::Release {
-                                    future: Box::pin(async move {
+                                state.set(State::Settle {
+                                    future: SyncFuture::new(async move {
                                         held.release().await;
+                                        Response::from_parts(parts, IdempotencyBody::stream(body))
+                                    }),
+                                });
+                                continue;
+                            }
+                            if !body_is_sent(&parts, &body) {
+                                // A server sends no body for this response
+                                // (204, 304, 1xx, an empty or zero-length
+                                // body) and may never poll it: record the
+                                // outcome before the head is handed on.
+                                let stored = StoredResponse::new(
+                                    parts.status,
+                                    &parts.headers,
+                                    &held.settings.replay_headers,
+                                );
+                                let kept =
+                                    stored.len_without_body() <= held.settings.max_response_bytes;
+                                state.set(State::Settle {
+                                    future: SyncFuture::new(async move {
+                                        held.finish(outcome, stored, kept).await;
                                         Response::from_parts(parts, IdempotencyBody::stream(body))
                                     }),
                                 });
@@ -192,8 +258,8 @@ where
                         }
                     }
                 }
-                StateProj::Release { future } => {
-                    let response = ready!(future.as_mut().poll(cx));
+                StateProj::Settle { future } => {
+                    let response = ready!(future.poll(cx));
                     state.set(State::Done);
                     return Poll::Ready(Ok(response));
                 }
@@ -242,11 +308,13 @@ impl Held {
     /// Records a retryable failure, waiting for it to be durable.
     async fn fail_retryable(mut self, reason: String) {
         tracing::warn!(key = %self.lease.key(), reason, "recording a retryable failure");
-        let result = self
-            .settings
-            .store
-            .fail_async(&self.lease, reason.as_bytes(), true)
-            .await;
+        let store = &self.settings.store;
+        let result = match store.fail_async(&self.lease, reason.as_bytes(), true).await {
+            // The reason is over the store's failure limit: the failure
+            // matters, not its text.
+            Err(Error::TooLarge { .. }) => store.fail_async(&self.lease, &[], true).await,
+            other => other,
+        };
         self.finished = true;
         self.report(result.map(drop));
     }
@@ -302,6 +370,12 @@ impl Held {
         if let (Err(Error::TooLarge { len, limit, .. }), false) = (&result, is_marker) {
             tracing::warn!(key = %self.lease.key(), len, limit, "the response is over the store's limit; keeping a marker instead");
             result = self.store_outcome(status, &marker()).await;
+        }
+        if let Err(Error::TooLarge { .. }) = &result {
+            // Even the marker's location is over the store's limit.
+            result = self
+                .store_outcome(status, &Stored::not_kept(status, None, 0))
+                .await;
         }
         if is_marker {
             tracing::warn!(key = %self.lease.key(), %status, "the response was too large to keep; a retry is answered 410");
@@ -364,10 +438,12 @@ pub(crate) struct Recorder {
     /// Body bytes handed on so far, and how many the response declares.
     sent: u64,
     declared: Option<u64>,
-    recording: Option<BoxFuture<()>>,
+    recording: Option<SyncFuture<()>>,
     /// What to hand on once the recording is durable.
     then: OutFrame,
     done: bool,
+    /// The inner body has ended (or failed): nothing more is read from it.
+    ended: bool,
 }
 
 impl Recorder {
@@ -383,11 +459,7 @@ impl Recorder {
         let room = settings
             .max_response_bytes
             .checked_sub(stored.len_without_body());
-        let declared = parts
-            .headers
-            .get(http::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok()?.parse().ok())
-            .or_else(|| body.size_hint().exact());
+        let declared = declared_length(&parts.headers).or_else(|| body.size_hint().exact());
         Box::new(Recorder {
             heartbeat: Heartbeat::new(settings.lease),
             held: Some(held),
@@ -401,7 +473,13 @@ impl Recorder {
             recording: None,
             then: None,
             done: false,
+            ended: false,
         })
+    }
+
+    /// Whether the inner body has ended: the rest reads as the end.
+    pub(crate) fn is_ended(&self) -> bool {
+        self.ended
     }
 
     /// Whether the outcome is recorded and the rest of the body (if any)
@@ -414,7 +492,7 @@ impl Recorder {
     /// there is one, `None` when the body should be read on.
     pub(crate) fn poll_recording(&mut self, cx: &mut Context<'_>) -> Option<Poll<OutFrame>> {
         let recording = self.recording.as_mut()?;
-        if recording.as_mut().poll(cx).is_pending() {
+        if recording.poll(cx).is_pending() {
             return Some(Poll::Pending);
         }
         self.recording = None;
@@ -430,8 +508,18 @@ impl Recorder {
     }
 
     /// Keeps a data frame; `true` when it is the last one the response
-    /// declared.
+    /// declared. Bytes past a declared `Content-Length` are not kept: a
+    /// server does not send them.
     pub(crate) fn data(&mut self, data: &Bytes) -> bool {
+        let len = u64::try_from(data.len()).unwrap_or(u64::MAX);
+        let sendable = match self.declared {
+            Some(declared) => {
+                let left = declared.saturating_sub(self.sent);
+                usize::try_from(left.min(len)).unwrap_or(data.len())
+            }
+            None => data.len(),
+        };
+        let data = &data[..sendable];
         if self.kept {
             if data.len() <= self.room {
                 self.body.extend_from_slice(data);
@@ -441,26 +529,42 @@ impl Recorder {
                 self.body = BytesMut::new();
             }
         }
-        self.sent = self.sent.saturating_add(data.len() as u64);
+        self.sent = self.sent.saturating_add(len);
         self.declared.is_some_and(|n| self.sent >= n)
     }
 
     /// The body ended (`then` is what to hand on after the recording:
     /// the last frame, or `None`): records the outcome.
     pub(crate) fn end(&mut self, then: OutFrame) {
+        self.ended |= then.is_none();
+        if let Some(declared) = self.declared.filter(|n| self.sent < *n) {
+            // Shorter than it declared: the server aborts the response, so
+            // the client never got it whole.
+            let error: BoxError = format!(
+                "the response body ended after {} of its {declared} declared bytes",
+                self.sent
+            )
+            .into();
+            return self.fail(error);
+        }
         let (Some(held), Some(mut stored)) = (self.held.take(), self.stored.take()) else {
             self.done = true;
             self.then = then;
             return;
         };
         stored.body = std::mem::take(&mut self.body).freeze();
-        self.recording = Some(Box::pin(held.finish(self.outcome, stored, self.kept)));
+        self.recording = Some(SyncFuture::new(held.finish(
+            self.outcome,
+            stored,
+            self.kept,
+        )));
         self.then = then;
     }
 
     /// The body failed: records a retryable failure, then hands the error
     /// on.
     pub(crate) fn fail(&mut self, error: BoxError) {
+        self.ended = true;
         let Some(held) = self.held.take() else {
             self.done = true;
             self.then = Some(Err(error));
@@ -470,7 +574,7 @@ impl Recorder {
             "the response body failed after {} bytes: {error}",
             self.sent
         );
-        self.recording = Some(Box::pin(held.fail_retryable(reason)));
+        self.recording = Some(SyncFuture::new(held.fail_retryable(reason)));
         self.then = Some(Err(error));
     }
 }
@@ -481,7 +585,7 @@ impl Recorder {
 pub(crate) struct Heartbeat {
     lease: Duration,
     delay: Delay,
-    extending: Option<BoxFuture<Result<u64>>>,
+    extending: Option<SyncFuture<Result<u64>>>,
     lost: bool,
 }
 
@@ -500,14 +604,14 @@ impl Heartbeat {
     fn poll(&mut self, cx: &mut Context<'_>, held: &Held) {
         while !self.lost {
             if let Some(extending) = self.extending.as_mut() {
-                let Poll::Ready(result) = extending.as_mut().poll(cx) else {
+                let Poll::Ready(result) = extending.poll(cx) else {
                     return;
                 };
                 self.extending = None;
                 match result {
                     Ok(_) => {}
                     Err(error @ Error::StaleLease { .. }) => {
-                        tracing::warn!(key = %held.lease.key(), %error, "lease lost while the handler ran");
+                        tracing::warn!(key = %held.lease.key(), %error, "lease lost while the request held it");
                         self.lost = true;
                         return;
                     }
@@ -523,7 +627,7 @@ impl Heartbeat {
             let store = held.settings.store.clone();
             let lease = held.lease.clone();
             let duration = self.lease;
-            self.extending = Some(Box::pin(async move {
+            self.extending = Some(SyncFuture::new(async move {
                 store.extend_async(&lease, duration).await
             }));
         }

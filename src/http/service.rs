@@ -81,8 +81,10 @@ impl IdempotencyContext {
 
 /// What a handler tells the layer about one response, by putting it in the
 /// response's extensions. Only the handler knows whether its effect
-/// happened, so only it can overrule the layer's default (2xx, 3xx and 4xx
-/// stored; 5xx recorded as a retryable failure).
+/// happened, so only it can overrule the layer's default (1xx–3xx and 4xx
+/// stored, but the [release statuses](super::IdempotencyLayer::release_statuses),
+/// 408, 425 and 429 by default, which release the key; 5xx recorded as a
+/// retryable failure).
 ///
 /// With axum: `(Extension(IdempotencyOutcome::NoEffect), StatusCode::SERVICE_UNAVAILABLE)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -458,8 +460,8 @@ fn not_kept<B>(
         StatusCode::GONE,
         "Response not kept",
         &format!(
-            "the request with idempotency key {:?} was processed (status {}) and will not run again, \
-             but its response was too large to keep; look the result up (see `location` when given) \
+            "the request with idempotency key {:?} was answered with status {} and will not run again, \
+             but that response was too large to keep; look the result up (see `location` when given) \
              or send a new request with a new idempotency key",
             key.id(),
             status.as_u16()

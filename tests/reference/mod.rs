@@ -211,8 +211,11 @@ pub enum Expected {
 pub struct Model {
     /// What the manual clock reads.
     pub clock_ms: u64,
-    /// The store's time: the largest clock reading it has seen. It never
-    /// goes back, not even across a reopen (DESIGN.md: "persisted").
+    /// The store's time (`src/clock.rs`): the larger of the clock's wall
+    /// reading and the store's earlier time plus the monotonic time elapsed
+    /// since. `Advance` moves both readings, `StepBack` only the wall
+    /// reading, so after a step back the store's time keeps moving with
+    /// `Advance`. It never goes back, not even across a reopen.
     pub store_now_ms: u64,
     /// Stored records, including those past retention not yet evicted.
     pub records: BTreeMap<usize, MRecord>,
@@ -263,7 +266,8 @@ impl Model {
         }
     }
 
-    /// The store reads the clock: its time is the largest reading seen.
+    /// The store reads the clock: its time is the larger of its earlier
+    /// time (moved by `Advance`) and the wall reading.
     fn tick(&mut self) -> u64 {
         self.store_now_ms = self.store_now_ms.max(self.clock_ms);
         self.store_now_ms
@@ -363,7 +367,9 @@ impl Model {
             }
             Op::Get { key } => Expected::Got(self.visible(*key, now).cloned()),
             Op::Advance { ms } => {
+                // Time passes: the wall reading and the store's time both move.
                 self.clock_ms = self.clock_ms.saturating_add(*ms);
+                self.store_now_ms = self.store_now_ms.saturating_add(*ms);
                 Expected::Nothing
             }
             Op::StepBack { ms } => {

@@ -1,0 +1,140 @@
+//! Atomic creation of a store file: a crash at any point of creating a store
+//! leaves either no store or a store that opens.
+//!
+//! The protocol (`docs/design.md` 2.8): the new index is created under a
+//! unique temporary name in the same directory
+//! (`.<file name>.creating-<16 hex digits>`), initialised (store identity,
+//! format, tables) and made durable; then it is hard-linked to the real
+//! name. A store that another process created meanwhile wins: the link
+//! fails with `AlreadyExists` and that store is opened instead, never
+//! replaced (which a `rename` would do). Then the temporary name is removed
+//! and the directory synced. A temporary file left by a crash is removed by
+//! the next open of the store (or by the next creation of it), and never
+//! read.
+
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+
+/// How often a creation is retried when its temporary file vanished before
+/// the link (another opener cleaned it up as a leftover).
+const ATTEMPTS: usize = 8;
+
+/// The prefix of the temporary names of `path`'s creation:
+/// `.<file name>.creating-`.
+fn temp_prefix(path: &Path) -> Option<OsString> {
+    let name = path.file_name()?;
+    let mut prefix = OsString::from(".");
+    prefix.push(name);
+    prefix.push(".creating-");
+    Some(prefix)
+}
+
+fn dir_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn storage(path: &Path, what: &str, e: &io::Error) -> Error {
+    Error::Storage(format!("{}: {what}: {e}", path.display()))
+}
+
+/// Makes sure a store file exists at `path`, creating it atomically if it
+/// does not: `init` is called on a new database at a temporary name and
+/// must leave it initialised and committed durably. Returns whether this
+/// call created the store. An existing file (of any content) is left
+/// alone for the open to judge.
+///
+/// # Errors
+/// [`Error::Storage`] when the directory or a file cannot be created,
+/// synced or linked; whatever `init` returns.
+pub(crate) fn ensure(path: &Path, init: impl Fn(&Path) -> Result<()>) -> Result<bool> {
+    let Some(prefix) = temp_prefix(path) else {
+        return Err(Error::invalid("path", "names no file"));
+    };
+    for _ in 0..ATTEMPTS {
+        match std::fs::symlink_metadata(path) {
+            Ok(_) => return Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(storage(path, "cannot look at the store file", &e)),
+        }
+        let mut name = prefix.clone();
+        name.push(format!("{:016x}", rand::random::<u64>()));
+        let temp = dir_of(path).join(name);
+        let made = init(&temp).and_then(|()| {
+            std::fs::File::open(&temp)
+                .and_then(|f| f.sync_all())
+                .map_err(|e| storage(&temp, "cannot sync the new store", &e))
+        });
+        if let Err(e) = made {
+            let _ = std::fs::remove_file(&temp);
+            return Err(e);
+        }
+        let linked = std::fs::hard_link(&temp, path);
+        let _ = std::fs::remove_file(&temp);
+        sync_dir(path)?;
+        match linked {
+            Ok(()) => return Ok(true),
+            // Created meanwhile by another process: open that one.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(false),
+            // The temporary file was removed as a leftover by another
+            // opener before the link: start over.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(storage(path, "cannot link the new store into place", &e)),
+        }
+    }
+    Err(Error::Storage(format!(
+        "{}: the store could not be created: its temporary file kept vanishing",
+        path.display()
+    )))
+}
+
+/// Removes temporary files that creations of `path` left behind (a crash
+/// between creating and linking, or between linking and removing). Called
+/// once the store at `path` is open and held, so no creation of it is
+/// still under way in a way that could succeed.
+///
+/// # Errors
+/// None: a leftover that cannot be removed is left for the next open.
+pub(crate) fn remove_leftovers(path: &Path) {
+    let Some(prefix) = temp_prefix(path) else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir_of(path)) else {
+        return;
+    };
+    let mut removed = false;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if name
+            .as_encoded_bytes()
+            .starts_with(prefix.as_encoded_bytes())
+        {
+            removed |= std::fs::remove_file(entry.path()).is_ok();
+            if removed {
+                tracing::info!(file = %entry.path().display(), "removed a store file left by an interrupted creation");
+            }
+        }
+    }
+    if removed {
+        let _ = sync_dir(path);
+    }
+}
+
+#[cfg(unix)]
+fn sync_dir(path: &Path) -> Result<()> {
+    let dir = dir_of(path);
+    std::fs::File::open(&dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| storage(&dir, "cannot sync the directory", &e))
+}
+
+#[cfg(not(unix))]
+fn sync_dir(_path: &Path) -> Result<()> {
+    // Directories cannot be opened for syncing here; NTFS journals entries.
+    Ok(())
+}
