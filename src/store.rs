@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use redb::ReadableDatabase;
+use tracing::Instrument;
 
 use crate::audit::{self, Event};
 use crate::backup::{self, ExportSummary, ImportLimits, ImportOptions, ImportSummary, Progress};
@@ -478,6 +479,7 @@ impl Store {
     /// retention, a zero or over-long lease, a zero sweep batch or interval,
     /// or a value limit over [`MAX_VALUE_LIMIT`].
     pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
+        let _span = tracing::debug_span!("idemstore.open_with").entered();
         let path = path.as_ref().to_path_buf();
         let log_path = log_path_of(&path);
         Store::open_inner::<redb::backends::FileBackend>(path, log_path, None, None, config)
@@ -511,6 +513,7 @@ impl Store {
         log: impl LogFile,
         config: Config,
     ) -> Result<Store> {
+        let _span = tracing::debug_span!("idemstore.open_with_backend").entered();
         let path = name.as_ref().to_path_buf();
         let log_path = log_path_of(&path);
         Store::open_inner(path, log_path, Some(backend), Some(Arc::new(log)), config)
@@ -662,6 +665,8 @@ impl Store {
         fingerprint: &Fingerprint,
         options: &ClaimOptions,
     ) -> Result<ClaimOutcome> {
+        let _span =
+            tracing::debug_span!("idemstore.claim", scope = key.scope(), id = key.id()).entered();
         let now = self.inner.time();
         match self.inner.claim_fast(key, fingerprint, options, now)? {
             Ok(outcome) => Ok(outcome),
@@ -687,11 +692,16 @@ impl Store {
         fingerprint: &Fingerprint,
         options: &ClaimOptions,
     ) -> Result<ClaimOutcome> {
-        let now = self.inner.time_async().await;
-        match self.inner.claim_fast(key, fingerprint, options, now)? {
-            Ok(outcome) => Ok(outcome),
-            Err(op) => expect_claim(self.inner.submit_op_async(key, op).await),
+        let span = tracing::debug_span!("idemstore.claim", scope = key.scope(), id = key.id());
+        async move {
+            let now = self.inner.time_async().await;
+            match self.inner.claim_fast(key, fingerprint, options, now)? {
+                Ok(outcome) => Ok(outcome),
+                Err(op) => expect_claim(self.inner.submit_op_async(key, op).await),
+            }
         }
+        .instrument(span)
+        .await
     }
 
     /// Records the work's result under `lease` and ends it: the record
@@ -707,6 +717,12 @@ impl Store {
     ///   [`Store::claim`]; after a storage error the completion may or may
     ///   not be durable ([`Store::get`] after reopening tells).
     pub fn complete(&self, lease: &Lease, result: &[u8]) -> Result<Record> {
+        let _span = tracing::debug_span!(
+            "idemstore.complete",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        )
+        .entered();
         let op = self.inner.complete_op(lease, result)?;
         expect_record(self.inner.submit_op(lease.key(), op).wait())
     }
@@ -716,8 +732,17 @@ impl Store {
     /// # Errors
     /// As [`Store::complete`].
     pub async fn complete_async(&self, lease: &Lease, result: &[u8]) -> Result<Record> {
-        let op = self.inner.complete_op(lease, result)?;
-        expect_record(self.inner.submit_op_async(lease.key(), op).await)
+        let span = tracing::debug_span!(
+            "idemstore.complete",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        );
+        async move {
+            let op = self.inner.complete_op(lease, result)?;
+            expect_record(self.inner.submit_op_async(lease.key(), op).await)
+        }
+        .instrument(span)
+        .await
     }
 
     /// Records a failure under `lease` and ends it. A permanent failure
@@ -728,6 +753,12 @@ impl Store {
     /// # Errors
     /// As [`Store::complete`], with `max_failure_bytes` as the limit.
     pub fn fail(&self, lease: &Lease, failure: &[u8], retryable: bool) -> Result<Record> {
+        let _span = tracing::debug_span!(
+            "idemstore.fail",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        )
+        .entered();
         let op = self.inner.fail_op(lease, failure, retryable)?;
         expect_record(self.inner.submit_op(lease.key(), op).wait())
     }
@@ -742,8 +773,17 @@ impl Store {
         failure: &[u8],
         retryable: bool,
     ) -> Result<Record> {
-        let op = self.inner.fail_op(lease, failure, retryable)?;
-        expect_record(self.inner.submit_op_async(lease.key(), op).await)
+        let span = tracing::debug_span!(
+            "idemstore.fail",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        );
+        async move {
+            let op = self.inner.fail_op(lease, failure, retryable)?;
+            expect_record(self.inner.submit_op_async(lease.key(), op).await)
+        }
+        .instrument(span)
+        .await
     }
 
     /// Queues a retryable failure under `lease` without waiting for it, for
@@ -770,6 +810,12 @@ impl Store {
     /// [`Error::StaleLease`] when the lease is not current; storage errors as
     /// for [`Store::claim`].
     pub fn release(&self, lease: Lease) -> Result<()> {
+        let _span = tracing::debug_span!(
+            "idemstore.release",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        )
+        .entered();
         let op = Op::Release {
             token: lease.token(),
         };
@@ -781,10 +827,19 @@ impl Store {
     /// # Errors
     /// As [`Store::release`].
     pub async fn release_async(&self, lease: Lease) -> Result<()> {
-        let op = Op::Release {
-            token: lease.token(),
-        };
-        expect_released(self.inner.submit_op_async(lease.key(), op).await)
+        let span = tracing::debug_span!(
+            "idemstore.release",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        );
+        async move {
+            let op = Op::Release {
+                token: lease.token(),
+            };
+            expect_released(self.inner.submit_op_async(lease.key(), op).await)
+        }
+        .instrument(span)
+        .await
     }
 
     /// Extends the lease to at least `now + lease` (whole milliseconds, 1 ms
@@ -797,6 +852,12 @@ impl Store {
     /// [`Error::StaleLease`] when the lease is not current; storage errors as
     /// for [`Store::claim`].
     pub fn extend(&self, lease: &Lease, duration: Duration) -> Result<u64> {
+        let _span = tracing::debug_span!(
+            "idemstore.extend",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        )
+        .entered();
         let lease_ms = check_lease("lease", duration)?;
         let op = Op::Extend {
             token: lease.token(),
@@ -810,12 +871,22 @@ impl Store {
     /// # Errors
     /// As [`Store::extend`].
     pub async fn extend_async(&self, lease: &Lease, duration: Duration) -> Result<u64> {
-        let lease_ms = check_lease("lease", duration)?;
-        let op = Op::Extend {
-            token: lease.token(),
-            lease_ms,
-        };
-        expect_record(self.inner.submit_op_async(lease.key(), op).await).map(|r| r.lease_until_ms)
+        let span = tracing::debug_span!(
+            "idemstore.extend",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        );
+        async move {
+            let lease_ms = check_lease("lease", duration)?;
+            let op = Op::Extend {
+                token: lease.token(),
+                lease_ms,
+            };
+            expect_record(self.inner.submit_op_async(lease.key(), op).await)
+                .map(|r| r.lease_until_ms)
+        }
+        .instrument(span)
+        .await
     }
 
     /// Saves progress of multi-step work under `lease` (the "recovery point"
@@ -829,6 +900,12 @@ impl Store {
     /// [`Error::StaleLease`] when the lease is not current; storage errors as
     /// for [`Store::claim`].
     pub fn set_recovery_point(&self, lease: &Lease, bytes: &[u8]) -> Result<()> {
+        let _span = tracing::debug_span!(
+            "idemstore.set_recovery_point",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        )
+        .entered();
         let op = self.inner.recovery_point_op(lease, bytes)?;
         expect_record(self.inner.submit_op(lease.key(), op).wait()).map(|_| ())
     }
@@ -838,8 +915,17 @@ impl Store {
     /// # Errors
     /// As [`Store::set_recovery_point`].
     pub async fn set_recovery_point_async(&self, lease: &Lease, bytes: &[u8]) -> Result<()> {
-        let op = self.inner.recovery_point_op(lease, bytes)?;
-        expect_record(self.inner.submit_op_async(lease.key(), op).await).map(|_| ())
+        let span = tracing::debug_span!(
+            "idemstore.set_recovery_point",
+            scope = lease.key().scope(),
+            id = lease.key().id()
+        );
+        async move {
+            let op = self.inner.recovery_point_op(lease, bytes)?;
+            expect_record(self.inner.submit_op_async(lease.key(), op).await).map(|_| ())
+        }
+        .instrument(span)
+        .await
     }
 
     /// The record of `key`, or `None` when absent or past retention (whether
@@ -854,6 +940,8 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read.
     pub fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let _span =
+            tracing::debug_span!("idemstore.get", scope = key.scope(), id = key.id()).entered();
         self.inner.get(key)
     }
 
@@ -865,22 +953,28 @@ impl Store {
     /// As [`Store::get`], and [`Error::Poisoned`] or [`Error::Closed`] when
     /// a change of `key` in flight can no longer become durable.
     pub async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
-        let now = self.inner.time_async().await;
-        loop {
-            match self.inner.read(key, now)? {
-                Read::Done(r) => return Ok(r),
-                // The writer answers a commit once everything decided before
-                // it is committed to the index and (when gated) durable.
-                Read::Pending(_) => match self.inner.submit_async(Command::Commit).await.await? {
-                    Answer::Committed => {}
-                    _ => {
-                        return Err(Error::Storage(
-                            "writer answered a commit with another answer".into(),
-                        ));
-                    }
-                },
+        let span = tracing::debug_span!("idemstore.get", scope = key.scope(), id = key.id());
+        async move {
+            let now = self.inner.time_async().await;
+            loop {
+                match self.inner.read(key, now)? {
+                    Read::Done(r) => return Ok(r),
+                    // The writer answers a commit once everything decided before
+                    // it is committed to the index and (when gated) durable.
+                    Read::Pending(_) => match self.inner.submit_async(Command::Commit).await.await?
+                    {
+                        Answer::Committed => {}
+                        _ => {
+                            return Err(Error::Storage(
+                                "writer answered a commit with another answer".into(),
+                            ));
+                        }
+                    },
+                }
             }
         }
+        .instrument(span)
+        .await
     }
 
     /// Evicts up to `max_records` records past retention and returns how
@@ -891,6 +985,7 @@ impl Store {
     /// # Errors
     /// Storage errors as for [`Store::claim`].
     pub fn sweep(&self, max_records: usize) -> Result<usize> {
+        let _span = tracing::debug_span!("idemstore.sweep").entered();
         self.inner.sweep(max_records)
     }
 
@@ -912,6 +1007,8 @@ impl Store {
     ///   the failure over `max_failure_bytes`.
     /// - Storage errors as for [`Store::complete`].
     pub fn resolve(&self, key: &Key, token: u64, outcome: Resolution) -> Result<Record> {
+        let _span =
+            tracing::debug_span!("idemstore.resolve", scope = key.scope(), id = key.id()).entered();
         let (what, limit) = match &outcome {
             Resolution::Succeeded(_) => ("result", self.inner.config.max_result_bytes),
             Resolution::Failed { .. } => ("failure", self.inner.config.max_failure_bytes),
@@ -939,6 +1036,7 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the snapshot cannot
     /// be opened; the iterator yields per-record errors.
     pub fn compensation(&self, older_than: Option<Duration>) -> Result<Records> {
+        let _span = tracing::debug_span!("idemstore.compensation").entered();
         self.scan(&Filter::needs_compensation(older_than))
     }
 
@@ -952,6 +1050,7 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the snapshot cannot
     /// be opened.
     pub fn scan(&self, filter: &Filter) -> Result<Records> {
+        let _span = tracing::debug_span!("idemstore.scan").entered();
         let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
         Records::open(&shared.path, &txn, filter.clone(), self.inner.time())
@@ -975,6 +1074,7 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read. Corrupt records are counted, not returned as errors.
     pub fn stats(&self) -> Result<Stats> {
+        let _span = tracing::debug_span!("idemstore.stats").entered();
         let shared = &self.inner.shared;
         // A poisoned store's index may hold changes that never became
         // durable: refuse, as scan, export and verify do.
@@ -1002,6 +1102,7 @@ impl Store {
     /// Those of [`stats`](Self::stats); the gauges are left as they were.
     #[cfg(feature = "metrics")]
     pub fn publish_gauges(&self) -> Result<Stats> {
+        let _span = tracing::debug_span!("idemstore.publish_gauges").entered();
         let stats = self.stats()?;
         crate::metrics::set_gauges(&stats);
         Ok(stats)
@@ -1021,6 +1122,7 @@ impl Store {
         out: impl std::io::Write,
         progress: impl FnMut(Progress),
     ) -> Result<ExportSummary> {
+        let _span = tracing::debug_span!("idemstore.export").entered();
         let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
         backup::export(&shared.path, &txn, self.inner.time(), out, progress)
@@ -1037,6 +1139,7 @@ impl Store {
         input: impl std::io::Read,
         progress: impl FnMut(Progress),
     ) -> Result<ImportSummary> {
+        let _span = tracing::debug_span!("idemstore.import").entered();
         self.import_with(input, &ImportOptions::default(), progress)
     }
 
@@ -1083,6 +1186,7 @@ impl Store {
         options: &ImportOptions,
         progress: impl FnMut(Progress),
     ) -> Result<ImportSummary> {
+        let _span = tracing::debug_span!("idemstore.import_with").entered();
         let inner = &self.inner;
         let now = || inner.shared.clock.now_ms();
         let limits = ImportLimits {
@@ -1155,6 +1259,7 @@ impl Store {
     /// read; damaged records are reported in the [`CheckReport`], not as
     /// errors.
     pub fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
+        let _span = tracing::debug_span!("idemstore.verify").entered();
         let txn = self.inner.durable_snapshot()?;
         let shared = &self.inner.shared;
         check::verify(&shared.path, &txn, self.inner.time(), progress)
@@ -1188,6 +1293,7 @@ impl Store {
     /// may not be durable; reopen the store to find out), [`Error::Closed`]
     /// when the store's syncer is gone.
     pub fn flush(&self) -> Result<()> {
+        let _span = tracing::debug_span!("idemstore.flush").entered();
         self.inner.shared.progress.flush()
     }
 
@@ -1201,6 +1307,7 @@ impl Store {
     /// # Errors
     /// Storage errors as for [`Store::claim`].
     pub fn checkpoint(&self) -> Result<()> {
+        let _span = tracing::debug_span!("idemstore.checkpoint").entered();
         match self.inner.submit(Command::Checkpoint).wait()? {
             Answer::Checkpointed => Ok(()),
             _ => Err(Error::Storage(

@@ -704,3 +704,61 @@ fn a_corrupt_record_is_a_warning() {
     });
     assert!(warned);
 }
+
+/// Every public operation opens a `tracing` span named `idemstore.<op>`,
+/// carrying the key's scope and id and never a payload (fingerprint,
+/// result, failure or recovery point).
+#[test]
+fn each_operation_opens_a_span_without_payloads() {
+    #[derive(Clone, Default)]
+    struct Spans(Arc<Mutex<Vec<(String, Vec<String>)>>>);
+    impl<S: tracing::Subscriber> Layer<S> for Spans {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _id: &tracing::span::Id,
+            _ctx: Context<'_, S>,
+        ) {
+            let fields = attrs.fields().iter().map(|f| f.name().to_owned()).collect();
+            self.0
+                .lock()
+                .unwrap()
+                .push((attrs.metadata().name().to_owned(), fields));
+        }
+    }
+
+    let spans = Spans::default();
+    let subscriber = tracing_subscriber::registry().with(spans.clone());
+    let dir = common::TestDir::new();
+    let store = dir.open();
+    let k = key("acme/tickets", "k");
+    tracing::subscriber::with_default(subscriber, || {
+        let claimed = store.claim(&k, &fp("p"), &ClaimOptions::new()).unwrap();
+        let lease = common::acquired(claimed);
+        store.set_recovery_point(&lease, b"step-1").unwrap();
+        store.extend(&lease, common::secs(10)).unwrap();
+        store.complete(&lease, b"secret result").unwrap();
+        store.get(&k).unwrap();
+        store.stats().unwrap();
+    });
+    let seen = spans.0.lock().unwrap().clone();
+    let names: Vec<&str> = seen.iter().map(|(n, _)| n.as_str()).collect();
+    for op in [
+        "idemstore.claim",
+        "idemstore.set_recovery_point",
+        "idemstore.extend",
+        "idemstore.complete",
+        "idemstore.get",
+        "idemstore.stats",
+    ] {
+        assert!(names.contains(&op), "{op} in {names:?}");
+    }
+    for (name, fields) in &seen {
+        for field in fields {
+            assert!(
+                field == "scope" || field == "id",
+                "{name} carries {field}: only the key's scope and id are allowed"
+            );
+        }
+    }
+}
