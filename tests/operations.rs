@@ -710,8 +710,10 @@ fn a_corrupt_record_is_a_warning() {
 /// result, failure or recovery point).
 #[test]
 fn each_operation_opens_a_span_without_payloads() {
+    /// A span's name and its field names.
+    type Seen = (String, Vec<String>);
     #[derive(Clone, Default)]
-    struct Spans(Arc<Mutex<Vec<(String, Vec<String>)>>>);
+    struct Spans(Arc<Mutex<Vec<Seen>>>);
     impl<S: tracing::Subscriber> Layer<S> for Spans {
         fn on_new_span(
             &self,
