@@ -359,7 +359,10 @@ pub(crate) fn export(
     writer.meta(&StreamMeta {
         store_id: meta.store_id,
         next_token: meta.next_token,
-        clock_hwm: meta.clock_hwm.max(now_ms),
+        // The store's time now: at least every time an answer was based on,
+        // never the reserved bound ahead of it (an import of this stream
+        // would adopt that lead).
+        clock_hwm: now_ms,
     })?;
     let mut records = 0u64;
     let mut iter = guard(path, || table.iter().map_err(|e| map_err(path, e)))?;
@@ -458,8 +461,13 @@ impl ImportOptions {
 /// The limits an import checks every record against.
 pub(crate) struct ImportLimits<'a> {
     pub options: ImportOptions,
-    /// The store's clock (ms since the epoch), read when a frame is checked.
+    /// The store's time when the import started (ms since the epoch).
     pub now_ms: &'a dyn Fn() -> u64,
+    /// The wall clock's reading when the import started (ms since the
+    /// epoch): the tolerance counts from the later of the two, so that
+    /// imports in a row cannot each move the store's time by another
+    /// tolerance.
+    pub wall_ms: u64,
     pub max_result_bytes: usize,
     pub max_failure_bytes: usize,
     pub max_recovery_point_bytes: usize,
@@ -469,7 +477,8 @@ impl ImportLimits<'_> {
     /// The latest time an imported time may be without being refused (and
     /// the highest the import raises the store's clock to).
     fn latest_ms(&self) -> u64 {
-        (self.now_ms)().saturating_add(crate::clock::duration_ms(self.options.clock_tolerance))
+        let tolerance = crate::clock::duration_ms(self.options.clock_tolerance);
+        (self.now_ms)().max(self.wall_ms.saturating_add(tolerance))
     }
 
     /// Checks a time read from the stream against the tolerance.
@@ -481,7 +490,7 @@ impl ImportLimits<'_> {
                 format!(
                     "{what} {t} ms is {} ms ahead of the store's clock, over the tolerance of {} ms \
                      (accept it explicitly to import anyway)",
-                    t - (self.now_ms)(),
+                    t.saturating_sub((self.now_ms)()),
                     crate::clock::duration_ms(self.options.clock_tolerance)
                 ),
             ));
@@ -519,6 +528,23 @@ impl ImportLimits<'_> {
                     "lease until {} ms is more than the longest lease ({max_lease} ms) after its \
                      last update at {} ms",
                     r.lease_until_ms, r.updated_ms
+                ),
+            ));
+        }
+        // Even when far-ahead times are accepted, a lease ends within the
+        // longest lease of this store's time: a record stamped years ahead
+        // must not hold its key for years.
+        if r.state == State::Processing
+            && self
+                .latest_ms()
+                .checked_add(max_lease)
+                .is_none_or(|m| r.lease_until_ms > m)
+        {
+            return Err((
+                ImportRule::LeaseTooLong,
+                format!(
+                    "lease until {} ms is more than the longest lease ({max_lease} ms) ahead of                      the store's clock",
+                    r.lease_until_ms
                 ),
             ));
         }

@@ -119,8 +119,11 @@ impl ManualClock {
     /// milliseconds; saturating).
     pub fn advance(&self, by: Duration) {
         let ms = duration_ms(by);
-        add(&self.wall, ms);
+        // Monotonic first: a reader that sees the new wall reading then
+        // sees the new monotonic one too (the store reads wall, then
+        // monotonic), so one advance is never counted twice.
         add(&self.mono, ms);
+        add(&self.wall, ms);
     }
 
     /// Steps the wall reading back by `by` (whole milliseconds, saturating
@@ -207,10 +210,19 @@ impl StoreClock {
         }))
     }
 
+    /// Reads the wall clock, then the monotonic clock, in that order: a
+    /// stall between the two reads (preemption, a paused process) then
+    /// makes the wall reading look early, never late, so no stall is ever
+    /// kept as a lead over the wall clock.
+    fn readings(&self) -> (u64, u64) {
+        let wall = self.0.inner.now_ms();
+        let mono = self.0.inner.monotonic_ms();
+        (wall, mono)
+    }
+
     /// The floor-based time: `max(wall, floor + monotonic elapsed)`.
-    fn floor_time(&self, mono: u64) -> u64 {
+    fn floor_time(&self, (wall, mono): (u64, u64)) -> u64 {
         let c = &self.0;
-        let wall = c.inner.now_ms();
         let seen = offset(wall, mono);
         let prev = c.offset.fetch_max(seen, Ordering::SeqCst);
         mono.saturating_add_signed(prev.max(seen))
@@ -219,13 +231,19 @@ impl StoreClock {
     /// The current time, in ms since the epoch.
     pub(crate) fn now_ms(&self) -> u64 {
         let c = &self.0;
-        let mono = c.inner.monotonic_ms();
-        let floor = self.floor_time(mono);
+        let (wall, mono) = self.readings();
+        let floor = self.floor_time((wall, mono));
         let catch_up = c
             .catch_up_from
             .saturating_add(mono.saturating_sub(c.catch_up_mono) / 2);
         let t = floor.max(catch_up);
         c.high_water.fetch_max(t, Ordering::SeqCst).max(t)
+    }
+
+    /// The wall clock's reading now (ms since the epoch), without the
+    /// store's floor or high-water mark.
+    pub(crate) fn wall_ms(&self) -> u64 {
+        self.0.inner.now_ms()
     }
 
     /// The largest time handed out, without reading the clock.
@@ -237,7 +255,7 @@ impl StoreClock {
     /// line), persisted at a clean close so that the next open knows which
     /// part of its start time still has to be caught up.
     pub(crate) fn floor_ms(&self) -> u64 {
-        self.floor_time(self.0.inner.monotonic_ms())
+        self.floor_time(self.readings())
     }
 
     /// The bound to reserve so that every time up to `used_ms` (and a

@@ -65,14 +65,20 @@ pub(crate) fn ensure(path: &Path, init: impl Fn(&Path) -> Result<()>) -> Result<
         let mut name = prefix.clone();
         name.push(format!("{:016x}", rand::random::<u64>()));
         let temp = dir_of(path).join(name);
-        let made = init(&temp).and_then(|()| {
-            std::fs::File::open(&temp)
-                .and_then(|f| f.sync_all())
-                .map_err(|e| storage(&temp, "cannot sync the new store", &e))
-        });
-        if let Err(e) = made {
+        if let Err(e) = init(&temp) {
             let _ = std::fs::remove_file(&temp);
             return Err(e);
+        }
+        match std::fs::File::open(&temp).and_then(|f| f.sync_all()) {
+            Ok(()) => {}
+            // Removed as a leftover by the opener of a store that another
+            // process created meanwhile: start over (the next round finds
+            // that store and opens it).
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                let _ = std::fs::remove_file(&temp);
+                return Err(storage(&temp, "cannot sync the new store", &e));
+            }
         }
         let linked = std::fs::hard_link(&temp, path);
         let _ = std::fs::remove_file(&temp);
@@ -110,14 +116,15 @@ pub(crate) fn remove_leftovers(path: &Path) {
     let mut removed = false;
     for entry in entries.flatten() {
         let name = entry.file_name();
-        if name
+        // Exactly the prefix and 16 hex digits: the names `ensure` makes,
+        // and nothing else (not a user's file, not another store's).
+        let is_leftover = name
             .as_encoded_bytes()
-            .starts_with(prefix.as_encoded_bytes())
-        {
-            removed |= std::fs::remove_file(entry.path()).is_ok();
-            if removed {
-                tracing::info!(file = %entry.path().display(), "removed a store file left by an interrupted creation");
-            }
+            .strip_prefix(prefix.as_encoded_bytes())
+            .is_some_and(|rest| rest.len() == 16 && rest.iter().all(u8::is_ascii_hexdigit));
+        if is_leftover && std::fs::remove_file(entry.path()).is_ok() {
+            removed = true;
+            tracing::info!(file = %entry.path().display(), "removed a store file left by an interrupted creation");
         }
     }
     if removed {

@@ -1188,10 +1188,14 @@ impl Store {
     ) -> Result<ImportSummary> {
         let _span = tracing::debug_span!("idemstore.import_with").entered();
         let inner = &self.inner;
-        let now = || inner.shared.clock.now_ms();
+        // One reading for the whole import: the tolerance is measured from
+        // where the store's time and the wall clock stood when it began.
+        let started = inner.shared.clock.now_ms();
+        let now = move || started;
         let limits = ImportLimits {
             options: *options,
             now_ms: &now,
+            wall_ms: inner.shared.clock.wall_ms(),
             max_result_bytes: inner.config.max_result_bytes,
             max_failure_bytes: inner.config.max_failure_bytes,
             max_recovery_point_bytes: inner.config.max_recovery_point_bytes,

@@ -255,3 +255,20 @@ fn a_creation_that_fails_names_the_store_and_leaves_nothing() {
         0
     );
 }
+
+/// Only names the creation makes (the prefix and 16 hex digits) are removed
+/// as leftovers: a user's file that merely shares the prefix stays.
+#[test]
+fn files_that_only_share_the_prefix_are_not_removed() {
+    let dir = TestDir::new();
+    let notes = temp_of(&dir.path, "notes.txt");
+    let short = temp_of(&dir.path, "deadbeef");
+    std::fs::write(&notes, b"mine").expect("write");
+    std::fs::write(&short, b"mine too").expect("write");
+    let leftover = temp_of(&dir.path, "00000000deadbeef");
+    std::fs::write(&leftover, b"half a header").expect("write");
+    let store = dir.open();
+    drop(store);
+    assert!(notes.exists() && short.exists());
+    assert!(!leftover.exists());
+}

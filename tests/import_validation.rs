@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::{RawRecord, TestDir, acquired, export_frame_offsets, export_stream, fp, key};
 use idemstore::{
-    ClaimOptions, Config, DEFAULT_CLOCK_TOLERANCE, Error, ImportOptions, ImportRule, MAX_LEASE,
-    MAX_RETENTION, MAX_TOKEN, Store,
+    ClaimOptions, Clock, Config, DEFAULT_CLOCK_TOLERANCE, Error, ImportOptions, ImportRule,
+    MAX_LEASE, MAX_RETENTION, MAX_TOKEN, Store,
 };
 
 const HOUR: u64 = 3_600_000;
@@ -327,4 +327,56 @@ fn retention_is_capped_at_max_retention() {
         }) => {}
         other => panic!("{other:?}"),
     }
+}
+
+/// An export carries the store's time, not the bound reserved ahead of it:
+/// an export then import into a store on the same clock leaves its time
+/// where the clock is (review finding: each round moved it ~1 s ahead).
+#[test]
+fn an_export_then_import_round_does_not_move_the_time_ahead() {
+    let source = TestDir::new();
+    let store = source.open();
+    let k = key("k");
+    let lease = acquired(store.claim(&k, &fp("a"), &ClaimOptions::new()).unwrap());
+    store.complete(&lease, b"done").unwrap();
+    let mut stream = Vec::new();
+    store.export(&mut stream, |_| {}).unwrap();
+
+    let target = TestDir::new();
+    target.clock.set_ms(source.clock.now_ms());
+    let other = target.open();
+    for _ in 0..3 {
+        other.import(stream.as_slice(), |_| {}).unwrap();
+    }
+    assert_eq!(other.now_ms(), target.clock.now_ms());
+}
+
+/// With far-ahead times accepted, imports in a row still move the store's
+/// time by at most one tolerance past the wall clock, never one more per
+/// import; and a Processing record stamped far ahead cannot hold its key
+/// for longer than the longest lease from now.
+#[test]
+fn accepted_far_ahead_times_do_not_creep_or_hold_a_key_for_years() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let ahead = now + 10 * 365 * 24 * HOUR;
+    let stream = export_stream(5, ahead, &[RawRecord::succeeded("done", 3, ahead)]);
+    let accept = ImportOptions::new().accept_clock_ahead(true);
+    for _ in 0..3 {
+        store
+            .import_with(stream.as_slice(), &accept, |_| {})
+            .unwrap();
+    }
+    let tolerance = u64::try_from(DEFAULT_CLOCK_TOLERANCE.as_millis()).unwrap();
+    assert!(
+        store.now_ms() <= now + tolerance,
+        "{} > {}",
+        store.now_ms(),
+        now + tolerance
+    );
+
+    let held = export_stream(5, now, &[RawRecord::processing("held", 4, ahead, 30_000)]);
+    let (_, rule, _) = refused(store.import_with(held.as_slice(), &accept, |_| {}));
+    assert_eq!(rule, ImportRule::LeaseTooLong);
 }
