@@ -3,12 +3,15 @@
 //! operator scrapes, with a Prometheus or OpenTelemetry exporter installed
 //! by the application.
 //!
-//! Handles are registered once, when the store is opened, with the recorder
-//! installed at that moment: install the exporter's recorder (for example
+//! Counter and histogram handles are registered once, when the store is
+//! opened, with the recorder installed at that moment: install the
+//! exporter's recorder (for example
 //! `metrics_exporter_prometheus::PrometheusBuilder::install_recorder`)
-//! **before** opening the store, or its numbers go nowhere. No label carries
-//! a key, an id or a scope (scopes hold tenants: their number has no bound);
-//! the only labels are the fixed sets below.
+//! **before** opening the store, or its numbers go nowhere. The gauges are
+//! set by [`Store::publish_gauges`](crate::Store::publish_gauges) in the
+//! recorder installed when it is called (normally the same, global one).
+//! No label carries a key, an id or a scope (scopes hold tenants: their
+//! number has no bound); the only labels are the fixed sets below.
 //!
 //! | name | kind | unit | labels | what |
 //! |---|---|---|---|---|
@@ -19,13 +22,37 @@
 //! | `idemstore_commit_batch_size` | histogram | requests | – | how many requests one group commit made durable |
 //! | `idemstore_records` | gauge | records | `state` = `processing`, `succeeded`, `failed`, `failed_retryable`, `expired`, `corrupt` | stored records by state, set by [`Store::publish_gauges`](crate::Store::publish_gauges) |
 //! | `idemstore_in_progress_lapsed_records` | gauge | records | – | Processing records whose lease has lapsed (abandoned work), same |
-//! | `idemstore_oldest_in_progress_age_seconds` | gauge | seconds | – | age of the oldest Processing record (0 when none), same |
+//! | `idemstore_oldest_in_progress_age_seconds` | gauge | seconds | – | age of the oldest Processing record, measured from its key's **first** acquisition (`created_ms`, kept when the key is taken over or re-acquired after a retryable failure), as [`Stats::oldest_processing_age_ms`](crate::Stats::oldest_processing_age_ms); 0 when none; same |
 //!
-//! The counters count what [`Counters`](crate::Counters) counts, at the
-//! same moment (a write once it is durable), so the two always agree. The
-//! gauges come from a read of every record ([`Store::stats`](crate::Store::stats)):
+//! The counters count the same events as [`Counters`](crate::Counters), at
+//! the same moment (a write once it is durable), split differently:
+//! `outcome="acquired"` counts fresh acquisitions *excluding* takeovers, so
+//! `acquired + takeover` equals [`Counters::acquired`](crate::Counters::acquired)
+//! and `takeover` equals `Counters::takeovers`; every other outcome and
+//! counter equals its `Counters` field (`replay` = `replays`, `in_progress`,
+//! `fingerprint_mismatch`, `business_key_conflict`,
+//! `stale_lease_rejections_total`, `evictions_total`), and the sum over
+//! outcomes equals `Counters::claims`. But `Counters` start at zero with
+//! each opened store, while the metrics series belong to the process: they
+//! do not reset when a store is closed and reopened, two stores open in one
+//! process add into the same series, and one store's `publish_gauges`
+//! overwrites the other's gauges. Run one store per process, or read the
+//! series as sums over the stores (and publish the gauges of one only).
+//! `tests/metrics_counters.rs` checks every counter and gauge against
+//! [`Store::stats`](crate::Store::stats).
+//!
+//! The gauges come from a read of every record ([`Store::stats`](crate::Store::stats)):
 //! call `publish_gauges` when the exporter is scraped or on a timer, not
 //! per request.
+//!
+//! With `metrics-exporter-prometheus`, the two histograms are rendered as
+//! Prometheus *summaries* (quantiles) unless buckets are configured, for
+//! example `PrometheusBuilder::new().set_buckets(&[...])` (or
+//! `set_buckets_for_metric` per name). Its recorder keeps histogram samples
+//! until they are drained: `PrometheusBuilder::install` and `build` spawn an
+//! upkeep task that does it; with `install_recorder` or `build_recorder`,
+//! an application that never scrapes (or seldom does) must call
+//! `PrometheusHandle::run_upkeep` on a timer, or memory grows.
 //!
 //! The alerts operators of idempotency layers use, as Prometheus rules
 //! (README, "Metrics"): duplicates prevented and the hit rate from
@@ -33,7 +60,10 @@
 //! `idemstore_records{state="processing"}` and
 //! `idemstore_oldest_in_progress_age_seconds`, and takeovers (work that may
 //! have run twice unless the handler asked first) from
-//! `idemstore_claims_total{outcome="takeover"}`.
+//! `idemstore_claims_total{outcome="takeover"}`. That outcome counts only
+//! takeovers of a lapsed lease; a re-acquisition after a retryable failure,
+//! which [`Lease::is_takeover`](crate::Lease::is_takeover) also flags,
+//! counts as `acquired`.
 
 use std::time::Duration;
 
@@ -75,7 +105,7 @@ pub(crate) struct Handles {
 
 impl Handles {
     /// Registers every counter and histogram with the recorder installed
-    /// now, and describes them.
+    /// now, and describes them and the gauges.
     pub(crate) fn register() -> Handles {
         metrics::describe_counter!(
             CLAIMS_TOTAL,
@@ -101,6 +131,21 @@ impl Handles {
             COMMIT_BATCH_SIZE,
             metrics::Unit::Count,
             "Requests made durable by one group commit"
+        );
+        metrics::describe_gauge!(
+            RECORDS,
+            metrics::Unit::Count,
+            "Stored records by state, set by Store::publish_gauges"
+        );
+        metrics::describe_gauge!(
+            IN_PROGRESS_LAPSED_RECORDS,
+            metrics::Unit::Count,
+            "Processing records whose lease has lapsed, set by Store::publish_gauges"
+        );
+        metrics::describe_gauge!(
+            OLDEST_IN_PROGRESS_AGE_SECONDS,
+            metrics::Unit::Seconds,
+            "Age of the oldest Processing record since its key was first acquired, set by Store::publish_gauges"
         );
         let claims = |outcome: &'static str| metrics::counter!(CLAIMS_TOTAL, "outcome" => outcome);
         Handles {

@@ -1,0 +1,167 @@
+//! The metrics a store publishes agree with its own [`Store::stats`]: a
+//! Prometheus recorder, installed as the thread-local recorder while the
+//! store opens (its handles are registered then), sees every claim outcome,
+//! a stale-lease write, an eviction and records in every state, driven by a
+//! [`ManualClock`](idemstore::ManualClock) (no sleeps, no timing). Each
+//! counter must equal its `Counters` field (`acquired + takeover` =
+//! `Counters::acquired`), and each gauge, after `publish_gauges`, its
+//! `Stats` value.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::{TestDir, acquired, fp, key, lease_of, secs};
+use idemstore::{ClaimOptions, ClaimOutcome, Error};
+use metrics_exporter_prometheus::PrometheusBuilder;
+
+/// The samples of a Prometheus text exposition: `name{labels}` → value.
+fn samples(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            Some((name.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn metrics_counters_and_gauges_agree_with_stats() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let t = TestDir::new();
+    let retention = secs(3600);
+    let store =
+        metrics::with_local_recorder(&recorder, || t.open_with(t.config().retention(retention)));
+    let lease = lease_of(secs(10));
+
+    // An eviction: a record completed, past retention, swept.
+    let l = acquired(store.claim(&key("evicted"), &fp("p"), &lease).unwrap());
+    store.complete(&l, b"ok").unwrap();
+    t.clock.advance(retention + secs(1));
+    assert_eq!(store.sweep(100).unwrap(), 1);
+
+    // An expired record: completed, past retention, not swept.
+    let l = acquired(store.claim(&key("expired"), &fp("p"), &lease).unwrap());
+    store.complete(&l, b"ok").unwrap();
+    t.clock.advance(retention + secs(1));
+
+    // Succeeded, replayed twice; another payload for the same key.
+    let l = acquired(store.claim(&key("a"), &fp("p"), &lease).unwrap());
+    store.complete(&l, b"ok").unwrap();
+    for _ in 0..2 {
+        let out = store.claim(&key("a"), &fp("p"), &lease).unwrap();
+        assert!(matches!(out, ClaimOutcome::Replay(_)), "{out:?}");
+    }
+    let err = store.claim(&key("a"), &fp("other"), &lease).unwrap_err();
+    assert!(matches!(err, Error::FingerprintMismatch { .. }), "{err:?}");
+
+    // Failed permanently, replayed once.
+    let l = acquired(store.claim(&key("b"), &fp("p"), &lease).unwrap());
+    store.fail(&l, b"no", false).unwrap();
+    let out = store.claim(&key("b"), &fp("p"), &lease).unwrap();
+    assert!(matches!(out, ClaimOutcome::Replay(_)), "{out:?}");
+
+    // Failed retryably, re-acquired (flagged by `is_takeover`, counted as
+    // an acquisition, not a takeover), failed retryably again.
+    let l = acquired(store.claim(&key("r"), &fp("p"), &lease).unwrap());
+    store.fail(&l, b"later", true).unwrap();
+    let l = acquired(store.claim(&key("r"), &fp("p"), &lease).unwrap());
+    assert!(l.is_takeover());
+    store.fail(&l, b"later", true).unwrap();
+
+    // A business key held by another key.
+    let bk = ClaimOptions::new().lease(secs(10)).business_key("order-1");
+    let l = acquired(store.claim(&key("f"), &fp("p"), &bk).unwrap());
+    store.complete(&l, b"ok").unwrap();
+    let err = store.claim(&key("g"), &fp("p"), &bk).unwrap_err();
+    assert!(matches!(err, Error::BusinessKeyConflict { .. }), "{err:?}");
+
+    // In progress, then a takeover of the lapsed lease, then the first
+    // holder's late `complete` is refused.
+    let first = acquired(store.claim(&key("d"), &fp("p"), &lease).unwrap());
+    let out = store.claim(&key("d"), &fp("p"), &lease).unwrap();
+    assert!(matches!(out, ClaimOutcome::InProgress { .. }), "{out:?}");
+    t.clock.advance(secs(11));
+    let _second = acquired(store.claim(&key("d"), &fp("p"), &lease).unwrap());
+    let err = store.complete(&first, b"late").unwrap_err();
+    assert!(matches!(err, Error::StaleLease { .. }), "{err:?}");
+
+    // Processing with a lapsed lease.
+    let _e = acquired(
+        store
+            .claim(&key("e"), &fp("p"), &lease_of(secs(1)))
+            .unwrap(),
+    );
+    t.clock.advance(secs(2));
+
+    let stats = metrics::with_local_recorder(&recorder, || store.publish_gauges()).unwrap();
+    assert_eq!(store.stats().unwrap(), stats, "nothing happened in between");
+    let c = stats.counters;
+    let r = stats.records;
+    // What the run above did, so that no comparison below is 0 = 0.
+    assert_eq!(c.acquired, 10);
+    assert_eq!(c.takeovers, 1);
+    assert_eq!(c.replays, 3);
+    assert_eq!(c.in_progress, 1);
+    assert_eq!(c.fingerprint_mismatches, 1);
+    assert_eq!(c.business_key_conflicts, 1);
+    assert_eq!(c.stale_lease_rejections, 1);
+    assert_eq!(c.evictions, 1);
+    assert_eq!(c.claims, 16);
+    assert_eq!((r.processing, r.lapsed), (2, 1));
+    assert_eq!((r.succeeded, r.failed, r.failed_retryable), (2, 1, 1));
+    assert_eq!((r.expired, r.corrupt), (1, 0));
+    // `d` was first acquired 13 s ago and taken over 2 s ago: the age runs
+    // from the first acquisition.
+    assert_eq!(stats.oldest_processing_age_ms, Some(13_000));
+
+    let text = handle.render();
+    let got = samples(&text);
+    let value = |name: &str| -> u64 {
+        let v = got
+            .get(name)
+            .copied()
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"));
+        assert!(v >= 0.0 && v.fract() == 0.0, "{name} = {v}");
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let n = v as u64;
+        n
+    };
+    let claims = |outcome: &str| value(&format!("idemstore_claims_total{{outcome=\"{outcome}\"}}"));
+
+    assert_eq!(claims("acquired") + claims("takeover"), c.acquired);
+    assert_eq!(claims("takeover"), c.takeovers);
+    assert_eq!(claims("replay"), c.replays);
+    assert_eq!(claims("in_progress"), c.in_progress);
+    assert_eq!(claims("fingerprint_mismatch"), c.fingerprint_mismatches);
+    assert_eq!(claims("business_key_conflict"), c.business_key_conflicts);
+    let outcomes = [
+        "acquired",
+        "takeover",
+        "replay",
+        "in_progress",
+        "fingerprint_mismatch",
+        "business_key_conflict",
+    ];
+    assert_eq!(outcomes.iter().map(|o| claims(o)).sum::<u64>(), c.claims);
+    assert_eq!(
+        value("idemstore_stale_lease_rejections_total"),
+        c.stale_lease_rejections
+    );
+    assert_eq!(value("idemstore_evictions_total"), c.evictions);
+
+    let records = |state: &str| value(&format!("idemstore_records{{state=\"{state}\"}}"));
+    assert_eq!(records("processing"), r.processing);
+    assert_eq!(records("succeeded"), r.succeeded);
+    assert_eq!(records("failed"), r.failed);
+    assert_eq!(records("failed_retryable"), r.failed_retryable);
+    assert_eq!(records("expired"), r.expired);
+    assert_eq!(records("corrupt"), r.corrupt);
+    assert_eq!(value("idemstore_in_progress_lapsed_records"), r.lapsed);
+    assert_eq!(
+        value("idemstore_oldest_in_progress_age_seconds") * 1000,
+        stats.oldest_processing_age_ms.unwrap()
+    );
+}
