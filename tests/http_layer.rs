@@ -701,6 +701,27 @@ async fn tenants_scope_keys() {
     );
 }
 
+/// Retries `POST /tickets` with key `k` until the answer is not 409 (a
+/// failure queued without waiting may land after the first retry reads the
+/// record), at most 500 times 10 ms apart (a hang guard); the last answer.
+async fn retry_until_not_409<S, B>(svc: &S) -> StatusCode
+where
+    S: Service<Request<Full<Bytes>>, Response = Response<IdempotencyBody<B>>, Error = Infallible>
+        + Clone,
+    B: http_body::Body,
+    B::Error: Into<BoxError>,
+{
+    let mut answer = StatusCode::CONFLICT;
+    for _ in 0..500 {
+        answer = send(svc, post(Some("k"), "x")).await.0;
+        if answer != StatusCode::CONFLICT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    answer
+}
+
 /// Polls `fut` until `started` fires, then returns it, still pending.
 async fn start<F: Future + Unpin>(mut fut: F, started: &tokio::sync::Notify) -> F {
     let notified = started.notified();
@@ -756,15 +777,7 @@ async fn a_request_dropped_while_its_handler_runs_frees_the_key_for_a_takeover()
 
     // The failure is queued when the future is dropped; a claim that reads
     // the record before the write lands still sees the live lease (409).
-    let mut answer = StatusCode::CONFLICT;
-    for _ in 0..500 {
-        answer = send(&svc, post(Some("k"), "x")).await.0;
-        if answer != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(answer, StatusCode::CREATED);
+    assert_eq!(retry_until_not_409(&svc).await, StatusCode::CREATED);
     assert_eq!(runs.count(), 2);
     assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
 }
@@ -1000,15 +1013,7 @@ async fn a_client_that_drops_the_response_mid_body_frees_the_key_for_a_takeover(
 
     // The failure is queued when the body is dropped; a claim that reads
     // the record before the write lands still sees the live lease (409).
-    let mut answer = StatusCode::CONFLICT;
-    for _ in 0..500 {
-        answer = send(&svc, post(Some("k"), "x")).await.0;
-        if answer != StatusCode::CONFLICT {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(answer, StatusCode::CREATED);
+    assert_eq!(retry_until_not_409(&svc).await, StatusCode::CREATED);
     assert_eq!(runs.count(), 2);
     assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
     drop(tx);
