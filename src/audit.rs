@@ -26,7 +26,6 @@
 use crate::error::Error;
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Effect, ImportResult, Op, Record, Reply, State};
-use crate::stats::LiveCounters;
 
 /// Why a record changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,16 +187,8 @@ fn state_name(state: Option<State>) -> &'static str {
     state.map_or("none", State::name)
 }
 
-/// Counts `events` and emits them as `tracing` events. Call only once
-/// what they describe is durable (or, for answers, decided).
-pub(crate) fn publish(counters: &LiveCounters, events: impl IntoIterator<Item = Event>) {
-    for event in events {
-        counters.count(&event);
-        emit(&event);
-    }
-}
-
-fn emit(event: &Event) {
+/// Emits `event` as a `tracing` event (target `idemstore::audit`).
+pub(crate) fn emit(event: &Event) {
     match event {
         Event::Transition {
             key,

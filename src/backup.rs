@@ -24,16 +24,13 @@
 //! more than one largest record.
 
 use std::io::{self, Read, Write};
-use std::path::Path;
 use std::time::Duration;
 
-use redb::ReadableTable;
-
-use crate::codec::{self, DECODE_LIMIT, RECORD_VERSION};
+use crate::codec::{self, DECODE_LIMIT, Entries, RECORD_VERSION};
+use crate::config::{MAX_LEASE, MAX_RETENTION, MAX_TOKEN};
 use crate::error::{Error, ImportRule, Result};
 use crate::record::{ImportResult, Record};
-use crate::schema::{self, META, RECORDS, guard, map_err};
-use crate::store::{MAX_LEASE, MAX_RETENTION, MAX_TOKEN};
+pub(crate) use crate::report::Progress;
 
 /// The magic bytes an export stream starts with.
 pub(crate) const MAGIC: &[u8; 16] = b"IDEMSTORE-EXPORT";
@@ -47,16 +44,6 @@ const HEADER_LEN: u64 = 24;
 const KIND_META: u8 = 1;
 const KIND_RECORD: u8 = 2;
 const KIND_END: u8 = 3;
-
-/// How far an export, import or check has come, for a progress display.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Progress {
-    /// Records handled so far.
-    pub records: u64,
-    /// Bytes of the stream written or read so far (0 for a check).
-    pub bytes: u64,
-}
 
 /// What [`Store::export`](crate::Store::export) wrote.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -340,40 +327,29 @@ fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
     Ok(got)
 }
 
-/// Writes every live record of the read snapshot `txn` to `out`.
+/// Writes every live record of a snapshot to `out`: `store_id` and
+/// `next_token` are the snapshot's, `entries` all its records in key
+/// order, `now_ms` the store's time (records past it are left out).
 pub(crate) fn export(
-    path: &Path,
-    txn: &redb::ReadTransaction,
+    store_id: u128,
+    next_token: u64,
+    entries: Entries,
     now_ms: u64,
     out: impl Write,
     mut progress: impl FnMut(Progress),
 ) -> Result<ExportSummary> {
-    let meta = guard(path, || {
-        let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-        schema::read_meta(path, &table)
-    })?;
-    let table = guard(path, || {
-        txn.open_table(RECORDS).map_err(|e| map_err(path, e))
-    })?;
     let mut writer = FrameWriter::new(out)?;
     writer.meta(&StreamMeta {
-        store_id: meta.store_id,
-        next_token: meta.next_token,
+        store_id,
+        next_token,
         // The store's time now: at least every time an answer was based on,
         // never the reserved bound ahead of it (an import of this stream
         // would adopt that lead).
         clock_hwm: now_ms,
     })?;
     let mut records = 0u64;
-    let mut iter = guard(path, || table.iter().map_err(|e| map_err(path, e)))?;
-    loop {
-        let entry = guard(path, || {
-            iter.next()
-                .transpose()
-                .map_err(|e| map_err(path, e))
-                .map(|o| o.map(|(k, v)| (k.value().to_vec(), v.value().to_vec())))
-        })?;
-        let Some((key, envelope)) = entry else { break };
+    for entry in entries {
+        let (key, envelope) = entry?;
         // Verify before writing: an export is only as good as its records.
         let record = codec::decode_record(&key, &envelope)?;
         if record.is_expired_at(now_ms) {
@@ -390,7 +366,7 @@ pub(crate) fn export(
     Ok(ExportSummary {
         records,
         bytes,
-        next_token: meta.next_token,
+        next_token,
     })
 }
 

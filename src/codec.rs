@@ -23,7 +23,7 @@ pub(crate) const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 5;
 /// The most a record body may make the decoder allocate (in bytes): three
 /// values at their largest configurable size, plus the fixed fields.
-pub(crate) const DECODE_LIMIT: usize = 3 * crate::store::MAX_VALUE_LIMIT + 4096;
+pub(crate) const DECODE_LIMIT: usize = 3 * crate::config::MAX_VALUE_LIMIT + 4096;
 
 #[derive(Encode, Decode)]
 struct Body {
@@ -39,6 +39,14 @@ struct Body {
     business_key: Option<String>,
     acquisitions: u32,
 }
+
+/// One stored record as an engine hands it over: its key bytes
+/// ([`Key::to_bytes`](crate::Key)) and its envelope.
+pub(crate) type Entry = (Vec<u8>, Vec<u8>);
+
+/// The stored records of one snapshot, in key order, as an engine reads
+/// them; an `Err` is a storage failure, after which the iterator ends.
+pub(crate) type Entries = Box<dyn Iterator<Item = Result<Entry>> + Send>;
 
 fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<DECODE_LIMIT>()

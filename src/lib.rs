@@ -105,32 +105,48 @@ pub mod docs_doctests {
     pub struct Other;
 }
 
+// The layers, top to bottom; a module imports only from its own layer or
+// below (tests/architecture.rs checks it):
+// - the public face: `store` (`Store`), `check` (`check_file`), `agent`,
+//   `http`;
+// - operations written once over any engine: `backup` (export and import
+//   framing), `scan`, `sweeper`;
+// - the engine boundary: `engine`;
+// - the engines: `embedded` (one file and its write-ahead log);
+// - definitions every engine shares, no I/O: `config`, `codec` (the record
+//   envelope), `audit` (events), `stats` (counters and their shape),
+//   `metrics`;
+// - the pure core: `key`, `record` (records and the transition function),
+//   `clock`, `error`.
 mod audit;
 mod backup;
-mod cache;
 mod check;
 mod clock;
 mod codec;
-mod commit;
-mod create;
+mod config;
+mod embedded;
+mod engine;
 mod error;
-mod expiry;
-mod fence;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 mod record;
+mod report;
 mod scan;
-mod schema;
 mod stats;
 mod store;
-mod wal;
+mod sweeper;
 
-pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary, Progress};
-pub use check::{CheckReport, Integrity, Problem, check_file};
+pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary};
+pub use check::check_file;
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
+pub use config::{
+    ClaimOptions, Config, Durability, MAX_LEASE, MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT,
+};
+pub use embedded::WRITER_QUEUE_BOUND;
+pub use embedded::wal::{FileLog, LogFile, MemoryLog};
 pub use error::{Error, ImportRule, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
@@ -138,13 +154,10 @@ pub use key::{
 pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
+pub use report::{CheckReport, Integrity, Problem, Progress};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
-pub use store::{
-    ClaimOptions, Config, Durability, MAX_LEASE, MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT, Store,
-    WRITER_QUEUE_BOUND,
-};
-pub use wal::{FileLog, LogFile, MemoryLog};
+pub use store::Store;
 
 /// Entry points for the fuzz targets in `fuzz/` and their corpus replay in
 /// `tests/fuzz_corpus.rs` (cargo feature `fuzzing`). Not part of the API:

@@ -2,23 +2,20 @@
 //! that a reconciler drives, and the filtered listing behind `idemstore
 //! list`.
 //!
-//! A scan holds a redb read transaction: it sees the store as it was when
-//! the scan began, however long it runs, and never blocks the writer
-//! (redb readers and the writer do not wait for each other). A long-lived
-//! scan keeps the pages of its snapshot from being reused, so the file may
-//! grow while it is open; drop it when done.
+//! A scan reads one snapshot that its engine opens: it sees the store as
+//! it was when the scan began, however long it runs, and never blocks
+//! writes. In the embedded engine the snapshot is a redb read transaction
+//! (readers and the writer do not wait for each other); a long-lived scan
+//! keeps the pages of its snapshot from being reused, so the file may grow
+//! while it is open; drop it when done.
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use redb::ReadOnlyTable;
-
 use crate::clock::duration_ms;
-use crate::codec;
+use crate::codec::{self, Entries};
 use crate::error::{Error, Result};
 use crate::key::MAX_SCOPE_LEN;
 use crate::record::{Record, State};
-use crate::schema::{RECORDS, guard, map_err};
 
 /// Which records a scan yields. Every condition given must hold; an empty
 /// filter yields every live record. Records past retention are never
@@ -116,7 +113,7 @@ impl Filter {
     /// keys `[n][p…]` per possible scope length `n` (stored keys start with
     /// the scope's length, so no single range holds every scope that
     /// starts with `p`). Half-open `[start, end)`; `None` = unbounded.
-    fn ranges(&self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+    pub(crate) fn ranges(&self) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         let prefix = self.scope_prefix.as_deref().unwrap_or("");
         if prefix.is_empty() {
             return vec![(Vec::new(), None)];
@@ -140,8 +137,6 @@ impl Filter {
     }
 }
 
-type RecordRange = redb::Range<'static, &'static [u8], &'static [u8]>;
-
 /// An iterator over the records that pass a [`Filter`], read from one
 /// snapshot: see [`Store::scan`](crate::Store::scan).
 ///
@@ -150,10 +145,7 @@ type RecordRange = redb::Range<'static, &'static [u8], &'static [u8]>;
 /// next record) and for a storage error (after which it ends). Records of
 /// one scope come out together, ordered by id bytes.
 pub struct Records {
-    path: PathBuf,
-    table: ReadOnlyTable<&'static [u8], &'static [u8]>,
-    ranges: std::vec::IntoIter<(Vec<u8>, Option<Vec<u8>>)>,
-    current: Option<RecordRange>,
+    entries: Entries,
     filter: Filter,
     now_ms: u64,
     done: bool,
@@ -162,21 +154,19 @@ pub struct Records {
 impl std::fmt::Debug for Records {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Records")
-            .field("path", &self.path)
             .field("filter", &self.filter)
             .field("now_ms", &self.now_ms)
             .finish_non_exhaustive()
     }
 }
 
-impl Records {
-    pub(crate) fn open(
-        path: &Path,
-        txn: &redb::ReadTransaction,
-        filter: Filter,
-        now_ms: u64,
-    ) -> Result<Records> {
-        if let Some(prefix) = &filter.scope_prefix
+impl Filter {
+    /// Refuses a filter no record can pass because it is malformed.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a scope prefix longer than any scope.
+    pub(crate) fn check(&self) -> Result<()> {
+        if let Some(prefix) = &self.scope_prefix
             && prefix.len() > MAX_SCOPE_LEN
         {
             return Err(Error::invalid(
@@ -184,48 +174,26 @@ impl Records {
                 format!("{} bytes, longer than any scope", prefix.len()),
             ));
         }
-        let table = guard(path, || {
-            txn.open_table(RECORDS).map_err(|e| map_err(path, e))
-        })?;
-        Ok(Records {
-            path: path.to_path_buf(),
-            table,
-            ranges: filter.ranges().into_iter(),
-            current: None,
+        Ok(())
+    }
+}
+
+impl Records {
+    /// The records of `entries` (read over `filter.ranges()`) that pass
+    /// `filter` at the store time `now_ms`.
+    pub(crate) fn new(entries: Entries, filter: Filter, now_ms: u64) -> Records {
+        Records {
+            entries,
             filter,
             now_ms,
             done: false,
-        })
+        }
     }
 
     /// The store time the scan judges leases, ages and retention by (ms
     /// since the epoch).
     pub fn now_ms(&self) -> u64 {
         self.now_ms
-    }
-
-    /// The next stored entry, opening the next key range as needed.
-    fn next_entry(&mut self) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
-        let path = self.path.clone();
-        loop {
-            if let Some(range) = &mut self.current {
-                match range.next() {
-                    Some(entry) => {
-                        let (k, v) = entry.map_err(|e| map_err(&path, e))?;
-                        return Ok(Some((k.value().to_vec(), v.value().to_vec())));
-                    }
-                    None => self.current = None,
-                }
-            }
-            let Some((start, end)) = self.ranges.next() else {
-                return Ok(None);
-            };
-            let range = match &end {
-                Some(end) => self.table.range(start.as_slice()..end.as_slice()),
-                None => self.table.range(start.as_slice()..),
-            };
-            self.current = Some(range.map_err(|e| map_err(&path, e))?);
-        }
     }
 }
 
@@ -234,14 +202,13 @@ impl Iterator for Records {
 
     fn next(&mut self) -> Option<Result<Record>> {
         while !self.done {
-            let path = self.path.clone();
-            let entry = match guard(&path, || self.next_entry()) {
-                Ok(Some(entry)) => entry,
-                Ok(None) => {
+            let entry = match self.entries.next() {
+                Some(Ok(entry)) => entry,
+                None => {
                     self.done = true;
                     return None;
                 }
-                Err(e) => {
+                Some(Err(e)) => {
                     self.done = true;
                     return Some(Err(e));
                 }

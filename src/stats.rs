@@ -2,16 +2,12 @@
 //! flight, the file's size, and counters of what the store answered since
 //! it was opened.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use redb::ReadableTable;
-
-use crate::audit::{Cause, Event};
-use crate::codec;
+use crate::audit::{self, Cause, Event};
+use crate::codec::{self, Entries};
 use crate::error::Result;
 use crate::record::State;
-use crate::schema::{RECORDS, guard, map_err};
 
 /// Counters since the store was opened, as seen by
 /// [`Store::stats`](crate::Store::stats). They are kept in memory (atomics)
@@ -104,6 +100,15 @@ impl LiveCounters {
     }
 
     /// Counts one published event.
+    /// Counts `events` and emits them as `tracing` events. Call only once
+    /// what they describe is durable (or, for answers, decided).
+    pub(crate) fn publish(&self, events: impl IntoIterator<Item = Event>) {
+        for event in events {
+            self.count(&event);
+            audit::emit(&event);
+        }
+    }
+
     pub(crate) fn count(&self, event: &Event) {
         #[cfg(feature = "metrics")]
         if let Some(h) = &self.handles {
@@ -245,41 +250,34 @@ pub struct Stats {
     pub counters: Counters,
 }
 
-/// Counts records by state with one pass over a read snapshot: reads and
-/// decodes every stored record. Returns the counts and the oldest live
-/// Processing record's `created_ms`.
-pub(crate) fn count_states(
-    path: &Path,
-    txn: &redb::ReadTransaction,
-    now_ms: u64,
-) -> Result<(StateCounts, Option<u64>)> {
-    guard(path, || {
-        let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-        let mut counts = StateCounts::default();
-        let mut oldest: Option<u64> = None;
-        for entry in table.iter().map_err(|e| map_err(path, e))? {
-            let (k, v) = entry.map_err(|e| map_err(path, e))?;
-            let Ok(record) = codec::decode_record(k.value(), v.value()) else {
-                counts.corrupt += 1;
-                continue;
-            };
-            if record.is_expired_at(now_ms) {
-                counts.expired += 1;
-                continue;
-            }
-            match record.state {
-                State::Processing => {
-                    counts.processing += 1;
-                    if !record.lease_valid_at(now_ms) {
-                        counts.lapsed += 1;
-                    }
-                    oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
-                }
-                State::Succeeded => counts.succeeded += 1,
-                State::Failed { retryable: false } => counts.failed += 1,
-                State::Failed { retryable: true } => counts.failed_retryable += 1,
-            }
+/// Counts records by state with one pass over a snapshot's `entries`:
+/// reads and decodes every stored record. Returns the counts and the oldest
+/// live Processing record's `created_ms`.
+pub(crate) fn count_states(entries: Entries, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
+    let mut counts = StateCounts::default();
+    let mut oldest: Option<u64> = None;
+    for entry in entries {
+        let (k, v) = entry?;
+        let Ok(record) = codec::decode_record(&k, &v) else {
+            counts.corrupt += 1;
+            continue;
+        };
+        if record.is_expired_at(now_ms) {
+            counts.expired += 1;
+            continue;
         }
-        Ok((counts, oldest))
-    })
+        match record.state {
+            State::Processing => {
+                counts.processing += 1;
+                if !record.lease_valid_at(now_ms) {
+                    counts.lapsed += 1;
+                }
+                oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
+            }
+            State::Succeeded => counts.succeeded += 1,
+            State::Failed { retryable: false } => counts.failed += 1,
+            State::Failed { retryable: true } => counts.failed_retryable += 1,
+        }
+    }
+    Ok((counts, oldest))
 }

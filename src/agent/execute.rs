@@ -12,10 +12,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::call::Delays;
+use crate::config::ClaimOptions;
 use crate::error::Error;
 use crate::key::{Fingerprint, Key};
 use crate::record::{ClaimOutcome, Lease, Record, State};
-use crate::store::{ClaimOptions, Store};
+use crate::store::Store;
 
 /// What [`Store::execute`] does when it acquires a key whose previous holder
 /// may have acted: that holder's lease lapsed before it recorded an outcome

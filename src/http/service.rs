@@ -13,10 +13,11 @@ use http_body::Body;
 use sha2::{Digest, Sha256};
 use tower::Service;
 
+use crate::config::ClaimOptions;
 use crate::error::Error;
 use crate::key::{Key, MAX_SCOPE_LEN};
 use crate::record::{ClaimOutcome, Lease, Record};
-use crate::store::{ClaimOptions, Store};
+use crate::store::Store;
 
 use super::body::{BoxError, Collected, IdempotencyBody, collect_limited};
 use super::future::{Held, ResponseFuture};

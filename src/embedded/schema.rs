@@ -9,9 +9,9 @@ use redb::{
     TableHandle, WriteTransaction,
 };
 
+use super::fence::{Fence, Fenced};
+use super::wal::{BodyWriter, Change, LogTable};
 use crate::error::{Error, Result};
-use crate::fence::{Fence, Fenced};
-use crate::wal::{BodyWriter, Change, LogTable};
 
 /// Records: stored key bytes → record envelope (see `codec`).
 pub(crate) const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("records");
@@ -144,9 +144,9 @@ pub(crate) fn open<B: redb::StorageBackend>(
             // `Store::open_with_backend` for the rule it gets.
             Some(backend) => builder.create_with_backend(Fenced::new(backend, fence.clone())),
             None => {
-                // A missing file is created atomically (`crate::create`).
+                // A missing file is created atomically (`super::create`).
                 // Errors name the store's path, not the temporary one.
-                crate::create::ensure(path, |temp| {
+                super::create::ensure(path, |temp| {
                     let db = Database::builder()
                         .create(temp)
                         .map_err(|e| map_err(path, e))?;
@@ -185,7 +185,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
         })?;
         let meta = init_meta(path, &db)?;
         if file {
-            crate::create::remove_leftovers(path);
+            super::create::remove_leftovers(path);
         }
         Ok((db, meta))
     })

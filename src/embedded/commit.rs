@@ -18,7 +18,7 @@
 //! when the writer is idle, every [`COMMIT_EVERY`] batches, when a reader
 //! asks ([`Command::Commit`]) and at checkpoints; the log, not redb, makes
 //! changes durable. Reads outside the writer (`get`, a claim that can only
-//! replay) read the index; the gate in [`crate::cache`] keeps them from
+//! replay) read the index; the gate in [`super::cache`] keeps them from
 //! returning a change that is not yet committed there and, in `Immediate`
 //! mode, durable.
 //!
@@ -59,19 +59,19 @@ use std::time::Instant;
 use parking_lot::{Condvar, Mutex};
 use redb::{Database, WriteTransaction};
 
-use crate::audit::{self, Event};
-use crate::cache::ReadCache;
+use super::cache::ReadCache;
+use super::expiry;
+use super::fence::Fence;
+use super::schema::{self, Checkpoint, Tables, guard, map_err};
+use super::wal::{self, BodyWriter, FRAME_HEADER_LEN, LogFile, LogWriter};
+use crate::audit::Event;
 use crate::clock::StoreClock;
 use crate::codec;
+use crate::config::{Durability, MAX_TOKEN};
 use crate::error::{Error, Result};
-use crate::expiry;
-use crate::fence::Fence;
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
-use crate::schema::{self, Checkpoint, Tables, guard, map_err};
 use crate::stats::LiveCounters;
-use crate::store::{Durability, MAX_TOKEN};
-use crate::wal::{self, BodyWriter, FRAME_HEADER_LEN, LogFile, LogWriter};
 
 /// A batch renews the time reservation when its time comes this close to
 /// the reserved bound (half of [`crate::clock::TIME_RESERVATION`], in ms).
@@ -468,7 +468,7 @@ fn answer(shared: &Shared, ready: Vec<Parked>) {
     let gated = shared.durability == Durability::Immediate;
     for p in ready {
         shared.time_durable.fetch_max(p.bound, Ordering::SeqCst);
-        audit::publish(&shared.counters, p.events);
+        shared.counters.publish(p.events);
         for (tx, r) in p.replies {
             let _ = tx.send(r);
         }

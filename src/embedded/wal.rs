@@ -274,7 +274,9 @@ pub(crate) const TOKEN_RESERVATION: u64 = 1 << 20;
 pub(crate) fn reserve_tokens(next_token: u64) -> u64 {
     next_token
         .checked_add(TOKEN_RESERVATION)
-        .map_or(crate::store::MAX_TOKEN, |t| t.min(crate::store::MAX_TOKEN))
+        .map_or(crate::config::MAX_TOKEN, |t| {
+            t.min(crate::config::MAX_TOKEN)
+        })
         .max(next_token)
 }
 
@@ -586,10 +588,10 @@ pub(crate) fn open(
     path: &Path,
     log_path: &Path,
     log: Arc<dyn LogFile>,
-    meta: &crate::schema::Meta,
+    meta: &super::schema::Meta,
     max_len: u64,
 ) -> Result<Opened> {
-    use crate::schema::{Checkpoint, Tables, guard, map_err, write_checkpoint};
+    use super::schema::{Checkpoint, Tables, guard, map_err, write_checkpoint};
 
     let header = read_header(log.as_ref()).map_err(|e| io_err(log_path, "read", &e))?;
     let lost = |what: &str| Error::CorruptLog {

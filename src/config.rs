@@ -1,0 +1,348 @@
+//! Store configuration and the limits every engine enforces: [`Config`],
+//! [`Durability`], [`ClaimOptions`], and the caps on leases, retention,
+//! value sizes and tokens.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::{Clock, SystemClock, duration_ms};
+use crate::error::{Error, Result};
+
+/// The largest value limit [`Config`] accepts for results, failures and
+/// recovery points: 16 MiB (in bytes).
+pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
+/// The longest lease a claim or extend accepts: 30 days.
+pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The longest retention [`Config::retention`] accepts, and the furthest
+/// an imported record's expiry may be after its last update: 100 years
+/// (36,500 days), room for the 10-year retention of the benchmarks.
+pub const MAX_RETENTION: Duration = Duration::from_secs(36_500 * 24 * 3600);
+/// The cap on fencing tokens: `i64::MAX` (9,223,372,036,854,775,807), the
+/// largest PostgreSQL `bigint`, so that every token and token counter of
+/// this engine fits the PostgreSQL engine. The store's token counter never
+/// exceeds it and every token handed out is below it; a claim that would
+/// need a token at the cap gets [`Error::TokensExhausted`], and an import
+/// whose counter or tokens break the cap is refused
+/// ([`Error::ImportRefused`]). Token arithmetic never wraps.
+pub const MAX_TOKEN: u64 = i64::MAX as u64;
+
+/// When a change is acknowledged, relative to the fsync of the write-ahead
+/// log.
+///
+/// Whatever the mode, a batch is all or nothing after a crash (a frame of the
+/// log is whole or ignored), a caller's own later reads see its acknowledged
+/// change, and dropping the store makes everything acknowledged durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Durability {
+    /// Acknowledged = durable: every call that changes state returns only
+    /// after the log holding its change was fsynced (`fdatasync`), and no
+    /// reader sees a change before it is durable (DESIGN.md guarantees 2
+    /// and 3). A crash or power loss loses no acknowledged change; a change
+    /// whose call had not returned may or may not survive (the call failed
+    /// or never answered, so the caller cannot have relied on it).
+    #[default]
+    Immediate,
+    /// Acknowledged before durable: a call returns as soon as its change is
+    /// decided and applied to the index, and the log is fsynced at most
+    /// `max_delay` after the change was written (plus the time the fsync
+    /// takes). Readers see acknowledged changes at once. [`Store::flush`](crate::Store::flush)
+    /// forces the fsync; dropping the store flushes.
+    ///
+    /// What a crash can lose: a process crash (the process killed, the OS
+    /// still up) loses nothing that was acknowledged, since the log's writes
+    /// are in the OS's page cache. A power loss or OS crash loses the
+    /// changes acknowledged in the last `max_delay` (and those of the fsync
+    /// in progress), as whole batches: the store reopens as it was at an
+    /// earlier moment. In idempotency terms: a lost claim means the key is
+    /// free again, so a retry acquires it and the work runs a second time
+    /// (a duplicate); a lost completion means a retry finds the claim in
+    /// progress and, after its lease lapses, takes it over and runs the work
+    /// again; a lost release or failure is harmless (the key is claimable
+    /// again once the lease lapses). Use this mode only when the downstream
+    /// system also deduplicates on the key, or a rare duplicate is
+    /// acceptable.
+    Buffered {
+        /// The longest an acknowledged change waits for the fsync (1 ms to
+        /// 1 hour).
+        max_delay: Duration,
+    },
+}
+
+/// Store configuration.
+///
+/// # Defaults
+/// - `retention`: 24 hours (Stripe keeps idempotency keys for 24 hours)
+/// - `lease`: 30 seconds
+/// - `max_result_bytes`, `max_failure_bytes`, `max_recovery_point_bytes`:
+///   1 MiB each (in bytes)
+/// - `sweep_interval`: 60 seconds (a background sweeper evicts expired
+///   records); `None` disables it
+/// - `sweep_batch`: 10 000 records per sweep step
+/// - `clock`: [`SystemClock`]
+/// - `cache_bytes`: 64 MiB, redb's page cache (in bytes)
+/// - `durability`: [`Durability::Immediate`], every acknowledged write is
+///   durable (fsynced) before the call returns
+/// - `max_log_bytes`: 64 MiB, the size the write-ahead log grows to (in
+///   bytes)
+/// - `read_cache_bytes`: 16 MiB, the cache of finished records that answers
+///   replays without reading the index (in bytes)
+#[derive(Clone)]
+pub struct Config {
+    pub(crate) retention: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) max_result_bytes: usize,
+    pub(crate) max_failure_bytes: usize,
+    pub(crate) max_recovery_point_bytes: usize,
+    pub(crate) sweep_interval: Option<Duration>,
+    pub(crate) sweep_batch: usize,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) cache_bytes: usize,
+    pub(crate) durability: Durability,
+    pub(crate) max_log_bytes: u64,
+    pub(crate) read_cache_bytes: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            retention: Duration::from_secs(24 * 3600),
+            lease: Duration::from_secs(30),
+            max_result_bytes: 1024 * 1024,
+            max_failure_bytes: 1024 * 1024,
+            max_recovery_point_bytes: 1024 * 1024,
+            sweep_interval: Some(Duration::from_secs(60)),
+            sweep_batch: 10_000,
+            clock: Arc::new(SystemClock),
+            cache_bytes: 64 * 1024 * 1024,
+            durability: Durability::Immediate,
+            max_log_bytes: 64 * 1024 * 1024,
+            read_cache_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("retention", &self.retention)
+            .field("lease", &self.lease)
+            .field("max_result_bytes", &self.max_result_bytes)
+            .field("max_failure_bytes", &self.max_failure_bytes)
+            .field("max_recovery_point_bytes", &self.max_recovery_point_bytes)
+            .field("sweep_interval", &self.sweep_interval)
+            .field("sweep_batch", &self.sweep_batch)
+            .field("cache_bytes", &self.cache_bytes)
+            .field("durability", &self.durability)
+            .field("max_log_bytes", &self.max_log_bytes)
+            .field("read_cache_bytes", &self.read_cache_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    /// The defaults (see the type's docs).
+    pub fn new() -> Config {
+        Config::default()
+    }
+
+    /// How long a finished record is kept for replays, counted from when it
+    /// finished (whole milliseconds, > 0, at most [`MAX_RETENTION`]: a
+    /// longer one makes the open fail with [`Error::InvalidArgument`]). A
+    /// change applies to later writes only: each record stores its own
+    /// expiry.
+    pub fn retention(mut self, retention: Duration) -> Config {
+        self.retention = retention;
+        self
+    }
+
+    /// The default lease duration of a claim (whole milliseconds, 1 ms to
+    /// [`MAX_LEASE`]): how long an in-progress claim is honoured before
+    /// another caller may take it over.
+    pub fn lease(mut self, lease: Duration) -> Config {
+        self.lease = lease;
+        self
+    }
+
+    /// The largest result [`Store::complete`](crate::Store::complete) accepts (in bytes, at most
+    /// [`MAX_VALUE_LIMIT`]).
+    pub fn max_result_bytes(mut self, bytes: usize) -> Config {
+        self.max_result_bytes = bytes;
+        self
+    }
+
+    /// The largest failure [`Store::fail`](crate::Store::fail) accepts (in bytes, at most
+    /// [`MAX_VALUE_LIMIT`]).
+    pub fn max_failure_bytes(mut self, bytes: usize) -> Config {
+        self.max_failure_bytes = bytes;
+        self
+    }
+
+    /// The largest recovery point [`Store::set_recovery_point`](crate::Store::set_recovery_point) accepts (in
+    /// bytes, at most [`MAX_VALUE_LIMIT`]).
+    pub fn max_recovery_point_bytes(mut self, bytes: usize) -> Config {
+        self.max_recovery_point_bytes = bytes;
+        self
+    }
+
+    /// How often the background sweeper evicts expired records; `None`
+    /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself). The sweeper stops
+    /// when the store is dropped.
+    pub fn sweep_interval(mut self, interval: Option<Duration>) -> Config {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// How many records one background sweep step evicts at most (> 0); the
+    /// sweeper repeats steps until fewer are due.
+    pub fn sweep_batch(mut self, records: usize) -> Config {
+        self.sweep_batch = records;
+        self
+    }
+
+    /// The clock the store reads time from (milliseconds since the epoch).
+    pub fn clock(mut self, clock: impl Clock) -> Config {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The size of redb's page cache (in bytes).
+    pub fn cache_bytes(mut self, bytes: usize) -> Config {
+        self.cache_bytes = bytes;
+        self
+    }
+
+    /// When changes are acknowledged relative to the log's fsync (see
+    /// [`Durability`]).
+    pub fn durability(mut self, durability: Durability) -> Config {
+        self.durability = durability;
+        self
+    }
+
+    /// The size the write-ahead log may grow to (in bytes, at least 64 KiB).
+    /// The log starts at 1 MiB (or this, if smaller) and doubles each time it
+    /// fills, up to this size; a full log forces a checkpoint (a durable
+    /// commit of the index) and is then reused from its start. A larger log
+    /// means fewer checkpoints and a longer replay after a crash (replay
+    /// reads the whole log). A single batch larger than the log grows it
+    /// beyond this size.
+    pub fn max_log_bytes(mut self, bytes: u64) -> Config {
+        self.max_log_bytes = bytes;
+        self
+    }
+
+    /// The size of the cache of finished records (succeeded, or failed
+    /// permanently) that answers replays without reading the index (in
+    /// bytes; 0 disables it). In-progress records are never cached.
+    pub fn read_cache_bytes(mut self, bytes: usize) -> Config {
+        self.read_cache_bytes = bytes;
+        self
+    }
+
+    /// Checks the settings every engine shares.
+    pub(crate) fn validate(&self) -> Result<()> {
+        if duration_ms(self.retention) == 0 {
+            return Err(Error::invalid("retention", "must be at least 1 ms"));
+        }
+        if self.retention > MAX_RETENTION {
+            return Err(Error::invalid(
+                "retention",
+                format!(
+                    "{} s is over the longest retention, {} s (MAX_RETENTION)",
+                    self.retention.as_secs(),
+                    MAX_RETENTION.as_secs()
+                ),
+            ));
+        }
+        check_lease("lease", self.lease)?;
+        for (what, v) in [
+            ("max_result_bytes", self.max_result_bytes),
+            ("max_failure_bytes", self.max_failure_bytes),
+            ("max_recovery_point_bytes", self.max_recovery_point_bytes),
+        ] {
+            if v > MAX_VALUE_LIMIT {
+                return Err(Error::invalid(
+                    what,
+                    format!("{v} bytes is over the largest limit, {MAX_VALUE_LIMIT} bytes"),
+                ));
+            }
+        }
+        if self.sweep_batch == 0 {
+            return Err(Error::invalid("sweep_batch", "must be at least 1"));
+        }
+        if self.sweep_interval.is_some_and(|d| d.is_zero()) {
+            return Err(Error::invalid("sweep_interval", "must be non-zero"));
+        }
+        if let Durability::Buffered { max_delay } = self.durability
+            && (max_delay < Duration::from_millis(1) || max_delay > Duration::from_secs(3600))
+        {
+            return Err(Error::invalid(
+                "durability",
+                "a buffered max_delay must be between 1 ms and 1 hour",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A lease duration in whole ms, checked against 1 ms ..= [`MAX_LEASE`].
+pub(crate) fn check_lease(what: &'static str, lease: Duration) -> Result<u64> {
+    let ms = duration_ms(lease);
+    if ms == 0 {
+        return Err(Error::invalid(
+            what,
+            "a lease must be at least 1 ms; a lease is never unset",
+        ));
+    }
+    if lease > MAX_LEASE {
+        return Err(Error::invalid(what, "longer than MAX_LEASE (30 days)"));
+    }
+    Ok(ms)
+}
+
+/// Options of one claim.
+#[derive(Debug, Clone, Default)]
+pub struct ClaimOptions {
+    pub(crate) lease: Option<Duration>,
+    pub(crate) business_key: Option<String>,
+}
+
+impl ClaimOptions {
+    /// Options with every default from [`Config`].
+    pub fn new() -> ClaimOptions {
+        ClaimOptions::default()
+    }
+
+    /// The lease duration of this claim (whole milliseconds, 1 ms to
+    /// [`MAX_LEASE`]); the store's configured lease when unset.
+    pub fn lease(mut self, lease: Duration) -> ClaimOptions {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// A business key for the second layer of dedup: the identity of the
+    /// business operation itself (an order number, a ticket's external
+    /// reference), unique per scope. It catches the same operation
+    /// requested under a *new* idempotency key, which the idempotency key
+    /// alone cannot (a client that generated a fresh key on retry, two
+    /// agents planning the same action).
+    ///
+    /// While a record that holds the business key exists (not released,
+    /// not past retention), a claim of another idempotency key in the same
+    /// scope with the same business key never acquires: it gets
+    /// [`Error::BusinessKeyConflict`] naming the existing key and its state
+    /// (HTTP 409). The binding is written in the same write as the
+    /// acquiring claim and removed with the record (release, eviction, or
+    /// replacement after retention).
+    ///
+    /// The business key is bound when a key is first acquired; later claims
+    /// of the same idempotency key (retries, takeovers) keep the record's
+    /// binding whatever business key they carry.
+    ///
+    /// Non-empty UTF-8 without control characters, at most
+    /// [`MAX_BUSINESS_KEY_LEN`](crate::MAX_BUSINESS_KEY_LEN) (255) bytes;
+    /// otherwise the claim fails with [`Error::InvalidArgument`].
+    pub fn business_key(mut self, business_key: impl Into<String>) -> ClaimOptions {
+        self.business_key = Some(business_key.into());
+        self
+    }
+}

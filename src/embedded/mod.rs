@@ -1,0 +1,744 @@
+//! The embedded engine: one redb file (the index) and a write-ahead log
+//! beside it, a writer thread that group-commits every change, and a cache
+//! of finished records for replays. `docs/design.md` has the formats and
+//! the crash analysis.
+//!
+//! Everything here is behind the engine boundary ([`crate::engine`]):
+//! validation, the pure transition, audit events, the record codec and the
+//! export/import framing are not this module's; it stores and reads.
+
+pub(crate) mod cache;
+pub(crate) mod check;
+pub(crate) mod commit;
+pub(crate) mod create;
+pub(crate) mod expiry;
+pub(crate) mod fence;
+pub(crate) mod schema;
+pub(crate) mod wal;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use redb::{ReadOnlyTable, ReadableDatabase};
+
+use crate::audit::Event;
+use crate::clock::{StoreClock, TIME_RESERVATION, duration_ms};
+use crate::codec::{self, Entries, Entry};
+use crate::config::{Config, Durability};
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::record::{Ctx, Effect, ImportResult, Op, Record, Reply, transition};
+use crate::report::CheckReport;
+use crate::report::Progress;
+use crate::stats::LiveCounters;
+use cache::{Lookup, ReadCache};
+use commit::{Answer, Command, Completion, Progress as WriteProgress, Shared, Writer, WriterState};
+use fence::Fence;
+use schema::{RECORDS, guard, map_err};
+use wal::{FileLog, LogFile};
+
+/// How many requests may wait for the embedded engine's writer (in
+/// requests). Beyond it callers wait for room (back-pressure): the
+/// blocking methods block, the `*_async` methods are pending without
+/// blocking their executor.
+pub const WRITER_QUEUE_BOUND: usize = commit::QUEUE_BOUND;
+
+/// The size the write-ahead log may be configured to at least
+/// ([`Config::max_log_bytes`]), in bytes.
+pub(crate) use wal::MIN_LOG_BYTES;
+
+/// The embedded engine of one open store.
+pub(crate) struct Embedded {
+    shared: Arc<Shared>,
+    writer: Writer,
+}
+
+/// What a read outside the writer found.
+enum Read {
+    /// The record (or its absence), durable in `Immediate` mode.
+    Done(Option<Record>),
+    /// The key has a change that may not be durable yet, in this batch.
+    Pending(u64),
+}
+
+/// A read snapshot of the index whose changes are all acknowledged (and,
+/// with [`Durability::Immediate`], durable): what scans, stats, export and
+/// verify read.
+pub(crate) struct Snapshot {
+    path: PathBuf,
+    txn: redb::ReadTransaction,
+}
+
+/// The `<path>-wal` name of a store file's write-ahead log.
+pub(crate) fn log_path_of(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push("-wal");
+    PathBuf::from(name)
+}
+
+/// Refuses a missing or empty file (for tools that must not create a store).
+pub(crate) fn check_existing(path: &Path) -> Result<()> {
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Missing {
+            path: path.to_path_buf(),
+        }),
+        Ok(m) if m.len() == 0 => Err(Error::IncompatibleFile {
+            path: path.to_path_buf(),
+            detail: "the file is empty (not an idemstore file)".into(),
+        }),
+        // Other metadata errors (permissions) surface from the open itself.
+        _ => Ok(()),
+    }
+}
+
+impl Embedded {
+    /// Opens (or creates) the store at `path` with its log at `log_path`,
+    /// on `backend` and `log` when given, else on files. `config` has been
+    /// validated for what every engine shares; this checks the embedded
+    /// engine's own settings.
+    pub(crate) fn open<B: redb::StorageBackend>(
+        path: PathBuf,
+        log_path: PathBuf,
+        backend: Option<B>,
+        log: Option<Arc<dyn LogFile>>,
+        config: Config,
+    ) -> Result<Embedded> {
+        if config.max_log_bytes < MIN_LOG_BYTES {
+            return Err(Error::invalid(
+                "max_log_bytes",
+                format!("must be at least {MIN_LOG_BYTES} bytes"),
+            ));
+        }
+        let fence = Fence::default();
+        let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence)?;
+        // The log file is opened (or created) only once the index is known
+        // to be this store's and held by this process.
+        let log = match log {
+            Some(log) => log,
+            None => Arc::new(FileLog::open(&log_path).map_err(|e| {
+                Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
+            })?),
+        };
+        let opened = wal::open(
+            &db,
+            &path,
+            &log_path,
+            log.clone(),
+            &meta,
+            config.max_log_bytes,
+        )?;
+        // The store's time starts from the persisted bound. After an unclean
+        // shutdown up to `TIME_RESERVATION` of it may be reservation, not
+        // use: that part is caught up at half rate (see `crate::clock`).
+        let floor = if meta.clean {
+            meta.clock_floor.unwrap_or(opened.clock_hwm)
+        } else {
+            opened
+                .clock_hwm
+                .saturating_sub(duration_ms(TIME_RESERVATION))
+        };
+        let clock = StoreClock::new(config.clock.clone(), opened.clock_hwm, floor);
+        // A first reservation, durable before the store answers anything.
+        let start = clock.reservation(clock.now_ms());
+        schema::reserve_time(&path, &db, start)?;
+        if opened.replayed > 0 {
+            tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
+        }
+        let shared = Arc::new(Shared {
+            db: Arc::new(db),
+            path,
+            log_path,
+            clock,
+            time_durable: AtomicU64::new(start),
+            renewing: AtomicU64::new(0),
+            retention_ms: duration_ms(config.retention),
+            durability: config.durability,
+            poisoned: AtomicBool::new(false),
+            counters: LiveCounters::new(),
+            index_failed: AtomicBool::new(false),
+            progress: WriteProgress::new(opened.last_seq),
+            cache: ReadCache::new(config.read_cache_bytes),
+            sync_inline: AtomicBool::new(true),
+            fence,
+        });
+        let state = WriterState::new(
+            opened.next_token,
+            opened.token_reserved,
+            opened.last_seq,
+            start,
+            opened.writer,
+        );
+        let writer = Writer::start(shared.clone(), state, log)?;
+        Ok(Embedded { shared, writer })
+    }
+
+    /// The store file.
+    pub(crate) fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// The write-ahead log beside the store file.
+    pub(crate) fn log_path(&self) -> &Path {
+        &self.shared.log_path
+    }
+
+    /// The counters behind `Store::stats`.
+    pub(crate) fn counters(&self) -> &LiveCounters {
+        &self.shared.counters
+    }
+
+    /// The store file's size from the file system (`None` on a custom
+    /// backend or when it cannot be read).
+    pub(crate) fn file_bytes(&self) -> Option<u64> {
+        std::fs::metadata(&self.shared.path).ok().map(|m| m.len())
+    }
+
+    fn submit(&self, cmd: Command) -> Completion {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return Completion::Ready(Err(Error::Poisoned));
+        }
+        self.writer.submit(cmd)
+    }
+
+    fn submit_op(&self, key: &Key, op: Op) -> Completion {
+        self.submit(Command::Op {
+            key: key.clone(),
+            op,
+        })
+    }
+
+    /// [`Embedded::submit`] from async code: a full queue is awaited.
+    async fn submit_async(&self, cmd: Command) -> Completion {
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return Completion::Ready(Err(Error::Poisoned));
+        }
+        self.writer.submit_async(cmd).await
+    }
+
+    /// Applies `op` to `key`'s record: a claim that can only replay, report
+    /// a valid lease or refuse a fingerprint is answered without the
+    /// writer; everything else is decided by the writer, durable when this
+    /// returns.
+    pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
+        let op = match op {
+            Op::Claim { .. } => match self.claim_fast(key, op, self.time())? {
+                Ok(reply) => return Ok(reply),
+                Err(op) => op,
+            },
+            op => op,
+        };
+        expect_reply(self.submit_op(key, op).wait())
+    }
+
+    /// [`Embedded::apply`] from async code: never blocks its executor.
+    pub(crate) async fn apply_async(&self, key: &Key, op: Op) -> Result<Reply> {
+        let op = match op {
+            Op::Claim { .. } => match self.claim_fast(key, op, self.time_async().await)? {
+                Ok(reply) => return Ok(reply),
+                Err(op) => op,
+            },
+            op => op,
+        };
+        let cmd = Command::Op {
+            key: key.clone(),
+            op,
+        };
+        expect_reply(self.submit_async(cmd).await.await)
+    }
+
+    /// Queues `op` without waiting for its answer (a best-effort write
+    /// whose caller has gone).
+    pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
+        drop(self.submit_op(key, op));
+    }
+
+    /// The store's time for an answer about to be given: the clock's
+    /// reading once a bound at least that high is durable (asked of the
+    /// writer when it is not yet; see [`crate::clock`]). If the store can
+    /// no longer write, the last durable bound when it is lower: answers
+    /// are never based on a time a crash could take back.
+    pub(crate) fn time(&self) -> u64 {
+        let now = self.shared.clock.now_ms();
+        let durable = self.shared.time_durable.load(Ordering::SeqCst);
+        if now <= durable {
+            self.renew_early(now, durable);
+            return now;
+        }
+        match self.submit(Command::Reserve).wait() {
+            Ok(_) => now.min(self.shared.time_durable.load(Ordering::SeqCst)),
+            Err(_) => now.min(durable),
+        }
+    }
+
+    /// Asks the writer, without waiting, to renew the time reservation when
+    /// `now` comes within half a reservation of the durable bound, so that
+    /// later reads find it renewed. At most one such request is in flight.
+    fn renew_early(&self, now: u64, durable: u64) {
+        let shared = &self.shared;
+        if now.saturating_add(commit::RENEW_AHEAD_MS) > durable
+            && !shared.poisoned.load(Ordering::SeqCst)
+            && shared.renewing.load(Ordering::SeqCst) < durable
+        {
+            shared.renewing.store(durable, Ordering::SeqCst);
+            self.writer.submit_detached(Command::Reserve);
+        }
+    }
+
+    /// [`Embedded::time`] from async code: the reservation is awaited.
+    pub(crate) async fn time_async(&self) -> u64 {
+        let now = self.shared.clock.now_ms();
+        let durable = self.shared.time_durable.load(Ordering::SeqCst);
+        if now <= durable {
+            self.renew_early(now, durable);
+            return now;
+        }
+        match self.submit_async(Command::Reserve).await.await {
+            Ok(_) => now.min(self.shared.time_durable.load(Ordering::SeqCst)),
+            Err(_) => now.min(durable),
+        }
+    }
+
+    /// The wall clock's reading (ms since the epoch), for an import's
+    /// clock tolerance.
+    pub(crate) fn wall_ms(&self) -> u64 {
+        self.shared.clock.wall_ms()
+    }
+
+    /// The store's time without a reservation (an import's reference time).
+    pub(crate) fn clock_ms(&self) -> u64 {
+        self.shared.clock.now_ms()
+    }
+
+    /// Evicts up to `max_records` records past retention.
+    pub(crate) fn sweep(&self, max_records: usize) -> Result<usize> {
+        match self.submit(Command::Sweep { max: max_records }).wait()? {
+            Answer::Evicted(n) => Ok(n),
+            _ => Err(Error::Storage(
+                "writer answered a sweep with another answer".into(),
+            )),
+        }
+    }
+
+    /// Answers a claim from the cache or a read transaction when it can only
+    /// replay, only report a valid lease, or only refuse a fingerprint.
+    /// Otherwise (including when the key has a change that is not durable
+    /// yet) hands the operation back for the writer.
+    fn claim_fast(&self, key: &Key, op: Op, now_ms: u64) -> Result<Result<Reply, Op>> {
+        if let Read::Done(Some(current)) = self.read(key, now_ms)? {
+            let ctx = Ctx {
+                now_ms,
+                retention_ms: self.shared.retention_ms,
+                next_token: 0,
+                // An existing live record keeps its own binding: the
+                // business-key rule applies only to a fresh record, which
+                // the writer decides.
+                business_holder: None,
+            };
+            match transition(key, Some(&current), &op, &ctx) {
+                Ok((effect @ Effect::None, reply)) => {
+                    let event =
+                        Event::of_transition(key, Some(&current), &op, &effect, &reply, now_ms);
+                    self.shared.counters.publish(event);
+                    if let Reply::Claim(_) = reply {
+                        return Ok(Ok(reply));
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.shared.counters.publish(Event::of_error(key, &e));
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Err(op))
+    }
+
+    /// A read snapshot for the operator's reads (scans, stats, export,
+    /// verify): it holds every change acknowledged before this call and,
+    /// with [`Durability::Immediate`], nothing that is not yet durable (the
+    /// writer may commit a batch to the index while its fsync runs, so this
+    /// waits for the durability of whatever the snapshot holds, as
+    /// [`Embedded::len`] does).
+    pub(crate) fn snapshot(&self) -> Result<Snapshot> {
+        self.commit_index()?;
+        let shared = &self.shared;
+        let path = &shared.path;
+        let txn = guard(path, || {
+            let txn = shared.db.begin_read().map_err(|e| map_err(path, e))?;
+            if shared.durability == Durability::Immediate {
+                shared
+                    .progress
+                    .wait_durable(schema::applied_seq(path, &txn)?)?;
+            }
+            Ok(txn)
+        })?;
+        Ok(Snapshot {
+            path: path.clone(),
+            txn,
+        })
+    }
+
+    /// Has the writer commit its open index transaction, so that reads see
+    /// every change acknowledged before this call.
+    fn commit_index(&self) -> Result<()> {
+        match self.submit(Command::Commit).wait()? {
+            Answer::Committed => Ok(()),
+            _ => Err(Error::Storage(
+                "writer answered a commit with another answer".into(),
+            )),
+        }
+    }
+
+    /// The record of `key` as durable (in `Immediate` mode). A change in
+    /// flight is waited for: its commit to the index is asked of the
+    /// writer, its fsync awaited.
+    pub(crate) fn get(&self, key: &Key) -> Result<Option<Record>> {
+        let now = self.time();
+        loop {
+            match self.read(key, now)? {
+                Read::Done(r) => return Ok(r),
+                Read::Pending(seq) if self.shared.progress.committed() < seq => {
+                    self.commit_index()?;
+                }
+                Read::Pending(seq) => self.shared.progress.wait_durable(seq)?,
+            }
+        }
+    }
+
+    /// [`Embedded::get`] from async code.
+    pub(crate) async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
+        let now = self.time_async().await;
+        loop {
+            match self.read(key, now)? {
+                Read::Done(r) => return Ok(r),
+                // The writer answers a commit once everything decided before
+                // it is committed to the index and (when gated) durable.
+                Read::Pending(_) => match self.submit_async(Command::Commit).await.await? {
+                    Answer::Committed => {}
+                    _ => {
+                        return Err(Error::Storage(
+                            "writer answered a commit with another answer".into(),
+                        ));
+                    }
+                },
+            }
+        }
+    }
+
+    /// One read outside the writer at the store's time `now` (from
+    /// [`Embedded::time`]): the cache, else a read transaction, then the
+    /// durability gate (see [`cache`]).
+    fn read(&self, key: &Key, now: u64) -> Result<Read> {
+        let shared = &self.shared;
+        let path = &shared.path;
+        let kb = key.to_bytes();
+        let gated = shared.durability == Durability::Immediate;
+        let version = match shared
+            .cache
+            .lookup(&kb, now, shared.progress.visible_upto(gated))
+        {
+            Lookup::Hit(record) => return Ok(Read::Done(Some(record))),
+            Lookup::Pending(seq) => return Ok(Read::Pending(seq)),
+            Lookup::Miss(version) => version,
+        };
+        let bytes = guard(path, || {
+            let txn = shared.db.begin_read().map_err(|e| map_err(path, e))?;
+            let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
+            let value = table.get(kb.as_slice()).map_err(|e| map_err(path, e))?;
+            Ok(value.map(|v| v.value().to_vec()))
+        })?;
+        let record = match bytes {
+            Some(bytes) => Some(codec::decode_record(&kb, &bytes).inspect_err(|e| {
+                self.shared.counters.publish(Event::corruption(e));
+            })?),
+            None => None,
+        };
+        let record = record.filter(|r| !r.is_expired_at(now));
+        let visible = shared.progress.visible_upto(gated);
+        match shared
+            .cache
+            .after_read(&kb, record.as_ref(), version, now, visible)
+        {
+            Some(seq) => Ok(Read::Pending(seq)),
+            None => Ok(Read::Done(record)),
+        }
+    }
+
+    /// Writes one batch of imported records (each an [`Op::Import`]) in one
+    /// durable write, raising the token counter to at least `token_floor`
+    /// and the store's clock to at least `clock_floor` first.
+    pub(crate) fn import_batch(
+        &self,
+        ops: Vec<(Key, Op)>,
+        token_floor: u64,
+        clock_floor: u64,
+    ) -> Result<Vec<Result<ImportResult>>> {
+        // Raised before the write is queued, so the write that carries the
+        // batch stores a clock at least this high.
+        self.shared.clock.raise(clock_floor);
+        match self.submit(Command::Import { ops, token_floor }).wait()? {
+            Answer::Imported(replies) => Ok(replies
+                .into_iter()
+                .map(|r| match r? {
+                    Reply::Imported(result) => Ok(result),
+                    _ => Err(Error::Storage(
+                        "writer answered an import with another reply".into(),
+                    )),
+                })
+                .collect()),
+            _ => Err(Error::Storage(
+                "writer answered an import with another answer".into(),
+            )),
+        }
+    }
+
+    /// The token counter once everything acknowledged is in the index.
+    pub(crate) fn next_token(&self) -> Result<u64> {
+        self.commit_index()?;
+        schema::next_token(&self.shared.path, &self.shared.db)
+    }
+
+    /// Verifies every record and binding of a durable snapshot.
+    pub(crate) fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
+        let snapshot = self.snapshot()?;
+        check::verify(&snapshot.path, &snapshot.txn, self.time(), progress)
+    }
+
+    /// How many records are stored (past retention or not), once durable.
+    pub(crate) fn len(&self) -> Result<u64> {
+        let shared = &self.shared;
+        // Apply what was acknowledged to the index first.
+        self.commit_index()?;
+        let (count, seq) = schema::record_count(&shared.path, &shared.db)?;
+        if shared.durability == Durability::Immediate {
+            // The snapshot may hold a batch whose fsync is still running.
+            shared.progress.wait_durable(seq)?;
+        }
+        Ok(count)
+    }
+
+    /// Makes every acknowledged change durable now.
+    pub(crate) fn flush(&self) -> Result<()> {
+        self.shared.progress.flush()
+    }
+
+    /// Applies the log to the index and starts a new log.
+    pub(crate) fn checkpoint(&self) -> Result<()> {
+        match self.submit(Command::Checkpoint).wait()? {
+            Answer::Checkpointed => Ok(()),
+            _ => Err(Error::Storage(
+                "writer answered a checkpoint with another answer".into(),
+            )),
+        }
+    }
+}
+
+impl Snapshot {
+    /// The store's identity and token counter as of this snapshot.
+    pub(crate) fn meta(&self) -> Result<(u128, u64)> {
+        let path = &self.path;
+        guard(path, || {
+            let table = self
+                .txn
+                .open_table(schema::META)
+                .map_err(|e| map_err(path, e))?;
+            let meta = schema::read_meta(path, &table)?;
+            Ok((meta.store_id, meta.next_token))
+        })
+    }
+
+    /// The stored entries whose key bytes fall in one of `ranges` (start
+    /// inclusive, end exclusive, `None` unbounded), in key order.
+    pub(crate) fn entries(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Entries> {
+        let path = &self.path;
+        let table = guard(path, || {
+            self.txn.open_table(RECORDS).map_err(|e| map_err(path, e))
+        })?;
+        Ok(Box::new(RangeEntries {
+            path: path.clone(),
+            table,
+            ranges: ranges.into_iter(),
+            current: None,
+            done: false,
+        }))
+    }
+}
+
+type RecordRange = redb::Range<'static, &'static [u8], &'static [u8]>;
+
+/// The entries of a snapshot's records table over a list of key ranges.
+struct RangeEntries {
+    path: PathBuf,
+    table: ReadOnlyTable<&'static [u8], &'static [u8]>,
+    ranges: std::vec::IntoIter<(Vec<u8>, Option<Vec<u8>>)>,
+    current: Option<RecordRange>,
+    done: bool,
+}
+
+impl RangeEntries {
+    /// The next stored entry, opening the next key range as needed.
+    fn next_entry(&mut self) -> Result<Option<Entry>> {
+        let path = self.path.clone();
+        loop {
+            if let Some(range) = &mut self.current {
+                match range.next() {
+                    Some(entry) => {
+                        let (k, v) = entry.map_err(|e| map_err(&path, e))?;
+                        return Ok(Some((k.value().to_vec(), v.value().to_vec())));
+                    }
+                    None => self.current = None,
+                }
+            }
+            let Some((start, end)) = self.ranges.next() else {
+                return Ok(None);
+            };
+            let range = match &end {
+                Some(end) => self.table.range(start.as_slice()..end.as_slice()),
+                None => self.table.range(start.as_slice()..),
+            };
+            self.current = Some(range.map_err(|e| map_err(&path, e))?);
+        }
+    }
+}
+
+impl Iterator for RangeEntries {
+    type Item = Result<Entry>;
+
+    fn next(&mut self) -> Option<Result<Entry>> {
+        if self.done {
+            return None;
+        }
+        let path = self.path.clone();
+        match guard(&path, || self.next_entry()) {
+            Ok(Some(entry)) => Some(Ok(entry)),
+            Ok(None) => {
+                self.done = true;
+                None
+            }
+            Err(e) => {
+                self.done = true;
+                Some(Err(e))
+            }
+        }
+    }
+}
+
+fn expect_reply(answer: Result<Answer>) -> Result<Reply> {
+    match answer? {
+        Answer::Reply(r) => Ok(r),
+        _ => Err(Error::Storage("writer answered without a reply".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ClaimOptions;
+    use crate::key::Fingerprint;
+    use crate::record::ClaimOutcome;
+    use crate::store::Store;
+    use parking_lot::{Condvar, Mutex};
+    use std::time::Duration;
+    use wal::MemoryLog;
+
+    /// A log whose fsync can be held, to look at the store while a batch is
+    /// applied to the index but not yet durable.
+    #[derive(Clone, Default)]
+    struct HeldSync {
+        log: MemoryLog,
+        held: Arc<(Mutex<bool>, Condvar)>,
+    }
+
+    impl LogFile for HeldSync {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.log.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.log.write_at(offset, data)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            let (lock, cv) = &*self.held;
+            let mut held = lock.lock();
+            while *held {
+                cv.wait(&mut held);
+            }
+            Ok(())
+        }
+        fn len(&self) -> std::io::Result<u64> {
+            self.log.len()
+        }
+    }
+
+    fn embedded(store: &Store) -> &Embedded {
+        match store.engine() {
+            crate::engine::Engine::Embedded(e) => e,
+        }
+    }
+
+    fn in_index(store: &Store, key: &Key) -> bool {
+        let txn = embedded(store).shared.db.begin_read().unwrap();
+        let table = txn.open_table(RECORDS).unwrap();
+        table.get(key.to_bytes().as_slice()).unwrap().is_some()
+    }
+
+    #[test]
+    fn immediate_reads_never_see_a_change_before_its_fsync() {
+        let log = HeldSync::default();
+        let store = Arc::new(
+            Store::open_with_backend(
+                "held.redb",
+                redb::backends::InMemoryBackend::new(),
+                log.clone(),
+                Config::new().sweep_interval(None),
+            )
+            .unwrap(),
+        );
+        let key = Key::new("s", "held").unwrap();
+        let fp = Fingerprint::of(b"p");
+        // A time reserved before the fsync is held, so that the reads below
+        // need no new reservation (which would wait for the held fsync).
+        let now = store.now_ms();
+        // Through the syncer: the writer applies the batch to the index
+        // while the fsync runs.
+        embedded(&store)
+            .shared
+            .sync_inline
+            .store(false, Ordering::Relaxed);
+        *log.held.0.lock() = true;
+        let claimer = {
+            let (store, key, fp) = (store.clone(), key.clone(), fp.clone());
+            std::thread::spawn(move || store.claim(&key, &fp, &ClaimOptions::new()))
+        };
+        // The batch reaches the index (a non-durable commit) while its
+        // fsync is held.
+        while !in_index(&store, &key) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(matches!(
+            embedded(&store).read(&key, now).unwrap(),
+            Read::Pending(_)
+        ));
+        let claim = Op::Claim {
+            fingerprint: fp.clone(),
+            lease_ms: 30_000,
+            business_key: None,
+        };
+        assert!(
+            embedded(&store)
+                .claim_fast(&key, claim, now)
+                .unwrap()
+                .is_err()
+        );
+        assert!(!claimer.is_finished());
+        {
+            let (lock, cv) = &*log.held;
+            *lock.lock() = false;
+            cv.notify_all();
+        }
+        let ClaimOutcome::Acquired(lease) = claimer.join().unwrap().unwrap() else {
+            panic!("fresh key");
+        };
+        assert_eq!(store.get(&key).unwrap().unwrap().token(), lease.token());
+    }
+}

@@ -1,0 +1,65 @@
+//! What the operator's long operations report: how far an export, import
+//! or check has come, and what a check found. Shared by every engine.
+
+/// How far an export, import or check has come, for a progress display.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Progress {
+    /// Records handled so far.
+    pub records: u64,
+    /// Bytes of the stream written or read so far (0 for a check).
+    pub bytes: u64,
+}
+
+/// The outcome of redb's own integrity check of the file's pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Integrity {
+    /// Not run: [`Store::verify`](crate::Store::verify) on an open store checks records only.
+    NotRun,
+    /// Every page and checksum of the file is sound.
+    Clean,
+    /// redb found damage and repaired the file; records lost with the
+    /// damaged pages are gone (the record check that follows sees the
+    /// repaired file).
+    Repaired,
+    /// The file's pages are damaged: redb found damage it could not repair,
+    /// or the file does not open at all because of it (redb's message, such
+    /// as "Primary is corrupted despite 2-phase commit", names what
+    /// failed). Records were not checked. The next step is a restore from
+    /// the latest export into a new file (`idemstore import --create NEW
+    /// EXPORT`).
+    Failed(String),
+}
+
+/// One problem found by a check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The key concerned, as `scope/id` (escaped bytes when the key itself
+    /// is damaged), or a business-key binding.
+    pub key: String,
+    /// What is wrong.
+    pub detail: String,
+}
+
+/// What a check found: see [`Store::verify`](crate::Store::verify) and [`check_file`](crate::check_file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CheckReport {
+    /// redb's page-level check.
+    pub integrity: Integrity,
+    /// Stored records read (live, expired and damaged).
+    pub records: u64,
+    /// Business-key bindings read.
+    pub bindings: u64,
+    /// Every problem found, in key order.
+    pub problems: Vec<Problem>,
+}
+
+impl CheckReport {
+    /// Whether nothing is damaged: no problem, and redb's check (if it ran)
+    /// neither failed nor had to repair the file.
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty() && matches!(self.integrity, Integrity::NotRun | Integrity::Clean)
+    }
+}
