@@ -11,6 +11,9 @@ use crate::error::{Error, Result};
 /// The largest value limit [`Config`] accepts for results, failures and
 /// recovery points: 16 MiB (in bytes).
 pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
+/// The most claims one [`Store::claim_many`](crate::Store::claim_many)
+/// call takes: 1,024 (the size of one import batch).
+pub const MAX_CLAIM_MANY: usize = 1024;
 /// The longest lease a claim or extend accepts: 30 days.
 pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
 /// The longest retention [`Config::retention`] accepts, and the furthest

@@ -65,6 +65,16 @@ impl Engine {
         }
     }
 
+    /// Applies `ops` in one write (one commit), each decided on its own and
+    /// in order, as if applied alone: a later op of the same key sees the
+    /// earlier one. The outer `Err` is a failure of the whole write, which
+    /// then applied none of them.
+    pub(crate) fn apply_many(&self, ops: Vec<(Key, Op)>) -> Result<Vec<Result<Reply>>> {
+        match self {
+            Engine::Embedded(e) => e.apply_many(ops, 0),
+        }
+    }
+
     /// Queues `op` without waiting for its answer (a best-effort write
     /// whose caller has gone).
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {

@@ -91,9 +91,12 @@ pub(crate) enum Command {
     Op { key: Key, op: Op },
     /// Evict up to `max` expired records.
     Sweep { max: usize },
-    /// Restore records from an export, all in one write, and raise the
-    /// token counter to at least `token_floor`.
-    Import {
+    /// Several transitions in one write, each decided on its own and in
+    /// order (a later one of the same key sees the earlier one), after the
+    /// token counter is raised to at least `token_floor` (an import's
+    /// floor; 0 otherwise): `Store::claim_many`, an import batch, a batch
+    /// of lease extensions.
+    Many {
         ops: Vec<(Key, Op)>,
         token_floor: u64,
     },
@@ -117,8 +120,8 @@ pub(crate) enum Answer {
     /// The store's time is durable up to at least the time the request was
     /// decided at.
     Reserved,
-    /// One reply per imported record, in order.
-    Imported(Vec<Result<Reply>>),
+    /// One reply per transition of a [`Command::Many`], in order.
+    Many(Vec<Result<Reply>>),
 }
 
 struct Request {
@@ -798,7 +801,7 @@ fn payload_bytes(cmd: &Command) -> usize {
             Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
             _ => 0,
         },
-        Command::Import { ops, .. } => ops
+        Command::Many { ops, .. } => ops
             .iter()
             .map(|(key, op)| match op {
                 Op::Import { record } => {
@@ -806,7 +809,10 @@ fn payload_bytes(cmd: &Command) -> usize {
                         + record.output.as_ref().map_or(0, Vec::len)
                         + record.recovery_point.as_ref().map_or(0, Vec::len)
                 }
-                _ => 512,
+                Op::Complete { result: b, .. }
+                | Op::Fail { failure: b, .. }
+                | Op::SetRecoveryPoint { bytes: b, .. } => 512 + key.id().len() + b.len(),
+                _ => 512 + key.id().len(),
             })
             .fold(0, usize::saturating_add),
         Command::Sweep { .. } | Command::Checkpoint | Command::Commit | Command::Reserve => 0,
@@ -1311,8 +1317,8 @@ fn decide(
         Command::Sweep { max } => Ok(Ok(Answer::Evicted(expiry::evict(
             tables, now, *max, events,
         )?))),
-        Command::Import { ops, token_floor } => {
-            apply_import(shared, tables, ops, *token_floor, now, token, events)
+        Command::Many { ops, token_floor } => {
+            apply_many(shared, tables, ops, *token_floor, now, token, events)
         }
         Command::Checkpoint => Ok(Ok(Answer::Checkpointed)),
         Command::Commit => Ok(Ok(Answer::Committed)),
@@ -1320,9 +1326,10 @@ fn decide(
     }
 }
 
-/// Applies every record of an import through `tables` and raises the token
-/// counter above every imported token. Outer `Err`: storage failure.
-fn apply_import(
+/// Raises the token counter to `token_floor` and applies every transition
+/// through `tables`, each on its own and in order. Outer `Err`: storage
+/// failure.
+fn apply_many(
     shared: &Shared,
     tables: &mut Tables<'_>,
     ops: &[(Key, Op)],
@@ -1336,12 +1343,14 @@ fn apply_import(
     for (key, op) in ops {
         let reply = match apply_op(shared, tables, key, op, now, next_token, events)? {
             Ok(Answer::Reply(reply)) => Ok(reply),
-            Ok(_) => Err(Error::Storage("import answered with another reply".into())),
+            Ok(_) => Err(Error::Storage(
+                "a transition answered with another reply".into(),
+            )),
             Err(e) => Err(e),
         };
         replies.push(reply);
     }
-    Ok(Ok(Answer::Imported(replies)))
+    Ok(Ok(Answer::Many(replies)))
 }
 
 /// Applies one transition through `tables`, with its business-key binding

@@ -465,6 +465,23 @@ impl Embedded {
         }
     }
 
+    /// Applies `ops` in one durable write, each decided on its own and in
+    /// order, after raising the token counter to at least `token_floor`.
+    /// The outer `Err` is a failure of the whole write (nothing applied);
+    /// the inner ones are each op's own refusal.
+    pub(crate) fn apply_many(
+        &self,
+        ops: Vec<(Key, Op)>,
+        token_floor: u64,
+    ) -> Result<Vec<Result<Reply>>> {
+        match self.submit(Command::Many { ops, token_floor }).wait()? {
+            Answer::Many(replies) => Ok(replies),
+            _ => Err(Error::Storage(
+                "writer answered a batch with another answer".into(),
+            )),
+        }
+    }
+
     /// Writes one batch of imported records (each an [`Op::Import`]) in one
     /// durable write, raising the token counter to at least `token_floor`
     /// and the store's clock to at least `clock_floor` first.
@@ -477,20 +494,16 @@ impl Embedded {
         // Raised before the write is queued, so the write that carries the
         // batch stores a clock at least this high.
         self.shared.clock.raise(clock_floor);
-        match self.submit(Command::Import { ops, token_floor }).wait()? {
-            Answer::Imported(replies) => Ok(replies
-                .into_iter()
-                .map(|r| match r? {
-                    Reply::Imported(result) => Ok(result),
-                    _ => Err(Error::Storage(
-                        "writer answered an import with another reply".into(),
-                    )),
-                })
-                .collect()),
-            _ => Err(Error::Storage(
-                "writer answered an import with another answer".into(),
-            )),
-        }
+        Ok(self
+            .apply_many(ops, token_floor)?
+            .into_iter()
+            .map(|r| match r? {
+                Reply::Imported(result) => Ok(result),
+                _ => Err(Error::Storage(
+                    "writer answered an import with another reply".into(),
+                )),
+            })
+            .collect())
     }
 
     /// The token counter once everything acknowledged is in the index.
