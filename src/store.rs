@@ -419,6 +419,10 @@ pub struct Store {
     /// this store holds (feature `agent`).
     #[cfg(feature = "agent")]
     pub(crate) waiters: crate::agent::Waiters,
+    /// Keeps the leases of `execute` calls in flight alive: one thread,
+    /// started on first need, stopped on drop (feature `agent`).
+    #[cfg(feature = "agent")]
+    pub(crate) extender: crate::agent::Extender,
 }
 
 impl std::fmt::Debug for Store {
@@ -607,6 +611,32 @@ impl Store {
         };
         Ok(Store {
             _sweeper: sweeper,
+            // `Store::extend` for a batch: every extension is queued before
+            // any is waited for, so the batch shares a commit.
+            #[cfg(feature = "agent")]
+            extender: crate::agent::Extender::new(
+                &inner,
+                |inner: &Inner, leases: &[(Lease, Duration)]| {
+                    let queued: Vec<_> = leases
+                        .iter()
+                        .map(|(lease, duration)| {
+                            let lease_ms = check_lease("lease", *duration)?;
+                            let op = Op::Extend {
+                                token: lease.token(),
+                                lease_ms,
+                            };
+                            Ok(inner.submit_op(lease.key(), op))
+                        })
+                        .collect();
+                    queued
+                        .into_iter()
+                        .map(|q| {
+                            q.and_then(|done| expect_record(done.wait()))
+                                .map(|r| r.lease_until_ms)
+                        })
+                        .collect()
+                },
+            ),
             inner,
             #[cfg(feature = "agent")]
             waiters: crate::agent::Waiters::default(),
