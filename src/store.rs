@@ -48,6 +48,10 @@ pub struct Store {
     /// this store holds (feature `agent`).
     #[cfg(feature = "agent")]
     pub(crate) waiters: crate::agent::Waiters,
+    /// Keeps the leases of `execute` calls in flight alive: one thread,
+    /// started on first need, stopped on drop (feature `agent`).
+    #[cfg(feature = "agent")]
+    pub(crate) extender: crate::agent::Extender,
 }
 
 impl std::fmt::Debug for Store {
@@ -184,6 +188,9 @@ impl Store {
         };
         Ok(Store {
             _sweeper: sweeper,
+            // `Store::extend` for a batch, in one write.
+            #[cfg(feature = "agent")]
+            extender: crate::agent::Extender::new(&engine, extend_many),
             engine,
             config,
             #[cfg(feature = "agent")]
@@ -902,6 +909,54 @@ impl Store {
     pub fn is_empty(&self) -> Result<bool> {
         self.len().map(|n| n == 0)
     }
+}
+
+/// [`Store::extend`] for a batch of leases, in one write (one commit):
+/// each lease's new deadline or its error, in order.
+#[cfg(feature = "agent")]
+fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>> {
+    let mut checked = Vec::with_capacity(leases.len());
+    let mut ops = Vec::with_capacity(leases.len());
+    for (lease, duration) in leases {
+        match check_lease("lease", *duration) {
+            Ok(lease_ms) => {
+                checked.push(Ok(()));
+                let op = Op::Extend {
+                    token: lease.token(),
+                    lease_ms,
+                };
+                ops.push((lease.key().clone(), op));
+            }
+            Err(e) => checked.push(Err(e)),
+        }
+    }
+    let mut applied = match engine.apply_many(ops) {
+        Ok(replies) => replies.into_iter(),
+        // The write failed for every lease; `Error` is not `Clone`, so
+        // each gets the same kind of error, with its message.
+        Err(e) => {
+            return leases
+                .iter()
+                .map(|_| {
+                    Err(match &e {
+                        Error::Poisoned => Error::Poisoned,
+                        Error::Closed => Error::Closed,
+                        other => Error::Storage(other.to_string()),
+                    })
+                })
+                .collect();
+        }
+    };
+    checked
+        .into_iter()
+        .map(|c| {
+            c?;
+            let reply = applied.next().unwrap_or_else(|| {
+                Err(Error::Storage("the engine answered fewer replies".into()))
+            });
+            expect_record(reply).map(|r| r.lease_until_ms)
+        })
+        .collect()
 }
 
 /// Every key: the range list of a snapshot read of the whole store.

@@ -5,7 +5,6 @@
 //! that outcome to every later call with the same key and fingerprint.
 
 use std::future::Future;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -430,9 +429,9 @@ impl Store {
     /// It claims `key` with `fingerprint`, then:
     /// - **Acquired**: runs `work(&lease)` (after the in-doubt policy, when
     ///   the previous holder's lease lapsed without an outcome), extends the
-    ///   lease every third of its length while the work runs (from a helper
-    ///   thread), and records the outcome: the value, serialized with
-    ///   `serde_json`, with [`Store::complete`]; a [`Failure`] with
+    ///   lease every third of its length while the work runs (from the
+    ///   store's extender thread), and records the outcome: the value,
+    ///   serialized with `serde_json`, with [`Store::complete`]; a [`Failure`] with
     ///   [`Store::fail`], retryable or not as it says. Returns the value
     ///   ([`Origin::Ran`]) or [`ExecuteError::Failed`].
     /// - **Replay**: returns the recorded value marked
@@ -446,9 +445,13 @@ impl Store {
     ///   ([`ExecuteError::StillInProgress`]).
     ///
     /// The lease is extended by the claim's lease length (whole
-    /// milliseconds) each time. The helper is one short-lived scoped thread
-    /// per acquired call (a thread spawn: nothing next to a tool call or a
-    /// model request; a replay starts none). The
+    /// milliseconds) each time. One extender thread per `Store` serves every
+    /// call in flight: it starts with the first acquired call (a store that
+    /// only replays has none) and stops when the store drops; it renews the
+    /// leases due at the same time in one batch, so they share a commit. A
+    /// renewal that fails (another caller took the key over, or someone
+    /// released or finished it) is logged and not retried; the outcome is
+    /// then refused with [`Error::StaleLease`]. The
     /// value must serialize to at most the store's `max_result_bytes`, a
     /// failure to `max_failure_bytes`.
     ///
@@ -486,8 +489,10 @@ impl Store {
     /// [`ExecuteError`]: `Failed`, `StillInProgress`, `InDoubt`,
     /// `ProbeFailed`, `Codec`, and `Store` for everything
     /// [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
-    /// (a fingerprint mismatch above all), and for poll delays with a zero
-    /// minimum or a maximum below it ([`Error::InvalidArgument`]).
+    /// (a fingerprint mismatch above all), for poll delays with a zero
+    /// minimum or a maximum below it ([`Error::InvalidArgument`]), and
+    /// [`Error::Storage`] when the extender thread cannot be started (the
+    /// work does not run; the record stays in progress, as after a crash).
     pub fn execute<T, E, P, F>(
         &self,
         key: &Key,
@@ -539,12 +544,12 @@ impl Store {
         };
         let stage = match policy {
             InDoubt::Refuse => return Err(ExecuteError::InDoubt { lease }),
-            InDoubt::Rerun => keep_alive(self, &lease, || Stage::Ran(work(&lease))),
+            InDoubt::Rerun => keep_alive(self, &lease, || Stage::Ran(work(&lease)))?,
             InDoubt::Probe(probe) => keep_alive(self, &lease, || match probe.probe(&lease) {
                 Ok(Some(value)) => Stage::Recovered(value),
                 Ok(None) => Stage::Ran(work(&lease)),
                 Err(error) => Stage::ProbeFailed(error),
-            }),
+            })?,
         };
         let record = Recorder::new(lease, in_doubt, stage)?;
         let done = match &record.write {
@@ -853,25 +858,20 @@ fn lease_length(lease: &Lease) -> Duration {
     Duration::from_millis(ms)
 }
 
-/// Runs `f` while a helper thread extends `lease` every third of its
-/// length. The helper stops when `f` returns or unwinds.
-fn keep_alive<R>(store: &Store, lease: &Lease, f: impl FnOnce() -> R) -> R {
-    let length = lease_length(lease);
-    let period = (length / 3).max(Duration::from_millis(1));
-    std::thread::scope(|scope| {
-        let (stop, stopped) = mpsc::channel::<()>();
-        scope.spawn(move || {
-            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(period) {
-                if let Err(e) = store.extend(lease, length) {
-                    tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
-                    return;
-                }
-            }
-        });
-        let out = f();
-        drop(stop);
-        out
-    })
+/// Runs `f` while the store's extender (one thread per `Store`, shared by
+/// every call in flight) extends `lease` every third of its length. The
+/// lease is deregistered when `f` returns or unwinds, before the outcome is
+/// recorded; a renewal under way is waited for, and none follows.
+///
+/// # Errors
+/// [`Error::Storage`] when the extender's thread cannot be started; `f`
+/// does not run then, and the record stays in progress under `lease` (as
+/// after a crash: in doubt once the lease lapses).
+fn keep_alive<R>(store: &Store, lease: &Lease, f: impl FnOnce() -> R) -> Result<R, Error> {
+    let registration = store.extender.register(lease, lease_length(lease))?;
+    let out = f();
+    drop(registration);
+    Ok(out)
 }
 
 /// Runs `work` beside a future that extends `lease` every third of its

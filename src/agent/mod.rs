@@ -149,6 +149,7 @@
 
 mod call;
 mod execute;
+mod extender;
 mod keys;
 mod notify;
 
@@ -156,6 +157,7 @@ pub use call::{CallError, Limit, RemoteError, RemoteStatus, RetryPolicy, call, c
 pub use execute::{
     AsyncProbe, ExecuteError, ExecuteOptions, Executed, Failure, InDoubt, NoProbe, Origin, Probe,
 };
+pub(crate) use extender::Extender;
 pub(crate) use notify::Waiters;
 
 #[cfg(doc)]

@@ -1,0 +1,417 @@
+//! The lease extender of [`Store::execute`](crate::Store::execute): one
+//! background thread per `Store` that keeps the lease of every call in
+//! flight alive.
+//!
+//! A call registers its lease while its work runs and gets a
+//! [`Registration`]; dropping that deregisters it. The thread keeps the
+//! registered leases ordered by their next renewal time, sleeps until the
+//! earliest is due (or a registration or deregistration wakes it), and
+//! renews every lease that is due in one batch: all extensions are queued
+//! before any is waited for, so a batch shares the writer's group commit.
+//!
+//! - **Schedule**: a lease of length `L` is renewed `L / 3` (at least 1 ms)
+//!   after its registration, then `L / 3` after each renewal returned, each
+//!   time to the store's `now + L` ([`Store::extend`](crate::Store::extend)).
+//! - **Failure**: a renewal that fails (a stale lease: the key was taken
+//!   over, released or finished by someone else; a storage error) is logged
+//!   as a warning and that lease is not renewed again. The call learns of it
+//!   as it always has: recording its outcome fails, with
+//!   [`Error::StaleLease`] when the lease is no longer current.
+//! - **Deregistration** waits while a renewal of that lease is under way
+//!   (until the batch it is in is answered: one group commit, as a rule)
+//!   and removes it, so no lease is ever
+//!   renewed after its call deregistered it; it never waits for other
+//!   leases' renewals.
+//! - **Lifetime**: the thread (`idemstore-extender`) starts at the first
+//!   registration, so a store that never runs work under `execute` has none,
+//!   and stops when the store drops. It holds the store only weakly.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::error::Error;
+use crate::record::Lease;
+
+/// Renews many leases at once, each by its duration: one answer per lease,
+/// in order (the new lease deadline in ms since the epoch, or why not).
+type Renew = dyn Fn(&[(Lease, Duration)]) -> Vec<Result<u64, Error>> + Send + Sync;
+
+/// The shortest renewal period: leases of under 3 ms are renewed every
+/// millisecond.
+const MIN_PERIOD: Duration = Duration::from_millis(1);
+
+/// One store's lease extender (see the module docs).
+pub(crate) struct Extender {
+    shared: Arc<Shared>,
+    renew: Arc<Renew>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Extender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Extender")
+            .field("leases", &self.shared.state.lock().entries.len())
+            .field("running", &self.thread.lock().is_some())
+            .finish()
+    }
+}
+
+/// What the thread and the registrations share.
+struct Shared {
+    state: Mutex<State>,
+    /// Wakes the thread: a registration, a deregistration of the earliest
+    /// due lease, or the stop.
+    wake: Condvar,
+    /// Wakes deregistrations waiting for a renewal under way to return.
+    settled: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<u64, Entry>,
+    /// Scheduled renewals, earliest first: (due time, entry id). An entry
+    /// whose renewal is under way or failed is not in it.
+    due: BTreeSet<(Instant, u64)>,
+    next_id: u64,
+    stop: bool,
+}
+
+/// One registered lease.
+struct Entry {
+    /// The key and fencing token (the acquired record is not kept).
+    lease: Lease,
+    /// How far each renewal extends it.
+    length: Duration,
+    /// The time between a renewal's return and the next renewal.
+    period: Duration,
+    /// Its place in [`State::due`], when scheduled.
+    due: Option<Instant>,
+    /// A renewal of it is under way, outside the lock.
+    in_flight: bool,
+}
+
+impl Extender {
+    /// An extender for the store behind `target`, which it holds weakly:
+    /// `renew(target, leases)` extends each lease by its duration and
+    /// answers one result per lease, in order. No thread starts until the
+    /// first [`Extender::register`]; once the target is gone every renewal
+    /// fails with [`Error::Closed`].
+    pub(crate) fn new<T, F>(target: &Arc<T>, renew: F) -> Extender
+    where
+        T: Send + Sync + 'static,
+        F: Fn(&T, &[(Lease, Duration)]) -> Vec<Result<u64, Error>> + Send + Sync + 'static,
+    {
+        let weak: Weak<T> = Arc::downgrade(target);
+        let renew = move |leases: &[(Lease, Duration)]| match weak.upgrade() {
+            Some(target) => renew(&target, leases),
+            None => leases.iter().map(|_| Err(Error::Closed)).collect(),
+        };
+        Extender {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::default()),
+                wake: Condvar::new(),
+                settled: Condvar::new(),
+            }),
+            renew: Arc::new(renew),
+            thread: Mutex::new(None),
+        }
+    }
+
+    /// Keeps `lease` alive until the returned registration is dropped: it is
+    /// extended by `length` (the claim's lease length, 1 ms to
+    /// [`MAX_LEASE`](crate::MAX_LEASE)) every third of `length` (at least
+    /// every millisecond), the first time a third of `length` from now.
+    /// Starts the extender's thread if it is not running yet.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] when the thread cannot be started (the system is
+    /// out of threads); nothing is registered then.
+    pub(crate) fn register(&self, lease: &Lease, length: Duration) -> Result<Registration, Error> {
+        self.start()?;
+        let period = (length / 3).max(MIN_PERIOD);
+        let now = Instant::now();
+        let due = now.checked_add(period).unwrap_or(now);
+        let mut state = self.shared.state.lock();
+        let id = state.next_id;
+        state.next_id += 1;
+        state.entries.insert(
+            id,
+            Entry {
+                lease: Lease::from_parts(lease.key().clone(), lease.token()),
+                length,
+                period,
+                due: Some(due),
+                in_flight: false,
+            },
+        );
+        let earliest = state.due.first().is_none_or(|&(first, _)| due < first);
+        state.due.insert((due, id));
+        drop(state);
+        if earliest {
+            self.shared.wake.notify_one();
+        }
+        Ok(Registration {
+            shared: self.shared.clone(),
+            id,
+        })
+    }
+
+    /// Whether the thread has been started (and not yet stopped).
+    #[cfg(test)]
+    fn is_running(&self) -> bool {
+        self.thread.lock().is_some()
+    }
+
+    fn start(&self) -> Result<(), Error> {
+        let mut thread = self.thread.lock();
+        if thread.is_none() {
+            let shared = self.shared.clone();
+            let renew = self.renew.clone();
+            let handle = std::thread::Builder::new()
+                .name("idemstore-extender".into())
+                .spawn(move || run(&shared, &*renew))
+                .map_err(|e| Error::storage(format!("cannot start the lease extender: {e}")))?;
+            *thread = Some(handle);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Extender {
+    /// Stops the thread and waits for it. A store has no call in flight when
+    /// it drops, so there is nothing left to renew.
+    fn drop(&mut self) {
+        self.shared.state.lock().stop = true;
+        self.shared.wake.notify_all();
+        if let Some(handle) = self.thread.get_mut().take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// A lease kept alive by the extender until this is dropped. Owns its
+/// share of the extender (it borrows no store), so it may be held anywhere,
+/// across threads and in futures.
+pub(crate) struct Registration {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl Drop for Registration {
+    /// Deregisters the lease: waits while a renewal of it is under way
+    /// (until its batch is answered: one group commit, as a rule), then
+    /// removes it, so it is never renewed again. Blocks the thread for that
+    /// long, so async code should not drop it on a runtime thread that must
+    /// not block.
+    fn drop(&mut self) {
+        let mut state = self.shared.state.lock();
+        while state.entries.get(&self.id).is_some_and(|e| e.in_flight) {
+            self.shared.settled.wait(&mut state);
+        }
+        let Some(entry) = state.entries.remove(&self.id) else {
+            return;
+        };
+        let Some(due) = entry.due else { return };
+        let was_first = state.due.first() == Some(&(due, self.id));
+        state.due.remove(&(due, self.id));
+        drop(state);
+        if was_first {
+            self.shared.wake.notify_one();
+        }
+    }
+}
+
+/// The thread: renews whatever is due, then sleeps until the next renewal
+/// is due or it is woken, until the stop.
+fn run(shared: &Shared, renew: &Renew) {
+    let mut state = shared.state.lock();
+    loop {
+        if state.stop {
+            return;
+        }
+        let batch = take_due(&mut state, Instant::now());
+        if batch.is_empty() {
+            match state.due.first() {
+                Some(&(due, _)) => {
+                    shared.wake.wait_until(&mut state, due);
+                }
+                None => shared.wake.wait(&mut state),
+            }
+            continue;
+        }
+        let leases: Vec<(Lease, Duration)> = batch
+            .iter()
+            .map(|(_, lease, d)| (lease.clone(), *d))
+            .collect();
+        let results = MutexGuard::unlocked(&mut state, || renew(&leases));
+        settle(&mut state, &batch, results, Instant::now());
+        shared.settled.notify_all();
+    }
+}
+
+/// Takes every renewal due by `now` off the schedule and marks it under
+/// way: (entry id, lease, length) each.
+fn take_due(state: &mut State, now: Instant) -> Vec<(u64, Lease, Duration)> {
+    let mut batch = Vec::new();
+    while let Some(&(due, id)) = state.due.first() {
+        if due > now {
+            break;
+        }
+        state.due.pop_first();
+        if let Some(entry) = state.entries.get_mut(&id) {
+            entry.due = None;
+            entry.in_flight = true;
+            batch.push((id, entry.lease.clone(), entry.length));
+        }
+    }
+    batch
+}
+
+/// Records the answers of a batch: a renewed lease is due again a period
+/// after `now`; a lease whose renewal failed is logged and not renewed
+/// again (it stays registered until its call deregisters it).
+fn settle(
+    state: &mut State,
+    batch: &[(u64, Lease, Duration)],
+    results: Vec<Result<u64, Error>>,
+    now: Instant,
+) {
+    let mut results = results.into_iter();
+    for (id, lease, _) in batch {
+        let result = results
+            .next()
+            .unwrap_or_else(|| Err(Error::Storage("no answer to a lease extension".into())));
+        let Some(entry) = state.entries.get_mut(id) else {
+            continue;
+        };
+        entry.in_flight = false;
+        match result {
+            Ok(_) => {
+                let due = now.checked_add(entry.period).unwrap_or(now);
+                entry.due = Some(due);
+                state.due.insert((due, *id));
+            }
+            Err(e) => {
+                tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::Key;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A fake store: counts renewals per token and fails the tokens it is
+    /// told to.
+    #[derive(Default)]
+    struct Fake {
+        renewed: Mutex<HashMap<u64, usize>>,
+        failing: Mutex<Vec<u64>>,
+        slow: AtomicBool,
+    }
+
+    impl Fake {
+        fn count(&self, token: u64) -> usize {
+            self.renewed.lock().get(&token).copied().unwrap_or(0)
+        }
+    }
+
+    fn extender(fake: &Arc<Fake>) -> Extender {
+        Extender::new(fake, |fake: &Fake, leases: &[(Lease, Duration)]| {
+            if fake.slow.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            leases
+                .iter()
+                .map(|(lease, _)| {
+                    *fake.renewed.lock().entry(lease.token()).or_default() += 1;
+                    if fake.failing.lock().contains(&lease.token()) {
+                        Err(Error::StaleLease {
+                            key: lease.key().to_string(),
+                            token: lease.token(),
+                        })
+                    } else {
+                        Ok(0)
+                    }
+                })
+                .collect()
+        })
+    }
+
+    fn lease(token: u64) -> Lease {
+        Lease::from_parts(Key::new("s", format!("k{token}")).unwrap(), token)
+    }
+
+    /// Waits (without a time limit in the assertion) until `f` holds.
+    fn eventually(f: impl Fn() -> bool) {
+        while !f() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn no_thread_until_the_first_registration_and_none_after_the_drop() {
+        let fake = Arc::new(Fake::default());
+        let ext = extender(&fake);
+        assert!(!ext.is_running());
+        let reg = ext.register(&lease(1), Duration::from_millis(30)).unwrap();
+        assert!(ext.is_running());
+        eventually(|| fake.count(1) >= 2);
+        drop(reg);
+        drop(ext); // joins the thread
+    }
+
+    #[test]
+    fn every_lease_is_renewed_until_deregistered_and_never_after() {
+        let fake = Arc::new(Fake::default());
+        let ext = extender(&fake);
+        let regs: Vec<_> = (0..50)
+            .map(|t| ext.register(&lease(t), Duration::from_millis(15)).unwrap())
+            .collect();
+        eventually(|| (0..50).all(|t| fake.count(t) >= 3));
+        fake.slow.store(true, Ordering::SeqCst);
+        for reg in regs {
+            drop(reg);
+        }
+        let counts: Vec<_> = (0..50).map(|t| fake.count(t)).collect();
+        fake.slow.store(false, Ordering::SeqCst);
+        // Another lease keeps the thread busy; the dropped ones stay still.
+        let other = ext.register(&lease(99), Duration::from_millis(3)).unwrap();
+        eventually(|| fake.count(99) >= 20);
+        assert_eq!(counts, (0..50).map(|t| fake.count(t)).collect::<Vec<_>>());
+        assert!(ext.shared.state.lock().entries.len() == 1);
+        drop(other);
+        assert!(ext.shared.state.lock().due.is_empty());
+    }
+
+    #[test]
+    fn a_failed_renewal_stops_that_lease_only() {
+        let fake = Arc::new(Fake::default());
+        fake.failing.lock().push(7);
+        let ext = extender(&fake);
+        let failing = ext.register(&lease(7), Duration::from_millis(6)).unwrap();
+        let fine = ext.register(&lease(8), Duration::from_millis(6)).unwrap();
+        eventually(|| fake.count(8) >= 10);
+        assert_eq!(fake.count(7), 1);
+        drop(failing);
+        drop(fine);
+        assert!(ext.shared.state.lock().entries.is_empty());
+    }
+
+    #[test]
+    fn renewals_fail_closed_once_the_target_is_gone() {
+        let fake = Arc::new(Fake::default());
+        let ext = extender(&fake);
+        drop(fake);
+        let renew = ext.renew.clone();
+        let answers = renew(&[(lease(1), Duration::from_millis(5))]);
+        assert!(matches!(answers.as_slice(), [Err(Error::Closed)]));
+    }
+}
