@@ -124,6 +124,8 @@ mod check;
 mod clock;
 mod codec;
 mod config;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod embedded;
 mod engine;
 mod error;

@@ -951,9 +951,9 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
         .into_iter()
         .map(|c| {
             c?;
-            let reply = applied.next().unwrap_or_else(|| {
-                Err(Error::Storage("the engine answered fewer replies".into()))
-            });
+            let reply = applied
+                .next()
+                .unwrap_or_else(|| Err(Error::Storage("the engine answered fewer replies".into())));
             expect_record(reply).map(|r| r.lease_until_ms)
         })
         .collect()

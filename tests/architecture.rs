@@ -19,6 +19,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("agent", 6),
     ("http", 6),
     ("fuzzing", 6),
+    ("conformance", 6),
     // Operations written once over any engine.
     ("backup", 5),
     ("scan", 5),

@@ -1,0 +1,514 @@
+//! The conformance suite: what every engine must do, as public test
+//! functions over a small [`Harness`] (cargo feature `conformance`), in the
+//! manner of `object_store`'s `integration` module. `tests/conformance.rs`
+//! runs it against the embedded engine and, with the feature `postgres`,
+//! against a PostgreSQL server.
+//!
+//! Each function covers one guarantee of DESIGN.md that does not depend on
+//! a file: claim outcomes, fencing, fingerprints, retention, recovery
+//! points, business keys, sweep, resolve, scan, stats, export and import,
+//! `claim_many`, and what survives a reopen. Every store a test opens has a
+//! [`ManualClock`] that the test drives, so nothing waits on real time.
+//!
+//! These are test functions: they **panic** (with the guarantee that
+//! failed) when the engine breaks a guarantee, and are not meant for use
+//! outside tests.
+//!
+//! ```
+//! use idemstore::conformance::{self, Harness};
+//! use idemstore::{Config, Store};
+//!
+//! struct Files(tempfile::TempDir);
+//!
+//! impl Harness for Files {
+//!     fn open(&self, name: &str, config: Config) -> Store {
+//!         Store::open_with(self.0.path().join(name), config).unwrap()
+//!     }
+//!     fn reopen(&self, store: Store, config: Config) -> Store {
+//!         let path = store.path().to_path_buf();
+//!         drop(store);
+//!         Store::open_with(path, config).unwrap()
+//!     }
+//! }
+//!
+//! let files = Files(tempfile::tempdir().unwrap());
+//! conformance::claim_outcomes(&files);
+//! ```
+
+use std::time::Duration;
+
+use crate::{
+    ClaimOptions, ClaimOutcome, Config, Error, Filter, Fingerprint, ImportOptions, Key,
+    ManualClock, Resolution, State, Store,
+};
+
+/// Opens stores of one engine for the suite.
+pub trait Harness {
+    /// Opens a new, empty store named `name` (unique within one run of the
+    /// suite) with `config`.
+    fn open(&self, name: &str, config: Config) -> Store;
+    /// Drops `store` and opens the same store again with `config` (a
+    /// restart of the process that held it).
+    fn reopen(&self, store: Store, config: Config) -> Store;
+}
+
+/// One test function of the suite.
+pub type Test = fn(&dyn Harness);
+
+/// Every test function of the suite, with its name, for a runner that
+/// runs them all (`for (name, test) in conformance::ALL`).
+pub const ALL: &[(&str, Test)] = &[
+    ("claim_outcomes", claim_outcomes),
+    ("fencing", fencing),
+    ("fingerprints", fingerprints),
+    ("retention", retention),
+    ("recovery_points", recovery_points),
+    ("business_keys", business_keys),
+    ("sweep", sweep),
+    ("resolve", resolve),
+    ("scan", scan),
+    ("stats", stats),
+    ("export_import", export_import),
+    ("claim_many", claim_many),
+    ("reopen", reopen),
+];
+
+/// The clock every store of the suite starts at: 2026-01-01T00:00:00Z.
+const START_MS: u64 = 1_767_225_600_000;
+const LEASE: Duration = Duration::from_secs(30);
+const RETENTION: Duration = Duration::from_secs(3600);
+
+fn config(clock: &ManualClock) -> Config {
+    Config::new()
+        .clock(clock.clone())
+        .lease(LEASE)
+        .retention(RETENTION)
+        .sweep_interval(None)
+}
+
+fn key(id: &str) -> Key {
+    Key::new("conformance/tickets", id).expect("a valid key")
+}
+
+fn fp(payload: &str) -> Fingerprint {
+    Fingerprint::of(payload.as_bytes())
+}
+
+fn acquire(store: &Store, key: &Key, fingerprint: &Fingerprint) -> crate::Lease {
+    match store.claim(key, fingerprint, &ClaimOptions::new()) {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("{key}: expected Acquired, got {other:?}"),
+    }
+}
+
+/// A fresh key is acquired; while held it is in progress; once completed
+/// it replays its result; a retryable failure frees it for a new holder
+/// with a higher token; a permanent failure replays.
+pub fn claim_outcomes(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("claim_outcomes", config(&clock));
+    let (k, f) = (key("outcomes"), fp("a"));
+    let first = acquire(&store, &k, &f);
+    assert!(!first.is_takeover(), "a fresh key is not a takeover");
+    match store.claim(&k, &f, &ClaimOptions::new()) {
+        Ok(ClaimOutcome::InProgress { lease_until_ms, .. }) => {
+            assert_eq!(Some(lease_until_ms), first.lease_until_ms());
+        }
+        other => panic!("a held key answers InProgress, got {other:?}"),
+    }
+    let done = store.complete(&first, b"T-1").expect("complete");
+    assert_eq!(done.state(), State::Succeeded);
+    match store.claim(&k, &f, &ClaimOptions::new()) {
+        Ok(ClaimOutcome::Replay(record)) => assert_eq!(record.result(), Some(&b"T-1"[..])),
+        other => panic!("a finished key replays, got {other:?}"),
+    }
+    // Retryable failure: the next claim acquires with a higher token.
+    let k2 = key("retryable");
+    let held = acquire(&store, &k2, &f);
+    store.fail(&held, b"timeout", true).expect("fail");
+    let again = acquire(&store, &k2, &f);
+    assert!(again.token() > held.token(), "tokens grow per key");
+    store.fail(&again, b"card declined", false).expect("fail");
+    match store.claim(&k2, &f, &ClaimOptions::new()) {
+        Ok(ClaimOutcome::Replay(record)) => {
+            assert_eq!(record.state(), State::Failed { retryable: false });
+            assert_eq!(record.failure(), Some(&b"card declined"[..]));
+        }
+        other => panic!("a permanent failure replays, got {other:?}"),
+    }
+}
+
+/// A lapsed lease is taken over with a higher token; the old holder's
+/// complete, fail, release, extend and recovery point are refused with
+/// [`Error::StaleLease`] and change nothing.
+pub fn fencing(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("fencing", config(&clock));
+    let (k, f) = (key("fenced"), fp("a"));
+    let old = acquire(&store, &k, &f);
+    clock.advance(LEASE + Duration::from_millis(1));
+    let new = acquire(&store, &k, &f);
+    assert!(new.token() > old.token(), "a takeover has a higher token");
+    assert!(new.is_takeover(), "a lapsed lease is taken over");
+    assert!(matches!(
+        store.complete(&old, b"late"),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(matches!(
+        store.fail(&old, b"late", true),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(matches!(
+        store.extend(&old, LEASE),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(matches!(
+        store.set_recovery_point(&old, b"step"),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(matches!(
+        store.release(old.clone()),
+        Err(Error::StaleLease { .. })
+    ));
+    let record = store.get(&k).expect("get").expect("present");
+    assert_eq!(record.state(), State::Processing);
+    assert_eq!(record.token(), new.token());
+    // Extending moves the deadline; the holder stays the holder.
+    clock.advance(Duration::from_secs(10));
+    let until = store.extend(&new, LEASE).expect("extend");
+    assert!(until >= START_MS + 10_000 + 30_000, "extended from now");
+    store.release(new).expect("release");
+    assert!(store.get(&k).expect("get").is_none(), "a release forgets");
+}
+
+/// A key reused with another payload is refused in every state, and the
+/// refusal changes nothing.
+pub fn fingerprints(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("fingerprints", config(&clock));
+    let (k, f, other) = (key("fp"), fp("a"), fp("b"));
+    let lease = acquire(&store, &k, &f);
+    let mismatch = |store: &Store| {
+        assert!(matches!(
+            store.claim(&k, &other, &ClaimOptions::new()),
+            Err(Error::FingerprintMismatch { .. })
+        ));
+    };
+    mismatch(&store);
+    store.fail(&lease, b"x", true).expect("fail");
+    mismatch(&store);
+    let lease = acquire(&store, &k, &f);
+    store.complete(&lease, b"ok").expect("complete");
+    mismatch(&store);
+    let record = store.get(&k).expect("get").expect("present");
+    assert_eq!(record.fingerprint(), &f);
+    assert_eq!(record.result(), Some(&b"ok"[..]));
+}
+
+/// A finished record is kept for the retention period and absent after
+/// it: the key is acquired afresh (a new record) once it has passed.
+pub fn retention(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("retention", config(&clock));
+    let (k, f) = (key("kept"), fp("a"));
+    let lease = acquire(&store, &k, &f);
+    store.complete(&lease, b"done").expect("complete");
+    clock.advance(RETENTION - Duration::from_millis(1));
+    assert!(
+        store.get(&k).expect("get").is_some(),
+        "kept until retention"
+    );
+    clock.advance(Duration::from_millis(2));
+    assert!(
+        store.get(&k).expect("get").is_none(),
+        "gone after retention"
+    );
+    // After retention the key is new, whatever the payload.
+    let fresh = acquire(&store, &k, &fp("another payload"));
+    assert!(fresh.token() > lease.token());
+    assert!(!fresh.is_takeover());
+}
+
+/// A recovery point is stored under the lease and handed to the next
+/// holder after a takeover.
+pub fn recovery_points(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("recovery_points", config(&clock));
+    let (k, f) = (key("steps"), fp("a"));
+    let lease = acquire(&store, &k, &f);
+    store
+        .set_recovery_point(&lease, b"charged card")
+        .expect("recovery point");
+    let record = store.get(&k).expect("get").expect("present");
+    assert_eq!(record.recovery_point(), Some(&b"charged card"[..]));
+    clock.advance(LEASE + Duration::from_millis(1));
+    let next = acquire(&store, &k, &f);
+    assert!(next.is_takeover());
+    assert_eq!(next.recovery_point(), Some(&b"charged card"[..]));
+}
+
+/// A business key held by a live record of another key refuses the claim
+/// (HTTP 409) and is free again once that record is released.
+pub fn business_keys(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("business_keys", config(&clock));
+    let f = fp("a");
+    let with_bk = ClaimOptions::new().business_key("order-77");
+    let first = match store.claim(&key("bk-1"), &f, &with_bk) {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    };
+    match store.claim(&key("bk-2"), &f, &with_bk) {
+        Err(Error::BusinessKeyConflict { existing, .. }) => assert_eq!(existing, key("bk-1")),
+        other => panic!("a held business key conflicts, got {other:?}"),
+    }
+    assert!(store.get(&key("bk-2")).expect("get").is_none());
+    store.release(first).expect("release");
+    assert!(matches!(
+        store.claim(&key("bk-2"), &f, &with_bk),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+}
+
+/// A sweep evicts exactly the records past retention.
+pub fn sweep(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("sweep", config(&clock));
+    let f = fp("a");
+    for i in 0..10 {
+        let lease = acquire(&store, &key(&format!("old-{i}")), &f);
+        store.complete(&lease, b"r").expect("complete");
+    }
+    clock.advance(RETENTION + Duration::from_secs(1));
+    for i in 0..5 {
+        let lease = acquire(&store, &key(&format!("new-{i}")), &f);
+        store.complete(&lease, b"r").expect("complete");
+    }
+    assert_eq!(store.len().expect("len"), 15);
+    let mut evicted = 0;
+    loop {
+        let n = store.sweep(4).expect("sweep");
+        assert!(n <= 4, "a sweep evicts at most its batch");
+        if n == 0 {
+            break;
+        }
+        evicted += n;
+    }
+    assert_eq!(evicted, 10);
+    assert_eq!(store.len().expect("len"), 5);
+}
+
+/// An operator's resolve finishes a Processing record under its token;
+/// a wrong token is refused.
+pub fn resolve(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("resolve", config(&clock));
+    let (k, f) = (key("stuck"), fp("a"));
+    let lease = acquire(&store, &k, &f);
+    let wrong = lease.token().saturating_add(1000);
+    assert!(matches!(
+        store.resolve(&k, wrong, Resolution::Succeeded(b"x".to_vec())),
+        Err(Error::StaleLease { .. })
+    ));
+    let record = store
+        .resolve(&k, lease.token(), Resolution::Succeeded(b"T-9".to_vec()))
+        .expect("resolve");
+    assert_eq!(record.state(), State::Succeeded);
+    assert!(matches!(
+        store.complete(&lease, b"late"),
+        Err(Error::StaleLease { .. })
+    ));
+}
+
+/// A scan yields the live records that pass its filter, by scope.
+pub fn scan(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("scan", config(&clock));
+    let f = fp("a");
+    let done = acquire(&store, &key("s-done"), &f);
+    store.complete(&done, b"r").expect("complete");
+    acquire(&store, &key("s-held"), &f);
+    let other = Key::new("elsewhere", "x").expect("key");
+    acquire(&store, &other, &f);
+    let ids = |filter: &Filter| -> Vec<String> {
+        let mut ids: Vec<String> = store
+            .scan(filter)
+            .expect("scan")
+            .map(|r| r.expect("record").key().to_string())
+            .collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(ids(&Filter::new()).len(), 3);
+    assert_eq!(
+        ids(&Filter::new().state(State::Processing)),
+        vec![
+            "conformance/tickets/s-held".to_string(),
+            "elsewhere/x".to_string()
+        ]
+    );
+    assert_eq!(
+        ids(&Filter::new().scope_prefix("conformance/")),
+        vec![
+            "conformance/tickets/s-done".to_string(),
+            "conformance/tickets/s-held".to_string()
+        ]
+    );
+    assert!(ids(&Filter::new().lapsed()).is_empty());
+    clock.advance(LEASE + Duration::from_millis(1));
+    assert_eq!(ids(&Filter::new().lapsed()).len(), 2);
+}
+
+/// Stats count records by state and the oldest work in flight.
+pub fn stats(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("stats", config(&clock));
+    let f = fp("a");
+    let a = acquire(&store, &key("st-a"), &f);
+    store.complete(&a, b"r").expect("complete");
+    let b = acquire(&store, &key("st-b"), &f);
+    store.fail(&b, b"no", false).expect("fail");
+    let c = acquire(&store, &key("st-c"), &f);
+    store.fail(&c, b"later", true).expect("fail");
+    clock.advance(Duration::from_secs(5));
+    acquire(&store, &key("st-d"), &f);
+    clock.advance(Duration::from_secs(2));
+    let stats = store.stats().expect("stats");
+    assert_eq!(stats.records.succeeded, 1);
+    assert_eq!(stats.records.failed, 1);
+    assert_eq!(stats.records.failed_retryable, 1);
+    assert_eq!(stats.records.processing, 1);
+    assert_eq!(stats.records.total(), 4);
+    assert_eq!(stats.oldest_processing_age_ms, Some(2_000));
+    assert!(stats.counters.claims >= 4);
+}
+
+/// An export of one store imports into an empty one with every live
+/// record as it was, and tokens there continue above the exported ones.
+pub fn export_import(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let from = h.open("export_from", config(&clock));
+    let f = fp("a");
+    let mut tokens = Vec::new();
+    for i in 0..20 {
+        let lease = acquire(&from, &key(&format!("x-{i}")), &f);
+        tokens.push(lease.token());
+        if i % 2 == 0 {
+            from.complete(&lease, format!("r{i}").as_bytes())
+                .expect("complete");
+        }
+    }
+    let mut stream = Vec::new();
+    let exported = from.export(&mut stream, |_| {}).expect("export");
+    assert_eq!(exported.records, 20);
+    let into = h.open("export_into", config(&clock));
+    let imported = into
+        .import_with(stream.as_slice(), &ImportOptions::new(), |_| {})
+        .expect("import");
+    assert_eq!(imported.imported, 20);
+    for i in 0..20 {
+        let k = key(&format!("x-{i}"));
+        let a = from.get(&k).expect("get").expect("exported");
+        let b = into.get(&k).expect("get").expect("imported");
+        assert_eq!(a, b, "{k} is imported as it was");
+    }
+    let max = tokens.iter().copied().max().unwrap_or(0);
+    let fresh = acquire(&into, &key("after-import"), &f);
+    assert!(
+        fresh.token() > max,
+        "tokens continue above the imported ones"
+    );
+    // Importing the same stream again changes nothing.
+    let again = into
+        .import_with(stream.as_slice(), &ImportOptions::new(), |_| {})
+        .expect("import");
+    assert_eq!(again.imported, 0);
+    assert_eq!(again.present, 20);
+}
+
+/// `claim_many` answers each claim in input order as if claimed alone: a
+/// duplicate in the batch is in progress (same payload) or refused
+/// (another payload); keys already held are respected.
+pub fn claim_many(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("claim_many", config(&clock));
+    let held = acquire(&store, &key("m-held"), &fp("a"));
+    let claims = vec![
+        (key("m-1"), fp("a")),
+        (key("m-2"), fp("a")),
+        (key("m-1"), fp("a")),
+        (key("m-2"), fp("other")),
+        (key("m-held"), fp("a")),
+    ];
+    let outcomes = store
+        .claim_many(&claims, &ClaimOptions::new())
+        .expect("claim_many");
+    assert_eq!(outcomes.len(), 5);
+    let t1 = match &outcomes[0] {
+        Ok(ClaimOutcome::Acquired(lease)) => lease.token(),
+        other => panic!("m-1 first: {other:?}"),
+    };
+    let t2 = match &outcomes[1] {
+        Ok(ClaimOutcome::Acquired(lease)) => lease.token(),
+        other => panic!("m-2 first: {other:?}"),
+    };
+    assert!(t2 > t1, "tokens in input order");
+    assert!(matches!(&outcomes[2], Ok(ClaimOutcome::InProgress { .. })));
+    assert!(matches!(
+        &outcomes[3],
+        Err(Error::FingerprintMismatch { .. })
+    ));
+    assert!(matches!(&outcomes[4], Ok(ClaimOutcome::InProgress { .. })));
+    assert_eq!(
+        store
+            .get(&key("m-held"))
+            .expect("get")
+            .expect("held")
+            .token(),
+        held.token(),
+        "a key already held keeps its holder"
+    );
+    assert_eq!(
+        store
+            .get(&key("m-1"))
+            .expect("get")
+            .expect("claimed")
+            .token(),
+        t1
+    );
+    assert!(matches!(
+        store.claim_many(&[], &ClaimOptions::new()),
+        Ok(v) if v.is_empty()
+    ));
+    let too_many: Vec<_> = (0..=crate::MAX_CLAIM_MANY)
+        .map(|i| (key(&format!("many-{i}")), fp("a")))
+        .collect();
+    assert!(matches!(
+        store.claim_many(&too_many, &ClaimOptions::new()),
+        Err(Error::InvalidArgument { .. })
+    ));
+}
+
+/// Everything acknowledged survives a reopen, and tokens never go back.
+pub fn reopen(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("reopen", config(&clock));
+    let f = fp("a");
+    let done = acquire(&store, &key("r-done"), &f);
+    store.complete(&done, b"kept").expect("complete");
+    let held = acquire(&store, &key("r-held"), &f);
+    store
+        .set_recovery_point(&held, b"half")
+        .expect("recovery point");
+    let store = h.reopen(store, config(&clock));
+    let record = store.get(&key("r-done")).expect("get").expect("present");
+    assert_eq!(record.result(), Some(&b"kept"[..]));
+    let record = store.get(&key("r-held")).expect("get").expect("present");
+    assert_eq!(record.state(), State::Processing);
+    assert_eq!(record.recovery_point(), Some(&b"half"[..]));
+    store
+        .complete(&held, b"finished")
+        .expect("the lease outlives a reopen");
+    let next = acquire(&store, &key("r-new"), &f);
+    assert!(next.token() > held.token(), "tokens never go back");
+}
