@@ -119,8 +119,12 @@ mod fence;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
+// The PostgreSQL engine; wired under `Store` by the engine boundary.
 #[cfg(feature = "metrics")]
 pub mod metrics;
+#[cfg(feature = "postgres")]
+#[cfg_attr(not(test), allow(dead_code))]
+mod postgres;
 mod record;
 mod scan;
 mod schema;
