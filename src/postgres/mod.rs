@@ -572,8 +572,8 @@ async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Resul
     Ok(())
 }
 
-/// Draws `n` tokens (ascending) under the shared token lock; `None` when
-/// the sequence is exhausted (the draw is rolled back to a savepoint, the
+/// Draws up to `n` tokens (ascending; fewer near the end of the sequence)
+/// under the shared token lock; `None` when the sequence is exhausted (the draw is rolled back to a savepoint, the
 /// transaction goes on).
 async fn draw_tokens(shared: &Shared, conn: &Conn, n: usize) -> Result<Option<Vec<u64>>, Fail> {
     let c = &conn.client;
@@ -736,8 +736,8 @@ async fn attempt(
                 break d;
             }
             match draw_tokens(shared, conn, d.shortage).await? {
-                Some(more) => tokens.extend(more),
-                None => exhausted = true,
+                Some(more) if !more.is_empty() => tokens.extend(more),
+                _ => exhausted = true,
             }
         };
         let _ = decided.used_tokens;

@@ -77,7 +77,8 @@ pub(crate) struct Sql {
     pub lock_bindings: String,
     /// The database clock, ms since the epoch.
     pub clock: String,
-    /// Draws `$1` tokens from the sequence.
+    /// Draws up to `$1` tokens from the sequence (fewer when it nears its
+    /// end).
     pub draw_tokens: String,
     /// Inserts fresh records (compare-and-set: absent).
     pub insert_records: String,
@@ -124,8 +125,13 @@ impl Sql {
                  ORDER BY binding FOR UPDATE"
             ),
             clock: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".into(),
+            // Never past the end in one statement: a draw that fails half
+            // way would lose the tokens it already took.
             draw_tokens: format!(
-                "SELECT nextval('{s}.tokens') FROM generate_series(1, $1::bigint)"
+                "SELECT nextval('{s}.tokens') FROM generate_series(1, LEAST($1::bigint, \
+                 (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
+                 FROM {s}.tokens)))",
+                max = crate::MAX_TOKEN - 1
             ),
             insert_records: format!(
                 "INSERT INTO {s}.records ({cols}) \

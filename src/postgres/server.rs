@@ -105,6 +105,33 @@ impl Owned {
         out.map_err(|e| format!("running {}: {e}", bin.display()))
     }
 
+    /// Starts a watchdog that stops the server and removes its directory
+    /// once process `pid` has exited.
+    fn watch(&self, pid: u32) -> Result<(), String> {
+        let data = Owned::path(&self.data)?;
+        let dir = Owned::path(&self.dir)?;
+        let pg_ctl = self.bin.join("pg_ctl");
+        let pg_ctl = Owned::path(&pg_ctl)?;
+        let as_user = if self.as_postgres {
+            "runuser -u postgres -- "
+        } else {
+            ""
+        };
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; \
+             {as_user}'{pg_ctl}' -D '{data}' -m immediate -w stop >/dev/null 2>&1; \
+             rm -rf '{dir}'"
+        );
+        Command::new("sh")
+            .args(["-c", &script])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map(drop)
+            .map_err(|e| format!("starting the server's watchdog: {e}"))
+    }
+
     fn path(p: &Path) -> Result<&str, String> {
         p.to_str()
             .ok_or_else(|| format!("{} is not UTF-8", p.display()))
@@ -210,6 +237,26 @@ impl TestServer {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(server)
+    }
+
+    /// The server shared by every test of this process: started on first
+    /// use (or `IDEMSTORE_PG_URL`), stopped and removed by a watchdog
+    /// process once this process has exited (statics are never dropped).
+    ///
+    /// # Errors
+    /// As [`TestServer::start`] (the same message for every caller).
+    pub fn shared() -> Result<&'static TestServer, String> {
+        static SHARED: std::sync::OnceLock<Result<TestServer, String>> = std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                let server = TestServer::start()?;
+                if let Some(owned) = &server.owned {
+                    owned.watch(std::process::id())?;
+                }
+                Ok(server)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The connection URL.
