@@ -1281,10 +1281,7 @@ impl Postgres {
     /// pages of [`PAGE_ROWS`] through a portal on a connection of its own.
     /// The iterator ends with an error if the connection breaks or the
     /// store is dropped.
-    pub(crate) fn entries(
-        &self,
-        ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
-    ) -> Result<Box<dyn Iterator<Item = Result<(Vec<u8>, Vec<u8>)>> + Send>> {
+    pub(crate) fn entries(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<EntryIter> {
         let ranges = merge_ranges(ranges);
         let (req_tx, req_rx) = unbounded_channel::<PageRequest>();
         let shared = Arc::clone(&self.shared);
@@ -1353,6 +1350,10 @@ fn merge_ranges(mut ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Vec<(Vec<u8>, Op
     }
     out
 }
+
+/// The iterator [`Postgres::entries`] returns: (key bytes, codec envelope)
+/// in key order.
+pub(crate) type EntryIter = Box<dyn Iterator<Item = Result<(Vec<u8>, Vec<u8>)>> + Send>;
 
 /// A page of a scan, or its error.
 type Page = Result<Vec<(Vec<u8>, Vec<u8>)>>;

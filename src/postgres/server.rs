@@ -225,7 +225,7 @@ impl TestServer {
         )?;
         if !out.status.success() {
             let server_log =
-                std::fs::read_to_string(&owned.dir.join("server.log")).unwrap_or_default();
+                std::fs::read_to_string(owned.dir.join("server.log")).unwrap_or_default();
             return Err(format!("{}\n{server_log}", describe("pg_ctl start", &out)));
         }
         // Wait until it accepts TCP connections.

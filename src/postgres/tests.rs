@@ -99,8 +99,7 @@ fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
             .unwrap();
         tokio::spawn(conn);
         client.simple_query("SELECT 1").await.unwrap();
-        let rows = client.query(sql, &[]).await.unwrap();
-        rows
+        client.query(sql, &[]).await.unwrap()
     })
 }
 
@@ -593,7 +592,8 @@ fn race(stores: &[Arc<Postgres>], threads: usize, keys: usize, rounds: usize) {
     // later claims acquire), so it checks at least one acquisition per key
     // and phase 2 checks fencing under contention.
     assert_eq!(first.lock().unwrap().len(), keys.len());
-    let acquisitions: Arc<Mutex<BTreeMap<Key, Vec<(u32, u64)>>>> = Arc::default();
+    type Seen = BTreeMap<Key, Vec<(u32, u64)>>;
+    let acquisitions: Arc<Mutex<Seen>> = Arc::default();
     let handles: Vec<_> = (0..threads)
         .map(|t| {
             let pg = Arc::clone(&stores[t % stores.len()]);
@@ -842,4 +842,34 @@ fn the_database_clock_is_monotonic() {
     let wall = crate::clock::SystemClock;
     let diff = crate::clock::Clock::now_ms(&wall).abs_diff(a);
     assert!(diff < 60_000, "the server clock is {diff} ms off");
+}
+
+#[test]
+fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
+    let own = match TestServer::start_own(super::server::ServerOptions { fsync: true }) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let clock = ManualClock::new(T0);
+    let pg = open_at(own.url(), &schema("restart"), Some(&clock));
+    let k = key("k");
+    let lease = acquired(pg.apply(&k, claim(b"a")).unwrap());
+    own.kill().unwrap();
+    let complete = Op::Complete {
+        token: lease.token(),
+        result: b"r".to_vec(),
+    };
+    let err = pg.apply(&k, complete.clone()).unwrap_err();
+    assert!(
+        matches!(err, Error::Unavailable { .. }),
+        "nothing was in flight, so nothing is unknown: {err}"
+    );
+    assert!(matches!(pg.get(&k).unwrap_err(), Error::Unavailable { .. }));
+    own.restart().unwrap();
+    // The acknowledged claim survived the crash; the completion lands now.
+    assert_eq!(pg.get(&k).unwrap().unwrap().state, State::Processing);
+    assert_eq!(
+        record(pg.apply(&k, complete).unwrap()).state,
+        State::Succeeded
+    );
 }
