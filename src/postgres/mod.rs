@@ -292,6 +292,7 @@ struct Stmts {
     lock_bindings: Statement,
     clock: Statement,
     draw_tokens: Statement,
+    draw_estimate: Statement,
     insert_records: Statement,
     update_records: Statement,
     delete_records: Statement,
@@ -359,6 +360,7 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         p("SELECT pg_advisory_xact_lock($1::bigint)"),
         p("SELECT pg_advisory_xact_lock_shared($1::bigint)"),
     )?;
+    let draw_estimate = p(&q.draw_estimate).await?;
     let st = Stmts {
         lock_records: a,
         read_records: b,
@@ -377,6 +379,7 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         count: o,
         xact_lock: r,
         xact_lock_shared: s,
+        draw_estimate,
     };
     Ok(Conn { client, st })
 }
@@ -482,17 +485,11 @@ fn to_i64(what: &str, v: u64) -> Result<i64, Fail> {
     i64::try_from(v).map_err(|_| Fail::Storage(format!("{what} {v} does not fit a bigint")))
 }
 
-/// The time of a transaction: the test clock's reading, or the database's
-/// (read on `conn`), made monotonic.
-async fn read_time(shared: &Shared, conn: &Conn) -> Result<u64, Fail> {
-    let reading = match &shared.clock {
-        Some(clock) => clock.now_ms(),
-        None => {
-            let rows = conn
-                .client
-                .query(&conn.st.clock, &[])
-                .await
-                .map_err(|e| fail(&e))?;
+/// The store's time from the clock query's rows (`None`: the test clock).
+fn time_from(shared: &Shared, rows: Option<&[Row]>) -> Result<u64, Fail> {
+    let reading = match (&shared.clock, rows) {
+        (Some(clock), _) => clock.now_ms(),
+        (None, Some(rows)) => {
             let ms: i64 = rows
                 .first()
                 .ok_or_else(|| Fail::Storage("the clock query returned no row".into()))?
@@ -500,26 +497,47 @@ async fn read_time(shared: &Shared, conn: &Conn) -> Result<u64, Fail> {
                 .map_err(|e| storage("reading the clock", e))?;
             to_u64("the database clock", ms)?
         }
+        (None, None) => return Err(Fail::Storage("the clock was not read".into())),
     };
     Ok(shared.stamp(reading))
 }
 
-/// Locks and reads the rows of `keys` (sorted, distinct) into `base`;
-/// absent keys are `Absent`.
+/// The time of a transaction: the test clock's reading, or the database's
+/// (read on `conn`), made monotonic.
+async fn read_time(shared: &Shared, conn: &Conn) -> Result<u64, Fail> {
+    let rows = match &shared.clock {
+        Some(_) => None,
+        None => Some(
+            conn.client
+                .query(&conn.st.clock, &[])
+                .await
+                .map_err(|e| fail(&e))?,
+        ),
+    };
+    time_from(shared, rows.as_deref())
+}
+
+/// Fills `base` with the rows read for `keys` (sorted, distinct); absent
+/// keys are `Absent`.
+fn fill_records(keys: &[Vec<u8>], rows: &[Row], base: &mut Base) -> Result<(), Fail> {
+    for k in keys {
+        base.records.insert(k.clone(), Slot::Absent);
+    }
+    for row in rows {
+        let rc = row_columns(row)?;
+        base.records.insert(rc.key.clone(), decide::slot_of(&rc));
+    }
+    Ok(())
+}
+
+/// Locks and reads the rows of `keys` (sorted, distinct) into `base`.
 async fn load_records(conn: &Conn, keys: &[Vec<u8>], base: &mut Base) -> Result<(), Fail> {
     let rows = conn
         .client
         .query(&conn.st.lock_records, &[&keys])
         .await
         .map_err(|e| fail(&e))?;
-    for k in keys {
-        base.records.insert(k.clone(), Slot::Absent);
-    }
-    for row in &rows {
-        let rc = row_columns(row)?;
-        base.records.insert(rc.key.clone(), decide::slot_of(&rc));
-    }
-    Ok(())
+    fill_records(keys, &rows, base)
 }
 
 /// Locks and reads the bindings the batch needs, then reads (without
@@ -572,26 +590,45 @@ async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Resul
     Ok(())
 }
 
-/// Draws up to `n` tokens (ascending; fewer near the end of the sequence)
-/// under the shared token lock; `None` when the sequence is exhausted (the draw is rolled back to a savepoint, the
-/// transaction goes on).
-async fn draw_tokens(shared: &Shared, conn: &Conn, n: usize) -> Result<Option<Vec<u64>>, Fail> {
+/// How many tokens to draw.
+enum Draw<'a> {
+    /// Exactly this many (fewer near the end of the sequence).
+    Exactly(usize),
+    /// One per claimed key (distinct key bytes) that an estimate at the
+    /// time given (`None`: the database clock) says a claim would acquire.
+    Estimate(&'a [Vec<u8>], Option<i64>),
+}
+
+/// Draws tokens (ascending; fewer near the end of the sequence) under the
+/// shared token lock; `None` when the sequence is exhausted (the draw is
+/// rolled back to a savepoint, the transaction goes on).
+async fn draw_tokens(
+    shared: &Shared,
+    conn: &Conn,
+    draw: Draw<'_>,
+) -> Result<Option<Vec<u64>>, Fail> {
     let c = &conn.client;
-    let n = to_i64("a token count", u64::try_from(n).unwrap_or(u64::MAX))?;
     let lock = shared.sql.token_lock;
     let lock_params: [&(dyn ToSql + Sync); 1] = [&lock];
-    let draw_params: [&(dyn ToSql + Sync); 1] = [&n];
+    let n;
+    let (stmt, draw_params): (&Statement, Vec<&(dyn ToSql + Sync)>) = match &draw {
+        Draw::Exactly(count) => {
+            n = to_i64("a token count", u64::try_from(*count).unwrap_or(u64::MAX))?;
+            (&conn.st.draw_tokens, vec![&n])
+        }
+        Draw::Estimate(keys, now) => (&conn.st.draw_estimate, vec![keys, now]),
+    };
+    // One flight: the savepoint, the shared lock, the draw, the release.
     let sp = c.batch_execute("SAVEPOINT idemstore_tokens");
     let lk = c.query(&conn.st.xact_lock_shared, &lock_params);
-    let draw = c.query(&conn.st.draw_tokens, &draw_params);
-    let (sp, lk, draw) = tokio::join!(sp, lk, draw);
+    let draw = c.query(stmt, &draw_params);
+    let release = c.batch_execute("RELEASE SAVEPOINT idemstore_tokens");
+    let (sp, lk, draw, release) = tokio::join!(sp, lk, draw, release);
     sp.map_err(|e| fail(&e))?;
     lk.map_err(|e| fail(&e))?;
     match draw {
         Ok(rows) => {
-            c.batch_execute("RELEASE SAVEPOINT idemstore_tokens")
-                .await
-                .map_err(|e| fail(&e))?;
+            release.map_err(|e| fail(&e))?;
             let mut tokens = Vec::with_capacity(rows.len());
             for row in &rows {
                 let t: i64 = row.try_get(0).map_err(|e| storage("reading a token", e))?;
@@ -600,6 +637,8 @@ async fn draw_tokens(shared: &Shared, conn: &Conn, n: usize) -> Result<Option<Ve
             tokens.sort_unstable();
             Ok(Some(tokens))
         }
+        // Another process took the last tokens between the bound and the
+        // draw: the release failed too; undo the draw, go on without.
         Err(e) if e.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED) => {
             c.batch_execute("ROLLBACK TO SAVEPOINT idemstore_tokens")
                 .await
@@ -702,28 +741,71 @@ async fn attempt(
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
-    c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-        .await
-        .map_err(|e| fail(&e))?;
-    if let Some(floor) = token_floor {
-        // An import: no draw may overtake the raise of the sequence.
-        let floor = to_i64("the token floor", floor.min(crate::MAX_TOKEN))?;
-        c.query(&conn.st.xact_lock, &[&shared.sql.token_lock])
-            .await
-            .map_err(|e| fail(&e))?;
-        c.query(&conn.st.raise_tokens, &[&floor])
-            .await
-            .map_err(|e| fail(&e))?;
-    }
+    // Tokens are drawn in the first flight, after the lock (the server
+    // runs the flight in order), as many as the claimed keys' rows suggest
+    // (an absent, expired, lapsed or retryably failed key); the decisions
+    // draw more when the estimate falls short, and the few tokens an
+    // estimate draws too many are skipped, never reused.
+    let claimed: Vec<Vec<u8>> = ops
+        .iter()
+        .filter(|(_, op)| matches!(op, Op::Claim { .. }))
+        .map(|(k, _)| k.to_bytes())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let test_now = match &shared.clock {
+        Some(clock) => Some(to_i64("the test clock", clock.now_ms())?),
+        None => None,
+    };
+    let floor = match token_floor {
+        Some(f) => Some(to_i64("the token floor", f.min(crate::MAX_TOKEN))?),
+        None => None,
+    };
+    let lock_key = shared.sql.token_lock;
+    // The first flight: begin; for an import, raise the sequence under the
+    // exclusive token lock (no draw may overtake the raise); lock and read
+    // the rows; read the clock (after the lock, so that a wait for a lock
+    // does not age the batch's time); draw tokens.
+    let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
+    let raise = async {
+        if let Some(floor) = floor {
+            c.query(&conn.st.xact_lock, &[&lock_key]).await?;
+            c.query(&conn.st.raise_tokens, &[&floor]).await?;
+        }
+        Ok::<_, tokio_postgres::Error>(())
+    };
+    let key_params: [&(dyn ToSql + Sync); 1] = [&keys];
+    let rows = c.query(&conn.st.lock_records, &key_params);
+    let clock = async {
+        match shared.clock {
+            Some(_) => Ok(None),
+            None => c.query(&conn.st.clock, &[]).await.map(Some),
+        }
+    };
+    let draw = async {
+        if !claimed.is_empty() {
+            draw_tokens(shared, conn, Draw::Estimate(&claimed, test_now)).await
+        } else {
+            Ok(Some(Vec::new()))
+        }
+    };
+    let (begin, raise, rows, clock, draw) = tokio::join!(begin, raise, rows, clock, draw);
+    begin.map_err(|e| fail(&e))?;
+    raise.map_err(|e| fail(&e))?;
+    let rows = rows.map_err(|e| fail(&e))?;
+    let clock = clock.map_err(|e| fail(&e))?;
+    let first_draw = draw?;
     let mut base = Base::default();
-    load_records(conn, &keys, &mut base).await?;
-    // The clock is read after the rows are locked, so that a wait for a
-    // lock does not age the batch's time.
-    let now = read_time(shared, conn).await?;
+    fill_records(&keys, &rows, &mut base)?;
+    let now = time_from(shared, clock.as_deref())?;
+    let mut first_draw = Some(first_draw);
     for _round in 0..MAX_ROUNDS {
         load_bindings(conn, ops, &mut base).await?;
-        let mut tokens: Vec<u64> = Vec::new();
-        let mut exhausted = false;
+        let (mut tokens, mut exhausted) = match first_draw.take() {
+            Some(Some(t)) => (t, false),
+            Some(None) => (Vec::new(), true),
+            None => (Vec::new(), false),
+        };
         let decided = loop {
             let pass = Pass {
                 now_ms: now,
@@ -735,37 +817,51 @@ async fn attempt(
             if d.shortage == 0 {
                 break d;
             }
-            match draw_tokens(shared, conn, d.shortage).await? {
+            match draw_tokens(shared, conn, Draw::Exactly(d.shortage)).await? {
                 Some(more) if !more.is_empty() => tokens.extend(more),
                 _ => exhausted = true,
             }
         };
-        let _ = decided.used_tokens;
         let w = decide::writes(&base, &decided);
         if w.is_empty() {
             commit(conn).await?;
             return Ok((decided.replies, decided.events));
         }
-        let savepoint = w.may_lose();
-        if savepoint {
-            c.batch_execute("SAVEPOINT idemstore_writes")
-                .await
-                .map_err(|e| fail(&e))?;
+        if !w.may_lose() {
+            // Every row written is locked (or a binding read under lock):
+            // no compare-and-set can lose, so the commit goes in the same
+            // flight as the writes.
+            let (written, committed) =
+                tokio::join!(send_writes(conn, &w), c.batch_execute("COMMIT"));
+            match written {
+                // A write the server refused made the COMMIT a rollback.
+                Err(Fail::Lost(d)) => return Err(Fail::Unknown(d)),
+                Err(f) => return Err(f),
+                Ok(landed) => {
+                    committed.map_err(|e| fail_commit(&e))?;
+                    if !landed {
+                        return Err(Fail::Storage(
+                            "a compare-and-set on a locked row did not land; the rest of \
+                             the batch was committed"
+                                .into(),
+                        ));
+                    }
+                    return Ok((decided.replies, decided.events));
+                }
+            }
         }
-        if send_writes(conn, &w).await? {
+        let (sp, landed) = tokio::join!(
+            c.batch_execute("SAVEPOINT idemstore_writes"),
+            send_writes(conn, &w)
+        );
+        sp.map_err(|e| fail(&e))?;
+        if landed? {
             commit(conn).await?;
             return Ok((decided.replies, decided.events));
         }
-        if !savepoint {
-            // Locked rows cannot lose a compare-and-set; if one did, start
-            // the whole batch again.
-            return Err(Fail::Retry(
-                "a compare-and-set on a locked row did not land".into(),
-            ));
-        }
         // Another transaction inserted a key (or binding) this batch found
         // absent: undo this round's writes, read and lock everything again,
-        // and decide again with new tokens.
+        // and decide again with tokens drawn after the new locks.
         c.batch_execute("ROLLBACK TO SAVEPOINT idemstore_writes")
             .await
             .map_err(|e| fail(&e))?;

@@ -80,6 +80,11 @@ pub(crate) struct Sql {
     /// Draws up to `$1` tokens from the sequence (fewer when it nears its
     /// end).
     pub draw_tokens: String,
+    /// Draws as many tokens as the batch's claims are likely to need:
+    /// one per distinct claimed key (`$1`) that is absent, past retention
+    /// at `$2` (the test clock, or NULL for the database clock), failed
+    /// retryably, or whose lease has lapsed; never past the end.
+    pub draw_estimate: String,
     /// Inserts fresh records (compare-and-set: absent).
     pub insert_records: String,
     /// Updates records (compare-and-set: same token as read).
@@ -131,6 +136,18 @@ impl Sql {
                 "SELECT nextval('{s}.tokens') FROM generate_series(1, LEAST($1::bigint, \
                  (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
                  FROM {s}.tokens)))",
+                max = crate::MAX_TOKEN - 1
+            ),
+            draw_estimate: format!(
+                "WITH t AS (SELECT COALESCE($2::bigint, \
+                   floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now), \
+                 c AS (SELECT DISTINCT k FROM unnest($1::bytea[]) AS u(k)) \
+                 SELECT nextval('{s}.tokens') FROM generate_series(1, LEAST( \
+                 (SELECT count(*) FROM c CROSS JOIN t LEFT JOIN {s}.records r ON r.key = c.k \
+                  WHERE r.key IS NULL OR r.expires_ms <= t.now OR r.state = 3 \
+                  OR (r.state = 0 AND r.lease_until_ms <= t.now)), \
+                 (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
+                  FROM {s}.tokens)))",
                 max = crate::MAX_TOKEN - 1
             ),
             insert_records: format!(

@@ -755,6 +755,9 @@ fn a_killed_connection_is_a_typed_error_and_the_engine_recovers() {
     // Wait until the engine's backend waits for the lock.
     let mut waited = false;
     for _ in 0..200 {
+        // Activity statistics are a snapshot per transaction: refresh it.
+        rt.block_on(client.query("SELECT pg_stat_clear_snapshot()", &[]))
+            .unwrap();
         let rows = rt
             .block_on(client.query(
                 "SELECT count(*) FROM pg_stat_activity \
@@ -769,7 +772,20 @@ fn a_killed_connection_is_a_typed_error_and_the_engine_recovers() {
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    assert!(waited, "the engine never waited for the row lock");
+    if !waited {
+        let rows = rt
+            .block_on(client.query(
+                "SELECT application_name || ' ' || coalesce(state, '') || ' ' || \
+                 coalesce(wait_event_type, '') || ' ' || coalesce(query, '') FROM pg_stat_activity",
+                &[],
+            ))
+            .unwrap();
+        let act: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
+        panic!(
+            "the engine never waited for the row lock: {:?} {act:#?}",
+            waiting.is_finished()
+        );
+    }
     rt.block_on(client.query(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
          WHERE application_name = $1 AND pid <> pg_backend_pid()",
