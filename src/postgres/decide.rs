@@ -132,8 +132,6 @@ pub(crate) struct Decided {
     /// Acquisitions that found no drawn token (draw this many more and
     /// decide again).
     pub shortage: usize,
-    /// How many drawn tokens the decisions used.
-    pub used_tokens: usize,
     /// Final rows of the keys that changed.
     pub records: BTreeMap<Vec<u8>, Slot>,
     /// Final bindings that changed.
@@ -231,7 +229,6 @@ pub(crate) fn decide(base: &Base, ops: &[(Key, Op)], pass: &Pass<'_>) -> Decided
         replies,
         events,
         shortage,
-        used_tokens: used,
         records: ov.records,
         bindings: ov.bindings,
     }
