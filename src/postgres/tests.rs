@@ -889,3 +889,128 @@ fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
         State::Succeeded
     );
 }
+
+#[test]
+fn a_key_inserted_meanwhile_is_decided_again_in_the_same_batch() {
+    let (pg, _clock) = open("cas");
+    let schema_name = pg.shared.sql.schema.clone();
+    let (k, k2) = (key("raced"), key("bystander"));
+    let theirs = Record {
+        key: k.clone(),
+        state: State::Processing,
+        token: 1_000,
+        fingerprint: Fingerprint::of(b"a"),
+        created_ms: T0,
+        updated_ms: T0,
+        lease_until_ms: T0 + 1_000,
+        expires_ms: T0 + RETENTION,
+        output: None,
+        recovery_point: None,
+        business_key: None,
+        acquisitions: 1,
+    };
+    let kb = k.to_bytes();
+    let env = crate::codec::encode_record(&kb, &theirs);
+    // "Another process" inserts the key and has not committed yet.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (client, conn) = rt
+        .block_on(tokio_postgres::connect(
+            server().url(),
+            tokio_postgres::NoTls,
+        ))
+        .unwrap();
+    rt.spawn(conn);
+    rt.block_on(async {
+        client.batch_execute("BEGIN").await.unwrap();
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO \"{schema_name}\".records \
+                     (key, record, token, state, created_ms, lease_until_ms, expires_ms) \
+                     VALUES ($1, $2, 1000, 0, $3, $4, $5)"
+                ),
+                &[
+                    &kb,
+                    &env,
+                    &i64::try_from(T0).unwrap(),
+                    &i64::try_from(T0 + 1_000).unwrap(),
+                    &i64::try_from(T0 + RETENTION).unwrap(),
+                ],
+            )
+            .await
+            .unwrap();
+    });
+    let pg = Arc::new(pg);
+    let batch = {
+        let (pg, k, k2) = (pg.clone(), k.clone(), k2.clone());
+        std::thread::spawn(move || pg.apply_many(vec![(k2, claim(b"a")), (k, claim(b"a"))]))
+    };
+    // The engine's insert waits for the other transaction.
+    let mut waited = false;
+    for _ in 0..200 {
+        rt.block_on(client.query("SELECT pg_stat_clear_snapshot()", &[]))
+            .unwrap();
+        let rows = rt
+            .block_on(client.query(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE query LIKE 'INSERT INTO%' AND wait_event_type = 'Lock' \
+                 AND pid <> pg_backend_pid()",
+                &[],
+            ))
+            .unwrap();
+        let n: i64 = rows[0].get(0);
+        if n > 0 {
+            waited = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert!(waited, "the engine's insert never waited");
+    rt.block_on(client.batch_execute("COMMIT")).unwrap();
+    let replies = batch.join().unwrap().unwrap();
+    assert!(matches!(
+        replies[0],
+        Ok(Reply::Claim(ClaimOutcome::Acquired(_)))
+    ));
+    match &replies[1] {
+        Ok(Reply::Claim(ClaimOutcome::InProgress { lease_until_ms, .. })) => {
+            assert_eq!(*lease_until_ms, T0 + 1_000);
+        }
+        other => panic!("the raced key was not decided again: {other:?}"),
+    }
+    assert_eq!(pg.get(&k).unwrap().unwrap(), theirs);
+    assert!(pg.get(&k2).unwrap().is_some());
+}
+
+#[test]
+fn a_record_is_never_judged_before_its_own_time() {
+    let name = schema("record_time");
+    let ahead = ManualClock::new(T0 + 10_000);
+    let behind = ManualClock::new(T0);
+    let a = open_with(&name, Some(&ahead));
+    let b = open_with(&name, Some(&behind));
+    let k = key("k");
+    let lease = acquired(a.apply(&k, claim(b"a")).unwrap());
+    assert_eq!(lease.lease_until_ms(), Some(T0 + 11_000));
+    match b.apply(&k, claim(b"a")).unwrap() {
+        Reply::Claim(ClaimOutcome::InProgress { retry_after, .. }) => {
+            assert_eq!(retry_after, Duration::from_millis(1_000));
+        }
+        other => panic!("{other:?}"),
+    }
+    let done = record(
+        b.apply(
+            &k,
+            Op::Complete {
+                token: lease.token(),
+                result: b"r".to_vec(),
+            },
+        )
+        .unwrap(),
+    );
+    assert_eq!(done.updated_ms, T0 + 10_000);
+    assert_eq!(done.expires_ms, T0 + 10_000 + RETENTION);
+}
