@@ -232,6 +232,44 @@ pub enum Error {
     /// The store's writer has stopped (the store is shutting down).
     #[error("store is closed")]
     Closed,
+
+    /// The PostgreSQL server could not be reached, or the connection was
+    /// lost before the request's transaction was committed (or the server
+    /// refused the commit): the request was **not applied**. It is safe to
+    /// retry it as it is; the engine opens a new connection for the next
+    /// request once the server is back. Maps to HTTP 503.
+    #[error("the database is unavailable; the request was not applied: {detail}")]
+    Unavailable {
+        /// What failed, for a person.
+        detail: String,
+    },
+
+    /// The request's transaction was sent to the PostgreSQL server with its
+    /// `COMMIT`, and the answer was lost (the connection broke while the
+    /// commit was in flight): the change **may or may not** have been
+    /// applied. The caller reads the key to find out (`get`): a claim whose
+    /// answer was lost shows as in progress, held by a lease nobody knows,
+    /// until that lease lapses, after which the next claim takes it over; a
+    /// completion either shows as succeeded or can be sent again with the
+    /// same lease. Maps to HTTP 503.
+    #[error(
+        "the outcome of the request is unknown (the commit was sent, the answer lost): {detail}"
+    )]
+    OutcomeUnknown {
+        /// What failed, for a person.
+        detail: String,
+    },
+
+    /// The database schema was created by a newer version of idemstore than
+    /// this build reads, or does not look like an idemstore schema. Nothing
+    /// was changed.
+    #[error("schema {schema} is not a store this version can open: {detail}")]
+    IncompatibleSchema {
+        /// The schema name.
+        schema: String,
+        /// What was found.
+        detail: String,
+    },
 }
 
 impl Error {

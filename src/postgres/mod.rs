@@ -1,0 +1,1595 @@
+//! The PostgreSQL engine (cargo feature `postgres`): one database shared by
+//! every replica of a service.
+//!
+//! # How it works
+//!
+//! - **One driver thread** owns a tokio current-thread runtime, on which
+//!   `tokio-postgres` runs up to [`PgOptions::connections`] connections. The
+//!   sync API ([`Postgres::apply`] and the rest) sends a job to that thread
+//!   and blocks on a one-shot answer; [`Postgres::apply_async`] awaits the
+//!   same answer as a runtime-free future.
+//! - **Group commit over the wire.** Every connection has a worker task.
+//!   A free worker takes everything queued (up to [`MAX_BATCH`] requests,
+//!   never waiting for more to arrive, so a lone caller is never held back)
+//!   and runs it as one transaction: one multi-row read that locks the
+//!   batch's rows in key order (`SELECT … WHERE key = ANY($1) ORDER BY key
+//!   FOR UPDATE`), the database clock read once, tokens drawn from the
+//!   sequence only after the rows are locked, every request decided in
+//!   arrival order by the pure [`transition`](crate::record::transition)
+//!   over an in-memory overlay (so a later request sees an earlier one), and
+//!   one multi-row write per kind (`UNNEST` arrays) that is a compare-and-set
+//!   against what was read: `INSERT … ON CONFLICT DO NOTHING` for keys
+//!   that were absent, `UPDATE`/`DELETE … WHERE token = $seen` for rows that
+//!   were read. A key whose insert loses (another process inserted it
+//!   meanwhile) is read again and the batch decided again inside the same
+//!   transaction (the writes roll back to a savepoint first): never an error,
+//!   never an abort of the other keys.
+//! - **One clock.** The store's time is the database's `clock_timestamp()`,
+//!   read once per transaction (or, for tests, the reading of the
+//!   [`Clock`] given at connect, which replaces the server clock entirely),
+//!   kept monotonic per process (the highest reading seen) and per record
+//!   (a request on a record is decided at no earlier time than the record's
+//!   last update).
+//! - **Tokens** come from one sequence, capped below `i64::MAX` like the
+//!   embedded counter; a sequence value is never handed out twice, also
+//!   after a row is deleted.
+//! - **Failures**: a request that was not applied (the server unreachable,
+//!   the connection lost before the commit) gets
+//!   [`Error::Unavailable`]; a request whose `COMMIT` was sent and whose
+//!   answer was lost gets [`Error::OutcomeUnknown`]. The next batch opens a
+//!   new connection.
+
+mod decide;
+mod schema;
+#[cfg(any(test, feature = "conformance"))]
+#[doc(hidden)]
+pub mod server;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeSet, VecDeque};
+use std::error::Error as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls, Row, Statement};
+
+use crate::audit::{self, Event};
+use crate::clock::Clock;
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::record::{Op, Record, Reply};
+use crate::stats::LiveCounters;
+
+use decide::{Base, Pass, RowColumns, Slot};
+use schema::{SCHEMA_VERSION, Sql};
+
+/// The most requests one group commit takes from the queue.
+pub(crate) const MAX_BATCH: usize = 512;
+/// How often a batch is tried again after a deadlock or serialization
+/// failure before its callers get [`Error::Unavailable`].
+const MAX_ATTEMPTS: usize = 8;
+/// How often a batch is decided again after losing a compare-and-set.
+const MAX_ROUNDS: usize = 64;
+/// Rows per page of [`Postgres::entries`].
+const PAGE_ROWS: i32 = 512;
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How a PostgreSQL store is opened.
+#[derive(Clone)]
+pub(crate) struct PgOptions {
+    /// The schema that holds the store's tables (several stores can share
+    /// one database under different schemas): 1 to 63 ASCII letters, digits
+    /// or underscores, not starting with a digit. Default `"idemstore"`.
+    pub schema: String,
+    /// A test clock that replaces the server clock entirely: its wall
+    /// reading is the store's time (kept monotonic), sent as a parameter.
+    /// `None` (the default and the only production setting) reads the
+    /// database's `clock_timestamp()`.
+    pub clock: Option<Arc<dyn Clock>>,
+    /// How long a finished record is kept for replays (ms, > 0). Default
+    /// 24 hours.
+    pub retention_ms: u64,
+    /// How many connections run batches concurrently (> 0). Default 16.
+    pub connections: usize,
+}
+
+impl Default for PgOptions {
+    fn default() -> PgOptions {
+        PgOptions {
+            schema: "idemstore".into(),
+            clock: None,
+            retention_ms: 24 * 3600 * 1000,
+            connections: 16,
+        }
+    }
+}
+
+impl std::fmt::Debug for PgOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgOptions")
+            .field("schema", &self.schema)
+            .field("test_clock", &self.clock.is_some())
+            .field("retention_ms", &self.retention_ms)
+            .field("connections", &self.connections)
+            .finish()
+    }
+}
+
+/// A request to the driver thread.
+enum Job {
+    /// One request, group-committed with whatever else is queued.
+    Apply {
+        key: Key,
+        op: Op,
+        reply: oneshot::Sender<Result<Reply>>,
+    },
+    /// Requests in one transaction of their own; with a token floor, an
+    /// import.
+    Many {
+        ops: Vec<(Key, Op)>,
+        token_floor: Option<u64>,
+        reply: oneshot::Sender<Result<Vec<Result<Reply>>>>,
+    },
+    Get {
+        key: Key,
+        reply: oneshot::Sender<Result<Option<Record>>>,
+    },
+    Sweep {
+        max: usize,
+        reply: oneshot::Sender<Result<usize>>,
+    },
+    Now {
+        reply: oneshot::Sender<Result<u64>>,
+    },
+    NextToken {
+        reply: oneshot::Sender<Result<u64>>,
+    },
+    Len {
+        reply: oneshot::Sender<Result<u64>>,
+    },
+}
+
+/// What the driver thread's tasks share.
+struct Shared {
+    sql: Sql,
+    config: tokio_postgres::Config,
+    clock: Option<Arc<dyn Clock>>,
+    retention_ms: u64,
+    /// The highest time reading seen by this process (ms).
+    high_water: AtomicU64,
+    counters: LiveCounters,
+}
+
+impl Shared {
+    /// The store's time from a reading: never below an earlier one.
+    fn stamp(&self, reading: u64) -> u64 {
+        let before = self.high_water.fetch_max(reading, Ordering::SeqCst);
+        before.max(reading)
+    }
+}
+
+/// The PostgreSQL engine: see the [module documentation](self).
+pub(crate) struct Postgres {
+    shared: Arc<Shared>,
+    jobs: Option<UnboundedSender<Job>>,
+    handle: tokio::runtime::Handle,
+    store_id: u128,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Postgres {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Postgres")
+            .field("schema", &self.shared.sql.schema)
+            .field("store_id", &format_args!("{:032x}", self.store_id))
+            .finish()
+    }
+}
+
+/// The failure of one transaction attempt.
+#[derive(Debug)]
+enum Fail {
+    /// A deadlock or serialization failure: nothing applied, try again.
+    Retry(String),
+    /// The connection is gone (or the server going away) before the commit
+    /// was sent: nothing applied.
+    Lost(String),
+    /// The commit was sent and its answer lost.
+    Unknown(String),
+    /// The server refused a statement or the commit: nothing applied.
+    Refused(String),
+    /// Something else went wrong (a bad row, an unexpected answer).
+    Storage(String),
+}
+
+impl Fail {
+    /// The error a caller gets for this failure.
+    fn error(&self) -> Error {
+        match self {
+            Fail::Retry(d) | Fail::Lost(d) | Fail::Refused(d) => {
+                Error::Unavailable { detail: d.clone() }
+            }
+            Fail::Unknown(d) => Error::OutcomeUnknown { detail: d.clone() },
+            Fail::Storage(d) => Error::Storage(d.clone()),
+        }
+    }
+}
+
+/// Whether `err` says the connection is gone or the server is going away.
+fn connection_lost(err: &tokio_postgres::Error) -> bool {
+    if err.is_closed() {
+        return true;
+    }
+    if let Some(code) = err.code() {
+        let c = code.code();
+        return c.starts_with("08") || c.starts_with("57P") || c == "53300";
+    }
+    let mut source = err.source();
+    while let Some(s) = source {
+        if s.is::<std::io::Error>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+/// Classifies an error of a statement sent before the commit.
+fn fail(err: &tokio_postgres::Error) -> Fail {
+    let detail = describe(err);
+    if connection_lost(err) {
+        Fail::Lost(detail)
+    } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+        || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+    {
+        Fail::Retry(detail)
+    } else if err.as_db_error().is_some() {
+        Fail::Refused(detail)
+    } else {
+        Fail::Storage(detail)
+    }
+}
+
+/// Classifies an error of the `COMMIT` itself.
+fn fail_commit(err: &tokio_postgres::Error) -> Fail {
+    let detail = describe(err);
+    match err.as_db_error() {
+        // The server answered the commit with an error (not a shutdown):
+        // the transaction was rolled back.
+        Some(db) if !db.code().code().starts_with("57P") && !db.code().code().starts_with("08") => {
+            Fail::Refused(detail)
+        }
+        _ => Fail::Unknown(detail),
+    }
+}
+
+/// An error with its server detail, for a person.
+fn describe(err: &tokio_postgres::Error) -> String {
+    match err.as_db_error() {
+        Some(db) => format!("{} ({}): {}", db.severity(), db.code().code(), db.message()),
+        None => match err.source() {
+            Some(s) => format!("{err}: {s}"),
+            None => err.to_string(),
+        },
+    }
+}
+
+fn storage(what: &str, err: impl std::fmt::Display) -> Fail {
+    Fail::Storage(format!("{what}: {err}"))
+}
+
+/// The prepared statements of one connection.
+struct Stmts {
+    lock_records: Statement,
+    read_records: Statement,
+    lock_bindings: Statement,
+    clock: Statement,
+    draw_tokens: Statement,
+    draw_estimate: Statement,
+    insert_records: Statement,
+    update_records: Statement,
+    delete_records: Statement,
+    insert_bindings: Statement,
+    update_bindings: Statement,
+    delete_bindings: Statement,
+    due_records: Statement,
+    next_token: Statement,
+    raise_tokens: Statement,
+    count: Statement,
+    xact_lock: Statement,
+    xact_lock_shared: Statement,
+}
+
+/// One connection and its statements.
+struct Conn {
+    client: Client,
+    st: Stmts,
+}
+
+/// Opens a connection (its driver spawned on the current runtime).
+async fn open_client(config: &tokio_postgres::Config) -> Result<Client, Fail> {
+    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+        if e.as_db_error().is_some() && !connection_lost(&e) {
+            Fail::Refused(describe(&e))
+        } else {
+            Fail::Lost(describe(&e))
+        }
+    })?;
+    tokio::spawn(async move {
+        if let Err(err) = connection.await {
+            tracing::debug!(error = %err, "idemstore: postgres connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// Opens a connection and prepares every statement (pipelined).
+async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
+    let client = open_client(&shared.config).await?;
+    let q = &shared.sql;
+    let c = &client;
+    let p = |sql: &str| {
+        let sql = sql.to_string();
+        async move { c.prepare(&sql).await.map_err(|e| fail(&e)) }
+    };
+    let (a, b, cc, d, e, f, g, h) = tokio::try_join!(
+        p(&q.lock_records),
+        p(&q.read_records),
+        p(&q.lock_bindings),
+        p(&q.clock),
+        p(&q.draw_tokens),
+        p(&q.insert_records),
+        p(&q.update_records),
+        p(&q.delete_records),
+    )?;
+    let (i, j, k, l, m, n, o, r, s) = tokio::try_join!(
+        p(&q.insert_bindings),
+        p(&q.update_bindings),
+        p(&q.delete_bindings),
+        p(&q.due_records),
+        p(&q.next_token),
+        p(&q.raise_tokens),
+        p(&q.count),
+        p("SELECT pg_advisory_xact_lock($1::bigint)"),
+        p("SELECT pg_advisory_xact_lock_shared($1::bigint)"),
+    )?;
+    let draw_estimate = p(&q.draw_estimate).await?;
+    let st = Stmts {
+        lock_records: a,
+        read_records: b,
+        lock_bindings: cc,
+        clock: d,
+        draw_tokens: e,
+        insert_records: f,
+        update_records: g,
+        delete_records: h,
+        insert_bindings: i,
+        update_bindings: j,
+        delete_bindings: k,
+        due_records: l,
+        next_token: m,
+        raise_tokens: n,
+        count: o,
+        xact_lock: r,
+        xact_lock_shared: s,
+        draw_estimate,
+    };
+    Ok(Conn { client, st })
+}
+
+/// Creates or checks the schema under the DDL advisory lock, and returns
+/// the store's identity.
+async fn setup(shared: &Shared) -> Result<u128> {
+    let client = open_client(&shared.config).await.map_err(|f| f.error())?;
+    let sql = &shared.sql;
+    let pg = |e: tokio_postgres::Error| fail(&e).error();
+    client
+        .batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .map_err(pg)?;
+    client
+        .query("SELECT pg_advisory_xact_lock($1::bigint)", &[&sql.ddl_lock])
+        .await
+        .map_err(pg)?;
+    client.batch_execute(&sql.create_meta()).await.map_err(pg)?;
+    let incompatible = |detail: String| Error::IncompatibleSchema {
+        schema: sql.schema.clone(),
+        detail,
+    };
+    let read = |name: &'static str| {
+        let client = &client;
+        async move {
+            let rows = client.query(&sql.read_meta(), &[&name]).await.map_err(pg)?;
+            match rows.first() {
+                Some(row) => row.try_get::<_, Vec<u8>>(0).map(Some).map_err(pg),
+                None => Ok(None),
+            }
+        }
+    };
+    match read("version").await? {
+        Some(v) => {
+            let bytes: [u8; 4] = v
+                .as_slice()
+                .try_into()
+                .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
+            let version = u32::from_be_bytes(bytes);
+            if version > SCHEMA_VERSION {
+                return Err(incompatible(format!(
+                    "schema version {version} was written by a newer idemstore \
+                     (this build reads version {SCHEMA_VERSION})"
+                )));
+            }
+            if version == 0 {
+                return Err(incompatible("schema version 0".into()));
+            }
+            // Idempotent: a version-1 schema has every object already.
+            client.batch_execute(&sql.create()).await.map_err(pg)?;
+        }
+        None => {
+            client.batch_execute(&sql.create()).await.map_err(pg)?;
+            let id: u128 = rand::random();
+            let version = SCHEMA_VERSION.to_be_bytes().to_vec();
+            let id_bytes = id.to_be_bytes().to_vec();
+            client
+                .execute(&sql.write_meta(), &[&"version", &version])
+                .await
+                .map_err(pg)?;
+            client
+                .execute(&sql.write_meta(), &[&"store_id", &id_bytes])
+                .await
+                .map_err(pg)?;
+        }
+    }
+    let id = read("store_id")
+        .await?
+        .ok_or_else(|| incompatible("the store_id row is missing".into()))?;
+    let id: [u8; 16] = id
+        .as_slice()
+        .try_into()
+        .map_err(|_| incompatible(format!("store_id row holds {} bytes", id.len())))?;
+    client
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| fail_commit(&e).error())?;
+    Ok(u128::from_be_bytes(id))
+}
+
+/// Reads the columns of a records row.
+fn row_columns(row: &Row) -> Result<RowColumns, Fail> {
+    let get = |e: tokio_postgres::Error| storage("reading a records row", e);
+    Ok(RowColumns {
+        key: row.try_get(0).map_err(get)?,
+        record: row.try_get(1).map_err(get)?,
+        token: row.try_get(2).map_err(get)?,
+        state: row.try_get(3).map_err(get)?,
+        created_ms: row.try_get(4).map_err(get)?,
+        lease_until_ms: row.try_get(5).map_err(get)?,
+        expires_ms: row.try_get(6).map_err(get)?,
+    })
+}
+
+/// Converts a non-negative `bigint` from the server.
+fn to_u64(what: &str, v: i64) -> Result<u64, Fail> {
+    u64::try_from(v).map_err(|_| Fail::Storage(format!("{what} is negative: {v}")))
+}
+
+/// Converts a count or time for a `bigint` parameter.
+fn to_i64(what: &str, v: u64) -> Result<i64, Fail> {
+    i64::try_from(v).map_err(|_| Fail::Storage(format!("{what} {v} does not fit a bigint")))
+}
+
+/// The store's time from the clock query's rows (`None`: the test clock).
+fn time_from(shared: &Shared, rows: Option<&[Row]>) -> Result<u64, Fail> {
+    let reading = match (&shared.clock, rows) {
+        (Some(clock), _) => clock.now_ms(),
+        (None, Some(rows)) => {
+            let ms: i64 = rows
+                .first()
+                .ok_or_else(|| Fail::Storage("the clock query returned no row".into()))?
+                .try_get(0)
+                .map_err(|e| storage("reading the clock", e))?;
+            to_u64("the database clock", ms)?
+        }
+        (None, None) => return Err(Fail::Storage("the clock was not read".into())),
+    };
+    Ok(shared.stamp(reading))
+}
+
+/// The time of a transaction: the test clock's reading, or the database's
+/// (read on `conn`), made monotonic.
+async fn read_time(shared: &Shared, conn: &Conn) -> Result<u64, Fail> {
+    let rows = match &shared.clock {
+        Some(_) => None,
+        None => Some(
+            conn.client
+                .query(&conn.st.clock, &[])
+                .await
+                .map_err(|e| fail(&e))?,
+        ),
+    };
+    time_from(shared, rows.as_deref())
+}
+
+/// Fills `base` with the rows read for `keys` (sorted, distinct); absent
+/// keys are `Absent`.
+fn fill_records(keys: &[Vec<u8>], rows: &[Row], base: &mut Base) -> Result<(), Fail> {
+    for k in keys {
+        base.records.insert(k.clone(), Slot::Absent);
+    }
+    for row in rows {
+        let rc = row_columns(row)?;
+        base.records.insert(rc.key.clone(), decide::slot_of(&rc));
+    }
+    Ok(())
+}
+
+/// Locks and reads the rows of `keys` (sorted, distinct) into `base`.
+async fn load_records(conn: &Conn, keys: &[Vec<u8>], base: &mut Base) -> Result<(), Fail> {
+    let rows = conn
+        .client
+        .query(&conn.st.lock_records, &[&keys])
+        .await
+        .map_err(|e| fail(&e))?;
+    fill_records(keys, &rows, base)
+}
+
+/// Locks and reads the bindings the batch needs, then reads (without
+/// locking) the records they name that are not loaded yet.
+async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Result<(), Fail> {
+    let needed: Vec<Vec<u8>> = decide::bindings_needed(base, ops)
+        .into_iter()
+        .filter(|b| !base.bindings.contains_key(b))
+        .collect();
+    if needed.is_empty() {
+        return Ok(());
+    }
+    let rows = conn
+        .client
+        .query(&conn.st.lock_bindings, &[&needed])
+        .await
+        .map_err(|e| fail(&e))?;
+    for b in &needed {
+        base.bindings.insert(b.clone(), None);
+    }
+    for row in &rows {
+        let get = |e: tokio_postgres::Error| storage("reading a bindings row", e);
+        let b: Vec<u8> = row.try_get(0).map_err(get)?;
+        let k: Vec<u8> = row.try_get(1).map_err(get)?;
+        base.bindings.insert(b, Some(k));
+    }
+    let holders: BTreeSet<Vec<u8>> = base
+        .bindings
+        .values()
+        .flatten()
+        .filter(|k| !base.records.contains_key(*k))
+        .cloned()
+        .collect();
+    if holders.is_empty() {
+        return Ok(());
+    }
+    let holders: Vec<Vec<u8>> = holders.into_iter().collect();
+    let rows = conn
+        .client
+        .query(&conn.st.read_records, &[&holders])
+        .await
+        .map_err(|e| fail(&e))?;
+    for k in &holders {
+        base.records.insert(k.clone(), Slot::Absent);
+    }
+    for row in &rows {
+        let rc = row_columns(row)?;
+        base.records.insert(rc.key.clone(), decide::slot_of(&rc));
+    }
+    Ok(())
+}
+
+/// How many tokens to draw.
+enum Draw<'a> {
+    /// Exactly this many (fewer near the end of the sequence).
+    Exactly(usize),
+    /// One per claimed key (distinct key bytes) that an estimate at the
+    /// time given (`None`: the database clock) says a claim would acquire.
+    Estimate(&'a [Vec<u8>], Option<i64>),
+}
+
+/// Draws tokens (ascending; fewer near the end of the sequence) under the
+/// shared token lock; `None` when the sequence is exhausted (the draw is
+/// rolled back to a savepoint, the transaction goes on).
+async fn draw_tokens(
+    shared: &Shared,
+    conn: &Conn,
+    draw: Draw<'_>,
+) -> Result<Option<Vec<u64>>, Fail> {
+    let c = &conn.client;
+    let lock = shared.sql.token_lock;
+    let lock_params: [&(dyn ToSql + Sync); 1] = [&lock];
+    let n;
+    let (stmt, draw_params): (&Statement, Vec<&(dyn ToSql + Sync)>) = match &draw {
+        Draw::Exactly(count) => {
+            n = to_i64("a token count", u64::try_from(*count).unwrap_or(u64::MAX))?;
+            (&conn.st.draw_tokens, vec![&n])
+        }
+        Draw::Estimate(keys, now) => (&conn.st.draw_estimate, vec![keys, now]),
+    };
+    // One flight: the savepoint, the shared lock, the draw, the release.
+    let sp = c.batch_execute("SAVEPOINT idemstore_tokens");
+    let lk = c.query(&conn.st.xact_lock_shared, &lock_params);
+    let draw = c.query(stmt, &draw_params);
+    let release = c.batch_execute("RELEASE SAVEPOINT idemstore_tokens");
+    let (sp, lk, draw, release) = tokio::join!(sp, lk, draw, release);
+    sp.map_err(|e| fail(&e))?;
+    lk.map_err(|e| fail(&e))?;
+    match draw {
+        Ok(rows) => {
+            release.map_err(|e| fail(&e))?;
+            let mut tokens = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let t: i64 = row.try_get(0).map_err(|e| storage("reading a token", e))?;
+                tokens.push(to_u64("a drawn token", t)?);
+            }
+            tokens.sort_unstable();
+            Ok(Some(tokens))
+        }
+        // Another process took the last tokens between the bound and the
+        // draw: the release failed too; undo the draw, go on without.
+        Err(e) if e.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED) => {
+            c.batch_execute("ROLLBACK TO SAVEPOINT idemstore_tokens")
+                .await
+                .map_err(|e| fail(&e))?;
+            Ok(None)
+        }
+        Err(e) => Err(fail(&e)),
+    }
+}
+
+/// How many rows a write statement returned (0 when it was not sent).
+async fn run_write(
+    conn: &Conn,
+    stmt: &Statement,
+    params: &[&(dyn ToSql + Sync)],
+    skip: bool,
+) -> Result<usize, tokio_postgres::Error> {
+    if skip {
+        return Ok(0);
+    }
+    Ok(conn.client.query(stmt, params).await?.len())
+}
+
+/// Sends the writes (pipelined); whether every compare-and-set landed.
+async fn send_writes(conn: &Conn, w: &decide::Writes) -> Result<bool, Fail> {
+    let st = &conn.st;
+    let col = |f: fn(&decide::Columns) -> i64, v: &[(Vec<u8>, Vec<u8>, decide::Columns)]| {
+        v.iter().map(|x| f(&x.2)).collect::<Vec<i64>>()
+    };
+    let ik: Vec<&[u8]> = w.inserts.iter().map(|x| x.0.as_slice()).collect();
+    let ir: Vec<&[u8]> = w.inserts.iter().map(|x| x.1.as_slice()).collect();
+    let it = col(|c| c.token, &w.inserts);
+    let is: Vec<i16> = w.inserts.iter().map(|x| x.2.state).collect();
+    let ic = col(|c| c.created_ms, &w.inserts);
+    let il = col(|c| c.lease_until_ms, &w.inserts);
+    let ie = col(|c| c.expires_ms, &w.inserts);
+
+    let uk: Vec<&[u8]> = w.updates.iter().map(|x| x.0.as_slice()).collect();
+    let ur: Vec<&[u8]> = w.updates.iter().map(|x| x.1.as_slice()).collect();
+    let ut: Vec<i64> = w.updates.iter().map(|x| x.2.token).collect();
+    let us: Vec<i16> = w.updates.iter().map(|x| x.2.state).collect();
+    let uc: Vec<i64> = w.updates.iter().map(|x| x.2.created_ms).collect();
+    let ul: Vec<i64> = w.updates.iter().map(|x| x.2.lease_until_ms).collect();
+    let ue: Vec<i64> = w.updates.iter().map(|x| x.2.expires_ms).collect();
+    let useen: Vec<i64> = w.updates.iter().map(|x| x.3).collect();
+
+    let dk: Vec<&[u8]> = w.deletes.iter().map(|x| x.0.as_slice()).collect();
+    let dseen: Vec<i64> = w.deletes.iter().map(|x| x.1).collect();
+
+    let bib: Vec<&[u8]> = w.bind_inserts.iter().map(|x| x.0.as_slice()).collect();
+    let bik: Vec<&[u8]> = w.bind_inserts.iter().map(|x| x.1.as_slice()).collect();
+    let bub: Vec<&[u8]> = w.bind_updates.iter().map(|x| x.0.as_slice()).collect();
+    let buk: Vec<&[u8]> = w.bind_updates.iter().map(|x| x.1.as_slice()).collect();
+    let bus: Vec<&[u8]> = w.bind_updates.iter().map(|x| x.2.as_slice()).collect();
+    let bdb: Vec<&[u8]> = w.bind_deletes.iter().map(|x| x.0.as_slice()).collect();
+    let bds: Vec<&[u8]> = w.bind_deletes.iter().map(|x| x.1.as_slice()).collect();
+
+    // Records first (inserts in key order), then bindings (in binding
+    // order), in every batch, so that concurrent batches wait for each
+    // other in one order.
+    let p_ins: [&(dyn ToSql + Sync); 7] = [&ik, &ir, &it, &is, &ic, &il, &ie];
+    let p_upd: [&(dyn ToSql + Sync); 8] = [&uk, &ur, &ut, &us, &uc, &ul, &ue, &useen];
+    let p_del: [&(dyn ToSql + Sync); 2] = [&dk, &dseen];
+    let p_bins: [&(dyn ToSql + Sync); 2] = [&bib, &bik];
+    let p_bupd: [&(dyn ToSql + Sync); 3] = [&bub, &buk, &bus];
+    let p_bdel: [&(dyn ToSql + Sync); 2] = [&bdb, &bds];
+    let (a, b, c, d, e, f) = tokio::join!(
+        run_write(conn, &st.insert_records, &p_ins, ik.is_empty()),
+        run_write(conn, &st.update_records, &p_upd, uk.is_empty()),
+        run_write(conn, &st.delete_records, &p_del, dk.is_empty()),
+        run_write(conn, &st.insert_bindings, &p_bins, bib.is_empty()),
+        run_write(conn, &st.update_bindings, &p_bupd, bub.is_empty()),
+        run_write(conn, &st.delete_bindings, &p_bdel, bdb.is_empty()),
+    );
+    let counts = [
+        (a.map_err(|e| fail(&e))?, ik.len()),
+        (b.map_err(|e| fail(&e))?, uk.len()),
+        (c.map_err(|e| fail(&e))?, dk.len()),
+        (d.map_err(|e| fail(&e))?, bib.len()),
+        (e.map_err(|e| fail(&e))?, bub.len()),
+        (f.map_err(|e| fail(&e))?, bdb.len()),
+    ];
+    Ok(counts.iter().all(|(got, want)| got == want))
+}
+
+/// The answers of a committed batch and its audit events.
+type Decisions = (Vec<Result<Reply>>, Vec<Event>);
+
+/// One attempt at a batch: one transaction.
+async fn attempt(
+    shared: &Shared,
+    conn: &Conn,
+    ops: &[(Key, Op)],
+    token_floor: Option<u64>,
+) -> Result<Decisions, Fail> {
+    let c = &conn.client;
+    let keys: Vec<Vec<u8>> = ops
+        .iter()
+        .map(|(k, _)| k.to_bytes())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    // Tokens are drawn in the first flight, after the lock (the server
+    // runs the flight in order), as many as the claimed keys' rows suggest
+    // (an absent, expired, lapsed or retryably failed key); the decisions
+    // draw more when the estimate falls short, and the few tokens an
+    // estimate draws too many are skipped, never reused.
+    let claimed: Vec<Vec<u8>> = ops
+        .iter()
+        .filter(|(_, op)| matches!(op, Op::Claim { .. }))
+        .map(|(k, _)| k.to_bytes())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let test_now = match &shared.clock {
+        Some(clock) => Some(to_i64("the test clock", clock.now_ms())?),
+        None => None,
+    };
+    let floor = match token_floor {
+        Some(f) => Some(to_i64("the token floor", f.min(crate::MAX_TOKEN))?),
+        None => None,
+    };
+    let lock_key = shared.sql.token_lock;
+    // The first flight: begin; for an import, raise the sequence under the
+    // exclusive token lock (no draw may overtake the raise); lock and read
+    // the rows; read the clock (after the lock, so that a wait for a lock
+    // does not age the batch's time); draw tokens.
+    let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
+    let raise = async {
+        if let Some(floor) = floor {
+            c.query(&conn.st.xact_lock, &[&lock_key]).await?;
+            c.query(&conn.st.raise_tokens, &[&floor]).await?;
+        }
+        Ok::<_, tokio_postgres::Error>(())
+    };
+    let key_params: [&(dyn ToSql + Sync); 1] = [&keys];
+    let rows = c.query(&conn.st.lock_records, &key_params);
+    let clock = async {
+        match shared.clock {
+            Some(_) => Ok(None),
+            None => c.query(&conn.st.clock, &[]).await.map(Some),
+        }
+    };
+    let draw = async {
+        if !claimed.is_empty() {
+            draw_tokens(shared, conn, Draw::Estimate(&claimed, test_now)).await
+        } else {
+            Ok(Some(Vec::new()))
+        }
+    };
+    let (begin, raise, rows, clock, draw) = tokio::join!(begin, raise, rows, clock, draw);
+    begin.map_err(|e| fail(&e))?;
+    raise.map_err(|e| fail(&e))?;
+    let rows = rows.map_err(|e| fail(&e))?;
+    let clock = clock.map_err(|e| fail(&e))?;
+    let first_draw = draw?;
+    let mut base = Base::default();
+    fill_records(&keys, &rows, &mut base)?;
+    let now = time_from(shared, clock.as_deref())?;
+    let mut first_draw = Some(first_draw);
+    for _round in 0..MAX_ROUNDS {
+        load_bindings(conn, ops, &mut base).await?;
+        let (mut tokens, mut exhausted) = match first_draw.take() {
+            Some(Some(t)) => (t, false),
+            Some(None) => (Vec::new(), true),
+            None => (Vec::new(), false),
+        };
+        let decided = loop {
+            let pass = Pass {
+                now_ms: now,
+                retention_ms: shared.retention_ms,
+                tokens: &tokens,
+                exhausted,
+            };
+            let d = decide::decide(&base, ops, &pass);
+            if d.shortage == 0 {
+                break d;
+            }
+            match draw_tokens(shared, conn, Draw::Exactly(d.shortage)).await? {
+                Some(more) if !more.is_empty() => tokens.extend(more),
+                _ => exhausted = true,
+            }
+        };
+        let w = decide::writes(&base, &decided);
+        if w.is_empty() {
+            commit(conn).await?;
+            return Ok((decided.replies, decided.events));
+        }
+        if !w.may_lose() {
+            // Every row written is locked (or a binding read under lock):
+            // no compare-and-set can lose, so the commit goes in the same
+            // flight as the writes.
+            let (written, committed) =
+                tokio::join!(send_writes(conn, &w), c.batch_execute("COMMIT"));
+            match written {
+                // A write the server refused made the COMMIT a rollback.
+                Err(Fail::Lost(d)) => return Err(Fail::Unknown(d)),
+                Err(f) => return Err(f),
+                Ok(landed) => {
+                    committed.map_err(|e| fail_commit(&e))?;
+                    if !landed {
+                        return Err(Fail::Storage(
+                            "a compare-and-set on a locked row did not land; the rest of \
+                             the batch was committed"
+                                .into(),
+                        ));
+                    }
+                    return Ok((decided.replies, decided.events));
+                }
+            }
+        }
+        let (sp, landed) = tokio::join!(
+            c.batch_execute("SAVEPOINT idemstore_writes"),
+            send_writes(conn, &w)
+        );
+        sp.map_err(|e| fail(&e))?;
+        if landed? {
+            commit(conn).await?;
+            return Ok((decided.replies, decided.events));
+        }
+        // Another transaction inserted a key (or binding) this batch found
+        // absent: undo this round's writes, read and lock everything again,
+        // and decide again with tokens drawn after the new locks.
+        c.batch_execute("ROLLBACK TO SAVEPOINT idemstore_writes")
+            .await
+            .map_err(|e| fail(&e))?;
+        base = Base::default();
+        load_records(conn, &keys, &mut base).await?;
+    }
+    Err(Fail::Retry(format!(
+        "the batch lost its compare-and-set {MAX_ROUNDS} times in a row"
+    )))
+}
+
+/// Commits the open transaction.
+async fn commit(conn: &Conn) -> Result<(), Fail> {
+    conn.client
+        .batch_execute("COMMIT")
+        .await
+        .map_err(|e| fail_commit(&e))
+}
+
+/// Makes sure `slot` holds an open connection.
+async fn ensure<'a>(shared: &Shared, slot: &'a mut Option<Conn>) -> Result<&'a Conn, Fail> {
+    if slot.as_ref().is_some_and(|c| c.client.is_closed()) {
+        *slot = None;
+    }
+    if slot.is_none() {
+        *slot = Some(open_conn(shared).await?);
+    }
+    slot.as_ref()
+        .ok_or_else(|| Fail::Storage("no connection".into()))
+}
+
+/// After a failed transaction: roll back, or drop a connection whose state
+/// is unknown.
+async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
+    let keep = match (slot.as_ref(), failure) {
+        (Some(conn), Fail::Retry(_) | Fail::Refused(_) | Fail::Storage(_)) => {
+            !conn.client.is_closed() && conn.client.batch_execute("ROLLBACK").await.is_ok()
+        }
+        _ => false,
+    };
+    if !keep {
+        *slot = None;
+    }
+}
+
+/// Runs a batch as one transaction, trying again after deadlocks.
+async fn run_batch(
+    shared: &Shared,
+    slot: &mut Option<Conn>,
+    ops: &[(Key, Op)],
+    token_floor: Option<u64>,
+) -> Result<Decisions, Fail> {
+    let mut last = Fail::Storage("no attempt".into());
+    for _ in 0..MAX_ATTEMPTS {
+        let conn = ensure(shared, slot).await?;
+        match attempt(shared, conn, ops, token_floor).await {
+            Ok(done) => return Ok(done),
+            Err(f) => {
+                recover(slot, &f).await;
+                match f {
+                    Fail::Retry(_) => last = f,
+                    other => return Err(other),
+                }
+            }
+        }
+    }
+    Err(last)
+}
+
+/// Reads one record at the store's time (no transaction: one statement).
+async fn run_get(shared: &Shared, slot: &mut Option<Conn>, key: &Key) -> Result<Option<Record>> {
+    let done = async {
+        let conn = ensure(shared, slot).await?;
+        let kb = vec![key.to_bytes()];
+        let rows = conn
+            .client
+            .query(&conn.st.read_records, &[&kb])
+            .await
+            .map_err(|e| fail(&e))?;
+        let now = read_time(shared, conn).await?;
+        match rows.first() {
+            Some(row) => Ok((Some(decide::slot_of(&row_columns(row)?)), now)),
+            None => Ok((None, now)),
+        }
+    }
+    .await;
+    let (slot_read, now) = match done {
+        Ok(x) => x,
+        Err(f) => {
+            recover(slot, &f).await;
+            return Err(f.error());
+        }
+    };
+    match slot_read {
+        Some(Slot::Present(rec)) => Ok((!rec.is_expired_at(now)).then_some(rec)),
+        Some(Slot::Corrupt(key, detail)) => {
+            let err = Error::CorruptRecord { key, detail };
+            audit::publish(&shared.counters, Event::corruption(&err));
+            Err(err)
+        }
+        Some(Slot::Absent) | None => Ok(None),
+    }
+}
+
+/// Evicts up to `max` records past retention, with their bindings.
+async fn run_sweep(shared: &Shared, slot: &mut Option<Conn>, max: usize) -> Result<usize> {
+    if max == 0 {
+        return Ok(0);
+    }
+    let done = async {
+        let conn = ensure(shared, slot).await?;
+        let c = &conn.client;
+        c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .await
+            .map_err(|e| fail(&e))?;
+        let now = read_time(shared, conn).await?;
+        let limit = to_i64("the sweep limit", u64::try_from(max).unwrap_or(u64::MAX))?;
+        let rows = c
+            .query(&conn.st.due_records, &[&to_i64("the time", now)?, &limit])
+            .await
+            .map_err(|e| fail(&e))?;
+        let mut events = Vec::new();
+        let mut gone = Vec::new();
+        for row in &rows {
+            match decide::slot_of(&row_columns(row)?) {
+                Slot::Present(rec) if rec.is_expired_at(now) => gone.push(rec),
+                Slot::Corrupt(key, detail) => {
+                    events.extend(Event::corruption(&Error::CorruptRecord { key, detail }));
+                }
+                _ => {}
+            }
+        }
+        let dk: Vec<Vec<u8>> = gone.iter().map(|r| r.key.to_bytes()).collect();
+        let dt: Vec<i64> = gone
+            .iter()
+            .map(|r| to_i64("a token", r.token))
+            .collect::<Result<_, _>>()?;
+        let (bb, bk): (Vec<Vec<u8>>, Vec<Vec<u8>>) = gone
+            .iter()
+            .filter_map(|r| {
+                r.business_key
+                    .as_deref()
+                    .map(|bk| (r.key.business_binding(bk), r.key.to_bytes()))
+            })
+            .unzip();
+        let p_del: [&(dyn ToSql + Sync); 2] = [&dk, &dt];
+        let p_unbind: [&(dyn ToSql + Sync); 2] = [&bb, &bk];
+        let (deleted, unbound) = tokio::join!(
+            c.query(&conn.st.delete_records, &p_del),
+            c.query(&conn.st.delete_bindings, &p_unbind),
+        );
+        let deleted = deleted.map_err(|e| fail(&e))?;
+        unbound.map_err(|e| fail(&e))?;
+        commit(conn).await?;
+        let deleted: BTreeSet<Vec<u8>> = deleted
+            .iter()
+            .filter_map(|r| r.try_get::<_, Vec<u8>>(0).ok())
+            .collect();
+        let evicted: Vec<&Record> = gone
+            .iter()
+            .filter(|r| deleted.contains(&r.key.to_bytes()))
+            .collect();
+        events.extend(evicted.iter().map(|r| Event::evicted(r)));
+        Ok::<_, Fail>((evicted.len(), events))
+    }
+    .await;
+    match done {
+        Ok((n, events)) => {
+            audit::publish(&shared.counters, events);
+            Ok(n)
+        }
+        Err(f) => {
+            recover(slot, &f).await;
+            Err(f.error())
+        }
+    }
+}
+
+/// Runs a one-statement read.
+async fn run_read<T>(
+    shared: &Shared,
+    slot: &mut Option<Conn>,
+    read: impl AsyncFnOnce(&Shared, &Conn) -> Result<T, Fail>,
+) -> Result<T> {
+    let done = match ensure(shared, slot).await {
+        Ok(conn) => read(shared, conn).await,
+        Err(f) => Err(f),
+    };
+    match done {
+        Ok(v) => Ok(v),
+        Err(f) => {
+            recover(slot, &f).await;
+            Err(f.error())
+        }
+    }
+}
+
+/// The token the next acquisition would take.
+async fn read_next_token(_: &Shared, conn: &Conn) -> Result<u64, Fail> {
+    let rows = conn
+        .client
+        .query(&conn.st.next_token, &[])
+        .await
+        .map_err(|e| fail(&e))?;
+    let row = rows
+        .first()
+        .ok_or_else(|| Fail::Storage("the token sequence has no row".into()))?;
+    let last: i64 = row
+        .try_get(0)
+        .map_err(|e| storage("reading the sequence", e))?;
+    let called: bool = row
+        .try_get(1)
+        .map_err(|e| storage("reading the sequence", e))?;
+    let last = to_u64("the token sequence", last)?;
+    if called {
+        last.checked_add(1)
+            .ok_or_else(|| Fail::Storage("the token sequence overflows".into()))
+    } else {
+        Ok(last)
+    }
+}
+
+/// The number of stored rows.
+async fn read_len(_: &Shared, conn: &Conn) -> Result<u64, Fail> {
+    let rows = conn
+        .client
+        .query(&conn.st.count, &[])
+        .await
+        .map_err(|e| fail(&e))?;
+    let n: i64 = rows
+        .first()
+        .ok_or_else(|| Fail::Storage("count returned no row".into()))?
+        .try_get(0)
+        .map_err(|e| storage("reading the count", e))?;
+    to_u64("the row count", n)
+}
+
+/// Answers a batch's callers (and publishes its events) or hands each the
+/// batch's error.
+fn answer_batch(
+    shared: &Shared,
+    replies: Vec<oneshot::Sender<Result<Reply>>>,
+    result: Result<Decisions, Fail>,
+    started: Instant,
+) {
+    match result {
+        Ok((answers, events)) => {
+            audit::publish(&shared.counters, events);
+            shared
+                .counters
+                .group_commit(started.elapsed(), replies.len());
+            for (tx, answer) in replies.into_iter().zip(answers) {
+                let _ = tx.send(answer);
+            }
+        }
+        Err(f) => {
+            for tx in replies {
+                let _ = tx.send(Err(f.error()));
+            }
+        }
+    }
+}
+
+/// One connection's worker: takes what is queued, runs it, answers.
+async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedReceiver<Job>>>) {
+    let mut conn: Option<Conn> = None;
+    let mut held: Option<Job> = None;
+    loop {
+        let mut batch: Vec<(Key, Op)> = Vec::new();
+        let mut replies = Vec::new();
+        let mut other = held.take();
+        if other.is_none() {
+            let mut q = queue.lock().await;
+            let Some(first) = q.recv().await else { return };
+            let mut next = Some(first);
+            while let Some(job) = next.take() {
+                match job {
+                    Job::Apply { key, op, reply } => {
+                        batch.push((key, op));
+                        replies.push(reply);
+                        if batch.len() < MAX_BATCH {
+                            next = q.try_recv().ok();
+                        }
+                    }
+                    job => {
+                        if batch.is_empty() {
+                            other = Some(job);
+                        } else {
+                            held = Some(job);
+                        }
+                    }
+                }
+            }
+        }
+        if !batch.is_empty() {
+            let started = Instant::now();
+            let result = run_batch(&shared, &mut conn, &batch, None).await;
+            answer_batch(&shared, replies, result, started);
+        }
+        if let Some(job) = other {
+            run_job(&shared, &mut conn, job).await;
+        }
+    }
+}
+
+/// Runs a job other than a group-committed request.
+async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
+    match job {
+        Job::Apply { key, op, reply } => {
+            let started = Instant::now();
+            let ops = [(key, op)];
+            let result = run_batch(shared, conn, &ops, None).await;
+            answer_batch(shared, vec![reply], result, started);
+        }
+        Job::Many {
+            ops,
+            token_floor,
+            reply,
+        } => {
+            let started = Instant::now();
+            let answer = match run_batch(shared, conn, &ops, token_floor).await {
+                Ok((answers, events)) => {
+                    audit::publish(&shared.counters, events);
+                    shared.counters.group_commit(started.elapsed(), ops.len());
+                    Ok(answers)
+                }
+                Err(f) => Err(f.error()),
+            };
+            let _ = reply.send(answer);
+        }
+        Job::Get { key, reply } => {
+            let _ = reply.send(run_get(shared, conn, &key).await);
+        }
+        Job::Sweep { max, reply } => {
+            let _ = reply.send(run_sweep(shared, conn, max).await);
+        }
+        Job::Now { reply } => {
+            let _ = reply.send(run_read(shared, conn, read_time).await);
+        }
+        Job::NextToken { reply } => {
+            let _ = reply.send(run_read(shared, conn, read_next_token).await);
+        }
+        Job::Len { reply } => {
+            let _ = reply.send(run_read(shared, conn, read_len).await);
+        }
+    }
+}
+
+impl Postgres {
+    /// Connects to the database at `url` (a `postgresql://` URL or a
+    /// `key=value` connection string), creates the schema on first use (or
+    /// checks its version), and starts the driver thread.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a bad URL, schema name, retention or
+    /// connection count; [`Error::Unavailable`] when the server cannot be
+    /// reached; [`Error::IncompatibleSchema`] when the schema was written by
+    /// a newer version.
+    pub(crate) fn connect(url: &str, options: PgOptions) -> Result<Postgres> {
+        let sql = Sql::new(&options.schema)?;
+        if options.retention_ms == 0 {
+            return Err(Error::invalid("retention", "must be > 0"));
+        }
+        if options.connections == 0 {
+            return Err(Error::invalid("connections", "must be > 0"));
+        }
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+            Error::invalid("url", format!("not a PostgreSQL connection string: {e}"))
+        })?;
+        if config.get_application_name().is_none() {
+            config.application_name("idemstore");
+        }
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(Error::storage)?;
+        let handle = runtime.handle().clone();
+        let shared = Arc::new(Shared {
+            sql,
+            config,
+            clock: options.clock,
+            retention_ms: options.retention_ms,
+            high_water: AtomicU64::new(0),
+            counters: LiveCounters::new(),
+        });
+        let (jobs, queue) = unbounded_channel();
+        let queue = Arc::new(tokio::sync::Mutex::new(queue));
+        let workers = options.connections;
+        let driver_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("idemstore-postgres".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let mut set = tokio::task::JoinSet::new();
+                    for _ in 0..workers {
+                        set.spawn(worker(Arc::clone(&driver_shared), Arc::clone(&queue)));
+                    }
+                    while set.join_next().await.is_some() {}
+                });
+            })
+            .map_err(Error::storage)?;
+        let mut pg = Postgres {
+            shared: Arc::clone(&shared),
+            jobs: Some(jobs),
+            handle,
+            store_id: 0,
+            thread: Some(thread),
+        };
+        let (tx, rx) = oneshot::channel();
+        pg.handle.spawn(async move {
+            let _ = tx.send(setup(&shared).await);
+        });
+        pg.store_id = rx.recv().map_err(|_| Error::Closed)??;
+        Ok(pg)
+    }
+
+    /// Sends `job` to the driver thread.
+    fn send(&self, job: Job) -> Result<()> {
+        self.jobs
+            .as_ref()
+            .ok_or(Error::Closed)?
+            .send(job)
+            .map_err(|_| Error::Closed)
+    }
+
+    /// Sends a job built around a reply channel and waits for the answer.
+    fn ask<T>(&self, job: impl FnOnce(oneshot::Sender<Result<T>>) -> Job) -> Result<T> {
+        let (tx, rx) = oneshot::channel();
+        self.send(job(tx))?;
+        rx.recv().map_err(|_| Error::Closed)?
+    }
+
+    /// The store's time: the database's `clock_timestamp()` (or the test
+    /// clock), never below an earlier reading of this process.
+    pub(crate) fn now_ms(&self) -> Result<u64> {
+        self.ask(|reply| Job::Now { reply })
+    }
+
+    /// Applies one request, group-committed with the requests of other
+    /// threads; blocks until its transaction commits.
+    ///
+    /// # Errors
+    /// The transition's own errors (per request), [`Error::Unavailable`],
+    /// [`Error::OutcomeUnknown`], [`Error::Storage`].
+    pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
+        self.ask(|reply| Job::Apply {
+            key: key.clone(),
+            op,
+            reply,
+        })
+    }
+
+    /// [`Postgres::apply`] as a future that needs no runtime: it completes
+    /// when the driver thread answers.
+    pub(crate) async fn apply_async(&self, key: &Key, op: Op) -> Result<Reply> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Job::Apply {
+            key: key.clone(),
+            op,
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Applies `ops` in one transaction of their own, each decided on its
+    /// own in input order (a later request on a key sees an earlier one).
+    pub(crate) fn apply_many(&self, ops: Vec<(Key, Op)>) -> Result<Vec<Result<Reply>>> {
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.ask(|reply| Job::Many {
+            ops,
+            token_floor: None,
+            reply,
+        })
+    }
+
+    /// Raises the token sequence so that the next token is at least
+    /// `token_floor`, then applies the import requests in one transaction.
+    pub(crate) fn import(
+        &self,
+        ops: Vec<(Key, Op)>,
+        token_floor: u64,
+    ) -> Result<Vec<Result<Reply>>> {
+        self.ask(|reply| Job::Many {
+            ops,
+            token_floor: Some(token_floor),
+            reply,
+        })
+    }
+
+    /// The record of `key`; `None` when absent or past retention at the
+    /// store's time.
+    pub(crate) fn get(&self, key: &Key) -> Result<Option<Record>> {
+        self.ask(|reply| Job::Get {
+            key: key.clone(),
+            reply,
+        })
+    }
+
+    /// Evicts up to `max` records past retention (and their business-key
+    /// bindings), oldest deadline first; returns how many.
+    pub(crate) fn sweep(&self, max: usize) -> Result<usize> {
+        self.ask(|reply| Job::Sweep { max, reply })
+    }
+
+    /// Every stored row (key bytes, codec envelope) whose key falls in one
+    /// of the half-open `ranges` (`end` `None` = unbounded), in key order,
+    /// from one REPEATABLE READ snapshot taken before this returns, read in
+    /// pages of [`PAGE_ROWS`] through a portal on a connection of its own.
+    /// The iterator ends with an error if the connection breaks or the
+    /// store is dropped.
+    pub(crate) fn entries(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<EntryIter> {
+        let ranges = merge_ranges(ranges);
+        let (req_tx, req_rx) = unbounded_channel::<PageRequest>();
+        let shared = Arc::clone(&self.shared);
+        self.handle
+            .spawn(async move { scan_task(&shared, ranges, req_rx).await });
+        let mut entries = Entries {
+            requests: req_tx,
+            buffered: VecDeque::new(),
+            done: false,
+        };
+        // The snapshot is taken with the first page, before returning.
+        entries.fill()?;
+        Ok(Box::new(entries))
+    }
+
+    /// The store's random identity, fixed when the schema was created.
+    pub(crate) fn store_id(&self) -> u128 {
+        self.store_id
+    }
+
+    /// The token the next acquisition would take.
+    pub(crate) fn next_token(&self) -> Result<u64> {
+        self.ask(|reply| Job::NextToken { reply })
+    }
+
+    /// How many rows are stored (live, past retention or corrupt).
+    pub(crate) fn len(&self) -> Result<u64> {
+        self.ask(|reply| Job::Len { reply })
+    }
+
+    /// The counters since this engine was connected.
+    pub(crate) fn counters(&self) -> &LiveCounters {
+        &self.shared.counters
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // Closing the queue ends the workers once they finish what they
+        // hold; the runtime (and any scan still open) ends with them.
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Sorts `ranges`, drops empty ones and merges overlapping ones, so that
+/// scanning them in order yields every key once, in key order.
+fn merge_ranges(mut ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+    ranges.retain(|(s, e)| e.as_ref().is_none_or(|e| e > s));
+    ranges.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out: Vec<(Vec<u8>, Option<Vec<u8>>)> = Vec::with_capacity(ranges.len());
+    for (s, e) in ranges {
+        if let Some(last) = out.last_mut() {
+            let overlaps = last.1.as_ref().is_none_or(|le| s <= *le);
+            if overlaps {
+                last.1 = match (last.1.take(), e) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    _ => None,
+                };
+                continue;
+            }
+        }
+        out.push((s, e));
+    }
+    out
+}
+
+/// The iterator [`Postgres::entries`] returns: (key bytes, codec envelope)
+/// in key order.
+pub(crate) type EntryIter = Box<dyn Iterator<Item = Result<(Vec<u8>, Vec<u8>)>> + Send>;
+
+/// A page of a scan, or its error.
+type Page = Result<Vec<(Vec<u8>, Vec<u8>)>>;
+/// A request for the next page.
+type PageRequest = oneshot::Sender<Page>;
+
+/// The scan's side on the driver thread: one connection, one REPEATABLE
+/// READ transaction, one portal per range; a page per request.
+async fn scan_task(
+    shared: &Shared,
+    ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
+    mut requests: UnboundedReceiver<PageRequest>,
+) {
+    let mut client = match open_client(&shared.config).await {
+        Ok(c) => c,
+        Err(f) => {
+            if let Some(tx) = requests.recv().await {
+                let _ = tx.send(Err(f.error()));
+            }
+            return;
+        }
+    };
+    let run = async {
+        let txn = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(|e| fail(&e))?;
+        // Take the snapshot now.
+        txn.query_one("SELECT 1", &[]).await.map_err(|e| fail(&e))?;
+        let bounded = txn.prepare(&shared.sql.range).await.map_err(|e| fail(&e))?;
+        let open = txn
+            .prepare(&shared.sql.range_open)
+            .await
+            .map_err(|e| fail(&e))?;
+        let mut pending: Option<PageRequest> = None;
+        for (start, end) in &ranges {
+            let portal = match end {
+                Some(end) => txn.bind(&bounded, &[start, end]).await,
+                None => txn.bind(&open, &[start]).await,
+            }
+            .map_err(|e| fail(&e))?;
+            loop {
+                let tx = match pending.take() {
+                    Some(tx) => tx,
+                    None => match requests.recv().await {
+                        Some(tx) => tx,
+                        None => return Ok(()),
+                    },
+                };
+                let rows = txn
+                    .query_portal(&portal, PAGE_ROWS)
+                    .await
+                    .map_err(|e| fail(&e))?;
+                if rows.is_empty() {
+                    pending = Some(tx);
+                    break;
+                }
+                let mut page = Vec::with_capacity(rows.len());
+                for row in &rows {
+                    let get = |e: tokio_postgres::Error| storage("reading a scanned row", e);
+                    page.push((row.try_get(0).map_err(get)?, row.try_get(1).map_err(get)?));
+                }
+                let _ = tx.send(Ok(page));
+            }
+        }
+        // Every range is done: answer with an empty page from now on.
+        if let Some(tx) = pending {
+            let _ = tx.send(Ok(Vec::new()));
+        }
+        while let Some(tx) = requests.recv().await {
+            let _ = tx.send(Ok(Vec::new()));
+        }
+        Ok::<(), Fail>(())
+    };
+    let ended = run.await;
+    if let Err(f) = ended {
+        // The error goes to the next request (the one that waited, if any,
+        // was dropped with its sender: the iterator sees the channel close).
+        if let Some(tx) = requests.recv().await {
+            let _ = tx.send(Err(f.error()));
+        }
+    }
+}
+
+/// The iterator of [`Postgres::entries`].
+struct Entries {
+    requests: UnboundedSender<PageRequest>,
+    buffered: VecDeque<(Vec<u8>, Vec<u8>)>,
+    done: bool,
+}
+
+impl Entries {
+    /// Fetches the next page into the buffer; an empty page ends the scan.
+    fn fill(&mut self) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        if self.requests.send(tx).is_err() {
+            self.done = true;
+            return Err(Error::Unavailable {
+                detail: "the scan's connection ended".into(),
+            });
+        }
+        match rx.recv() {
+            Ok(Ok(page)) => {
+                if page.is_empty() {
+                    self.done = true;
+                }
+                self.buffered.extend(page);
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                self.done = true;
+                Err(e)
+            }
+            Err(_) => {
+                self.done = true;
+                Err(Error::Unavailable {
+                    detail: "the scan's connection ended".into(),
+                })
+            }
+        }
+    }
+}
+
+impl Iterator for Entries {
+    type Item = Result<(Vec<u8>, Vec<u8>)>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            if let Some(entry) = self.buffered.pop_front() {
+                return Some(Ok(entry));
+            }
+            if self.done {
+                return None;
+            }
+            if let Err(e) = self.fill() {
+                return Some(Err(e));
+            }
+        }
+    }
+}

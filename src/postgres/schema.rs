@@ -1,0 +1,263 @@
+//! The PostgreSQL schema of a store: its tables, its version, and the SQL
+//! text of every statement the engine sends.
+//!
+//! ```sql
+//! CREATE SCHEMA IF NOT EXISTS "<schema>";
+//! CREATE TABLE "<schema>".meta (name text PRIMARY KEY, value bytea NOT NULL);
+//!   -- 'version' -> 4-byte big-endian schema version, 'store_id' -> 16 bytes
+//! CREATE TABLE "<schema>".records (
+//!   key bytea PRIMARY KEY,          -- Key::to_bytes
+//!   record bytea NOT NULL,          -- the codec envelope (crate::codec)
+//!   token bigint NOT NULL,          -- the record's fencing token
+//!   state smallint NOT NULL,        -- 0 processing, 1 succeeded, 2 failed, 3 failed-retryable
+//!   created_ms bigint NOT NULL,
+//!   lease_until_ms bigint NOT NULL,
+//!   expires_ms bigint NOT NULL);
+//! CREATE INDEX records_expires ON "<schema>".records (expires_ms);
+//! CREATE TABLE "<schema>".bindings (binding bytea PRIMARY KEY, key bytea NOT NULL);
+//! CREATE SEQUENCE "<schema>".tokens AS bigint MINVALUE 1 MAXVALUE 9223372036854775806 NO CYCLE;
+//! ```
+//!
+//! The envelope is the record; the other columns are copies for queries
+//! (eviction by `expires_ms`, the compare-and-set on `token`). A row whose
+//! columns disagree with its envelope is reported as a corrupt record.
+
+use crate::error::{Error, Result};
+
+/// The schema version this build creates and reads.
+pub(crate) const SCHEMA_VERSION: u32 = 1;
+
+/// The longest schema name PostgreSQL keeps (NAMEDATALEN − 1).
+const MAX_SCHEMA_LEN: usize = 63;
+
+/// Checks a schema name: 1 to 63 bytes of ASCII letters, digits and `_`,
+/// not starting with a digit. The name is quoted in every statement, so
+/// this only keeps it to characters that need no escaping.
+pub(crate) fn check_schema_name(name: &str) -> Result<()> {
+    let ok_chars = name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+    let starts_ok = name.bytes().next().is_some_and(|b| !b.is_ascii_digit());
+    if name.is_empty() || name.len() > MAX_SCHEMA_LEN || !ok_chars || !starts_ok {
+        return Err(Error::invalid(
+            "schema",
+            format!(
+                "{name:?}: a schema name is 1 to {MAX_SCHEMA_LEN} ASCII letters, digits or \
+                 underscores, not starting with a digit"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A stable 64-bit number from `text` (FNV-1a), for advisory lock keys
+/// that must be the same in every process.
+fn stable_hash(text: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    i64::from_ne_bytes(h.to_ne_bytes())
+}
+
+/// Every statement of the engine, with the schema name filled in.
+#[derive(Debug, Clone)]
+pub(crate) struct Sql {
+    /// The schema name (validated).
+    pub schema: String,
+    /// Advisory lock key held while the schema is created or checked.
+    pub ddl_lock: i64,
+    /// Advisory lock key: shared while tokens are drawn, exclusive while an
+    /// import raises the sequence (so no draw overtakes the raise).
+    pub token_lock: i64,
+    /// Locks and reads the rows of a batch's keys, in key order.
+    pub lock_records: String,
+    /// Reads rows without locking them (business-key holders, `get`).
+    pub read_records: String,
+    /// Locks and reads business-key bindings, in binding order.
+    pub lock_bindings: String,
+    /// The database clock, ms since the epoch.
+    pub clock: String,
+    /// Draws up to `$1` tokens from the sequence (fewer when it nears its
+    /// end).
+    pub draw_tokens: String,
+    /// Draws as many tokens as the batch's claims are likely to need:
+    /// one per distinct claimed key (`$1`) that is absent, past retention
+    /// at `$2` (the test clock, or NULL for the database clock), failed
+    /// retryably, or whose lease has lapsed; never past the end.
+    pub draw_estimate: String,
+    /// Inserts fresh records (compare-and-set: absent).
+    pub insert_records: String,
+    /// Updates records (compare-and-set: same token as read).
+    pub update_records: String,
+    /// Deletes records (compare-and-set: same token as read).
+    pub delete_records: String,
+    /// Inserts fresh bindings (compare-and-set: absent).
+    pub insert_bindings: String,
+    /// Moves bindings from one key to another (compare-and-set: old key).
+    pub update_bindings: String,
+    /// Deletes bindings (compare-and-set: still naming the key).
+    pub delete_bindings: String,
+    /// Records past retention, oldest deadline first, locked.
+    pub due_records: String,
+    /// The token the next acquisition would take.
+    pub next_token: String,
+    /// Raises the sequence so that the next token is at least `$1`.
+    pub raise_tokens: String,
+    /// Number of stored rows.
+    pub count: String,
+    /// Rows in `[$1, $2)` in key order.
+    pub range: String,
+    /// Rows from `$1` on in key order.
+    pub range_open: String,
+}
+
+impl Sql {
+    /// The statements for schema `schema` (validated here).
+    pub(crate) fn new(schema: &str) -> Result<Sql> {
+        check_schema_name(schema)?;
+        let s = format!("\"{schema}\"");
+        let cols = "key, record, token, state, created_ms, lease_until_ms, expires_ms";
+        Ok(Sql {
+            schema: schema.to_string(),
+            ddl_lock: stable_hash(&format!("idemstore.ddl.{schema}")),
+            token_lock: stable_hash(&format!("idemstore.tokens.{schema}")),
+            lock_records: format!(
+                "SELECT {cols} FROM {s}.records WHERE key = ANY($1) ORDER BY key FOR UPDATE"
+            ),
+            read_records: format!("SELECT {cols} FROM {s}.records WHERE key = ANY($1)"),
+            lock_bindings: format!(
+                "SELECT binding, key FROM {s}.bindings WHERE binding = ANY($1) \
+                 ORDER BY binding FOR UPDATE"
+            ),
+            clock: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".into(),
+            // Never past the end in one statement: a draw that fails half
+            // way would lose the tokens it already took.
+            draw_tokens: format!(
+                "SELECT nextval('{s}.tokens') FROM generate_series(1, LEAST($1::bigint, \
+                 (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
+                 FROM {s}.tokens)))",
+                max = crate::MAX_TOKEN - 1
+            ),
+            draw_estimate: format!(
+                "WITH t AS (SELECT COALESCE($2::bigint, \
+                   floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) AS now), \
+                 c AS (SELECT DISTINCT k FROM unnest($1::bytea[]) AS u(k)) \
+                 SELECT nextval('{s}.tokens') FROM generate_series(1, LEAST( \
+                 (SELECT count(*) FROM c CROSS JOIN t LEFT JOIN {s}.records r ON r.key = c.k \
+                  WHERE r.key IS NULL OR r.expires_ms <= t.now OR r.state = 3 \
+                  OR (r.state = 0 AND r.lease_until_ms <= t.now)), \
+                 (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
+                  FROM {s}.tokens)))",
+                max = crate::MAX_TOKEN - 1
+            ),
+            insert_records: format!(
+                "INSERT INTO {s}.records ({cols}) \
+                 SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
+                 $5::bigint[], $6::bigint[], $7::bigint[]) ORDER BY 1 \
+                 ON CONFLICT (key) DO NOTHING RETURNING key"
+            ),
+            update_records: format!(
+                "UPDATE {s}.records AS r SET record = u.record, token = u.token, \
+                 state = u.state, created_ms = u.created_ms, lease_until_ms = u.lease_until_ms, \
+                 expires_ms = u.expires_ms \
+                 FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
+                 $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[]) \
+                 AS u(key, record, token, state, created_ms, lease_until_ms, expires_ms, seen) \
+                 WHERE r.key = u.key AND r.token = u.seen RETURNING r.key"
+            ),
+            delete_records: format!(
+                "DELETE FROM {s}.records AS r USING unnest($1::bytea[], $2::bigint[]) \
+                 AS u(key, seen) WHERE r.key = u.key AND r.token = u.seen RETURNING r.key"
+            ),
+            insert_bindings: format!(
+                "INSERT INTO {s}.bindings (binding, key) \
+                 SELECT * FROM unnest($1::bytea[], $2::bytea[]) ORDER BY 1 \
+                 ON CONFLICT (binding) DO NOTHING RETURNING binding"
+            ),
+            update_bindings: format!(
+                "UPDATE {s}.bindings AS b SET key = u.key \
+                 FROM unnest($1::bytea[], $2::bytea[], $3::bytea[]) AS u(binding, key, seen) \
+                 WHERE b.binding = u.binding AND b.key = u.seen RETURNING b.binding"
+            ),
+            delete_bindings: format!(
+                "DELETE FROM {s}.bindings AS b USING unnest($1::bytea[], $2::bytea[]) \
+                 AS u(binding, seen) WHERE b.binding = u.binding AND b.key = u.seen \
+                 RETURNING b.binding"
+            ),
+            due_records: format!(
+                "SELECT {cols} FROM {s}.records WHERE expires_ms <= $1 \
+                 ORDER BY expires_ms, key LIMIT $2 FOR UPDATE SKIP LOCKED"
+            ),
+            next_token: format!("SELECT last_value, is_called FROM {s}.tokens"),
+            raise_tokens: format!(
+                "SELECT setval('{s}.tokens', $1::bigint - 1, true) FROM {s}.tokens \
+                 WHERE last_value + (CASE WHEN is_called THEN 1 ELSE 0 END) < $1::bigint"
+            ),
+            count: format!("SELECT count(*) FROM {s}.records"),
+            range: format!(
+                "SELECT key, record FROM {s}.records WHERE key >= $1 AND key < $2 ORDER BY key"
+            ),
+            range_open: format!("SELECT key, record FROM {s}.records WHERE key >= $1 ORDER BY key"),
+        })
+    }
+
+    /// The DDL that creates the schema's objects, idempotent.
+    pub(crate) fn create(&self) -> String {
+        let s = format!("\"{}\"", self.schema);
+        format!(
+            "CREATE TABLE IF NOT EXISTS {s}.records (
+                key bytea PRIMARY KEY,
+                record bytea NOT NULL,
+                token bigint NOT NULL,
+                state smallint NOT NULL,
+                created_ms bigint NOT NULL,
+                lease_until_ms bigint NOT NULL,
+                expires_ms bigint NOT NULL);
+             CREATE INDEX IF NOT EXISTS records_expires ON {s}.records (expires_ms);
+             CREATE TABLE IF NOT EXISTS {s}.bindings (
+                binding bytea PRIMARY KEY,
+                key bytea NOT NULL);
+             CREATE SEQUENCE IF NOT EXISTS {s}.tokens AS bigint
+                MINVALUE 1 MAXVALUE {max} START 1 NO CYCLE;",
+            max = crate::MAX_TOKEN - 1
+        )
+    }
+
+    /// Creates the schema and its meta table if missing (run under the DDL
+    /// advisory lock).
+    pub(crate) fn create_meta(&self) -> String {
+        let s = format!("\"{}\"", self.schema);
+        format!(
+            "CREATE SCHEMA IF NOT EXISTS {s};
+             CREATE TABLE IF NOT EXISTS {s}.meta (name text PRIMARY KEY, value bytea NOT NULL);"
+        )
+    }
+
+    /// Reads one meta value by name.
+    pub(crate) fn read_meta(&self) -> String {
+        format!("SELECT value FROM \"{}\".meta WHERE name = $1", self.schema)
+    }
+
+    /// Writes one meta value (first writer wins).
+    pub(crate) fn write_meta(&self) -> String {
+        format!(
+            "INSERT INTO \"{}\".meta (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+            self.schema
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_identifiers() {
+        for ok in ["idemstore", "a", "_x1", "Tenant_42"] {
+            assert!(check_schema_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "1abc", "a-b", "a\"b", "a b", "é", &"x".repeat(64)] {
+            assert!(check_schema_name(bad).is_err(), "{bad}");
+        }
+    }
+}
