@@ -46,7 +46,7 @@ pub(crate) type Entry = (Vec<u8>, Vec<u8>);
 
 /// The stored records of one snapshot, in key order, as an engine reads
 /// them; an `Err` is a storage failure, after which the iterator ends.
-pub(crate) type Entries = Box<dyn Iterator<Item = Result<Entry>> + Send>;
+pub(crate) type Entries = Box<dyn Iterator<Item = Result<Entry>> + Send + Sync>;
 
 fn config() -> impl bincode::config::Config {
     bincode::config::standard().with_limit::<DECODE_LIMIT>()

@@ -89,6 +89,14 @@ pub enum Durability {
 ///   bytes)
 /// - `read_cache_bytes`: 16 MiB, the cache of finished records that answers
 ///   replays without reading the index (in bytes)
+///
+/// # Engines
+/// Most settings apply to both engines. `durability`, `max_log_bytes`,
+/// `cache_bytes` and `read_cache_bytes` belong to the embedded engine (a
+/// store file): [`Store::connect`](crate::Store) refuses them, when set
+/// to anything but their defaults, with [`Error::InvalidArgument`] naming
+/// the setting. `postgres_schema` and `postgres_connections` belong to the
+/// PostgreSQL engine: the `open` methods refuse them the same way.
 #[derive(Clone)]
 pub struct Config {
     pub(crate) retention: Duration,
@@ -99,6 +107,11 @@ pub struct Config {
     pub(crate) sweep_interval: Option<Duration>,
     pub(crate) sweep_batch: usize,
     pub(crate) clock: Arc<dyn Clock>,
+    /// Whether [`Config::clock`] was called: a PostgreSQL store then uses
+    /// that clock instead of the database's.
+    pub(crate) clock_given: bool,
+    pub(crate) postgres_schema: Option<String>,
+    pub(crate) postgres_connections: Option<usize>,
     pub(crate) cache_bytes: usize,
     pub(crate) durability: Durability,
     pub(crate) max_log_bytes: u64,
@@ -120,6 +133,9 @@ impl Default for Config {
             durability: Durability::Immediate,
             max_log_bytes: 64 * 1024 * 1024,
             read_cache_bytes: 16 * 1024 * 1024,
+            clock_given: false,
+            postgres_schema: None,
+            postgres_connections: None,
         }
     }
 }
@@ -138,6 +154,9 @@ impl std::fmt::Debug for Config {
             .field("durability", &self.durability)
             .field("max_log_bytes", &self.max_log_bytes)
             .field("read_cache_bytes", &self.read_cache_bytes)
+            .field("clock_given", &self.clock_given)
+            .field("postgres_schema", &self.postgres_schema)
+            .field("postgres_connections", &self.postgres_connections)
             .finish_non_exhaustive()
     }
 }
@@ -203,8 +222,17 @@ impl Config {
     }
 
     /// The clock the store reads time from (milliseconds since the epoch).
+    ///
+    /// On a PostgreSQL store the store's time is the database's clock
+    /// (`clock_timestamp()`, one reading per transaction) and the app's
+    /// clock is never read; a clock given here replaces the database's
+    /// entirely, its reading sent with each transaction. That is for tests
+    /// (a [`ManualClock`](crate::ManualClock)); in production leave it
+    /// unset, since replicas with clocks of their own would disagree on
+    /// when a lease lapses.
     pub fn clock(mut self, clock: impl Clock) -> Config {
         self.clock = Arc::new(clock);
+        self.clock_given = true;
         self
     }
 
@@ -239,6 +267,75 @@ impl Config {
     pub fn read_cache_bytes(mut self, bytes: usize) -> Config {
         self.read_cache_bytes = bytes;
         self
+    }
+
+    /// The PostgreSQL schema that holds the store's tables (PostgreSQL
+    /// engine only): 1 to 63 ASCII letters, digits or underscores, not
+    /// starting with a digit; default `idemstore`. Several stores share one
+    /// database under different schemas. On the embedded engine, opening
+    /// fails with [`Error::InvalidArgument`] naming `postgres_schema`.
+    pub fn postgres_schema(mut self, schema: impl Into<String>) -> Config {
+        self.postgres_schema = Some(schema.into());
+        self
+    }
+
+    /// How many connections the PostgreSQL engine runs transactions on at
+    /// once (PostgreSQL engine only; 1 to 1,024, default 16). Concurrent
+    /// requests are batched into one transaction per connection (group
+    /// commit over the wire). On the embedded engine, opening fails with
+    /// [`Error::InvalidArgument`] naming `postgres_connections`.
+    pub fn postgres_connections(mut self, connections: usize) -> Config {
+        self.postgres_connections = Some(connections);
+        self
+    }
+
+    /// Refuses the settings of the PostgreSQL engine on the embedded one.
+    pub(crate) fn check_embedded(&self) -> Result<()> {
+        let postgres_only =
+            "a setting of the PostgreSQL engine (Store::connect), not of a store file";
+        if self.postgres_schema.is_some() {
+            return Err(Error::invalid("postgres_schema", postgres_only));
+        }
+        if self.postgres_connections.is_some() {
+            return Err(Error::invalid("postgres_connections", postgres_only));
+        }
+        Ok(())
+    }
+
+    /// Refuses the settings of the embedded engine on the PostgreSQL one:
+    /// a durability mode, the log size and the two caches, when set to
+    /// anything but their defaults.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn check_postgres(&self) -> Result<()> {
+        let defaults = Config::default();
+        let embedded_only = |what: &'static str| {
+            Err(Error::invalid(
+                what,
+                "a setting of the embedded engine (a store file); a PostgreSQL store commits every change durably on the server",
+            ))
+        };
+        if self.durability != defaults.durability {
+            return embedded_only("durability");
+        }
+        if self.max_log_bytes != defaults.max_log_bytes {
+            return embedded_only("max_log_bytes");
+        }
+        if self.cache_bytes != defaults.cache_bytes {
+            return embedded_only("cache_bytes");
+        }
+        if self.read_cache_bytes != defaults.read_cache_bytes {
+            return embedded_only("read_cache_bytes");
+        }
+        if self
+            .postgres_connections
+            .is_some_and(|n| n == 0 || n > 1024)
+        {
+            return Err(Error::invalid(
+                "postgres_connections",
+                "must be between 1 and 1,024",
+            ));
+        }
+        Ok(())
     }
 
     /// Checks the settings every engine shares.

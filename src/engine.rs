@@ -14,11 +14,15 @@
 //! can see (the stored record, the token counter, its storage).
 
 use std::path::Path;
+#[cfg(feature = "postgres")]
+use std::path::PathBuf;
 
 use crate::codec::Entries;
 use crate::embedded::{self, Embedded};
 use crate::error::Result;
 use crate::key::Key;
+#[cfg(feature = "postgres")]
+use crate::postgres::Postgres;
 use crate::record::{ImportResult, Op, Record, Reply};
 use crate::report::CheckReport;
 use crate::report::Progress;
@@ -28,12 +32,29 @@ use crate::stats::LiveCounters;
 pub(crate) enum Engine {
     /// One file and its write-ahead log.
     Embedded(Embedded),
+    /// A PostgreSQL database shared by every replica; `name` is what
+    /// `Store::path` shows for it (see [`crate::postgres::store_name`]).
+    #[cfg(feature = "postgres")]
+    Postgres {
+        /// The engine.
+        engine: Postgres,
+        /// The server and schema, without credentials.
+        name: PathBuf,
+    },
 }
 
 /// A consistent view of every stored record, for the operator's reads.
-pub(crate) enum Snapshot {
+pub(crate) enum Snapshot<'a> {
     /// A redb read transaction of the embedded engine.
     Embedded(embedded::Snapshot),
+    /// The PostgreSQL engine: each read of it opens a REPEATABLE READ
+    /// snapshot of its own.
+    #[cfg(feature = "postgres")]
+    Postgres(&'a Postgres),
+    /// Holds the lifetime when no engine borrows it.
+    #[cfg(not(feature = "postgres"))]
+    #[allow(dead_code)]
+    Never(std::convert::Infallible, std::marker::PhantomData<&'a ()>),
 }
 
 impl Engine {
@@ -42,6 +63,10 @@ impl Engine {
     pub(crate) fn now_ms(&self) -> u64 {
         match self {
             Engine::Embedded(e) => e.time(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => {
+                engine.now_ms().unwrap_or_else(|_| engine.last_now_ms())
+            }
         }
     }
 
@@ -55,6 +80,8 @@ impl Engine {
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
         match self {
             Engine::Embedded(e) => e.apply(key, op),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.apply(key, op),
         }
     }
 
@@ -62,6 +89,8 @@ impl Engine {
     pub(crate) async fn apply_async(&self, key: &Key, op: Op) -> Result<Reply> {
         match self {
             Engine::Embedded(e) => e.apply_async(key, op).await,
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.apply_async(key, op).await,
         }
     }
 
@@ -72,14 +101,19 @@ impl Engine {
     pub(crate) fn apply_many(&self, ops: Vec<(Key, Op)>) -> Result<Vec<Result<Reply>>> {
         match self {
             Engine::Embedded(e) => e.apply_many(ops, 0),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.apply_many(ops),
         }
     }
 
     /// Queues `op` without waiting for its answer (a best-effort write
     /// whose caller has gone).
+    #[cfg(feature = "http")]
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
         match self {
             Engine::Embedded(e) => e.apply_detached(key, op),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.apply_detached(key, op),
         }
     }
 
@@ -87,6 +121,8 @@ impl Engine {
     pub(crate) fn get(&self, key: &Key) -> Result<Option<Record>> {
         match self {
             Engine::Embedded(e) => e.get(key),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.get(key),
         }
     }
 
@@ -94,6 +130,8 @@ impl Engine {
     pub(crate) async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
         match self {
             Engine::Embedded(e) => e.get_async(key).await,
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.get_async(key).await,
         }
     }
 
@@ -101,14 +139,18 @@ impl Engine {
     pub(crate) fn sweep(&self, max: usize) -> Result<usize> {
         match self {
             Engine::Embedded(e) => e.sweep(max),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.sweep(max),
         }
     }
 
     /// A snapshot holding every acknowledged change (durable ones only,
     /// where durability is awaited).
-    pub(crate) fn snapshot(&self) -> Result<Snapshot> {
+    pub(crate) fn snapshot(&self) -> Result<Snapshot<'_>> {
         match self {
             Engine::Embedded(e) => e.snapshot().map(Snapshot::Embedded),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => Ok(Snapshot::Postgres(engine)),
         }
     }
 
@@ -117,6 +159,13 @@ impl Engine {
     pub(crate) fn import_clock(&self) -> (u64, u64) {
         match self {
             Engine::Embedded(e) => (e.clock_ms(), e.wall_ms()),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => {
+                // The database clock is both: the store's time, and the
+                // wall clock the stream's times are judged against.
+                let now = engine.now_ms().unwrap_or_else(|_| engine.last_now_ms());
+                (now, now)
+            }
         }
     }
 
@@ -131,6 +180,13 @@ impl Engine {
     ) -> Result<Vec<Result<ImportResult>>> {
         match self {
             Engine::Embedded(e) => e.import_batch(ops, token_floor, clock_floor),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => {
+                // The store's time is the database's: an import cannot
+                // raise it; no write sets a time below a record's own.
+                let _ = clock_floor;
+                import_results(engine.import(ops, token_floor)?)
+            }
         }
     }
 
@@ -138,6 +194,8 @@ impl Engine {
     pub(crate) fn next_token(&self) -> Result<u64> {
         match self {
             Engine::Embedded(e) => e.next_token(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.next_token(),
         }
     }
 
@@ -145,6 +203,8 @@ impl Engine {
     pub(crate) fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
         match self {
             Engine::Embedded(e) => e.verify(progress),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => verify_entries(engine, progress),
         }
     }
 
@@ -152,6 +212,8 @@ impl Engine {
     pub(crate) fn len(&self) -> Result<u64> {
         match self {
             Engine::Embedded(e) => e.len(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.len(),
         }
     }
 
@@ -159,6 +221,8 @@ impl Engine {
     pub(crate) fn counters(&self) -> &LiveCounters {
         match self {
             Engine::Embedded(e) => e.counters(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.counters(),
         }
     }
 
@@ -166,6 +230,8 @@ impl Engine {
     pub(crate) fn file_bytes(&self) -> Option<u64> {
         match self {
             Engine::Embedded(e) => e.file_bytes(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => None,
         }
     }
 
@@ -173,6 +239,8 @@ impl Engine {
     pub(crate) fn path(&self) -> &Path {
         match self {
             Engine::Embedded(e) => e.path(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { name, .. } => name,
         }
     }
 
@@ -180,6 +248,8 @@ impl Engine {
     pub(crate) fn log_path(&self) -> &Path {
         match self {
             Engine::Embedded(e) => e.log_path(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => Path::new(""),
         }
     }
 
@@ -187,6 +257,8 @@ impl Engine {
     pub(crate) fn flush(&self) -> Result<()> {
         match self {
             Engine::Embedded(e) => e.flush(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => Ok(()),
         }
     }
 
@@ -194,15 +266,24 @@ impl Engine {
     pub(crate) fn checkpoint(&self) -> Result<()> {
         match self {
             Engine::Embedded(e) => e.checkpoint(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => Ok(()),
         }
     }
 }
 
-impl Snapshot {
-    /// The store's identity and token counter as of the snapshot.
+impl Snapshot<'_> {
+    /// The store's identity and token counter as of the snapshot (on
+    /// PostgreSQL, read when this is called: call it after
+    /// [`Snapshot::entries`], so that the counter is above every token of
+    /// the entries).
     pub(crate) fn meta(&self) -> Result<(u128, u64)> {
         match self {
             Snapshot::Embedded(s) => s.meta(),
+            #[cfg(feature = "postgres")]
+            Snapshot::Postgres(pg) => Ok((pg.store_id(), pg.next_token()?)),
+            #[cfg(not(feature = "postgres"))]
+            Snapshot::Never(never, _) => match *never {},
         }
     }
 
@@ -211,6 +292,63 @@ impl Snapshot {
     pub(crate) fn entries(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Entries> {
         match self {
             Snapshot::Embedded(s) => s.entries(ranges),
+            #[cfg(feature = "postgres")]
+            Snapshot::Postgres(pg) => pg.entries(ranges),
+            #[cfg(not(feature = "postgres"))]
+            Snapshot::Never(never, _) => match *never {},
         }
     }
+}
+
+/// The import results of an engine's replies.
+#[cfg(feature = "postgres")]
+fn import_results(replies: Vec<Result<Reply>>) -> Result<Vec<Result<ImportResult>>> {
+    Ok(replies
+        .into_iter()
+        .map(|r| match r? {
+            Reply::Imported(result) => Ok(result),
+            _ => Err(crate::error::Error::Storage(
+                "the engine answered an import with another reply".into(),
+            )),
+        })
+        .collect())
+}
+
+/// Verifies every record of an engine that keeps nothing beside its
+/// records but a token counter: each decodes under its key, and each
+/// token is below the counter.
+#[cfg(feature = "postgres")]
+fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<CheckReport> {
+    use crate::report::{Integrity, Problem};
+    let entries = pg.entries(vec![(Vec::new(), None)])?;
+    let next_token = pg.next_token()?;
+    let mut report = CheckReport {
+        integrity: Integrity::NotRun,
+        records: 0,
+        bindings: 0,
+        problems: Vec::new(),
+    };
+    for entry in entries {
+        let (key, envelope) = entry?;
+        report.records = report.records.saturating_add(1);
+        progress(Progress {
+            records: report.records,
+            bytes: 0,
+        });
+        match crate::codec::decode_record(&key, &envelope) {
+            Ok(record) if record.token() >= next_token => report.problems.push(Problem {
+                key: record.key().to_string(),
+                detail: format!(
+                    "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
+                    record.token()
+                ),
+            }),
+            Ok(_) => {}
+            Err(crate::error::Error::CorruptRecord { key, detail }) => {
+                report.problems.push(Problem { key, detail });
+            }
+            Err(other) => return Err(other),
+        }
+    }
+    Ok(report)
 }

@@ -132,12 +132,10 @@ mod error;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;
-// The PostgreSQL engine; wired under `Store` by the engine boundary.
 #[cfg(feature = "metrics")]
 pub mod metrics;
 #[cfg(feature = "postgres")]
-#[cfg_attr(not(test), allow(dead_code))]
-mod postgres;
+pub mod postgres;
 mod record;
 mod report;
 mod scan;

@@ -99,7 +99,6 @@ impl LiveCounters {
         }
     }
 
-    /// Counts one published event.
     /// Counts `events` and emits them as `tracing` events. Call only once
     /// what they describe is durable (or, for answers, decided).
     pub(crate) fn publish(&self, events: impl IntoIterator<Item = Event>) {
@@ -109,6 +108,7 @@ impl LiveCounters {
         }
     }
 
+    /// Counts one published event.
     pub(crate) fn count(&self, event: &Event) {
         #[cfg(feature = "metrics")]
         if let Some(h) = &self.handles {

@@ -40,18 +40,20 @@ use crate::sweeper::Sweeper;
 /// every queued request, makes everything durable in the index (a final
 /// checkpoint), and closes both files.
 pub struct Store {
-    // Field order is drop order: the sweeper stops before the engine.
+    // Field order is drop order: the sweeper and the lease extender stop
+    // (and are joined) before the engine, whose drop then ends the writer
+    // on this thread.
     _sweeper: Option<Sweeper>,
+    /// Keeps the leases of `execute` calls in flight alive: one thread,
+    /// started on first need, stopped on drop (feature `agent`).
+    #[cfg(feature = "agent")]
+    pub(crate) extender: crate::agent::Extender,
     engine: Arc<Engine>,
     config: Config,
     /// Wakes `execute` callers waiting on a key that another `execute` of
     /// this store holds (feature `agent`).
     #[cfg(feature = "agent")]
     pub(crate) waiters: crate::agent::Waiters,
-    /// Keeps the leases of `execute` calls in flight alive: one thread,
-    /// started on first need, stopped on drop (feature `agent`).
-    #[cfg(feature = "agent")]
-    pub(crate) extender: crate::agent::Extender,
 }
 
 impl std::fmt::Debug for Store {
@@ -152,6 +154,70 @@ impl Store {
         Store::open_inner(path, log_path, Some(backend), Some(Arc::new(log)), config)
     }
 
+    /// Connects to the PostgreSQL store in `config`'s schema
+    /// ([`Config::postgres_schema`], default `idemstore`) of the database
+    /// at `url` (cargo feature `postgres`): a `postgresql://` URL or a
+    /// `key=value` connection string, as libpq takes them. The schema is
+    /// created on first connect (idempotent DDL under an advisory lock, so
+    /// that replicas starting together do not race) and its version
+    /// checked on every connect. Every replica of a service connects to
+    /// the same schema and gets the same guarantees as one process on a
+    /// file: one valid lease per key across all of them, fencing tokens
+    /// from one sequence, one clock (the database's).
+    ///
+    /// The store's time is the database's clock (`clock_timestamp()`),
+    /// read once per transaction and kept monotonic per process (a server
+    /// clock that steps back makes time stand still until it catches up);
+    /// the app's clock is never read, unless a clock is given with
+    /// [`Config::clock`], which then replaces the database's (for tests).
+    ///
+    /// Settings of the embedded engine (`durability`, `max_log_bytes`,
+    /// `cache_bytes`, `read_cache_bytes`) are refused. The file methods
+    /// answer as follows: [`Store::path`] gives
+    /// `postgresql://host:port/db?schema=name` (no credentials),
+    /// [`Store::log_path`] an empty path, [`Store::flush`] and
+    /// [`Store::checkpoint`] return at once (every acknowledged change is
+    /// committed on the server), and [`Store::open_with_backend`] is the
+    /// embedded engine's only.
+    ///
+    /// The server must keep `synchronous_commit` on (its default): with it
+    /// off, the server acknowledges a commit before it is durable, and a
+    /// server crash can lose an acknowledged claim, so a retry runs the
+    /// work again. Failover keeps the guarantees only with synchronous
+    /// replication (`synchronous_standby_names`): an asynchronous standby
+    /// promoted after a crash may lack the last acknowledged claims and
+    /// completions, with the same effect.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidArgument`]: a bad URL or schema name, a setting of
+    ///   the embedded engine, or what [`Store::open_with`] refuses in
+    ///   `config`.
+    /// - [`Error::Unavailable`]: the server cannot be reached (safe to
+    ///   retry).
+    /// - [`Error::IncompatibleSchema`]: the schema was written by a newer
+    ///   version of idemstore, or is not an idemstore schema.
+    #[cfg(feature = "postgres")]
+    pub fn connect(url: &str, config: Config) -> Result<Store> {
+        let _span = tracing::debug_span!("idemstore.connect").entered();
+        config.validate()?;
+        config.check_postgres()?;
+        let schema = config
+            .postgres_schema
+            .clone()
+            .unwrap_or_else(|| crate::postgres::DEFAULT_SCHEMA.to_string());
+        let options = crate::postgres::PgOptions {
+            schema: schema.clone(),
+            clock: config.clock_given.then(|| config.clock.clone()),
+            retention_ms: crate::clock::duration_ms(config.retention),
+            connections: config
+                .postgres_connections
+                .unwrap_or(crate::postgres::DEFAULT_CONNECTIONS),
+        };
+        let engine = crate::postgres::Postgres::connect(url, options)?;
+        let name = crate::postgres::store_name(url, &schema);
+        Store::over(Engine::Postgres { engine, name }, config)
+    }
+
     fn open_inner<B: redb::StorageBackend>(
         path: PathBuf,
         log_path: PathBuf,
@@ -160,6 +226,7 @@ impl Store {
         config: Config,
     ) -> Result<Store> {
         config.validate()?;
+        config.check_embedded()?;
         let engine = Embedded::open(path, log_path, backend, log, config.clone())?;
         Store::over(Engine::Embedded(engine), config)
     }
@@ -740,8 +807,10 @@ impl Store {
     ) -> Result<ExportSummary> {
         let _span = tracing::debug_span!("idemstore.export").entered();
         let snapshot = self.engine.snapshot()?;
-        let (store_id, next_token) = snapshot.meta()?;
+        // The entries first: on PostgreSQL the counter read after them is
+        // above every token they hold.
         let entries = snapshot.entries(all())?;
+        let (store_id, next_token) = snapshot.meta()?;
         let now_ms = self.engine.now_ms();
         backup::export(store_id, next_token, entries, now_ms, out, progress)
     }

@@ -438,6 +438,16 @@ fn bad_config_is_refused_and_changes_nothing() {
             config(&t).sweep_interval(Some(Duration::ZERO)),
             "sweep_interval",
         ),
+        (
+            "a PostgreSQL schema on a store file",
+            config(&t).postgres_schema("idem"),
+            "postgres_schema",
+        ),
+        (
+            "PostgreSQL connections on a store file",
+            config(&t).postgres_connections(4),
+            "postgres_connections",
+        ),
     ];
     let file_before = std::fs::read(&t.path).unwrap();
     let fresh = t.dir.path().join("fresh.redb");

@@ -249,6 +249,7 @@ impl Embedded {
 
     /// Queues `op` without waiting for its answer (a best-effort write
     /// whose caller has gone).
+    #[cfg(feature = "http")]
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
         drop(self.submit_op(key, op));
     }
@@ -686,6 +687,8 @@ mod tests {
     fn embedded(store: &Store) -> &Embedded {
         match store.engine() {
             crate::engine::Engine::Embedded(e) => e,
+            #[cfg(feature = "postgres")]
+            crate::engine::Engine::Postgres { .. } => unreachable!("opened on a backend"),
         }
     }
 

@@ -59,7 +59,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls, Row, Statement};
 
-use crate::audit::{self, Event};
+use crate::audit::Event;
 use crate::clock::Clock;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -100,13 +100,18 @@ pub(crate) struct PgOptions {
     pub connections: usize,
 }
 
+/// The schema a store lives in when none is configured.
+pub(crate) const DEFAULT_SCHEMA: &str = "idemstore";
+/// How many connections run transactions at once when not configured.
+pub(crate) const DEFAULT_CONNECTIONS: usize = 16;
+
 impl Default for PgOptions {
     fn default() -> PgOptions {
         PgOptions {
-            schema: "idemstore".into(),
+            schema: DEFAULT_SCHEMA.into(),
             clock: None,
             retention_ms: 24 * 3600 * 1000,
-            connections: 16,
+            connections: DEFAULT_CONNECTIONS,
         }
     }
 }
@@ -959,7 +964,7 @@ async fn run_get(shared: &Shared, slot: &mut Option<Conn>, key: &Key) -> Result<
         Some(Slot::Present(rec)) => Ok((!rec.is_expired_at(now)).then_some(rec)),
         Some(Slot::Corrupt(key, detail)) => {
             let err = Error::CorruptRecord { key, detail };
-            audit::publish(&shared.counters, Event::corruption(&err));
+            shared.counters.publish(Event::corruption(&err));
             Err(err)
         }
         Some(Slot::Absent) | None => Ok(None),
@@ -1030,7 +1035,7 @@ async fn run_sweep(shared: &Shared, slot: &mut Option<Conn>, max: usize) -> Resu
     .await;
     match done {
         Ok((n, events)) => {
-            audit::publish(&shared.counters, events);
+            shared.counters.publish(events);
             Ok(n)
         }
         Err(f) => {
@@ -1109,7 +1114,7 @@ fn answer_batch(
 ) {
     match result {
         Ok((answers, events)) => {
-            audit::publish(&shared.counters, events);
+            shared.counters.publish(events);
             shared
                 .counters
                 .group_commit(started.elapsed(), replies.len());
@@ -1184,7 +1189,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
             let started = Instant::now();
             let answer = match run_batch(shared, conn, &ops, token_floor).await {
                 Ok((answers, events)) => {
-                    audit::publish(&shared.counters, events);
+                    shared.counters.publish(events);
                     shared.counters.group_commit(started.elapsed(), ops.len());
                     Ok(answers)
                 }
@@ -1412,6 +1417,68 @@ impl Postgres {
     pub(crate) fn counters(&self) -> &LiveCounters {
         &self.shared.counters
     }
+
+    /// The highest store time this process has seen (ms since the epoch;
+    /// 0 before the first reading): what `Store::now_ms` answers while the
+    /// server cannot be reached.
+    pub(crate) fn last_now_ms(&self) -> u64 {
+        self.shared.high_water.load(Ordering::SeqCst)
+    }
+
+    /// [`Postgres::get`] as a future that needs no runtime.
+    pub(crate) async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
+        let (tx, rx) = oneshot::channel();
+        self.send(Job::Get {
+            key: key.clone(),
+            reply: tx,
+        })?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Queues `op` without waiting for its answer (a best-effort write
+    /// whose caller has gone).
+    #[cfg(feature = "http")]
+    pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
+        let (tx, _answer) = oneshot::channel();
+        // A closed engine has nothing to apply it to: dropped, as the
+        // embedded engine drops it on a closed writer.
+        let _ = self.send(Job::Apply {
+            key: key.clone(),
+            op,
+            reply: tx,
+        });
+    }
+}
+
+/// How a PostgreSQL store names itself where a file store gives its path:
+/// `postgresql://host[:port][,host…]/dbname?schema=name`, without the user
+/// or the password of the connection string.
+pub(crate) fn store_name(url: &str, schema: &str) -> std::path::PathBuf {
+    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+        return std::path::PathBuf::from(format!("postgresql://?schema={schema}"));
+    };
+    let ports = config.get_ports();
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let host = match host {
+                tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                #[cfg(unix)]
+                tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+            };
+            match ports.get(i).or(ports.first()) {
+                Some(port) => format!("{host}:{port}"),
+                None => host,
+            }
+        })
+        .collect();
+    let db = config.get_dbname().unwrap_or("");
+    std::path::PathBuf::from(format!(
+        "postgresql://{}/{db}?schema={schema}",
+        hosts.join(",")
+    ))
 }
 
 impl Drop for Postgres {
@@ -1449,7 +1516,7 @@ fn merge_ranges(mut ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Vec<(Vec<u8>, Op
 
 /// The iterator [`Postgres::entries`] returns: (key bytes, codec envelope)
 /// in key order.
-pub(crate) type EntryIter = Box<dyn Iterator<Item = Result<(Vec<u8>, Vec<u8>)>> + Send>;
+pub(crate) type EntryIter = crate::codec::Entries;
 
 /// A page of a scan, or its error.
 type Page = Result<Vec<(Vec<u8>, Vec<u8>)>>;
