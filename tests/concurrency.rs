@@ -20,9 +20,17 @@
 //!
 //! A few cases by default (it is heavier than the model test);
 //! `IDEMSTORE_CONCURRENCY_CASES=N` runs N.
+//!
+//! With the feature `postgres` the same plans run against a PostgreSQL
+//! store too (a schema of its own per case, on the throwaway server of
+//! `tests/pg`): there the threads' requests are group-committed into shared
+//! transactions over several connections.
+
+#[cfg(feature = "postgres")]
+mod pg;
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Barrier, Mutex};
 use std::time::Duration;
@@ -114,12 +122,35 @@ fn test_dir() -> TempDir {
     .expect("temporary directory")
 }
 
-fn open(path: &Path, clock: &ManualClock) -> Store {
-    let config = Config::new()
+fn config(clock: &ManualClock) -> Config {
+    Config::new()
         .lease(LEASE)
         .sweep_interval(None)
-        .clock(clock.clone());
-    Store::open_with(path, config).expect("open the store")
+        .clock(clock.clone())
+}
+
+/// Where a plan's store lives: a file, or a schema of a PostgreSQL server.
+enum Place {
+    File(PathBuf),
+    #[cfg(feature = "postgres")]
+    Postgres {
+        url: String,
+        schema: String,
+    },
+}
+
+fn open(place: &Place, clock: &ManualClock) -> Store {
+    match place {
+        Place::File(path) => Store::open_with(path, config(clock)).expect("open the store"),
+        #[cfg(feature = "postgres")]
+        Place::Postgres { url, schema } => Store::connect(
+            url,
+            config(clock)
+                .postgres_schema(schema.clone())
+                .postgres_connections(4),
+        )
+        .expect("connect the store"),
+    }
 }
 
 /// What the threads saw, per key.
@@ -292,9 +323,12 @@ fn check_replays(store: &Store, plan: &Plan, log: &Log, when: &str) -> Vec<Optio
 
 fn run_plan(plan: &Plan) {
     let dir = test_dir();
-    let path = dir.path().join("concurrency.redb");
+    run_plan_at(plan, &Place::File(dir.path().join("concurrency.redb")));
+}
+
+fn run_plan_at(plan: &Plan, place: &Place) {
     let clock = ManualClock::new(T0_MS);
-    let store = open(&path, &clock);
+    let store = open(place, &clock);
     let holding: Vec<AtomicBool> = (0..plan.keys).map(|_| AtomicBool::new(false)).collect();
     let log = Mutex::new(Log::default());
     let barrier = Barrier::new(plan.threads.len());
@@ -353,7 +387,7 @@ fn run_plan(plan: &Plan) {
         }
     }
     drop(store);
-    let store = open(&path, &clock);
+    let store = open(place, &clock);
     let after = check_replays(&store, plan, &log, "after a reopen");
     assert_eq!(before, after, "records changed across a reopen");
 }
@@ -377,5 +411,23 @@ proptest! {
     #[test]
     fn threads_on_overlapping_keys(plan in plan()) {
         run_plan(&plan);
+    }
+}
+
+#[cfg(feature = "postgres")]
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: cases(),
+        max_shrink_iters: 64,
+        ..ProptestConfig::default()
+    })]
+
+    /// The same on a PostgreSQL store.
+    #[test]
+    fn postgres_threads_on_overlapping_keys(plan in plan()) {
+        if let Some(url) = pg::url() {
+            let schema = pg::schema("concurrency");
+            run_plan_at(&plan, &Place::Postgres { url, schema });
+        }
     }
 }

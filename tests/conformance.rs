@@ -9,6 +9,9 @@
 //! naming how to install them, unless `IDEMSTORE_SKIP_POSTGRES=1` says to
 //! skip them (they then print why and pass). CI never skips them.
 
+#[cfg(feature = "postgres")]
+mod pg;
+
 use idemstore::conformance::{self, Harness};
 use idemstore::{Config, Store};
 
@@ -60,23 +63,17 @@ embedded!(
 
 #[cfg(feature = "postgres")]
 mod postgres {
-    use std::sync::atomic::{AtomicU64, Ordering};
-
     use idemstore::conformance::{self, Harness};
-    use idemstore::postgres::server::TestServer;
     use idemstore::{Config, Store};
 
     /// Stores on one PostgreSQL server, each in a schema of its own.
     pub(crate) struct Schemas {
         url: String,
-        run: u64,
     }
 
     impl Harness for Schemas {
         fn open(&self, name: &str, config: Config) -> Store {
-            static NEXT: AtomicU64 = AtomicU64::new(0);
-            let n = NEXT.fetch_add(1, Ordering::Relaxed);
-            let schema = format!("conf_{}_{n}_{name}", self.run);
+            let schema = super::pg::schema(&format!("c_{name}"));
             Store::connect(&self.url, config.postgres_schema(schema)).unwrap()
         }
 
@@ -94,17 +91,8 @@ mod postgres {
 
     /// The harness, or `None` when the tests are to be skipped.
     pub(crate) fn schemas() -> Option<Schemas> {
-        if std::env::var_os("IDEMSTORE_SKIP_POSTGRES").is_some_and(|v| v == "1") {
-            eprintln!("skipped: IDEMSTORE_SKIP_POSTGRES=1 (the PostgreSQL engine is not tested)");
-            return None;
-        }
-        let server = TestServer::shared().unwrap_or_else(|e| panic!("{e}"));
-        let run = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64 % 1_000_000);
         Some(Schemas {
-            url: server.url().to_string(),
-            run,
+            url: super::pg::url()?,
         })
     }
 

@@ -5,7 +5,17 @@
 //!
 //! 256 cases of up to 100 steps by default; `IDEMSTORE_PROPTEST_CASES=N`
 //! runs N cases (see docs/testing.md).
+//!
+//! With the feature `postgres` the same model runs against a PostgreSQL
+//! store too (a schema of its own per case, on the throwaway server of
+//! `tests/pg`), with every operation but `StepBack`: the PostgreSQL
+//! engine's time is the database clock's, kept monotonic per process only
+//! (a clock that steps back makes time stand still, and a new process
+//! starts from the clock), which the model's file-store clock does not
+//! describe. Its clock rules are tested in the engine's own tests.
 
+#[cfg(feature = "postgres")]
+mod pg;
 mod reference;
 
 use std::path::PathBuf;
@@ -182,6 +192,99 @@ prop_state_machine! {
     /// The store answers every operation as the reference model does.
     #[test]
     fn store_matches_reference_model(sequential 1..100 => StoreTest);
+}
+
+/// The operations of [`Reference`] but `StepBack`, for the PostgreSQL
+/// engine (see the module docs).
+#[cfg(feature = "postgres")]
+struct ReferenceNoStepBack;
+
+#[cfg(feature = "postgres")]
+impl ReferenceStateMachine for ReferenceNoStepBack {
+    type State = Model;
+    type Transition = Op;
+
+    fn init_state() -> BoxedStrategy<Model> {
+        Reference::init_state()
+    }
+
+    fn transitions(state: &Model) -> BoxedStrategy<Op> {
+        Reference::transitions(state)
+            .prop_filter("no clock step back", |op| {
+                !matches!(op, Op::StepBack { .. })
+            })
+            .boxed()
+    }
+
+    fn preconditions(state: &Model, op: &Op) -> bool {
+        Reference::preconditions(state, op)
+    }
+
+    fn apply(state: Model, op: &Op) -> Model {
+        Reference::apply(state, op)
+    }
+}
+
+/// The system under test on PostgreSQL: `None` when the PostgreSQL tests
+/// are skipped (`IDEMSTORE_SKIP_POSTGRES=1`).
+#[cfg(feature = "postgres")]
+struct PgSut(Option<Harness>);
+
+#[cfg(feature = "postgres")]
+struct PostgresTest;
+
+#[cfg(feature = "postgres")]
+impl StateMachineTest for PostgresTest {
+    type SystemUnderTest = PgSut;
+    type Reference = ReferenceNoStepBack;
+
+    fn init_test(_model: &Model) -> PgSut {
+        let Some(url) = pg::url() else {
+            return PgSut(None);
+        };
+        let schema = pg::schema("model");
+        PgSut(Some(Harness::new(Box::new(move |config| {
+            let config = config
+                .postgres_schema(schema.clone())
+                .postgres_connections(2);
+            Store::connect(&url, config).expect("connect the store")
+        }))))
+    }
+
+    fn apply(mut sut: PgSut, model: &Model, op: Op) -> PgSut {
+        if let Some(harness) = &mut sut.0 {
+            harness.apply(&op, model);
+        }
+        sut
+    }
+
+    fn check_invariants(sut: &PgSut, model: &Model) {
+        if let Some(harness) = &sut.0 {
+            harness.check(model);
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+fn pg_cases() -> u32 {
+    std::env::var("IDEMSTORE_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64)
+}
+
+#[cfg(feature = "postgres")]
+prop_state_machine! {
+    #![proptest_config(ProptestConfig {
+        cases: pg_cases(),
+        max_shrink_iters: 2_048,
+        ..ProptestConfig::default()
+    })]
+
+    /// A PostgreSQL store answers every operation as the reference model
+    /// does (64 cases by default: each step is a round trip to the server).
+    #[test]
+    fn postgres_store_matches_reference_model(sequential 1..100 => PostgresTest);
 }
 
 /// Found by the model: the clock's high-water mark was persisted only with
