@@ -26,7 +26,7 @@
 //! `tests/pg`): there the threads' requests are group-committed into shared
 //! transactions over several connections.
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 mod pg;
 
 use std::collections::{HashMap, HashSet};
@@ -132,7 +132,7 @@ fn config(clock: &ManualClock) -> Config {
 /// Where a plan's store lives: a file, or a schema of a PostgreSQL server.
 enum Place {
     File(PathBuf),
-    #[cfg(feature = "postgres")]
+    #[cfg(all(feature = "postgres", feature = "conformance"))]
     Postgres {
         url: String,
         schema: String,
@@ -142,7 +142,7 @@ enum Place {
 fn open(place: &Place, clock: &ManualClock) -> Store {
     match place {
         Place::File(path) => Store::open_with(path, config(clock)).expect("open the store"),
-        #[cfg(feature = "postgres")]
+        #[cfg(all(feature = "postgres", feature = "conformance"))]
         Place::Postgres { url, schema } => Store::connect(
             url,
             config(clock)
@@ -414,7 +414,7 @@ proptest! {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: cases(),

@@ -14,7 +14,7 @@
 //! starts from the clock), which the model's file-store clock does not
 //! describe. Its clock rules are tested in the engine's own tests.
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 mod pg;
 mod reference;
 
@@ -196,10 +196,10 @@ prop_state_machine! {
 
 /// The operations of [`Reference`] but `StepBack`, for the PostgreSQL
 /// engine (see the module docs).
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 struct ReferenceNoStepBack;
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 impl ReferenceStateMachine for ReferenceNoStepBack {
     type State = Model;
     type Transition = Op;
@@ -227,13 +227,13 @@ impl ReferenceStateMachine for ReferenceNoStepBack {
 
 /// The system under test on PostgreSQL: `None` when the PostgreSQL tests
 /// are skipped (`IDEMSTORE_SKIP_POSTGRES=1`).
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 struct PgSut(Option<Harness>);
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 struct PostgresTest;
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 impl StateMachineTest for PostgresTest {
     type SystemUnderTest = PgSut;
     type Reference = ReferenceNoStepBack;
@@ -265,7 +265,7 @@ impl StateMachineTest for PostgresTest {
     }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 fn pg_cases() -> u32 {
     std::env::var("IDEMSTORE_PROPTEST_CASES")
         .ok()
@@ -273,7 +273,7 @@ fn pg_cases() -> u32 {
         .unwrap_or(64)
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "postgres", feature = "conformance"))]
 prop_state_machine! {
     #![proptest_config(ProptestConfig {
         cases: pg_cases(),
