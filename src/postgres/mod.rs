@@ -248,6 +248,7 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
         Fail::Lost(detail)
     } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
         || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+        || err.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED)
     {
         Fail::Retry(detail)
     } else if err.as_db_error().is_some() {
@@ -599,14 +600,9 @@ enum Draw<'a> {
     Estimate(&'a [Vec<u8>], Option<i64>),
 }
 
-/// Draws tokens (ascending; fewer near the end of the sequence) under the
-/// shared token lock; `None` when the sequence is exhausted (the draw is
-/// rolled back to a savepoint, the transaction goes on).
-async fn draw_tokens(
-    shared: &Shared,
-    conn: &Conn,
-    draw: Draw<'_>,
-) -> Result<Option<Vec<u64>>, Fail> {
+/// Draws tokens (ascending; fewer near the end of the sequence, none when
+/// it is exhausted) under the shared token lock.
+async fn draw_tokens(shared: &Shared, conn: &Conn, draw: Draw<'_>) -> Result<Vec<u64>, Fail> {
     let c = &conn.client;
     let lock = shared.sql.token_lock;
     let lock_params: [&(dyn ToSql + Sync); 1] = [&lock];
@@ -618,35 +614,23 @@ async fn draw_tokens(
         }
         Draw::Estimate(keys, now) => (&conn.st.draw_estimate, vec![keys, now]),
     };
-    // One flight: the savepoint, the shared lock, the draw, the release.
-    let sp = c.batch_execute("SAVEPOINT idemstore_tokens");
+    // One flight: the shared lock, then the draw.
     let lk = c.query(&conn.st.xact_lock_shared, &lock_params);
     let draw = c.query(stmt, &draw_params);
-    let release = c.batch_execute("RELEASE SAVEPOINT idemstore_tokens");
-    let (sp, lk, draw, release) = tokio::join!(sp, lk, draw, release);
-    sp.map_err(|e| fail(&e))?;
+    let (lk, draw) = tokio::join!(lk, draw);
     lk.map_err(|e| fail(&e))?;
-    match draw {
-        Ok(rows) => {
-            release.map_err(|e| fail(&e))?;
-            let mut tokens = Vec::with_capacity(rows.len());
-            for row in &rows {
-                let t: i64 = row.try_get(0).map_err(|e| storage("reading a token", e))?;
-                tokens.push(to_u64("a drawn token", t)?);
-            }
-            tokens.sort_unstable();
-            Ok(Some(tokens))
-        }
-        // Another process took the last tokens between the bound and the
-        // draw: the release failed too; undo the draw, go on without.
-        Err(e) if e.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED) => {
-            c.batch_execute("ROLLBACK TO SAVEPOINT idemstore_tokens")
-                .await
-                .map_err(|e| fail(&e))?;
-            Ok(None)
-        }
-        Err(e) => Err(fail(&e)),
+    // The draw stops at the end of the sequence; should another process
+    // take the last tokens between the bound and the draw, the sequence
+    // errs, the transaction is aborted and the batch tried again (it then
+    // finds the sequence exhausted).
+    let rows = draw.map_err(|e| fail(&e))?;
+    let mut tokens = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let t: i64 = row.try_get(0).map_err(|e| storage("reading a token", e))?;
+        tokens.push(to_u64("a drawn token", t)?);
     }
+    tokens.sort_unstable();
+    Ok(tokens)
 }
 
 /// How many rows a write statement returned (0 when it was not sent).
@@ -786,7 +770,7 @@ async fn attempt(
         if !claimed.is_empty() {
             draw_tokens(shared, conn, Draw::Estimate(&claimed, test_now)).await
         } else {
-            Ok(Some(Vec::new()))
+            Ok(Vec::new())
         }
     };
     let (begin, raise, rows, clock, draw) = tokio::join!(begin, raise, rows, clock, draw);
@@ -801,11 +785,8 @@ async fn attempt(
     let mut first_draw = Some(first_draw);
     for _round in 0..MAX_ROUNDS {
         load_bindings(conn, ops, &mut base).await?;
-        let (mut tokens, mut exhausted) = match first_draw.take() {
-            Some(Some(t)) => (t, false),
-            Some(None) => (Vec::new(), true),
-            None => (Vec::new(), false),
-        };
+        let mut tokens = first_draw.take().unwrap_or_default();
+        let mut exhausted = false;
         let decided = loop {
             let pass = Pass {
                 now_ms: now,
@@ -817,10 +798,11 @@ async fn attempt(
             if d.shortage == 0 {
                 break d;
             }
-            match draw_tokens(shared, conn, Draw::Exactly(d.shortage)).await? {
-                Some(more) if !more.is_empty() => tokens.extend(more),
-                _ => exhausted = true,
+            let more = draw_tokens(shared, conn, Draw::Exactly(d.shortage)).await?;
+            if more.is_empty() {
+                exhausted = true;
             }
+            tokens.extend(more);
         };
         let w = decide::writes(&base, &decided);
         if w.is_empty() {

@@ -1014,3 +1014,63 @@ fn a_record_is_never_judged_before_its_own_time() {
     assert_eq!(done.updated_ms, T0 + 10_000);
     assert_eq!(done.expires_ms, T0 + 10_000 + RETENTION);
 }
+
+/// Lifecycles per second (claim + complete) on a server of its own with
+/// fsync on, at 1 and 64 threads. Run with `--ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a test"]
+fn lifecycles_per_second() {
+    let fsync = std::env::var("IDEMSTORE_BENCH_FSYNC").as_deref() != Ok("off");
+    let connections = std::env::var("IDEMSTORE_BENCH_CONNECTIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let own = match TestServer::start_own(super::server::ServerOptions { fsync }) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    for threads in [1usize, 64] {
+        let options = PgOptions {
+            schema: schema("bench"),
+            connections,
+            ..PgOptions::default()
+        };
+        let pg = Arc::new(Postgres::connect(own.url(), options).unwrap());
+        let run = Duration::from_secs(3);
+        let done = Arc::new(AtomicU64::new(0));
+        let start = std::time::Instant::now();
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (pg, done) = (pg.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let mut i = 0u64;
+                    while start.elapsed() < run {
+                        let k = key(&format!("t{t}-{i}"));
+                        i += 1;
+                        let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+                        pg.apply(
+                            &k,
+                            Op::Complete {
+                                token: l.token(),
+                                result: b"r".to_vec(),
+                            },
+                        )
+                        .unwrap();
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let n = done.load(Ordering::Relaxed);
+        #[allow(clippy::cast_precision_loss)]
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        let commits = pg.counters().snapshot();
+        eprintln!(
+            "peer=postgres-engine threads={threads} connections={connections} fsync={fsync} \
+             lifecycles/s={rate:.0} ({commits:?})"
+        );
+    }
+}
