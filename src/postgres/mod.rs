@@ -37,7 +37,15 @@
 //!   the connection lost before the commit) gets
 //!   [`Error::Unavailable`]; a request whose `COMMIT` was sent and whose
 //!   answer was lost gets [`Error::OutcomeUnknown`]. The next batch opens a
-//!   new connection.
+//!   new connection. A statement the server refuses (a deadlock is tried
+//!   again first) also leaves the batch unapplied and answers
+//!   [`Error::Unavailable`].
+//! - **Durability** is the server's: an answer is given only after the
+//!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
+//!   a crash of the server loses acknowledged claims, and a lost claim lets
+//!   a duplicate run), and a failover keeps the guarantee only with
+//!   synchronous replication (an asynchronous standby may lack the last
+//!   acknowledged claims and completions).
 
 mod decide;
 mod schema;
@@ -137,33 +145,37 @@ enum Job {
         token_floor: Option<u64>,
         reply: oneshot::Sender<Result<Vec<Result<Reply>>>>,
     },
+    /// Reads one record at the store's time.
     Get {
         key: Key,
         reply: oneshot::Sender<Result<Option<Record>>>,
     },
+    /// Evicts up to `max` records past retention.
     Sweep {
         max: usize,
         reply: oneshot::Sender<Result<usize>>,
     },
-    Now {
-        reply: oneshot::Sender<Result<u64>>,
-    },
-    NextToken {
-        reply: oneshot::Sender<Result<u64>>,
-    },
-    Len {
-        reply: oneshot::Sender<Result<u64>>,
-    },
+    /// Reads the store's time.
+    Now { reply: oneshot::Sender<Result<u64>> },
+    /// Reads the token the next acquisition would take.
+    NextToken { reply: oneshot::Sender<Result<u64>> },
+    /// Counts the stored rows.
+    Len { reply: oneshot::Sender<Result<u64>> },
 }
 
 /// What the driver thread's tasks share.
 struct Shared {
+    /// The statements, for the configured schema.
     sql: Sql,
+    /// How to connect (application name and connect timeout filled in).
     config: tokio_postgres::Config,
+    /// The test clock, if one replaces the database clock.
     clock: Option<Arc<dyn Clock>>,
+    /// Configured retention (ms).
     retention_ms: u64,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
+    /// The counters behind `stats`, counted as the audit log publishes.
     counters: LiveCounters,
 }
 
@@ -177,10 +189,15 @@ impl Shared {
 
 /// The PostgreSQL engine: see the [module documentation](self).
 pub(crate) struct Postgres {
+    /// What the driver thread shares.
     shared: Arc<Shared>,
+    /// The queue to the workers (`None` once dropping).
     jobs: Option<UnboundedSender<Job>>,
+    /// The driver thread's runtime, for scans.
     handle: tokio::runtime::Handle,
+    /// The store's identity, from the meta table.
     store_id: u128,
+    /// The driver thread.
     thread: Option<JoinHandle<()>>,
 }
 
@@ -310,7 +327,9 @@ struct Stmts {
 
 /// One connection and its statements.
 struct Conn {
+    /// The client half of the connection.
     client: Client,
+    /// Its prepared statements.
     st: Stmts,
 }
 
@@ -1521,8 +1540,11 @@ async fn scan_task(
 
 /// The iterator of [`Postgres::entries`].
 struct Entries {
+    /// Page requests to the scan's task.
     requests: UnboundedSender<PageRequest>,
+    /// The rest of the last page.
     buffered: VecDeque<(Vec<u8>, Vec<u8>)>,
+    /// Whether the scan ended (an empty page or an error).
     done: bool,
 }
 

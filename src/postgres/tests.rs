@@ -1074,3 +1074,18 @@ fn lifecycles_per_second() {
         );
     }
 }
+
+#[test]
+fn the_engine_and_its_futures_cross_threads() {
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    fn send<T: Send>(_: &T) {}
+    let (pg, _clock) = open("send");
+    send_sync(&pg);
+    let k = key("k");
+    let fut = pg.apply_async(&k, claim(b"a"));
+    send(&fut);
+    acquired(futures_lite::future::block_on(fut).unwrap());
+    let iter = pg.entries(vec![(Vec::new(), None)]).unwrap();
+    send(&iter);
+    assert_eq!(iter.count(), 1);
+}
