@@ -1089,3 +1089,33 @@ fn the_engine_and_its_futures_cross_threads() {
     send(&iter);
     assert_eq!(iter.count(), 1);
 }
+
+#[test]
+fn replicas_racing_for_one_business_key_bind_it_once() {
+    let name = schema("bk_race");
+    let stores: Vec<Arc<Postgres>> = (0..2).map(|_| Arc::new(open_with(&name, None))).collect();
+    for round in 0..20 {
+        let barrier = Arc::new(Barrier::new(8));
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let pg = stores[t % 2].clone();
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    let k = key(&format!("bk{round}-{t}"));
+                    barrier.wait();
+                    pg.apply(&k, claim_bk(b"a", &format!("order-{round}")))
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let won = results
+            .iter()
+            .filter(|r| matches!(r, Ok(Reply::Claim(ClaimOutcome::Acquired(_)))))
+            .count();
+        let conflicts = results
+            .iter()
+            .filter(|r| matches!(r, Err(Error::BusinessKeyConflict { .. })))
+            .count();
+        assert_eq!((won, conflicts), (1, 7), "round {round}: {results:?}");
+    }
+}
