@@ -54,6 +54,7 @@ mod schema;
 pub mod server;
 #[cfg(test)]
 mod tests;
+mod tls;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;
@@ -169,6 +170,8 @@ struct Shared {
     sql: Sql,
     /// How to connect (application name and connect timeout filled in).
     config: tokio_postgres::Config,
+    /// The TLS connector (`None`: `sslmode=disable`).
+    tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
     /// The test clock, if one replaces the database clock.
     clock: Option<Arc<dyn Clock>>,
     /// Configured retention (ms).
@@ -333,26 +336,39 @@ struct Conn {
     st: Stmts,
 }
 
-/// Opens a connection (its driver spawned on the current runtime).
-async fn open_client(config: &tokio_postgres::Config) -> Result<Client, Fail> {
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+/// Opens a connection (its driver spawned on the current runtime), with
+/// TLS as `sslmode` asks.
+async fn open_client(shared: &Shared) -> Result<Client, Fail> {
+    let classify = |e: tokio_postgres::Error| {
         if e.as_db_error().is_some() && !connection_lost(&e) {
             Fail::Refused(describe(&e))
         } else {
             Fail::Lost(describe(&e))
         }
-    })?;
-    tokio::spawn(async move {
-        if let Err(err) = connection.await {
+    };
+    let done = |err: Option<tokio_postgres::Error>| {
+        if let Some(err) = err {
             tracing::debug!(error = %err, "idemstore: postgres connection ended");
         }
-    });
-    Ok(client)
+    };
+    match &shared.tls {
+        None => {
+            let (client, connection) = shared.config.connect(NoTls).await.map_err(classify)?;
+            tokio::spawn(async move { done(connection.await.err()) });
+            Ok(client)
+        }
+        Some(tls) => {
+            let (client, connection) =
+                shared.config.connect(tls.clone()).await.map_err(classify)?;
+            tokio::spawn(async move { done(connection.await.err()) });
+            Ok(client)
+        }
+    }
 }
 
 /// Opens a connection and prepares every statement (pipelined).
 async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
-    let client = open_client(&shared.config).await?;
+    let client = open_client(shared).await?;
     let q = &shared.sql;
     let c = &client;
     let p = |sql: &str| {
@@ -407,7 +423,7 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
 /// Creates or checks the schema under the DDL advisory lock, and returns
 /// the store's identity.
 async fn setup(shared: &Shared) -> Result<u128> {
-    let client = open_client(&shared.config).await.map_err(|f| f.error())?;
+    let client = open_client(shared).await.map_err(|f| f.error())?;
     let sql = &shared.sql;
     let pg = |e: tokio_postgres::Error| fail(&e).error();
     client
@@ -1229,9 +1245,12 @@ impl Postgres {
         if options.connections == 0 {
             return Err(Error::invalid("connections", "must be > 0"));
         }
-        let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+        let parsed = tls::parse(url)?;
+        let mut config: tokio_postgres::Config = parsed.rest.parse().map_err(|e| {
             Error::invalid("url", format!("not a PostgreSQL connection string: {e}"))
         })?;
+        config.ssl_mode(tls::pg_mode(parsed.mode));
+        let tls = tls::connector(&parsed)?;
         if config.get_application_name().is_none() {
             config.application_name("idemstore");
         }
@@ -1246,6 +1265,7 @@ impl Postgres {
         let shared = Arc::new(Shared {
             sql,
             config,
+            tls,
             clock: options.clock,
             retention_ms: options.retention_ms,
             high_water: AtomicU64::new(0),
@@ -1464,7 +1484,7 @@ async fn scan_task(
     ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     mut requests: UnboundedReceiver<PageRequest>,
 ) {
-    let mut client = match open_client(&shared.config).await {
+    let mut client = match open_client(shared).await {
         Ok(c) => c,
         Err(f) => {
             if let Some(tx) = requests.recv().await {

@@ -862,7 +862,10 @@ fn the_database_clock_is_monotonic() {
 
 #[test]
 fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
-    let own = match TestServer::start_own(super::server::ServerOptions { fsync: true }) {
+    let own = match TestServer::start_own(super::server::ServerOptions {
+        fsync: true,
+        tls: false,
+    }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
     };
@@ -1025,7 +1028,7 @@ fn lifecycles_per_second() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
-    let own = match TestServer::start_own(super::server::ServerOptions { fsync }) {
+    let own = match TestServer::start_own(super::server::ServerOptions { fsync, tls: false }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
     };
@@ -1117,5 +1120,70 @@ fn replicas_racing_for_one_business_key_bind_it_once() {
             .filter(|r| matches!(r, Err(Error::BusinessKeyConflict { .. })))
             .count();
         assert_eq!((won, conflicts), (1, 7), "round {round}: {results:?}");
+    }
+}
+
+/// Whether the backends of application `app` on the server at `url` use
+/// TLS.
+fn uses_tls(url: &str, app: &str) -> Vec<bool> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .query(
+                "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+                 WHERE a.application_name = $1",
+                &[&app],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    })
+}
+
+#[test]
+fn tls_follows_sslmode() {
+    let own = match TestServer::start_own(super::server::ServerOptions {
+        fsync: false,
+        tls: true,
+    }) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let root = own.root_cert().unwrap();
+    let plain = format!("{}?sslmode=disable", own.url());
+    let root = root.display().to_string();
+    let cases = [
+        ("disable", String::new(), false),
+        ("require", String::new(), true),
+        ("prefer", String::new(), true),
+        ("verify-full", format!("&sslrootcert={root}"), true),
+        ("verify-ca", format!("&sslrootcert={root}"), true),
+    ];
+    for (mode, extra, encrypted) in cases {
+        let app = format!("tls_{}", mode.replace('-', "_"));
+        let url = format!("{}?sslmode={mode}&application_name={app}{extra}", own.url());
+        let pg = open_at(&url, &schema(&app), None);
+        acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+        let seen = uses_tls(&plain, &app);
+        assert!(!seen.is_empty(), "{mode}");
+        assert!(seen.iter().all(|s| *s == encrypted), "{mode}: {seen:?}");
+    }
+    // A certificate from an unknown CA is refused under verify-full.
+    let url = format!("{}?sslmode=verify-full", own.url());
+    let err = Postgres::connect(&url, PgOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    // A throwaway server without TLS: require cannot connect.
+    if std::env::var(super::server::URL_ENV).is_err() {
+        let url = format!("{}?sslmode=require", server().url());
+        assert!(Postgres::connect(&url, PgOptions::default()).is_err());
     }
 }
