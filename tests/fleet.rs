@@ -255,7 +255,11 @@ fn a_killed_server_loses_nothing_acknowledged() {
     if pg::url().is_none() {
         return;
     }
-    let server = TestServer::start_own(ServerOptions { fsync: true }).expect("a server");
+    let server = TestServer::start_own(ServerOptions {
+        fsync: true,
+        ..ServerOptions::default()
+    })
+    .expect("a server");
     let schema = pg::schema("killed");
     let config = || fleet_config(&schema).postgres_connections(16);
     let store = Store::connect(server.url(), config()).expect("connect");

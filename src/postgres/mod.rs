@@ -37,7 +37,15 @@
 //!   the connection lost before the commit) gets
 //!   [`Error::Unavailable`]; a request whose `COMMIT` was sent and whose
 //!   answer was lost gets [`Error::OutcomeUnknown`]. The next batch opens a
-//!   new connection.
+//!   new connection. A statement the server refuses (a deadlock is tried
+//!   again first) also leaves the batch unapplied and answers
+//!   [`Error::Unavailable`].
+//! - **Durability** is the server's: an answer is given only after the
+//!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
+//!   a crash of the server loses acknowledged claims, and a lost claim lets
+//!   a duplicate run), and a failover keeps the guarantee only with
+//!   synchronous replication (an asynchronous standby may lack the last
+//!   acknowledged claims and completions).
 
 mod decide;
 mod schema;
@@ -46,6 +54,7 @@ mod schema;
 pub mod server;
 #[cfg(test)]
 mod tests;
+mod tls;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;
@@ -142,33 +151,39 @@ enum Job {
         token_floor: Option<u64>,
         reply: oneshot::Sender<Result<Vec<Result<Reply>>>>,
     },
+    /// Reads one record at the store's time.
     Get {
         key: Key,
         reply: oneshot::Sender<Result<Option<Record>>>,
     },
+    /// Evicts up to `max` records past retention.
     Sweep {
         max: usize,
         reply: oneshot::Sender<Result<usize>>,
     },
-    Now {
-        reply: oneshot::Sender<Result<u64>>,
-    },
-    NextToken {
-        reply: oneshot::Sender<Result<u64>>,
-    },
-    Len {
-        reply: oneshot::Sender<Result<u64>>,
-    },
+    /// Reads the store's time.
+    Now { reply: oneshot::Sender<Result<u64>> },
+    /// Reads the token the next acquisition would take.
+    NextToken { reply: oneshot::Sender<Result<u64>> },
+    /// Counts the stored rows.
+    Len { reply: oneshot::Sender<Result<u64>> },
 }
 
 /// What the driver thread's tasks share.
 struct Shared {
+    /// The statements, for the configured schema.
     sql: Sql,
+    /// How to connect (application name and connect timeout filled in).
     config: tokio_postgres::Config,
+    /// The TLS connector (`None`: `sslmode=disable`).
+    tls: Option<tokio_postgres_rustls::MakeRustlsConnect>,
+    /// The test clock, if one replaces the database clock.
     clock: Option<Arc<dyn Clock>>,
+    /// Configured retention (ms).
     retention_ms: u64,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
+    /// The counters behind `stats`, counted as the audit log publishes.
     counters: LiveCounters,
 }
 
@@ -182,10 +197,15 @@ impl Shared {
 
 /// The PostgreSQL engine: see the [module documentation](self).
 pub(crate) struct Postgres {
+    /// What the driver thread shares.
     shared: Arc<Shared>,
+    /// The queue to the workers (`None` once dropping).
     jobs: Option<UnboundedSender<Job>>,
+    /// The driver thread's runtime, for scans.
     handle: tokio::runtime::Handle,
+    /// The store's identity, from the meta table.
     store_id: u128,
+    /// The driver thread.
     thread: Option<JoinHandle<()>>,
 }
 
@@ -253,6 +273,7 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
         Fail::Lost(detail)
     } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
         || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
+        || err.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED)
     {
         Fail::Retry(detail)
     } else if err.as_db_error().is_some() {
@@ -314,30 +335,45 @@ struct Stmts {
 
 /// One connection and its statements.
 struct Conn {
+    /// The client half of the connection.
     client: Client,
+    /// Its prepared statements.
     st: Stmts,
 }
 
-/// Opens a connection (its driver spawned on the current runtime).
-async fn open_client(config: &tokio_postgres::Config) -> Result<Client, Fail> {
-    let (client, connection) = config.connect(NoTls).await.map_err(|e| {
+/// Opens a connection (its driver spawned on the current runtime), with
+/// TLS as `sslmode` asks.
+async fn open_client(shared: &Shared) -> Result<Client, Fail> {
+    let classify = |e: tokio_postgres::Error| {
         if e.as_db_error().is_some() && !connection_lost(&e) {
             Fail::Refused(describe(&e))
         } else {
             Fail::Lost(describe(&e))
         }
-    })?;
-    tokio::spawn(async move {
-        if let Err(err) = connection.await {
+    };
+    let done = |err: Option<tokio_postgres::Error>| {
+        if let Some(err) = err {
             tracing::debug!(error = %err, "idemstore: postgres connection ended");
         }
-    });
-    Ok(client)
+    };
+    match &shared.tls {
+        None => {
+            let (client, connection) = shared.config.connect(NoTls).await.map_err(classify)?;
+            tokio::spawn(async move { done(connection.await.err()) });
+            Ok(client)
+        }
+        Some(tls) => {
+            let (client, connection) =
+                shared.config.connect(tls.clone()).await.map_err(classify)?;
+            tokio::spawn(async move { done(connection.await.err()) });
+            Ok(client)
+        }
+    }
 }
 
 /// Opens a connection and prepares every statement (pipelined).
 async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
-    let client = open_client(&shared.config).await?;
+    let client = open_client(shared).await?;
     let q = &shared.sql;
     let c = &client;
     let p = |sql: &str| {
@@ -392,7 +428,7 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
 /// Creates or checks the schema under the DDL advisory lock, and returns
 /// the store's identity.
 async fn setup(shared: &Shared) -> Result<u128> {
-    let client = open_client(&shared.config).await.map_err(|f| f.error())?;
+    let client = open_client(shared).await.map_err(|f| f.error())?;
     let sql = &shared.sql;
     let pg = |e: tokio_postgres::Error| fail(&e).error();
     client
@@ -604,14 +640,9 @@ enum Draw<'a> {
     Estimate(&'a [Vec<u8>], Option<i64>),
 }
 
-/// Draws tokens (ascending; fewer near the end of the sequence) under the
-/// shared token lock; `None` when the sequence is exhausted (the draw is
-/// rolled back to a savepoint, the transaction goes on).
-async fn draw_tokens(
-    shared: &Shared,
-    conn: &Conn,
-    draw: Draw<'_>,
-) -> Result<Option<Vec<u64>>, Fail> {
+/// Draws tokens (ascending; fewer near the end of the sequence, none when
+/// it is exhausted) under the shared token lock.
+async fn draw_tokens(shared: &Shared, conn: &Conn, draw: Draw<'_>) -> Result<Vec<u64>, Fail> {
     let c = &conn.client;
     let lock = shared.sql.token_lock;
     let lock_params: [&(dyn ToSql + Sync); 1] = [&lock];
@@ -623,35 +654,23 @@ async fn draw_tokens(
         }
         Draw::Estimate(keys, now) => (&conn.st.draw_estimate, vec![keys, now]),
     };
-    // One flight: the savepoint, the shared lock, the draw, the release.
-    let sp = c.batch_execute("SAVEPOINT idemstore_tokens");
+    // One flight: the shared lock, then the draw.
     let lk = c.query(&conn.st.xact_lock_shared, &lock_params);
     let draw = c.query(stmt, &draw_params);
-    let release = c.batch_execute("RELEASE SAVEPOINT idemstore_tokens");
-    let (sp, lk, draw, release) = tokio::join!(sp, lk, draw, release);
-    sp.map_err(|e| fail(&e))?;
+    let (lk, draw) = tokio::join!(lk, draw);
     lk.map_err(|e| fail(&e))?;
-    match draw {
-        Ok(rows) => {
-            release.map_err(|e| fail(&e))?;
-            let mut tokens = Vec::with_capacity(rows.len());
-            for row in &rows {
-                let t: i64 = row.try_get(0).map_err(|e| storage("reading a token", e))?;
-                tokens.push(to_u64("a drawn token", t)?);
-            }
-            tokens.sort_unstable();
-            Ok(Some(tokens))
-        }
-        // Another process took the last tokens between the bound and the
-        // draw: the release failed too; undo the draw, go on without.
-        Err(e) if e.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED) => {
-            c.batch_execute("ROLLBACK TO SAVEPOINT idemstore_tokens")
-                .await
-                .map_err(|e| fail(&e))?;
-            Ok(None)
-        }
-        Err(e) => Err(fail(&e)),
+    // The draw stops at the end of the sequence; should another process
+    // take the last tokens between the bound and the draw, the sequence
+    // errs, the transaction is aborted and the batch tried again (it then
+    // finds the sequence exhausted).
+    let rows = draw.map_err(|e| fail(&e))?;
+    let mut tokens = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let t: i64 = row.try_get(0).map_err(|e| storage("reading a token", e))?;
+        tokens.push(to_u64("a drawn token", t)?);
     }
+    tokens.sort_unstable();
+    Ok(tokens)
 }
 
 /// How many rows a write statement returned (0 when it was not sent).
@@ -791,7 +810,7 @@ async fn attempt(
         if !claimed.is_empty() {
             draw_tokens(shared, conn, Draw::Estimate(&claimed, test_now)).await
         } else {
-            Ok(Some(Vec::new()))
+            Ok(Vec::new())
         }
     };
     let (begin, raise, rows, clock, draw) = tokio::join!(begin, raise, rows, clock, draw);
@@ -806,11 +825,8 @@ async fn attempt(
     let mut first_draw = Some(first_draw);
     for _round in 0..MAX_ROUNDS {
         load_bindings(conn, ops, &mut base).await?;
-        let (mut tokens, mut exhausted) = match first_draw.take() {
-            Some(Some(t)) => (t, false),
-            Some(None) => (Vec::new(), true),
-            None => (Vec::new(), false),
-        };
+        let mut tokens = first_draw.take().unwrap_or_default();
+        let mut exhausted = false;
         let decided = loop {
             let pass = Pass {
                 now_ms: now,
@@ -822,10 +838,11 @@ async fn attempt(
             if d.shortage == 0 {
                 break d;
             }
-            match draw_tokens(shared, conn, Draw::Exactly(d.shortage)).await? {
-                Some(more) if !more.is_empty() => tokens.extend(more),
-                _ => exhausted = true,
+            let more = draw_tokens(shared, conn, Draw::Exactly(d.shortage)).await?;
+            if more.is_empty() {
+                exhausted = true;
             }
+            tokens.extend(more);
         };
         let w = decide::writes(&base, &decided);
         if w.is_empty() {
@@ -1233,9 +1250,12 @@ impl Postgres {
         if options.connections == 0 {
             return Err(Error::invalid("connections", "must be > 0"));
         }
-        let mut config: tokio_postgres::Config = url.parse().map_err(|e| {
+        let parsed = tls::parse(url)?;
+        let mut config: tokio_postgres::Config = parsed.rest.parse().map_err(|e| {
             Error::invalid("url", format!("not a PostgreSQL connection string: {e}"))
         })?;
+        config.ssl_mode(tls::pg_mode(parsed.mode));
+        let tls = tls::connector(&parsed)?;
         if config.get_application_name().is_none() {
             config.application_name("idemstore");
         }
@@ -1250,6 +1270,7 @@ impl Postgres {
         let shared = Arc::new(Shared {
             sql,
             config,
+            tls,
             clock: options.clock,
             retention_ms: options.retention_ms,
             high_water: AtomicU64::new(0),
@@ -1530,7 +1551,7 @@ async fn scan_task(
     ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     mut requests: UnboundedReceiver<PageRequest>,
 ) {
-    let mut client = match open_client(&shared.config).await {
+    let mut client = match open_client(shared).await {
         Ok(c) => c,
         Err(f) => {
             if let Some(tx) = requests.recv().await {
@@ -1606,8 +1627,11 @@ async fn scan_task(
 
 /// The iterator of [`Postgres::entries`].
 struct Entries {
+    /// Page requests to the scan's task.
     requests: UnboundedSender<PageRequest>,
+    /// The rest of the last page.
     buffered: VecDeque<(Vec<u8>, Vec<u8>)>,
+    /// Whether the scan ended (an empty page or an error).
     done: bool,
 }
 

@@ -50,6 +50,10 @@ pub struct ServerOptions {
     /// Keep `fsync` on (for crash tests); off by default, which is fine for
     /// functional tests and several times faster.
     pub fsync: bool,
+    /// Serve TLS with a certificate for `localhost` and `127.0.0.1`,
+    /// issued by a throwaway CA ([`TestServer::root_cert`]); needs the
+    /// `openssl` command.
+    pub tls: bool,
 }
 
 fn running_as_root() -> bool {
@@ -71,6 +75,86 @@ fn find_bin() -> Result<PathBuf, String> {
                  of a server to test against"
             )
         })
+}
+
+/// Makes a CA and a server certificate for `localhost` and `127.0.0.1`
+/// in `dir` with the `openssl` command.
+fn make_certs(dir: &Path) -> Result<(), String> {
+    let run = |args: &[&str]| -> Result<(), String> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .map_err(|e| format!("running openssl (needed for a TLS test server): {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(describe("openssl", &out))
+        }
+    };
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n\
+         keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+    )
+    .map_err(|e| format!("writing ext.cnf: {e}"))?;
+    run(&[
+        "req",
+        "-new",
+        "-x509",
+        "-days",
+        "2",
+        "-nodes",
+        "-newkey",
+        "rsa:2048",
+        "-subj",
+        "/CN=idemstore-test-ca",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    ])?;
+    run(&[
+        "req",
+        "-new",
+        "-nodes",
+        "-newkey",
+        "rsa:2048",
+        "-subj",
+        "/CN=localhost",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ])?;
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        "server.crt",
+        "-extfile",
+        "ext.cnf",
+    ])?;
+    // The server refuses a key others can read.
+    let out = Command::new("chmod")
+        .args(["600", "server.key"])
+        .current_dir(dir)
+        .output()
+        .map_err(|e| format!("running chmod: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(describe("chmod", &out))
+    }
 }
 
 fn free_port() -> Result<u16, String> {
@@ -170,12 +254,19 @@ impl TestServer {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
         let port = free_port()?;
-        let opts = format!(
+        let mut opts = format!(
             "-c listen_addresses=127.0.0.1 -p {port} -k {sock} -c fsync={} \
              -c synchronous_commit=on -c max_connections=300 -c shared_buffers=64MB",
             if options.fsync { "on" } else { "off" },
             sock = dir.display(),
         );
+        if options.tls {
+            make_certs(&dir)?;
+            opts.push_str(&format!(
+                " -c ssl=on -c ssl_cert_file={d}/server.crt -c ssl_key_file={d}/server.key",
+                d = dir.display()
+            ));
+        }
         let owned = Owned {
             data: dir.join("data"),
             bin,
@@ -257,6 +348,15 @@ impl TestServer {
             })
             .as_ref()
             .map_err(Clone::clone)
+    }
+
+    /// The throwaway CA that issued the server's certificate (a server
+    /// started with [`ServerOptions::tls`]).
+    pub fn root_cert(&self) -> Option<PathBuf> {
+        self.owned
+            .as_ref()
+            .map(|o| o.dir.join("ca.crt"))
+            .filter(|p| p.is_file())
     }
 
     /// The connection URL.

@@ -862,7 +862,10 @@ fn the_database_clock_is_monotonic() {
 
 #[test]
 fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
-    let own = match TestServer::start_own(super::server::ServerOptions { fsync: true }) {
+    let own = match TestServer::start_own(super::server::ServerOptions {
+        fsync: true,
+        tls: false,
+    }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
     };
@@ -1013,4 +1016,174 @@ fn a_record_is_never_judged_before_its_own_time() {
     );
     assert_eq!(done.updated_ms, T0 + 10_000);
     assert_eq!(done.expires_ms, T0 + 10_000 + RETENTION);
+}
+
+/// Lifecycles per second (claim + complete) on a server of its own with
+/// fsync on, at 1 and 64 threads. Run with `--ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a test"]
+fn lifecycles_per_second() {
+    let fsync = std::env::var("IDEMSTORE_BENCH_FSYNC").as_deref() != Ok("off");
+    let connections = std::env::var("IDEMSTORE_BENCH_CONNECTIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let own = match TestServer::start_own(super::server::ServerOptions { fsync, tls: false }) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    for threads in [1usize, 64] {
+        let options = PgOptions {
+            schema: schema("bench"),
+            connections,
+            ..PgOptions::default()
+        };
+        let pg = Arc::new(Postgres::connect(own.url(), options).unwrap());
+        let run = Duration::from_secs(3);
+        let done = Arc::new(AtomicU64::new(0));
+        let start = std::time::Instant::now();
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (pg, done) = (pg.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let mut i = 0u64;
+                    while start.elapsed() < run {
+                        let k = key(&format!("t{t}-{i}"));
+                        i += 1;
+                        let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+                        pg.apply(
+                            &k,
+                            Op::Complete {
+                                token: l.token(),
+                                result: b"r".to_vec(),
+                            },
+                        )
+                        .unwrap();
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let n = done.load(Ordering::Relaxed);
+        #[allow(clippy::cast_precision_loss)]
+        let rate = n as f64 / start.elapsed().as_secs_f64();
+        let commits = pg.counters().snapshot();
+        eprintln!(
+            "peer=postgres-engine threads={threads} connections={connections} fsync={fsync} \
+             lifecycles/s={rate:.0} ({commits:?})"
+        );
+    }
+}
+
+#[test]
+fn the_engine_and_its_futures_cross_threads() {
+    fn send_sync<T: Send + Sync>(_: &T) {}
+    fn send<T: Send>(_: &T) {}
+    let (pg, _clock) = open("send");
+    send_sync(&pg);
+    let k = key("k");
+    let fut = pg.apply_async(&k, claim(b"a"));
+    send(&fut);
+    acquired(futures_lite::future::block_on(fut).unwrap());
+    let iter = pg.entries(vec![(Vec::new(), None)]).unwrap();
+    send(&iter);
+    assert_eq!(iter.count(), 1);
+}
+
+#[test]
+fn replicas_racing_for_one_business_key_bind_it_once() {
+    let name = schema("bk_race");
+    let stores: Vec<Arc<Postgres>> = (0..2).map(|_| Arc::new(open_with(&name, None))).collect();
+    for round in 0..20 {
+        let barrier = Arc::new(Barrier::new(8));
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let pg = stores[t % 2].clone();
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    let k = key(&format!("bk{round}-{t}"));
+                    barrier.wait();
+                    pg.apply(&k, claim_bk(b"a", &format!("order-{round}")))
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let won = results
+            .iter()
+            .filter(|r| matches!(r, Ok(Reply::Claim(ClaimOutcome::Acquired(_)))))
+            .count();
+        let conflicts = results
+            .iter()
+            .filter(|r| matches!(r, Err(Error::BusinessKeyConflict { .. })))
+            .count();
+        assert_eq!((won, conflicts), (1, 7), "round {round}: {results:?}");
+    }
+}
+
+/// Whether the backends of application `app` on the server at `url` use
+/// TLS.
+fn uses_tls(url: &str, app: &str) -> Vec<bool> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .query(
+                "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+                 WHERE a.application_name = $1",
+                &[&app],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    })
+}
+
+#[test]
+fn tls_follows_sslmode() {
+    let own = match TestServer::start_own(super::server::ServerOptions {
+        fsync: false,
+        tls: true,
+    }) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let root = own.root_cert().unwrap();
+    let plain = format!("{}?sslmode=disable", own.url());
+    let root = root.display().to_string();
+    let cases = [
+        ("disable", String::new(), false),
+        ("require", String::new(), true),
+        ("prefer", String::new(), true),
+        ("verify-full", format!("&sslrootcert={root}"), true),
+        ("verify-ca", format!("&sslrootcert={root}"), true),
+    ];
+    for (mode, extra, encrypted) in cases {
+        let app = format!("tls_{}", mode.replace('-', "_"));
+        let url = format!("{}?sslmode={mode}&application_name={app}{extra}", own.url());
+        let pg = open_at(&url, &schema(&app), None);
+        acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+        let seen = uses_tls(&plain, &app);
+        assert!(!seen.is_empty(), "{mode}");
+        assert!(seen.iter().all(|s| *s == encrypted), "{mode}: {seen:?}");
+    }
+    // A certificate from an unknown CA is refused under verify-full.
+    let url = format!("{}?sslmode=verify-full", own.url());
+    let err = Postgres::connect(&url, PgOptions::default()).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    // A throwaway server without TLS: require cannot connect.
+    if std::env::var(super::server::URL_ENV).is_err() {
+        let url = format!("{}?sslmode=require", server().url());
+        assert!(Postgres::connect(&url, PgOptions::default()).is_err());
+    }
 }

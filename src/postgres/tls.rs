@@ -1,0 +1,325 @@
+//! TLS for the PostgreSQL engine: `sslmode` and `sslrootcert` from the
+//! connection string, honoured as libpq does, with a pure-Rust connector
+//! (rustls with the `ring` provider).
+//!
+//! | `sslmode` | what the engine does |
+//! |---|---|
+//! | `disable` | plain TCP |
+//! | `prefer` (default) | TLS when the server offers it, else plain; the certificate is not checked |
+//! | `require` | TLS or no connection; the certificate is not checked |
+//! | `verify-ca` | TLS; the certificate chain must lead to a trusted root |
+//! | `verify-full` | as `verify-ca`, and the certificate must name the host |
+//!
+//! The trusted roots are the PEM file named by `sslrootcert`, or, without
+//! one, the Mozilla roots (`webpki-roots`), as managed PostgreSQL services
+//! use public certificates. `tokio-postgres` itself knows only `disable`,
+//! `prefer` and `require`, so the two options are taken out of the
+//! connection string here (their values must not be quoted).
+
+use std::sync::Arc;
+
+use rustls::client::WebPkiServerVerifier;
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, verify_tls12_signature, verify_tls13_signature};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::{
+    CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme,
+};
+use tokio_postgres::config::SslMode as PgSslMode;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::error::{Error, Result};
+
+/// The `sslmode` of a connection string.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SslMode {
+    /// Plain TCP.
+    Disable,
+    /// TLS if offered, unchecked.
+    Prefer,
+    /// TLS, unchecked.
+    Require,
+    /// TLS, chain checked.
+    VerifyCa,
+    /// TLS, chain and host name checked.
+    VerifyFull,
+}
+
+impl SslMode {
+    fn parse(value: &str) -> Result<SslMode> {
+        Ok(match value {
+            "disable" => SslMode::Disable,
+            "allow" | "prefer" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            other => {
+                return Err(Error::invalid(
+                    "url",
+                    format!(
+                        "sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
+                    ),
+                ));
+            }
+        })
+    }
+}
+
+/// A connection string with `sslmode` and `sslrootcert` taken out.
+#[derive(Debug)]
+pub(crate) struct Parsed {
+    /// The rest of the connection string, for `tokio-postgres`.
+    pub rest: String,
+    /// The `sslmode` (default `prefer`).
+    pub mode: SslMode,
+    /// The `sslrootcert` file, if given.
+    pub root_cert: Option<String>,
+}
+
+/// Decodes `%XX` escapes of a URL query value.
+fn percent_decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes.get(i), bytes.get(i + 1), bytes.get(i + 2)) {
+            (Some(b'%'), Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                let v = hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0);
+                out.push(u8::try_from(v).unwrap_or(b'?'));
+                i += 3;
+            }
+            (Some(&b), _, _) => {
+                out.push(b);
+                i += 1;
+            }
+            (None, _, _) => break,
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Takes `sslmode` and `sslrootcert` out of a `postgresql://` URL or a
+/// `key=value` connection string.
+pub(crate) fn parse(url: &str) -> Result<Parsed> {
+    let mut mode = None;
+    let mut root_cert = None;
+    let mut take = |key: &str, value: String| -> Result<bool> {
+        match key {
+            "sslmode" => {
+                mode = Some(SslMode::parse(&value)?);
+                Ok(true)
+            }
+            "sslrootcert" => {
+                root_cert = Some(value);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
+    };
+    let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        match url.split_once('?') {
+            Some((base, query)) => {
+                let mut kept = Vec::new();
+                for pair in query.split('&') {
+                    let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                    if !take(k, percent_decode(v))? {
+                        kept.push(pair);
+                    }
+                }
+                if kept.is_empty() {
+                    base.to_string()
+                } else {
+                    format!("{base}?{}", kept.join("&"))
+                }
+            }
+            None => url.to_string(),
+        }
+    } else {
+        let mut kept = Vec::new();
+        for token in url.split_whitespace() {
+            let (k, v) = token.split_once('=').unwrap_or((token, ""));
+            if !take(k.trim(), v.to_string())? {
+                kept.push(token);
+            }
+        }
+        kept.join(" ")
+    };
+    Ok(Parsed {
+        rest,
+        mode: mode.unwrap_or(SslMode::Prefer),
+        root_cert,
+    })
+}
+
+/// The `tokio-postgres` mode for `mode` (the checks are the connector's).
+pub(crate) fn pg_mode(mode: SslMode) -> PgSslMode {
+    match mode {
+        SslMode::Disable => PgSslMode::Disable,
+        SslMode::Prefer => PgSslMode::Prefer,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => PgSslMode::Require,
+    }
+}
+
+/// The connector for `parsed`, `None` for `disable`.
+pub(crate) fn connector(parsed: &Parsed) -> Result<Option<MakeRustlsConnect>> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::invalid("url", format!("TLS: {e}")))?;
+    let verifier: Arc<dyn ServerCertVerifier> = match parsed.mode {
+        SslMode::Disable => return Ok(None),
+        SslMode::Prefer | SslMode::Require => Arc::new(Unchecked(Arc::clone(&provider))),
+        SslMode::VerifyCa | SslMode::VerifyFull => {
+            let mut roots = RootCertStore::empty();
+            match &parsed.root_cert {
+                Some(path) => {
+                    let certs = CertificateDer::pem_file_iter(path)
+                        .map_err(|e| Error::invalid("url", format!("sslrootcert {path}: {e}")))?;
+                    for cert in certs {
+                        let cert = cert.map_err(|e| {
+                            Error::invalid("url", format!("sslrootcert {path}: {e}"))
+                        })?;
+                        roots.add(cert).map_err(|e| {
+                            Error::invalid("url", format!("sslrootcert {path}: {e}"))
+                        })?;
+                    }
+                }
+                None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+            }
+            let full = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| Error::invalid("url", format!("TLS roots: {e}")))?;
+            if parsed.mode == SslMode::VerifyFull {
+                full
+            } else {
+                Arc::new(AnyName(full))
+            }
+        }
+    };
+    let config = builder
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_no_client_auth();
+    Ok(Some(MakeRustlsConnect::new(config)))
+}
+
+/// `prefer` and `require`: the handshake's signatures are checked, the
+/// certificate is not (libpq's behaviour without a root certificate).
+#[derive(Debug)]
+struct Unchecked(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for Unchecked {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// `verify-ca`: the chain is checked, the host name is not.
+#[derive(Debug)]
+struct AnyName(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssl_options_are_taken_out_of_both_forms() {
+        let p = parse(
+            "postgresql://u@h:5/db?sslmode=verify-full&application_name=x&sslrootcert=%2Ftmp%2Fca.pem",
+        )
+        .unwrap();
+        assert_eq!(p.rest, "postgresql://u@h:5/db?application_name=x");
+        assert_eq!(p.mode, SslMode::VerifyFull);
+        assert_eq!(p.root_cert.as_deref(), Some("/tmp/ca.pem"));
+        let p = parse("host=h sslmode=require user=u").unwrap();
+        assert_eq!(p.rest, "host=h user=u");
+        assert_eq!(p.mode, SslMode::Require);
+        let p = parse("postgresql://u@h/db").unwrap();
+        assert_eq!(p.mode, SslMode::Prefer);
+        assert!(parse("postgresql://h/db?sslmode=sometimes").is_err());
+    }
+}
