@@ -199,6 +199,26 @@ impl Store {
     #[cfg(feature = "postgres")]
     pub fn connect(url: &str, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.connect").entered();
+        Store::connect_inner(url, config, false)
+    }
+
+    /// Connects to the PostgreSQL store in `config`'s schema of the
+    /// database at `url` if it exists; never creates the schema or its
+    /// tables (cargo feature `postgres`). For tools that inspect an
+    /// existing store, as [`Store::open_existing`] is for files.
+    ///
+    /// # Errors
+    /// [`Error::Missing`] (its path the store's name,
+    /// `postgresql://host:port/db?schema=name`) when the schema holds no
+    /// idemstore store; otherwise as [`Store::connect`].
+    #[cfg(feature = "postgres")]
+    pub fn connect_existing(url: &str, config: Config) -> Result<Store> {
+        let _span = tracing::debug_span!("idemstore.connect_existing").entered();
+        Store::connect_inner(url, config, true)
+    }
+
+    #[cfg(feature = "postgres")]
+    fn connect_inner(url: &str, config: Config, must_exist: bool) -> Result<Store> {
         config.validate()?;
         config.check_postgres()?;
         let schema = config
@@ -212,9 +232,13 @@ impl Store {
             connections: config
                 .postgres_connections
                 .unwrap_or(crate::postgres::DEFAULT_CONNECTIONS),
+            must_exist,
         };
-        let engine = crate::postgres::Postgres::connect(url, options)?;
         let name = crate::postgres::store_name(url, &schema);
+        let engine = crate::postgres::Postgres::connect(url, options).map_err(|e| match e {
+            Error::Missing { .. } => Error::Missing { path: name.clone() },
+            other => other,
+        })?;
         Store::over(Engine::Postgres { engine, name }, config)
     }
 

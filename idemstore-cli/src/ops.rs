@@ -1,10 +1,14 @@
-//! Operator subcommands on a store file: `stats`, `get`, `list`, `sweep`,
+//! Operator subcommands on a store: `stats`, `get`, `list`, `sweep`,
 //! `resolve`, `check`, `export` and `import`.
 //!
-//! Each opens the file itself, so it needs the file to itself: redb locks
-//! the file while a `Store` holds it. When a service holds it, the error
-//! says so and points to `Store::stats()`, which a service exposes for live
-//! numbers. Output is a human-readable table by default and JSON with
+//! A store is a file or, given a `postgresql://` or `postgres://` URL (and
+//! `--schema`, default `idemstore`), a PostgreSQL store. A command opens a
+//! file itself, so it needs the file to itself: redb locks the file while a
+//! `Store` holds it. When a service holds it, the error says so and points
+//! to `Store::stats()`, which a service exposes for live numbers. A
+//! PostgreSQL store is shared: a command works beside the running
+//! replicas. Messages name a PostgreSQL store as
+//! `postgresql://host:port/db?schema=name`, never with its credentials. Output is a human-readable table by default and JSON with
 //! `--json`; progress bars go to stderr, only when it is a terminal.
 
 pub mod check;
@@ -26,26 +30,147 @@ use serde_json::{Value, json};
 
 use crate::error::CliError;
 
-/// The store file every operator subcommand works on.
+/// The store every operator subcommand works on: a store file, or a
+/// PostgreSQL store named by a connection URL and a schema.
 #[derive(Debug, Clone, clap::Args)]
 pub struct StoreArg {
-    /// The store file (a redb file written by idemstore).
+    /// The store: a file (a redb file written by idemstore), or a
+    /// PostgreSQL connection URL (`postgresql://…` or `postgres://…`;
+    /// nothing else counts as one). A password in the URL is never printed.
     #[arg(value_name = "STORE")]
     pub store: PathBuf,
+    /// The PostgreSQL schema that holds the store [default: idemstore]. For
+    /// a PostgreSQL store only.
+    #[arg(long, value_name = "NAME")]
+    pub schema: Option<String>,
 }
 
-/// Opens an existing store for an operator command: no background sweeper,
+/// Where a store lives, as the command line named it.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// A store file.
+    File(PathBuf),
+    /// A PostgreSQL store.
+    Postgres {
+        /// The connection URL as given (may hold a password: never print it).
+        url: String,
+        /// The schema.
+        schema: String,
+        /// The store's name for messages, without credentials:
+        /// `postgresql://host:port/db?schema=name`.
+        name: String,
+    },
+}
+
+/// The URL prefixes that name a PostgreSQL store.
+const URL_PREFIXES: [&str; 2] = ["postgresql://", "postgres://"];
+
+/// The schema a PostgreSQL store lives in when `--schema` is not given.
+pub const DEFAULT_SCHEMA: &str = "idemstore";
+
+impl StoreArg {
+    /// Where the store lives: a PostgreSQL store when STORE starts with
+    /// `postgresql://` or `postgres://`, else a file. `--schema` on a file
+    /// is refused.
+    pub fn target(&self) -> Result<Target, CliError> {
+        let url = self
+            .store
+            .to_str()
+            .filter(|s| URL_PREFIXES.iter().any(|p| s.starts_with(p)));
+        match url {
+            Some(url) => {
+                let schema = self.schema.as_deref().unwrap_or(DEFAULT_SCHEMA).to_owned();
+                let name = redacted(url, &schema);
+                Ok(Target::Postgres {
+                    url: url.to_owned(),
+                    schema,
+                    name,
+                })
+            }
+            None if self.schema.is_some() => Err(CliError::Usage(format!(
+                "--schema is for a PostgreSQL store (a postgresql:// or postgres:// URL), \
+                 and {} is a file (see --help)",
+                self.store.display()
+            ))),
+            None => Ok(Target::File(self.store.clone())),
+        }
+    }
+}
+
+/// `url` without its user, password and parameters, plus `?schema=NAME`:
+/// what messages show of a connection URL (the store's own
+/// [`Store::path`] is the same form once connected).
+fn redacted(url: &str, schema: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("postgresql", url));
+    let rest = rest.split(['?', '#']).next().unwrap_or("");
+    // Everything up to the last `@` is the user and password, even when a
+    // password holds a `/` or an `@` of its own.
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    let (host, db) = rest.split_once('/').unwrap_or((rest, ""));
+    format!("{scheme}://{host}/{db}?schema={schema}")
+}
+
+/// The settings of an operator command's store: no background sweeper,
 /// `retention` for what the command writes (the default, 24 h, when `None`).
-pub fn open(path: &Path, retention: Option<Duration>) -> Result<Store, CliError> {
+fn config(retention: Option<Duration>) -> Config {
     let mut config = Config::new().sweep_interval(None);
     if let Some(retention) = retention {
         config = config.retention(retention);
     }
-    Store::open_existing(path, config).map_err(|e| open_error(path, e))
+    config
 }
 
-/// The one-line error for a store that cannot be opened: names the file and
-/// the problem (missing, in use, not an idemstore file, newer format).
+/// Connects to a PostgreSQL store: the existing one in `schema` (refused
+/// when the schema holds none), or, with `create`, creating it if absent.
+#[cfg(feature = "postgres")]
+pub fn connect(
+    url: &str,
+    schema: &str,
+    retention: Option<Duration>,
+    create: bool,
+) -> Result<Store, Error> {
+    // An operator command runs one request at a time (and a scan).
+    let config = config(retention)
+        .postgres_schema(schema)
+        .postgres_connections(2);
+    if create {
+        Store::connect(url, config)
+    } else {
+        Store::connect_existing(url, config)
+    }
+}
+
+/// Without the `postgres` feature there is no PostgreSQL engine.
+#[cfg(not(feature = "postgres"))]
+pub fn connect(
+    _url: &str,
+    _schema: &str,
+    _retention: Option<Duration>,
+    _create: bool,
+) -> Result<Store, Error> {
+    Err(Error::InvalidArgument {
+        what: "STORE",
+        reason: "this build of idemstore has no PostgreSQL engine (cargo feature `postgres`)"
+            .into(),
+    })
+}
+
+/// Opens an existing store for an operator command: no background sweeper,
+/// `retention` for what the command writes (the default, 24 h, when `None`).
+pub fn open(arg: &StoreArg, retention: Option<Duration>) -> Result<Store, CliError> {
+    match arg.target()? {
+        Target::File(path) => {
+            Store::open_existing(&path, config(retention)).map_err(|e| open_error(&path, e))
+        }
+        Target::Postgres { url, schema, name } => {
+            connect(&url, &schema, retention, false).map_err(|e| connect_error(&name, &schema, e))
+        }
+    }
+}
+
+/// The one-line error for a store file that cannot be opened: names the
+/// file and the problem (missing, in use, not an idemstore file, newer
+/// format).
 pub fn open_error(path: &Path, err: Error) -> CliError {
     match err {
         Error::AlreadyOpen { .. } => CliError::Failed(format!(
@@ -55,6 +180,18 @@ pub fn open_error(path: &Path, err: Error) -> CliError {
             path.display()
         )),
         other => CliError::store("cannot open the store", other),
+    }
+}
+
+/// The one-line error for a PostgreSQL store that cannot be opened: names
+/// the store (without credentials) and the problem.
+pub fn connect_error(name: &str, schema: &str, err: Error) -> CliError {
+    match err {
+        Error::Missing { .. } => CliError::Failed(format!(
+            "{name}: no idemstore store in schema {schema:?} (check the database and --schema; \
+             `idemstore import --create` restores an export into a new schema)"
+        )),
+        other => CliError::store(format!("cannot open the store {name}"), other),
     }
 }
 

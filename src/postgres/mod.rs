@@ -107,6 +107,10 @@ pub(crate) struct PgOptions {
     pub retention_ms: u64,
     /// How many connections run batches concurrently (> 0). Default 16.
     pub connections: usize,
+    /// Refuse a schema that holds no store with [`Error::Missing`] instead
+    /// of creating it (for tools that inspect an existing store). Default
+    /// `false`.
+    pub must_exist: bool,
 }
 
 /// The schema a store lives in when none is configured.
@@ -121,6 +125,7 @@ impl Default for PgOptions {
             clock: None,
             retention_ms: 24 * 3600 * 1000,
             connections: DEFAULT_CONNECTIONS,
+            must_exist: false,
         }
     }
 }
@@ -181,6 +186,8 @@ struct Shared {
     clock: Option<Arc<dyn Clock>>,
     /// Configured retention (ms).
     retention_ms: u64,
+    /// Refuse a schema without a store instead of creating it.
+    must_exist: bool,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
@@ -439,6 +446,26 @@ async fn setup(shared: &Shared) -> Result<u128> {
         .query("SELECT pg_advisory_xact_lock($1::bigint)", &[&sql.ddl_lock])
         .await
         .map_err(pg)?;
+    // A store exists where its schema has a meta table with a version row;
+    // the transaction is rolled back (the client dropped) if it has none.
+    // `Store::connect_existing` names the store in the error.
+    let missing = || Error::Missing {
+        path: std::path::PathBuf::new(),
+    };
+    if shared.must_exist {
+        let rows = client
+            .query(
+                "SELECT 1 FROM pg_catalog.pg_class c \
+                 JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = $1 AND c.relname = 'meta'",
+                &[&sql.schema],
+            )
+            .await
+            .map_err(pg)?;
+        if rows.is_empty() {
+            return Err(missing());
+        }
+    }
     client.batch_execute(&sql.create_meta()).await.map_err(pg)?;
     let incompatible = |detail: String| Error::IncompatibleSchema {
         schema: sql.schema.clone(),
@@ -473,6 +500,7 @@ async fn setup(shared: &Shared) -> Result<u128> {
             // Idempotent: a version-1 schema has every object already.
             client.batch_execute(&sql.create()).await.map_err(pg)?;
         }
+        None if shared.must_exist => return Err(missing()),
         None => {
             client.batch_execute(&sql.create()).await.map_err(pg)?;
             let id: u128 = rand::random();
@@ -1273,6 +1301,7 @@ impl Postgres {
             tls,
             clock: options.clock,
             retention_ms: options.retention_ms,
+            must_exist: options.must_exist,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
         });

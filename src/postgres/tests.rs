@@ -43,6 +43,7 @@ fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
         clock: clock.map(|c| Arc::new(c.clone()) as Arc<dyn crate::clock::Clock>),
         retention_ms: RETENTION,
         connections: 4,
+        must_exist: false,
     };
     Postgres::connect(url, options).unwrap()
 }

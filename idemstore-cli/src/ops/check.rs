@@ -1,15 +1,21 @@
-//! `idemstore check STORE`: verify every record and redb's own integrity.
+//! `idemstore check STORE`: verify every record and redb's own integrity
+//! (on a PostgreSQL store, every record; there is no redb file to check).
 
 use std::io::Write;
 use std::process::ExitCode;
 
-use idemstore::{Config, Integrity, Store};
+use idemstore::{CheckReport, Config, Integrity, Store};
 use serde_json::json;
 
 use crate::error::CliError;
 use crate::ops::{self, StoreArg};
 
-/// What an operator can do about damage.
+/// What an operator can do about damage to a PostgreSQL store.
+const NEXT_STEP_POSTGRES: &str = "restore the latest export into a new schema \
+(idemstore import --create URL --schema NEW_SCHEMA EXPORT), then point the service at it; \
+keep the damaged schema for inspection";
+
+/// What an operator can do about damage to a store file.
 const NEXT_STEP: &str = "restore the latest export into a new store \
 (idemstore import --create NEW_STORE EXPORT), then put it in place of this file; \
 keep the damaged file for inspection";
@@ -21,7 +27,9 @@ keep the damaged file for inspection";
 then every record is decoded and its checksum, token, expiry entry and business-key binding \
 verified. Exits 0 when all is sound, 1 when damage was found (damaged pages included, even \
 when the file no longer opens), 2 on error. For damage, the next step is to restore the \
-latest export into a new store: idemstore import --create NEW_STORE EXPORT."
+latest export into a new store: idemstore import --create NEW_STORE EXPORT. On a \
+PostgreSQL store (STORE a postgresql:// URL) there is no redb file: integrity is reported \
+as not run, and every record is verified while the store keeps serving."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -33,7 +41,67 @@ pub struct Args {
 
 /// Runs `idemstore check`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let path = &args.store.store;
+    let (name, report, next_step) = match args.store.target()? {
+        ops::Target::File(path) => (path.display().to_string(), check_file(&path)?, NEXT_STEP),
+        ops::Target::Postgres { url, schema, name } => {
+            let store = ops::connect(&url, &schema, None, false)
+                .map_err(|e| ops::connect_error(&name, &schema, e))?;
+            (
+                store.path().display().to_string(),
+                verify(&store)?,
+                NEXT_STEP_POSTGRES,
+            )
+        }
+    };
+    let integrity = match &report.integrity {
+        Integrity::Clean => "clean".to_string(),
+        Integrity::Repaired => "damaged, repaired by redb".to_string(),
+        Integrity::Failed(detail) => format!("damaged beyond repair: {detail}"),
+        Integrity::NotRun => "not run".to_string(),
+        other => format!("{other:?}"),
+    };
+    let next_step = (!report.is_clean()).then_some(next_step);
+    if args.json {
+        let problems: Vec<_> = report
+            .problems
+            .iter()
+            .map(|p| json!({ "key": p.key, "detail": p.detail }))
+            .collect();
+        ops::write_json(
+            out,
+            &json!({
+                "path": name,
+                "clean": report.is_clean(),
+                "integrity": integrity,
+                "records": report.records,
+                "bindings": report.bindings,
+                "problems": problems,
+                "next_step": next_step,
+            }),
+        )?;
+    } else {
+        writeln!(out, "{:<16} {name}", "store")?;
+        writeln!(out, "{:<16} {integrity}", "redb integrity")?;
+        writeln!(out, "{:<16} {} checked", "records", report.records)?;
+        writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
+        writeln!(out, "{:<16} {}", "problems", report.problems.len())?;
+        for p in &report.problems {
+            writeln!(out, "  {}: {}", p.key, p.detail)?;
+        }
+        if let Some(step) = next_step {
+            writeln!(out, "{:<16} {step}", "next step")?;
+        }
+        writeln!(out, "{}", if report.is_clean() { "OK" } else { "DAMAGED" })?;
+    }
+    Ok(if report.is_clean() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Checks a store file: redb's page check, then every record.
+fn check_file(path: &std::path::Path) -> Result<CheckReport, CliError> {
     // The record count sizes the progress bar; the store is closed again
     // before the check, which needs the file to itself.
     // A file whose pages are damaged may not open: the check reports that.
@@ -56,49 +124,19 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     })
     .map_err(|e| ops::open_error(path, e))?;
     bar.finish_and_clear();
-    let integrity = match &report.integrity {
-        Integrity::Clean => "clean".to_string(),
-        Integrity::Repaired => "damaged, repaired by redb".to_string(),
-        Integrity::Failed(detail) => format!("damaged beyond repair: {detail}"),
-        Integrity::NotRun => "not run".to_string(),
-        other => format!("{other:?}"),
-    };
-    let next_step = (!report.is_clean()).then_some(NEXT_STEP);
-    if args.json {
-        let problems: Vec<_> = report
-            .problems
-            .iter()
-            .map(|p| json!({ "key": p.key, "detail": p.detail }))
-            .collect();
-        ops::write_json(
-            out,
-            &json!({
-                "path": path,
-                "clean": report.is_clean(),
-                "integrity": integrity,
-                "records": report.records,
-                "bindings": report.bindings,
-                "problems": problems,
-                "next_step": next_step,
-            }),
-        )?;
-    } else {
-        writeln!(out, "{:<16} {}", "store", path.display())?;
-        writeln!(out, "{:<16} {integrity}", "redb integrity")?;
-        writeln!(out, "{:<16} {} checked", "records", report.records)?;
-        writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
-        writeln!(out, "{:<16} {}", "problems", report.problems.len())?;
-        for p in &report.problems {
-            writeln!(out, "  {}: {}", p.key, p.detail)?;
-        }
-        if let Some(step) = next_step {
-            writeln!(out, "{:<16} {step}", "next step")?;
-        }
-        writeln!(out, "{}", if report.is_clean() { "OK" } else { "DAMAGED" })?;
-    }
-    Ok(if report.is_clean() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    Ok(report)
+}
+
+/// Verifies every record of a PostgreSQL store (`Store::verify`); there is
+/// no redb file, so the report's integrity is `NotRun`.
+fn verify(store: &Store) -> Result<CheckReport, CliError> {
+    let total = store
+        .len()
+        .map_err(|e| CliError::store("cannot read the store", e))?;
+    let bar = ops::progress(Some(total), "checking records", ops::Unit::Records);
+    let report = store
+        .verify(|p| bar.set_position(p.records))
+        .map_err(|e| CliError::store("cannot check the store", e))?;
+    bar.finish_and_clear();
+    Ok(report)
 }

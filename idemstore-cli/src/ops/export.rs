@@ -51,7 +51,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             target.display()
         )));
     }
-    let store = ops::open(&args.store.store, None)?;
+    let store = ops::open(&args.store, None)?;
     let total = store
         .len()
         .map_err(|e| CliError::store("cannot read the store", e))?;

@@ -29,7 +29,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     let shown = ops::key_text(&args.scope, &args.id);
     let key = Key::new(args.scope.as_str(), args.id.as_str())
         .map_err(|e| CliError::store(format!("invalid key ({shown})"), e))?;
-    let store = ops::open(&args.store.store, None)?;
+    let store = ops::open(&args.store, None)?;
     let now = store.now_ms();
     let record = store
         .get(&key)

@@ -7,6 +7,8 @@ use std::process::ExitCode;
 
 use serde_json::json;
 
+use idemstore::Store;
+
 use crate::error::CliError;
 use crate::ops::{self, StoreArg};
 
@@ -29,9 +31,12 @@ pub struct Args {
     /// The export to read (`-` for stdin).
     #[arg(value_name = "INPUT")]
     input: PathBuf,
-    /// Create the store if it does not exist (a restore into a new file). If
-    /// the import then fails, the store file and its log are removed again
-    /// (only those this command created).
+    /// Create the store if it does not exist (a restore into a new file, or
+    /// into a schema that holds no store). If the import then fails, a store
+    /// file and its log that this command created are removed again; a
+    /// PostgreSQL store this command created stays, with the records
+    /// imported before the failure (the error says so). An existing store
+    /// is imported into as without --create.
     #[arg(long)]
     create: bool,
     /// Import records and a clock high-water mark more than 5 minutes ahead
@@ -54,38 +59,11 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         let len = file.metadata().ok().map(|m| m.len());
         (Box::new(BufReader::new(file)), len)
     };
-    let path = &args.store.store;
-    let creating = !path.exists();
-    if creating && !args.create {
-        return Err(CliError::Failed(format!(
-            "{}: no such store file; give --create to restore into a new store",
-            path.display()
-        )));
-    }
-    // The library puts the log at `<file>-wal` (`Store::log_path`).
-    let log_before = {
-        let mut name = path.as_os_str().to_owned();
-        name.push("-wal");
-        PathBuf::from(name)
-    };
-    let log_existed = log_before.exists();
-    let store = if creating {
-        idemstore::Store::open_with(path, idemstore::Config::new().sweep_interval(None))
-            .map_err(|e| ops::open_error(path, e))?
-    } else {
-        ops::open(path, None)?
-    };
-    // What this command created, to remove if the import fails: the store
-    // file, and its log unless one was already there.
-    let log = store.log_path().to_path_buf();
-    let created: Vec<PathBuf> = if creating {
-        let mut made = vec![path.clone()];
-        if !(log_existed && log == log_before) {
-            made.push(log);
+    let (store, created) = match args.store.target()? {
+        ops::Target::File(path) => open_file(&path, args.create)?,
+        ops::Target::Postgres { url, schema, name } => {
+            open_postgres(&url, &schema, &name, args.create)?
         }
-        made
-    } else {
-        Vec::new()
     };
     let bar = ops::progress(len, "importing", ops::Unit::Bytes);
     let options = idemstore::ImportOptions::new().accept_clock_ahead(args.accept_clock_ahead);
@@ -93,19 +71,35 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         Ok(summary) => summary,
         Err(e) => {
             bar.finish_and_clear();
+            #[allow(unused_mut)] // not reassigned when nothing was created
             let mut err = CliError::store(format!("cannot import {}", args.input.display()), e);
             // Close the store before removing its files.
             drop(store);
-            for file in &created {
-                if let Err(e) = std::fs::remove_file(file)
-                    && e.kind() != std::io::ErrorKind::NotFound
-                {
+            match created {
+                Created::Files(files) => {
+                    for file in &files {
+                        if let Err(e) = std::fs::remove_file(file)
+                            && e.kind() != std::io::ErrorKind::NotFound
+                        {
+                            err = CliError::Failed(format!(
+                                "{}; and cannot remove {} that this import created: {e}",
+                                err.one_line(),
+                                file.display()
+                            ));
+                        }
+                    }
+                }
+                // The library has no way to drop a schema, and the batches
+                // before the failure are committed: say so.
+                Created::Schema(name) => {
                     err = CliError::Failed(format!(
-                        "{}; and cannot remove {} that this import created: {e}",
-                        err.one_line(),
-                        file.display()
+                        "{}; the store {name} was created by this import and keeps the \
+                         records imported before the failure (import is idempotent: import \
+                         again once the input is fixed, or drop the schema)",
+                        err.one_line()
                     ));
                 }
+                Created::Nothing => {}
             }
             return Err(err);
         }
@@ -137,4 +131,76 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         writeln!(out, "next fencing token    {}", summary.next_token)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What this command created, to remove (or report) if the import fails.
+enum Created {
+    /// Nothing: the store existed.
+    Nothing,
+    /// A store file and, unless one was already there, its log.
+    Files(Vec<PathBuf>),
+    /// A PostgreSQL store in a new schema (named without credentials).
+    Schema(String),
+}
+
+/// Opens the store file at `path`, creating it when absent and `create`.
+fn open_file(path: &std::path::Path, create: bool) -> Result<(Store, Created), CliError> {
+    let creating = !path.exists();
+    if creating && !create {
+        return Err(CliError::Failed(format!(
+            "{}: no such store file; give --create to restore into a new store",
+            path.display()
+        )));
+    }
+    // The library puts the log at `<file>-wal` (`Store::log_path`).
+    let log_before = {
+        let mut name = path.as_os_str().to_owned();
+        name.push("-wal");
+        PathBuf::from(name)
+    };
+    let log_existed = log_before.exists();
+    let store = if creating {
+        Store::open_with(path, idemstore::Config::new().sweep_interval(None))
+            .map_err(|e| ops::open_error(path, e))?
+    } else {
+        Store::open_existing(path, idemstore::Config::new().sweep_interval(None))
+            .map_err(|e| ops::open_error(path, e))?
+    };
+    // What this command created: the store file, and its log unless one
+    // was already there.
+    let log = store.log_path().to_path_buf();
+    let created = if creating {
+        let mut made = vec![path.to_path_buf()];
+        if !(log_existed && log == log_before) {
+            made.push(log);
+        }
+        Created::Files(made)
+    } else {
+        Created::Nothing
+    };
+    Ok((store, created))
+}
+
+/// Connects to the PostgreSQL store in `schema`; with `create`, creates it
+/// when the schema holds none (as `--create` creates an absent file).
+fn open_postgres(
+    url: &str,
+    schema: &str,
+    name: &str,
+    create: bool,
+) -> Result<(Store, Created), CliError> {
+    match ops::connect(url, schema, None, false) {
+        Ok(store) => Ok((store, Created::Nothing)),
+        Err(idemstore::Error::Missing { .. }) if create => {
+            let store = ops::connect(url, schema, None, true)
+                .map_err(|e| ops::connect_error(name, schema, e))?;
+            let shown = store.path().display().to_string();
+            Ok((store, Created::Schema(shown)))
+        }
+        Err(idemstore::Error::Missing { .. }) => Err(CliError::Failed(format!(
+            "{name}: no idemstore store in schema {schema:?}; give --create to restore into \
+             a new store"
+        ))),
+        Err(e) => Err(ops::connect_error(name, schema, e)),
+    }
 }

@@ -66,7 +66,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             ));
         }
     };
-    let store = ops::open(&args.store.store, Some(args.retention))?;
+    let store = ops::open(&args.store, Some(args.retention))?;
     let record = match store.resolve(&key, args.token, outcome) {
         Ok(record) => record,
         Err(Error::StaleLease { .. }) => return Err(refusal(&store, &key, &shown, args.token)),

@@ -26,8 +26,9 @@ pub struct Args {
 
 /// Runs `idemstore stats`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let path = &args.store.store;
-    let store = ops::open(path, None)?;
+    let store = ops::open(&args.store, None)?;
+    // The file's path, or `postgresql://host:port/db?schema=name`.
+    let path = store.path().display().to_string();
     let stats = store
         .stats()
         .map_err(|e| CliError::store("cannot read the store", e))?;
@@ -55,7 +56,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         )?;
     } else {
         let rows = [
-            ("store", path.display().to_string()),
+            ("store", path.clone()),
             (
                 "file size",
                 stats

@@ -27,7 +27,7 @@ pub struct Args {
 
 /// Runs `idemstore sweep`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let store = ops::open(&args.store.store, None)?;
+    let store = ops::open(&args.store, None)?;
     let batch = usize::try_from(args.batch).unwrap_or(usize::MAX);
     let bar = ops::progress(None, "evicting", ops::Unit::Records);
     let mut total = 0u64;

@@ -1,0 +1,398 @@
+//! The operator subcommands of the `idemstore` binary on a PostgreSQL store
+//! (STORE a `postgresql://` URL, `--schema NAME`), and the migration of a
+//! store between the engines through `export` and `import`.
+//!
+//! The tests that need a server start one throwaway server per test process
+//! with the PostgreSQL 15 binaries (`apt-get install postgresql`; as root
+//! they run as the `postgres` user), or use the server named by
+//! `IDEMSTORE_PG_URL`; each test works in a schema of its own. Without
+//! either they fail, naming how to install them, unless
+//! `IDEMSTORE_SKIP_POSTGRES=1` says to skip them (they then print why and
+//! pass). CI never skips them. The refusals (`--schema` on a file, a bad
+//! URL, an unreachable server) need no server and always run.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use idemstore::postgres::server::TestServer;
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Clock, Config, Fingerprint, Key, Lease, ManualClock, Store,
+    SystemClock,
+};
+use serde_json::Value;
+
+fn idemstore(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .output()
+        .expect("the idemstore binary runs")
+}
+
+fn code(out: &Output) -> i32 {
+    out.status.code().expect("exited normally")
+}
+
+fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}\n{}", stdout(out), stderr(out)))
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// The server's URL, or `None` when the PostgreSQL tests are to be skipped.
+fn server() -> Option<String> {
+    if std::env::var_os("IDEMSTORE_SKIP_POSTGRES").is_some_and(|v| v == "1") {
+        eprintln!("skipped: IDEMSTORE_SKIP_POSTGRES=1 (the PostgreSQL engine is not tested)");
+        return None;
+    }
+    let server = TestServer::shared().unwrap_or_else(|e| panic!("{e}"));
+    Some(server.url().to_string())
+}
+
+/// A schema name of this test's own, unique across runs on one server.
+fn schema(name: &str) -> String {
+    let run = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() % 1_000_000_000);
+    format!("cli_{run}_{name}")
+}
+
+fn key(id: &str) -> Key {
+    Key::new("acme/tickets", id).unwrap()
+}
+
+fn acquire(store: &Store, k: &Key, opts: &ClaimOptions) -> Lease {
+    match store
+        .claim(k, &Fingerprint::of(k.id().as_bytes()), opts)
+        .unwrap()
+    {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The settings of a store written a minute ago (the binary reads the
+/// server's clock, this machine's): 10 s leases, no sweeper.
+fn minute_ago() -> Config {
+    let clock = ManualClock::new(SystemClock.now_ms() - 60_000);
+    Config::new()
+        .clock(clock)
+        .lease(Duration::from_secs(10))
+        .sweep_interval(None)
+}
+
+/// One record whose 10 s lease has lapsed, with a recovery point and a
+/// business key; one succeeded; one failed; one in another scope. Returns
+/// the lapsed record's token.
+fn populate(store: &Store) -> u64 {
+    let lapsed = acquire(
+        store,
+        &key("lapsed"),
+        &ClaimOptions::new().business_key("T-9"),
+    );
+    store.set_recovery_point(&lapsed, b"step-2").unwrap();
+    let l = acquire(store, &key("done"), &ClaimOptions::new());
+    store.complete(&l, b"ticket T-1").unwrap();
+    let l = acquire(store, &key("failed"), &ClaimOptions::new());
+    store.fail(&l, &[0xff, 0x00], false).unwrap();
+    let other = Key::new("beta/refunds", "r-1").unwrap();
+    let l = acquire(store, &other, &ClaimOptions::new());
+    store.complete(&l, b"ok").unwrap();
+    lapsed.token()
+}
+
+/// A populated PostgreSQL store in a new schema; returns the schema and
+/// the lapsed record's token.
+fn populated_schema(url: &str, name: &str) -> (String, u64) {
+    let schema = schema(name);
+    let store = Store::connect(url, minute_ago().postgres_schema(schema.clone())).unwrap();
+    let token = populate(&store);
+    (schema, token)
+}
+
+/// `list --json` without the fields judged at the time of the listing
+/// (`age_ms`), in key order: what must survive a migration unchanged.
+fn listing(store: &str, schema: Option<&str>) -> Vec<Value> {
+    let mut args = vec!["list", store, "--json"];
+    if let Some(s) = schema {
+        args.extend(["--schema", s]);
+    }
+    let out = idemstore(&args);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let Value::Array(mut records) = json(&out) else {
+        panic!("not an array: {}", stdout(&out))
+    };
+    for r in &mut records {
+        r.as_object_mut().unwrap().remove("age_ms");
+    }
+    records.sort_by_key(|r| (r["scope"].to_string(), r["id"].to_string()));
+    records
+}
+
+#[test]
+fn stats_list_and_get_on_postgres() {
+    let Some(url) = server() else { return };
+    let (schema, token) = populated_schema(&url, "read");
+
+    let out = idemstore(&["stats", &url, "--schema", &schema, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["records"]["total"], 4);
+    assert_eq!(v["records"]["processing"], 1);
+    assert_eq!(v["records"]["lapsed"], 1);
+    assert_eq!(v["records"]["succeeded"], 2);
+    assert_eq!(v["records"]["failed"], 1);
+    let path = v["path"].as_str().unwrap();
+    assert!(path.starts_with("postgresql://"), "{path}");
+    assert!(path.ends_with(&format!("?schema={schema}")), "{path}");
+    let out = idemstore(&["stats", &url, "--schema", &schema]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stdout(&out).contains("processing         1 (1 lapsed)"));
+
+    let out = idemstore(&["list", &url, "--schema", &schema, "--lapsed", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v.as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v[0]["id"], "lapsed");
+    let out = idemstore(&["list", &url, "--schema", &schema]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(stdout(&out).lines().count(), 5, "{}", stdout(&out));
+
+    let out = idemstore(&[
+        "get",
+        &url,
+        "--schema",
+        &schema,
+        "acme/tickets",
+        "lapsed",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["state"], "processing");
+    assert_eq!(v["token"], token);
+    assert_eq!(v["lease_lapsed"], true);
+    assert_eq!(v["business_key"], "T-9");
+    assert_eq!(v["recovery_point"]["text"], "step-2");
+    let out = idemstore(&["get", &url, "--schema", &schema, "acme/tickets", "nope"]);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+}
+
+#[test]
+fn resolve_sweep_and_check_on_postgres() {
+    let Some(url) = server() else { return };
+    let (schema, token) = populated_schema(&url, "write");
+    // A record finished two minutes ago with a one-minute retention: past
+    // retention now, for `sweep` to evict.
+    {
+        let clock = ManualClock::new(SystemClock.now_ms() - 120_000);
+        let config = Config::new()
+            .clock(clock)
+            .retention(Duration::from_secs(60))
+            .sweep_interval(None)
+            .postgres_schema(schema.clone());
+        let store = Store::connect(&url, config).unwrap();
+        let l = acquire(&store, &key("old"), &ClaimOptions::new());
+        store.complete(&l, b"gone").unwrap();
+    }
+
+    // Fenced by the token: a wrong one changes nothing.
+    let wrong = (token + 100).to_string();
+    let out = idemstore(&[
+        "resolve",
+        &url,
+        "--schema",
+        &schema,
+        "acme/tickets",
+        "lapsed",
+        "--token",
+        &wrong,
+        "--succeeded",
+        "T-9",
+    ]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    assert!(stderr(&out).contains("never issued"), "{}", stderr(&out));
+    let out = idemstore(&[
+        "resolve",
+        &url,
+        "--schema",
+        &schema,
+        "acme/tickets",
+        "lapsed",
+        "--token",
+        &token.to_string(),
+        "--succeeded",
+        "T-9",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["state"], "succeeded");
+    assert_eq!(json(&out)["result"]["text"], "T-9");
+
+    let out = idemstore(&["sweep", &url, "--schema", &schema, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["evicted"], 1);
+    let out = idemstore(&["sweep", &url, "--schema", &schema, "--json"]);
+    assert_eq!(json(&out)["evicted"], 0);
+
+    let out = idemstore(&["check", &url, "--schema", &schema, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["clean"], true, "{v}");
+    assert_eq!(v["integrity"], "not run", "{v}");
+    assert_eq!(v["records"], 4, "{v}");
+    assert!(v["path"].as_str().unwrap().ends_with(&schema), "{v}");
+    let out = idemstore(&["check", &url, "--schema", &schema]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stdout(&out).ends_with("OK\n"), "{}", stdout(&out));
+}
+
+/// A file store exports, imports into a new PostgreSQL schema, exports
+/// again and imports into a new file: `list` and `get` show the same
+/// records at every step.
+#[test]
+fn migration_file_to_postgres_to_file() {
+    let Some(url) = server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first.redb");
+    {
+        let store = Store::open_with(&first, minute_ago()).unwrap();
+        populate(&store);
+    }
+    let before = listing(p(&first), None);
+    assert_eq!(before.len(), 4);
+
+    let export1 = dir.path().join("first.export");
+    let out = idemstore(&["export", p(&first), "--output", p(&export1)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+
+    let schema = schema("migrate");
+    // Without --create, a schema that holds no store is refused.
+    let out = idemstore(&["import", &url, "--schema", &schema, p(&export1)]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    assert!(stderr(&out).contains("--create"), "{}", stderr(&out));
+    let out = idemstore(&[
+        "import",
+        &url,
+        "--schema",
+        &schema,
+        "--create",
+        p(&export1),
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["imported"], 4);
+    assert_eq!(listing(&url, Some(&schema)), before);
+    // Idempotent: again, nothing changes.
+    let out = idemstore(&["import", &url, "--schema", &schema, p(&export1), "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["imported"], 0);
+    assert_eq!(json(&out)["present"], 4);
+    let get = |store: &str, schema: Option<&str>| {
+        let mut args = vec!["get", store, "acme/tickets", "lapsed", "--json"];
+        if let Some(s) = schema {
+            args.extend(["--schema", s]);
+        }
+        let mut v = json(&idemstore(&args));
+        v.as_object_mut().unwrap().remove("age_ms");
+        v
+    };
+    assert_eq!(get(&url, Some(&schema)), get(p(&first), None));
+
+    let export2 = dir.path().join("pg.export");
+    let out = idemstore(&["export", &url, "--schema", &schema, "--output", p(&export2)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("exported 4 records"),
+        "{}",
+        stdout(&out)
+    );
+    let second = dir.path().join("second.redb");
+    let out = idemstore(&["import", "--create", p(&second), p(&export2)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(listing(p(&second), None), before);
+    assert_eq!(get(p(&second), None), get(p(&first), None));
+}
+
+#[test]
+fn a_schema_without_a_store_is_refused_and_not_created() {
+    let Some(url) = server() else { return };
+    let schema = schema("absent");
+    for _ in 0..2 {
+        let out = idemstore(&["stats", &url, "--schema", &schema]);
+        assert_eq!(code(&out), 2, "{}", stdout(&out));
+        let err = stderr(&out);
+        assert!(err.contains("no idemstore store in schema"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // An invalid schema name is refused with the rule.
+    let out = idemstore(&["stats", &url, "--schema", "no-dashes"]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    assert!(stderr(&out).contains("schema name"), "{}", stderr(&out));
+}
+
+#[test]
+fn schema_on_a_file_store_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    drop(Store::open(&path).unwrap());
+    for cmd in ["stats", "list", "sweep", "check"] {
+        let out = idemstore(&[cmd, p(&path), "--schema", "other"]);
+        assert_eq!(code(&out), 2, "{cmd}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(err.contains("--schema is for a PostgreSQL store"), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+    // A path that merely mentions a URL scheme is a file.
+    let out = idemstore(&["stats", "./postgresql://x"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("no such store file"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// An unreachable server and a bad URL: exit 2, one line naming the cause,
+/// and never the password of the URL.
+#[test]
+fn unreachable_server_and_bad_url_never_show_the_password() {
+    let cases = [
+        ("postgresql://admin:s3cret-pw@127.0.0.1:1/x", "unavailable"),
+        (
+            "postgres://admin:s3cret-pw@127.0.0.1:1/x?sslmode=disable",
+            "unavailable",
+        ),
+        ("postgresql://admin:s3cret-pw@127.0.0.1:notaport/x", "url"),
+        ("postgresql://admin:s3cret/pw@127.0.0.1:1/x", "s3cret"),
+    ];
+    for (url, cause) in cases {
+        for args in [
+            vec!["stats", url],
+            vec!["check", url, "--json"],
+            vec!["list", url, "--schema", "s1"],
+            vec!["import", url, "--create", "/dev/null"],
+        ] {
+            let out = idemstore(&args);
+            assert_eq!(code(&out), 2, "{args:?}: {}", stdout(&out));
+            let err = stderr(&out);
+            assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+            if cause != "s3cret" {
+                assert!(err.contains(cause), "{args:?}: {err}");
+            }
+            assert!(!err.contains("s3cret"), "{args:?}: {err}");
+            assert!(!stdout(&out).contains("s3cret-pw"), "{args:?}");
+        }
+    }
+}
