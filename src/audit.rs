@@ -253,17 +253,27 @@ pub(crate) fn emit(event: &Event) {
             cause = "business-key-conflict",
             "claim refused: business key held by another idempotency key"
         ),
-        Event::Replay { key } => tracing::trace!(
+        Event::Replay { key } => emit_answer(key, true),
+        Event::InProgress { key } => emit_answer(key, false),
+    }
+}
+
+/// Emits the event of a claim answered without a change: a replay
+/// (`replay`) or "in progress".
+pub(crate) fn emit_answer(key: &Key, replay: bool) {
+    if replay {
+        tracing::trace!(
             target: "idemstore::audit",
             scope = key.scope(),
             id = key.id(),
             "claim answered with the stored outcome"
-        ),
-        Event::InProgress { key } => tracing::trace!(
+        );
+    } else {
+        tracing::trace!(
             target: "idemstore::audit",
             scope = key.scope(),
             id = key.id(),
             "claim answered in progress"
-        ),
+        );
     }
 }

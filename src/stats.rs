@@ -108,6 +108,19 @@ impl LiveCounters {
         }
     }
 
+    /// Counts and logs a claim answered without a change: a replay
+    /// (`replay`) or "in progress". The same as publishing
+    /// `Event::Replay`/`Event::InProgress` for `key`, without building one.
+    pub(crate) fn answered(&self, key: &crate::key::Key, replay: bool) {
+        bump(&self.claims);
+        bump(if replay { &self.replays } else { &self.in_progress });
+        #[cfg(feature = "metrics")]
+        if let Some(h) = &self.handles {
+            if replay { &h.replay } else { &h.in_progress }.increment(1);
+        }
+        audit::emit_answer(key, replay);
+    }
+
     /// Counts one published event.
     pub(crate) fn count(&self, event: &Event) {
         #[cfg(feature = "metrics")]

@@ -26,6 +26,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasher, RandomState};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
@@ -35,8 +36,9 @@ const SHARDS: usize = 64;
 
 /// The answer of [`ReadCache::lookup`].
 pub(crate) enum Lookup {
-    /// A finished, unexpired record.
-    Hit(Record),
+    /// A finished, unexpired record, shared with the cache (a replay clones
+    /// it once, for its answer).
+    Hit(Arc<Record>),
     /// The key has a change that is not yet durable, in the batch with this
     /// sequence number.
     Pending(u64),
@@ -65,7 +67,7 @@ struct Shard {
 }
 
 struct Entry {
-    record: Record,
+    record: Arc<Record>,
     size: usize,
     id: u64,
 }
@@ -94,7 +96,9 @@ impl ReadCache {
             return Lookup::Pending(seq);
         }
         match shard.entries.get(key) {
-            Some(e) if !e.record.is_expired_at(now_ms) => return Lookup::Hit(e.record.clone()),
+            Some(e) if !e.record.is_expired_at(now_ms) => {
+                return Lookup::Hit(Arc::clone(&e.record));
+            }
             Some(_) => shard.remove(key),
             None => {}
         }
@@ -107,7 +111,7 @@ impl ReadCache {
     pub(crate) fn after_read(
         &self,
         key: &[u8],
-        record: Option<&Record>,
+        record: Option<&Arc<Record>>,
         version: u64,
         now_ms: u64,
         synced: u64,
@@ -172,7 +176,7 @@ impl Shard {
         }
     }
 
-    fn insert(&mut self, key: &[u8], rec: &Record, budget: usize) {
+    fn insert(&mut self, key: &[u8], rec: &Arc<Record>, budget: usize) {
         let size = entry_size(key, rec);
         if size > budget {
             return;
@@ -191,7 +195,7 @@ impl Shard {
         self.entries.insert(
             key.to_vec(),
             Entry {
-                record: rec.clone(),
+                record: Arc::clone(rec),
                 size,
                 id,
             },
@@ -222,8 +226,8 @@ mod tests {
     use super::*;
     use crate::key::{Fingerprint, Key};
 
-    fn rec(state: State, expires_ms: u64) -> Record {
-        Record {
+    fn rec(state: State, expires_ms: u64) -> Arc<Record> {
+        Arc::new(Record {
             key: Key::new("s", "k").unwrap(),
             state,
             token: 1,
@@ -236,7 +240,7 @@ mod tests {
             recovery_point: None,
             business_key: None,
             acquisitions: 1,
-        }
+        })
     }
 
     fn miss(l: Lookup) -> u64 {

@@ -28,7 +28,7 @@ use crate::codec::{self, Entries, Entry};
 use crate::config::{Config, Durability};
 use crate::error::{Error, Result};
 use crate::key::Key;
-use crate::record::{Ctx, Effect, ImportResult, Op, Record, Reply, transition};
+use crate::record::{ClaimOutcome, Ctx, Effect, ImportResult, Op, Record, Reply, transition};
 use crate::report::CheckReport;
 use crate::report::Progress;
 use crate::stats::LiveCounters;
@@ -56,8 +56,9 @@ pub(crate) struct Embedded {
 
 /// What a read outside the writer found.
 enum Read {
-    /// The record (or its absence), durable in `Immediate` mode.
-    Done(Option<Record>),
+    /// The record (or its absence), durable in `Immediate` mode; shared
+    /// with the cache when it came from there.
+    Done(Option<Arc<Record>>),
     /// The key has a change that may not be durable yet, in this batch.
     Pending(u64),
 }
@@ -337,13 +338,12 @@ impl Embedded {
                 business_holder: None,
             };
             match transition(key, Some(&current), &op, &ctx) {
-                Ok((effect @ Effect::None, reply)) => {
-                    let event =
-                        Event::of_transition(key, Some(&current), &op, &effect, &reply, now_ms);
-                    self.shared.counters.publish(event);
-                    if let Reply::Claim(_) = reply {
-                        return Ok(Ok(reply));
-                    }
+                Ok((Effect::None, Reply::Claim(outcome))) => {
+                    // Counted and logged without an event to build: this
+                    // is the replay path, which a hash map is the measure of.
+                    let replay = matches!(outcome, ClaimOutcome::Replay(_));
+                    self.shared.counters.answered(key, replay);
+                    return Ok(Ok(Reply::Claim(outcome)));
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -398,7 +398,7 @@ impl Embedded {
         let now = self.time();
         loop {
             match self.read(key, now)? {
-                Read::Done(r) => return Ok(r),
+                Read::Done(r) => return Ok(r.map(Arc::unwrap_or_clone)),
                 Read::Pending(seq) if self.shared.progress.committed() < seq => {
                     self.commit_index()?;
                 }
@@ -412,7 +412,7 @@ impl Embedded {
         let now = self.time_async().await;
         loop {
             match self.read(key, now)? {
-                Read::Done(r) => return Ok(r),
+                Read::Done(r) => return Ok(r.map(Arc::unwrap_or_clone)),
                 // The writer answers a commit once everything decided before
                 // it is committed to the index and (when gated) durable.
                 Read::Pending(_) => match self.submit_async(Command::Commit).await.await? {
@@ -455,7 +455,7 @@ impl Embedded {
             })?),
             None => None,
         };
-        let record = record.filter(|r| !r.is_expired_at(now));
+        let record = record.filter(|r| !r.is_expired_at(now)).map(Arc::new);
         let visible = shared.progress.visible_upto(gated);
         match shared
             .cache
