@@ -17,7 +17,7 @@ use crate::store::Store;
 /// This reads the whole file; its cost grows with the file's size.
 ///
 /// Damage is reported in the [`CheckReport`], not as an error: a damaged
-/// record as a [`Problem`], and damaged pages, including a file that does
+/// record as a [`Problem`](crate::Problem), and damaged pages, including a file that does
 /// not open because of them (redb's "Primary is corrupted despite 2-phase
 /// commit", or a panic inside redb), as [`Integrity::Failed`] with what
 /// failed. [`CheckReport::is_clean`] is then `false`.

@@ -5,7 +5,9 @@
 //! atomically, holds it with a fenced lease while the work runs, records the
 //! outcome durably, replays it to every later retry, rejects a reused key with
 //! a different payload, and forgets it after a retention period (24 hours by
-//! default, as Stripe does). All of it lives in the process, on one file.
+//! default, as Stripe does). All of it lives in the process, on one file;
+//! with the cargo feature `postgres`, the same `Store` runs on one schema
+//! of a PostgreSQL database shared by every replica ([`Store::connect`]).
 //!
 //! ```
 //! use idemstore::{ClaimOptions, ClaimOutcome, Fingerprint, Key, Store};

@@ -113,7 +113,11 @@ impl LiveCounters {
     /// `Event::Replay`/`Event::InProgress` for `key`, without building one.
     pub(crate) fn answered(&self, key: &crate::key::Key, replay: bool) {
         bump(&self.claims);
-        bump(if replay { &self.replays } else { &self.in_progress });
+        bump(if replay {
+            &self.replays
+        } else {
+            &self.in_progress
+        });
         #[cfg(feature = "metrics")]
         if let Some(h) = &self.handles {
             if replay { &h.replay } else { &h.in_progress }.increment(1);

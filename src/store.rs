@@ -23,22 +23,28 @@ use crate::scan::{Filter, Records};
 use crate::stats::{self, Stats};
 use crate::sweeper::Sweeper;
 
-/// An embedded, crash-safe idempotency store on one file.
+/// A crash-safe idempotency store: embedded on one file ([`Store::open`]),
+/// or one schema of a PostgreSQL database shared by every replica of a
+/// service ([`Store::connect`], cargo feature `postgres`). The API and the
+/// guarantees are the same on both; README's "One replica or many" says
+/// what differs.
 ///
 /// `Store` is `Send + Sync`; share it between threads with an `Arc`. Every
 /// method that changes state blocks until the change is durable (fsynced,
-/// with the default [`Durability::Immediate`]), and concurrent changes share
-/// one fsync (group commit). Reads and claims that can only replay or answer
-/// "in progress" do not wait for the writer.
+/// with the default [`Durability::Immediate`](crate::Durability::Immediate); committed, on PostgreSQL),
+/// and concurrent changes share one fsync or transaction (group commit).
+/// On a file, reads and claims that can only replay or answer "in
+/// progress" do not wait for the writer.
 ///
-/// Two files hold a store: the redb file at the given path (the index) and
-/// the write-ahead log beside it at `<path>-wal` (see [`Store::log_path`]).
-/// Keep them together; the log carries the store's identity and is refused
-/// by any other store.
+/// Two files hold an embedded store: the redb file at the given path (the
+/// index) and the write-ahead log beside it at `<path>-wal` (see
+/// [`Store::log_path`]). Keep them together; the log carries the store's
+/// identity and is refused by any other store.
 ///
 /// Dropping the store stops the background sweeper, lets the writer finish
 /// every queued request, makes everything durable in the index (a final
-/// checkpoint), and closes both files.
+/// checkpoint), and closes both files; on PostgreSQL it lets the
+/// connections finish what they hold and closes them.
 pub struct Store {
     // Field order is drop order: the sweeper and the lease extender stop
     // (and are joined) before the engine, whose drop then ends the writer
@@ -112,7 +118,7 @@ impl Store {
     /// # Errors
     /// As [`Store::open`], and [`Error::InvalidArgument`] for a zero
     /// retention, a zero or over-long lease, a zero sweep batch or interval,
-    /// or a value limit over [`MAX_VALUE_LIMIT`].
+    /// or a value limit over [`MAX_VALUE_LIMIT`](crate::MAX_VALUE_LIMIT).
     pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.open_with").entered();
         let path = path.as_ref().to_path_buf();
@@ -300,7 +306,7 @@ impl Store {
     }
 
     /// The store's current time (ms since the epoch), as defined on
-    /// [`Clock`] ("The store's time"): the wall clock's reading when it is ahead, else the
+    /// [`Clock`](crate::Clock) ("The store's time"): the wall clock's reading when it is ahead, else the
     /// last time taken from it plus the monotonic time elapsed since; never
     /// lower than a time returned before, across crashes too (the time is
     /// reserved durably before it is returned). On a store that refuses
@@ -331,7 +337,7 @@ impl Store {
     ///   invalid business key.
     /// - [`Error::CorruptRecord`] when the stored record is damaged.
     /// - [`Error::TokensExhausted`] when the claim would acquire but the
-    ///   token counter is at [`MAX_TOKEN`]; nothing is written.
+    ///   token counter is at [`MAX_TOKEN`](crate::MAX_TOKEN); nothing is written.
     /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: the
     ///   store could not write. After a storage error the claim may or may
     ///   not be durable; a later claim finds out.
@@ -573,7 +579,7 @@ impl Store {
     }
 
     /// Extends the lease to at least `now + lease` (whole milliseconds, 1 ms
-    /// to [`MAX_LEASE`]); a lease is never shortened. Retention is pushed out
+    /// to [`MAX_LEASE`](crate::MAX_LEASE)); a lease is never shortened. Retention is pushed out
     /// so that it never ends before the lease. Returns the new lease
     /// deadline in ms since the epoch. Durable when this returns.
     ///
@@ -661,7 +667,7 @@ impl Store {
     /// or not it was evicted). Does not wait for the writer, except for a
     /// change of `key` that is not yet durable, and for a renewal of the
     /// store's time reservation when the time has outrun it (reads that ran
-    /// for about a second without writes; see [`Clock`], "The store's
+    /// for about a second without writes; see [`Clock`](crate::Clock), "The store's
     /// time").
     ///
     /// # Errors
@@ -863,12 +869,12 @@ impl Store {
     ///   business key another live key holds are skipped.
     /// - The stream is validated input. The meta frame is checked before
     ///   anything is written: its token counter must not be above
-    ///   [`MAX_TOKEN`], and its clock high-water mark not more than
+    ///   [`MAX_TOKEN`](crate::MAX_TOKEN), and its clock high-water mark not more than
     ///   `options`' clock tolerance (default 5 minutes) ahead of the store's
     ///   clock. Every record is checked as it is read: its token below
-    ///   [`MAX_TOKEN`], its update time within the tolerance, its lease
-    ///   ending at most [`MAX_LEASE`] and its expiry at most
-    ///   [`MAX_RETENTION`] after its last update, a Processing record's
+    ///   [`MAX_TOKEN`](crate::MAX_TOKEN), its update time within the tolerance, its lease
+    ///   ending at most [`MAX_LEASE`](crate::MAX_LEASE) and its expiry at most
+    ///   [`MAX_RETENTION`](crate::MAX_RETENTION) after its last update, a Processing record's
     ///   expiry not before its lease's end, a finished record's output
     ///   present, and its values within this store's configured limits.
     /// - The store's token counter is raised above every token in the
@@ -968,8 +974,8 @@ impl Store {
     }
 
     /// Makes every change acknowledged so far durable, and returns when it
-    /// is. With [`Durability::Buffered`] this forces the log's fsync now
-    /// instead of within `max_delay`; with [`Durability::Immediate`]
+    /// is. With [`Durability::Buffered`](crate::Durability::Buffered) this forces the log's fsync now
+    /// instead of within `max_delay`; with [`Durability::Immediate`](crate::Durability::Immediate)
     /// acknowledged changes are durable already and this returns at once.
     ///
     /// # Errors

@@ -4,18 +4,18 @@
 //! # How it works
 //!
 //! - **One driver thread** owns a tokio current-thread runtime, on which
-//!   `tokio-postgres` runs up to [`PgOptions::connections`] connections. The
-//!   sync API ([`Postgres::apply`] and the rest) sends a job to that thread
-//!   and blocks on a one-shot answer; [`Postgres::apply_async`] awaits the
+//!   `tokio-postgres` runs up to `PgOptions::connections` connections. The
+//!   sync API (`Postgres::apply` and the rest) sends a job to that thread
+//!   and blocks on a one-shot answer; `Postgres::apply_async` awaits the
 //!   same answer as a runtime-free future.
 //! - **Group commit over the wire.** Every connection has a worker task.
-//!   A free worker takes everything queued (up to [`MAX_BATCH`] requests,
+//!   A free worker takes everything queued (up to `MAX_BATCH` requests,
 //!   never waiting for more to arrive, so a lone caller is never held back)
 //!   and runs it as one transaction: one multi-row read that locks the
 //!   batch's rows in key order (`SELECT … WHERE key = ANY($1) ORDER BY key
 //!   FOR UPDATE`), the database clock read once, tokens drawn from the
 //!   sequence only after the rows are locked, every request decided in
-//!   arrival order by the pure [`transition`](crate::record::transition)
+//!   arrival order by the pure `record::transition`
 //!   over an in-memory overlay (so a later request sees an earlier one), and
 //!   one multi-row write per kind (`UNNEST` arrays) that is a compare-and-set
 //!   against what was read: `INSERT … ON CONFLICT DO NOTHING` for keys
