@@ -7,7 +7,7 @@
 //! a different payload, and forgets it after a retention period (24 hours by
 //! default, as Stripe does). All of it lives in the process, on one file;
 //! with the cargo feature `postgres`, the same `Store` runs on one schema
-//! of a PostgreSQL database shared by every replica ([`Store::connect`]).
+//! of a PostgreSQL database shared by every replica (`Store::connect`).
 //!
 //! ```
 //! use idemstore::{ClaimOptions, ClaimOutcome, Fingerprint, Key, Store};

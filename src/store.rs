@@ -25,7 +25,7 @@ use crate::sweeper::Sweeper;
 
 /// A crash-safe idempotency store: embedded on one file ([`Store::open`]),
 /// or one schema of a PostgreSQL database shared by every replica of a
-/// service ([`Store::connect`], cargo feature `postgres`). The API and the
+/// service (`Store::connect`, cargo feature `postgres`). The API and the
 /// guarantees are the same on both; README's "One replica or many" says
 /// what differs.
 ///
