@@ -893,50 +893,100 @@ pub(crate) fn recover(
     let end = at;
 
     // Look past the chain for a frame of this epoch that proves the missing
-    // frame `last + 1` was durable, a chunk at a time.
+    // frame `last + 1` was durable, a chunk at a time. The tail is hostile
+    // input as much as a torn write: every chunk is read once and searched
+    // in place, a candidate's header is judged from the chunk, and only a
+    // candidate whose header claims a later frame of this epoch has its
+    // body read and checked, within a budget of verified bytes (twice the
+    // log), so that no arrangement of bytes makes recovery read more than
+    // a few times the log.
     let mut discarded_tail = false;
     let mut pos = end;
     let mut chunk = Vec::new();
+    let budget = len.saturating_mul(2);
+    let mut verified: u64 = 0;
     while pos < len {
         let n = usize::try_from((len - pos).min(SCAN_CHUNK as u64)).unwrap_or(SCAN_CHUNK);
         chunk.resize(n, 0);
         log.read_at(pos, &mut chunk)
             .map_err(|e| io_err(path, "read", &e))?;
-        let found = chunk
+        let mut from = 0usize;
+        // Where the scan goes on after this chunk.
+        let mut next = None;
+        while let Some(rel) = chunk[from..]
             .windows(FRAME_MAGIC.len())
-            .position(|w| w == FRAME_MAGIC);
-        let Some(rel) = found else {
-            // A magic cut by the chunk's end is found by the next chunk.
-            let step = if pos + n as u64 >= len {
-                n
-            } else {
-                n.saturating_sub(FRAME_MAGIC.len() - 1).max(1)
-            };
-            pos += step as u64;
-            continue;
-        };
-        let cand = pos + rel as u64;
-        match read_frame(log, path, cand, len, store_id)? {
-            Some((h, _)) if h.epoch == epoch && h.seq > last => {
-                discarded_tail = true;
-                if h.synced_through > last {
-                    return Err(Error::CorruptLog {
-                        path: path.to_path_buf(),
-                        offset: end,
-                        detail: format!(
-                            "frame {} is missing or damaged, but frame {} at offset {cand} \
-                             records that frames up to {} were durable",
-                            last + 1,
-                            h.seq,
-                            h.synced_through
-                        ),
-                    });
+            .position(|w| w == FRAME_MAGIC)
+        {
+            let at = from + rel;
+            let cand = pos + at as u64;
+            // The header from the chunk, or read when the chunk cuts it.
+            let mut head = [0u8; FRAME_HEADER_LEN];
+            match chunk.get(at..at + FRAME_HEADER_LEN) {
+                Some(h) => head.copy_from_slice(h),
+                None if cand.saturating_add(FRAME_HEADER_LEN as u64) <= len => log
+                    .read_at(cand, &mut head)
+                    .map_err(|e| io_err(path, "read", &e))?,
+                None => {
+                    from = at + 1;
+                    continue;
                 }
-                pos = cand + h.total_len() as u64;
             }
-            Some((h, _)) => pos = cand + h.total_len() as u64,
-            None => pos = cand + 1,
+            let body_len = u64::from(le_u32(&head[4..8]));
+            let whole = cand
+                .checked_add(FRAME_HEADER_LEN as u64)
+                .and_then(|b| b.checked_add(body_len))
+                .is_some_and(|e| e <= len);
+            let claims_later = le_u64(&head[16..24]) == epoch && le_u64(&head[8..16]) > last;
+            if !claims_later || !whole {
+                from = at + 1;
+                continue;
+            }
+            verified = verified.saturating_add(body_len);
+            if verified > budget {
+                return Err(Error::CorruptLog {
+                    path: path.to_path_buf(),
+                    offset: cand,
+                    detail: format!(
+                        "past the end of the log's chain, damaged frame headers claim more \
+                         than twice the log's {len} bytes of frames: the log is not a torn \
+                         write of this store"
+                    ),
+                });
+            }
+            match read_frame(log, path, cand, len, store_id)? {
+                Some((h, _)) if h.epoch == epoch && h.seq > last => {
+                    discarded_tail = true;
+                    if h.synced_through > last {
+                        return Err(Error::CorruptLog {
+                            path: path.to_path_buf(),
+                            offset: end,
+                            detail: format!(
+                                "frame {} is missing or damaged, but frame {} at offset {cand} \
+                                 records that frames up to {} were durable",
+                                last + 1,
+                                h.seq,
+                                h.synced_through
+                            ),
+                        });
+                    }
+                    let after = cand.saturating_add(h.total_len() as u64);
+                    match usize::try_from(after - pos).ok().filter(|&a| a < n) {
+                        Some(a) => from = a,
+                        None => {
+                            next = Some(after);
+                            break;
+                        }
+                    }
+                }
+                _ => from = at + 1,
+            }
         }
+        pos = match next {
+            Some(after) => after,
+            // A magic cut by the chunk's end is found by the next chunk.
+            None if pos + n as u64 >= len => len,
+            None => pos + n.saturating_sub(FRAME_MAGIC.len() - 1).max(1) as u64,
+        };
     }
     // Anything but zeros where the next frame would start was cut off.
     if end < len {
@@ -1220,6 +1270,93 @@ mod tests {
             Err(Error::CorruptLog { offset, .. }) => assert_eq!(offset, offsets[2]),
             other => panic!("expected corruption, got {:?}", other.map(|r| r.end)),
         }
+    }
+
+    /// A log that counts the bytes read from it.
+    #[derive(Clone)]
+    struct Counted {
+        log: MemoryLog,
+        read: Arc<std::sync::atomic::AtomicU64>,
+    }
+
+    impl LogFile for Counted {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.read
+                .fetch_add(buf.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            self.log.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.log.write_at(offset, data)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.log.sync_data()
+        }
+        fn len(&self) -> std::io::Result<u64> {
+            self.log.len()
+        }
+    }
+
+    /// Hostile bytes past the chain: frame headers packed back to back,
+    /// each claiming a later frame of this epoch with a long body. The scan
+    /// reads a bounded multiple of the log (not a body per header), and
+    /// refuses the log rather than read on.
+    #[test]
+    fn packed_fake_headers_past_the_chain_cost_a_bounded_read() {
+        let (log, _) = log_with(2, |s| s - 1);
+        let start = recover(&log, Path::new("t"), 7, 3, 10).unwrap().end as usize + 64;
+        let mut bytes = log.contents();
+        let len = bytes.len();
+        let mut at = start;
+        // Whole headers, back to back (a header is 36 bytes).
+        while at + FRAME_HEADER_LEN <= len {
+            bytes[at..at + 4].copy_from_slice(&FRAME_MAGIC);
+            // body_len, seq, epoch, synced_through: a later frame of epoch 3.
+            bytes[at + 4..at + 8].copy_from_slice(&(((len - at) as u32) / 2).to_le_bytes());
+            bytes[at + 8..at + 16].copy_from_slice(&99u64.to_le_bytes());
+            bytes[at + 16..at + 24].copy_from_slice(&3u64.to_le_bytes());
+            at += FRAME_HEADER_LEN;
+        }
+        log.set_contents(bytes);
+        let counted = Counted {
+            log: log.clone(),
+            read: Arc::default(),
+        };
+        let result = recover(&counted, Path::new("t"), 7, 3, 10);
+        let read = counted.read.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            read <= 4 * len as u64,
+            "recovery read {read} bytes of a {len}-byte log"
+        );
+        match result {
+            Err(Error::CorruptLog { detail, .. }) => assert!(detail.contains("twice"), "{detail}"),
+            other => panic!("expected a refusal, got {:?}", other.map(|r| r.end)),
+        }
+    }
+
+    /// Frame magics packed past the chain whose headers claim nothing of
+    /// this epoch are passed over in place: the tail is read about once.
+    #[test]
+    fn packed_foreign_magics_are_read_once() {
+        let (log, _) = log_with(2, |s| s - 1);
+        let mut at = recover(&log, Path::new("t"), 7, 3, 10).unwrap().end as usize + 64;
+        let mut bytes = log.contents();
+        let len = bytes.len();
+        while at + 4 <= len {
+            bytes[at..at + 4].copy_from_slice(&FRAME_MAGIC);
+            at += 4;
+        }
+        log.set_contents(bytes);
+        let counted = Counted {
+            log: log.clone(),
+            read: Arc::default(),
+        };
+        let r = recover(&counted, Path::new("t"), 7, 3, 10).unwrap();
+        assert_eq!(r.last_seq(10), 12);
+        let read = counted.read.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            read <= 3 * len as u64,
+            "recovery read {read} bytes of a {len}-byte log"
+        );
     }
 
     #[test]
