@@ -18,6 +18,8 @@
 
 mod common;
 mod pg;
+#[path = "../examples/ticket_txn/recipe.rs"]
+mod recipe;
 
 use std::time::Duration;
 
@@ -61,13 +63,10 @@ async fn client(url: &str) -> Client {
     client
 }
 
-/// The tickets table of `schema`'s test, unique on the idempotency key.
+/// The tickets table of one test, unique on the idempotency key (the
+/// example's DDL).
 async fn create_tickets(client: &Client, table: &str) {
-    client
-        .batch_execute(&format!(
-            "CREATE TABLE {table} (id bigserial PRIMARY KEY, \
-             idempotency_key text NOT NULL UNIQUE, title text NOT NULL)"
-        ))
+    recipe::create_table(client, table)
         .await
         .expect("create tickets");
 }
@@ -271,9 +270,10 @@ fn a_stale_lease_aborts_the_callers_transaction() {
 }
 
 /// The child of [`a_process_killed_between_the_statements_commits_nothing`]:
-/// claims its key, opens a transaction, inserts the ticket, and (when
-/// `TXN_STAGE` is `completed`) completes the key in it; then it reports
-/// READY and is killed before `COMMIT`.
+/// claims its key and runs the recipe of `examples/ticket_txn`, killed
+/// between the ticket's insert and the completion (`TXN_STAGE` `inserted`);
+/// or inserts the ticket and completes the key, killed before `COMMIT`
+/// (`completed`).
 fn killed_child() -> ! {
     let url = child_var("TXN_URL");
     let schema = child_var("TXN_SCHEMA");
@@ -286,16 +286,19 @@ fn killed_child() -> ! {
     let lease = acquire(&store, &k);
     report("token", lease.token());
     let rt = runtime();
-    let c = rt.block_on(client(&url));
-    // The transaction is left open: BEGIN, the ticket, (the completion).
+    let mut c = rt.block_on(client(&url));
     rt.block_on(async {
+        if stage == "inserted" {
+            let killed_here = async { ready_and_wait() };
+            let _ = recipe::create_ticket(&mut c, &store, &table, &lease, "t", killed_here).await;
+            unreachable!("killed between the statements");
+        }
+        // The transaction is left open: BEGIN, the ticket, the completion.
         c.batch_execute("BEGIN").await.expect("begin");
         insert_ticket(&c, &table, &k).await;
-        if stage == "completed" {
-            complete_in(&c, &store, &lease, b"ticket")
-                .await
-                .expect("complete_in");
-        }
+        complete_in(&c, &store, &lease, b"ticket")
+            .await
+            .expect("complete_in");
     });
     ready_and_wait()
 }
