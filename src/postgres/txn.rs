@@ -55,6 +55,11 @@ use super::{Fail, Shared, describe, fail, fill_records, time_from};
 /// record with a compare-and-set (`UPDATE … WHERE key = $k AND token =
 /// $seen`). The row stays locked until the caller's transaction ends:
 /// keep the transaction short and call this last, just before `COMMIT`.
+/// Requests of the store for the same key (a retry's claim, an extension)
+/// wait for that lock, and so does the store's group commit that carries
+/// them: do not call the store for this key from the same task while the
+/// transaction is open (it would wait for itself), and extend the lease
+/// before the transaction rather than inside it.
 ///
 /// # Errors
 ///
