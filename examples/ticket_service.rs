@@ -27,6 +27,18 @@
 //! key; a handler that takes a key over (an earlier attempt died, or its
 //! client went away) looks the ticket up by key before creating one. See
 //! `ticket_service/service.rs`.
+//!
+//! As a fleet (built with `--features http,metrics,postgres`), every
+//! replica is given the same database and schema:
+//!
+//! ```text
+//! cargo run --example ticket_service --features http,metrics,postgres -- \
+//!     --addr 127.0.0.1:3001 --postgres postgresql://app@db/tickets --schema tickets
+//! ```
+//!
+//! The idempotency store is then `Store::connect(url, …postgres_schema(schema))`
+//! and the tickets a table `"<schema>".tickets` of the same database,
+//! `UNIQUE` on the idempotency key; a retry may land on any replica.
 
 #[path = "ticket_service/service.rs"]
 mod service;
@@ -62,6 +74,16 @@ struct Args {
     /// milliseconds.
     #[arg(long, default_value_t = 500)]
     stream_ms: u64,
+    /// Run as a replica of a fleet on this PostgreSQL database (a
+    /// `postgresql://` URL): the idempotency keys and the tickets are kept
+    /// there, and `--store` and `--tickets` are not used. Needs the cargo
+    /// feature `postgres`.
+    #[arg(long, value_name = "URL")]
+    postgres: Option<String>,
+    /// With `--postgres`: the schema of the idempotency store and of the
+    /// `tickets` table.
+    #[arg(long, default_value = "ticket_service", requires = "postgres")]
+    schema: String,
 }
 
 fn main() -> ExitCode {
@@ -74,6 +96,10 @@ fn main() -> ExitCode {
         work: Duration::from_millis(args.work_ms),
         stream_interval: Duration::from_millis(args.stream_ms),
         metrics: None,
+        postgres: args.postgres.map(|url| service::PgTarget {
+            url,
+            schema: args.schema,
+        }),
     };
     // The recorder goes in before the store opens: the store registers its
     // metrics handles with the recorder installed at open.

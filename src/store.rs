@@ -1071,8 +1071,9 @@ fn check_len(what: &'static str, len: usize, limit: usize) -> Result<()> {
 }
 
 impl Store {
-    /// The engine underneath (for the crate's own tests).
-    #[cfg(test)]
+    /// The engine underneath (for the crate's own tests, and for
+    /// `idemstore::postgres::complete_in`).
+    #[cfg(any(test, feature = "postgres"))]
     pub(crate) fn engine(&self) -> &Engine {
         &self.engine
     }
@@ -1089,7 +1090,7 @@ impl Store {
         })
     }
 
-    fn complete_op(&self, lease: &Lease, result: &[u8]) -> Result<Op> {
+    pub(crate) fn complete_op(&self, lease: &Lease, result: &[u8]) -> Result<Op> {
         check_len("result", result.len(), self.config.max_result_bytes)?;
         Ok(Op::Complete {
             token: lease.token(),
@@ -1097,7 +1098,7 @@ impl Store {
         })
     }
 
-    fn fail_op(&self, lease: &Lease, failure: &[u8], retryable: bool) -> Result<Op> {
+    pub(crate) fn fail_op(&self, lease: &Lease, failure: &[u8], retryable: bool) -> Result<Op> {
         check_len("failure", failure.len(), self.config.max_failure_bytes)?;
         Ok(Op::Fail {
             token: lease.token(),

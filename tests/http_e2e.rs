@@ -61,6 +61,7 @@ fn run_server() -> ! {
         work: Duration::from_millis(WORK_MS),
         stream_interval: Duration::from_millis(10),
         metrics: None,
+        postgres: None,
     };
     let addr = options.addr;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -391,6 +392,7 @@ fn a_streaming_response_retried_while_it_streams_is_409_then_replayed_whole() {
         work: Duration::ZERO,
         stream_interval: Duration::from_millis(600),
         metrics: None,
+        postgres: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = runtime.spawn(service::serve_on(listener, options, async {

@@ -75,6 +75,7 @@ fn metrics_count_the_known_outcomes_of_a_run() {
         work: Duration::ZERO,
         stream_interval: Duration::from_millis(50),
         metrics: Some(handle),
+        postgres: None,
     };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = runtime.spawn(service::serve_on(listener, options, async {

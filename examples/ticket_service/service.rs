@@ -3,6 +3,20 @@
 //! cannot: it is unique on the idempotency key, and a handler that takes a
 //! key over looks the ticket up before creating one.
 //!
+//! Two ways to run it: one replica over files (the idempotency store and a
+//! redb ticket file), or a fleet of replicas over one PostgreSQL database
+//! ([`Options::postgres`]: the store through `Store::connect`, and the
+//! tickets in a table of the same database, `UNIQUE` on the idempotency
+//! key). The handler is the same in both.
+//!
+//! Why the PostgreSQL mode does not create the ticket and complete the key
+//! in one transaction (`idemstore::postgres::complete_in`, see
+//! `examples/ticket_txn.rs`): the layer stores the *response* (status,
+//! headers and the body as it streamed to the client) as the key's result,
+//! after the handler returned and the last byte was sent, so the handler
+//! has nothing to complete the key with. The unique key and the lookup on
+//! a takeover close that gap instead, on one replica as on many.
+//!
 //! Shared by `examples/ticket_service.rs` and `tests/http_e2e.rs`.
 
 use std::future::Future;
@@ -53,6 +67,19 @@ pub struct Options {
     /// The Prometheus exporter's handle, for `GET /metrics`; its recorder
     /// must be installed before the store is opened. `None`: no route.
     pub metrics: Option<PrometheusHandle>,
+    /// Run as one replica of a fleet on this PostgreSQL database (the
+    /// `store` and `tickets` files are then not used). `None`: files.
+    pub postgres: Option<PgTarget>,
+}
+
+/// Where a fleet keeps its idempotency keys and its tickets.
+#[derive(Debug, Clone)]
+pub struct PgTarget {
+    /// The database's connection string (`postgresql://…`).
+    pub url: String,
+    /// The schema of the idempotency store; the `tickets` table is created
+    /// in it too, beside the store's tables.
+    pub schema: String,
 }
 
 /// How many progress events `POST /tickets/triage` streams before the
@@ -170,10 +197,197 @@ impl Tickets {
     }
 }
 
+/// The ticket table of a fleet: `"<schema>".tickets` in the database of
+/// the idempotency store, `UNIQUE` on the idempotency key, shared by every
+/// replica.
+#[cfg(feature = "postgres")]
+pub struct PgTickets {
+    url: String,
+    table: String,
+    /// The connection (opened again when it breaks).
+    client: tokio::sync::Mutex<Arc<tokio_postgres::Client>>,
+}
+
+#[cfg(feature = "postgres")]
+use idemstore::postgres::tokio_postgres;
+
+#[cfg(feature = "postgres")]
+impl PgTickets {
+    /// Connects and creates the table if it is missing (under an advisory
+    /// lock, so that replicas starting together do not race).
+    pub async fn connect(target: &PgTarget) -> Result<PgTickets, BoxError> {
+        let table = format!("\"{}\".tickets", target.schema);
+        let client = Self::open(&target.url).await?;
+        client
+            .batch_execute(&format!(
+                "BEGIN; SELECT pg_advisory_xact_lock(hashtext('ticket_service.ddl')); \
+                 CREATE TABLE IF NOT EXISTS {table} (id bigserial PRIMARY KEY, \
+                 idempotency_key text NOT NULL UNIQUE, title text NOT NULL); COMMIT;"
+            ))
+            .await?;
+        Ok(PgTickets {
+            url: target.url.clone(),
+            table,
+            client: tokio::sync::Mutex::new(Arc::new(client)),
+        })
+    }
+
+    async fn open(url: &str) -> Result<tokio_postgres::Client, BoxError> {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "tickets connection ended");
+            }
+        });
+        Ok(client)
+    }
+
+    /// The connection, opened again if the last one broke.
+    async fn client(&self) -> Result<Arc<tokio_postgres::Client>, BoxError> {
+        let mut held = self.client.lock().await;
+        if held.is_closed() {
+            *held = Arc::new(Self::open(&self.url).await?);
+        }
+        Ok(held.clone())
+    }
+
+    fn ticket(row: &tokio_postgres::Row) -> Result<Ticket, BoxError> {
+        Ok(Ticket {
+            id: u64::try_from(row.try_get::<_, i64>(0)?)?,
+            idempotency_key: row.try_get(1)?,
+            title: row.try_get(2)?,
+        })
+    }
+
+    /// The ticket created under `key`, if any.
+    pub async fn find(&self, key: &str) -> Result<Option<Ticket>, BoxError> {
+        let c = self.client().await?;
+        let sql = format!(
+            "SELECT id, idempotency_key, title FROM {} WHERE idempotency_key = $1",
+            self.table
+        );
+        c.query_opt(&sql, &[&key])
+            .await?
+            .as_ref()
+            .map(Self::ticket)
+            .transpose()
+    }
+
+    /// Creates a ticket under `key`, or returns the one that exists: the
+    /// insert does nothing on a conflict (it waits for a racing insert of
+    /// the same key to commit or roll back), and a second statement, with
+    /// a snapshot of its own, reads the winner.
+    pub async fn create(&self, key: &str, title: &str) -> Result<Ticket, BoxError> {
+        let c = self.client().await?;
+        let sql = format!(
+            "INSERT INTO {} (idempotency_key, title) VALUES ($1, $2) \
+             ON CONFLICT (idempotency_key) DO NOTHING RETURNING id, idempotency_key, title",
+            self.table
+        );
+        if let Some(row) = c.query_opt(&sql, &[&key, &title]).await? {
+            return Self::ticket(&row);
+        }
+        self.find(key)
+            .await?
+            .ok_or_else(|| "the conflicting ticket is gone".into())
+    }
+
+    /// The ticket with `id`, if any.
+    pub async fn get(&self, id: u64) -> Result<Option<Ticket>, BoxError> {
+        let c = self.client().await?;
+        let sql = format!(
+            "SELECT id, idempotency_key, title FROM {} WHERE id = $1",
+            self.table
+        );
+        c.query_opt(&sql, &[&i64::try_from(id)?])
+            .await?
+            .as_ref()
+            .map(Self::ticket)
+            .transpose()
+    }
+
+    /// How many tickets exist.
+    pub async fn count(&self) -> Result<u64, BoxError> {
+        let c = self.client().await?;
+        let n: i64 = c
+            .query_one(&format!("SELECT count(*) FROM {}", self.table), &[])
+            .await?
+            .try_get(0)?;
+        Ok(u64::try_from(n)?)
+    }
+
+    /// Every ticket, by id.
+    #[allow(dead_code)] // Used by tests/fleet_http.rs, not by the example.
+    pub async fn all(&self) -> Result<Vec<Ticket>, BoxError> {
+        let c = self.client().await?;
+        let sql = format!(
+            "SELECT id, idempotency_key, title FROM {} ORDER BY id",
+            self.table
+        );
+        c.query(&sql, &[]).await?.iter().map(Self::ticket).collect()
+    }
+}
+
+/// The ticket table of either mode.
+#[derive(Clone)]
+enum Table {
+    /// A redb file (one replica).
+    File(Tickets),
+    /// A table of the fleet's database.
+    #[cfg(feature = "postgres")]
+    Postgres(Arc<PgTickets>),
+}
+
+impl Table {
+    async fn find(&self, key: String) -> Result<Option<Ticket>, BoxError> {
+        match self {
+            Table::File(t) => {
+                let t = t.clone();
+                blocking(move || t.find(&key)).await
+            }
+            #[cfg(feature = "postgres")]
+            Table::Postgres(t) => t.find(&key).await,
+        }
+    }
+
+    async fn create(&self, key: String, title: String) -> Result<Ticket, BoxError> {
+        match self {
+            Table::File(t) => {
+                let t = t.clone();
+                blocking(move || t.create(&key, &title)).await
+            }
+            #[cfg(feature = "postgres")]
+            Table::Postgres(t) => t.create(&key, &title).await,
+        }
+    }
+
+    async fn get(&self, id: u64) -> Result<Option<Ticket>, BoxError> {
+        match self {
+            Table::File(t) => {
+                let t = t.clone();
+                blocking(move || t.get(id)).await
+            }
+            #[cfg(feature = "postgres")]
+            Table::Postgres(t) => t.get(id).await,
+        }
+    }
+
+    async fn count(&self) -> Result<u64, BoxError> {
+        match self {
+            Table::File(t) => {
+                let t = t.clone();
+                blocking(move || t.count()).await
+            }
+            #[cfg(feature = "postgres")]
+            Table::Postgres(t) => t.count().await,
+        }
+    }
+}
+
 #[derive(Clone)]
 struct App {
     store: Arc<Store>,
-    tickets: Tickets,
+    tickets: Table,
     work: Duration,
     stream_interval: Duration,
 }
@@ -294,8 +508,7 @@ async fn ensure_ticket(
     // An earlier attempt may have created the ticket and died before its
     // response was stored: query instead of acting again.
     if ctx.is_takeover() {
-        let (tickets, k) = (app.tickets.clone(), key.clone());
-        match blocking(move || tickets.find(&k)).await {
+        match app.tickets.find(key.clone()).await {
             Ok(Some(ticket)) => return Ok(ticket),
             Ok(None) => {}
             Err(e) => return Err(unavailable(&e)),
@@ -303,10 +516,9 @@ async fn ensure_ticket(
     }
 
     tokio::time::sleep(app.work / 2).await;
-    let tickets = app.tickets.clone();
     // Unique on the key: even a race that slipped past the lookup above
     // finds the existing ticket instead of creating a second one.
-    let ticket = match blocking(move || tickets.create(&key, &title)).await {
+    let ticket = match app.tickets.create(key, title).await {
         Ok(ticket) => ticket,
         Err(e) => return Err(unavailable(&e)),
     };
@@ -315,7 +527,7 @@ async fn ensure_ticket(
 }
 
 async fn get_ticket(State(app): State<App>, UrlPath(id): UrlPath<u64>) -> Response {
-    match blocking(move || app.tickets.get(id)).await {
+    match app.tickets.get(id).await {
         Ok(Some(ticket)) => Json(ticket.to_json()).into_response(),
         Ok(None) => StatusCode::NOT_FOUND.into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
@@ -323,7 +535,7 @@ async fn get_ticket(State(app): State<App>, UrlPath(id): UrlPath<u64>) -> Respon
 }
 
 async fn count_tickets(State(app): State<App>) -> Response {
-    match blocking(move || app.tickets.count()).await {
+    match app.tickets.count().await {
         Ok(n) => Json(json!({"count": n})).into_response(),
         Err(e) => (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
     }
@@ -385,7 +597,7 @@ async fn metrics(
 }
 
 /// The service's routes over an open store and ticket table.
-pub fn router(store: Arc<Store>, tickets: Tickets, options: &Options) -> Router {
+fn router(store: Arc<Store>, tickets: Table, options: &Options) -> Router {
     let idempotency = IdempotencyLayer::new(store.clone())
         .lease(options.lease)
         // One ticket per alert: a second key for the same `alert_id` is
@@ -418,11 +630,12 @@ pub fn router(store: Arc<Store>, tickets: Tickets, options: &Options) -> Router 
         })
 }
 
-/// Opens the files, listens on `options.addr`, and serves until `shutdown`
-/// completes.
+/// Opens the files (or connects to the database), listens on
+/// `options.addr`, and serves until `shutdown` completes.
 ///
 /// # Errors
-/// When a file cannot be opened or the address cannot be bound.
+/// When a file cannot be opened, the database cannot be reached, or the
+/// address cannot be bound.
 pub async fn serve(
     options: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
@@ -431,18 +644,42 @@ pub async fn serve(
     serve_on(listener, options, shutdown).await
 }
 
-/// Opens the files and serves on `listener` (`options.addr` is not used)
+/// Opens the files (or connects to the database) and serves on `listener`
+/// (`options.addr` is not used)
 /// until `shutdown` completes.
 ///
 /// # Errors
-/// When a file cannot be opened.
+/// When a file cannot be opened or the database cannot be reached.
 pub async fn serve_on(
     listener: tokio::net::TcpListener,
     options: Options,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), BoxError> {
-    let store = Store::open_with(&options.store, Config::new().lease(options.lease))?;
-    let tickets = Tickets::open(&options.tickets)?;
+    let config = Config::new().lease(options.lease);
+    let (store, tickets) = match &options.postgres {
+        None => (
+            Store::open_with(&options.store, config)?,
+            Table::File(Tickets::open(&options.tickets)?),
+        ),
+        #[cfg(feature = "postgres")]
+        Some(target) => {
+            // Creates the schema (and the store's tables) on first use.
+            let (url, schema) = (target.url.clone(), target.schema.clone());
+            let store = tokio::task::spawn_blocking(move || {
+                Store::connect(&url, config.postgres_schema(schema))
+            })
+            .await??;
+            let tickets = PgTickets::connect(target).await?;
+            (store, Table::Postgres(Arc::new(tickets)))
+        }
+        #[cfg(not(feature = "postgres"))]
+        Some(target) => {
+            let _ = (&target.url, &target.schema);
+            return Err(
+                "this build has no PostgreSQL support: build with --features postgres".into(),
+            );
+        }
+    };
     let app = router(Arc::new(store), tickets, &options);
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)

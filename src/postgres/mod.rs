@@ -1,6 +1,16 @@
 //! The PostgreSQL engine (cargo feature `postgres`): one database shared by
 //! every replica of a service.
 //!
+//! A store on PostgreSQL is opened with [`Store::connect`](crate::Store::connect)
+//! and used through [`Store`](crate::Store) like a file store. What this
+//! module adds to the public API is the effect and the completion in one
+//! transaction, when the effect is a write to the same database (the
+//! Stripe/rocket-rides recipe): [`complete_in`] and [`fail_in`] finish a
+//! key inside the caller's own `tokio-postgres` transaction, so that, for
+//! example, the ticket row and the idempotency record commit together or
+//! not at all. Through them, `tokio-postgres` types are part of this
+//! feature's public API (re-exported as [`tokio_postgres`]).
+//!
 //! # How it works
 //!
 //! - **One driver thread** owns a tokio current-thread runtime, on which
@@ -55,6 +65,14 @@ pub mod server;
 #[cfg(test)]
 mod tests;
 mod tls;
+mod txn;
+
+/// The `tokio-postgres` this crate is built with: its types
+/// ([`GenericClient`](tokio_postgres::GenericClient), `Client`,
+/// `Transaction`) are part of the public API of [`complete_in`] and
+/// [`fail_in`].
+pub use tokio_postgres;
+pub use txn::{complete_in, fail_in};
 
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;

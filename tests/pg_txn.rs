@@ -1,0 +1,376 @@
+//! The effect and the completion in one transaction (feature `postgres`):
+//! `idemstore::postgres::complete_in` and `fail_in` inside the caller's own
+//! `tokio-postgres` transaction, with a tickets table in the same database.
+//!
+//! - commit: the record is Succeeded and the ticket row exists;
+//! - rollback: neither; the key stays Processing and is taken over once
+//!   its lease lapses;
+//! - a stale lease (taken over): `Error::StaleLease`, the caller's
+//!   transaction is aborted (its `COMMIT` rolls back), no ticket row;
+//! - a process killed between the two statements (a child that inserted
+//!   the ticket, and one that also completed the key, both SIGKILLed
+//!   before `COMMIT`): no ticket row, the key still Processing, then taken
+//!   over after the lease;
+//! - a file store is refused with a typed error.
+//!
+//! The server is the throwaway one of `tests/pg`; `IDEMSTORE_SKIP_POSTGRES=1`
+//! skips these tests.
+
+mod common;
+mod pg;
+#[path = "../examples/ticket_txn/recipe.rs"]
+mod recipe;
+
+use std::time::Duration;
+
+use common::{child_role, child_var, child_var_parsed, ready_and_wait, report, spawn_child};
+use idemstore::postgres::tokio_postgres::{self, Client, NoTls};
+use idemstore::postgres::{complete_in, fail_in};
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock, State, Store,
+};
+
+const T0: u64 = 1_700_000_000_000;
+const LEASE: Duration = Duration::from_secs(10);
+
+fn key(id: &str) -> Key {
+    Key::new("POST /tickets", id).expect("key")
+}
+
+fn fp() -> Fingerprint {
+    Fingerprint::of(b"{\"title\":\"printer on fire\"}")
+}
+
+fn config(schema: &str, clock: &ManualClock) -> Config {
+    Config::new()
+        .postgres_schema(schema)
+        .postgres_connections(2)
+        .clock(clock.clone())
+        .lease(LEASE)
+        .sweep_interval(None)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+async fn client(url: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
+    tokio::spawn(connection);
+    client
+}
+
+/// The tickets table of one test, unique on the idempotency key (the
+/// example's DDL).
+async fn create_tickets(client: &Client, table: &str) {
+    recipe::create_table(client, table)
+        .await
+        .expect("create tickets");
+}
+
+async fn tickets_of(client: &Client, table: &str, key: &Key) -> i64 {
+    client
+        .query_one(
+            &format!("SELECT count(*) FROM {table} WHERE idempotency_key = $1"),
+            &[&key.to_string()],
+        )
+        .await
+        .expect("count")
+        .get(0)
+}
+
+async fn insert_ticket(client: &impl tokio_postgres::GenericClient, table: &str, key: &Key) -> i64 {
+    client
+        .query_one(
+            &format!(
+                "INSERT INTO {table} (idempotency_key, title) VALUES ($1, 'printer on fire') \
+                 RETURNING id"
+            ),
+            &[&key.to_string()],
+        )
+        .await
+        .expect("insert ticket")
+        .get(0)
+}
+
+fn acquire(store: &Store, key: &Key) -> Lease {
+    match store
+        .claim(key, &fp(), &ClaimOptions::new())
+        .expect("claim")
+    {
+        ClaimOutcome::Acquired(lease) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// A table name for one test (letters, digits and `_`).
+fn table_of(schema: &str) -> String {
+    format!("public.tickets_{schema}")
+}
+
+#[test]
+fn commit_stores_the_ticket_and_the_completion_together() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_commit");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        create_tickets(&c, &table).await;
+        let k = key("commit-1");
+        let lease = acquire(&store, &k);
+        clock.advance(Duration::from_millis(5));
+
+        let tx = c.transaction().await.expect("begin");
+        let id = insert_ticket(&tx, &table, &k).await;
+        let record = complete_in(&tx, &store, &lease, id.to_string().as_bytes())
+            .await
+            .expect("complete_in");
+        assert_eq!(record.state(), State::Succeeded);
+        assert_eq!(record.updated_ms(), T0 + 5, "decided at the store's clock");
+        // Not visible to the store before the caller commits.
+        let before = store.get(&k).expect("get").expect("record");
+        assert_eq!(before.state(), State::Processing);
+        tx.commit().await.expect("commit");
+
+        let after = store.get(&k).expect("get").expect("record");
+        assert_eq!(after.state(), State::Succeeded);
+        assert_eq!(after.result(), Some(id.to_string().as_bytes()));
+        assert_eq!(after.token(), lease.token());
+        assert_eq!(tickets_of(&c, &table, &k).await, 1);
+        // Every later claim replays it.
+        match store.claim(&k, &fp(), &ClaimOptions::new()).expect("claim") {
+            ClaimOutcome::Replay(r) => assert_eq!(r.result(), Some(id.to_string().as_bytes())),
+            other => panic!("expected a replay, got {other:?}"),
+        }
+        // The lease is finished: a second completion is stale.
+        let tx = c.transaction().await.expect("begin");
+        let err = complete_in(&tx, &store, &lease, b"again")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::StaleLease { .. }), "{err:?}");
+        drop(tx);
+
+        // fail_in: a permanent failure, committed with the caller's write.
+        let k2 = key("fail-1");
+        let lease2 = acquire(&store, &k2);
+        let tx = c.transaction().await.expect("begin");
+        tx.execute(
+            &format!("INSERT INTO {table} (idempotency_key, title) VALUES ($1, 'refused: logged')"),
+            &[&k2.to_string()],
+        )
+        .await
+        .expect("insert");
+        let failed = fail_in(&tx, &store, &lease2, b"no such printer", false)
+            .await
+            .expect("fail_in");
+        assert_eq!(failed.state(), State::Failed { retryable: false });
+        tx.commit().await.expect("commit");
+        let r = store.get(&k2).expect("get").expect("record");
+        assert_eq!(r.failure(), Some(&b"no such printer"[..]));
+        assert_eq!(tickets_of(&c, &table, &k2).await, 1);
+    });
+}
+
+#[test]
+fn rollback_keeps_neither_and_the_key_is_taken_over_after_its_lease() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_rollback");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        create_tickets(&c, &table).await;
+        let k = key("rollback-1");
+        let lease = acquire(&store, &k);
+
+        let tx = c.transaction().await.expect("begin");
+        insert_ticket(&tx, &table, &k).await;
+        complete_in(&tx, &store, &lease, b"1")
+            .await
+            .expect("complete_in");
+        tx.rollback().await.expect("rollback");
+
+        assert_eq!(tickets_of(&c, &table, &k).await, 0);
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing);
+        assert_eq!(r.token(), lease.token());
+        // Still held while the lease runs.
+        assert!(matches!(
+            store.claim(&k, &fp(), &ClaimOptions::new()).expect("claim"),
+            ClaimOutcome::InProgress { .. }
+        ));
+        clock.advance(LEASE);
+        let next = acquire(&store, &k);
+        assert!(next.is_takeover());
+        assert!(next.token() > lease.token());
+        // The new holder finishes it in one transaction.
+        let tx = c.transaction().await.expect("begin");
+        let id = insert_ticket(&tx, &table, &k).await;
+        complete_in(&tx, &store, &next, id.to_string().as_bytes())
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert_eq!(tickets_of(&c, &table, &k).await, 1);
+        assert_eq!(
+            store.get(&k).expect("get").expect("record").state(),
+            State::Succeeded
+        );
+    });
+}
+
+#[test]
+fn a_stale_lease_aborts_the_callers_transaction() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_stale");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        create_tickets(&c, &table).await;
+        let k = key("stale-1");
+        let old = acquire(&store, &k);
+        clock.advance(LEASE + Duration::from_millis(1));
+        let new = acquire(&store, &k);
+        assert!(new.token() > old.token());
+
+        let tx = c.transaction().await.expect("begin");
+        insert_ticket(&tx, &table, &k).await;
+        let err = complete_in(&tx, &store, &old, b"1").await.unwrap_err();
+        match &err {
+            Error::StaleLease { token, .. } => assert_eq!(*token, old.token()),
+            other => panic!("expected StaleLease, got {other:?}"),
+        }
+        // The transaction is aborted: nothing more runs in it, and even a
+        // COMMIT of it rolls back.
+        let more = tx.execute("SELECT 1", &[]).await;
+        assert!(more.is_err(), "the caller's transaction must be aborted");
+        let _ = tx.commit().await;
+
+        assert_eq!(tickets_of(&c, &table, &k).await, 0);
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing);
+        assert_eq!(r.token(), new.token(), "the new holder keeps the key");
+        // A file store is refused with a typed error.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = Store::open(dir.path().join("s.redb")).expect("open");
+        let tx = c.transaction().await.expect("begin");
+        let err = complete_in(&tx, &file, &new, b"1").await.unwrap_err();
+        assert!(
+            matches!(err, Error::InvalidArgument { what: "store", .. }),
+            "{err:?}"
+        );
+    });
+}
+
+/// The child of [`a_process_killed_between_the_statements_commits_nothing`]:
+/// claims its key and runs the recipe of `examples/ticket_txn`, killed
+/// between the ticket's insert and the completion (`TXN_STAGE` `inserted`);
+/// or inserts the ticket and completes the key, killed before `COMMIT`
+/// (`completed`).
+fn killed_child() -> ! {
+    let url = child_var("TXN_URL");
+    let schema = child_var("TXN_SCHEMA");
+    let table = child_var("TXN_TABLE");
+    let id = child_var("TXN_KEY");
+    let stage = child_var("TXN_STAGE");
+    let clock = ManualClock::new(child_var_parsed("TXN_T0"));
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let k = key(&id);
+    let lease = acquire(&store, &k);
+    report("token", lease.token());
+    let rt = runtime();
+    let mut c = rt.block_on(client(&url));
+    rt.block_on(async {
+        if stage == "inserted" {
+            let killed_here = async { ready_and_wait() };
+            let _ = recipe::create_ticket(&mut c, &store, &table, &lease, "t", killed_here).await;
+            unreachable!("killed between the statements");
+        }
+        // The transaction is left open: BEGIN, the ticket, the completion.
+        c.batch_execute("BEGIN").await.expect("begin");
+        insert_ticket(&c, &table, &k).await;
+        complete_in(&c, &store, &lease, b"ticket")
+            .await
+            .expect("complete_in");
+    });
+    ready_and_wait()
+}
+
+#[test]
+fn a_process_killed_between_the_statements_commits_nothing() {
+    const NAME: &str = "a_process_killed_between_the_statements_commits_nothing";
+    if child_role(NAME) {
+        killed_child();
+    }
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_killed");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    let rt = runtime();
+    let mut c = rt.block_on(client(&url));
+    rt.block_on(create_tickets(&c, &table));
+    for stage in ["inserted", "completed"] {
+        let k = key(&format!("killed-{stage}"));
+        let vars = [
+            ("TXN_URL", url.clone()),
+            ("TXN_SCHEMA", schema.clone()),
+            ("TXN_TABLE", table.clone()),
+            ("TXN_KEY", format!("killed-{stage}")),
+            ("TXN_STAGE", stage.to_string()),
+            ("TXN_T0", clock.now_ms_for_child().to_string()),
+        ];
+        let mut child = spawn_child(NAME, &vars);
+        let reports = child.wait_ready();
+        let token: u64 = reports["token"].parse().expect("token");
+        child.kill();
+
+        // The server rolls the dead client's transaction back once it sees
+        // the connection gone; nothing of it was ever visible.
+        rt.block_on(async {
+            assert_eq!(tickets_of(&c, &table, &k).await, 0, "{stage}");
+        });
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing, "{stage}");
+        assert_eq!(r.token(), token, "{stage}");
+        clock.advance(LEASE);
+        // The claim waits for the dead backend's row lock (if it took one)
+        // to go with its transaction.
+        let next = acquire(&store, &k);
+        assert!(next.is_takeover(), "{stage}");
+        rt.block_on(async {
+            let tx = c.transaction().await.expect("begin");
+            let id = insert_ticket(&tx, &table, &k).await;
+            complete_in(&tx, &store, &next, id.to_string().as_bytes())
+                .await
+                .expect("complete_in");
+            tx.commit().await.expect("commit");
+            assert_eq!(tickets_of(&c, &table, &k).await, 1, "{stage}");
+        });
+        assert_eq!(
+            store.get(&k).expect("get").expect("record").state(),
+            State::Succeeded,
+            "{stage}"
+        );
+    }
+}
+
+/// The test clock's reading, for a child that must start where the parent
+/// is.
+trait NowForChild {
+    fn now_ms_for_child(&self) -> u64;
+}
+
+impl NowForChild for ManualClock {
+    fn now_ms_for_child(&self) -> u64 {
+        use idemstore::Clock;
+        self.now_ms()
+    }
+}
