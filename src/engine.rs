@@ -22,7 +22,7 @@ use crate::embedded::{self, Embedded};
 use crate::error::Result;
 use crate::key::Key;
 #[cfg(feature = "postgres")]
-use crate::postgres::Postgres;
+use crate::pg::Postgres;
 use crate::record::{ImportResult, Op, Record, Reply};
 use crate::report::CheckReport;
 use crate::report::Progress;
@@ -33,7 +33,7 @@ pub(crate) enum Engine {
     /// One file and its write-ahead log.
     Embedded(Embedded),
     /// A PostgreSQL database shared by every replica; `name` is what
-    /// `Store::path` shows for it (see [`crate::postgres::store_name`]).
+    /// `Store::path` shows for it (see [`crate::pg::store_name`]).
     #[cfg(feature = "postgres")]
     Postgres {
         /// The engine.

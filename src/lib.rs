@@ -137,6 +137,8 @@ mod key;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 #[cfg(feature = "postgres")]
+mod pg;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 mod record;
 mod report;

@@ -230,18 +230,18 @@ impl Store {
         let schema = config
             .postgres_schema
             .clone()
-            .unwrap_or_else(|| crate::postgres::DEFAULT_SCHEMA.to_string());
-        let options = crate::postgres::PgOptions {
+            .unwrap_or_else(|| crate::pg::DEFAULT_SCHEMA.to_string());
+        let options = crate::pg::PgOptions {
             schema: schema.clone(),
             clock: config.clock_given.then(|| config.clock.clone()),
             retention_ms: crate::clock::duration_ms(config.retention),
             connections: config
                 .postgres_connections
-                .unwrap_or(crate::postgres::DEFAULT_CONNECTIONS),
+                .unwrap_or(crate::pg::DEFAULT_CONNECTIONS),
             must_exist,
         };
-        let name = crate::postgres::store_name(url, &schema);
-        let engine = crate::postgres::Postgres::connect(url, options).map_err(|e| match e {
+        let name = crate::pg::store_name(url, &schema);
+        let engine = crate::pg::Postgres::connect(url, options).map_err(|e| match e {
             Error::Missing { .. } => Error::Missing { path: name.clone() },
             other => other,
         })?;

@@ -20,6 +20,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("http", 6),
     ("fuzzing", 6),
     ("conformance", 6),
+    ("postgres", 6),
     // Operations written once over any engine.
     ("backup", 5),
     ("scan", 5),
@@ -28,7 +29,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("engine", 4),
     // The engines.
     ("embedded", 3),
-    ("postgres", 3),
+    ("pg", 3),
     // Definitions every engine shares (no I/O).
     ("config", 2),
     ("codec", 2),
@@ -43,7 +44,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("error", 1),
 ];
 
-const ENGINES: &[&str] = &["embedded", "postgres"];
+const ENGINES: &[&str] = &["embedded", "pg"];
 
 fn layer(module: &str) -> Option<u8> {
     LAYERS.iter().find(|(m, _)| *m == module).map(|(_, l)| *l)

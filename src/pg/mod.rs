@@ -1,15 +1,9 @@
 //! The PostgreSQL engine (cargo feature `postgres`): one database shared by
 //! every replica of a service.
 //!
-//! A store on PostgreSQL is opened with [`Store::connect`](crate::Store::connect)
-//! and used through [`Store`](crate::Store) like a file store. What this
-//! module adds to the public API is the effect and the completion in one
-//! transaction, when the effect is a write to the same database (the
-//! Stripe/rocket-rides recipe): [`complete_in`] and [`fail_in`] finish a
-//! key inside the caller's own `tokio-postgres` transaction, so that, for
-//! example, the ticket row and the idempotency record commit together or
-//! not at all. Through them, `tokio-postgres` types are part of this
-//! feature's public API (re-exported as [`tokio_postgres`]).
+//! Everything here is behind the engine boundary ([`crate::engine`]); the
+//! public face of the feature is [`crate::postgres`] (the effect and the
+//! completion in one transaction) and `Store::connect`.
 //!
 //! # How it works
 //!
@@ -60,19 +54,11 @@
 mod decide;
 mod schema;
 #[cfg(any(test, feature = "conformance"))]
-#[doc(hidden)]
 pub mod server;
 #[cfg(test)]
 mod tests;
 mod tls;
-mod txn;
-
-/// The `tokio-postgres` this crate is built with: its types
-/// ([`GenericClient`](tokio_postgres::GenericClient), `Client`,
-/// `Transaction`) are part of the public API of [`complete_in`] and
-/// [`fail_in`].
-pub use tokio_postgres;
-pub use txn::{complete_in, fail_in};
+pub(crate) mod txn;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;

@@ -1,0 +1,163 @@
+//! The PostgreSQL engine's public face (cargo feature `postgres`): one
+//! database shared by every replica of a service.
+//!
+//! A store on PostgreSQL is opened with [`Store::connect`] and used
+//! through [`Store`] like a file store (README, "One replica or many").
+//! What this module adds is the effect and the completion in one
+//! transaction, when the effect is a write to the same database (the
+//! Stripe/rocket-rides recipe): [`complete_in`] and [`fail_in`] finish a
+//! key inside the caller's own `tokio-postgres` transaction, so that, for
+//! example, the ticket row and the idempotency record commit together or
+//! not at all. Through them, `tokio-postgres` types are part of this
+//! feature's public API (re-exported as [`tokio_postgres`]).
+//!
+//! The engine itself (its group commit over the wire, its clock, its
+//! tokens and failure modes) is described in `src/pg/mod.rs`.
+
+use tokio_postgres::GenericClient;
+
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::record::{Lease, Record};
+use crate::store::Store;
+
+/// The `tokio-postgres` this crate is built with: its types
+/// ([`GenericClient`], `Client`,
+/// `Transaction`) are part of the public API of [`complete_in`] and
+/// [`fail_in`].
+pub use tokio_postgres;
+
+/// The throwaway PostgreSQL server of the crate's tests and of the
+/// conformance suite (feature `conformance`). Not part of the API.
+#[cfg(feature = "conformance")]
+#[doc(hidden)]
+pub use crate::pg::server;
+
+/// Records `result` as the outcome of `lease`'s key inside the caller's
+/// transaction `client`: the record becomes [`State::Succeeded`](crate::State)
+/// when (and only when) the caller's transaction commits.
+///
+/// ```no_run
+/// # async fn demo(
+/// #     client: &mut tokio_postgres::Client,
+/// #     store: &idemstore::Store,
+/// #     lease: &idemstore::Lease,
+/// # ) -> Result<(), Box<dyn std::error::Error>> {
+/// let key = lease.key().to_string();
+/// let tx = client.transaction().await?;
+/// let row = tx
+///     .query_one(
+///         "INSERT INTO tickets (idempotency_key, title) VALUES ($1, $2) RETURNING id",
+///         &[&key, &"printer on fire"],
+///     )
+///     .await?;
+/// let id: i64 = row.get(0);
+/// idemstore::postgres::complete_in(&tx, store, lease, id.to_string().as_bytes()).await?;
+/// tx.commit().await?; // the ticket and the completion, or neither
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # How it decides
+///
+/// Exactly as the engine does for [`Store::complete`]: it reads and locks
+/// the key's row (`SELECT … FOR UPDATE`, and its business-key binding, in
+/// the engine's lock order), reads the store's time (the database's
+/// `clock_timestamp()`, or the test clock given at connect, kept monotonic
+/// by the store's process and never below the record's own last update),
+/// decides with the store's pure transition function, and writes the new
+/// record with a compare-and-set (`UPDATE … WHERE key = $k AND token =
+/// $seen`). The row stays locked until the caller's transaction ends:
+/// keep the transaction short and call this last, just before `COMMIT`.
+/// Requests of the store for the same key (a retry's claim, an extension)
+/// wait for that lock, and so does the store's group commit that carries
+/// them: do not call the store for this key from the same task while the
+/// transaction is open (it would wait for itself), and extend the lease
+/// before the transaction rather than inside it.
+///
+/// # Errors
+///
+/// After **any** error the caller's transaction is aborted (a stale lease
+/// or a refused record is turned into a failed statement, so that the
+/// transaction cannot commit the effect without the completion): roll it
+/// back. A `COMMIT` of it rolls back, too.
+///
+/// - [`Error::StaleLease`]: the record is no longer Processing under the
+///   lease's token (it was taken over after the lease lapsed, finished,
+///   released, or is past retention). The effect must not commit: the
+///   key's current holder answers for it.
+/// - [`Error::TooLarge`]: `result` is over the store's `max_result_bytes`.
+/// - [`Error::InvalidArgument`]: `store` is not a PostgreSQL store
+///   ([`Store::connect`]), or a time does not fit a `bigint`.
+/// - [`Error::CorruptRecord`]: the stored row cannot be decoded.
+/// - [`Error::Unavailable`]: a statement failed (the connection broke, the
+///   server refused it): nothing of the caller's transaction is applied.
+///
+/// The commit is the caller's, and so is its failure: if `COMMIT` fails
+/// with the connection lost, the outcome is unknown, as it is for
+/// [`Error::OutcomeUnknown`]; read the key ([`Store::get`]) to learn it.
+///
+/// # What the store sees
+///
+/// The PostgreSQL engine keeps no cache, so [`Store::get`] and every claim
+/// see the completion as soon as the caller's transaction commits, in any
+/// replica. The store's counters ([`Store::stats`]) do not count a
+/// completion made here: whether the caller commits is not known to the
+/// store. A rejection (stale lease, corrupt record) changes nothing,
+/// whatever the caller does next, and is counted as it happens.
+///
+/// `tokio-postgres` types ([`GenericClient`], and so `Client` and
+/// `Transaction`) are part of the public API of the feature `postgres`
+/// through this function; the crate re-exports the version it uses as
+/// [`idemstore::postgres::tokio_postgres`](crate::postgres::tokio_postgres).
+pub async fn complete_in<C>(
+    client: &C,
+    store: &Store,
+    lease: &Lease,
+    result: &[u8],
+) -> Result<Record>
+where
+    C: GenericClient + Sync,
+{
+    let op = store.complete_op(lease, result)?;
+    crate::pg::txn::finish_in(client, engine_of(store)?, lease, op).await
+}
+
+/// Records `failure` as the outcome of `lease`'s key inside the caller's
+/// transaction `client`, as [`Store::fail`] does, committed with the
+/// caller's transaction or not at all: for an effect that was refused in
+/// the same transaction (a permanent failure, replayed to every retry), or
+/// undone (`retryable`: the next claim runs the work again).
+///
+/// Decided as [`complete_in`] decides.
+///
+/// # Errors
+///
+/// As [`complete_in`], with [`Error::TooLarge`] for a `failure` over the
+/// store's `max_failure_bytes`. After any error the caller's transaction
+/// is aborted: roll it back.
+pub async fn fail_in<C>(
+    client: &C,
+    store: &Store,
+    lease: &Lease,
+    failure: &[u8],
+    retryable: bool,
+) -> Result<Record>
+where
+    C: GenericClient + Sync,
+{
+    let op = store.fail_op(lease, failure, retryable)?;
+    crate::pg::txn::finish_in(client, engine_of(store)?, lease, op).await
+}
+
+/// The PostgreSQL engine under `store`, or the error for another engine.
+fn engine_of(store: &Store) -> Result<&crate::pg::Postgres> {
+    match store.engine() {
+        Engine::Postgres { engine, .. } => Ok(engine),
+        Engine::Embedded(_) => Err(Error::invalid(
+            "store",
+            "not a PostgreSQL store: completing in the caller's transaction needs a store \
+             opened with Store::connect",
+        )),
+    }
+}
