@@ -33,10 +33,21 @@
 //! - `redis`, only when `REDIS_URL` is set: `SET NX PX` then a guarded
 //!   update (a Lua script comparing the token), one connection per thread,
 //!   for a user who would otherwise run Redis with `appendfsync always`.
+//! - `postgres`, only with `--postgres URL`: idemstore's PostgreSQL engine
+//!   ([`Store::connect`], 16 connections, group commit over the wire) in a
+//!   fresh schema per run, dropped afterwards.
+//! - `postgres-naive`, only with `--postgres URL`: the per-request recipe
+//!   most services write, on the same server: `INSERT … ON CONFLICT DO
+//!   NOTHING` (token from a sequence) to claim, then a guarded `UPDATE` to
+//!   complete, each one statement in a transaction of its own (autocommit),
+//!   over a pool of 16 connections (the sync `postgres` client, statements
+//!   prepared once per connection), in a fresh schema per run.
 //!
 //! It prints `peer=<name> threads=<n> lifecycles_per_s=<x>` per peer and ends
 //! with `ratio threads=<n> idemstore/sqlite=<x> idemstore/redb-naive=<y>
 //! idemstore/fsync-floor=<z>` (plus `idemstore/redis=<r>` when Redis ran).
+//! With `--postgres URL` a second line follows: `ratio threads=<n>
+//! postgres/postgres-naive=<x> postgres/idemstore=<y>`.
 //! Built with `--features metrics`, idemstore publishes its metrics to an
 //! installed Prometheus recorder, to measure what the feature costs.
 //!
@@ -113,6 +124,17 @@ struct Args {
     /// default durability; the other peers are unchanged.
     #[arg(long)]
     buffered_ms: Option<u64>,
+    /// A PostgreSQL server (`postgresql://user@host:port/db`, no TLS) for
+    /// the peers `postgres` (idemstore's PostgreSQL engine) and
+    /// `postgres-naive` (one transaction per operation over a pool of 16
+    /// connections). Each run works in schemas of its own, dropped
+    /// afterwards. Use a server with `fsync` on.
+    #[arg(long)]
+    postgres: Option<String>,
+    /// Connections of the `postgres` peer (idemstore's engine,
+    /// `Config::postgres_connections`); the naive recipe's pool stays at 16.
+    #[arg(long, default_value_t = PG_POOL)]
+    postgres_connections: usize,
 }
 
 fn main() -> BoxResult<()> {
@@ -388,17 +410,20 @@ fn record(figures: &mut Vec<Figures>, name: &'static str, per_s: f64) {
 }
 
 /// The lifecycle peers, in the order of the first run.
-const LIFECYCLE_PEERS: [&str; 6] = [
+const LIFECYCLE_PEERS: [&str; 8] = [
     "idemstore",
     "sqlite",
     "redb-naive",
     "fsync-floor",
     "map",
     "redis",
+    "postgres",
+    "postgres-naive",
 ];
 
 /// Times the lifecycles of the peer `name` on a new, empty store in `dir`;
-/// `None` for Redis without `REDIS_URL`.
+/// `None` for Redis without `REDIS_URL` and for the PostgreSQL peers
+/// without `--postgres`.
 fn time_peer(
     name: &'static str,
     args: &Args,
@@ -427,6 +452,36 @@ fn time_peer(
         "map" => time_lifecycles(&MapPeer::default(), name, threads, seconds)?,
         "redis" => match redis_url {
             Some(url) => time_lifecycles(&RedisPeer::new(url, run)?, name, threads, seconds)?,
+            None => return Ok(None),
+        },
+        "postgres" => match args.postgres.as_deref() {
+            Some(url) => {
+                let schema = pg_schema("idem", run);
+                let peer = IdemPeer {
+                    store: Store::connect(
+                        url,
+                        Config::new()
+                            .postgres_schema(&schema)
+                            .postgres_connections(args.postgres_connections),
+                    )?,
+                    options: ClaimOptions::new(),
+                };
+                let timed = time_lifecycles(&peer, name, threads, seconds);
+                drop(peer);
+                pg_drop_schema(url, &schema)?;
+                timed?
+            }
+            None => return Ok(None),
+        },
+        "postgres-naive" => match args.postgres.as_deref() {
+            Some(url) => {
+                let peer = PgNaivePeer::open(url, pg_schema("naive", run))?;
+                let timed = time_lifecycles(&peer, name, threads, seconds);
+                let schema = peer.schema.clone();
+                drop(peer);
+                pg_drop_schema(url, &schema)?;
+                timed?
+            }
             None => return Ok(None),
         },
         other => return Err(format!("no peer named {other}").into()),
@@ -472,6 +527,13 @@ fn run_lifecycles(args: &Args, dir: &Path, redis_url: Option<&str>) -> BoxResult
         line += &ratio(&figures, "idemstore", peer).unwrap_or_default();
     }
     println!("{line}");
+    if args.postgres.is_some() {
+        let mut line = format!("ratio threads={}", args.threads);
+        for peer in ["postgres-naive", "idemstore"] {
+            line += &ratio(&figures, "postgres", peer).unwrap_or_default();
+        }
+        println!("{line}");
+    }
     Ok(())
 }
 
@@ -1187,6 +1249,180 @@ impl Peer for RedisPeer {
             .invoke(conn)?;
         if ok != 1 {
             return Err("redis: stale lease".into());
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------
+// PostgreSQL: idemstore's engine (above, through `Store::connect`) and the
+// naive per-request recipe, each in a schema of its own per run.
+
+/// Connections of both PostgreSQL peers: the engine's default, and the
+/// naive recipe's pool.
+const PG_POOL: usize = 16;
+
+/// A schema name for one peer and run, unique to this process.
+fn pg_schema(what: &str, run: usize) -> String {
+    format!("peers_{what}_{}_{run}", std::process::id())
+}
+
+/// Drops a peer's schema and everything in it.
+fn pg_drop_schema(url: &str, schema: &str) -> BoxResult<()> {
+    let mut client = postgres::Client::connect(url, postgres::NoTls)?;
+    client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))?;
+    Ok(())
+}
+
+/// One pooled connection with its statements, prepared once.
+struct PgConn {
+    client: postgres::Client,
+    claim: postgres::Statement,
+    read: postgres::Statement,
+    take_over: postgres::Statement,
+    complete: postgres::Statement,
+}
+
+/// The naive recipe: one statement, one transaction, per operation, over a
+/// pool of [`PG_POOL`] connections shared by every client thread (a
+/// `parking_lot` Mutex + Condvar; a thread waits when all are in use).
+struct PgNaivePeer {
+    schema: String,
+    idle: parking_lot::Mutex<Vec<PgConn>>,
+    freed: parking_lot::Condvar,
+}
+
+impl PgNaivePeer {
+    fn open(url: &str, schema: String) -> BoxResult<PgNaivePeer> {
+        let s = format!("\"{schema}\"");
+        let mut admin = postgres::Client::connect(url, postgres::NoTls)?;
+        admin.batch_execute(&format!(
+            "CREATE SCHEMA {s};
+             CREATE TABLE {s}.records (
+                 key text PRIMARY KEY,
+                 fingerprint bytea NOT NULL,
+                 state smallint NOT NULL,
+                 token bigint NOT NULL,
+                 lease_until_ms bigint NOT NULL,
+                 expires_ms bigint NOT NULL,
+                 result bytea);
+             CREATE SEQUENCE {s}.tokens;"
+        ))?;
+        let mut idle = Vec::with_capacity(PG_POOL);
+        for _ in 0..PG_POOL {
+            let mut client = postgres::Client::connect(url, postgres::NoTls)?;
+            let claim = client.prepare(&format!(
+                "INSERT INTO {s}.records \
+                 (key, fingerprint, state, token, lease_until_ms, expires_ms) \
+                 VALUES ($1, $2, 0, nextval('{s}.tokens'), $3, $4) \
+                 ON CONFLICT (key) DO NOTHING RETURNING token"
+            ))?;
+            let read = client.prepare(&format!(
+                "SELECT fingerprint, state, token, lease_until_ms, expires_ms, result \
+                 FROM {s}.records WHERE key = $1"
+            ))?;
+            let take_over = client.prepare(&format!(
+                "UPDATE {s}.records SET fingerprint = $2, state = 0, \
+                 token = nextval('{s}.tokens'), lease_until_ms = $3, expires_ms = $4, \
+                 result = NULL WHERE key = $1 AND token = $5 RETURNING token"
+            ))?;
+            let complete = client.prepare(&format!(
+                "UPDATE {s}.records SET state = 1, result = $1, expires_ms = $2 \
+                 WHERE key = $3 AND token = $4 AND state = 0 AND expires_ms > $5"
+            ))?;
+            idle.push(PgConn {
+                client,
+                claim,
+                read,
+                take_over,
+                complete,
+            });
+        }
+        Ok(PgNaivePeer {
+            schema,
+            idle: parking_lot::Mutex::new(idle),
+            freed: parking_lot::Condvar::new(),
+        })
+    }
+
+    /// Runs `f` on a pooled connection, waiting for one if all are in use.
+    fn with_conn<T>(&self, f: impl FnOnce(&mut PgConn) -> BoxResult<T>) -> BoxResult<T> {
+        let mut conn = {
+            let mut idle = self.idle.lock();
+            loop {
+                match idle.pop() {
+                    Some(c) => break c,
+                    None => self.freed.wait(&mut idle),
+                }
+            }
+        };
+        let out = f(&mut conn);
+        self.idle.lock().push(conn);
+        self.freed.notify_one();
+        out
+    }
+}
+
+impl Peer for PgNaivePeer {
+    type Client = ();
+    type Lease = i64;
+
+    fn client(&self) -> BoxResult<()> {
+        Ok(())
+    }
+
+    fn claim(&self, _: &mut (), req: &Req) -> BoxResult<Claimed<i64>> {
+        let now = now_ms();
+        let lease = (now + LEASE_MS) as i64;
+        let expires = (now + RETENTION_MS) as i64;
+        let fp = req.fingerprint.as_bytes();
+        self.with_conn(|c| {
+            let inserted = c
+                .client
+                .query_opt(&c.claim, &[&req.flat, &fp, &lease, &expires])?;
+            if let Some(row) = inserted {
+                return Ok(Claimed::Acquired(row.try_get(0)?));
+            }
+            // The key exists: replay, in progress, mismatch, or take over.
+            let Some(row) = c.client.query_opt(&c.read, &[&req.flat])? else {
+                // Deleted between the two statements: a retry would acquire.
+                return Ok(Claimed::InProgress);
+            };
+            let existing = PeerRecord {
+                fingerprint: row.try_get(0)?,
+                state: row.try_get::<_, i16>(1)? as u8,
+                token: row.try_get::<_, i64>(2)? as u64,
+                lease_until_ms: row.try_get::<_, i64>(3)? as u64,
+                expires_ms: row.try_get::<_, i64>(4)? as u64,
+                result: row.try_get::<_, Option<Vec<u8>>>(5)?.unwrap_or_default(),
+            };
+            if let Some(found) = existing.decide(req, now) {
+                return Ok(found);
+            }
+            let seen = existing.token as i64;
+            Ok(
+                match c
+                    .client
+                    .query_opt(&c.take_over, &[&req.flat, &fp, &lease, &expires, &seen])?
+                {
+                    Some(row) => Claimed::Acquired(row.try_get(0)?),
+                    None => Claimed::InProgress,
+                },
+            )
+        })
+    }
+
+    fn complete(&self, _: &mut (), req: &Req, token: i64, result: &[u8]) -> BoxResult<()> {
+        let now = now_ms();
+        let expires = (now + RETENTION_MS) as i64;
+        let changed = self.with_conn(|c| {
+            Ok(c.client.execute(
+                &c.complete,
+                &[&result, &expires, &req.flat, &token, &(now as i64)],
+            )?)
+        })?;
+        if changed != 1 {
+            return Err("postgres-naive: stale lease".into());
         }
         Ok(())
     }

@@ -87,6 +87,10 @@ pub(crate) struct Sql {
     pub draw_estimate: String,
     /// Inserts fresh records (compare-and-set: absent).
     pub insert_records: String,
+    /// Inserts fresh records, failing the transaction with a unique
+    /// violation when one is present (for the flight that carries the
+    /// `COMMIT`: a lost compare-and-set must abort, not commit the rest).
+    pub insert_records_strict: String,
     /// Updates records (compare-and-set: same token as read).
     pub update_records: String,
     /// Deletes records (compare-and-set: same token as read).
@@ -155,6 +159,11 @@ impl Sql {
                  SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
                  $5::bigint[], $6::bigint[], $7::bigint[]) ORDER BY 1 \
                  ON CONFLICT (key) DO NOTHING RETURNING key"
+            ),
+            insert_records_strict: format!(
+                "INSERT INTO {s}.records ({cols}) \
+                 SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
+                 $5::bigint[], $6::bigint[], $7::bigint[]) ORDER BY 1 RETURNING key"
             ),
             update_records: format!(
                 "UPDATE {s}.records AS r SET record = u.record, token = u.token, \
