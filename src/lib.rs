@@ -82,13 +82,13 @@ pub mod agent;
 /// README.md's Rust snippets, compiled and run as doc tests (with
 /// `--all-features`, since some use the `agent` and `http` features; CI
 /// runs `cargo test --release --all-features`). Never part of a build.
-#[cfg(all(doctest, feature = "agent", feature = "http"))]
+#[cfg(all(doctest, feature = "agent", feature = "http", feature = "postgres"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
 /// `docs/*.md`'s Rust snippets, compiled and run as doc tests like
 /// README's. Never part of a build.
-#[cfg(all(doctest, feature = "agent", feature = "http"))]
+#[cfg(all(doctest, feature = "agent", feature = "http", feature = "postgres"))]
 pub mod docs_doctests {
     /// docs/agents.md.
     #[doc = include_str!("../docs/agents.md")]

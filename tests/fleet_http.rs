@@ -21,6 +21,7 @@ mod common;
 mod pg;
 #[path = "../examples/ticket_service/service.rs"]
 mod service;
+mod ticket_child;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -28,14 +29,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idemstore::{Config, Key, State, Store};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use ticket_child::{HttpClient, Server, request};
 
 const TEST_NAME: &str = "two_replicas_one_database_one_ticket_per_key";
 /// The replicas' lease: how long a key of a killed replica stays held.
@@ -72,65 +73,7 @@ fn run_replica() -> ! {
             schema: common::child_var("FLEET_SCHEMA"),
         }),
     };
-    let addr = options.addr;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let serving = runtime.spawn(service::serve(options, std::future::pending()));
-    let start = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        if serving.is_finished() {
-            let result = runtime.block_on(serving).expect("serve task");
-            panic!("the replica stopped: {result:?}");
-        }
-        assert!(
-            start.elapsed() < common::CHILD_REPORT_TIMEOUT,
-            "the replica did not listen on {addr}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    common::ready_and_wait()
-}
-
-/// One replica as a child process.
-struct Replica {
-    vars: Vec<(&'static str, String)>,
-    child: Option<common::ChildProc>,
-}
-
-impl Replica {
-    fn start(&mut self) {
-        let mut child = common::spawn_child(TEST_NAME, &self.vars);
-        child.wait_ready();
-        self.child = Some(child);
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.assert_running();
-            child.kill();
-        }
-    }
-}
-
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-async fn request(
-    client: &HttpClient,
-    req: http::Request<Full<Bytes>>,
-    timeout: Duration,
-) -> Result<(http::StatusCode, http::HeaderMap, Bytes), String> {
-    let exchange = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
-        let (parts, body) = resp.into_parts();
-        let bytes = body.collect().await.map_err(|e| e.to_string())?;
-        Ok((parts.status, parts.headers, bytes.to_bytes()))
-    };
-    tokio::time::timeout(timeout, exchange)
-        .await
-        .map_err(|_| "client timeout".to_owned())?
+    ticket_child::serve(options)
 }
 
 /// What the clients saw.
@@ -245,9 +188,10 @@ fn two_replicas_one_database_one_ticket_per_key() {
     let a = free_port(&mut rng, &[]);
     let b = free_port(&mut rng, &[a]);
     let addrs = [a, b];
-    let mut replicas: Vec<Replica> = addrs
+    let mut replicas: Vec<Server> = addrs
         .iter()
-        .map(|addr| Replica {
+        .map(|addr| Server {
+            test: TEST_NAME,
             vars: vec![
                 ("FLEET_ADDR", addr.to_string()),
                 ("FLEET_URL", url.clone()),

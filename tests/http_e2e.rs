@@ -15,6 +15,7 @@
 mod common;
 #[path = "../examples/ticket_service/service.rs"]
 mod service;
+mod ticket_child;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -25,12 +26,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use idemstore::{Key, State, Store};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
+use ticket_child::{HttpClient, Server, request};
 
 const TEST_NAME: &str = "one_ticket_per_key_across_sigkills_and_retries";
 /// The server's lease: how long a key of a killed server stays held.
@@ -63,68 +64,7 @@ fn run_server() -> ! {
         metrics: None,
         postgres: None,
     };
-    let addr = options.addr;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let serving = runtime.spawn(service::serve(options, std::future::pending()));
-    let start = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        if serving.is_finished() {
-            let result = runtime.block_on(serving).expect("serve task");
-            panic!("the ticket service stopped: {result:?}");
-        }
-        assert!(
-            start.elapsed() < common::CHILD_REPORT_TIMEOUT,
-            "the ticket service did not listen on {addr}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // The runtime's threads serve; this thread waits to be killed.
-    common::ready_and_wait()
-}
-
-/// The ticket service as a child process.
-struct Server {
-    vars: Vec<(&'static str, String)>,
-    child: Option<common::ChildProc>,
-}
-
-impl Server {
-    /// Starts the child and waits until it listens.
-    fn start(&mut self) {
-        let mut child = common::spawn_child(TEST_NAME, &self.vars);
-        child.wait_ready();
-        self.child = Some(child);
-    }
-
-    /// SIGKILL, then reap, so the file locks are gone before a restart.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            child.assert_running();
-            child.kill();
-        }
-    }
-}
-
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
-
-async fn request(
-    client: &HttpClient,
-    req: http::Request<Full<Bytes>>,
-    timeout: Duration,
-) -> Result<(http::StatusCode, http::HeaderMap, Bytes), String> {
-    let exchange = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
-        let (parts, body) = resp.into_parts();
-        let bytes = body.collect().await.map_err(|e| e.to_string())?;
-        Ok((parts.status, parts.headers, bytes.to_bytes()))
-    };
-    tokio::time::timeout(timeout, exchange)
-        .await
-        .map_err(|_| "client timeout".to_owned())?
+    ticket_child::serve(options)
 }
 
 /// What the clients saw.
@@ -239,6 +179,7 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
     let mut rng = StdRng::seed_from_u64(seed);
     let addr = free_port(&mut rng);
     let mut server = Server {
+        test: TEST_NAME,
         vars: vec![
             ("E2E_ADDR", addr.to_string()),
             ("E2E_STORE", common::path_var(&store_path)),

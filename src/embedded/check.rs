@@ -6,7 +6,7 @@ use std::path::Path;
 
 use redb::{Database, ReadableTable};
 
-use super::schema::{self, BUSINESS, EXPIRY, META, RECORDS, guard, map_err};
+use super::schema::{self, BUSINESS, EXPIRY, META, RECORDS, guard, map_err, open_error};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -30,29 +30,6 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
             Err(e) => Integrity::Failed(e.to_string()),
         })
     })
-}
-
-/// Maps an error of opening the redb file for the check.
-fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
-    match err {
-        redb::DatabaseError::Storage(redb::StorageError::Io(io))
-            if io.kind() == std::io::ErrorKind::WouldBlock =>
-        {
-            Error::AlreadyOpen {
-                path: path.to_path_buf(),
-            }
-        }
-        // redb's answer to a file without its magic number.
-        redb::DatabaseError::Storage(redb::StorageError::Io(io))
-            if io.kind() == std::io::ErrorKind::InvalidData =>
-        {
-            Error::IncompatibleFile {
-                path: path.to_path_buf(),
-                detail: format!("not a redb file, so not an idemstore file ({io})"),
-            }
-        }
-        other => map_err(path, other),
-    }
 }
 
 /// Verifies every record and binding of the read snapshot `txn`.

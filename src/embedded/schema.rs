@@ -164,25 +164,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     .and_then(|file| builder.create_with_backend(Fenced::new(file, fence.clone())))
             }
         };
-        let db = opened.map_err(|e| match e {
-            redb::DatabaseError::Storage(redb::StorageError::Io(io))
-                if io.kind() == std::io::ErrorKind::WouldBlock =>
-            {
-                Error::AlreadyOpen {
-                    path: path.to_path_buf(),
-                }
-            }
-            // redb's answer to a file without its magic number.
-            redb::DatabaseError::Storage(redb::StorageError::Io(io))
-                if io.kind() == std::io::ErrorKind::InvalidData =>
-            {
-                Error::IncompatibleFile {
-                    path: path.to_path_buf(),
-                    detail: format!("not a redb file, so not an idemstore file ({io})"),
-                }
-            }
-            other => map_err(path, other),
-        })?;
+        let db = opened.map_err(|e| open_error(path, e))?;
         let meta = init_meta(path, &db)?;
         if file {
             super::create::remove_leftovers(path);
@@ -621,4 +603,29 @@ pub(crate) fn next_token(path: &Path, db: &Database) -> Result<u64> {
         let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
         read_meta(path, &table).map(|m| m.next_token)
     })
+}
+
+/// Maps an error of opening the redb file at `path`: held by another
+/// store ([`Error::AlreadyOpen`]), not a redb file
+/// ([`Error::IncompatibleFile`]), or what [`map_err`] makes of it.
+pub(crate) fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
+    match err {
+        redb::DatabaseError::Storage(redb::StorageError::Io(io))
+            if io.kind() == std::io::ErrorKind::WouldBlock =>
+        {
+            Error::AlreadyOpen {
+                path: path.to_path_buf(),
+            }
+        }
+        // redb's answer to a file without its magic number.
+        redb::DatabaseError::Storage(redb::StorageError::Io(io))
+            if io.kind() == std::io::ErrorKind::InvalidData =>
+        {
+            Error::IncompatibleFile {
+                path: path.to_path_buf(),
+                detail: format!("not a redb file, so not an idemstore file ({io})"),
+            }
+        }
+        other => map_err(path, other),
+    }
 }

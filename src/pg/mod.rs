@@ -1552,7 +1552,14 @@ impl Postgres {
 /// `postgresql://host[:port][,host…]/dbname?schema=name`, without the user
 /// or the password of the connection string.
 pub(crate) fn store_name(url: &str, schema: &str) -> std::path::PathBuf {
-    let Ok(config) = url.parse::<tokio_postgres::Config>() else {
+    // The TLS options this crate reads itself (`sslmode=verify-*`,
+    // `sslrootcert`) are taken out first: tokio-postgres refuses them.
+    let rest = tls::parse(url).map(|p| p.rest);
+    let Ok(config) = rest
+        .as_deref()
+        .unwrap_or(url)
+        .parse::<tokio_postgres::Config>()
+    else {
         return std::path::PathBuf::from(format!("postgresql://?schema={schema}"));
     };
     let ports = config.get_ports();

@@ -16,6 +16,16 @@ use crate::record::{ClaimOutcome, ImportResult, Lease, Op, Record, Reply, State}
 const T0: u64 = 1_700_000_000_000;
 const RETENTION: u64 = 60_000;
 
+/// Whether `IDEMSTORE_SKIP_POSTGRES=1` skips the PostgreSQL tests (said on
+/// stderr), as in `tests/pg`.
+fn skipped() -> bool {
+    let skip = std::env::var_os("IDEMSTORE_SKIP_POSTGRES").is_some_and(|v| v == "1");
+    if skip {
+        eprintln!("skipped: IDEMSTORE_SKIP_POSTGRES=1 (the PostgreSQL engine is not tested)");
+    }
+    skip
+}
+
 fn server() -> &'static TestServer {
     match TestServer::shared() {
         Ok(s) => s,
@@ -106,6 +116,9 @@ fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
 
 #[test]
 fn claim_complete_replay_and_fingerprints() {
+    if skipped() {
+        return;
+    }
     let (pg, clock) = open("lifecycle");
     let k = key("k1");
     let lease = acquired(pg.apply(&k, claim(b"a")).unwrap());
@@ -164,6 +177,9 @@ fn claim_complete_replay_and_fingerprints() {
 
 #[test]
 fn a_lapsed_lease_is_taken_over_and_the_old_holder_fenced() {
+    if skipped() {
+        return;
+    }
     let (pg, clock) = open("stale");
     let k = key("k");
     let first = acquired(pg.apply(&k, claim(b"a")).unwrap());
@@ -218,6 +234,9 @@ fn a_lapsed_lease_is_taken_over_and_the_old_holder_fenced() {
 
 #[test]
 fn release_extend_and_retryable_failure() {
+    if skipped() {
+        return;
+    }
     let (pg, clock) = open("release");
     let k = key("k");
     let l1 = acquired(pg.apply(&k, claim(b"a")).unwrap());
@@ -262,6 +281,9 @@ fn release_extend_and_retryable_failure() {
 
 #[test]
 fn business_keys_conflict_until_released() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("business");
     let (k1, k2) = (key("k1"), key("k2"));
     let l1 = acquired(pg.apply(&k1, claim_bk(b"a", "order-1")).unwrap());
@@ -297,6 +319,9 @@ fn business_keys_conflict_until_released() {
 
 #[test]
 fn retention_and_sweep() {
+    if skipped() {
+        return;
+    }
     let (pg, clock) = open("retention");
     let mut leases = Vec::new();
     for i in 0..5 {
@@ -337,6 +362,9 @@ fn retention_and_sweep() {
 
 #[test]
 fn apply_many_decides_duplicates_in_order() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("many");
     let (k, other) = (key("dup"), key("other"));
     let replies = pg
@@ -387,6 +415,9 @@ fn apply_many_decides_duplicates_in_order() {
 
 #[test]
 fn import_fills_absent_keys_and_raises_the_token_floor() {
+    if skipped() {
+        return;
+    }
     let (pg, clock) = open("import");
     let live = key("present");
     acquired(pg.apply(&live, claim(b"a")).unwrap());
@@ -461,6 +492,9 @@ fn import_fills_absent_keys_and_raises_the_token_floor() {
 
 #[test]
 fn entries_read_one_snapshot_in_key_order() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("entries");
     let a = |i: usize| Key::new("a", format!("{i:05}")).unwrap();
     let b = |i: usize| Key::new("b", format!("{i:05}")).unwrap();
@@ -505,6 +539,9 @@ fn entries_read_one_snapshot_in_key_order() {
 
 #[test]
 fn tokens_are_capped_without_aborting_the_batch() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("cap");
     let max = crate::MAX_TOKEN;
     raw_sql(&format!(
@@ -536,6 +573,9 @@ fn tokens_are_capped_without_aborting_the_batch() {
 
 #[test]
 fn the_async_api_needs_no_runtime() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("async");
     let k = key("k");
     let reply = futures_lite::future::block_on(pg.apply_async(&k, claim(b"a"))).unwrap();
@@ -654,6 +694,9 @@ fn race(stores: &[Arc<Postgres>], threads: usize, keys: usize, rounds: usize) {
 
 #[test]
 fn threads_race_on_the_same_keys() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("race");
     // Phase 1's exact count: with a fresh store and claims only.
     let keys: Vec<Key> = (0..200).map(|i| key(&format!("once{i}"))).collect();
@@ -698,6 +741,9 @@ fn threads_race_on_the_same_keys() {
 
 #[test]
 fn two_replicas_on_one_schema_race() {
+    if skipped() {
+        return;
+    }
     let name = schema("replicas");
     let a = Arc::new(open_with(&name, None));
     let b = Arc::new(open_with(&name, None));
@@ -707,6 +753,9 @@ fn two_replicas_on_one_schema_race() {
 
 #[test]
 fn a_killed_connection_is_a_typed_error_and_the_engine_recovers() {
+    if skipped() {
+        return;
+    }
     // An application name of its own, so that only this engine's
     // backends are terminated.
     let app = schema("killed");
@@ -813,6 +862,9 @@ fn a_killed_connection_is_a_typed_error_and_the_engine_recovers() {
 
 #[test]
 fn a_newer_schema_version_is_refused() {
+    if skipped() {
+        return;
+    }
     let name = schema("version");
     let pg = open_with(&name, None);
     let id = pg.store_id();
@@ -840,6 +892,9 @@ fn a_newer_schema_version_is_refused() {
 
 #[test]
 fn an_unreachable_server_is_unavailable() {
+    if skipped() {
+        return;
+    }
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -852,6 +907,9 @@ fn an_unreachable_server_is_unavailable() {
 
 #[test]
 fn the_database_clock_is_monotonic() {
+    if skipped() {
+        return;
+    }
     let pg = open_with(&schema("clock"), None);
     let a = pg.now_ms().unwrap();
     let b = pg.now_ms().unwrap();
@@ -863,6 +921,9 @@ fn the_database_clock_is_monotonic() {
 
 #[test]
 fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
+    if skipped() {
+        return;
+    }
     let own = match TestServer::start_own(super::server::ServerOptions {
         fsync: true,
         tls: false,
@@ -896,6 +957,9 @@ fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
 
 #[test]
 fn a_key_inserted_meanwhile_is_decided_again_in_the_same_batch() {
+    if skipped() {
+        return;
+    }
     let (pg, _clock) = open("cas");
     let schema_name = pg.shared.sql.schema.clone();
     let (k, k2) = (key("raced"), key("bystander"));
@@ -991,6 +1055,9 @@ fn a_key_inserted_meanwhile_is_decided_again_in_the_same_batch() {
 
 #[test]
 fn a_record_is_never_judged_before_its_own_time() {
+    if skipped() {
+        return;
+    }
     let name = schema("record_time");
     let ahead = ManualClock::new(T0 + 10_000);
     let behind = ManualClock::new(T0);
@@ -1024,6 +1091,9 @@ fn a_record_is_never_judged_before_its_own_time() {
 #[test]
 #[ignore = "a measurement, not a test"]
 fn lifecycles_per_second() {
+    if skipped() {
+        return;
+    }
     let fsync = std::env::var("IDEMSTORE_BENCH_FSYNC").as_deref() != Ok("off");
     let connections = std::env::var("IDEMSTORE_BENCH_CONNECTIONS")
         .ok()
@@ -1081,6 +1151,9 @@ fn lifecycles_per_second() {
 
 #[test]
 fn the_engine_and_its_futures_cross_threads() {
+    if skipped() {
+        return;
+    }
     fn send_sync<T: Send + Sync>(_: &T) {}
     fn send<T: Send>(_: &T) {}
     let (pg, _clock) = open("send");
@@ -1096,6 +1169,9 @@ fn the_engine_and_its_futures_cross_threads() {
 
 #[test]
 fn replicas_racing_for_one_business_key_bind_it_once() {
+    if skipped() {
+        return;
+    }
     let name = schema("bk_race");
     let stores: Vec<Arc<Postgres>> = (0..2).map(|_| Arc::new(open_with(&name, None))).collect();
     for round in 0..20 {
@@ -1152,6 +1228,9 @@ fn uses_tls(url: &str, app: &str) -> Vec<bool> {
 
 #[test]
 fn tls_follows_sslmode() {
+    if skipped() {
+        return;
+    }
     let own = match TestServer::start_own(super::server::ServerOptions {
         fsync: false,
         tls: true,
@@ -1187,4 +1266,19 @@ fn tls_follows_sslmode() {
         let url = format!("{}?sslmode=require", server().url());
         assert!(Postgres::connect(&url, PgOptions::default()).is_err());
     }
+}
+
+#[test]
+fn a_store_is_named_without_credentials_or_tls_options() {
+    let name = |url: &str| super::store_name(url, "s").display().to_string();
+    assert_eq!(
+        name(
+            "postgresql://app:secret@db.internal:5433/orders?sslmode=verify-full&sslrootcert=/etc/ca.pem"
+        ),
+        "postgresql://db.internal:5433/orders?schema=s"
+    );
+    assert_eq!(
+        name("host=db user=app password=secret dbname=orders sslmode=require"),
+        "postgresql://db/orders?schema=s"
+    );
 }
