@@ -89,6 +89,8 @@ pub enum Durability {
 ///   bytes)
 /// - `read_cache_bytes`: 16 MiB, the cache of finished records that answers
 ///   replays without reading the index (in bytes)
+/// - `postgres_schema`: `idemstore`; `postgres_connections`: 16 (the
+///   PostgreSQL engine's only)
 ///
 /// # Engines
 /// Most settings apply to both engines. `durability`, `max_log_bytes`,

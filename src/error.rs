@@ -149,9 +149,10 @@ pub enum Error {
         next_token: u64,
     },
 
-    /// The store file does not exist. Returned by
-    /// [`Store::open_existing`](crate::Store::open_existing), which never
-    /// creates a file.
+    /// The store does not exist: no file at the path given to
+    /// [`Store::open_existing`](crate::Store::open_existing), or no store in
+    /// the schema given to `Store::connect_existing` (feature `postgres`,
+    /// `path` naming the server and schema). Neither creates one.
     #[error("{}: no such store file", path.display())]
     Missing {
         /// The path that was looked for.

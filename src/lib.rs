@@ -110,11 +110,12 @@ pub mod docs_doctests {
 // The layers, top to bottom; a module imports only from its own layer or
 // below (tests/architecture.rs checks it):
 // - the public face: `store` (`Store`), `check` (`check_file`), `agent`,
-//   `http`;
+//   `http`, `postgres` (`complete_in`, `fail_in`), `conformance`;
 // - operations written once over any engine: `backup` (export and import
 //   framing), `scan`, `sweeper`;
 // - the engine boundary: `engine`;
-// - the engines: `embedded` (one file and its write-ahead log);
+// - the engines: `embedded` (one file and its write-ahead log), `pg`
+//   (PostgreSQL);
 // - definitions every engine shares, no I/O: `config`, `codec` (the record
 //   envelope), `audit` (events), `stats` (counters and their shape),
 //   `metrics`;

@@ -295,12 +295,15 @@ impl Store {
         })
     }
 
-    /// The file this store holds.
+    /// The file this store holds. On a PostgreSQL store: its server and
+    /// schema as `postgresql://host[:port]/db?schema=name`, without the
+    /// user, the password or the TLS options.
     pub fn path(&self) -> &Path {
         self.engine.path()
     }
 
-    /// The store's write-ahead log: `<path>-wal` beside the store file.
+    /// The store's write-ahead log: `<path>-wal` beside the store file. On
+    /// a PostgreSQL store, an empty path (the server keeps its own log).
     pub fn log_path(&self) -> &Path {
         self.engine.log_path()
     }
@@ -982,6 +985,9 @@ impl Store {
     /// [`Error::Poisoned`] when a durable write failed (the changes may or
     /// may not be durable; reopen the store to find out), [`Error::Closed`]
     /// when the store's syncer is gone.
+    ///
+    /// On a PostgreSQL store this returns at once: every acknowledged
+    /// change is committed on the server.
     pub fn flush(&self) -> Result<()> {
         let _span = tracing::debug_span!("idemstore.flush").entered();
         self.engine.flush()
@@ -996,6 +1002,9 @@ impl Store {
     ///
     /// # Errors
     /// Storage errors as for [`Store::claim`].
+    ///
+    /// On a PostgreSQL store this returns at once (the server checkpoints
+    /// on its own).
     pub fn checkpoint(&self) -> Result<()> {
         let _span = tracing::debug_span!("idemstore.checkpoint").entered();
         self.engine.checkpoint()
