@@ -770,6 +770,16 @@ struct WriterDone<'a>(&'a Shared);
 
 impl Drop for WriterDone<'_> {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The writer died inside a batch, without its closing step:
+            // the index may hold non-durable commits of batches whose log
+            // frames never became durable. Nothing may make them durable
+            // now, redb's close included, so the store is poisoned and its
+            // file fenced, as after a failed durable write (`close`).
+            self.0.poisoned.store(true, Ordering::SeqCst);
+            self.0.fence.raise();
+            tracing::error!(path = %self.0.path.display(), "the store's writer panicked; the store refuses writes until reopened");
+        }
         let mut st = self.0.progress.state.lock();
         st.writer_done = true;
         self.0.progress.changed.notify_all();

@@ -684,6 +684,105 @@ mod tests {
         }
     }
 
+    /// A redb backend that counts the calls that would change the file.
+    #[derive(Debug, Clone)]
+    struct Counting {
+        inner: Arc<redb::backends::InMemoryBackend>,
+        changes: Arc<AtomicU64>,
+    }
+
+    impl redb::StorageBackend for Counting {
+        fn len(&self) -> std::io::Result<u64> {
+            redb::StorageBackend::len(&*self.inner)
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> std::io::Result<()> {
+            redb::StorageBackend::read(&*self.inner, offset, out)
+        }
+        fn set_len(&self, len: u64) -> std::io::Result<()> {
+            self.changes.fetch_add(1, Ordering::SeqCst);
+            redb::StorageBackend::set_len(&*self.inner, len)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.changes.fetch_add(1, Ordering::SeqCst);
+            redb::StorageBackend::sync_data(&*self.inner)
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.changes.fetch_add(1, Ordering::SeqCst);
+            redb::StorageBackend::write(&*self.inner, offset, data)
+        }
+    }
+
+    /// A log whose writes panic once armed (a bug in the writer's path).
+    #[derive(Clone, Default)]
+    struct PanicOnWrite {
+        log: MemoryLog,
+        armed: Arc<AtomicBool>,
+    }
+
+    impl LogFile for PanicOnWrite {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.log.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            assert!(
+                !self.armed.load(Ordering::SeqCst),
+                "a bug in the write path"
+            );
+            self.log.write_at(offset, data)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            self.log.sync_data()
+        }
+        fn len(&self) -> std::io::Result<u64> {
+            self.log.len()
+        }
+    }
+
+    /// Found by review: a writer that panicked skipped its closing step,
+    /// so redb's close could make the index's non-durable commits durable.
+    /// Now the store is poisoned and the file fenced: nothing reaches the
+    /// file after the writer died.
+    #[test]
+    fn a_writer_that_panics_leaves_the_file_as_it_was() {
+        let backend = Counting {
+            inner: Arc::new(redb::backends::InMemoryBackend::new()),
+            changes: Arc::default(),
+        };
+        let log = PanicOnWrite::default();
+        let store = Store::open_with_backend(
+            "panic.redb",
+            backend.clone(),
+            log.clone(),
+            crate::config::Config::new().sweep_interval(None),
+        )
+        .unwrap();
+        let fp = Fingerprint::of(b"p");
+        // A change applied to the index with a non-durable commit.
+        let first = Key::new("s", "applied").unwrap();
+        assert!(matches!(
+            store.claim(&first, &fp, &ClaimOptions::new()),
+            Ok(ClaimOutcome::Acquired(_))
+        ));
+        log.armed.store(true, Ordering::SeqCst);
+        let second = Key::new("s", "panics").unwrap();
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let refused = store.claim(&second, &fp, &ClaimOptions::new());
+        std::panic::set_hook(hook);
+        assert!(refused.is_err(), "{refused:?}");
+        assert!(matches!(
+            store.claim(&second, &fp, &ClaimOptions::new()),
+            Err(Error::Poisoned | Error::Closed)
+        ));
+        let before = backend.changes.load(Ordering::SeqCst);
+        drop(store);
+        assert_eq!(
+            backend.changes.load(Ordering::SeqCst),
+            before,
+            "the file changed after its writer died"
+        );
+    }
+
     fn embedded(store: &Store) -> &Embedded {
         match store.engine() {
             crate::engine::Engine::Embedded(e) => e,
