@@ -71,6 +71,13 @@ pub enum Durability {
     },
 }
 
+/// The default of [`Config::integrity_check_interval`]: 24 hours. A store
+/// reopened cleanly many times a day (deploys, restarts) pays the full
+/// check of its file at most once a day, and a page damaged on disk while
+/// the store was closed goes unchecked at open for at most a day; an
+/// unclean shutdown is always checked.
+pub const DEFAULT_INTEGRITY_CHECK_INTERVAL: Duration = Duration::from_secs(24 * 3600);
+
 /// Store configuration.
 ///
 /// # Defaults
@@ -89,13 +96,15 @@ pub enum Durability {
 ///   bytes)
 /// - `read_cache_bytes`: 16 MiB, the cache of finished records that answers
 ///   replays without reading the index (in bytes)
+/// - `integrity_check_interval`: 24 hours, how old the last full check of
+///   the store file's pages may be before a clean open runs it again
 /// - `postgres_schema`: `idemstore`; `postgres_connections`: 16 (the
 ///   PostgreSQL engine's only)
 ///
 /// # Engines
 /// Most settings apply to both engines. `durability`, `max_log_bytes`,
-/// `cache_bytes` and `read_cache_bytes` belong to the embedded engine (a
-/// store file): [`Store::connect`](crate::Store) refuses them, when set
+/// `cache_bytes`, `read_cache_bytes` and `integrity_check_interval` belong
+/// to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
 /// to anything but their defaults, with [`Error::InvalidArgument`] naming
 /// the setting. `postgres_schema` and `postgres_connections` belong to the
 /// PostgreSQL engine: the `open` methods refuse them the same way.
@@ -118,6 +127,7 @@ pub struct Config {
     pub(crate) durability: Durability,
     pub(crate) max_log_bytes: u64,
     pub(crate) read_cache_bytes: usize,
+    pub(crate) integrity_check_interval: Option<Duration>,
 }
 
 impl Default for Config {
@@ -135,6 +145,7 @@ impl Default for Config {
             durability: Durability::Immediate,
             max_log_bytes: 64 * 1024 * 1024,
             read_cache_bytes: 16 * 1024 * 1024,
+            integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,
@@ -156,6 +167,7 @@ impl std::fmt::Debug for Config {
             .field("durability", &self.durability)
             .field("max_log_bytes", &self.max_log_bytes)
             .field("read_cache_bytes", &self.read_cache_bytes)
+            .field("integrity_check_interval", &self.integrity_check_interval)
             .field("clock_given", &self.clock_given)
             .field("postgres_schema", &self.postgres_schema)
             .field("postgres_connections", &self.postgres_connections)
@@ -271,6 +283,47 @@ impl Config {
         self
     }
 
+    /// How old the last full check of the store file may be before a
+    /// clean open runs it again (embedded engine only; whole milliseconds,
+    /// at least 1 ms; `None` checks at every open). Default 24 hours
+    /// ([`DEFAULT_INTEGRITY_CHECK_INTERVAL`]).
+    ///
+    /// The full check is redb's integrity check: it reads every page of
+    /// the file and verifies its checksum, which redb does nowhere else (a
+    /// plain read trusts the page), so it is what finds a page damaged on
+    /// disk, such as a flipped byte in a branch page that would make a
+    /// stored key read as absent (a claim would then run the work twice).
+    /// It costs a read of the whole file: about 0.4 s warm at a million
+    /// records, seconds to tens of seconds at ten million (BENCHMARKS.md).
+    ///
+    /// - After an unclean shutdown (a crash, a kill, a power cut, a store
+    ///   that could not write its closing checkpoint) the check always
+    ///   runs, whatever this setting.
+    /// - After a clean close it runs when the last full check is older
+    ///   than this period, or was never recorded (a store written before
+    ///   this setting existed, a new store), or is recorded more than a
+    ///   minute ahead of the clock (a file that cannot be trusted about
+    ///   it). The time is the wall reading of [`Config::clock`], recorded
+    ///   in the store file when a check passes.
+    /// - `None` checks at every open, as every open did before this
+    ///   setting.
+    ///
+    /// Between two full checks, damage is found by the record checksum
+    /// (every read of a record) and by [`Store::verify`](crate::Store::verify),
+    /// [`check_file`](crate::check_file) and `idemstore check`, which an
+    /// operator runs; see README, "What it guarantees", point 5.
+    ///
+    /// `Some(Duration::ZERO)` (or under 1 ms) makes the open fail with
+    /// [`Error::InvalidArgument`] naming `integrity_check_interval`; use
+    /// `None`. A very long period (up to [`Duration::MAX`]) is accepted: the
+    /// check then runs on a store never verified and after unclean
+    /// shutdowns only. On a PostgreSQL store anything but the default is
+    /// refused the same way.
+    pub fn integrity_check_interval(mut self, interval: Option<Duration>) -> Config {
+        self.integrity_check_interval = interval;
+        self
+    }
+
     /// The PostgreSQL schema that holds the store's tables (PostgreSQL
     /// engine only): 1 to 63 ASCII letters, digits or underscores, not
     /// starting with a digit; default `idemstore`. Several stores share one
@@ -305,8 +358,8 @@ impl Config {
     }
 
     /// Refuses the settings of the embedded engine on the PostgreSQL one:
-    /// a durability mode, the log size and the two caches, when set to
-    /// anything but their defaults.
+    /// a durability mode, the log size, the two caches and the integrity
+    /// check's period, when set to anything but their defaults.
     #[cfg(feature = "postgres")]
     pub(crate) fn check_postgres(&self) -> Result<()> {
         let defaults = Config::default();
@@ -327,6 +380,9 @@ impl Config {
         }
         if self.read_cache_bytes != defaults.read_cache_bytes {
             return embedded_only("read_cache_bytes");
+        }
+        if self.integrity_check_interval != defaults.integrity_check_interval {
+            return embedded_only("integrity_check_interval");
         }
         if self
             .postgres_connections
@@ -446,5 +502,33 @@ impl ClaimOptions {
     pub fn business_key(mut self, business_key: impl Into<String>) -> ClaimOptions {
         self.business_key = Some(business_key.into());
         self
+    }
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn postgres_refuses_the_integrity_check_interval() {
+        assert!(Config::new().check_postgres().is_ok());
+        for interval in [None, Some(Duration::from_secs(60))] {
+            match Config::new()
+                .integrity_check_interval(interval)
+                .check_postgres()
+            {
+                Err(Error::InvalidArgument { what, .. }) => {
+                    assert_eq!(what, "integrity_check_interval");
+                }
+                other => panic!("{interval:?}: {other:?}"),
+            }
+        }
+        let default = Some(DEFAULT_INTEGRITY_CHECK_INTERVAL);
+        assert!(
+            Config::new()
+                .integrity_check_interval(default)
+                .check_postgres()
+                .is_ok()
+        );
     }
 }

@@ -152,8 +152,8 @@ pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSu
 pub use check::check_file;
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use config::{
-    ClaimOptions, Config, Durability, MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_TOKEN,
-    MAX_VALUE_LIMIT,
+    ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, Durability, MAX_CLAIM_MANY, MAX_LEASE,
+    MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT,
 };
 pub use embedded::WRITER_QUEUE_BOUND;
 pub use embedded::wal::{FileLog, LogFile, MemoryLog};

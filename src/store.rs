@@ -178,8 +178,8 @@ impl Store {
     /// [`Config::clock`], which then replaces the database's (for tests).
     ///
     /// Settings of the embedded engine (`durability`, `max_log_bytes`,
-    /// `cache_bytes`, `read_cache_bytes`) are refused. The file methods
-    /// answer as follows: [`Store::path`] gives
+    /// `cache_bytes`, `read_cache_bytes`, `integrity_check_interval`) are
+    /// refused. The file methods answer as follows: [`Store::path`] gives
     /// `postgresql://host:port/db?schema=name` (no credentials),
     /// [`Store::log_path`] an empty path, [`Store::flush`] and
     /// [`Store::checkpoint`] return at once (every acknowledged change is

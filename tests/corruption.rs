@@ -3,8 +3,15 @@
 //!
 //! Two layers catch it: the record envelope's crc32 over key and body, which
 //! every read checks ([`Error::CorruptRecord`] naming the key, other keys keep
-//! working), and redb's page checksums, which the store verifies when it
-//! opens a file ([`Error::CorruptFile`] naming the file).
+//! working), and redb's page checksums, which the store verifies when an
+//! open runs the full integrity check ([`Error::CorruptFile`] naming the
+//! file).
+//!
+//! Every reopen of a damaged file here runs the check
+//! (`integrity_check_interval(None)`, see [`checked`]): after a clean close
+//! the default period would skip it, and these tests are about what the
+//! check finds. When an open runs it, and what the period changes, is in
+//! tests/integrity_on_open.rs.
 //!
 //! `IDEMSTORE_CORRUPTION_SAMPLES` raises the number of random offsets the
 //! sampled test flips (default 60) and `IDEMSTORE_CORRUPTION_SEED` changes
@@ -20,7 +27,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use idemstore::{ClaimOutcome, Error, Key, Record, State, Store};
+use idemstore::{ClaimOutcome, Config, Error, Key, Record, State, Store};
 
 /// The result stored under [`victim`]: a byte string found nowhere else in
 /// the file.
@@ -160,9 +167,16 @@ fn interrogate(store: &Store, expected: &BTreeMap<Key, Record>) -> Result<Verdic
     Ok(verdict)
 }
 
-/// Opens `t`'s file and interrogates it; panics on a wrong answer.
+/// `t`'s configuration with the full integrity check at every open, as
+/// every open ran it before `Config::integrity_check_interval` existed.
+fn checked(t: &TestDir) -> Config {
+    t.config().integrity_check_interval(None)
+}
+
+/// Opens `t`'s file (running the full check) and interrogates it; panics
+/// on a wrong answer.
 fn open_and_interrogate(t: &TestDir, expected: &BTreeMap<Key, Record>) -> Result<Verdict, String> {
-    let store = match Store::open_with(&t.path, t.config()) {
+    let store = match Store::open_with(&t.path, checked(t)) {
         Ok(store) => store,
         Err(err) if is_damage_report(&err) => return Ok(Verdict::OpenError),
         Err(err) => return Err(format!("open: unexpected error {err:?}")),
@@ -184,7 +198,7 @@ fn flipped_result_byte_in_a_closed_file_fails_the_open() {
     assert_eq!(at.len(), 1, "the marker is written once");
     flip(&t.path, at[0] + 9, 0x01);
 
-    match Store::open_with(&t.path, t.config()) {
+    match Store::open_with(&t.path, checked(&t)) {
         Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
         Err(err) => panic!("expected CorruptFile, got {err:?}"),
         Ok(store) => panic!(
@@ -264,7 +278,7 @@ fn check_file_reports_a_damaged_page_as_damage() {
 }
 
 /// Damage that reaches a record while the store is open (redb verifies page
-/// checksums only when it opens a file) is caught by the record checksum:
+/// checksums only in its integrity check, which runs at open) is caught by the record checksum:
 /// `get` and `claim` of that key fail with CorruptRecord naming it, and every
 /// other key keeps working. After a reopen it is still reported, by redb's
 /// page checksum or, if a later write rewrote the page, by the record's.
@@ -305,7 +319,7 @@ fn record_damaged_while_open_is_corrupt_record_naming_the_key() {
     is_victim_corrupt(store.get(&victim()).map(drop));
     drop(store);
 
-    match Store::open_with(&t.path, t.config()) {
+    match Store::open_with(&t.path, checked(&t)) {
         Err(Error::CorruptFile { path, .. }) => {
             assert_eq!(path, t.path);
             eprintln!("reopen refused by redb's page checksums");
@@ -328,8 +342,8 @@ fn record_damaged_while_open_is_corrupt_record_naming_the_key() {
 /// it was not written for, and the checksum over key and body reports it
 /// under the damaged key. The original key reads as absent: the record
 /// checksum cannot see a lookup that misses, and redb verifies page
-/// checksums only when it opens a file (which then refuses it, unless a
-/// later write rewrote the page first).
+/// checksums only in its integrity check (which, run at the reopen, refuses
+/// it, unless a later write rewrote the page first).
 #[test]
 fn key_damaged_while_open_is_corrupt_record_and_refused_at_reopen() {
     let t = TestDir::new();
@@ -355,7 +369,7 @@ fn key_damaged_while_open_is_corrupt_record_and_refused_at_reopen() {
     assert_eq!(interrogate(&store, &others), Ok(Verdict::Correct));
     drop(store);
 
-    match Store::open_with(&t.path, t.config()) {
+    match Store::open_with(&t.path, checked(&t)) {
         Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
         Err(err) => panic!("expected CorruptFile, got {err:?}"),
         // A later write rewrote the page, so redb's checksums cover the

@@ -111,8 +111,21 @@ impl Embedded {
                 format!("must be at least {MIN_LOG_BYTES} bytes"),
             ));
         }
+        let interval_ms = match config.integrity_check_interval {
+            Some(d) if duration_ms(d) == 0 => {
+                return Err(Error::invalid(
+                    "integrity_check_interval",
+                    "must be at least 1 ms; None checks at every open",
+                ));
+            }
+            other => other.map(duration_ms),
+        };
+        let policy = schema::IntegrityPolicy {
+            interval_ms,
+            wall_ms: config.clock.now_ms(),
+        };
         let fence = Fence::default();
-        let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence)?;
+        let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
         let log = match log {

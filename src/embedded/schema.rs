@@ -3,6 +3,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
+use std::time::Instant;
 
 use redb::{
     Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Table, TableDefinition,
@@ -50,6 +51,144 @@ pub(crate) const META_CLEAN: &str = "clean_shutdown";
 /// the counter restarts here, so a token acknowledged but lost with the
 /// unsynced end of the log (buffered mode) is never issued twice.
 pub(crate) const META_TOKEN_RESERVED: &str = "token_reserved";
+
+/// When redb's full integrity check (every page's checksum) last passed on
+/// this file: the wall reading of the store's clock, in ms since the epoch,
+/// written in the first durable commit of an open that ran the check.
+/// Absent in stores written before it existed, and in new stores until
+/// their first open: such a store counts as never verified. Read only to
+/// decide whether a clean open may skip the check (see [`check_reason`]).
+pub(crate) const META_VERIFIED: &str = "integrity_verified_ms";
+
+/// How far ahead of the wall clock a recorded verification may be and
+/// still count: one minute. The time was a wall reading too, so a time
+/// ahead of the clock means the clock stepped back (an NTP correction, a
+/// file moved from a host whose clock was ahead) or a file that cannot be
+/// trusted about it; beyond this, the store counts as never verified and
+/// checks (a far-future time must not switch the check off). Within it,
+/// the period is lengthened by at most this much.
+pub(crate) const VERIFIED_FUTURE_TOLERANCE_MS: u64 = 60_000;
+
+/// What decides whether an open runs redb's full integrity check.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct IntegrityPolicy {
+    /// How old the last verification may be on a clean open, in ms;
+    /// `None` checks at every open (`Config::integrity_check_interval`).
+    pub interval_ms: Option<u64>,
+    /// The wall reading of the store's clock now (ms since the epoch).
+    pub wall_ms: u64,
+}
+
+/// Why an open runs the full integrity check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum CheckReason {
+    /// `integrity_check_interval(None)`.
+    EveryOpen,
+    /// The metadata could not be read before the check: a new store (no
+    /// tables yet), or one that the check will refuse.
+    NoMetadata,
+    /// The last shutdown was not clean.
+    Unclean,
+    /// No verification is recorded (or its value is malformed).
+    NeverVerified,
+    /// The recorded verification is ahead of the wall clock by more than
+    /// [`VERIFIED_FUTURE_TOLERANCE_MS`].
+    VerifiedInFuture,
+    /// The recorded verification is at least the period old.
+    Due,
+}
+
+impl CheckReason {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            CheckReason::EveryOpen => "every open (integrity_check_interval None)",
+            CheckReason::NoMetadata => "metadata not readable before the check",
+            CheckReason::Unclean => "unclean shutdown",
+            CheckReason::NeverVerified => "never verified",
+            CheckReason::VerifiedInFuture => "last verification recorded in the future",
+            CheckReason::Due => "last verification older than the period",
+        }
+    }
+}
+
+/// What an open reads of the metadata before deciding on the check: the
+/// clean-shutdown flag and the last verification, from pages not yet
+/// verified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Peek {
+    pub clean: bool,
+    pub verified_ms: Option<u64>,
+}
+
+/// Whether an open with `peek` (`None`: the metadata did not read) runs the
+/// full check under `policy`, and why; `None` to skip it. No step can
+/// wrap (saturating at both ends, each saturation on the side that checks):
+/// a hostile recorded time cannot overflow into "recent".
+pub(crate) fn check_reason(peek: Option<Peek>, policy: IntegrityPolicy) -> Option<CheckReason> {
+    let Some(interval_ms) = policy.interval_ms else {
+        return Some(CheckReason::EveryOpen);
+    };
+    let Some(peek) = peek else {
+        return Some(CheckReason::NoMetadata);
+    };
+    if !peek.clean {
+        return Some(CheckReason::Unclean);
+    }
+    let Some(verified) = peek.verified_ms else {
+        return Some(CheckReason::NeverVerified);
+    };
+    // A wall clock within the tolerance of u64::MAX has no future to refuse.
+    let latest = policy.wall_ms.saturating_add(VERIFIED_FUTURE_TOLERANCE_MS);
+    if verified > latest {
+        return Some(CheckReason::VerifiedInFuture);
+    }
+    // Ahead of the clock within the tolerance: verified just now.
+    let age = policy.wall_ms.saturating_sub(verified);
+    if age >= interval_ms {
+        return Some(CheckReason::Due);
+    }
+    None
+}
+
+/// Reads the clean flag and the last verification in a read transaction;
+/// `None` when the metadata table or the clean flag does not read (a new
+/// store, a damaged file).
+fn peek(db: &Database) -> Option<Peek> {
+    let txn = db.begin_read().ok()?;
+    let table = txn.open_table(META).ok()?;
+    let num = |name: &str| -> Option<Option<u64>> {
+        match table.get(name) {
+            Ok(None) => Some(None),
+            Ok(Some(v)) => Some(<[u8; 8]>::try_from(v.value()).ok().map(u64::from_le_bytes)),
+            Err(_) => None,
+        }
+    };
+    // A malformed clean flag is not a clean shutdown.
+    let clean = num(META_CLEAN)?.is_some_and(|v| v == 1);
+    Some(Peek {
+        clean,
+        verified_ms: num(META_VERIFIED)?,
+    })
+}
+
+/// Raises the fence when dropped unless disarmed: an open that fails leaves
+/// the file as it found it (redb's close writes nothing to a file that
+/// failed its check or is not a store).
+struct FenceOnFailure<'f>(Option<&'f Fence>);
+
+impl FenceOnFailure<'_> {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for FenceOnFailure<'_> {
+    fn drop(&mut self) {
+        if let Some(fence) = self.0 {
+            fence.raise();
+        }
+    }
+}
 
 /// What the metadata table says about a store.
 #[derive(Debug, Clone, Copy)]
@@ -117,13 +256,15 @@ fn u64_of(path: &Path, name: &str, bytes: &[u8]) -> Result<u64> {
 }
 
 /// Opens (or creates) the redb file, or a database on `backend` when one is
-/// given (`path` then only names it in errors), and checks or initialises
-/// the metadata.
+/// given (`path` then only names it in errors), runs redb's full integrity
+/// check when `policy` says so (see [`check_reason`]), and checks or
+/// initialises the metadata.
 pub(crate) fn open<B: redb::StorageBackend>(
     path: &Path,
     backend: Option<B>,
     cache_bytes: usize,
     fence: &Fence,
+    policy: IntegrityPolicy,
 ) -> Result<(Database, Meta)> {
     guard(path, || {
         let mut builder = Database::builder();
@@ -131,12 +272,13 @@ pub(crate) fn open<B: redb::StorageBackend>(
         // commit recorded its allocator state (quick-repair, which every
         // checkpoint sets); otherwise it walks the whole file.
         builder.set_cache_size(cache_bytes);
-        // Verify every page checksum on every open, not only after a crash.
-        // The record checksum cannot see a damaged key (the lookup simply
-        // misses, and the key would be acquired twice), and a plain open of
-        // a damaged file may panic inside redb. This reads the whole file,
-        // as crash recovery already does.
-        builder.set_check_integrity_on_open(true);
+        // The open itself does not verify page checksums (redb's
+        // `set_check_integrity_on_open` is off): the metadata is read
+        // first, to decide whether the full check below runs. redb verifies
+        // page checksums nowhere else, and the record checksum cannot see
+        // a damaged key (the lookup simply misses, and the key would be
+        // acquired twice), so the check runs after every unclean shutdown
+        // and whenever the last one is older than the period.
         let file = backend.is_none();
         // Every backend goes behind the fence (see `fence.rs`).
         let opened = match backend {
@@ -150,7 +292,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     let db = Database::builder()
                         .create(temp)
                         .map_err(|e| map_err(path, e))?;
-                    init_meta(path, &db).map(|_| ())
+                    init_meta(path, &db, None).map(|_| ())
                 })?;
                 // Then opened as redb's `create` opens a file, behind the
                 // fence; never created here (a file removed meanwhile is
@@ -164,8 +306,25 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     .and_then(|file| builder.create_with_backend(Fenced::new(file, fence.clone())))
             }
         };
-        let db = opened.map_err(|e| open_error(path, e))?;
-        let meta = init_meta(path, &db)?;
+        let mut db = opened.map_err(|e| open_error(path, e))?;
+        // Dropped before `db` (declared after it), so that a failure from
+        // here on, a panic included, fences the file before redb closes it.
+        let armed = FenceOnFailure(Some(fence));
+        let verified = match check_reason(peek(&db), policy) {
+            Some(reason) => {
+                full_check(path, &mut db, reason)?;
+                Some(policy.wall_ms)
+            }
+            None => {
+                tracing::debug!(
+                    path = %path.display(),
+                    "integrity check skipped: clean shutdown, last verified within the period"
+                );
+                None
+            }
+        };
+        let meta = init_meta(path, &db, verified)?;
+        armed.disarm();
         if file {
             super::create::remove_leftovers(path);
         }
@@ -173,9 +332,30 @@ pub(crate) fn open<B: redb::StorageBackend>(
     })
 }
 
+/// redb's integrity check: every page checksum of the committed trees and
+/// the allocator state, repaired when redb can (reported as a warning).
+/// Emits the event "integrity check ran" (info, with `reason`).
+fn full_check(path: &Path, db: &mut Database, reason: CheckReason) -> Result<()> {
+    let started = Instant::now();
+    let clean = db.check_integrity().map_err(|e| open_error(path, e))?;
+    let elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    if !clean {
+        tracing::warn!(path = %path.display(), "the integrity check found damage redb could repair; repaired");
+    }
+    tracing::info!(
+        path = %path.display(),
+        reason = reason.as_str(),
+        repaired = !clean,
+        elapsed_ms,
+        "integrity check ran"
+    );
+    Ok(())
+}
+
 /// Checks the metadata of an existing store, or initialises that of a new
-/// database (identity, format, every table) in a durable commit.
-fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
+/// database (identity, format, every table) in a durable commit, which
+/// records `verified_ms` as the last full check when given.
+fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Meta> {
     let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
     txn.set_quick_repair(true);
     let existing: Vec<String> = txn
@@ -190,7 +370,7 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
             .map_err(|e| map_err(path, e))?
             .map(|v| u64_of(path, META_FORMAT, v.value()))
             .transpose()?;
-        match format {
+        let meta = match format {
             None if existing.iter().any(|t| t != META.name()) => {
                 return Err(Error::IncompatibleFile {
                     path: path.to_path_buf(),
@@ -229,7 +409,13 @@ fn init_meta(path: &Path, db: &Database) -> Result<Meta> {
                 });
             }
             Some(_) => read_meta(path, &table)?,
+        };
+        if let Some(ms) = verified_ms {
+            table
+                .insert(META_VERIFIED, &ms.to_le_bytes()[..])
+                .map_err(|e| map_err(path, e))?;
         }
+        meta
     };
     // Create every table so that readers never meet a missing one.
     txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
@@ -627,5 +813,86 @@ pub(crate) fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
             }
         }
         other => map_err(path, other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: u64 = 24 * 3600 * 1000;
+
+    fn policy(interval_ms: Option<u64>, wall_ms: u64) -> IntegrityPolicy {
+        IntegrityPolicy {
+            interval_ms,
+            wall_ms,
+        }
+    }
+
+    fn clean(verified_ms: Option<u64>) -> Option<Peek> {
+        Some(Peek {
+            clean: true,
+            verified_ms,
+        })
+    }
+
+    #[test]
+    fn check_reason_covers_every_case() {
+        let now = 1_800_000_000_000;
+        let p = policy(Some(DAY), now);
+        assert_eq!(
+            check_reason(clean(Some(now)), policy(None, now)),
+            Some(CheckReason::EveryOpen)
+        );
+        assert_eq!(check_reason(None, p), Some(CheckReason::NoMetadata));
+        let unclean = Some(Peek {
+            clean: false,
+            verified_ms: Some(now),
+        });
+        assert_eq!(check_reason(unclean, p), Some(CheckReason::Unclean));
+        assert_eq!(
+            check_reason(clean(None), p),
+            Some(CheckReason::NeverVerified)
+        );
+        assert_eq!(check_reason(clean(Some(now)), p), None);
+        assert_eq!(check_reason(clean(Some(now - DAY + 1)), p), None);
+        assert_eq!(
+            check_reason(clean(Some(now - DAY)), p),
+            Some(CheckReason::Due)
+        );
+        assert_eq!(check_reason(clean(Some(0)), p), Some(CheckReason::Due));
+        let ahead = now + VERIFIED_FUTURE_TOLERANCE_MS;
+        assert_eq!(check_reason(clean(Some(ahead)), p), None);
+        assert_eq!(
+            check_reason(clean(Some(ahead + 1)), p),
+            Some(CheckReason::VerifiedInFuture)
+        );
+    }
+
+    /// Hostile values at the edges of u64 neither overflow nor read as
+    /// recent.
+    #[test]
+    fn check_reason_arithmetic_is_checked_at_the_edges() {
+        let max = u64::MAX;
+        assert_eq!(
+            check_reason(clean(Some(max)), policy(Some(DAY), 0)),
+            Some(CheckReason::VerifiedInFuture)
+        );
+        // A wall clock at the top of the range has no future to refuse.
+        assert_eq!(check_reason(clean(Some(max)), policy(Some(DAY), max)), None);
+        assert_eq!(
+            check_reason(clean(Some(0)), policy(Some(DAY), max)),
+            Some(CheckReason::Due)
+        );
+        // The longest period: only never verified, future or unclean check.
+        assert_eq!(
+            check_reason(clean(Some(0)), policy(Some(max), max - 1)),
+            None
+        );
+        assert_eq!(
+            check_reason(clean(Some(0)), policy(Some(max), max)),
+            Some(CheckReason::Due)
+        );
+        assert_eq!(check_reason(clean(Some(0)), policy(Some(1), 0)), None);
     }
 }
