@@ -1049,6 +1049,12 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
                     Err(match &e {
                         Error::Poisoned => Error::Poisoned,
                         Error::Closed => Error::Closed,
+                        Error::Unavailable { detail } => Error::Unavailable {
+                            detail: detail.clone(),
+                        },
+                        Error::OutcomeUnknown { detail } => Error::OutcomeUnknown {
+                            detail: detail.clone(),
+                        },
                         other => Error::Storage(other.to_string()),
                     })
                 })

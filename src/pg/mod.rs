@@ -1076,20 +1076,36 @@ async fn run_sweep(shared: &Shared, slot: &mut Option<Conn>, max: usize) -> Resu
             .await
             .map_err(|e| fail(&e))?;
         let now = read_time(shared, conn).await?;
-        let limit = to_i64("the sweep limit", u64::try_from(max).unwrap_or(u64::MAX))?;
-        let rows = c
-            .query(&conn.st.due_records, &[&to_i64("the time", now)?, &limit])
-            .await
-            .map_err(|e| fail(&e))?;
+        let now_param = to_i64("the time", now)?;
         let mut events = Vec::new();
         let mut gone = Vec::new();
-        for row in &rows {
-            match decide::slot_of(&row_columns(row)?) {
-                Slot::Present(rec) if rec.is_expired_at(now) => gone.push(rec),
-                Slot::Corrupt(key, detail) => {
-                    events.extend(Event::corruption(&Error::CorruptRecord { key, detail }));
+        // Pages in deadline order past the last row seen, so that rows it
+        // cannot evict (corrupt ones, reported and left for `check`) never
+        // hold back the ones after them.
+        let mut after: (i64, Vec<u8>) = (-1, Vec::new());
+        while gone.len() < max {
+            let want = max - gone.len();
+            let limit = to_i64("the sweep limit", u64::try_from(want).unwrap_or(u64::MAX))?;
+            let rows = c
+                .query(
+                    &conn.st.due_records,
+                    &[&now_param, &limit, &after.0, &after.1],
+                )
+                .await
+                .map_err(|e| fail(&e))?;
+            for row in &rows {
+                let columns = row_columns(row)?;
+                after = (columns.expires_ms, columns.key.clone());
+                match decide::slot_of(&columns) {
+                    Slot::Present(rec) if rec.is_expired_at(now) => gone.push(rec),
+                    Slot::Corrupt(key, detail) => {
+                        events.extend(Event::corruption(&Error::CorruptRecord { key, detail }));
+                    }
+                    _ => {}
                 }
-                _ => {}
+            }
+            if rows.len() < want {
+                break;
             }
         }
         let dk: Vec<Vec<u8>> = gone.iter().map(|r| r.key.to_bytes()).collect();

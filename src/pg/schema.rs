@@ -93,6 +93,12 @@ pub(crate) struct Sql {
     pub insert_records_strict: String,
     /// Updates records (compare-and-set: same token as read).
     pub update_records: String,
+    /// `update_records` for `complete_in`/`fail_in`, which may run on a
+    /// client outside a transaction (its row lock then ends with the
+    /// read): the write also requires the row to be still Processing, so
+    /// that a record finished meanwhile under the same token is never
+    /// overwritten.
+    pub update_processing_records: String,
     /// Deletes records (compare-and-set: same token as read).
     pub delete_records: String,
     /// Inserts fresh bindings (compare-and-set: absent).
@@ -174,6 +180,17 @@ impl Sql {
                  AS u(key, record, token, state, created_ms, lease_until_ms, expires_ms, seen) \
                  WHERE r.key = u.key AND r.token = u.seen RETURNING r.key"
             ),
+            update_processing_records: format!(
+                "UPDATE {s}.records AS r SET record = u.record, token = u.token, \
+                 state = u.state, created_ms = u.created_ms, lease_until_ms = u.lease_until_ms, \
+                 expires_ms = u.expires_ms \
+                 FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
+                 $5::bigint[], $6::bigint[], $7::bigint[], $8::bigint[]) \
+                 AS u(key, record, token, state, created_ms, lease_until_ms, expires_ms, seen) \
+                 WHERE r.key = u.key AND r.token = u.seen AND r.state = {processing} \
+                 RETURNING r.key",
+                processing = super::decide::state_code(crate::record::State::Processing)
+            ),
             delete_records: format!(
                 "DELETE FROM {s}.records AS r USING unnest($1::bytea[], $2::bigint[]) \
                  AS u(key, seen) WHERE r.key = u.key AND r.token = u.seen RETURNING r.key"
@@ -195,6 +212,7 @@ impl Sql {
             ),
             due_records: format!(
                 "SELECT {cols} FROM {s}.records WHERE expires_ms <= $1 \
+                 AND (expires_ms, key) > ($3, $4) \
                  ORDER BY expires_ms, key LIMIT $2 FOR UPDATE SKIP LOCKED"
             ),
             next_token: format!("SELECT last_value, is_called FROM {s}.tokens"),

@@ -143,7 +143,7 @@ where
     let useen: Vec<i64> = w.updates.iter().map(|x| x.3).collect();
     let params: [&(dyn ToSql + Sync); 8] = [&uk, &ur, &ut, &us, &uc, &ul, &ue, &useen];
     let updated = client
-        .query(sql.update_records.as_str(), &params)
+        .query(sql.update_processing_records.as_str(), &params)
         .await
         .map_err(|e| fail(&e))?;
     if updated.len() != uk.len() {
