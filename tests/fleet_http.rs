@@ -50,13 +50,6 @@ const CLIENTS_PER_KEY: usize = 2;
 /// The longest the whole run may take before the test gives up.
 const DEADLINE: Duration = Duration::from_secs(240);
 
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// In the child: one replica, serving on the address the parent chose;
 /// READY once the port accepts connections.
 fn run_replica() -> ! {
@@ -177,9 +170,9 @@ fn two_replicas_one_database_one_ticket_per_key() {
     }
     let Some(url) = pg::url() else { return };
     let schema = pg::schema("fleet_http");
-    let kills = env_u64("IDEMSTORE_FLEET_KILLS", 3);
-    let keys_total = usize::try_from(env_u64("IDEMSTORE_FLEET_KEYS", 200)).unwrap();
-    let seed = env_u64("IDEMSTORE_FLEET_SEED", 11);
+    let kills = common::seed_from_env("IDEMSTORE_FLEET_KILLS", 3);
+    let keys_total = common::count_from_env("IDEMSTORE_FLEET_KEYS", 200);
+    let seed = common::seed_from_env("IDEMSTORE_FLEET_SEED", 11);
     eprintln!(
         "fleet_http: seed {seed}, {kills} kills, {keys_total} keys, {CLIENTS} clients, \
          {REPLICAS} replicas, schema {schema}"

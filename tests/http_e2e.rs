@@ -44,13 +44,6 @@ const CLIENTS: usize = 12;
 /// The longest the whole run may take before the test gives up.
 const DEADLINE: Duration = Duration::from_secs(240);
 
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// In the child: serve on the address the parent chose, report READY once
 /// the port accepts connections, and serve until killed.
 fn run_server() -> ! {
@@ -168,8 +161,8 @@ fn one_ticket_per_key_across_sigkills_and_retries() {
     if common::child_role(TEST_NAME) {
         run_server();
     }
-    let rounds = env_u64("IDEMSTORE_E2E_ROUNDS", 6);
-    let seed = env_u64("IDEMSTORE_E2E_SEED", 7);
+    let rounds = common::seed_from_env("IDEMSTORE_E2E_ROUNDS", 6);
+    let seed = common::seed_from_env("IDEMSTORE_E2E_SEED", 7);
     let keys_total = usize::try_from(16 * rounds.max(1)).unwrap();
     eprintln!("http_e2e: seed {seed}, {rounds} kills, {keys_total} keys, {CLIENTS} clients");
 
