@@ -1,6 +1,9 @@
 //! Idempotency keys and request fingerprints.
 
+use std::cmp::Ordering;
 use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -36,10 +39,43 @@ pub(crate) fn check_business_key(business_key: &str) -> Result<()> {
 /// The id must be fixed by the caller's orchestrator *before the first
 /// attempt* and reused on every retry; a key generated inside a retry loop,
 /// or by a language model, deduplicates nothing.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+///
+/// A `Key` is cheap to clone: the scope and id are one shared allocation, so
+/// a replayed [`Record`](crate::Record) copies a reference count, not the
+/// text. Keys order by scope, then id.
+#[derive(Clone)]
 pub struct Key {
-    scope: String,
-    id: String,
+    /// The scope followed by the id.
+    text: Arc<str>,
+    /// The scope's length in bytes (at most [`MAX_SCOPE_LEN`], so one byte).
+    scope_len: u8,
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.scope_len == other.scope_len && self.text == other.text
+    }
+}
+
+impl Eq for Key {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.scope().hash(state);
+        self.id().hash(state);
+    }
+}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Key) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Key) -> Ordering {
+        (self.scope(), self.id()).cmp(&(other.scope(), other.id()))
+    }
 }
 
 impl Key {
@@ -54,29 +90,51 @@ impl Key {
     pub fn new(scope: impl Into<String>, id: impl Into<String>) -> Result<Key> {
         let scope = scope.into();
         let id = id.into();
-        check_part("scope", &scope, MAX_SCOPE_LEN)?;
-        check_part("id", &id, MAX_ID_LEN)?;
-        Ok(Key { scope, id })
+        Key::from_parts(&scope, &id)
+    }
+
+    fn from_parts(scope: &str, id: &str) -> Result<Key> {
+        check_part("scope", scope, MAX_SCOPE_LEN)?;
+        check_part("id", id, MAX_ID_LEN)?;
+        let scope_len = u8::try_from(scope.len()).map_err(|_| Error::InvalidKey {
+            reason: format!("scope is over the limit of {MAX_SCOPE_LEN} bytes"),
+        })?;
+        let mut text = String::with_capacity(scope.len() + id.len());
+        text.push_str(scope);
+        text.push_str(id);
+        Ok(Key {
+            text: Arc::from(text),
+            scope_len,
+        })
     }
 
     /// The scope: tenant and operation.
     pub fn scope(&self) -> &str {
-        &self.scope
+        // `scope_len` is the scope's length, a char boundary of `text`.
+        self.text
+            .get(..usize::from(self.scope_len))
+            .unwrap_or_default()
     }
 
     /// The caller's idempotency key within the scope.
     pub fn id(&self) -> &str {
-        &self.id
+        self.text
+            .get(usize::from(self.scope_len)..)
+            .unwrap_or_default()
     }
 
     /// The stored form: `[scope length u8][scope][id]`.
     pub(crate) fn to_bytes(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(1 + self.scope.len() + self.id.len());
-        // A valid scope is at most 128 bytes, so its length fits one byte.
-        out.push(u8::try_from(self.scope.len()).unwrap_or(u8::MAX));
-        out.extend_from_slice(self.scope.as_bytes());
-        out.extend_from_slice(self.id.as_bytes());
+        let mut out = Vec::with_capacity(1 + self.text.len());
+        out.push(self.scope_len);
+        out.extend_from_slice(self.text.as_bytes());
         out
+    }
+
+    /// The stored form in two parts, without a copy: the scope length byte,
+    /// then the scope and id ([`Key::to_bytes`] is their concatenation).
+    pub(crate) fn stored_parts(&self) -> (u8, &[u8]) {
+        (self.scope_len, self.text.as_bytes())
     }
 
     /// The stored prefix shared by every key of `scope`.
@@ -94,7 +152,7 @@ impl Key {
     pub(crate) fn business_binding(&self, business_key: &str) -> Vec<u8> {
         // The scope of a `Key` was validated when it was built, so its
         // prefix always encodes.
-        let mut out = Key::scope_prefix(&self.scope).unwrap_or_default();
+        let mut out = Key::scope_prefix(self.scope()).unwrap_or_default();
         out.extend_from_slice(business_key.as_bytes());
         out
     }
@@ -117,7 +175,7 @@ impl Key {
         let id = std::str::from_utf8(id).map_err(|_| Error::InvalidKey {
             reason: "stored id is not UTF-8".into(),
         })?;
-        Key::new(scope, id)
+        Key::from_parts(scope, id)
     }
 
     /// A printable rendering of stored key bytes that may be damaged.
@@ -150,15 +208,15 @@ fn check_part(what: &str, value: &str, max: usize) -> Result<()> {
 
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.scope, self.id)
+        write!(f, "{}/{}", self.scope(), self.id())
     }
 }
 
 impl fmt::Debug for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Key")
-            .field("scope", &self.scope)
-            .field("id", &self.id)
+            .field("scope", &self.scope())
+            .field("id", &self.id())
             .finish()
     }
 }
@@ -169,13 +227,16 @@ impl fmt::Debug for Key {
 /// A key reused with a different fingerprint is a client error
 /// ([`Error::FingerprintMismatch`], HTTP 422), never a replay, for as long as
 /// the record exists.
+///
+/// Cheap to clone: the bytes are shared (a reference count), so a claim
+/// and a replayed [`Record`](crate::Record) do not copy them.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Fingerprint(Box<[u8]>);
+pub struct Fingerprint(Arc<[u8]>);
 
 impl Fingerprint {
     /// The SHA-256 digest (32 bytes) of `payload`.
     pub fn of(payload: &[u8]) -> Fingerprint {
-        Fingerprint(Sha256::digest(payload).to_vec().into_boxed_slice())
+        Fingerprint(Arc::from(&Sha256::digest(payload)[..]))
     }
 
     /// A fingerprint computed by the caller (any digest of 1 to 64 bytes).
@@ -193,7 +254,7 @@ impl Fingerprint {
                 ),
             ));
         }
-        Ok(Fingerprint(bytes.into_boxed_slice()))
+        Ok(Fingerprint(Arc::from(bytes)))
     }
 
     /// The digest bytes.
@@ -205,10 +266,10 @@ impl Fingerprint {
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Fingerprint(")?;
-        for b in self.0.iter().take(8) {
+        for b in self.as_bytes().iter().take(8) {
             write!(f, "{b:02x}")?;
         }
-        if self.0.len() > 8 {
+        if self.as_bytes().len() > 8 {
             write!(f, "…")?;
         }
         write!(f, ")")
@@ -237,5 +298,36 @@ mod tests {
         assert!(Key::new("s", "é".repeat(128)).is_err());
         assert!(Key::new("s", "a\nb").is_err());
         assert!(Key::new("", "a").is_err());
+    }
+
+    #[test]
+    fn keys_order_by_scope_then_id() {
+        let mut keys = [
+            Key::new("b", "a").unwrap(),
+            Key::new("ab", "z").unwrap(),
+            Key::new("a", "zz").unwrap(),
+            Key::new("a", "b").unwrap(),
+        ];
+        keys.sort();
+        let pairs: Vec<(&str, &str)> = keys.iter().map(|k| (k.scope(), k.id())).collect();
+        assert_eq!(pairs, [("a", "b"), ("a", "zz"), ("ab", "z"), ("b", "a")]);
+        // The same text split differently is another key.
+        assert_ne!(Key::new("ab", "c").unwrap(), Key::new("a", "bc").unwrap());
+        let (len, rest) = keys[1].stored_parts();
+        assert_eq!([&[len][..], rest].concat(), keys[1].to_bytes());
+    }
+
+    #[test]
+    fn fingerprints_compare_by_their_bytes() {
+        let a = Fingerprint::from_bytes(vec![1, 2]).unwrap();
+        assert_eq!(a.as_bytes(), [1, 2]);
+        assert_ne!(a, Fingerprint::from_bytes(vec![1, 2, 0]).unwrap());
+        assert_eq!(Fingerprint::of(b"x").as_bytes().len(), 32);
+        assert_eq!(
+            Fingerprint::from_bytes(vec![7; 64]).unwrap().as_bytes(),
+            [7; 64]
+        );
+        assert!(Fingerprint::from_bytes(vec![7; 65]).is_err());
+        assert!(Fingerprint::from_bytes(Vec::new()).is_err());
     }
 }

@@ -438,3 +438,66 @@ fn flipped_bytes_anywhere_never_give_a_wrong_answer() {
     );
     eprintln!("seed {seed}: {} flips: {tally:?}", offsets.len());
 }
+
+/// Edits the expiry index of the closed store file through redb directly:
+/// removes the entry `(deadline, key)` of `remove`, inserts `orphan`.
+fn edit_expiry_index(path: &Path, remove: Option<&Record>, orphan: Option<(u64, &[u8])>) {
+    let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
+    let db = redb::Database::open(path).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(expiry).unwrap();
+        if let Some(rec) = remove {
+            let (len, rest) = (rec.key().scope().len() as u8, rec.key());
+            let stored = [&[len][..], rest.scope().as_bytes(), rest.id().as_bytes()].concat();
+            let deadline = rec.expires_ms();
+            assert!(
+                table
+                    .remove((deadline, stored.as_slice()))
+                    .unwrap()
+                    .is_some(),
+                "the record's expiry entry was where verify looks for it"
+            );
+        }
+        if let Some(entry) = orphan {
+            table.insert(entry, ()).unwrap();
+        }
+    }
+    txn.commit().unwrap();
+}
+
+/// `verify` reads the records and the expiry index each once, in their own
+/// order, and compares them by digest: a record whose expiry entry is gone
+/// is still named, and an entry without a record (harmless: eviction checks
+/// the record) is not reported.
+#[test]
+fn verify_names_a_record_without_its_expiry_entry_and_ignores_an_orphan_entry() {
+    let t = TestDir::new();
+    let expected = {
+        let store = Store::open_with(&t.path, t.config()).unwrap();
+        populate(&store)
+    };
+    let verified = |t: &TestDir| {
+        let store = Store::open_with(&t.path, checked(t)).unwrap();
+        store.verify(|_| {}).unwrap()
+    };
+    let clean = verified(&t);
+    assert!(clean.problems.is_empty(), "{:?}", clean.problems);
+    assert_eq!(clean.records, expected.len() as u64);
+
+    // An entry for a key that has no record, far in the future.
+    edit_expiry_index(&t.path, None, Some((u64::MAX / 2, b"\x01sghost")));
+    let orphan = verified(&t);
+    assert!(orphan.problems.is_empty(), "{:?}", orphan.problems);
+
+    // The victim's entry removed: exactly the victim is named.
+    edit_expiry_index(&t.path, Some(&expected[&victim()]), None);
+    let missing = verified(&t);
+    assert_eq!(missing.problems.len(), 1, "{:?}", missing.problems);
+    assert_eq!(missing.problems[0].key, victim().to_string());
+    assert!(
+        missing.problems[0].detail.contains("no expiry index entry"),
+        "{}",
+        missing.problems[0].detail
+    );
+}

@@ -2,6 +2,7 @@
 //! and the verification of every record, expiry entry and business-key
 //! binding of a snapshot.
 
+use std::hash::{BuildHasher, Hasher, RandomState};
 use std::path::Path;
 
 use redb::{Database, ReadableTable};
@@ -32,7 +33,50 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
     })
 }
 
+/// An order-independent digest of a set of expiry entries `(deadline,
+/// stored key)`: two sums of keyed SipHashes, with keys drawn at random per
+/// check, so that a file cannot be crafted to make two different sets
+/// agree. Comparing the digest of what the records say with that of the
+/// expiry index takes one pass over each table in its own order, instead of
+/// a lookup per record in random order.
+struct EntryDigest {
+    hashers: [RandomState; 2],
+    sums: [u64; 2],
+    count: u64,
+}
+
+impl EntryDigest {
+    fn new(hashers: &[RandomState; 2]) -> EntryDigest {
+        EntryDigest {
+            hashers: hashers.clone(),
+            sums: [0; 2],
+            count: 0,
+        }
+    }
+
+    fn add(&mut self, deadline: u64, key: &[u8]) {
+        for (sum, hasher) in self.sums.iter_mut().zip(&self.hashers) {
+            let mut h = hasher.build_hasher();
+            h.write_u64(deadline);
+            h.write(key);
+            *sum = sum.wrapping_add(h.finish());
+        }
+        self.count = self.count.saturating_add(1);
+    }
+
+    fn matches(&self, other: &EntryDigest) -> bool {
+        self.sums == other.sums && self.count == other.count
+    }
+}
+
 /// Verifies every record and binding of the read snapshot `txn`.
+///
+/// Time is linear in the number of records and index entries: the records
+/// and the expiry index are each read once in key order and compared by
+/// digest; only when the digests differ is each record's expiry entry
+/// looked up, to name the records that lack one. Each business-key binding
+/// is looked up from its record and back. Memory is bounded by the problems
+/// found (one line each), not by the store's size.
 pub(crate) fn verify(
     path: &Path,
     txn: &redb::ReadTransaction,
@@ -53,6 +97,9 @@ pub(crate) fn verify(
             bindings: 0,
             problems: Vec::new(),
         };
+        let hashers = [RandomState::new(), RandomState::new()];
+        // What the decoded records say the expiry index holds.
+        let mut wanted = EntryDigest::new(&hashers);
         for entry in records.iter().map_err(|e| map_err(path, e))? {
             let (k, v) = entry.map_err(|e| map_err(path, e))?;
             let kb = k.value();
@@ -81,16 +128,7 @@ pub(crate) fn verify(
                     record.token, meta.next_token
                 ));
             }
-            let indexed = expiry
-                .get((record.expires_ms, kb))
-                .map_err(|e| map_err(path, e))?
-                .is_some();
-            if !indexed {
-                problem(format!(
-                    "no expiry index entry for its expiry {} ms: eviction would never remove it",
-                    record.expires_ms
-                ));
-            }
+            wanted.add(record.expires_ms, kb);
             if let Some(bk) = record.business_key.as_deref()
                 && !record.is_expired_at(now_ms)
             {
@@ -107,6 +145,21 @@ pub(crate) fn verify(
                     None => problem(format!("business key {bk:?} has no binding")),
                 }
             }
+        }
+        // The expiry index in its own order. A record without its entry is
+        // a problem; an entry without its record (of a damaged record, or
+        // left behind: eviction checks the record) is harmless, but makes
+        // the digests differ too, so the slow pass below tells them apart.
+        let mut indexed = EntryDigest::new(&hashers);
+        for entry in expiry.iter().map_err(|e| map_err(path, e))? {
+            let (k, _) = entry.map_err(|e| map_err(path, e))?;
+            let (deadline, kb) = k.value();
+            indexed.add(deadline, kb);
+        }
+        if !wanted.matches(&indexed) {
+            missing_expiry_entries(path, &records, &expiry, &mut report)?;
+            // The records' problems stay in key order.
+            report.problems.sort_by(|a, b| a.key.cmp(&b.key));
         }
         for entry in business.iter().map_err(|e| map_err(path, e))? {
             let (b, target) = entry.map_err(|e| map_err(path, e))?;
@@ -145,4 +198,36 @@ pub(crate) fn verify(
         }
         Ok(report)
     })
+}
+
+/// The slow pass, run only when the digests differ: looks up each decodable
+/// record's expiry entry and reports the records without one.
+fn missing_expiry_entries(
+    path: &Path,
+    records: &redb::ReadOnlyTable<&'static [u8], &'static [u8]>,
+    expiry: &redb::ReadOnlyTable<(u64, &'static [u8]), ()>,
+    report: &mut CheckReport,
+) -> Result<()> {
+    for entry in records.iter().map_err(|e| map_err(path, e))? {
+        let (k, v) = entry.map_err(|e| map_err(path, e))?;
+        let kb = k.value();
+        let Ok(record) = codec::decode_record(kb, v.value()) else {
+            // Reported by the first pass.
+            continue;
+        };
+        let found = expiry
+            .get((record.expires_ms, kb))
+            .map_err(|e| map_err(path, e))?
+            .is_some();
+        if !found {
+            report.problems.push(Problem {
+                key: record.key.to_string(),
+                detail: format!(
+                    "no expiry index entry for its expiry {} ms: eviction would never remove it",
+                    record.expires_ms
+                ),
+            });
+        }
+    }
+    Ok(())
 }

@@ -32,7 +32,7 @@ use crate::record::{ClaimOutcome, Ctx, Effect, ImportResult, Op, Record, Reply, 
 use crate::report::CheckReport;
 use crate::report::Progress;
 use crate::stats::LiveCounters;
-use cache::{Lookup, ReadCache};
+use cache::{Lookup, ReadCache, StoredKey};
 use commit::{Answer, Command, Completion, Progress as WriteProgress, Shared, Writer, WriterState};
 use fence::Fence;
 use schema::{RECORDS, guard, map_err};
@@ -446,16 +446,17 @@ impl Embedded {
     fn read(&self, key: &Key, now: u64) -> Result<Read> {
         let shared = &self.shared;
         let path = &shared.path;
-        let kb = key.to_bytes();
         let gated = shared.durability == Durability::Immediate;
-        let version = match shared
-            .cache
-            .lookup(&kb, now, shared.progress.visible_upto(gated))
-        {
-            Lookup::Hit(record) => return Ok(Read::Done(Some(record))),
-            Lookup::Pending(seq) => return Ok(Read::Pending(seq)),
-            Lookup::Miss(version) => version,
-        };
+        let version =
+            match shared
+                .cache
+                .lookup(StoredKey::of(key), now, shared.progress.visible_upto(gated))
+            {
+                Lookup::Hit(record) => return Ok(Read::Done(Some(record))),
+                Lookup::Pending(seq) => return Ok(Read::Pending(seq)),
+                Lookup::Miss(version) => version,
+            };
+        let kb = key.to_bytes();
         let bytes = guard(path, || {
             let txn = shared.db.begin_read().map_err(|e| map_err(path, e))?;
             let table = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
@@ -472,7 +473,7 @@ impl Embedded {
         let visible = shared.progress.visible_upto(gated);
         match shared
             .cache
-            .after_read(&kb, record.as_ref(), version, now, visible)
+            .after_read(StoredKey::of(key), record.as_ref(), version, now, visible)
         {
             Some(seq) => Ok(Read::Pending(seq)),
             None => Ok(Read::Done(record)),
