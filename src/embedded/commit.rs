@@ -14,6 +14,14 @@
 //! reports the disk free; a lone caller is never held back (nothing waits
 //! for a batch to fill when the disk is idle).
 //!
+//! A caller that finds the writer idle (nothing queued, no fsync running,
+//! the writer's state free) does not hand its request over: it decides,
+//! seals and syncs its own batch on its own thread, as LevelDB's writer
+//! queue lets the first waiting writer commit the group itself
+//! (`DBImpl::Write`). A lone caller so pays no thread hop at all; under load
+//! the queue is never empty and requests go to the writer thread, which
+//! batches them.
+//!
 //! The open transaction is committed to the index with `Durability::None`
 //! when the writer is idle, every [`COMMIT_EVERY`] batches, when a reader
 //! asks ([`Command::Commit`]) and at checkpoints; the log, not redb, makes
@@ -48,7 +56,7 @@ use std::future::{Future, IntoFuture};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{
     Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError, sync_channel,
 };
@@ -56,7 +64,7 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use redb::{Database, WriteTransaction};
 
 use super::cache::ReadCache;
@@ -569,6 +577,9 @@ struct OpenTxn {
 struct Space {
     waiting: AtomicBool,
     wakers: Mutex<Vec<Waker>>,
+    /// Requests sent and not yet taken by the writer (counted before the
+    /// send, so never below the true number).
+    queued: AtomicUsize,
 }
 
 impl Space {
@@ -605,7 +616,10 @@ struct Queue {
 
 impl Queue {
     fn took<E>(&self, r: std::result::Result<Msg, E>) -> std::result::Result<Msg, E> {
-        if r.is_ok() {
+        if let Ok(msg) = &r {
+            if matches!(msg, Msg::Req(_)) {
+                self.space.queued.fetch_sub(1, Ordering::SeqCst);
+            }
             self.space.notify();
         }
         r
@@ -627,10 +641,22 @@ impl Queue {
     }
 }
 
+/// The writer's state, shared by the writer thread and a caller that leads
+/// its own request (see the module docs).
+struct Lead {
+    state: Mutex<WriterState>,
+    /// Set while the writer thread waits for a message with no idle commit
+    /// to make: a caller that led a batch then nudges it, so that the batch
+    /// is committed to the index once the store is idle.
+    asleep: AtomicBool,
+}
+
 /// The handle to the writer, syncer and waker threads.
 pub(crate) struct Writer {
     tx: Option<SyncSender<Msg>>,
     space: Arc<Space>,
+    shared: Arc<Shared>,
+    lead: Arc<Lead>,
     handle: Option<JoinHandle<()>>,
     syncer: Option<JoinHandle<()>>,
     waker: Option<JoinHandle<()>>,
@@ -669,35 +695,86 @@ impl Writer {
             .name("idemstore-syncer".into())
             .spawn(move || sync_loop(&for_syncer, log.as_ref(), &wake_tx, &nudge))
             .map_err(Error::storage)?;
+        let lead = Arc::new(Lead {
+            state: Mutex::new(state),
+            asleep: AtomicBool::new(false),
+        });
+        let (for_writer, lead_of_writer) = (shared.clone(), lead.clone());
         let handle = std::thread::Builder::new()
             .name("idemstore-writer".into())
-            .spawn(move || run(&shared, state, &rx))
+            .spawn(move || run(&for_writer, &lead_of_writer, &rx))
             .map_err(Error::storage)?;
         Ok(Writer {
             tx: Some(tx),
             space,
+            shared,
+            lead,
             handle: Some(handle),
             syncer: Some(syncer),
             waker: Some(waker),
         })
     }
 
-    /// Queues `cmd`; waits while the queue is full.
+    /// Decides `cmd` on the calling thread when the writer is idle (see the
+    /// module docs), else queues it, waiting while the queue is full.
     pub(crate) fn submit(&self, cmd: Command) -> Completion {
         let Some(tx) = &self.tx else {
             return Completion::Ready(Err(Error::Closed));
         };
         let (reply, rx) = oneshot::channel();
-        let msg = Msg::Req(Request { cmd, reply });
-        let sent = match tx.try_send(msg) {
+        let request = Request { cmd, reply };
+        let request = match self.lead(request) {
+            Ok(()) => {
+                if self.lead.asleep.swap(false, Ordering::SeqCst) {
+                    let _ = tx.try_send(Msg::Nudge);
+                }
+                return Completion::Pending(rx);
+            }
+            Err(request) => request,
+        };
+        self.space.queued.fetch_add(1, Ordering::SeqCst);
+        let sent = match tx.try_send(Msg::Req(request)) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(msg)) => tx.send(msg).map_err(|_| ()),
             Err(TrySendError::Disconnected(_)) => Err(()),
         };
         match sent {
             Ok(()) => Completion::Pending(rx),
-            Err(()) => Completion::Ready(Err(Error::Closed)),
+            Err(()) => {
+                self.space.queued.fetch_sub(1, Ordering::SeqCst);
+                Completion::Ready(Err(Error::Closed))
+            }
         }
+    }
+
+    /// Decides `request` on the calling thread if nothing is queued, no
+    /// fsync is pending or running and the writer's state is free; hands it
+    /// back otherwise. The answer goes to the request's reply as from the
+    /// writer thread (at once when this thread synced the batch itself).
+    fn lead(&self, request: Request) -> std::result::Result<(), Request> {
+        if self.space.queued.load(Ordering::SeqCst) != 0 || self.shared.progress.busy() {
+            return Err(request);
+        }
+        let Some(mut state) = self.lead.state.try_lock() else {
+            return Err(request);
+        };
+        let shared = &*self.shared;
+        let led = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            process(shared, &mut state, request, None)
+        }));
+        if led.is_err() {
+            // A panic inside the batch (a storage backend's, say): the open
+            // index transaction may hold part of it, so the store is
+            // poisoned and its file fenced, as when the writer thread dies
+            // (`WriterDone`). The request's reply was dropped: its caller
+            // gets `Closed`, later callers `Poisoned`.
+            shared.fence.raise();
+            shared.poison(
+                &Error::Storage("a caller deciding a batch panicked".into()),
+                true,
+            );
+        }
+        Ok(())
     }
 
     /// Queues `cmd` if the queue has room, without waiting for the answer
@@ -707,7 +784,12 @@ impl Writer {
             return false;
         };
         let (reply, _rx) = oneshot::channel();
-        tx.try_send(Msg::Req(Request { cmd, reply })).is_ok()
+        self.space.queued.fetch_add(1, Ordering::SeqCst);
+        let sent = tx.try_send(Msg::Req(Request { cmd, reply })).is_ok();
+        if !sent {
+            self.space.queued.fetch_sub(1, Ordering::SeqCst);
+        }
+        sent
     }
 
     /// Queues `cmd` from async code: while the queue is full the future
@@ -719,6 +801,7 @@ impl Writer {
         };
         let (reply, rx) = oneshot::channel();
         let mut msg = Some(Msg::Req(Request { cmd, reply }));
+        self.space.queued.fetch_add(1, Ordering::SeqCst);
         let sent = std::future::poll_fn(|cx| {
             let Some(m) = msg.take() else {
                 return Poll::Ready(false);
@@ -745,6 +828,7 @@ impl Writer {
         if sent {
             Completion::Pending(rx)
         } else {
+            self.space.queued.fetch_sub(1, Ordering::SeqCst);
             Completion::Ready(Err(Error::Closed))
         }
     }
@@ -829,7 +913,7 @@ fn payload_bytes(cmd: &Command) -> usize {
     }
 }
 
-fn run(shared: &Shared, mut state: WriterState, rx: &Queue) {
+fn run(shared: &Shared, lead: &Lead, rx: &Queue) {
     let done = WriterDone(shared);
     loop {
         let msg = match rx.try_recv() {
@@ -841,8 +925,17 @@ fn run(shared: &Shared, mut state: WriterState, rx: &Queue) {
                     // Idle: apply what was acknowledged to the index
                     // before waiting (a caller's next request, which
                     // usually follows its answer at once, goes first).
-                    commit_open(shared, &mut state);
-                    match rx.recv() {
+                    // A caller that leads a batch meanwhile nudges.
+                    // `asleep` is set before the state is released, so
+                    // that a caller who leads next sees it and nudges.
+                    {
+                        let mut held = Held::new(shared, lead);
+                        commit_open(shared, &mut held.state);
+                        lead.asleep.store(true, Ordering::SeqCst);
+                    }
+                    let msg = rx.recv();
+                    lead.asleep.store(false, Ordering::SeqCst);
+                    match msg {
                         Ok(msg) => msg,
                         Err(_) => break,
                     }
@@ -855,12 +948,40 @@ fn run(shared: &Shared, mut state: WriterState, rx: &Queue) {
             Msg::Nudge => continue,
             Msg::Close => break,
         };
-        if process(shared, &mut state, first, rx) {
+        if process(shared, &mut Held::new(shared, lead).state, first, Some(rx)) {
             break;
         }
     }
-    close(shared, &mut state);
+    close(shared, &mut Held::new(shared, lead).state);
     drop(done);
+}
+
+/// The writer's state as the writer thread holds it. Should the thread
+/// panic while holding it, the store is poisoned and its file fenced
+/// before the state is released, so that no caller can lead a batch on a
+/// state the panic left half-changed (`WriterDone` does the same, but only
+/// after the state's lock is gone).
+struct Held<'a> {
+    shared: &'a Shared,
+    state: MutexGuard<'a, WriterState>,
+}
+
+impl<'a> Held<'a> {
+    fn new(shared: &'a Shared, lead: &'a Lead) -> Held<'a> {
+        Held {
+            shared,
+            state: lead.state.lock(),
+        }
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.shared.poisoned.store(true, Ordering::SeqCst);
+            self.shared.fence.raise();
+        }
+    }
 }
 
 /// Takes what is queued (without waiting) into `batch`. Returns whether the
@@ -933,13 +1054,17 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
 /// still running: the new frame could not be synced before it ends anyway,
 /// so the writer keeps taking requests into the batch until the syncer
 /// reports the disk free. A lone caller is never held back.
-fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Queue) -> bool {
+///
+/// Without `rx`, a caller leads its own request (see [`Writer::submit`]):
+/// the batch is that request alone, sealed at once, and synced here when
+/// the disk is free (else by the syncer, which answers it).
+fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<&Queue>) -> bool {
     let mut batch = vec![first];
     let gated = shared.durability == Durability::Immediate;
     // Without the syncer nothing would become durable, in either mode.
     if shared.poisoned.load(Ordering::SeqCst) || shared.progress.syncer_gone() {
         settle_open(shared, state);
-        let closing = take_queued(rx, &mut batch);
+        let closing = rx.is_some_and(|rx| take_queued(rx, &mut batch));
         let err = if shared.poisoned.load(Ordering::SeqCst) {
             Error::Poisoned
         } else {
@@ -967,7 +1092,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Queue)
         Ok(open) => open,
         Err(err) => {
             shared.poison(&err, true);
-            let closing = take_queued(rx, &mut batch);
+            let closing = rx.is_some_and(|rx| take_queued(rx, &mut batch));
             fail_requests(&mut batch, &err);
             return closing;
         }
@@ -1007,6 +1132,12 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: &Queue)
             if closing || checkpoint || batch.len() >= MAX_BATCH || bytes >= MAX_BATCH_BYTES {
                 break;
             }
+            let Some(rx) = rx else {
+                // A leading caller takes no one else's request and never
+                // waits for the disk.
+                alone = !gated || !shared.progress.busy();
+                break;
+            };
             match rx.try_recv() {
                 Ok(Msg::Req(req)) => {
                     batch.push(req);
