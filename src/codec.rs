@@ -110,6 +110,17 @@ pub(crate) fn seal(key_bytes: &[u8], body: &[u8]) -> Vec<u8> {
     out
 }
 
+/// The state an envelope names, read from its first body byte without
+/// decoding or checking it (`None` for an unknown version or state code);
+/// for counts only, never for a decision. bincode writes a `u8` as one
+/// byte, and `state` is the body's first field.
+pub(crate) fn peek_state(bytes: &[u8]) -> Option<State> {
+    match bytes {
+        [RECORD_VERSION, _, _, _, _, code, ..] => state_from_code(*code),
+        _ => None,
+    }
+}
+
 /// Decodes an envelope stored under `key_bytes`.
 ///
 /// # Errors
@@ -162,6 +173,32 @@ pub(crate) fn decode_record(key_bytes: &[u8], bytes: &[u8]) -> Result<Record> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `peek_state` reads what `decode_record` decodes, for every state,
+    /// and nothing from an envelope of another version or a short one.
+    #[test]
+    fn peek_state_names_the_state_the_envelope_decodes_to() {
+        for state in [
+            State::Processing,
+            State::Succeeded,
+            State::Failed { retryable: false },
+            State::Failed { retryable: true },
+        ] {
+            let mut rec = sample();
+            rec.state = state;
+            let kb = rec.key.to_bytes();
+            let env = encode_record(&kb, &rec);
+            assert_eq!(peek_state(&env), Some(state));
+            assert_eq!(decode_record(&kb, &env).unwrap().state, state);
+            let mut other = env.clone();
+            other[0] = RECORD_VERSION + 1;
+            assert_eq!(peek_state(&other), None);
+            assert_eq!(peek_state(&env[..HEADER_LEN]), None);
+        }
+        let mut env = encode_record(&sample().key.to_bytes(), &sample());
+        env[HEADER_LEN] = 9;
+        assert_eq!(peek_state(&env), None);
+    }
 
     fn sample() -> Record {
         Record {

@@ -26,7 +26,7 @@ use crate::pg::Postgres;
 use crate::record::{ImportResult, Op, Record, Reply};
 use crate::report::CheckReport;
 use crate::report::Progress;
-use crate::stats::LiveCounters;
+use crate::stats::{self, LiveCounters, StateCounts};
 
 /// The storage of one open store.
 pub(crate) enum Engine {
@@ -287,6 +287,24 @@ impl Snapshot<'_> {
         }
     }
 
+    /// Records by state at `now_ms` and the oldest live Processing
+    /// record's `created_ms`: on the file engine from its state counts and
+    /// in-flight table (work that grows with the records in flight and
+    /// those due for eviction); on PostgreSQL, and on a file without state
+    /// counts, by reading every record of [`Snapshot::entries`].
+    pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
+        match self {
+            Snapshot::Embedded(s) => match s.state_counts(now_ms)? {
+                Some(counts) => Ok(counts),
+                None => stats::count_states(s.entries(all_keys())?, now_ms),
+            },
+            #[cfg(feature = "postgres")]
+            Snapshot::Postgres(pg) => stats::count_states(pg.entries(all_keys())?, now_ms),
+            #[cfg(not(feature = "postgres"))]
+            Snapshot::Never(never, _) => match *never {},
+        }
+    }
+
     /// The stored entries whose key bytes fall in one of `ranges` (start
     /// inclusive, end exclusive, `None` unbounded), in key order.
     pub(crate) fn entries(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<Entries> {
@@ -351,4 +369,9 @@ fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<C
         }
     }
     Ok(report)
+}
+
+/// Every key: one range from the first key on.
+fn all_keys() -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+    vec![(Vec::new(), None)]
 }

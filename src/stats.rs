@@ -225,8 +225,11 @@ pub struct StateCounts {
     /// Records past retention that eviction has not removed yet (absent to
     /// every read; they only take space).
     pub expired: u64,
-    /// Records that fail their checksum or do not decode (run
-    /// `idemstore check`).
+    /// Records whose state cannot be read. On the file engine, `stats` does
+    /// not read every record: a record damaged elsewhere in its envelope is
+    /// counted in its state, and only `verify` / `idemstore check` names
+    /// every damaged record. On PostgreSQL: rows that fail their checksum or
+    /// do not decode.
     pub corrupt: u64,
 }
 
@@ -254,7 +257,8 @@ impl StateCounts {
 pub struct Stats {
     /// The store's time when the snapshot was taken (ms since the epoch).
     pub now_ms: u64,
-    /// Records by state, counted by a scan of one read snapshot.
+    /// Records by state in one read snapshot (kept counts on the file
+    /// engine, a scan on PostgreSQL: see [`Store::stats`](crate::Store::stats)).
     pub records: StateCounts,
     /// Age of the oldest live Processing record, `now − created_ms`
     /// (milliseconds since its key was first acquired); `None` when nothing

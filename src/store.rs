@@ -20,7 +20,7 @@ use crate::record::{ClaimOutcome, Lease, Op, Record, Reply, Resolution};
 use crate::report::CheckReport;
 use crate::report::Progress;
 use crate::scan::{Filter, Records};
-use crate::stats::{self, Stats};
+use crate::stats::Stats;
 use crate::sweeper::Sweeper;
 
 /// A crash-safe idempotency store: embedded on one file ([`Store::open`]),
@@ -777,26 +777,32 @@ impl Store {
     /// oldest Processing record, the file size, and counters since open
     /// (see [`Stats`] and [`Counters`](crate::Counters)).
     ///
-    /// Cost: the counters are free (atomics), but the counts by state come
-    /// from a scan that reads and decodes every stored record in one read
-    /// snapshot, so a call costs about as much as reading the whole table:
-    /// O(records), about 0.5 s for 200,000 records (a 71 MB file) on a
-    /// 2-core VM in a release build (`docs/operations.md`). It does not block
-    /// the writer. Poll it at dashboard rates (seconds to minutes), not per
-    /// request.
+    /// Cost, on the file engine: the counters are free (atomics); the
+    /// counts by state are kept in the store's metadata, written in the
+    /// same transaction as the records they count, so a call reads them,
+    /// then the records the expiry index has due (expired, not yet
+    /// evicted) and those in flight (an index of Processing records): its
+    /// work grows with the records in flight and those awaiting eviction,
+    /// never with the store's size. Every field is exact for the read
+    /// snapshot. `records.corrupt` counts only envelopes whose state cannot
+    /// be read; a record damaged otherwise is counted in its state, and
+    /// [`Store::verify`] (or `idemstore check`), which reads every record,
+    /// names every damaged one. On PostgreSQL the counts come from a scan
+    /// of every row, O(records). It does not block the writer. Poll it at
+    /// dashboard rates (seconds), not per request.
     ///
     /// # Errors
     /// [`Error::Poisoned`] after a failed durable write (the index may hold
     /// changes that never became durable; reopen the store);
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
-    /// read. Corrupt records are counted, not returned as errors.
+    /// read (or its stored counts are malformed).
     pub fn stats(&self) -> Result<Stats> {
         let _span = tracing::debug_span!("idemstore.stats").entered();
         // A poisoned store's index may hold changes that never became
         // durable: refuse, as scan, export and verify do.
         let snapshot = self.engine.snapshot()?;
         let now_ms = self.engine.now_ms();
-        let (records, oldest) = stats::count_states(snapshot.entries(all())?, now_ms)?;
+        let (records, oldest) = snapshot.state_counts(now_ms)?;
         Ok(Stats {
             now_ms,
             records,
@@ -810,9 +816,9 @@ impl Store {
     /// `metrics` facade from it (`idemstore_records{state}`,
     /// `idemstore_in_progress_lapsed_records`,
     /// `idemstore_oldest_in_progress_age_seconds`; see
-    /// [`idemstore::metrics`](crate::metrics)). It reads every record, as
-    /// `stats` does: call it when the exporter is scraped or on a timer of
-    /// seconds, not per request. Cargo feature `metrics`.
+    /// [`idemstore::metrics`](crate::metrics)). It costs what `stats` costs:
+    /// call it when the exporter is scraped or on a timer of seconds, not
+    /// per request. Cargo feature `metrics`.
     ///
     /// # Errors
     /// Those of [`stats`](Self::stats); the gauges are left as they were.

@@ -71,6 +71,20 @@ fn opens_with_nothing_lost(name: &str) {
     let clock = ManualClock::new(T0_MS + 60_000);
     let store = Store::open_with(&path, config(&clock)).expect("open a format-1 store");
     let max_token = check_records(&store, name, 13);
+    // Migrated to format 2 at open: the state counts and the in-flight
+    // table that `stats` reads were built from the records (10 succeeded,
+    // 1 failed, 1 retryably failed, 1 in flight), the crashed store's log
+    // replayed onto them, and `verify` finds them in step.
+    let stats = store.stats().expect("stats");
+    let r = &stats.records;
+    assert_eq!(
+        (r.succeeded, r.failed, r.failed_retryable, r.processing),
+        (10, 1, 1, 1),
+        "{name}: {stats:?}"
+    );
+    assert!(stats.oldest_processing_age_ms.is_some(), "{name}");
+    let report = store.verify(|_| {}).expect("verify");
+    assert!(report.is_clean(), "{name}: {report:?}");
     // The store goes on: a held key is still held, a new key gets a token
     // above every stored one.
     assert!(matches!(
@@ -94,6 +108,12 @@ fn opens_with_nothing_lost(name: &str) {
     clock.advance(Duration::from_secs(60));
     let store = Store::open_with(&path, config(&clock)).expect("reopen");
     check_records(&store, name, 14);
+    assert_eq!(
+        store.stats().expect("stats").records.processing,
+        2,
+        "{name}"
+    );
+    assert!(store.verify(|_| {}).expect("verify").is_clean(), "{name}");
     assert!(store.get(&fixture_key("new")).expect("get").is_some());
     assert!(store.now_ms() >= T0_MS + 120_000);
 }

@@ -7,7 +7,9 @@ use std::path::Path;
 
 use redb::{Database, ReadableTable};
 
-use super::schema::{self, BUSINESS, EXPIRY, META, RECORDS, guard, map_err, open_error};
+use super::schema::{
+    self, BUSINESS, EXPIRY, IN_FLIGHT, META, RECORDS, Tally, guard, map_err, open_error,
+};
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -84,9 +86,9 @@ pub(crate) fn verify(
     mut progress: impl FnMut(Progress),
 ) -> Result<CheckReport> {
     guard(path, || {
-        let meta = {
+        let (meta, stored_tally) = {
             let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-            schema::read_meta(path, &table)?
+            (schema::read_meta(path, &table)?, Tally::read(path, &table)?)
         };
         let records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
         let expiry = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
@@ -100,10 +102,19 @@ pub(crate) fn verify(
         let hashers = [RandomState::new(), RandomState::new()];
         // What the decoded records say the expiry index holds.
         let mut wanted = EntryDigest::new(&hashers);
+        // What the records say the state counts and the in-flight table
+        // hold.
+        let mut tally = Tally::default();
+        let mut wanted_in_flight = EntryDigest::new(&hashers);
         for entry in records.iter().map_err(|e| map_err(path, e))? {
             let (k, v) = entry.map_err(|e| map_err(path, e))?;
             let kb = k.value();
             report.records += 1;
+            let slot = Tally::slot_of(v.value());
+            tally.add(slot);
+            if slot == Tally::PROCESSING {
+                wanted_in_flight.add(0, kb);
+            }
             progress(Progress {
                 records: report.records,
                 bytes: 0,
@@ -160,6 +171,33 @@ pub(crate) fn verify(
             missing_expiry_entries(path, &records, &expiry, &mut report)?;
             // The records' problems stay in key order.
             report.problems.sort_by(|a, b| a.key.cmp(&b.key));
+        }
+        // The derived tables (format 2 on): `stats` reads them.
+        if let Some(stored) = stored_tally {
+            if stored != tally {
+                report.problems.push(Problem {
+                    key: "(state counts)".into(),
+                    detail: format!(
+                        "the stored state counts {:?} differ from the records' {:?} (processing, succeeded, failed, retryably failed, unreadable): stats would report wrong counts",
+                        stored.slots, tally.slots
+                    ),
+                });
+            }
+            let in_flight = txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?;
+            let mut indexed = EntryDigest::new(&hashers);
+            for entry in in_flight.iter().map_err(|e| map_err(path, e))? {
+                let (k, _) = entry.map_err(|e| map_err(path, e))?;
+                indexed.add(0, k.value());
+            }
+            if !wanted_in_flight.matches(&indexed) {
+                report.problems.push(Problem {
+                    key: "(in-flight table)".into(),
+                    detail: format!(
+                        "{} entries where the records have {} in state Processing, or other keys: stats would report wrong in-flight figures",
+                        indexed.count, wanted_in_flight.count
+                    ),
+                });
+            }
         }
         for entry in business.iter().map_err(|e| map_err(path, e))? {
             let (b, target) = entry.map_err(|e| map_err(path, e))?;

@@ -1176,7 +1176,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
             // the checkpoint below makes the counter durable.
             tables.set_counters(token, bound, state.last_seq)?;
         }
-        Ok(tables.finish())
+        tables.finish()
     });
     let (body, touched) = match decided {
         Ok(x) => x,

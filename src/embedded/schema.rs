@@ -12,6 +12,7 @@ use redb::{
 
 use super::fence::{Fence, Fenced};
 use super::wal::{BodyWriter, Change, LogTable};
+use crate::codec;
 use crate::error::{Error, Result};
 
 /// Records: stored key bytes → record envelope (see `codec`).
@@ -21,11 +22,20 @@ pub(crate) const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("
 pub(crate) const EXPIRY: TableDefinition<(u64, &[u8]), ()> = TableDefinition::new("expiry");
 /// Business keys: (scope prefix ‖ business key) → stored key bytes.
 pub(crate) const BUSINESS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("business_keys");
+/// Records in flight: stored key bytes → (), one entry for every stored
+/// record in state Processing (format 2 on). Derived from the records by
+/// [`Tables`] in the same transaction (never logged: replaying the records'
+/// changes derives it again), so that `stats` reads the in-flight figures
+/// from these entries instead of from every record.
+pub(crate) const IN_FLIGHT: TableDefinition<&[u8], ()> = TableDefinition::new("in_flight");
 /// Metadata: name → little-endian value bytes.
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
-/// The store format this build writes and reads.
-pub(crate) const FORMAT_VERSION: u64 = 1;
+/// The store format this build writes and reads. Format 1 (no
+/// [`IN_FLIGHT`] table, no [`META_STATE_COUNTS`]) is migrated to 2 at open,
+/// in the open's first durable commit (see `docs/design.md`, "Format
+/// versions").
+pub(crate) const FORMAT_VERSION: u64 = 2;
 
 pub(crate) const META_FORMAT: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
@@ -51,6 +61,10 @@ pub(crate) const META_CLEAN: &str = "clean_shutdown";
 /// the counter restarts here, so a token acknowledged but lost with the
 /// unsynced end of the log (buffered mode) is never issued twice.
 pub(crate) const META_TOKEN_RESERVED: &str = "token_reserved";
+/// Stored records by the state their envelope names (format 2 on): five
+/// little-endian u64s, [`Tally`]'s slots. Kept by [`Tables`] in the same
+/// transaction as the records, like [`IN_FLIGHT`].
+pub(crate) const META_STATE_COUNTS: &str = "state_counts";
 
 /// When redb's full integrity check (every page's checksum) last passed on
 /// this file: the wall reading of the store's clock, in ms since the epoch,
@@ -388,6 +402,9 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                 table
                     .insert(META_CLEAN, &1u64.to_le_bytes()[..])
                     .map_err(|e| map_err(path, e))?;
+                table
+                    .insert(META_STATE_COUNTS, &Tally::default().to_bytes()[..])
+                    .map_err(|e| map_err(path, e))?;
                 Meta {
                     store_id: id,
                     next_token: 1,
@@ -408,7 +425,18 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                     ),
                 });
             }
-            Some(_) => read_meta(path, &table)?,
+            Some(v) => {
+                if v < FORMAT_VERSION {
+                    let tally = migrate(path, &txn, v)?;
+                    table
+                        .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
+                        .map_err(|e| map_err(path, e))?;
+                    table
+                        .insert(META_FORMAT, &FORMAT_VERSION.to_le_bytes()[..])
+                        .map_err(|e| map_err(path, e))?;
+                }
+                read_meta(path, &table)?
+            }
         };
         if let Some(ms) = verified_ms {
             table
@@ -421,8 +449,126 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
     txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
     txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
+    txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?;
     txn.commit().map_err(|e| map_err(path, e))?;
     Ok(meta)
+}
+
+/// Migrates a store of format `from` (older than [`FORMAT_VERSION`]) inside
+/// `txn`, which the caller commits durably with the new format version and
+/// the state counts returned.
+///
+/// Format 1 → 2: one pass over the records builds the [`IN_FLIGHT`] table
+/// and [`META_STATE_COUNTS`] (time linear in the records, once; memory
+/// bounded by one record). Nothing stored is changed or lost; the log's
+/// frame format is unchanged, so a log left by a crash of a format-1 store
+/// replays onto the migrated index.
+fn migrate(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
+    let records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
+    let mut in_flight = txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?;
+    let mut tally = Tally::default();
+    for entry in records.iter().map_err(|e| map_err(path, e))? {
+        let (k, v) = entry.map_err(|e| map_err(path, e))?;
+        let slot = Tally::slot_of(v.value());
+        tally.add(slot);
+        if slot == Tally::PROCESSING {
+            in_flight
+                .insert(k.value(), ())
+                .map_err(|e| map_err(path, e))?;
+        }
+    }
+    tracing::info!(
+        path = %path.display(),
+        from,
+        to = FORMAT_VERSION,
+        records = tally.total(),
+        in_flight = tally.slots[Tally::PROCESSING],
+        "store format migrated"
+    );
+    Ok(tally)
+}
+
+/// Stored records by the state their envelope names: the slots are
+/// Processing, Succeeded, Failed, retryably Failed, and envelopes whose
+/// state cannot be read (damaged: `verify` says more). Expired records
+/// not yet evicted are counted in their state (`stats` tells them apart
+/// from the expiry index). Counts saturate instead of wrapping; `verify`
+/// compares them with a count of the records.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Tally {
+    pub slots: [u64; 5],
+}
+
+impl Tally {
+    pub const PROCESSING: usize = 0;
+    pub const SUCCEEDED: usize = 1;
+    pub const FAILED: usize = 2;
+    pub const FAILED_RETRYABLE: usize = 3;
+    pub const UNREADABLE: usize = 4;
+    const BYTES: usize = 40;
+
+    /// The slot of a stored envelope.
+    pub fn slot_of(envelope: &[u8]) -> usize {
+        match codec::peek_state(envelope) {
+            Some(crate::record::State::Processing) => Tally::PROCESSING,
+            Some(crate::record::State::Succeeded) => Tally::SUCCEEDED,
+            Some(crate::record::State::Failed { retryable: false }) => Tally::FAILED,
+            Some(crate::record::State::Failed { retryable: true }) => Tally::FAILED_RETRYABLE,
+            None => Tally::UNREADABLE,
+        }
+    }
+
+    pub fn add(&mut self, slot: usize) {
+        if let Some(n) = self.slots.get_mut(slot) {
+            *n = n.saturating_add(1);
+        }
+    }
+
+    pub fn sub(&mut self, slot: usize) {
+        if let Some(n) = self.slots.get_mut(slot) {
+            *n = n.saturating_sub(1);
+        }
+    }
+
+    pub fn total(&self) -> u64 {
+        self.slots.iter().fold(0, |a, n| a.saturating_add(*n))
+    }
+
+    fn to_bytes(self) -> [u8; Tally::BYTES] {
+        let mut out = [0u8; Tally::BYTES];
+        for (chunk, n) in out.chunks_exact_mut(8).zip(self.slots) {
+            chunk.copy_from_slice(&n.to_le_bytes());
+        }
+        out
+    }
+
+    /// The tally `table` holds; `None` in a store that has none (format 1,
+    /// read without migrating).
+    ///
+    /// # Errors
+    /// [`Error::CorruptFile`] when the stored value is not 40 bytes.
+    pub fn read(
+        path: &Path,
+        table: &impl ReadableTable<&'static str, &'static [u8]>,
+    ) -> Result<Option<Tally>> {
+        let Some(v) = table.get(META_STATE_COUNTS).map_err(|e| map_err(path, e))? else {
+            return Ok(None);
+        };
+        let bytes = v.value();
+        if bytes.len() != Tally::BYTES {
+            return Err(Error::CorruptFile {
+                path: path.to_path_buf(),
+                detail: format!("{META_STATE_COUNTS} is {} bytes, not 40", bytes.len()),
+            });
+        }
+        let mut tally = Tally::default();
+        for (n, chunk) in tally.slots.iter_mut().zip(bytes.chunks_exact(8)) {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(chunk);
+            *n = u64::from_le_bytes(a);
+        }
+        Ok(Some(tally))
+    }
 }
 
 pub(crate) fn read_meta(
@@ -555,9 +701,14 @@ pub(crate) struct Tables<'t> {
     records: Table<'t, &'static [u8], &'static [u8]>,
     expiry: Table<'t, (u64, &'static [u8]), ()>,
     business: Table<'t, &'static [u8], &'static [u8]>,
+    in_flight: Table<'t, &'static [u8], ()>,
     meta: Table<'t, &'static str, &'static [u8]>,
     log: Option<BodyWriter>,
     touched: Vec<Vec<u8>>,
+    /// The state counts, read at the first change and written back by
+    /// [`Tables::finish`] when they moved.
+    tally: Option<Tally>,
+    tally_moved: bool,
 }
 
 impl<'t> Tables<'t> {
@@ -568,10 +719,49 @@ impl<'t> Tables<'t> {
             records: txn.open_table(RECORDS).map_err(|e| map_err(path, e))?,
             expiry: txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?,
             business: txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?,
+            in_flight: txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?,
             meta: txn.open_table(META).map_err(|e| map_err(path, e))?,
             log: logged.then(BodyWriter::new),
             touched: Vec::new(),
+            tally: None,
+            tally_moved: false,
         })
+    }
+
+    /// Moves a record of `key` from state slot `old` to `new` (either
+    /// `None`: absent) in the tally and the in-flight table.
+    fn derive(&mut self, key: &[u8], old: Option<usize>, new: Option<usize>) -> Result<()> {
+        if old == new {
+            return Ok(());
+        }
+        let tally = match &mut self.tally {
+            Some(t) => t,
+            None => {
+                // A store of this format always has one (written at
+                // creation or migration); a missing one counts from zero
+                // and `verify` reports the difference.
+                let read = Tally::read(self.path, &self.meta)?.unwrap_or_default();
+                self.tally.insert(read)
+            }
+        };
+        if let Some(old) = old {
+            tally.sub(old);
+        }
+        if let Some(new) = new {
+            tally.add(new);
+        }
+        self.tally_moved = true;
+        let processing = Some(Tally::PROCESSING);
+        if new == processing {
+            self.in_flight
+                .insert(key, ())
+                .map_err(|e| map_err(self.path, e))?;
+        } else if old == processing {
+            self.in_flight
+                .remove(key)
+                .map_err(|e| map_err(self.path, e))?;
+        }
+        Ok(())
     }
 
     /// Whether a logged change was recorded.
@@ -590,9 +780,12 @@ impl<'t> Tables<'t> {
 
     /// Stores a record envelope under `key`.
     pub(crate) fn put_record(&mut self, key: &[u8], envelope: &[u8]) -> Result<()> {
-        self.records
+        let old = self
+            .records
             .insert(key, envelope)
-            .map_err(|e| map_err(self.path, e))?;
+            .map_err(|e| map_err(self.path, e))?
+            .map(|old| Tally::slot_of(old.value()));
+        self.derive(key, old, Some(Tally::slot_of(envelope)))?;
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Records, &[key], envelope);
         }
@@ -602,9 +795,12 @@ impl<'t> Tables<'t> {
 
     /// Removes the record under `key`.
     pub(crate) fn remove_record(&mut self, key: &[u8]) -> Result<()> {
-        self.records
+        let old = self
+            .records
             .remove(key)
-            .map_err(|e| map_err(self.path, e))?;
+            .map_err(|e| map_err(self.path, e))?
+            .map(|old| Tally::slot_of(old.value()));
+        self.derive(key, old, None)?;
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Records, &[key]);
         }
@@ -749,11 +945,16 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
-    /// Closes the tables: the frame body being built (`None` when nothing
-    /// was changed or the transaction is not logged) and the record keys
-    /// changed.
-    pub(crate) fn finish(self) -> (Option<BodyWriter>, Vec<Vec<u8>>) {
-        (self.log.filter(|l| !l.is_empty()), self.touched)
+    /// Closes the tables, writing the state counts when they moved: the
+    /// frame body being built (`None` when nothing was changed or the
+    /// transaction is not logged) and the record keys changed.
+    pub(crate) fn finish(mut self) -> Result<(Option<BodyWriter>, Vec<Vec<u8>>)> {
+        if let (Some(tally), true) = (self.tally, self.tally_moved) {
+            self.meta
+                .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
+                .map_err(|e| map_err(self.path, e))?;
+        }
+        Ok((self.log.filter(|l| !l.is_empty()), self.touched))
     }
 }
 

@@ -688,6 +688,7 @@ pub(crate) fn open(
                 })?;
             }
             tables.set_counters(next_token, clock_hwm, last_seq)?;
+            tables.finish()?;
         }
         write_checkpoint(
             path,
