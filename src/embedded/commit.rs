@@ -70,7 +70,7 @@ use redb::{Database, WriteTransaction};
 use super::cache::ReadCache;
 use super::expiry;
 use super::fence::Fence;
-use super::schema::{self, Checkpoint, Tables, guard, map_err};
+use super::schema::{self, Checkpoint, Tables, Tally, guard, map_err};
 use super::wal::{self, BodyWriter, FRAME_HEADER_LEN, LogFile, LogWriter};
 use crate::audit::Event;
 use crate::clock::StoreClock;
@@ -529,6 +529,10 @@ pub(crate) struct WriterState {
     /// may be based on times up to it once that write is durable.
     pub time_reserved: u64,
     pub log: LogWriter,
+    /// The state counts as of the open transaction (`None` until a batch
+    /// first reads them): kept here across batches and written to the
+    /// index once per commit instead of once per batch.
+    tally: Option<Tally>,
     /// The index transaction batches are being applied to, not yet
     /// committed.
     open: Option<OpenTxn>,
@@ -548,6 +552,7 @@ impl WriterState {
             token_reserved,
             time_reserved,
             log,
+            tally: None,
             open: None,
         }
     }
@@ -1030,7 +1035,14 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
     }
     let path = &shared.path;
     let OpenTxn { txn, keys, .. } = open;
-    if let Err(err) = guard(path, || txn.commit().map_err(|e| map_err(path, e))) {
+    let tally = state.tally;
+    let committed = guard(path, || {
+        if let Some(tally) = tally {
+            schema::write_tally(path, &txn, tally)?;
+        }
+        txn.commit().map_err(|e| map_err(path, e))
+    });
+    if let Err(err) = committed {
         shared.index_failed.store(true, Ordering::SeqCst);
         shared.poison(&err, true);
         return;
@@ -1109,7 +1121,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     // for a lone caller).
     let mut alone = false;
     let decided = guard(path, || {
-        let mut tables = Tables::open(path, &open.txn, true)?;
+        let mut tables = Tables::open(path, &open.txn, true)?.with_tally(state.tally);
         let mut bytes = 0;
         loop {
             while answers.len() < batch.len() {
@@ -1179,7 +1191,10 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         tables.finish()
     });
     let (body, touched) = match decided {
-        Ok(x) => x,
+        Ok(finished) => {
+            state.tally = finished.tally;
+            (finished.body, finished.touched)
+        }
         Err(err) => {
             // The transaction may hold half of this batch: drop all of it.
             state.open = Some(open);
@@ -1345,6 +1360,9 @@ fn commit_checkpoint(
             &txn,
             shared.clock.high_water_ms().max(state.time_reserved),
         )?;
+        if let Some(tally) = state.tally {
+            schema::write_tally(path, &txn, tally)?;
+        }
         txn.commit().map_err(|e| map_err(path, e))
     });
     if let Err(err) = committed {
@@ -1416,6 +1434,9 @@ fn close(shared: &Shared, state: &mut WriterState) {
             token_reserved: state.next_token,
         };
         schema::write_checkpoint(path, &txn, ck)?;
+        if let Some(tally) = state.tally {
+            schema::write_tally(path, &txn, tally)?;
+        }
         // Every time an answer was based on is at most the high-water mark
         // (reads reserve time through the writer, so it is within the last
         // bound); the floor-based time tells the next open which part of

@@ -698,17 +698,23 @@ pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoi
 /// an arm in [`Tables::apply`].
 pub(crate) struct Tables<'t> {
     path: &'t Path,
+    txn: &'t WriteTransaction,
     records: Table<'t, &'static [u8], &'static [u8]>,
     expiry: Table<'t, (u64, &'static [u8]), ()>,
-    business: Table<'t, &'static [u8], &'static [u8]>,
+    /// Opened at first use: most batches have no business key, and
+    /// opening a table costs about as much as an insert.
+    business: std::cell::OnceCell<Table<'t, &'static [u8], &'static [u8]>>,
     in_flight: Table<'t, &'static [u8], ()>,
     meta: Table<'t, &'static str, &'static [u8]>,
     log: Option<BodyWriter>,
     touched: Vec<Vec<u8>>,
-    /// The state counts, read at the first change and written back by
-    /// [`Tables::finish`] when they moved.
+    /// The state counts: handed in by the writer (which keeps them
+    /// across batches and writes them when it commits), or read at the
+    /// first change and written back by [`Tables::finish`].
     tally: Option<Tally>,
     tally_moved: bool,
+    /// Whether the caller keeps the counts ([`Tables::with_tally`]).
+    tally_kept: bool,
 }
 
 impl<'t> Tables<'t> {
@@ -716,16 +722,45 @@ impl<'t> Tables<'t> {
     pub(crate) fn open(path: &'t Path, txn: &'t WriteTransaction, logged: bool) -> Result<Self> {
         Ok(Tables {
             path,
+            txn,
             records: txn.open_table(RECORDS).map_err(|e| map_err(path, e))?,
             expiry: txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?,
-            business: txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?,
+            business: std::cell::OnceCell::new(),
             in_flight: txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?,
             meta: txn.open_table(META).map_err(|e| map_err(path, e))?,
             log: logged.then(BodyWriter::new),
             touched: Vec::new(),
             tally: None,
             tally_moved: false,
+            tally_kept: false,
         })
+    }
+
+    /// Hands in the state counts as of this transaction (`None`: not read
+    /// yet). [`Tables::finish`] then returns them instead of writing them:
+    /// the caller writes them with [`write_tally`] before its commit.
+    pub(crate) fn with_tally(mut self, tally: Option<Tally>) -> Self {
+        self.tally = tally;
+        self.tally_kept = true;
+        self
+    }
+
+    fn business(&self) -> Result<&Table<'t, &'static [u8], &'static [u8]>> {
+        if let Some(table) = self.business.get() {
+            return Ok(table);
+        }
+        let table = self
+            .txn
+            .open_table(BUSINESS)
+            .map_err(|e| map_err(self.path, e))?;
+        Ok(self.business.get_or_init(|| table))
+    }
+
+    fn business_mut(&mut self) -> Result<&mut Table<'t, &'static [u8], &'static [u8]>> {
+        self.business()?;
+        self.business
+            .get_mut()
+            .ok_or_else(|| Error::Storage("the business-key table did not open".into()))
     }
 
     /// Moves a record of `key` from state slot `old` to `new` (either
@@ -856,7 +891,7 @@ impl<'t> Tables<'t> {
     /// The stored key a business-key binding names, if any.
     pub(crate) fn get_business(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         Ok(self
-            .business
+            .business()?
             .get(key)
             .map_err(|e| map_err(self.path, e))?
             .map(|v| v.value().to_vec()))
@@ -864,9 +899,10 @@ impl<'t> Tables<'t> {
 
     /// Binds a business key to a stored key.
     pub(crate) fn put_business(&mut self, key: &[u8], stored_key: &[u8]) -> Result<()> {
-        self.business
+        let path = self.path;
+        self.business_mut()?
             .insert(key, stored_key)
-            .map_err(|e| map_err(self.path, e))?;
+            .map_err(|e| map_err(path, e))?;
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Business, &[key], stored_key);
         }
@@ -875,9 +911,10 @@ impl<'t> Tables<'t> {
 
     /// Removes a business key.
     pub(crate) fn remove_business(&mut self, key: &[u8]) -> Result<()> {
-        self.business
+        let path = self.path;
+        self.business_mut()?
             .remove(key)
-            .map_err(|e| map_err(self.path, e))?;
+            .map_err(|e| map_err(path, e))?;
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Business, &[key]);
         }
@@ -945,17 +982,40 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
-    /// Closes the tables, writing the state counts when they moved: the
-    /// frame body being built (`None` when nothing was changed or the
-    /// transaction is not logged) and the record keys changed.
-    pub(crate) fn finish(mut self) -> Result<(Option<BodyWriter>, Vec<Vec<u8>>)> {
-        if let (Some(tally), true) = (self.tally, self.tally_moved) {
+    /// Closes the tables: the frame body being built (`None` when nothing
+    /// was changed or the transaction is not logged), the record keys
+    /// changed, and the state counts. Counts that moved are written here,
+    /// unless the caller keeps them ([`Tables::with_tally`]).
+    pub(crate) fn finish(mut self) -> Result<Finished> {
+        if let (Some(tally), true, false) = (self.tally, self.tally_moved, self.tally_kept) {
             self.meta
                 .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
                 .map_err(|e| map_err(self.path, e))?;
         }
-        Ok((self.log.filter(|l| !l.is_empty()), self.touched))
+        Ok(Finished {
+            body: self.log.filter(|l| !l.is_empty()),
+            touched: self.touched,
+            tally: self.tally,
+        })
     }
+}
+
+/// What a closed [`Tables`] leaves: see [`Tables::finish`].
+pub(crate) struct Finished {
+    pub body: Option<BodyWriter>,
+    pub touched: Vec<Vec<u8>>,
+    /// The state counts as of the transaction (`None`: never read).
+    pub tally: Option<Tally>,
+}
+
+/// Writes the state counts a writer kept across batches into `txn`, before
+/// it commits.
+pub(crate) fn write_tally(path: &Path, txn: &WriteTransaction, tally: Tally) -> Result<()> {
+    txn.open_table(META)
+        .map_err(|e| map_err(path, e))?
+        .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
+        .map_err(|e| map_err(path, e))?;
+    Ok(())
 }
 
 fn split_expiry(key: &[u8]) -> Option<(u64, &[u8])> {
