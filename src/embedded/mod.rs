@@ -536,8 +536,17 @@ impl Embedded {
     /// How many records are stored (past retention or not), once durable.
     pub(crate) fn len(&self) -> Result<u64> {
         let shared = &self.shared;
-        // Apply what was acknowledged to the index first.
-        self.commit_index()?;
+        // Apply what was acknowledged to the index first. In `Immediate`
+        // mode a change is acknowledged only once durable, so when the
+        // index holds everything durable there is nothing to apply and no
+        // need to wait for the writer (a poisoned store still asks it, and
+        // answers `Poisoned`).
+        let applied = shared.durability == Durability::Immediate
+            && !shared.poisoned.load(Ordering::SeqCst)
+            && shared.progress.committed() >= shared.progress.synced();
+        if !applied {
+            self.commit_index()?;
+        }
         let (count, seq) = schema::record_count(&shared.path, &shared.db)?;
         if shared.durability == Durability::Immediate {
             // The snapshot may hold a batch whose fsync is still running.
