@@ -541,8 +541,14 @@ impl Harness {
         let start = now.max(due).max(T0_MS);
         clock.advance(Duration::from_millis(start - now));
         clock.set_ms(start);
-        assert_eq!(store.now_ms(), start, "store time after the move to the next run");
-        let swept = store.sweep(usize::MAX).expect("sweep the earlier run's records");
+        assert_eq!(
+            store.now_ms(),
+            start,
+            "store time after the move to the next run"
+        );
+        let swept = store
+            .sweep(usize::MAX)
+            .expect("sweep the earlier run's records");
         assert_eq!(swept, kept, "records of the earlier run evicted");
         assert_eq!(store.len().expect("len"), 0, "records left after the sweep");
         Harness {
@@ -801,11 +807,7 @@ impl Harness {
             self.at(exp.lease_until_ms),
             "{what}: lease deadline"
         );
-        assert_eq!(
-            real.expires_ms(),
-            self.at(exp.expires_ms),
-            "{what}: expiry"
-        );
+        assert_eq!(real.expires_ms(), self.at(exp.expires_ms), "{what}: expiry");
         assert_eq!(
             real.acquisitions(),
             exp.acquisitions,
