@@ -15,8 +15,9 @@ use reference::{
 pub const MAX_OPS: usize = 256;
 
 /// Decodes `data` into operations, steps a fresh model through each, and
-/// calls `each` with the operation and the model after it.
-pub fn run(data: &[u8], mut each: impl FnMut(&Op, &Model)) {
+/// calls `each` with the operation and the model after it. Returns the
+/// model after the last operation.
+pub fn run(data: &[u8], mut each: impl FnMut(&Op, &Model)) -> Model {
     let mut model = Model::new();
     let mut input = Bytes(data);
     for _ in 0..MAX_OPS {
@@ -28,6 +29,7 @@ pub fn run(data: &[u8], mut each: impl FnMut(&Op, &Model)) {
         model.step(&op);
         each(&op, &model);
     }
+    model
 }
 
 /// Reads the input a byte at a time; an exhausted input reads zeros, so

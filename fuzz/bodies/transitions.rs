@@ -7,12 +7,13 @@
 #[path = "ops.rs"]
 mod ops;
 
+use std::cell::RefCell;
 use std::sync::Arc;
 
 use idemstore::{MemoryLog, StorageBackend, Store};
 use redb::backends::InMemoryBackend;
 
-use ops::reference::{Harness, Model};
+use ops::reference::{Harness, Model, Resumable};
 
 /// The write-ahead log's size in the fuzz runs (bytes): big enough for the
 /// largest batch a run makes, small enough to allocate at every open.
@@ -41,20 +42,50 @@ impl StorageBackend for SharedMemory {
     }
 }
 
-/// Runs the operations `data` encodes; panics on any difference between
-/// the store and the model.
-pub fn transitions(data: &[u8]) {
+/// The store the runs of one thread share, and the model of the last run
+/// (whose records the next run evicts first).
+struct Shared {
+    left: Resumable,
+    last: Model,
+}
+
+thread_local! {
+    /// Taken for a run and put back when it ends; a run that panics leaves
+    /// `None`, and the next opens a new store.
+    static SHARED: RefCell<Option<Shared>> = const { RefCell::new(None) };
+}
+
+/// A harness on a new store on in-memory storage.
+fn open_new() -> Harness {
     let memory = SharedMemory(Arc::new(InMemoryBackend::new()));
     let log = MemoryLog::new();
-    let mut harness = Harness::new(Box::new(move |config| {
+    Harness::new(Box::new(move |config| {
         // A small log: the default preallocates 64 MiB at every open.
         let config = config.max_log_bytes(LOG_BYTES);
         Store::open_with_backend("fuzz-transitions", memory.clone(), log.clone(), config)
             .expect("open the in-memory store")
-    }));
+    }))
+}
+
+/// Runs the operations `data` encodes; panics on any difference between
+/// the store and the model.
+///
+/// The runs of a thread share one store (opening one per run cost most of
+/// a run): each run starts by moving the clock past every record the last
+/// run left and sweeping them (the sweep must evict exactly those), so it
+/// starts on an empty store, with its model's time mapped to the store's
+/// from there on and its forged tokens above every token issued before.
+/// `Reopen` drops and reopens it as before, on the same storage.
+pub fn transitions(data: &[u8]) {
+    let mut harness = match SHARED.with(|s| s.borrow_mut().take()) {
+        Some(Shared { left, last }) => Harness::resume(left, Some(&last)),
+        None => open_new(),
+    };
     harness.check(&Model::new());
-    ops::run(data, |op, model| {
+    let last = ops::run(data, |op, model| {
         harness.apply(op, model);
         harness.check(model);
     });
+    let left = harness.end();
+    SHARED.with(|s| *s.borrow_mut() = Some(Shared { left, last }));
 }

@@ -477,8 +477,21 @@ pub struct Harness {
     leases: Vec<Lease>,
     /// The largest token issued so far.
     max_token: u64,
+    /// How far the store's time is ahead of the model's (ms): 0 for a new
+    /// store, the time earlier runs moved it on for a resumed one.
+    offset_ms: u64,
     keys: Vec<Key>,
     fingerprints: Vec<Fingerprint>,
+}
+
+/// What a run leaves for the next one on the same store (see
+/// [`Harness::resume`]).
+pub struct Resumable {
+    pub clock: ManualClock,
+    pub store: Store,
+    pub open: Box<dyn FnMut(Config) -> Store>,
+    /// The largest token the store has issued.
+    pub max_token: u64,
 }
 
 impl Harness {
@@ -493,9 +506,76 @@ impl Harness {
             open,
             leases: Vec::new(),
             max_token: 0,
+            offset_ms: 0,
             keys: (0..KEY_COUNT).map(key).collect(),
             fingerprints: (0..FINGERPRINT_COUNT).map(fingerprint).collect(),
         }
+    }
+
+    /// A harness on the store an earlier run left ([`Harness::end`]), so
+    /// that a run costs no store to open. Its records are evicted first:
+    /// the clock moves on past every record of `last` (the model of the
+    /// run that left it, `None` if none did), the wall reading is set to
+    /// the store's time, and a sweep must evict exactly the records
+    /// `last` kept, leaving the store empty. The model's time (from
+    /// [`T0_MS`]) then maps to the store's time from there on.
+    pub fn resume(left: Resumable, last: Option<&Model>) -> Harness {
+        let Resumable {
+            clock,
+            store,
+            open,
+            max_token,
+        } = left;
+        let now = store.now_ms();
+        let kept = last.map_or(0, |m| m.records.len());
+        // A model's times are its own; `now` is the store's time for the
+        // model's `store_now_ms`.
+        let due = last
+            .and_then(|m| {
+                m.records
+                    .values()
+                    .map(|r| (now + r.expires_ms).saturating_sub(m.store_now_ms))
+                    .max()
+            })
+            .unwrap_or(now);
+        let start = now.max(due).max(T0_MS);
+        clock.advance(Duration::from_millis(start - now));
+        clock.set_ms(start);
+        assert_eq!(
+            store.now_ms(),
+            start,
+            "store time after the move to the next run"
+        );
+        let swept = store
+            .sweep(usize::MAX)
+            .expect("sweep the earlier run's records");
+        assert_eq!(swept, kept, "records of the earlier run evicted");
+        assert_eq!(store.len().expect("len"), 0, "records left after the sweep");
+        Harness {
+            clock,
+            store: Some(store),
+            open,
+            leases: Vec::new(),
+            max_token,
+            offset_ms: start - T0_MS,
+            keys: (0..KEY_COUNT).map(key).collect(),
+            fingerprints: (0..FINGERPRINT_COUNT).map(fingerprint).collect(),
+        }
+    }
+
+    /// Ends a run, handing its store to the next ([`Harness::resume`]).
+    pub fn end(mut self) -> Resumable {
+        Resumable {
+            store: self.store.take().expect("the store is open between steps"),
+            clock: self.clock,
+            open: self.open,
+            max_token: self.max_token,
+        }
+    }
+
+    /// The store's time for the model's time `ms`.
+    fn at(&self, ms: u64) -> u64 {
+        ms + self.offset_ms
     }
 
     fn store(&self) -> &Store {
@@ -563,7 +643,7 @@ impl Harness {
                         self.assert_record(rec, exp, *key, &ctx("acquired record"));
                         assert_eq!(
                             lease.lease_until_ms(),
-                            Some(exp.lease_until_ms),
+                            Some(self.at(exp.lease_until_ms)),
                             "{}",
                             ctx("lease deadline")
                         );
@@ -592,7 +672,7 @@ impl Harness {
                     ) => {
                         assert_eq!(
                             (retry_after, lease_until_ms),
-                            (Duration::from_millis(*retry_after_ms), *exp_until),
+                            (Duration::from_millis(*retry_after_ms), self.at(*exp_until)),
                             "{}",
                             ctx("in progress")
                         );
@@ -629,7 +709,7 @@ impl Harness {
                     .extend(&self.lease(*lease), Duration::from_millis(*ms));
                 match (got, expected) {
                     (Ok(until), Expected::Extended(exp)) => {
-                        assert_eq!(until, *exp, "{}", ctx("extended deadline"));
+                        assert_eq!(until, self.at(*exp), "{}", ctx("extended deadline"));
                     }
                     (got, _) => self.assert_err(got, expected, &ctx("extend")),
                 }
@@ -712,14 +792,22 @@ impl Harness {
             &self.fingerprints[exp.fp],
             "{what}: fingerprint"
         );
-        assert_eq!(real.created_ms(), exp.created_ms, "{what}: created_ms");
-        assert_eq!(real.updated_ms(), exp.updated_ms, "{what}: updated_ms");
+        assert_eq!(
+            real.created_ms(),
+            self.at(exp.created_ms),
+            "{what}: created_ms"
+        );
+        assert_eq!(
+            real.updated_ms(),
+            self.at(exp.updated_ms),
+            "{what}: updated_ms"
+        );
         assert_eq!(
             real.lease_until_ms(),
-            exp.lease_until_ms,
+            self.at(exp.lease_until_ms),
             "{what}: lease deadline"
         );
-        assert_eq!(real.expires_ms(), exp.expires_ms, "{what}: expiry");
+        assert_eq!(real.expires_ms(), self.at(exp.expires_ms), "{what}: expiry");
         assert_eq!(
             real.acquisitions(),
             exp.acquisitions,
@@ -747,12 +835,13 @@ impl Harness {
         let store = self.store();
         let now = store.now_ms();
         assert_eq!(
-            now, model.store_now_ms,
+            now,
+            self.at(model.store_now_ms),
             "store time (the clock never runs backwards, even across a reopen)"
         );
         for k in 0..KEY_COUNT {
             let got = store.get(&self.keys[k]).expect("get");
-            let exp = model.visible(k, now);
+            let exp = model.visible(k, model.store_now_ms);
             match (&got, exp) {
                 (None, None) => {}
                 (Some(real), Some(exp)) => self.assert_record(real, exp, k, &format!("key {k}")),
