@@ -289,7 +289,7 @@ impl Snapshot<'_> {
 
     /// Records by state at `now_ms` and the oldest live Processing
     /// record's `created_ms`: on the file engine from its state counts and
-    /// in-flight table (work that grows with the records in flight and
+    /// expiry index's range of records in flight (work that grows with the records in flight and
     /// those due for eviction); on PostgreSQL, and on a file without state
     /// counts, by reading every record of [`Snapshot::entries`].
     pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {

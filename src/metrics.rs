@@ -41,9 +41,9 @@
 //! `tests/metrics_counters.rs` checks every counter and gauge against
 //! [`Store::stats`](crate::Store::stats).
 //!
-//! The gauges come from a read of every record ([`Store::stats`](crate::Store::stats)):
-//! call `publish_gauges` when the exporter is scraped or on a timer, not
-//! per request.
+//! The gauges come from [`Store::stats`](crate::Store::stats) (kept counts
+//! on the file engine, a scan on PostgreSQL): call `publish_gauges` when
+//! the exporter is scraped or on a timer, not per request.
 //!
 //! With `metrics-exporter-prometheus`, the two histograms are rendered as
 //! Prometheus *summaries* (quantiles) unless buckets are configured, for

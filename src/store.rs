@@ -781,7 +781,8 @@ impl Store {
     /// counts by state are kept in the store's metadata, written in the
     /// same transaction as the records they count, so a call reads them,
     /// then the records the expiry index has due (expired, not yet
-    /// evicted) and those in flight (an index of Processing records): its
+    /// evicted) and those in flight (the expiry index holds them in a range
+    /// of their own): its
     /// work grows with the records in flight and those awaiting eviction,
     /// never with the store's size. Every field is exact for the read
     /// snapshot. `records.corrupt` counts only envelopes whose state cannot

@@ -441,7 +441,7 @@ fn crash_loop_keeps_every_acknowledged_change() {
             total,
             "seed {seed}, cycle {cycle}: records outside the probed keys"
         );
-        // The state counts and the in-flight table that `stats` reads were
+        // The state counts and the expiry entries that `stats` reads were
         // derived again by the log's replay: they agree with the records.
         let report = store.verify(|_| {}).unwrap();
         assert!(report.is_clean(), "seed {seed}, cycle {cycle}: {report:?}");

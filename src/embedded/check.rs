@@ -8,7 +8,7 @@ use std::path::Path;
 use redb::{Database, ReadableTable};
 
 use super::schema::{
-    self, BUSINESS, EXPIRY, IN_FLIGHT, META, RECORDS, Tally, guard, map_err, open_error,
+    self, BUSINESS, EXPIRY, META, RECORDS, Tally, expiry_slot, guard, map_err, open_error,
 };
 use crate::codec;
 use crate::error::{Error, Result};
@@ -102,19 +102,13 @@ pub(crate) fn verify(
         let hashers = [RandomState::new(), RandomState::new()];
         // What the decoded records say the expiry index holds.
         let mut wanted = EntryDigest::new(&hashers);
-        // What the records say the state counts and the in-flight table
-        // hold.
+        // What the records say the state counts hold.
         let mut tally = Tally::default();
-        let mut wanted_in_flight = EntryDigest::new(&hashers);
         for entry in records.iter().map_err(|e| map_err(path, e))? {
             let (k, v) = entry.map_err(|e| map_err(path, e))?;
             let kb = k.value();
             report.records += 1;
-            let slot = Tally::slot_of(v.value());
-            tally.add(slot);
-            if slot == Tally::PROCESSING {
-                wanted_in_flight.add(0, kb);
-            }
+            tally.add(Tally::slot_of(v.value()));
             progress(Progress {
                 records: report.records,
                 bytes: 0,
@@ -139,7 +133,7 @@ pub(crate) fn verify(
                     record.token, meta.next_token
                 ));
             }
-            wanted.add(record.expires_ms, kb);
+            wanted.add(expiry_slot(record.state, record.expires_ms), kb);
             if let Some(bk) = record.business_key.as_deref()
                 && !record.is_expired_at(now_ms)
             {
@@ -172,32 +166,17 @@ pub(crate) fn verify(
             // The records' problems stay in key order.
             report.problems.sort_by(|a, b| a.key.cmp(&b.key));
         }
-        // The derived tables (format 2 on): `stats` reads them.
-        if let Some(stored) = stored_tally {
-            if stored != tally {
-                report.problems.push(Problem {
-                    key: "(state counts)".into(),
-                    detail: format!(
-                        "the stored state counts {:?} differ from the records' {:?} (processing, succeeded, failed, retryably failed, unreadable): stats would report wrong counts",
-                        stored.slots, tally.slots
-                    ),
-                });
-            }
-            let in_flight = txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?;
-            let mut indexed = EntryDigest::new(&hashers);
-            for entry in in_flight.iter().map_err(|e| map_err(path, e))? {
-                let (k, _) = entry.map_err(|e| map_err(path, e))?;
-                indexed.add(0, k.value());
-            }
-            if !wanted_in_flight.matches(&indexed) {
-                report.problems.push(Problem {
-                    key: "(in-flight table)".into(),
-                    detail: format!(
-                        "{} entries where the records have {} in state Processing, or other keys: stats would report wrong in-flight figures",
-                        indexed.count, wanted_in_flight.count
-                    ),
-                });
-            }
+        // The state counts (format 2 on): `stats` reads them.
+        if let Some(stored) = stored_tally
+            && stored != tally
+        {
+            report.problems.push(Problem {
+                key: "(state counts)".into(),
+                detail: format!(
+                    "the stored state counts {:?} differ from the records' {:?} (processing, succeeded, failed, retryably failed, unreadable): stats would report wrong counts",
+                    stored.slots, tally.slots
+                ),
+            });
         }
         for entry in business.iter().map_err(|e| map_err(path, e))? {
             let (b, target) = entry.map_err(|e| map_err(path, e))?;
@@ -254,7 +233,7 @@ fn missing_expiry_entries(
             continue;
         };
         let found = expiry
-            .get((record.expires_ms, kb))
+            .get((expiry_slot(record.state, record.expires_ms), kb))
             .map_err(|e| map_err(path, e))?
             .is_some();
         if !found {

@@ -654,6 +654,9 @@ struct Lead {
     /// to make: a caller that led a batch then nudges it, so that the batch
     /// is committed to the index once the store is idle.
     asleep: AtomicBool,
+    /// Batches led by callers: the writer waits for the store to be idle
+    /// (no led batch for [`IDLE_COMMIT_DELAY`]) before its idle commit.
+    led: AtomicU64,
 }
 
 /// The handle to the writer, syncer and waker threads.
@@ -703,6 +706,7 @@ impl Writer {
         let lead = Arc::new(Lead {
             state: Mutex::new(state),
             asleep: AtomicBool::new(false),
+            led: AtomicU64::new(0),
         });
         let (for_writer, lead_of_writer) = (shared.clone(), lead.clone());
         let handle = std::thread::Builder::new()
@@ -767,6 +771,7 @@ impl Writer {
         let led = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             process(shared, &mut state, request, None)
         }));
+        self.lead.led.fetch_add(1, Ordering::SeqCst);
         if led.is_err() {
             // A panic inside the batch (a storage backend's, say): the open
             // index transaction may hold part of it, so the store is
@@ -923,10 +928,18 @@ fn run(shared: &Shared, lead: &Lead, rx: &Queue) {
     loop {
         let msg = match rx.try_recv() {
             Ok(msg) => msg,
-            Err(TryRecvError::Empty) => match rx.recv_timeout(IDLE_COMMIT_DELAY) {
-                Ok(msg) => msg,
-                Err(RecvTimeoutError::Disconnected) => break,
-                Err(RecvTimeoutError::Timeout) => {
+            Err(TryRecvError::Empty) => match (
+                lead.led.load(Ordering::SeqCst),
+                rx.recv_timeout(IDLE_COMMIT_DELAY),
+            ) {
+                (_, Ok(msg)) => msg,
+                (_, Err(RecvTimeoutError::Disconnected)) => break,
+                // A caller led a batch meanwhile: the store is not idle
+                // (committing now would hold the state from its next one).
+                (led, Err(RecvTimeoutError::Timeout)) if lead.led.load(Ordering::SeqCst) != led => {
+                    continue;
+                }
+                (_, Err(RecvTimeoutError::Timeout)) => {
                     // Idle: apply what was acknowledged to the index
                     // before waiting (a caller's next request, which
                     // usually follows its answer at once, goes first).
@@ -1564,12 +1577,16 @@ fn apply_op(
     match &effect {
         Effect::None => {}
         Effect::Put(new) => {
-            if let Some(old) = &stored
-                && old.expires_ms != new.expires_ms
-            {
-                tables.remove_expiry(old.expires_ms, &kb)?;
+            // Records in flight are indexed under a tagged deadline
+            // (`schema::expiry_slot`).
+            let slot = schema::expiry_slot(new.state, new.expires_ms);
+            if let Some(old) = &stored {
+                let old_slot = schema::expiry_slot(old.state, old.expires_ms);
+                if old_slot != slot {
+                    tables.remove_expiry(old_slot, &kb)?;
+                }
             }
-            tables.insert_expiry(new.expires_ms, &kb)?;
+            tables.insert_expiry(slot, &kb)?;
             tables.put_record(&kb, &codec::encode_record(&kb, new))?;
             rebind(tables, key, stored.as_ref(), new, fresh)?;
             if let (true, Some(after)) = (acquires, after) {
@@ -1578,7 +1595,7 @@ fn apply_op(
         }
         Effect::Delete => {
             if let Some(old) = &stored {
-                tables.remove_expiry(old.expires_ms, &kb)?;
+                tables.remove_expiry(schema::expiry_slot(old.state, old.expires_ms), &kb)?;
                 if let Some(bk) = &old.business_key {
                     unbind(tables, &key.business_binding(bk), &kb)?;
                 }

@@ -4,11 +4,13 @@
 //! Expiry is judged at read time from each record's own deadline
 //! ([`crate::record::is_expired`]): a record past retention is absent whether
 //! or not it was evicted. Eviction only reclaims space. It walks the expiry
-//! index in deadline order and stops at the first deadline still in the
-//! future, so its cost grows with what it evicts, not with the store's size.
+//! index in deadline order (finished records, then the tagged range of
+//! records in flight: `schema::IN_FLIGHT_TAG`) and stops at the first
+//! deadline of each still in the future, so its cost grows with what it
+//! evicts, not with the store's size.
 
 use super::commit::unbind;
-use super::schema::Tables;
+use super::schema::{self, Tables};
 use crate::audit::Event;
 use crate::codec;
 use crate::error::Result;
@@ -34,7 +36,7 @@ pub(crate) fn evict(
         // The index entry is authoritative only if the record agrees; a
         // record that fails to decode is left for `check` to report.
         match codec::decode_record(&key, &bytes) {
-            Ok(rec) if rec.expires_ms == deadline => {
+            Ok(rec) if schema::expiry_slot(rec.state, rec.expires_ms) == deadline => {
                 tables.remove_record(&key)?;
                 if let Some(bk) = &rec.business_key {
                     unbind(tables, &rec.key.business_binding(bk), &key)?;

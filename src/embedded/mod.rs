@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use redb::{ReadOnlyTable, ReadableDatabase, ReadableTable};
+use redb::{ReadOnlyTable, ReadableDatabase};
 
 use crate::audit::Event;
 use crate::clock::{StoreClock, TIME_RESERVATION, duration_ms};
@@ -142,6 +142,11 @@ impl Embedded {
             &meta,
             config.max_log_bytes,
         )?;
+        // A store of an older format is migrated once its log is replayed
+        // (the log was written in that format), before anything is answered.
+        if meta.format < schema::FORMAT_VERSION {
+            schema::migrate(&path, &db, meta.format)?;
+        }
         // The store's time starts from the persisted bound. After an unclean
         // shutdown up to `TIME_RESERVATION` of it may be reservation, not
         // use: that part is caught up at half rate (see `crate::clock`).
@@ -588,18 +593,19 @@ impl Snapshot {
     /// Records by state at `now_ms`, and the oldest live Processing
     /// record's `created_ms`, without reading every record: the stored
     /// state counts, less the records the expiry index has due at `now_ms`
-    /// (read and decoded: they are expired), and the in-flight table's
-    /// records (read and decoded: lapsed, oldest). Time and memory grow
-    /// with the records in flight and those due for eviction, never with
-    /// the store's size. `corrupt` counts envelopes whose state cannot be
-    /// read; a damaged record that still names its state is counted in it
-    /// (`verify` finds every damaged record). `None` for a store without
-    /// state counts (format 1, never opened by this build).
+    /// (read and decoded: they are expired), and the records in flight
+    /// (the expiry index's tagged range, `schema::IN_FLIGHT_TAG`; read and
+    /// decoded: lapsed, oldest). Time and memory grow with the records in
+    /// flight and those due for eviction, never with the store's size.
+    /// `corrupt` counts envelopes whose state cannot be read; a damaged
+    /// record that still names its state is counted in it (`verify` finds
+    /// every damaged record). `None` for a store without state counts
+    /// (format 1, never opened by this build).
     pub(crate) fn state_counts(
         &self,
         now_ms: u64,
     ) -> Result<Option<(crate::stats::StateCounts, Option<u64>)>> {
-        use schema::Tally;
+        use schema::{IN_FLIGHT_TAG, Tally, expiry_slot, slot_expiry};
         let path = &self.path;
         guard(path, || {
             let meta = self
@@ -615,48 +621,47 @@ impl Snapshot {
                 .txn
                 .open_table(schema::EXPIRY)
                 .map_err(|e| map_err(path, e))?;
-            let in_flight = self
-                .txn
-                .open_table(schema::IN_FLIGHT)
-                .map_err(|e| map_err(path, e))?;
             let mut counts = crate::stats::StateCounts::default();
-            // Due entries, earliest first; an entry whose record no longer
-            // has that expiry (or is gone) is a leftover, not a record.
-            for entry in expiry.iter().map_err(|e| map_err(path, e))? {
-                let (k, _) = entry.map_err(|e| map_err(path, e))?;
-                let (deadline, kb) = k.value();
-                if !crate::record::is_expired(deadline, now_ms) {
-                    break;
-                }
-                let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
-                    continue;
-                };
-                if let Ok(record) = codec::decode_record(kb, v.value())
-                    && record.expires_ms == deadline
-                {
-                    let slot = Tally::slot_of(v.value());
-                    slots[slot] = slots[slot].saturating_sub(1);
-                    counts.expired = counts.expired.saturating_add(1);
-                }
-            }
             let mut oldest: Option<u64> = None;
-            for entry in in_flight.iter().map_err(|e| map_err(path, e))? {
-                let (k, _) = entry.map_err(|e| map_err(path, e))?;
-                let kb = k.value();
-                let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
-                    continue;
-                };
-                let Ok(record) = codec::decode_record(kb, v.value()) else {
-                    continue;
-                };
-                if record.is_expired_at(now_ms) || record.state != crate::record::State::Processing
-                {
-                    continue;
+            let empty: &[u8] = &[];
+            let finished = expiry
+                .range(..(IN_FLIGHT_TAG, empty))
+                .map_err(|e| map_err(path, e))?;
+            let in_flight = expiry
+                .range((IN_FLIGHT_TAG, empty)..)
+                .map_err(|e| map_err(path, e))?;
+            // Finished records: the due entries only. Records in flight:
+            // every entry (expired ones are counted as expired).
+            for (range, all) in [(finished, false), (in_flight, true)] {
+                for entry in range {
+                    let (k, _) = entry.map_err(|e| map_err(path, e))?;
+                    let (deadline, kb) = k.value();
+                    let expired = crate::record::is_expired(slot_expiry(deadline), now_ms);
+                    if !expired && !all {
+                        break;
+                    }
+                    let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
+                        continue;
+                    };
+                    // An entry its record does not name (or a damaged
+                    // record's) is a leftover, not a record.
+                    let Ok(record) = codec::decode_record(kb, v.value()) else {
+                        continue;
+                    };
+                    if expiry_slot(record.state, record.expires_ms) != deadline {
+                        continue;
+                    }
+                    if expired {
+                        let slot = Tally::slot_of(v.value());
+                        slots[slot] = slots[slot].saturating_sub(1);
+                        counts.expired = counts.expired.saturating_add(1);
+                        continue;
+                    }
+                    if !record.lease_valid_at(now_ms) {
+                        counts.lapsed = counts.lapsed.saturating_add(1);
+                    }
+                    oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
                 }
-                if !record.lease_valid_at(now_ms) {
-                    counts.lapsed = counts.lapsed.saturating_add(1);
-                }
-                oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
             }
             counts.processing = slots[Tally::PROCESSING];
             counts.succeeded = slots[Tally::SUCCEEDED];

@@ -22,19 +22,38 @@ pub(crate) const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("
 pub(crate) const EXPIRY: TableDefinition<(u64, &[u8]), ()> = TableDefinition::new("expiry");
 /// Business keys: (scope prefix ‖ business key) → stored key bytes.
 pub(crate) const BUSINESS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("business_keys");
-/// Records in flight: stored key bytes → (), one entry for every stored
-/// record in state Processing (format 2 on). Derived from the records by
-/// [`Tables`] in the same transaction (never logged: replaying the records'
-/// changes derives it again), so that `stats` reads the in-flight figures
-/// from these entries instead of from every record.
-pub(crate) const IN_FLIGHT: TableDefinition<&[u8], ()> = TableDefinition::new("in_flight");
+/// The tag of an expiry index entry of a record in state Processing
+/// (format 2 on): its deadline is `IN_FLIGHT_TAG | expiry`, so that the
+/// records in flight sort after every finished record, by expiry. `stats`
+/// reads them as one range instead of reading every record, and eviction
+/// reads the due ones of each range; a lifecycle makes no more index
+/// writes than without the tag. See [`expiry_slot`].
+pub(crate) const IN_FLIGHT_TAG: u64 = 1 << 63;
+
+/// The deadline under which the expiry index holds a record of `state`
+/// that expires at `expires_ms`: tagged with [`IN_FLIGHT_TAG`] while
+/// Processing. An expiry at or beyond 2^63 ms (about 292 million years)
+/// is held at 2^63 − 1 ms: never due.
+pub(crate) fn expiry_slot(state: crate::record::State, expires_ms: u64) -> u64 {
+    let deadline = expires_ms.min(IN_FLIGHT_TAG - 1);
+    if state == crate::record::State::Processing {
+        deadline | IN_FLIGHT_TAG
+    } else {
+        deadline
+    }
+}
+
+/// The expiry time of an index entry's deadline (the tag taken off).
+pub(crate) fn slot_expiry(deadline: u64) -> u64 {
+    deadline & !IN_FLIGHT_TAG
+}
 /// Metadata: name → little-endian value bytes.
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The store format this build writes and reads. Format 1 (no
-/// [`IN_FLIGHT`] table, no [`META_STATE_COUNTS`]) is migrated to 2 at open,
-/// in the open's first durable commit (see `docs/design.md`, "Format
-/// versions").
+/// [`META_STATE_COUNTS`], untagged expiry entries of records in flight) is
+/// migrated to 2 at open, once the log is replayed ([`migrate`]; see
+/// `docs/design.md`, "Format versions").
 pub(crate) const FORMAT_VERSION: u64 = 2;
 
 pub(crate) const META_FORMAT: &str = "format_version";
@@ -63,7 +82,7 @@ pub(crate) const META_CLEAN: &str = "clean_shutdown";
 pub(crate) const META_TOKEN_RESERVED: &str = "token_reserved";
 /// Stored records by the state their envelope names (format 2 on): five
 /// little-endian u64s, [`Tally`]'s slots. Kept by [`Tables`] in the same
-/// transaction as the records, like [`IN_FLIGHT`].
+/// transaction as the records.
 pub(crate) const META_STATE_COUNTS: &str = "state_counts";
 
 /// When redb's full integrity check (every page's checksum) last passed on
@@ -207,6 +226,9 @@ impl Drop for FenceOnFailure<'_> {
 /// What the metadata table says about a store.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Meta {
+    /// The store format the file was written in ([`META_FORMAT`]); older
+    /// than [`FORMAT_VERSION`] until [`migrate`] has run.
+    pub format: u64,
     pub store_id: u128,
     pub next_token: u64,
     pub clock_hwm: u64,
@@ -406,6 +428,7 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                     .insert(META_STATE_COUNTS, &Tally::default().to_bytes()[..])
                     .map_err(|e| map_err(path, e))?;
                 Meta {
+                    format: FORMAT_VERSION,
                     store_id: id,
                     next_token: 1,
                     clock_hwm: 0,
@@ -425,18 +448,7 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                     ),
                 });
             }
-            Some(v) => {
-                if v < FORMAT_VERSION {
-                    let tally = migrate(path, &txn, v)?;
-                    table
-                        .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
-                        .map_err(|e| map_err(path, e))?;
-                    table
-                        .insert(META_FORMAT, &FORMAT_VERSION.to_le_bytes()[..])
-                        .map_err(|e| map_err(path, e))?;
-                }
-                read_meta(path, &table)?
-            }
+            Some(_) => read_meta(path, &table)?,
         };
         if let Some(ms) = verified_ms {
             table
@@ -449,32 +461,57 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
     txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
     txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
-    txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?;
     txn.commit().map_err(|e| map_err(path, e))?;
     Ok(meta)
 }
 
-/// Migrates a store of format `from` (older than [`FORMAT_VERSION`]) inside
-/// `txn`, which the caller commits durably with the new format version and
-/// the state counts returned.
+/// Migrates a store of format `from` (older than [`FORMAT_VERSION`]) in one
+/// durable commit, which also records the new format version. Runs after
+/// recovery has replayed the log (which the old format wrote) and before
+/// the store answers anything, so a crash before it leaves a store of the
+/// old format that the next open migrates.
 ///
-/// Format 1 → 2: one pass over the records builds the [`IN_FLIGHT`] table
-/// and [`META_STATE_COUNTS`] (time linear in the records, once; memory
-/// bounded by one record). Nothing stored is changed or lost; the log's
-/// frame format is unchanged, so a log left by a crash of a format-1 store
-/// replays onto the migrated index.
-fn migrate(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
+/// Format 1 → 2: one pass over the records counts them by state
+/// ([`META_STATE_COUNTS`]) and moves the expiry entry of each record in
+/// flight under its tagged deadline ([`expiry_slot`]) (time linear in the
+/// records, once; memory bounded by one record). No record is changed or
+/// lost.
+pub(crate) fn migrate(path: &Path, db: &Database, from: u64) -> Result<()> {
+    guard(path, || {
+        let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
+        txn.set_quick_repair(true);
+        let tally = migrate_in(path, &txn, from)?;
+        {
+            let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+            table
+                .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
+                .map_err(|e| map_err(path, e))?;
+            table
+                .insert(META_FORMAT, &FORMAT_VERSION.to_le_bytes()[..])
+                .map_err(|e| map_err(path, e))?;
+        }
+        txn.commit().map_err(|e| map_err(path, e))
+    })
+}
+
+fn migrate_in(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
     let records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
-    let mut in_flight = txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?;
+    let mut expiry = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
     let mut tally = Tally::default();
     for entry in records.iter().map_err(|e| map_err(path, e))? {
         let (k, v) = entry.map_err(|e| map_err(path, e))?;
         let slot = Tally::slot_of(v.value());
         tally.add(slot);
-        if slot == Tally::PROCESSING {
-            in_flight
-                .insert(k.value(), ())
-                .map_err(|e| map_err(path, e))?;
+        if slot == Tally::PROCESSING
+            && let Ok(record) = codec::decode_record(k.value(), v.value())
+        {
+            let old = (record.expires_ms, k.value());
+            if expiry.remove(old).map_err(|e| map_err(path, e))?.is_some() {
+                let new = expiry_slot(record.state, record.expires_ms);
+                expiry
+                    .insert((new, k.value()), ())
+                    .map_err(|e| map_err(path, e))?;
+            }
         }
     }
     tracing::info!(
@@ -596,6 +633,7 @@ pub(crate) fn read_meta(
             .unwrap_or(default))
     };
     Ok(Meta {
+        format: num(META_FORMAT, 1)?,
         store_id: u128::from_le_bytes(id),
         next_token: num(META_NEXT_TOKEN, 1)?,
         clock_hwm: num(META_CLOCK_HWM, 0)?,
@@ -704,7 +742,6 @@ pub(crate) struct Tables<'t> {
     /// Opened at first use: most batches have no business key, and
     /// opening a table costs about as much as an insert.
     business: std::cell::OnceCell<Table<'t, &'static [u8], &'static [u8]>>,
-    in_flight: Table<'t, &'static [u8], ()>,
     meta: Table<'t, &'static str, &'static [u8]>,
     log: Option<BodyWriter>,
     touched: Vec<Vec<u8>>,
@@ -726,7 +763,6 @@ impl<'t> Tables<'t> {
             records: txn.open_table(RECORDS).map_err(|e| map_err(path, e))?,
             expiry: txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?,
             business: std::cell::OnceCell::new(),
-            in_flight: txn.open_table(IN_FLIGHT).map_err(|e| map_err(path, e))?,
             meta: txn.open_table(META).map_err(|e| map_err(path, e))?,
             log: logged.then(BodyWriter::new),
             touched: Vec::new(),
@@ -763,9 +799,9 @@ impl<'t> Tables<'t> {
             .ok_or_else(|| Error::Storage("the business-key table did not open".into()))
     }
 
-    /// Moves a record of `key` from state slot `old` to `new` (either
-    /// `None`: absent) in the tally and the in-flight table.
-    fn derive(&mut self, key: &[u8], old: Option<usize>, new: Option<usize>) -> Result<()> {
+    /// Moves a record from state slot `old` to `new` (either `None`:
+    /// absent) in the tally.
+    fn derive(&mut self, old: Option<usize>, new: Option<usize>) -> Result<()> {
         if old == new {
             return Ok(());
         }
@@ -786,16 +822,6 @@ impl<'t> Tables<'t> {
             tally.add(new);
         }
         self.tally_moved = true;
-        let processing = Some(Tally::PROCESSING);
-        if new == processing {
-            self.in_flight
-                .insert(key, ())
-                .map_err(|e| map_err(self.path, e))?;
-        } else if old == processing {
-            self.in_flight
-                .remove(key)
-                .map_err(|e| map_err(self.path, e))?;
-        }
         Ok(())
     }
 
@@ -820,7 +846,7 @@ impl<'t> Tables<'t> {
             .insert(key, envelope)
             .map_err(|e| map_err(self.path, e))?
             .map(|old| Tally::slot_of(old.value()));
-        self.derive(key, old, Some(Tally::slot_of(envelope)))?;
+        self.derive(old, Some(Tally::slot_of(envelope)))?;
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Records, &[key], envelope);
         }
@@ -835,7 +861,7 @@ impl<'t> Tables<'t> {
             .remove(key)
             .map_err(|e| map_err(self.path, e))?
             .map(|old| Tally::slot_of(old.value()));
-        self.derive(key, old, None)?;
+        self.derive(old, None)?;
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Records, &[key]);
         }
@@ -865,27 +891,50 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
-    /// Up to `max` expiry index entries whose deadline is due at `now_ms`,
-    /// earliest first.
+    /// Up to `max` expiry index entries whose expiry is due at `now_ms`,
+    /// earliest first (by expiry, then key) across finished records and
+    /// records in flight (their tagged range, [`IN_FLIGHT_TAG`]); each
+    /// entry as stored (tagged deadline, key). Reads at most `max` + 1
+    /// entries of each range, never the rest.
     pub(crate) fn expiry_due(
         &self,
         now_ms: u64,
         max: usize,
         is_due: impl Fn(u64, u64) -> bool,
     ) -> Result<Vec<(u64, Vec<u8>)>> {
-        let mut due = Vec::new();
-        for entry in self.expiry.iter().map_err(|e| map_err(self.path, e))? {
-            if due.len() >= max {
-                break;
+        let path = self.path;
+        let empty: &[u8] = &[];
+        // The due entries of one range, in its order (expiry, key).
+        let due_of = |range: redb::Range<'_, (u64, &'static [u8]), ()>| {
+            let mut out = Vec::new();
+            for entry in range {
+                if out.len() >= max {
+                    break;
+                }
+                let (k, _) = entry.map_err(|e| map_err(path, e))?;
+                let (deadline, key) = k.value();
+                if !is_due(slot_expiry(deadline), now_ms) {
+                    break;
+                }
+                out.push((deadline, key.to_vec()));
             }
-            let (k, _) = entry.map_err(|e| map_err(self.path, e))?;
-            let (deadline, key) = k.value();
-            if !is_due(deadline, now_ms) {
-                break;
-            }
-            due.push((deadline, key.to_vec()));
-        }
-        Ok(due)
+            Ok::<_, Error>(out)
+        };
+        let finished = due_of(
+            self.expiry
+                .range(..(IN_FLIGHT_TAG, empty))
+                .map_err(|e| map_err(path, e))?,
+        )?;
+        let in_flight = due_of(
+            self.expiry
+                .range((IN_FLIGHT_TAG, empty)..)
+                .map_err(|e| map_err(path, e))?,
+        )?;
+        // Merged by (expiry, key), as one untagged index would order them.
+        let mut merged: Vec<(u64, Vec<u8>)> = finished.into_iter().chain(in_flight).collect();
+        merged.sort_by(|a, b| (slot_expiry(a.0), &a.1).cmp(&(slot_expiry(b.0), &b.1)));
+        merged.truncate(max);
+        Ok(merged)
     }
 
     /// The stored key a business-key binding names, if any.
