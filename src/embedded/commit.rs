@@ -533,6 +533,9 @@ pub(crate) struct WriterState {
     /// first reads them): kept here across batches and written to the
     /// index once per commit instead of once per batch.
     tally: Option<Tally>,
+    /// Requests in the last batch decided: a caller leads only after a
+    /// batch of one (see [`Writer::submit`]).
+    last_batch: usize,
     /// The index transaction batches are being applied to, not yet
     /// committed.
     open: Option<OpenTxn>,
@@ -553,6 +556,7 @@ impl WriterState {
             time_reserved,
             log,
             tally: None,
+            last_batch: 0,
             open: None,
         }
     }
@@ -757,8 +761,8 @@ impl Writer {
     }
 
     /// Decides `request` on the calling thread if nothing is queued, no
-    /// fsync is pending or running and the writer's state is free; hands it
-    /// back otherwise. The answer goes to the request's reply as from the
+    /// fsync is pending or running, the writer's state is free and the last
+    /// batch was a batch of one (a lone caller); hands it back otherwise. The answer goes to the request's reply as from the
     /// writer thread (at once when this thread synced the batch itself).
     fn lead(&self, request: Request) -> std::result::Result<(), Request> {
         if self.space.queued.load(Ordering::SeqCst) != 0 || self.shared.progress.busy() {
@@ -767,6 +771,12 @@ impl Writer {
         let Some(mut state) = self.lead.state.try_lock() else {
             return Err(request);
         };
+        // Under load (the last batch had company) the writer thread
+        // batches: a caller that led now would seal a batch of one and
+        // make the rest wait for its fsync.
+        if state.last_batch > 1 {
+            return Err(request);
+        }
         let shared = &*self.shared;
         let led = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             process(shared, &mut state, request, None)
@@ -1226,6 +1236,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         fail_requests(&mut batch, &Error::Poisoned);
         return closing;
     }
+    state.last_batch = batch.len();
     let replies: Vec<Replier> = batch.drain(..).map(|r| r.reply).zip(answers).collect();
     // A batch that changed nothing but needs a new time bound still writes
     // a frame (with no change) to carry it.
