@@ -15,7 +15,8 @@
 //! for a batch to fill when the disk is idle).
 //!
 //! A caller that finds the writer idle (nothing queued, no fsync running,
-//! the writer's state free) does not hand its request over: it decides,
+//! the writer's state free, the last batch a batch of one) does not hand
+//! its request over: it decides,
 //! seals and syncs its own batch on its own thread, as LevelDB's writer
 //! queue lets the first waiting writer commit the group itself
 //! (`DBImpl::Write`). A lone caller so pays no thread hop at all; under load
