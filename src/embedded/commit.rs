@@ -732,19 +732,42 @@ impl Writer {
     /// Decides `cmd` on the calling thread when the writer is idle (see the
     /// module docs), else queues it, waiting while the queue is full.
     pub(crate) fn submit(&self, cmd: Command) -> Completion {
+        self.submit_with(cmd, true)
+    }
+
+    /// Requests counted as queued (sent, or about to be, and not yet taken
+    /// by the writer).
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.space.queued.load(Ordering::SeqCst)
+    }
+
+    /// Queues `cmd` for the writer thread, never deciding it on the calling
+    /// thread (for a caller that must not run a batch and its fsync: a
+    /// best-effort write from a `Drop` on an async executor); waits while
+    /// the queue is full.
+    pub(crate) fn submit_queued(&self, cmd: Command) -> Completion {
+        self.submit_with(cmd, false)
+    }
+
+    fn submit_with(&self, cmd: Command, may_lead: bool) -> Completion {
         let Some(tx) = &self.tx else {
             return Completion::Ready(Err(Error::Closed));
         };
         let (reply, rx) = oneshot::channel();
         let request = Request { cmd, reply };
-        let request = match self.lead(request) {
-            Ok(()) => {
-                if self.lead.asleep.swap(false, Ordering::SeqCst) {
-                    let _ = tx.try_send(Msg::Nudge);
+        let request = if may_lead {
+            match self.lead(request) {
+                Ok(()) => {
+                    if self.lead.asleep.swap(false, Ordering::SeqCst) {
+                        let _ = tx.try_send(Msg::Nudge);
+                    }
+                    return Completion::Pending(rx);
                 }
-                return Completion::Pending(rx);
+                Err(request) => request,
             }
-            Err(request) => request,
+        } else {
+            request
         };
         self.space.queued.fetch_add(1, Ordering::SeqCst);
         let sent = match tx.try_send(Msg::Req(request)) {
@@ -822,7 +845,13 @@ impl Writer {
         };
         let (reply, rx) = oneshot::channel();
         let mut msg = Some(Msg::Req(Request { cmd, reply }));
+        // Counted before the send (never below the true number); a future
+        // dropped before its message went out takes its count back.
         self.space.queued.fetch_add(1, Ordering::SeqCst);
+        let mut counted = Counted {
+            queued: &self.space.queued,
+            armed: true,
+        };
         let sent = std::future::poll_fn(|cx| {
             let Some(m) = msg.take() else {
                 return Poll::Ready(false);
@@ -847,10 +876,33 @@ impl Writer {
         })
         .await;
         if sent {
+            // The writer takes the count back when it takes the message.
+            counted.disarm();
             Completion::Pending(rx)
         } else {
-            self.space.queued.fetch_sub(1, Ordering::SeqCst);
             Completion::Ready(Err(Error::Closed))
+        }
+    }
+}
+
+/// A request counted in [`Space::queued`] that has not been sent yet: the
+/// count is taken back on drop (an async sender cancelled while the queue
+/// was full), unless disarmed once the message is sent.
+struct Counted<'a> {
+    queued: &'a AtomicUsize,
+    armed: bool,
+}
+
+impl Counted<'_> {
+    fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }

@@ -268,9 +268,18 @@ impl Embedded {
 
     /// Queues `op` without waiting for its answer (a best-effort write
     /// whose caller has gone).
+    ///
+    /// Never decided on the calling thread (it may be an async executor
+    /// dropping a response): always queued for the writer thread.
     #[cfg(feature = "http")]
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
-        drop(self.submit_op(key, op));
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return;
+        }
+        drop(self.writer.submit_queued(Command::Op {
+            key: key.clone(),
+            op,
+        }));
     }
 
     /// The store's time for an answer about to be given: the clock's
@@ -1012,5 +1021,109 @@ mod tests {
             ClaimOutcome::Acquired(_)
         ));
         assert_eq!(store.len().unwrap(), 1);
+    }
+
+    /// An async claim cancelled while it waits for room in a full queue
+    /// takes back its count of queued requests: once every request is
+    /// answered the count is zero again, so a lone caller can lead again
+    /// (a count left behind would send every later request through the
+    /// writer thread for good).
+    #[test]
+    fn a_cancelled_async_claim_leaves_no_queued_count_behind() {
+        const EXTRA: usize = 16;
+        let log = HeldSync::default();
+        let store = Arc::new(
+            Store::open_with_backend(
+                "cancelled.redb",
+                redb::backends::InMemoryBackend::new(),
+                log.clone(),
+                Config::new().sweep_interval(None),
+            )
+            .unwrap(),
+        );
+        let fp = Fingerprint::of(b"p");
+        *log.held.0.lock() = true;
+        // A lone caller leads its claim and waits in the held fsync,
+        // holding the writer's state: the writer thread takes one request
+        // and waits for the state, and the queue fills up.
+        let first = {
+            let (store, fp) = (store.clone(), fp.clone());
+            std::thread::spawn(move || {
+                store
+                    .claim(&Key::new("s", "first").unwrap(), &fp, &ClaimOptions::new())
+                    .map(|_| ())
+            })
+        };
+        while log.waited.load(Ordering::SeqCst) == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Each claim future polled once, in order: those that find room
+        // are sent and wait for their answers, the last ones wait for room.
+        let key = |i: usize| Key::new("s", format!("async-{i}")).unwrap();
+        let keys: Vec<Key> = (0..commit::QUEUE_BOUND + 1 + EXTRA).map(key).collect();
+        let options = ClaimOptions::new();
+        let mut futures: Vec<_> = keys
+            .iter()
+            .map(|k| Box::pin(store.claim_async(k, &fp, &options)))
+            .collect();
+        for f in &mut futures {
+            assert!(futures_lite::future::block_on(futures_lite::future::poll_once(f)).is_none());
+        }
+        // Counted: at most the queue's bound, the one the writer took and
+        // those waiting for room.
+        assert!(embedded(&store).writer.queued() >= commit::QUEUE_BOUND);
+        // Cancel the last ones (still waiting for room), then release.
+        let rest = futures.split_off(futures.len() - EXTRA);
+        drop(rest);
+        *log.held.0.lock() = false;
+        log.held.1.notify_all();
+        for f in futures {
+            assert!(matches!(
+                futures_lite::future::block_on(f),
+                Ok(ClaimOutcome::Acquired(_))
+            ));
+        }
+        first.join().unwrap().unwrap();
+        assert_eq!(embedded(&store).writer.queued(), 0);
+    }
+
+    /// A detached write (the HTTP layer's failure of an abandoned response,
+    /// sent from a `Drop` on an executor thread) is never decided on the
+    /// calling thread: with the log's fsync held, the call returns at once
+    /// (a call that led its batch would wait in the held fsync, and this
+    /// test would not finish), and the failure is recorded once the fsync
+    /// is released.
+    #[cfg(feature = "http")]
+    #[test]
+    fn a_detached_write_is_queued_never_led() {
+        let log = HeldSync::default();
+        let store = Store::open_with_backend(
+            "detached.redb",
+            redb::backends::InMemoryBackend::new(),
+            log.clone(),
+            Config::new().sweep_interval(None),
+        )
+        .unwrap();
+        let key = Key::new("s", "detached").unwrap();
+        let lease = match store
+            .claim(&key, &Fingerprint::of(b"p"), &ClaimOptions::new())
+            .unwrap()
+        {
+            ClaimOutcome::Acquired(lease) => lease,
+            other => panic!("{other:?}"),
+        };
+        *log.held.0.lock() = true;
+        store.fail_detached(&lease, b"gone");
+        *log.held.0.lock() = false;
+        log.held.1.notify_all();
+        // The writer thread decides it in its own time.
+        while store.get(&key).unwrap().unwrap().state() == crate::record::State::Processing {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let record = store.get(&key).unwrap().unwrap();
+        assert_eq!(
+            record.state(),
+            crate::record::State::Failed { retryable: true }
+        );
     }
 }
