@@ -289,15 +289,12 @@ impl Snapshot<'_> {
 
     /// Records by state at `now_ms` and the oldest live Processing
     /// record's `created_ms`: on the file engine from its state counts and
-    /// expiry index's range of records in flight (work that grows with the records in flight and
-    /// those due for eviction); on PostgreSQL, and on a file without state
-    /// counts, by reading every record of [`Snapshot::entries`].
+    /// the expiry index's range of records in flight (work that grows with
+    /// the records in flight and those due for eviction); on PostgreSQL by
+    /// reading every record of [`Snapshot::entries`].
     pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
         match self {
-            Snapshot::Embedded(s) => match s.state_counts(now_ms)? {
-                Some(counts) => Ok(counts),
-                None => stats::count_states(s.entries(all_keys())?, now_ms),
-            },
+            Snapshot::Embedded(s) => s.state_counts(now_ms),
             #[cfg(feature = "postgres")]
             Snapshot::Postgres(pg) => stats::count_states(pg.entries(all_keys())?, now_ms),
             #[cfg(not(feature = "postgres"))]
@@ -372,6 +369,6 @@ fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<C
 }
 
 /// Every key: one range from the first key on.
-fn all_keys() -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+pub(crate) fn all_keys() -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
     vec![(Vec::new(), None)]
 }

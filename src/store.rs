@@ -13,7 +13,7 @@ use crate::backup::{self, ExportSummary, ImportLimits, ImportOptions, ImportSumm
 use crate::config::{ClaimOptions, Config, MAX_CLAIM_MANY, check_lease};
 use crate::embedded::wal::LogFile;
 use crate::embedded::{self, Embedded};
-use crate::engine::Engine;
+use crate::engine::{Engine, all_keys};
 use crate::error::{Error, Result};
 use crate::key::{Fingerprint, Key, check_business_key};
 use crate::record::{ClaimOutcome, Lease, Op, Record, Reply, Resolution};
@@ -849,7 +849,7 @@ impl Store {
         let snapshot = self.engine.snapshot()?;
         // The entries first: on PostgreSQL the counter read after them is
         // above every token they hold.
-        let entries = snapshot.entries(all())?;
+        let entries = snapshot.entries(all_keys())?;
         let (store_id, next_token) = snapshot.meta()?;
         let now_ms = self.engine.now_ms();
         backup::export(store_id, next_token, entries, now_ms, out, progress)
@@ -1078,11 +1078,6 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
             expect_record(reply).map(|r| r.lease_until_ms)
         })
         .collect()
-}
-
-/// Every key: the range list of a snapshot read of the whole store.
-fn all() -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
-    vec![(Vec::new(), None)]
 }
 
 fn check_len(what: &'static str, len: usize, limit: usize) -> Result<()> {

@@ -746,6 +746,7 @@ impl Writer {
     /// thread (for a caller that must not run a batch and its fsync: a
     /// best-effort write from a `Drop` on an async executor); waits while
     /// the queue is full.
+    #[cfg(feature = "http")]
     pub(crate) fn submit_queued(&self, cmd: Command) -> Completion {
         self.submit_with(cmd, false)
     }
@@ -1113,9 +1114,7 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
     let OpenTxn { txn, keys, .. } = open;
     let tally = state.tally;
     let committed = guard(path, || {
-        if let Some(tally) = tally {
-            schema::write_tally(path, &txn, tally)?;
-        }
+        schema::write_tally(path, &txn, tally)?;
         txn.commit().map_err(|e| map_err(path, e))
     });
     if let Err(err) = committed {
@@ -1264,7 +1263,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
             // the checkpoint below makes the counter durable.
             tables.set_counters(token, bound, state.last_seq)?;
         }
-        tables.finish()
+        Ok(tables.finish())
     });
     let (body, touched) = match decided {
         Ok(finished) => {
@@ -1437,9 +1436,7 @@ fn commit_checkpoint(
             &txn,
             shared.clock.high_water_ms().max(state.time_reserved),
         )?;
-        if let Some(tally) = state.tally {
-            schema::write_tally(path, &txn, tally)?;
-        }
+        schema::write_tally(path, &txn, state.tally)?;
         txn.commit().map_err(|e| map_err(path, e))
     });
     if let Err(err) = committed {
@@ -1511,9 +1508,7 @@ fn close(shared: &Shared, state: &mut WriterState) {
             token_reserved: state.next_token,
         };
         schema::write_checkpoint(path, &txn, ck)?;
-        if let Some(tally) = state.tally {
-            schema::write_tally(path, &txn, tally)?;
-        }
+        schema::write_tally(path, &txn, state.tally)?;
         // Every time an answer was based on is at most the high-water mark
         // (reads reserve time through the writer, so it is within the last
         // bound); the floor-based time tells the next open which part of

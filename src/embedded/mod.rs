@@ -608,12 +608,15 @@ impl Snapshot {
     /// flight and those due for eviction, never with the store's size.
     /// `corrupt` counts envelopes whose state cannot be read; a damaged
     /// record that still names its state is counted in it (`verify` finds
-    /// every damaged record). `None` for a store without state counts
-    /// (format 1, never opened by this build).
+    /// every damaged record).
+    ///
+    /// # Errors
+    /// [`Error::CorruptFile`] when the counts are missing (every open
+    /// store has them: written at creation or migration) or malformed.
     pub(crate) fn state_counts(
         &self,
         now_ms: u64,
-    ) -> Result<Option<(crate::stats::StateCounts, Option<u64>)>> {
+    ) -> Result<(crate::stats::StateCounts, Option<u64>)> {
         use schema::{IN_FLIGHT_TAG, Tally, expiry_slot, slot_expiry};
         let path = &self.path;
         guard(path, || {
@@ -621,10 +624,10 @@ impl Snapshot {
                 .txn
                 .open_table(schema::META)
                 .map_err(|e| map_err(path, e))?;
-            let Some(tally) = Tally::read(path, &meta)? else {
-                return Ok(None);
-            };
-            let mut slots = tally.slots;
+            let mut tally = Tally::read(path, &meta)?.ok_or_else(|| Error::CorruptFile {
+                path: path.clone(),
+                detail: format!("{} missing from the metadata", schema::META_STATE_COUNTS),
+            })?;
             let records = self.txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
             let expiry = self
                 .txn
@@ -661,8 +664,7 @@ impl Snapshot {
                         continue;
                     }
                     if expired {
-                        let slot = Tally::slot_of(v.value());
-                        slots[slot] = slots[slot].saturating_sub(1);
+                        tally.sub(Tally::slot_of(v.value()));
                         counts.expired = counts.expired.saturating_add(1);
                         continue;
                     }
@@ -672,12 +674,13 @@ impl Snapshot {
                     oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
                 }
             }
+            let slots = tally.slots;
             counts.processing = slots[Tally::PROCESSING];
             counts.succeeded = slots[Tally::SUCCEEDED];
             counts.failed = slots[Tally::FAILED];
             counts.failed_retryable = slots[Tally::FAILED_RETRYABLE];
             counts.corrupt = slots[Tally::UNREADABLE];
-            Ok(Some((counts, oldest)))
+            Ok((counts, oldest))
         })
     }
 
@@ -808,6 +811,21 @@ mod tests {
         }
     }
 
+    impl HeldSync {
+        /// A store on in-memory storage whose log is this one.
+        fn open(&self, name: &str) -> Arc<Store> {
+            Arc::new(
+                Store::open_with_backend(
+                    name,
+                    redb::backends::InMemoryBackend::new(),
+                    self.clone(),
+                    Config::new().sweep_interval(None),
+                )
+                .unwrap(),
+            )
+        }
+    }
+
     /// A redb backend that counts the calls that would change the file.
     #[derive(Debug, Clone)]
     struct Counting {
@@ -924,15 +942,7 @@ mod tests {
     #[test]
     fn immediate_reads_never_see_a_change_before_its_fsync() {
         let log = HeldSync::default();
-        let store = Arc::new(
-            Store::open_with_backend(
-                "held.redb",
-                redb::backends::InMemoryBackend::new(),
-                log.clone(),
-                Config::new().sweep_interval(None),
-            )
-            .unwrap(),
-        );
+        let store = log.open("held.redb");
         let key = Key::new("s", "held").unwrap();
         let fp = Fingerprint::of(b"p");
         // A time reserved before the fsync is held, so that the reads below
@@ -984,15 +994,7 @@ mod tests {
     #[test]
     fn len_answers_from_the_index_when_it_holds_everything_durable() {
         let log = HeldSync::default();
-        let store = Arc::new(
-            Store::open_with_backend(
-                "held-len.redb",
-                redb::backends::InMemoryBackend::new(),
-                log.clone(),
-                Config::new().sweep_interval(None),
-            )
-            .unwrap(),
-        );
+        let store = log.open("held-len.redb");
         let key = Key::new("s", "held-len").unwrap();
         let fp = Fingerprint::of(b"p");
         *log.held.0.lock() = true;
@@ -1032,15 +1034,7 @@ mod tests {
     fn a_cancelled_async_claim_leaves_no_queued_count_behind() {
         const EXTRA: usize = 16;
         let log = HeldSync::default();
-        let store = Arc::new(
-            Store::open_with_backend(
-                "cancelled.redb",
-                redb::backends::InMemoryBackend::new(),
-                log.clone(),
-                Config::new().sweep_interval(None),
-            )
-            .unwrap(),
-        );
+        let store = log.open("cancelled.redb");
         let fp = Fingerprint::of(b"p");
         *log.held.0.lock() = true;
         // A lone caller leads its claim and waits in the held fsync,
@@ -1097,13 +1091,7 @@ mod tests {
     #[test]
     fn a_detached_write_is_queued_never_led() {
         let log = HeldSync::default();
-        let store = Store::open_with_backend(
-            "detached.redb",
-            redb::backends::InMemoryBackend::new(),
-            log.clone(),
-            Config::new().sweep_interval(None),
-        )
-        .unwrap();
+        let store = log.open("detached.redb");
         let key = Key::new("s", "detached").unwrap();
         let lease = match store
             .claim(&key, &Fingerprint::of(b"p"), &ClaimOptions::new())

@@ -745,13 +745,10 @@ pub(crate) struct Tables<'t> {
     meta: Table<'t, &'static str, &'static [u8]>,
     log: Option<BodyWriter>,
     touched: Vec<Vec<u8>>,
-    /// The state counts: handed in by the writer (which keeps them
-    /// across batches and writes them when it commits), or read at the
-    /// first change and written back by [`Tables::finish`].
+    /// The state counts: handed in by the caller ([`Tables::with_tally`])
+    /// or read at the first change, and handed back by [`Tables::finish`]
+    /// for the caller to write before its commit ([`write_tally`]).
     tally: Option<Tally>,
-    tally_moved: bool,
-    /// Whether the caller keeps the counts ([`Tables::with_tally`]).
-    tally_kept: bool,
 }
 
 impl<'t> Tables<'t> {
@@ -767,17 +764,13 @@ impl<'t> Tables<'t> {
             log: logged.then(BodyWriter::new),
             touched: Vec::new(),
             tally: None,
-            tally_moved: false,
-            tally_kept: false,
         })
     }
 
     /// Hands in the state counts as of this transaction (`None`: not read
-    /// yet). [`Tables::finish`] then returns them instead of writing them:
-    /// the caller writes them with [`write_tally`] before its commit.
+    /// yet), as a writer that keeps them across batches does.
     pub(crate) fn with_tally(mut self, tally: Option<Tally>) -> Self {
         self.tally = tally;
-        self.tally_kept = true;
         self
     }
 
@@ -821,7 +814,6 @@ impl<'t> Tables<'t> {
         if let Some(new) = new {
             tally.add(new);
         }
-        self.tally_moved = true;
         Ok(())
     }
 
@@ -1033,19 +1025,14 @@ impl<'t> Tables<'t> {
 
     /// Closes the tables: the frame body being built (`None` when nothing
     /// was changed or the transaction is not logged), the record keys
-    /// changed, and the state counts. Counts that moved are written here,
-    /// unless the caller keeps them ([`Tables::with_tally`]).
-    pub(crate) fn finish(mut self) -> Result<Finished> {
-        if let (Some(tally), true, false) = (self.tally, self.tally_moved, self.tally_kept) {
-            self.meta
-                .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
-                .map_err(|e| map_err(self.path, e))?;
-        }
-        Ok(Finished {
+    /// changed, and the state counts, which the caller writes with
+    /// [`write_tally`] before it commits.
+    pub(crate) fn finish(self) -> Finished {
+        Finished {
             body: self.log.filter(|l| !l.is_empty()),
             touched: self.touched,
             tally: self.tally,
-        })
+        }
     }
 }
 
@@ -1057,9 +1044,12 @@ pub(crate) struct Finished {
     pub tally: Option<Tally>,
 }
 
-/// Writes the state counts a writer kept across batches into `txn`, before
-/// it commits.
-pub(crate) fn write_tally(path: &Path, txn: &WriteTransaction, tally: Tally) -> Result<()> {
+/// Writes the state counts into `txn` before it commits (`None`: never read
+/// by it, so unchanged).
+pub(crate) fn write_tally(path: &Path, txn: &WriteTransaction, tally: Option<Tally>) -> Result<()> {
+    let Some(tally) = tally else {
+        return Ok(());
+    };
     txn.open_table(META)
         .map_err(|e| map_err(path, e))?
         .insert(META_STATE_COUNTS, &tally.to_bytes()[..])

@@ -667,7 +667,7 @@ pub(crate) fn open(
     guard(path, || {
         let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
         txn.set_quick_repair(true);
-        {
+        let tally = {
             let mut tables = Tables::open(path, &txn, false)?;
             if let Some(r) = &recovered {
                 // One frame in memory at a time.
@@ -688,8 +688,9 @@ pub(crate) fn open(
                 })?;
             }
             tables.set_counters(next_token, clock_hwm, last_seq)?;
-            tables.finish()?;
-        }
+            tables.finish().tally
+        };
+        super::schema::write_tally(path, &txn, tally)?;
         write_checkpoint(
             path,
             &txn,
