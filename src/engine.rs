@@ -26,7 +26,9 @@ use crate::pg::Postgres;
 use crate::record::{ImportResult, Op, Record, Reply};
 use crate::report::CheckReport;
 use crate::report::Progress;
-use crate::stats::{self, LiveCounters, StateCounts};
+#[cfg(feature = "postgres")]
+use crate::stats;
+use crate::stats::{LiveCounters, StateCounts};
 
 /// The storage of one open store.
 pub(crate) enum Engine {

@@ -5,9 +5,12 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::audit::{self, Cause, Event};
-use crate::codec::{self, Entries};
-use crate::error::Result;
-use crate::record::State;
+#[cfg(feature = "postgres")]
+use crate::{
+    codec::{self, Entries},
+    error::Result,
+    record::State,
+};
 
 /// Counters since the store was opened, as seen by
 /// [`Store::stats`](crate::Store::stats). They are kept in memory (atomics)
@@ -273,7 +276,9 @@ pub struct Stats {
 
 /// Counts records by state with one pass over a snapshot's `entries`:
 /// reads and decodes every stored record. Returns the counts and the oldest
-/// live Processing record's `created_ms`.
+/// live Processing record's `created_ms`. Used by the PostgreSQL engine;
+/// the file engine keeps its counts (see `embedded::Snapshot::state_counts`).
+#[cfg(feature = "postgres")]
 pub(crate) fn count_states(entries: Entries, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
     let mut counts = StateCounts::default();
     let mut oldest: Option<u64> = None;

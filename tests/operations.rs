@@ -574,7 +574,7 @@ impl Visit for Fields<'_> {
 
 impl<S: tracing::Subscriber> Layer<S> for Capture {
     fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
-        if event.metadata().target() != "idemstore::audit" {
+        if !["idemstore::audit", "idemstore::sweep"].contains(&event.metadata().target()) {
             return;
         }
         let mut fields = BTreeMap::new();
@@ -586,7 +586,7 @@ impl<S: tracing::Subscriber> Layer<S> for Capture {
     }
 }
 
-/// The events of every test in this binary (the writer emits on its own
+/// The audit and sweep events of every test in this binary (the writer emits on its own
 /// thread, so the subscriber must be global); each test filters by scope.
 fn captured() -> Arc<Mutex<Vec<Captured>>> {
     static EVENTS: OnceLock<Arc<Mutex<Vec<Captured>>>> = OnceLock::new();
@@ -892,4 +892,60 @@ fn stats_from_stored_counts_match_a_count_of_every_record() {
     }
     // Every kind of step ran, and the store held records of every state.
     assert!(kinds.iter().all(|n| *n > 10), "{kinds:?}");
+}
+
+// ----------------------------------------------------------------- sweep cost
+
+/// The `visited` and `evicted` fields of the sweeps of the store at `path`.
+fn sweeps_of(path: &Path) -> Vec<(u64, u64)> {
+    let path = path.display().to_string();
+    let field = |e: &Captured, k: &str| e.fields[k].parse::<u64>().unwrap();
+    captured()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.fields.get("path") == Some(&path) && e.fields.contains_key("visited"))
+        .map(|e| (field(e, "visited"), field(e, "evicted")))
+        .collect()
+}
+
+/// A sweep reads the expiry index entries that are due and one more per
+/// range (finished records, records in flight), never the rest: the same
+/// count on a store of 20 records as on one of 5,000 (DESIGN.md, retention;
+/// the performance issue's "a sweep whose work grows with the entries that
+/// are due").
+#[test]
+fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
+    let _events = captured();
+    let mut seen = Vec::new();
+    for size in [20usize, 5_000] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let clock = ManualClock::new(T0);
+        let store = open(&path, &clock);
+        let scope = "sweep/cost";
+        // Due first: 7 finished records, then the rest 10 s later, and a
+        // few in flight whose leases run past every finished expiry.
+        let done = |id: String| {
+            let lease = acquire(&store, &key(scope, &id), &ClaimOptions::new());
+            store.complete(&lease, b"ok").unwrap();
+        };
+        (0..7).for_each(|i| done(format!("due-{i}")));
+        clock.advance(secs(10));
+        (0..size).for_each(|i| done(format!("kept-{i}")));
+        let long = ClaimOptions::new().lease(secs(3_600));
+        for i in 0..3 {
+            acquire(&store, &key(scope, &format!("in-flight-{i}")), &long);
+        }
+        // Past the first records' retention (60 s), before the others'.
+        clock.advance(secs(55));
+        assert_eq!(store.sweep(usize::MAX).unwrap(), 7);
+        // And a sweep with nothing due reads one entry per range.
+        assert_eq!(store.sweep(usize::MAX).unwrap(), 0);
+        drop(store);
+        let sweeps = sweeps_of(&path);
+        assert_eq!(sweeps, vec![(7 + 2, 7), (2, 0)], "store of {size} records");
+        seen.push(sweeps);
+    }
+    assert_eq!(seen[0], seen[1]);
 }

@@ -1,9 +1,10 @@
 //! Fuzz body `import`: arbitrary bytes as an export stream, imported into a
-//! fresh store on in-memory storage (redb's `InMemoryBackend` and a
-//! `MemoryLog`) whose clock is fixed at 2026-01-01. Import must never
-//! panic; it answers a summary, `CorruptExport` or `ImportRefused` (nothing
-//! else), and whatever it answered, the store stays sound:
-//! - its clock moved forward by at most the default tolerance (5 minutes);
+//! store on in-memory storage (redb's `InMemoryBackend` and a `MemoryLog`)
+//! whose clock starts at 2026-01-01. Import must never panic; it answers a
+//! summary, `CorruptExport` or `ImportRefused` (nothing else), and whatever
+//! it answered, the store stays sound:
+//! - its clock moved forward by at most the default tolerance (5 minutes)
+//!   past its time before the import;
 //! - every stored record verifies, with a token below the counter, and the
 //!   counter is at most `MAX_TOKEN`;
 //! - a claim of a fresh key gets a token above every stored one, or
@@ -11,8 +12,18 @@
 //!   token);
 //! - a summary's counts add up to the records read.
 //!
+//! The inputs of a thread share one store while they leave it as they
+//! found it (most inputs are refused before a batch is written): a store
+//! that an input changed (a summary, records or time added, a fresh key
+//! taken or the counter at the cap) is replaced by a new one for the next
+//! input, so every input starts on an empty store at 2026-01-01 (whose
+//! token counter an earlier refused input may have raised: the floors of
+//! the batches before a refused one stay). Opening a store per input cost
+//! most of a run.
+//!
 //! Included by `fuzz/fuzz_targets/import.rs` and `tests/fuzz_corpus.rs`.
 
+use std::cell::RefCell;
 use std::time::Duration;
 
 use idemstore::{
@@ -24,33 +35,47 @@ use redb::backends::InMemoryBackend;
 /// The store's clock: 2026-01-01T00:00:00Z, in ms since the epoch.
 pub const NOW_MS: u64 = 1_767_225_600_000;
 
-pub fn import(data: &[u8]) {
-    let clock = ManualClock::new(NOW_MS);
+thread_local! {
+    /// The store the inputs of this thread share; `None` after an input
+    /// changed it (or panicked), and the next input opens a new one.
+    static SHARED: RefCell<Option<Store>> = const { RefCell::new(None) };
+}
+
+fn open() -> Store {
     let config = Config::new()
-        .clock(clock.clone())
+        .clock(ManualClock::new(NOW_MS))
         .sweep_interval(None)
         .retention(Duration::from_secs(3600));
-    let store = Store::open_with_backend(
+    Store::open_with_backend(
         "fuzz-import.redb",
         InMemoryBackend::new(),
         MemoryLog::new(),
         config,
     )
-    .expect("an in-memory store opens");
-    match store.import(data, |_| {}) {
-        Ok(s) => assert_eq!(
-            s.records,
-            s.imported + s.present + s.expired + s.business_key_taken,
-            "summary counts do not add up: {s:?}"
-        ),
-        Err(Error::CorruptExport { .. } | Error::ImportRefused { .. }) => {}
+    .expect("an in-memory store opens")
+}
+
+pub fn import(data: &[u8]) {
+    let store = SHARED.with(|s| s.borrow_mut().take()).unwrap_or_else(open);
+    let before_ms = store.now_ms();
+    let before_len = store.len().expect("len");
+    let answered_summary = match store.import(data, |_| {}) {
+        Ok(s) => {
+            assert_eq!(
+                s.records,
+                s.imported + s.present + s.expired + s.business_key_taken,
+                "summary counts do not add up: {s:?}"
+            );
+            true
+        }
+        Err(Error::CorruptExport { .. } | Error::ImportRefused { .. }) => false,
         Err(other) => panic!("import answered {other:?}"),
-    }
+    };
     let tolerance = DEFAULT_CLOCK_TOLERANCE.as_millis() as u64;
+    let after_ms = store.now_ms();
     assert!(
-        store.now_ms() <= NOW_MS + tolerance,
-        "the import moved the clock to {}",
-        store.now_ms()
+        after_ms >= before_ms && after_ms <= before_ms + tolerance,
+        "the import moved the clock from {before_ms} to {after_ms}"
     );
     let report = store.verify(|_| {}).expect("verify runs");
     assert!(report.is_clean(), "{report:?}");
@@ -60,7 +85,8 @@ pub fn import(data: &[u8]) {
         .map(|r| r.expect("a stored record decodes").token())
         .max();
     let fresh = Key::new("fuzz/import", "fresh-key-after-import").expect("valid key");
-    match store.claim(&fresh, &Fingerprint::of(b"fresh"), &ClaimOptions::new()) {
+    let fresh_released = match store.claim(&fresh, &Fingerprint::of(b"fresh"), &ClaimOptions::new())
+    {
         Ok(ClaimOutcome::Acquired(lease)) => {
             assert!(
                 lease.token() < MAX_TOKEN,
@@ -70,18 +96,34 @@ pub fn import(data: &[u8]) {
             if let Some(highest) = highest {
                 assert!(lease.token() > highest, "token {} reused", lease.token());
             }
+            // A new key's release removes its record.
+            store.release(lease).expect("release the fresh key");
+            true
         }
         // Only a stream that put the fresh key there itself could answer
         // otherwise; the fresh key's scope is not one a seed uses.
-        Ok(other) => assert!(
-            matches!(
-                other,
-                ClaimOutcome::InProgress { .. } | ClaimOutcome::Replay(_)
-            ),
-            "{other:?}"
-        ),
-        Err(Error::TokensExhausted { next_token }) => assert_eq!(next_token, MAX_TOKEN),
-        Err(Error::FingerprintMismatch { .. }) => {}
+        Ok(other) => {
+            assert!(
+                matches!(
+                    other,
+                    ClaimOutcome::InProgress { .. } | ClaimOutcome::Replay(_)
+                ),
+                "{other:?}"
+            );
+            false
+        }
+        Err(Error::TokensExhausted { next_token }) => {
+            assert_eq!(next_token, MAX_TOKEN);
+            false
+        }
+        Err(Error::FingerprintMismatch { .. }) => false,
         Err(other) => panic!("a claim after the import answered {other:?}"),
+    };
+    let unchanged = !answered_summary
+        && fresh_released
+        && after_ms == before_ms
+        && store.len().expect("len") == before_len;
+    if unchanged {
+        SHARED.with(|s| *s.borrow_mut() = Some(store));
     }
 }

@@ -20,13 +20,18 @@ use crate::record::is_expired;
 /// through the writer's `tables` (so that eviction is logged like every
 /// other change), with their business-key bindings, and collects one audit
 /// event per eviction. Returns how many records were removed.
+///
+/// Emits the event "sweep" (debug, target `idemstore::sweep`) with the
+/// store's `path`, `evicted` and `visited`, the expiry index entries read:
+/// at most the due ones plus one per range (finished, in flight), whatever
+/// the store's size.
 pub(crate) fn evict(
     tables: &mut Tables<'_>,
     now_ms: u64,
     max: usize,
     events: &mut Vec<Event>,
 ) -> Result<usize> {
-    let due = tables.expiry_due(now_ms, max, is_expired)?;
+    let (due, visited) = tables.expiry_due(now_ms, max, is_expired)?;
     let mut evicted = 0;
     for (deadline, key) in due {
         tables.remove_expiry(deadline, &key)?;
@@ -51,5 +56,12 @@ pub(crate) fn evict(
             }
         }
     }
+    tracing::debug!(
+        target: "idemstore::sweep",
+        path = %tables.path().display(),
+        evicted,
+        visited,
+        "sweep"
+    );
     Ok(evicted)
 }

@@ -134,33 +134,34 @@ impl Embedded {
                 Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
             })?),
         };
-        let opened = wal::open(
+        // The store's time starts from the persisted bound. After an unclean
+        // shutdown up to `TIME_RESERVATION` of it may be reservation, not
+        // use: that part is caught up at half rate (see `crate::clock`).
+        let (opened, (clock, start)) = wal::open(
             &db,
             &path,
             &log_path,
             log.clone(),
             &meta,
             config.max_log_bytes,
+            |clock_hwm| {
+                let floor = if meta.clean {
+                    meta.clock_floor.unwrap_or(clock_hwm)
+                } else {
+                    clock_hwm.saturating_sub(duration_ms(TIME_RESERVATION))
+                };
+                let clock = StoreClock::new(config.clock.clone(), clock_hwm, floor);
+                // A first reservation, durable (in the log's new checkpoint)
+                // before the store answers anything.
+                let start = clock.reservation(clock.now_ms());
+                (start, (clock, start))
+            },
         )?;
         // A store of an older format is migrated once its log is replayed
         // (the log was written in that format), before anything is answered.
         if meta.format < schema::FORMAT_VERSION {
             schema::migrate(&path, &db, meta.format)?;
         }
-        // The store's time starts from the persisted bound. After an unclean
-        // shutdown up to `TIME_RESERVATION` of it may be reservation, not
-        // use: that part is caught up at half rate (see `crate::clock`).
-        let floor = if meta.clean {
-            meta.clock_floor.unwrap_or(opened.clock_hwm)
-        } else {
-            opened
-                .clock_hwm
-                .saturating_sub(duration_ms(TIME_RESERVATION))
-        };
-        let clock = StoreClock::new(config.clock.clone(), opened.clock_hwm, floor);
-        // A first reservation, durable before the store answers anything.
-        let start = clock.reservation(clock.now_ms());
-        schema::reserve_time(&path, &db, start)?;
         if opened.replayed > 0 {
             tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
         }

@@ -390,8 +390,14 @@ fn full_check(path: &Path, db: &mut Database, reason: CheckReason) -> Result<()>
 
 /// Checks the metadata of an existing store, or initialises that of a new
 /// database (identity, format, every table) in a durable commit, which
-/// records `verified_ms` as the last full check when given.
+/// records `verified_ms` as the last full check when given. An existing
+/// store with every table and nothing to record is only read (no commit).
 fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Meta> {
+    if verified_ms.is_none()
+        && let Some(meta) = read_existing(path, db)?
+    {
+        return Ok(meta);
+    }
     let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
     txn.set_quick_repair(true);
     let existing: Vec<String> = txn
@@ -463,6 +469,32 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
     txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
     txn.commit().map_err(|e| map_err(path, e))?;
     Ok(meta)
+}
+
+/// The metadata of a store that has a format version this build reads and
+/// every table, from a read transaction; `None` when [`init_meta`] has to
+/// write (a new database, or a table missing) or to refuse the file.
+fn read_existing(path: &Path, db: &Database) -> Result<Option<Meta>> {
+    let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+    let existing: Vec<String> = txn
+        .list_tables()
+        .map_err(|e| map_err(path, e))?
+        .map(|t| t.name().to_string())
+        .collect();
+    let tables = [META.name(), RECORDS.name(), EXPIRY.name(), BUSINESS.name()];
+    if !tables.iter().all(|t| existing.iter().any(|e| e == t)) {
+        return Ok(None);
+    }
+    let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    let format = table
+        .get(META_FORMAT)
+        .map_err(|e| map_err(path, e))?
+        .map(|v| u64_of(path, META_FORMAT, v.value()))
+        .transpose()?;
+    match format {
+        Some(v) if v <= FORMAT_VERSION => read_meta(path, &table).map(Some),
+        _ => Ok(None),
+    }
 }
 
 /// Migrates a store of format `from` (older than [`FORMAT_VERSION`]) in one
@@ -699,17 +731,6 @@ pub(crate) fn write_clean_clock(
     Ok(())
 }
 
-/// Raises the persisted clock bound to `bound_ms` in a durable commit of
-/// its own (the first time reservation of an open).
-pub(crate) fn reserve_time(path: &Path, db: &Database, bound_ms: u64) -> Result<()> {
-    guard(path, || {
-        let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
-        txn.set_quick_repair(true);
-        write_clock_hwm(path, &txn, bound_ms)?;
-        txn.commit().map_err(|e| map_err(path, e))
-    })
-}
-
 /// Records a checkpoint in `txn`, which the caller commits durably.
 pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoint) -> Result<()> {
     let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
@@ -725,6 +746,9 @@ pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoi
     }
     Ok(())
 }
+
+/// An expiry index entry as stored: the (tagged) deadline and the key.
+pub(crate) type ExpiryEntry = (u64, Vec<u8>);
 
 /// The tables of one write transaction of the writer (or of recovery).
 ///
@@ -886,23 +910,26 @@ impl<'t> Tables<'t> {
     /// Up to `max` expiry index entries whose expiry is due at `now_ms`,
     /// earliest first (by expiry, then key) across finished records and
     /// records in flight (their tagged range, [`IN_FLIGHT_TAG`]); each
-    /// entry as stored (tagged deadline, key). Reads at most `max` + 1
-    /// entries of each range, never the rest.
+    /// entry as stored (tagged deadline, key), and how many entries were
+    /// read. Reads at most `max` + 1 entries of each range (the due ones,
+    /// and the first that is not), never the rest.
     pub(crate) fn expiry_due(
         &self,
         now_ms: u64,
         max: usize,
         is_due: impl Fn(u64, u64) -> bool,
-    ) -> Result<Vec<(u64, Vec<u8>)>> {
+    ) -> Result<(Vec<ExpiryEntry>, usize)> {
         let path = self.path;
         let empty: &[u8] = &[];
+        let mut visited = 0usize;
         // The due entries of one range, in its order (expiry, key).
-        let due_of = |range: redb::Range<'_, (u64, &'static [u8]), ()>| {
+        let mut due_of = |range: redb::Range<'_, (u64, &'static [u8]), ()>| {
             let mut out = Vec::new();
             for entry in range {
                 if out.len() >= max {
                     break;
                 }
+                visited = visited.saturating_add(1);
                 let (k, _) = entry.map_err(|e| map_err(path, e))?;
                 let (deadline, key) = k.value();
                 if !is_due(slot_expiry(deadline), now_ms) {
@@ -923,10 +950,15 @@ impl<'t> Tables<'t> {
                 .map_err(|e| map_err(path, e))?,
         )?;
         // Merged by (expiry, key), as one untagged index would order them.
-        let mut merged: Vec<(u64, Vec<u8>)> = finished.into_iter().chain(in_flight).collect();
+        let mut merged: Vec<ExpiryEntry> = finished.into_iter().chain(in_flight).collect();
         merged.sort_by(|a, b| (slot_expiry(a.0), &a.1).cmp(&(slot_expiry(b.0), &b.1)));
         merged.truncate(max);
-        Ok(merged)
+        Ok((merged, visited))
+    }
+
+    /// The store file these tables belong to.
+    pub(crate) fn path(&self) -> &Path {
+        self.path
     }
 
     /// The stored key a business-key binding names, if any.

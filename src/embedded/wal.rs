@@ -566,7 +566,6 @@ pub(crate) struct Opened {
     pub next_token: u64,
     /// Tokens below this may be handed out before the next checkpoint.
     pub token_reserved: u64,
-    pub clock_hwm: u64,
     /// How many frames were replayed.
     pub replayed: usize,
 }
@@ -574,7 +573,11 @@ pub(crate) struct Opened {
 /// Opens the log of the store whose metadata is `meta`, replays the frames
 /// after its last checkpoint into the index, and commits a checkpoint
 /// (durable, with redb's quick-repair) that starts a new epoch. After this
-/// the log holds nothing the index needs.
+/// the log holds nothing the index needs. The same commit persists the
+/// store's first time reservation: `reserve_time` is given the clock's
+/// high-water mark after the replay and returns the bound to persist
+/// (raised to that mark if below it) and what it built from the mark,
+/// which is returned beside [`Opened`]. An open makes one durable commit.
 ///
 /// # Errors
 /// - [`Error::IncompatibleFile`] naming the log: it belongs to another store
@@ -583,14 +586,15 @@ pub(crate) struct Opened {
 ///   the log is missing or its header damaged after an unclean shutdown.
 /// - [`Error::Storage`], [`Error::CorruptFile`]: the log or the index cannot
 ///   be read or written.
-pub(crate) fn open(
+pub(crate) fn open<T>(
     db: &redb::Database,
     path: &Path,
     log_path: &Path,
     log: Arc<dyn LogFile>,
     meta: &super::schema::Meta,
     max_len: u64,
-) -> Result<Opened> {
+    reserve_time: impl FnOnce(u64) -> (u64, T),
+) -> Result<(Opened, T)> {
     use super::schema::{Checkpoint, Tables, guard, map_err, write_checkpoint};
 
     let header = read_header(log.as_ref()).map_err(|e| io_err(log_path, "read", &e))?;
@@ -664,10 +668,10 @@ pub(crate) fn open(
         );
     }
     let epoch = meta.log_epoch + 1;
-    guard(path, || {
+    let made = guard(path, || {
         let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
         txn.set_quick_repair(true);
-        let tally = {
+        let (tally, made) = {
             let mut tables = Tables::open(path, &txn, false)?;
             if let Some(r) = &recovered {
                 // One frame in memory at a time.
@@ -687,8 +691,9 @@ pub(crate) fn open(
                     Ok(())
                 })?;
             }
-            tables.set_counters(next_token, clock_hwm, last_seq)?;
-            tables.finish().tally
+            let (bound, made) = reserve_time(clock_hwm);
+            tables.set_counters(next_token, bound.max(clock_hwm), last_seq)?;
+            (tables.finish().tally, made)
         };
         super::schema::write_tally(path, &txn, tally)?;
         write_checkpoint(
@@ -701,17 +706,18 @@ pub(crate) fn open(
                 token_reserved: reserve_tokens(next_token),
             },
         )?;
-        txn.commit().map_err(|e| map_err(path, e))
+        txn.commit().map_err(|e| map_err(path, e))?;
+        Ok(made)
     })?;
     let writer = LogWriter::start(log, log_path.to_path_buf(), meta.store_id, epoch, max_len)?;
-    Ok(Opened {
+    let opened = Opened {
         writer,
         last_seq,
         next_token,
         token_reserved: reserve_tokens(next_token),
-        clock_hwm,
         replayed: usize::try_from(replayed).unwrap_or(usize::MAX),
-    })
+    };
+    Ok((opened, made))
 }
 
 // ---------------------------------------------------------------------------
