@@ -14,7 +14,12 @@ use crate::store::Store;
 /// then every record as [`Store::verify`] does. `progress` is called after
 /// each record. Opens the file only if it exists and no one else holds it.
 ///
-/// This reads the whole file; its cost grows with the file's size.
+/// This reads the whole file: its time grows linearly with the file's
+/// size (about 1 s for a million records, a 310 MB file, warm; each pass
+/// reads each table in its own order). Its memory does not: each pass
+/// holds at most 64 MiB of redb's page cache (the store's default
+/// `cache_bytes`), plus one record at a time: about 75 MiB at most in
+/// all, whatever the file's size (BENCHMARKS.md).
 ///
 /// Damage is reported in the [`CheckReport`], not as an error: a damaged
 /// record as a [`Problem`](crate::Problem), and damaged pages, including a file that does

@@ -14,11 +14,11 @@
 //!
 //! The inputs of a thread share one store while they leave it as they
 //! found it (most inputs are refused before a batch is written): a store
-//! that an input changed (a summary, records or time added, a fresh key
-//! taken or the counter at the cap) is replaced by a new one for the next
-//! input, so every input starts on an empty store at 2026-01-01 (whose
-//! token counter an earlier refused input may have raised: the floors of
-//! the batches before a refused one stay). Opening a store per input cost
+//! that an input changed (a summary, records or time added, the token
+//! counter raised, the fresh key taken or the counter at the cap) is
+//! replaced by a new one for the next input. So every input starts on an
+//! empty store at 2026-01-01 whose counter only the fresh claims of the
+//! earlier inputs on it advanced, one each. Opening a store per input cost
 //! most of a run.
 //!
 //! Included by `fuzz/fuzz_targets/import.rs` and `tests/fuzz_corpus.rs`.
@@ -36,9 +36,10 @@ use redb::backends::InMemoryBackend;
 pub const NOW_MS: u64 = 1_767_225_600_000;
 
 thread_local! {
-    /// The store the inputs of this thread share; `None` after an input
-    /// changed it (or panicked), and the next input opens a new one.
-    static SHARED: RefCell<Option<Store>> = const { RefCell::new(None) };
+    /// The store the inputs of this thread share, and the token of the
+    /// last fresh claim on it (0: none yet); `None` after an input changed
+    /// it (or panicked), and the next input opens a new one.
+    static SHARED: RefCell<Option<(Store, u64)>> = const { RefCell::new(None) };
 }
 
 fn open() -> Store {
@@ -56,7 +57,9 @@ fn open() -> Store {
 }
 
 pub fn import(data: &[u8]) {
-    let store = SHARED.with(|s| s.borrow_mut().take()).unwrap_or_else(open);
+    let (store, last_token) = SHARED
+        .with(|s| s.borrow_mut().take())
+        .unwrap_or_else(|| (open(), 0));
     let before_ms = store.now_ms();
     let before_len = store.len().expect("len");
     let answered_summary = match store.import(data, |_| {}) {
@@ -85,8 +88,8 @@ pub fn import(data: &[u8]) {
         .map(|r| r.expect("a stored record decodes").token())
         .max();
     let fresh = Key::new("fuzz/import", "fresh-key-after-import").expect("valid key");
-    let fresh_released = match store.claim(&fresh, &Fingerprint::of(b"fresh"), &ClaimOptions::new())
-    {
+    // The token of the fresh claim when it acquired and released the key.
+    let fresh_token = match store.claim(&fresh, &Fingerprint::of(b"fresh"), &ClaimOptions::new()) {
         Ok(ClaimOutcome::Acquired(lease)) => {
             assert!(
                 lease.token() < MAX_TOKEN,
@@ -97,8 +100,9 @@ pub fn import(data: &[u8]) {
                 assert!(lease.token() > highest, "token {} reused", lease.token());
             }
             // A new key's release removes its record.
+            let token = lease.token();
             store.release(lease).expect("release the fresh key");
-            true
+            Some(token)
         }
         // Only a stream that put the fresh key there itself could answer
         // otherwise; the fresh key's scope is not one a seed uses.
@@ -110,20 +114,22 @@ pub fn import(data: &[u8]) {
                 ),
                 "{other:?}"
             );
-            false
+            None
         }
         Err(Error::TokensExhausted { next_token }) => {
             assert_eq!(next_token, MAX_TOKEN);
-            false
+            None
         }
-        Err(Error::FingerprintMismatch { .. }) => false,
+        Err(Error::FingerprintMismatch { .. }) => None,
         Err(other) => panic!("a claim after the import answered {other:?}"),
     };
+    // The counter is unchanged when the fresh claim took the token after
+    // the last one (a new store's counter starts at 1).
     let unchanged = !answered_summary
-        && fresh_released
+        && fresh_token == Some(last_token + 1)
         && after_ms == before_ms
         && store.len().expect("len") == before_len;
-    if unchanged {
-        SHARED.with(|s| *s.borrow_mut() = Some(store));
+    if let (true, Some(token)) = (unchanged, fresh_token) {
+        SHARED.with(|s| *s.borrow_mut() = Some((store, token)));
     }
 }

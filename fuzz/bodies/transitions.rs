@@ -13,7 +13,7 @@ use std::sync::Arc;
 use idemstore::{MemoryLog, StorageBackend, Store};
 use redb::backends::InMemoryBackend;
 
-use ops::reference::{Harness, LeaseRef, Model, Op, Resumable};
+use ops::reference::{ForgedToken, Harness, LeaseRef, Model, Op, Resumable};
 
 /// The write-ahead log's size in the fuzz runs (bytes): big enough for the
 /// largest batch a run makes, small enough to allocate at every open.
@@ -67,22 +67,28 @@ fn open_new() -> Harness {
     }))
 }
 
-/// The one model key whose record `op` can have changed, as a reader sees
-/// it; `None` when it can have changed any (the time moved, a sweep, a
-/// reopen) or none (a clock step back: the store's time stands, so it is
-/// checked in full too, which is cheap as it is rare).
-fn touched(op: &Op, model: &Model) -> Option<usize> {
-    let lease_key = |lease: &LeaseRef| match *lease {
-        LeaseRef::Handed { index, .. } => model.leases[index],
-        LeaseRef::Forged { key, .. } => key,
+/// The model keys whose records `op` can have changed, as a reader sees
+/// them: the key it names, and for a forged lease that borrows another
+/// key's token, that key too (a store that matched the lease by token
+/// would write it); `None` when it can have changed any (the time moved, a
+/// sweep, a reopen) or none (a clock step back: the store's time stands,
+/// so it is checked in full too, which is cheap as it is rare).
+fn touched(op: &Op, model: &Model) -> Option<Vec<usize>> {
+    let lease_keys = |lease: &LeaseRef| match *lease {
+        LeaseRef::Handed { index, .. } => vec![model.leases[index]],
+        LeaseRef::Forged {
+            key,
+            token: ForgedToken::Borrowed(index),
+        } => vec![key, model.leases[index]],
+        LeaseRef::Forged { key, .. } => vec![key],
     };
     match op {
-        Op::Claim { key, .. } | Op::Get { key } => Some(*key),
+        Op::Claim { key, .. } | Op::Get { key } => Some(vec![*key]),
         Op::Complete { lease, .. }
         | Op::Fail { lease, .. }
         | Op::Release { lease }
         | Op::Extend { lease, .. }
-        | Op::SetRecoveryPoint { lease, .. } => Some(lease_key(lease)),
+        | Op::SetRecoveryPoint { lease, .. } => Some(lease_keys(lease)),
         Op::Advance { .. } | Op::StepBack { .. } | Op::Sweep { .. } | Op::Reopen => None,
     }
 }
@@ -91,13 +97,14 @@ fn touched(op: &Op, model: &Model) -> Option<usize> {
 /// the store and the model.
 ///
 /// After each step the store's time, its number of stored records and the
-/// record of the key the step names are compared; after a step that moves
-/// the time, sweeps or reopens, and at the end of the run, every key's
-/// record. A store's records change only under the key an operation names
-/// (or by eviction, or at a reopen), and a reader's view of the others only
-/// with the time, so this finds every difference a comparison of every key
-/// after every step finds, at most a few steps later (at the end of the run
-/// at the latest), for a sixth of the reads.
+/// records the step can have changed ([`touched`]) are compared; after a
+/// step that moves the time, sweeps or reopens, and at the end of the run,
+/// every key's record. A correct store changes records only under the keys
+/// an operation names (or by eviction, or at a reopen), and a reader's view
+/// of the others only with the time. A store that wrongly changed another
+/// key's record is found at the next full comparison (at the end of the
+/// run at the latest), unless an operation on that key overwrites the
+/// change first without its own answer, which is compared, showing it.
 ///
 /// The runs of a thread share one store (opening one per run cost most of
 /// a run): each run starts by moving the clock past every record the last
@@ -114,7 +121,7 @@ pub fn transitions(data: &[u8]) {
     let last = ops::run(data, |op, model| {
         harness.apply(op, model);
         match touched(op, model) {
-            Some(key) => harness.check_keys(model, [key]),
+            Some(keys) => harness.check_keys(model, keys),
             None => harness.check(model),
         }
     });

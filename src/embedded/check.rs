@@ -16,8 +16,15 @@ use crate::key::Key;
 use crate::report::Progress;
 use crate::report::{CheckReport, Integrity, Problem};
 
+/// redb's page cache during the integrity check (bytes): the store's
+/// default `cache_bytes`. The check reads every page once, so a larger
+/// cache only holds pages it will not read again (redb's default, 1 GiB,
+/// made the check's memory grow with the file up to that size).
+const CHECK_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
 /// redb's integrity check of the store file at `path` (which no store may
 /// hold open): `Integrity::Failed` when the pages are damaged beyond repair.
+/// Its memory is bounded by [`CHECK_CACHE_BYTES`] of page cache.
 ///
 /// # Errors
 /// [`Error::CorruptFile`] when the file does not open as a redb file of
@@ -25,6 +32,7 @@ use crate::report::{CheckReport, Integrity, Problem};
 pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
     guard(path, || {
         let mut db = Database::builder()
+            .set_cache_size(CHECK_CACHE_BYTES)
             .open(path)
             .map_err(|e| open_error(path, e))?;
         Ok(match db.check_integrity() {

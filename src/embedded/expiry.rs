@@ -24,7 +24,8 @@ use crate::record::is_expired;
 /// Emits the event "sweep" (debug, target `idemstore::sweep`) with the
 /// store's `path`, `evicted` and `visited`, the expiry index entries read:
 /// at most the due ones plus one per range (finished, in flight), whatever
-/// the store's size.
+/// the store's size. It is emitted when the sweep is decided, before its
+/// batch is durable (a batch that then fails evicted nothing).
 pub(crate) fn evict(
     tables: &mut Tables<'_>,
     now_ms: u64,

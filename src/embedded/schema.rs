@@ -911,8 +911,9 @@ impl<'t> Tables<'t> {
     /// earliest first (by expiry, then key) across finished records and
     /// records in flight (their tagged range, [`IN_FLIGHT_TAG`]); each
     /// entry as stored (tagged deadline, key), and how many entries were
-    /// read. Reads at most `max` + 1 entries of each range (the due ones,
-    /// and the first that is not), never the rest.
+    /// read from redb. Reads at most `max` + 1 entries of each range (the
+    /// due ones, and the first that is not or the one past `max`), never
+    /// the rest.
     pub(crate) fn expiry_due(
         &self,
         now_ms: u64,
@@ -926,10 +927,12 @@ impl<'t> Tables<'t> {
         let mut due_of = |range: redb::Range<'_, (u64, &'static [u8]), ()>| {
             let mut out = Vec::new();
             for entry in range {
+                // Counted as soon as redb has read it, even when `max`
+                // then stops the walk.
+                visited = visited.saturating_add(1);
                 if out.len() >= max {
                     break;
                 }
-                visited = visited.saturating_add(1);
                 let (k, _) = entry.map_err(|e| map_err(path, e))?;
                 let (deadline, key) = k.value();
                 if !is_due(slot_expiry(deadline), now_ms) {

@@ -577,7 +577,9 @@ pub(crate) struct Opened {
 /// store's first time reservation: `reserve_time` is given the clock's
 /// high-water mark after the replay and returns the bound to persist
 /// (raised to that mark if below it) and what it built from the mark,
-/// which is returned beside [`Opened`]. An open makes one durable commit.
+/// which is returned beside [`Opened`]. A clean open of an existing store
+/// makes no other durable commit (creation, an open that ran the integrity
+/// check and a format migration add one each).
 ///
 /// # Errors
 /// - [`Error::IncompatibleFile`] naming the log: it belongs to another store
