@@ -10,6 +10,16 @@
 //!
 //! This is a rough gauge for development; `idemstore-peers/src/main.rs` is the full
 //! benchmark against other stores.
+//!
+//! On an existing store (one that `examples/open_time.rs --build N` made):
+//! lifecycles on fresh keys of a scope of their own, and replays of a hot
+//! set of its finished keys (`key-0` up to `--hot`, in random order), to
+//! compare a large store with a small one:
+//!
+//! ```text
+//! cargo run --release --example throughput -- --threads 64 --store /tmp/open-10m/idem.redb store
+//! cargo run --release --example throughput -- --threads 2 --hot 65536 --store /tmp/open-10m/idem.redb replay
+//! ```
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -38,6 +48,14 @@ struct Args {
     /// Buffered durability with this max delay in ms (store only).
     #[arg(long)]
     buffered_ms: Option<u64>,
+    /// An existing store file to run on (store and replay) instead of a
+    /// new one in a temporary directory.
+    #[arg(long)]
+    store: Option<PathBuf>,
+    /// Replay: how many of the store's finished keys (`key-0` up to this)
+    /// the threads claim, in random order.
+    #[arg(long, default_value_t = 65_536)]
+    hot: u64,
     /// What to measure.
     what: What,
 }
@@ -48,6 +66,22 @@ enum What {
     Store,
     /// The fsync floor: append each batch to a preallocated file, fdatasync.
     Floor,
+    /// Replays of finished keys of an existing store (`--store`).
+    Replay,
+}
+
+/// The configuration of a store that `open_time --build` made: ten years of
+/// retention, so that its records never expire.
+fn config(buffered_ms: Option<u64>) -> Config {
+    let mut config = Config::new()
+        .retention(Duration::from_secs(10 * 365 * 24 * 3600))
+        .sweep_interval(None);
+    if let Some(ms) = buffered_ms {
+        config = config.durability(Durability::Buffered {
+            max_delay: Duration::from_millis(ms),
+        });
+    }
+    config
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -58,38 +92,38 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let dir = tmp.path().to_path_buf();
     let run_for = Duration::from_secs_f64(args.seconds);
+    let path = args.store.clone().unwrap_or_else(|| dir.join("bench.redb"));
     let (done, elapsed) = match args.what {
-        What::Store => run_store(&dir, args.threads, run_for, args.buffered_ms)?,
+        What::Store => run_store(&path, args.threads, run_for, args.buffered_ms)?,
         What::Floor => run_floor(&dir, args.threads, run_for)?,
+        What::Replay => {
+            let Some(path) = &args.store else {
+                return Err("replay needs --store (a store open_time --build made)".into());
+            };
+            run_replay(path, args.threads, run_for, args.hot)?
+        }
     };
     let rate = done as f64 / elapsed.as_secs_f64();
+    let (name, unit) = match args.what {
+        What::Store => ("store", "lifecycles"),
+        What::Floor => ("floor", "lifecycles"),
+        What::Replay => ("replay", "replays"),
+    };
     println!(
-        "{} threads={} lifecycles={} seconds={:.2} lifecycles_per_s={:.0}",
-        match args.what {
-            What::Store => "store",
-            What::Floor => "floor",
-        },
+        "{name} threads={} {unit}={done} seconds={:.2} {unit}_per_s={rate:.0}",
         args.threads,
-        done,
         elapsed.as_secs_f64(),
-        rate
     );
     Ok(())
 }
 
-fn run_store(
-    dir: &std::path::Path,
+fn run_replay(
+    path: &std::path::Path,
     threads: usize,
     run_for: Duration,
-    buffered_ms: Option<u64>,
+    hot: u64,
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
-    let mut config = Config::new().sweep_interval(None);
-    if let Some(ms) = buffered_ms {
-        config = config.durability(Durability::Buffered {
-            max_delay: Duration::from_millis(ms),
-        });
-    }
-    let store = Arc::new(Store::open_with(dir.join("bench.redb"), config)?);
+    let store = Arc::new(Store::open_with(path, config(None))?);
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
@@ -97,11 +131,64 @@ fn run_store(
         .map(|t| {
             let (store, stop, count) = (store.clone(), stop.clone(), count.clone());
             std::thread::spawn(move || {
+                // open_time's fingerprint and keys.
+                let fp = Fingerprint::of(br#"{"title":"printer on fire"}"#);
+                let opts = ClaimOptions::new();
+                let keys: Vec<Key> = (0..hot)
+                    .map(|n| Key::new("bench", format!("key-{n:012}")).expect("key"))
+                    .collect();
+                // A per-thread xorshift: random order without a dependency.
+                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1);
+                while !stop.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let key = &keys[(x % hot) as usize];
+                    match store.claim(key, &fp, &opts).expect("claim") {
+                        ClaimOutcome::Replay(_) => {
+                            count.fetch_add(1, Ordering::Relaxed);
+                        }
+                        other => panic!("a finished key not replayed: {other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(run_for);
+    stop.store(true, Ordering::Relaxed);
+    for h in handles {
+        h.join().expect("client thread");
+    }
+    Ok((count.load(Ordering::Relaxed), start.elapsed()))
+}
+
+fn run_store(
+    path: &std::path::Path,
+    threads: usize,
+    run_for: Duration,
+    buffered_ms: Option<u64>,
+) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
+    let store = Arc::new(Store::open_with(path, config(buffered_ms))?);
+    // Fresh keys on an existing store too: a scope of this run's own.
+    let scope = format!(
+        "bench/op-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (store, stop, count) = (store.clone(), stop.clone(), count.clone());
+            let scope = scope.clone();
+            std::thread::spawn(move || {
                 let fp = Fingerprint::of(b"payload");
                 let opts = ClaimOptions::new();
                 let mut i = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    let key = Key::new("bench/op", format!("t{t}-{i}")).expect("key");
+                    let key = Key::new(scope.as_str(), format!("t{t}-{i}")).expect("key");
                     i += 1;
                     match store.claim(&key, &fp, &opts).expect("claim") {
                         ClaimOutcome::Acquired(lease) => {
