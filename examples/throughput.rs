@@ -25,7 +25,6 @@ use std::fs::OpenOptions;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, sync_channel};
 use std::time::{Duration, Instant};
@@ -123,43 +122,50 @@ fn run_replay(
     run_for: Duration,
     hot: u64,
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
-    let store = Arc::new(Store::open_with(path, config(None))?);
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (store, stop, count) = (store.clone(), stop.clone(), count.clone());
-            std::thread::spawn(move || {
-                // open_time's fingerprint and keys.
-                let fp = Fingerprint::of(br#"{"title":"printer on fire"}"#);
-                let opts = ClaimOptions::new();
-                let keys: Vec<Key> = (0..hot)
-                    .map(|n| Key::new("bench", format!("key-{n:012}")).expect("key"))
-                    .collect();
-                // A per-thread xorshift: random order without a dependency.
-                let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1);
-                while !stop.load(Ordering::Relaxed) {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let key = &keys[(x % hot) as usize];
-                    match store.claim(key, &fp, &opts).expect("claim") {
-                        ClaimOutcome::Replay(_) => {
-                            count.fetch_add(1, Ordering::Relaxed);
-                        }
-                        other => panic!("a finished key not replayed: {other:?}"),
-                    }
-                }
-            })
-        })
+    let store = Store::open_with(path, config(None))?;
+    // open_time's fingerprint and keys.
+    let fp = Fingerprint::of(br#"{"title":"printer on fire"}"#);
+    let opts = ClaimOptions::new();
+    let keys: Vec<Key> = (0..hot)
+        .map(|n| Key::new("bench", format!("key-{n:012}")).expect("key"))
         .collect();
-    std::thread::sleep(run_for);
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        h.join().expect("client thread");
-    }
-    Ok((count.load(Ordering::Relaxed), start.elapsed()))
+    Ok(drive(threads, run_for, |t, i| {
+        // Random order without a dependency: splitmix64 of (thread, step).
+        let mut x = ((t as u64) << 40 ^ i).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^= x >> 31;
+        let key = &keys[(x % hot) as usize];
+        match store.claim(key, &fp, &opts).expect("claim") {
+            ClaimOutcome::Replay(_) => {}
+            other => panic!("a finished key not replayed: {other:?}"),
+        }
+    }))
+}
+
+/// Runs `op` back to back on `threads` client threads for `run_for`;
+/// `op(t, i)` is thread `t`'s `i`-th operation. Returns how many ran and
+/// the time they took.
+fn drive(threads: usize, run_for: Duration, op: impl Fn(usize, u64) + Sync) -> (u64, Duration) {
+    let stop = AtomicBool::new(false);
+    let count = AtomicU64::new(0);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (stop, count, op) = (&stop, &count, &op);
+            s.spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    op(t, i);
+                    i += 1;
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        std::thread::sleep(run_for);
+        stop.store(true, Ordering::Relaxed);
+    });
+    (count.load(Ordering::Relaxed), start.elapsed())
 }
 
 fn run_store(
@@ -168,7 +174,7 @@ fn run_store(
     run_for: Duration,
     buffered_ms: Option<u64>,
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
-    let store = Arc::new(Store::open_with(path, config(buffered_ms))?);
+    let store = Store::open_with(path, config(buffered_ms))?;
     // Fresh keys on an existing store too: a scope of this run's own.
     let scope = format!(
         "bench/op-{}",
@@ -176,38 +182,17 @@ fn run_store(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     );
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (store, stop, count) = (store.clone(), stop.clone(), count.clone());
-            let scope = scope.clone();
-            std::thread::spawn(move || {
-                let fp = Fingerprint::of(b"payload");
-                let opts = ClaimOptions::new();
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    let key = Key::new(scope.as_str(), format!("t{t}-{i}")).expect("key");
-                    i += 1;
-                    match store.claim(&key, &fp, &opts).expect("claim") {
-                        ClaimOutcome::Acquired(lease) => {
-                            store.complete(&lease, b"result-bytes").expect("complete");
-                            count.fetch_add(1, Ordering::Relaxed);
-                        }
-                        other => panic!("fresh key not acquired: {other:?}"),
-                    }
-                }
-            })
-        })
-        .collect();
-    std::thread::sleep(run_for);
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        h.join().expect("client thread");
-    }
-    let elapsed = start.elapsed();
-    Ok((count.load(Ordering::Relaxed), elapsed))
+    let fp = Fingerprint::of(b"payload");
+    let opts = ClaimOptions::new();
+    Ok(drive(threads, run_for, |t, i| {
+        let key = Key::new(scope.as_str(), format!("t{t}-{i}")).expect("key");
+        match store.claim(&key, &fp, &opts).expect("claim") {
+            ClaimOutcome::Acquired(lease) => {
+                store.complete(&lease, b"result-bytes").expect("complete");
+            }
+            other => panic!("fresh key not acquired: {other:?}"),
+        }
+    }))
 }
 
 struct FloorRequest {
@@ -265,37 +250,18 @@ fn run_floor(
     file.sync_all()?;
     let (tx, rx) = sync_channel::<FloorRequest>(4096);
     let writer = std::thread::spawn(move || floor_writer(&rx, &file, LEN));
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    let start = Instant::now();
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            let (tx, stop, count) = (tx.clone(), stop.clone(), count.clone());
-            std::thread::spawn(move || {
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    // Two durable writes per lifecycle, as claim + complete;
-                    // each about the size of a logged record change.
-                    for step in 0..2u8 {
-                        let mut bytes = vec![step; 200];
-                        bytes[..8].copy_from_slice(&(t as u64 ^ i).to_le_bytes());
-                        let (reply, done) = oneshot::channel();
-                        tx.send(FloorRequest { bytes, reply }).expect("send");
-                        done.recv().expect("reply");
-                    }
-                    i += 1;
-                    count.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect();
+    let run = drive(threads, run_for, |t, i| {
+        // Two durable writes per lifecycle, as claim + complete; each about
+        // the size of a logged record change.
+        for step in 0..2u8 {
+            let mut bytes = vec![step; 200];
+            bytes[..8].copy_from_slice(&(t as u64 ^ i).to_le_bytes());
+            let (reply, done) = oneshot::channel();
+            tx.send(FloorRequest { bytes, reply }).expect("send");
+            done.recv().expect("reply");
+        }
+    });
     drop(tx);
-    std::thread::sleep(run_for);
-    stop.store(true, Ordering::Relaxed);
-    for h in handles {
-        h.join().expect("client thread");
-    }
-    let elapsed = start.elapsed();
     writer.join().expect("writer");
-    Ok((count.load(Ordering::Relaxed), elapsed))
+    Ok(run)
 }

@@ -407,12 +407,7 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
         .collect();
     let meta = {
         let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-        let format = table
-            .get(META_FORMAT)
-            .map_err(|e| map_err(path, e))?
-            .map(|v| u64_of(path, META_FORMAT, v.value()))
-            .transpose()?;
-        let meta = match format {
+        let meta = match stored_format(path, &table)? {
             None if existing.iter().any(|t| t != META.name()) => {
                 return Err(Error::IncompatibleFile {
                     path: path.to_path_buf(),
@@ -486,15 +481,23 @@ fn read_existing(path: &Path, db: &Database) -> Result<Option<Meta>> {
         return Ok(None);
     }
     let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-    let format = table
-        .get(META_FORMAT)
-        .map_err(|e| map_err(path, e))?
-        .map(|v| u64_of(path, META_FORMAT, v.value()))
-        .transpose()?;
-    match format {
+    match stored_format(path, &table)? {
         Some(v) if v <= FORMAT_VERSION => read_meta(path, &table).map(Some),
         _ => Ok(None),
     }
+}
+
+/// The format version in the metadata table, `None` when it has none (a
+/// new database, or a redb file that is not a store).
+fn stored_format(
+    path: &Path,
+    table: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> Result<Option<u64>> {
+    table
+        .get(META_FORMAT)
+        .map_err(|e| map_err(path, e))?
+        .map(|v| u64_of(path, META_FORMAT, v.value()))
+        .transpose()
 }
 
 /// Migrates a store of format `from` (older than [`FORMAT_VERSION`]) in one
