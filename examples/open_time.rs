@@ -14,6 +14,12 @@
 //! cargo run --release --example open_time -- --dir /tmp/open-1m --runs 5 --drop-caches
 //! ```
 //!
+//! `--scrub` adds a third mode: a clean open (no check), then one pass of
+//! the online scrub at full speed, in steps of `DEFAULT_SCRUB_RATE`
+//! records (what the background scrub walks per second), reported as the
+//! pass's time and records per second: how far below full speed the
+//! default rate keeps it.
+//!
 //! Each open runs in a child process (this program again), so that the
 //! resident memory it reports (`VmRSS` of `/proc/self/status` after the
 //! open) is that of one open alone; the child closes the store cleanly.
@@ -24,7 +30,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Store};
+use idemstore::{ClaimOptions, ClaimOutcome, Config, DEFAULT_SCRUB_RATE, Fingerprint, Key, Store};
 
 #[derive(Parser)]
 struct Args {
@@ -42,7 +48,11 @@ struct Args {
     /// open.
     #[arg(long)]
     drop_caches: bool,
-    /// Internal: open once in this mode (`check` or `skip`) and report.
+    /// Also time a full pass of the online scrub after a clean open.
+    #[arg(long)]
+    scrub: bool,
+    /// Internal: open once in this mode (`check`, `skip` or `scrub`) and
+    /// report.
     #[arg(long, hide = true)]
     child: Option<String>,
 }
@@ -57,6 +67,7 @@ fn base_config() -> Config {
     Config::new()
         .retention(Duration::from_secs(10 * 365 * 24 * 3600))
         .sweep_interval(None)
+        .scrub_rate(None)
 }
 
 fn build(path: &Path, records: u64) {
@@ -115,6 +126,25 @@ fn child(path: &Path, mode: &str) {
     let store = Store::open_with(path, config).expect("open");
     let open_ms = started.elapsed().as_secs_f64() * 1000.0;
     let rss = rss_kib();
+    if mode == "scrub" {
+        let started = Instant::now();
+        let mut records = 0u64;
+        loop {
+            let step = store.scrub(DEFAULT_SCRUB_RATE as usize).expect("scrub");
+            assert!(step.problems.is_empty(), "{:?}", step.problems);
+            records += step.records;
+            if step.pass_finished {
+                break;
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        drop(store);
+        println!(
+            "open_ms={open_ms:.2} rss_kib={rss} scrub_s={secs:.2} scrub_per_s={:.0} records={records}",
+            records as f64 / secs
+        );
+        return;
+    }
     drop(store);
     println!("open_ms={open_ms:.2} rss_kib={rss}");
 }
@@ -153,6 +183,9 @@ fn main() {
         ("check", Vec::new(), Vec::new()),
         ("skip", Vec::new(), Vec::new()),
     ];
+    if args.scrub {
+        results.push(("scrub", Vec::new(), Vec::new()));
+    }
     // One unmeasured open of each mode first: it warms the page cache (when
     // not dropped) and records a passed check for `skip`.
     for round in 0..=args.runs {

@@ -78,6 +78,16 @@ pub enum Durability {
 /// unclean shutdown is always checked.
 pub const DEFAULT_INTEGRITY_CHECK_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 
+/// The default of [`Config::scrub_rate`]: 10,000 records per second. At
+/// that rate a pass over a million records takes about 100 s and over ten
+/// million about 17 minutes; each record costs a walk step and two
+/// lookups of the index (BENCHMARKS.md, "Online scrub").
+pub const DEFAULT_SCRUB_RATE: u32 = 10_000;
+
+/// The highest [`Config::scrub_rate`] accepted: 10,000,000 records per
+/// second (past that the scrub would simply run flat out).
+pub const MAX_SCRUB_RATE: u32 = 10_000_000;
+
 /// Store configuration.
 ///
 /// # Defaults
@@ -99,13 +109,15 @@ pub const DEFAULT_INTEGRITY_CHECK_INTERVAL: Duration = Duration::from_secs(24 * 
 ///   with 64-byte results)
 /// - `integrity_check_interval`: 24 hours, how old the last full check of
 ///   the store file's pages may be before a clean open runs it again
+/// - `scrub_rate`: 10,000 records per second, the online scrub of the open
+///   store's index ([`DEFAULT_SCRUB_RATE`]); `None` disables it
 /// - `postgres_schema`: `idemstore`; `postgres_connections`: 16 (the
 ///   PostgreSQL engine's only)
 ///
 /// # Engines
 /// Most settings apply to both engines. `durability`, `max_log_bytes`,
-/// `cache_bytes`, `read_cache_bytes` and `integrity_check_interval` belong
-/// to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
+/// `cache_bytes`, `read_cache_bytes`, `integrity_check_interval` and
+/// `scrub_rate` belong to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
 /// to anything but their defaults, with [`Error::InvalidArgument`] naming
 /// the setting. `postgres_schema` and `postgres_connections` belong to the
 /// PostgreSQL engine: the `open` methods refuse them the same way.
@@ -129,6 +141,7 @@ pub struct Config {
     pub(crate) max_log_bytes: u64,
     pub(crate) read_cache_bytes: usize,
     pub(crate) integrity_check_interval: Option<Duration>,
+    pub(crate) scrub_rate: Option<u32>,
 }
 
 impl Default for Config {
@@ -147,6 +160,7 @@ impl Default for Config {
             max_log_bytes: 64 * 1024 * 1024,
             read_cache_bytes: 64 * 1024 * 1024,
             integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
+            scrub_rate: Some(DEFAULT_SCRUB_RATE),
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,
@@ -169,6 +183,7 @@ impl std::fmt::Debug for Config {
             .field("max_log_bytes", &self.max_log_bytes)
             .field("read_cache_bytes", &self.read_cache_bytes)
             .field("integrity_check_interval", &self.integrity_check_interval)
+            .field("scrub_rate", &self.scrub_rate)
             .field("clock_given", &self.clock_given)
             .field("postgres_schema", &self.postgres_schema)
             .field("postgres_connections", &self.postgres_connections)
@@ -338,6 +353,40 @@ impl Config {
         self
     }
 
+    /// How many records per second the online scrub verifies while the
+    /// store is open (1 to [`MAX_SCRUB_RATE`]; default
+    /// [`DEFAULT_SCRUB_RATE`]); `None` runs no background scrub
+    /// ([`Store::scrub`](crate::Store::scrub) still runs a step on demand).
+    ///
+    /// The scrub covers what the checks at open leave open in a store that
+    /// stays open for weeks: redb verifies page checksums only in its full
+    /// integrity check, so a page damaged on disk after the open (bit rot,
+    /// a stray write) is read as it is. Each second the store's background
+    /// thread walks the next `rate` records of the index in key order, in a
+    /// read snapshot of its own, and for each one checks that the keys
+    /// come in order, that a lookup of the key finds the same record (a
+    /// damaged branch page routes a lookup elsewhere, and the key would
+    /// read as absent), the record's checksum, and its expiry index entry.
+    /// It starts again at the first key after the last. Damage (anything
+    /// but a missing expiry entry) poisons the store: writes get
+    /// [`Error::Poisoned`](crate::Error::Poisoned), so that a key the index
+    /// can no longer find is not claimed a second time, and the reopen runs
+    /// the full integrity check (the store closes without its clean
+    /// checkpoint). See README, "What it guarantees", point 5.
+    ///
+    /// The scrub runs on the thread of the background sweeper (no thread
+    /// of its own), reads through redb's page cache, and never blocks the
+    /// writer. The rate is an upper bound: a step that takes longer than a
+    /// second (a cold disk) delays the next. `Some(0)` or a rate over
+    /// [`MAX_SCRUB_RATE`] makes the open fail with
+    /// [`Error::InvalidArgument`] naming `scrub_rate`; on a PostgreSQL
+    /// store (whose pages the server checks) anything but the default is
+    /// refused the same way.
+    pub fn scrub_rate(mut self, records_per_second: Option<u32>) -> Config {
+        self.scrub_rate = records_per_second;
+        self
+    }
+
     /// The PostgreSQL schema that holds the store's tables (PostgreSQL
     /// engine only): 1 to 63 ASCII letters, digits or underscores, not
     /// starting with a digit; default `idemstore`. Several stores share one
@@ -398,6 +447,9 @@ impl Config {
         if self.integrity_check_interval != defaults.integrity_check_interval {
             return embedded_only("integrity_check_interval");
         }
+        if self.scrub_rate != defaults.scrub_rate {
+            return embedded_only("scrub_rate");
+        }
         if self
             .postgres_connections
             .is_some_and(|n| n == 0 || n > 1024)
@@ -443,6 +495,17 @@ impl Config {
         }
         if self.sweep_interval.is_some_and(|d| d.is_zero()) {
             return Err(Error::invalid("sweep_interval", "must be non-zero"));
+        }
+        if self
+            .scrub_rate
+            .is_some_and(|r| r == 0 || r > MAX_SCRUB_RATE)
+        {
+            return Err(Error::invalid(
+                "scrub_rate",
+                format!(
+                    "must be 1 to {MAX_SCRUB_RATE} records per second; None disables the scrub"
+                ),
+            ));
         }
         if let Durability::Buffered { max_delay } = self.durability
             && (max_delay < Duration::from_millis(1) || max_delay > Duration::from_secs(3600))

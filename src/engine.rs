@@ -24,8 +24,8 @@ use crate::key::Key;
 #[cfg(feature = "postgres")]
 use crate::pg::Postgres;
 use crate::record::{ImportResult, Op, Record, Reply};
-use crate::report::CheckReport;
 use crate::report::Progress;
+use crate::report::{CheckReport, ScrubReport};
 #[cfg(feature = "postgres")]
 use crate::stats;
 use crate::stats::{LiveCounters, StateCounts};
@@ -207,6 +207,16 @@ impl Engine {
             Engine::Embedded(e) => e.verify(progress),
             #[cfg(feature = "postgres")]
             Engine::Postgres { engine, .. } => verify_entries(engine, progress),
+        }
+    }
+
+    /// One step of the embedded engine's online scrub over up to `max`
+    /// records; `None` on an engine that checks its own pages (PostgreSQL).
+    pub(crate) fn scrub(&self, max: usize) -> Option<Result<ScrubReport>> {
+        match self {
+            Engine::Embedded(e) => Some(e.scrub(max)),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => None,
         }
     }
 

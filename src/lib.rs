@@ -152,8 +152,8 @@ pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSu
 pub use check::check_file;
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use config::{
-    ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, Durability, MAX_CLAIM_MANY, MAX_LEASE,
-    MAX_RETENTION, MAX_TOKEN, MAX_VALUE_LIMIT,
+    ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE, Durability,
+    MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE, MAX_TOKEN, MAX_VALUE_LIMIT,
 };
 pub use embedded::WRITER_QUEUE_BOUND;
 pub use embedded::wal::{FileLog, LogFile, MemoryLog};
@@ -164,7 +164,7 @@ pub use key::{
 pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
-pub use report::{CheckReport, Integrity, Problem, Progress};
+pub use report::{CheckReport, Integrity, Problem, Progress, ScrubReport};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
 pub use store::Store;

@@ -42,6 +42,24 @@ pub struct Problem {
     pub detail: String,
 }
 
+/// What one step of the online scrub found: see
+/// [`Store::scrub`](crate::Store::scrub) and
+/// [`Config::scrub_rate`](crate::Config::scrub_rate).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ScrubReport {
+    /// Records this step walked (live, expired and damaged).
+    pub records: u64,
+    /// What this step found, in key order. A missing expiry index entry is
+    /// reported and changes nothing; anything else is damage.
+    pub problems: Vec<Problem>,
+    /// Whether the step found damage, and so poisoned the store.
+    pub damaged: bool,
+    /// Whether this step reached the last key: the next step starts a new
+    /// pass at the first key.
+    pub pass_finished: bool,
+}
+
 /// What a check found: see [`Store::verify`](crate::Store::verify) and [`check_file`](crate::check_file).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

@@ -17,8 +17,8 @@ use crate::engine::{Engine, all_keys};
 use crate::error::{Error, Result};
 use crate::key::{Fingerprint, Key, check_business_key};
 use crate::record::{ClaimOutcome, Lease, Op, Record, Reply, Resolution};
-use crate::report::CheckReport;
 use crate::report::Progress;
+use crate::report::{CheckReport, ScrubReport};
 use crate::scan::{Filter, Records};
 use crate::stats::Stats;
 use crate::sweeper::Sweeper;
@@ -265,24 +265,7 @@ impl Store {
     /// `config` asks for.
     fn over(engine: Engine, config: Config) -> Result<Store> {
         let engine = Arc::new(engine);
-        let batch = config.sweep_batch;
-        let sweeper = match config.sweep_interval {
-            Some(interval) => Some(Sweeper::start(
-                &engine,
-                interval,
-                move |engine: &Engine| {
-                    let mut total = 0usize;
-                    loop {
-                        let n = engine.sweep(batch)?;
-                        total = total.saturating_add(n);
-                        if n < batch {
-                            return Ok(total);
-                        }
-                    }
-                },
-            )?),
-            None => None,
-        };
+        let sweeper = crate::sweeper::start(&engine, &config)?;
         Ok(Store {
             _sweeper: sweeper,
             // `Store::extend` for a batch, in one write.
@@ -707,6 +690,36 @@ impl Store {
     pub fn sweep(&self, max_records: usize) -> Result<usize> {
         let _span = tracing::debug_span!("idemstore.sweep").entered();
         self.engine.sweep(max_records)
+    }
+
+    /// Runs one step of the online scrub now: walks up to `max_records`
+    /// records (at least one) after where the last step stopped, in key
+    /// order, and checks each as the background scrub does (see
+    /// [`Config::scrub_rate`]): the keys in order, a lookup of each key
+    /// finding the same record, the record's checksum, its expiry index
+    /// entry. The step after the last key starts a new pass
+    /// ([`ScrubReport::pass_finished`]); the background scrub and this call
+    /// share one position. Reads one snapshot, held for this step only;
+    /// does not block the writer.
+    ///
+    /// Damage found (anything but a missing expiry entry) poisons the
+    /// store: later writes get [`Error::Poisoned`], and the reopen runs
+    /// redb's full integrity check, which repairs the file or refuses it
+    /// with [`Error::CorruptFile`] (then restore from the latest export).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] on a PostgreSQL store (the server checks
+    /// its own pages: enable data checksums there);
+    /// [`Error::Storage`] when the file cannot be read for a reason other
+    /// than damage (damage is reported in the [`ScrubReport`]).
+    pub fn scrub(&self, max_records: usize) -> Result<ScrubReport> {
+        let _span = tracing::debug_span!("idemstore.scrub").entered();
+        self.engine.scrub(max_records).unwrap_or_else(|| {
+            Err(Error::invalid(
+                "scrub",
+                "the online scrub is the embedded engine's; PostgreSQL checks its own pages (data checksums)",
+            ))
+        })
     }
 
     /// Finishes a Processing record administratively, as succeeded or

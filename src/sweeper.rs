@@ -1,14 +1,73 @@
 //! The background sweeper: a thread that evicts records past retention
-//! every interval, for any engine.
+//! every interval, for any engine, and runs the embedded engine's online
+//! scrub on the same thread.
 
 use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use std::time::Instant;
+
+use crate::config::Config;
+use crate::engine::Engine;
 use crate::error::Result;
 
-/// The background sweeper: a thread that calls `sweep` every interval until
+/// How often the background thread runs a scrub step when the scrub is on:
+/// each step walks `scrub_rate` records.
+const SCRUB_TICK: Duration = Duration::from_secs(1);
+
+/// The background thread `config` asks for over `engine`, if any: sweeps
+/// every `sweep_interval` (steps of `sweep_batch` until fewer are due) and,
+/// on the embedded engine, a scrub step of `scrub_rate` records every
+/// second. Failures are logged (warn) and retried at the next tick.
+pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Sweeper>> {
+    let batch = config.sweep_batch;
+    let sweep_every = config.sweep_interval;
+    let scrub = config
+        .scrub_rate
+        .filter(|_| matches!(**engine, Engine::Embedded(_)))
+        .map(|rate| usize::try_from(rate).unwrap_or(usize::MAX));
+    let interval = match (sweep_every, scrub) {
+        (None, None) => return Ok(None),
+        (Some(every), None) => every,
+        (None, Some(_)) => SCRUB_TICK,
+        (Some(every), Some(_)) => every.min(SCRUB_TICK),
+    };
+    let mut last_sweep = Instant::now();
+    Sweeper::start(engine, interval, move |engine: &Engine| {
+        if let Some(rate) = scrub
+            && let Some(Err(err)) = engine.scrub(rate)
+        {
+            tracing::warn!(error = %err, "background scrub step failed");
+        }
+        let Some(every) = sweep_every else { return };
+        if last_sweep.elapsed() < every {
+            return;
+        }
+        last_sweep = Instant::now();
+        let mut total = 0usize;
+        let swept = loop {
+            match engine.sweep(batch) {
+                Ok(n) => {
+                    total = total.saturating_add(n);
+                    if n < batch {
+                        break Ok(total);
+                    }
+                }
+                Err(err) => break Err(err),
+            }
+        };
+        match swept {
+            Ok(n) if n > 0 => tracing::debug!(evicted = n, "sweep"),
+            Ok(_) => {}
+            Err(err) => tracing::warn!(error = %err, "background sweep failed"),
+        }
+    })
+    .map(Some)
+}
+
+/// The background sweeper: a thread that calls `tick` every interval until
 /// the store is dropped.
 pub(crate) struct Sweeper {
     stop: Option<Sender<()>>,
@@ -16,12 +75,12 @@ pub(crate) struct Sweeper {
 }
 
 impl Sweeper {
-    /// Starts a sweeper over `target`; it holds only a weak reference, so
-    /// dropping the store ends it.
-    pub(crate) fn start<T, F>(target: &Arc<T>, interval: Duration, sweep: F) -> Result<Sweeper>
+    /// Starts a sweeper over `target` that calls `tick` every `interval`;
+    /// it holds only a weak reference, so dropping the store ends it.
+    pub(crate) fn start<T, F>(target: &Arc<T>, interval: Duration, mut tick: F) -> Result<Sweeper>
     where
         T: Send + Sync + 'static,
-        F: Fn(&T) -> Result<usize> + Send + 'static,
+        F: FnMut(&T) + Send + 'static,
     {
         let (stop, stopped) = channel::<()>();
         let weak: Weak<T> = Arc::downgrade(target);
@@ -34,11 +93,7 @@ impl Sweeper {
                         _ => return,
                     }
                     let Some(target) = weak.upgrade() else { return };
-                    match sweep(&target) {
-                        Ok(n) if n > 0 => tracing::debug!(evicted = n, "sweep"),
-                        Ok(_) => {}
-                        Err(err) => tracing::warn!(error = %err, "background sweep failed"),
-                    }
+                    tick(&target);
                 }
             })
             .map_err(crate::error::Error::storage)?;

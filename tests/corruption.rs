@@ -500,4 +500,18 @@ fn verify_names_a_record_without_its_expiry_entry_and_ignores_an_orphan_entry() 
         "{}",
         missing.problems[0].detail
     );
+
+    // The online scrub names it too, as a problem but not as damage: the
+    // store keeps taking writes.
+    let store = Store::open_with(&t.path, t.config()).unwrap();
+    let scrubbed = store.scrub(1000).unwrap();
+    assert!(scrubbed.pass_finished, "{scrubbed:?}");
+    assert!(!scrubbed.damaged, "{scrubbed:?}");
+    assert_eq!(scrubbed.records, expected.len() as u64);
+    assert_eq!(scrubbed.problems.len(), 1, "{:?}", scrubbed.problems);
+    assert_eq!(scrubbed.problems[0].key, victim().to_string());
+    assert!(matches!(
+        store.claim(&key("after-the-scrub"), &fp("a"), &lease_of(secs(60))),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
 }

@@ -14,11 +14,12 @@ pub(crate) mod create;
 pub(crate) mod expiry;
 pub(crate) mod fence;
 pub(crate) mod schema;
+pub(crate) mod scrub;
 pub(crate) mod wal;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use redb::{ReadOnlyTable, ReadableDatabase};
 
@@ -29,8 +30,8 @@ use crate::config::{Config, Durability};
 use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::record::{ClaimOutcome, Ctx, Effect, ImportResult, Op, Record, Reply, transition};
-use crate::report::CheckReport;
 use crate::report::Progress;
+use crate::report::{CheckReport, ScrubReport};
 use crate::stats::LiveCounters;
 use cache::{Lookup, ReadCache, StoredKey};
 use commit::{Answer, Command, Completion, Progress as WriteProgress, Shared, Writer, WriterState};
@@ -52,6 +53,8 @@ pub(crate) use wal::MIN_LOG_BYTES;
 pub(crate) struct Embedded {
     shared: Arc<Shared>,
     writer: Writer,
+    /// Where the online scrub stands (see [`scrub`]).
+    scrub: Mutex<scrub::Cursor>,
 }
 
 /// What a read outside the writer found.
@@ -190,7 +193,11 @@ impl Embedded {
             opened.writer,
         );
         let writer = Writer::start(shared.clone(), state, log)?;
-        Ok(Embedded { shared, writer })
+        Ok(Embedded {
+            shared,
+            writer,
+            scrub: Mutex::default(),
+        })
     }
 
     /// The store file.
@@ -546,6 +553,32 @@ impl Embedded {
     pub(crate) fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
         let snapshot = self.snapshot()?;
         check::verify(&snapshot.path, &snapshot.txn, self.time(), progress)
+    }
+
+    /// Runs one step of the online scrub over up to `max` records (see
+    /// [`scrub::step`]) once the index holds every acknowledged change;
+    /// damage poisons the store, so that writes are refused and the reopen
+    /// runs the full integrity check.
+    pub(crate) fn scrub(&self, max: usize) -> Result<ScrubReport> {
+        let shared = &self.shared;
+        // The walk reads redb's last commit: the writer's open transaction
+        // is committed first, so that a step sees every acknowledged change
+        // (a poisoned store's index is walked as it stands).
+        if !shared.poisoned.load(Ordering::SeqCst) {
+            self.commit_index()?;
+        }
+        let mut cursor = self.scrub.lock().unwrap_or_else(PoisonError::into_inner);
+        let txn = guard(&shared.path, || {
+            shared.db.begin_read().map_err(|e| map_err(&shared.path, e))
+        })?;
+        let report = scrub::step(&shared.path, &txn, &mut cursor, max)?;
+        if report.damaged && !shared.poisoned.swap(true, Ordering::SeqCst) {
+            tracing::error!(
+                path = %shared.path.display(),
+                "the scrub found damage in the index; store refuses writes until reopened (the reopen runs the full integrity check)"
+            );
+        }
+        Ok(report)
     }
 
     /// How many records are stored (past retention or not), once durable.

@@ -104,10 +104,14 @@ impl TestDir {
         }
     }
 
-    /// A configuration reading this clock, with no background sweeper (so a
-    /// test decides when eviction runs).
+    /// A configuration reading this clock, with no background sweeper and
+    /// no background scrub (so a test decides when eviction and the scrub
+    /// run).
     pub fn config(&self) -> Config {
-        Config::new().clock(self.clock.clone()).sweep_interval(None)
+        Config::new()
+            .clock(self.clock.clone())
+            .sweep_interval(None)
+            .scrub_rate(None)
     }
 
     /// Opens the store with [`TestDir::config`].

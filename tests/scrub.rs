@@ -1,0 +1,289 @@
+//! The online scrub (`Store::scrub`, `Config::scrub_rate`): a walk of the
+//! open store's records in bounded steps that finds a page damaged after
+//! the open, which redb's page checksums would find only at the next full
+//! integrity check (README, "What it guarantees", point 5).
+//!
+//! Damage is made the way it happens: bytes of the store file flipped on
+//! disk, with no page cache between the file and the store where the store
+//! is open.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::*;
+use idemstore::{ClaimOutcome, Config, Error, MAX_SCRUB_RATE, Store};
+
+/// A result found nowhere else in the file.
+const MARKER: &[u8] = b"MARKER-scrub-5c0ffee-result-of-the-victim";
+
+fn id(i: usize) -> String {
+    format!("k-{i:05}")
+}
+
+/// `n` records, every third one left Processing, the others completed with
+/// a result of 40 bytes; the record `victim` (if below `n`) completed with
+/// [`MARKER`].
+fn populate(store: &Store, n: usize, victim: Option<usize>) {
+    for i in 0..n {
+        let k = key(&id(i));
+        let lease = acquired(store.claim(&k, &fp(k.id()), &lease_of(secs(600))).unwrap());
+        if Some(i) == victim {
+            store.complete(&lease, MARKER).unwrap();
+        } else if i % 3 != 0 {
+            store
+                .complete(
+                    &lease,
+                    format!("result {i:05} {}", "r".repeat(28)).as_bytes(),
+                )
+                .unwrap();
+        }
+    }
+}
+
+fn find_all(haystack: &[u8], needle: &[u8]) -> Vec<usize> {
+    haystack
+        .windows(needle.len())
+        .enumerate()
+        .filter(|(_, w)| *w == needle)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// XORs the byte at `offset` of the file with `mask`, in place.
+fn flip(path: &Path, offset: usize, mask: u8) {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, offset as u64).unwrap();
+    byte[0] ^= mask;
+    file.write_all_at(&byte, offset as u64).unwrap();
+    file.sync_all().unwrap();
+}
+
+/// A fresh key's claim: `Err(Poisoned)` once the scrub found damage.
+fn claim_fresh(store: &Store, n: usize) -> Result<ClaimOutcome, Error> {
+    store.claim(
+        &key(&format!("fresh-{n}")),
+        &fp("fresh"),
+        &lease_of(secs(60)),
+    )
+}
+
+/// A pass walks every record once, in steps of at most the number asked
+/// for; the step that reaches the last key says so, and the next step
+/// starts the next pass from the first key. A sound store has nothing to
+/// report and keeps taking writes.
+#[test]
+fn a_scrub_pass_walks_every_record_once_in_bounded_steps() {
+    let t = TestDir::new();
+    let store = t.open();
+    populate(&store, 50, None);
+    let mut steps = Vec::new();
+    loop {
+        let step = store.scrub(7).unwrap();
+        assert!(step.problems.is_empty(), "{:?}", step.problems);
+        assert!(!step.damaged);
+        steps.push(step.records);
+        if step.pass_finished {
+            break;
+        }
+        assert!(steps.len() < 100, "the pass never finished: {steps:?}");
+    }
+    assert_eq!(steps, [7, 7, 7, 7, 7, 7, 7, 1]);
+    // The next pass starts again at the first key.
+    let next = store.scrub(1000).unwrap();
+    assert_eq!(next.records, 50);
+    assert!(next.pass_finished);
+    // Writes made meanwhile are walked by the pass that reaches them.
+    for i in 0..10 {
+        let k = key(&format!("later-{i}"));
+        acquired(store.claim(&k, &fp("later"), &lease_of(secs(60))).unwrap());
+    }
+    assert_eq!(store.scrub(1000).unwrap().records, 60);
+    assert!(matches!(
+        claim_fresh(&store, 0),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+}
+
+/// A stored result damaged on disk while the store is open: the scrub
+/// names the record, poisons the store (a fresh claim is refused), and the
+/// reopen (an unclean one: the poisoned store skips its clean checkpoint)
+/// runs the full integrity check, which refuses the file. (The records are
+/// checkpointed first: a page of a change not yet checkpointed is rebuilt
+/// from the write-ahead log at the reopen, damage and all discarded.)
+#[test]
+fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
+    let t = TestDir::new();
+    let store = t.open_with(t.config().cache_bytes(0).read_cache_bytes(0));
+    populate(&store, 30, Some(17));
+    store.checkpoint().unwrap();
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, MARKER);
+    assert!(!at.is_empty());
+    for offset in at {
+        flip(&t.path, offset + 3, 0x20);
+    }
+    let report = store.scrub(1000).unwrap();
+    assert!(report.damaged, "{report:?}");
+    assert!(report.pass_finished);
+    assert_eq!(report.records, 30);
+    let named: Vec<&str> = report.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(named, [key(&id(17)).to_string()], "{:?}", report.problems);
+    assert!(matches!(claim_fresh(&store, 1), Err(Error::Poisoned)));
+    drop(store);
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
+        Err(other) => panic!("expected CorruptFile, got {other:?}"),
+        Ok(_) => panic!("the reopen after the scrub's damage report did not refuse the file"),
+    }
+}
+
+/// A flipped byte in a separator key of a B-tree branch page, in a closed
+/// file whose clean reopen skips the full check (verified recently): a
+/// lookup of a stored key misses, so the key reads as absent and a claim
+/// would run its work a second time. The walk still finds the record, and
+/// the scrub names every key whose lookup misses, and poisons the store
+/// before such a claim.
+#[test]
+fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
+    let t = TestDir::new();
+    let n = 3000;
+    {
+        let store = t.open();
+        populate(&store, n, None);
+    }
+    // A clean open that runs no check: the last one is recent.
+    drop(t.open());
+    let bytes = std::fs::read(&t.path).unwrap();
+    // Every stored id on a branch page (redb's page type 2, 4 KiB pages)
+    // whose last digit is odd: clearing its lowest bit makes the separator
+    // sort lower, which routes a lookup of the keys between the two
+    // versions to the wrong child.
+    let mut flipped = 0;
+    for page in bytes.chunks(4096).enumerate().filter(|(_, p)| p[0] == 2) {
+        let (number, page) = page;
+        for at in find_all(page, b"k-") {
+            let Some(digits) = page.get(at + 2..at + 7) else {
+                continue;
+            };
+            if digits.iter().all(u8::is_ascii_digit) && digits[4] % 2 == 1 {
+                flip(&t.path, number * 4096 + at + 6, 0x01);
+                flipped += 1;
+            }
+        }
+    }
+    assert!(flipped > 0, "no separator key found on a branch page");
+    let store = t.open();
+    let hidden: Vec<String> = (0..n)
+        .filter(|&i| matches!(store.get(&key(&id(i))), Ok(None)))
+        .map(|i| key(&id(i)).to_string())
+        .collect();
+    assert!(!hidden.is_empty(), "the damage hid no key from lookups");
+    let mut named = Vec::new();
+    let mut damaged = false;
+    let mut walked = 0;
+    loop {
+        let step = store.scrub(500).unwrap();
+        walked += step.records;
+        damaged |= step.damaged;
+        named.extend(step.problems.into_iter().map(|p| p.key));
+        if step.pass_finished {
+            break;
+        }
+    }
+    assert_eq!(walked, n as u64);
+    assert!(damaged);
+    for k in &hidden {
+        assert!(
+            named.contains(k),
+            "{k} reads as absent but the scrub did not name it"
+        );
+    }
+    // A claim of a hidden key is refused, not acquired a second time.
+    let hidden_key = key(hidden[0].trim_start_matches(&format!("{SCOPE}/")));
+    assert!(matches!(
+        store.claim(&hidden_key, &fp(hidden_key.id()), &lease_of(secs(60))),
+        Err(Error::Poisoned)
+    ));
+}
+
+/// With `scrub_rate` set, the store's background thread finds damage
+/// without being asked (no background sweeper configured): the store is
+/// poisoned within a few passes.
+#[test]
+fn the_background_scrub_finds_damage_without_being_asked() {
+    let t = TestDir::new();
+    let store = t.open_with(
+        t.config()
+            .cache_bytes(0)
+            .read_cache_bytes(0)
+            .scrub_rate(Some(1000)),
+    );
+    populate(&store, 30, Some(5));
+    assert!(matches!(
+        claim_fresh(&store, 2),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    let bytes = std::fs::read(&t.path).unwrap();
+    for offset in find_all(&bytes, MARKER) {
+        flip(&t.path, offset + 3, 0x20);
+    }
+    // A liveness bound, not a timing figure: a pass of 30 records runs
+    // every second.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut n = 3;
+    loop {
+        match claim_fresh(&store, n) {
+            Err(Error::Poisoned) => break,
+            Ok(ClaimOutcome::Acquired(_)) => {}
+            other => panic!("unexpected answer {other:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the background scrub never found the damage"
+        );
+        n += 1;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A rate of zero or over the limit is refused at open, naming the
+/// setting, and creates nothing; `None` and the limit itself are accepted.
+#[test]
+fn a_scrub_rate_out_of_range_is_refused_at_open() {
+    let t = TestDir::new();
+    for rate in [0, MAX_SCRUB_RATE + 1, u32::MAX] {
+        match Store::open_with(&t.path, t.config().scrub_rate(Some(rate))) {
+            Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "scrub_rate"),
+            Err(other) => panic!("rate {rate}: expected InvalidArgument, got {other:?}"),
+            Ok(_) => panic!("rate {rate} was accepted"),
+        }
+        assert!(!t.path.exists());
+    }
+    drop(t.open_with(t.config().scrub_rate(Some(MAX_SCRUB_RATE))));
+    drop(t.open_with(Config::new().sweep_interval(None).scrub_rate(None)));
+}
+
+/// The scrub is the embedded engine's: a PostgreSQL store refuses a rate
+/// other than the default before connecting (the server checks its own
+/// pages), naming the setting.
+#[cfg(feature = "postgres")]
+#[test]
+fn a_postgres_store_refuses_a_scrub_rate() {
+    for rate in [None, Some(5)] {
+        let config = Config::new().scrub_rate(rate);
+        match Store::connect("postgresql://127.0.0.1:9/none", config) {
+            Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "scrub_rate"),
+            Err(other) => panic!("rate {rate:?}: expected InvalidArgument, got {other:?}"),
+            Ok(_) => panic!("rate {rate:?} was accepted"),
+        }
+    }
+}
