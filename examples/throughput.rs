@@ -20,6 +20,16 @@
 //! cargo run --release --example throughput -- --threads 64 --store /tmp/open-10m/idem.redb store
 //! cargo run --release --example throughput -- --threads 2 --hot 65536 --store /tmp/open-10m/idem.redb replay
 //! ```
+//!
+//! And the cost of a sweep per evicted record: `--expire N` lifecycles
+//! written with a retention of 1 ms (64 threads), their keys spread over
+//! the whole store (`key-<n>-x<i>`, each next to `key-<n>`, `n` random
+//! below `--hot`), then swept in steps of 10,000 until none is due; prints
+//! the sweep's time per evicted record:
+//!
+//! ```text
+//! cargo run --release --example throughput -- --expire 100000 --hot 10000000 --store /tmp/open-10m/idem.redb sweep
+//! ```
 
 use std::fs::OpenOptions;
 use std::io::Write;
@@ -55,6 +65,9 @@ struct Args {
     /// the threads claim, in random order.
     #[arg(long, default_value_t = 65_536)]
     hot: u64,
+    /// Sweep: how many records to write expired and then sweep.
+    #[arg(long, default_value_t = 100_000)]
+    expire: u64,
     /// What to measure.
     what: What,
 }
@@ -67,6 +80,8 @@ enum What {
     Floor,
     /// Replays of finished keys of an existing store (`--store`).
     Replay,
+    /// Sweeps of records written expired among the store's keys.
+    Sweep,
 }
 
 /// The configuration of a store that `open_time --build` made: ten years of
@@ -101,19 +116,80 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             run_replay(path, args.threads, run_for, args.hot)?
         }
+        What::Sweep => run_sweep(&path, args.expire, args.hot)?,
     };
     let rate = done as f64 / elapsed.as_secs_f64();
     let (name, unit) = match args.what {
         What::Store => ("store", "lifecycles"),
         What::Floor => ("floor", "lifecycles"),
         What::Replay => ("replay", "replays"),
+        What::Sweep => ("sweep", "evicted"),
     };
     println!(
         "{name} threads={} {unit}={done} seconds={:.2} {unit}_per_s={rate:.0}",
         args.threads,
         elapsed.as_secs_f64(),
     );
+    if let What::Sweep = args.what {
+        println!(
+            "sweep us_per_evicted={:.2}",
+            elapsed.as_secs_f64() * 1e6 / done.max(1) as f64
+        );
+    }
     Ok(())
+}
+
+/// A stateless random number of (thread, step): splitmix64.
+fn mix(t: usize, i: u64) -> u64 {
+    let mut x = ((t as u64) << 40 ^ i).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Writes `expire` lifecycles with a retention of 1 ms, their keys spread
+/// among `open_time`'s (`key-<n>-x<i>`, `n` below `spread`), then times
+/// sweeps of 10,000 until none is due: (evicted, the sweeps' time).
+fn run_sweep(
+    path: &std::path::Path,
+    expire: u64,
+    spread: u64,
+) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
+    let store = Store::open_with(path, config(None).retention(Duration::from_millis(1)))?;
+    let fp = Fingerprint::of(b"payload");
+    let opts = ClaimOptions::new();
+    let next = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for t in 0..64 {
+            let (store, fp, opts, next) = (&store, &fp, &opts, &next);
+            s.spawn(move || {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= expire {
+                        return;
+                    }
+                    let n = mix(t, i) % spread.max(1);
+                    let key = Key::new("bench", format!("key-{n:012}-x{i}")).expect("key");
+                    match store.claim(&key, fp, opts).expect("claim") {
+                        ClaimOutcome::Acquired(lease) => {
+                            store.complete(&lease, b"result-bytes").expect("complete");
+                        }
+                        other => panic!("fresh key not acquired: {other:?}"),
+                    }
+                }
+            });
+        }
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    let started = Instant::now();
+    let mut evicted = 0u64;
+    loop {
+        let n = store.sweep(10_000)?;
+        evicted += n as u64;
+        if n == 0 {
+            return Ok((evicted, started.elapsed()));
+        }
+    }
 }
 
 fn run_replay(
@@ -130,12 +206,8 @@ fn run_replay(
         .map(|n| Key::new("bench", format!("key-{n:012}")).expect("key"))
         .collect();
     Ok(drive(threads, run_for, |t, i| {
-        // Random order without a dependency: splitmix64 of (thread, step).
-        let mut x = ((t as u64) << 40 ^ i).wrapping_add(0x9E37_79B9_7F4A_7C15);
-        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        x ^= x >> 31;
-        let key = &keys[(x % hot) as usize];
+        // Random order without a dependency.
+        let key = &keys[(mix(t, i) % hot) as usize];
         match store.claim(key, &fp, &opts).expect("claim") {
             ClaimOutcome::Replay(_) => {}
             other => panic!("a finished key not replayed: {other:?}"),

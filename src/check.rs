@@ -12,7 +12,11 @@ use crate::store::Store;
 /// Checks the store file at `path`: first redb's own integrity check of
 /// every page (which needs the file to itself, and repairs what it can),
 /// then every record as [`Store::verify`] does. `progress` is called after
-/// each record. Opens the file only if it exists and no one else holds it.
+/// each record. Opens the file only if it exists and no one else holds it,
+/// also when the online scrub marked it damaged (`<path>-damaged`, which
+/// makes [`Store::open`] refuse it; see
+/// [`Config::scrub_rate`](crate::Config::scrub_rate)): a check is how an
+/// operator decides whether to restore or to remove the marker.
 ///
 /// This reads the whole file: its time grows linearly with the file's
 /// size (about 1 s for a million records, a 310 MB file, warm; each pass
@@ -55,7 +59,11 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
         }
         Err(e) => return Err(e),
     };
-    let store = match Store::open_existing(path, Config::new().sweep_interval(None)) {
+    // The check is what an operator runs on a file the scrub marked
+    // damaged: it opens the file regardless of the marker.
+    let mut config = Config::new().sweep_interval(None).scrub_rate(None);
+    config.ignore_damage_marker = true;
+    let store = match Store::open_existing(path, config) {
         Ok(store) => store,
         Err(Error::CorruptFile { detail, .. }) => {
             return Ok(damaged(Integrity::Failed(format!(

@@ -142,6 +142,9 @@ pub struct Config {
     pub(crate) read_cache_bytes: usize,
     pub(crate) integrity_check_interval: Option<Duration>,
     pub(crate) scrub_rate: Option<u32>,
+    /// Opens a store file that the scrub marked damaged (`check_file`
+    /// only, to check it).
+    pub(crate) ignore_damage_marker: bool,
 }
 
 impl Default for Config {
@@ -161,6 +164,7 @@ impl Default for Config {
             read_cache_bytes: 64 * 1024 * 1024,
             integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
             scrub_rate: Some(DEFAULT_SCRUB_RATE),
+            ignore_damage_marker: false,
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,
@@ -361,27 +365,41 @@ impl Config {
     /// The scrub covers what the checks at open leave open in a store that
     /// stays open for weeks: redb verifies page checksums only in its full
     /// integrity check, so a page damaged on disk after the open (bit rot,
-    /// a stray write) is read as it is. Each second the store's background
-    /// thread walks the next `rate` records of the index in key order, in a
-    /// read snapshot of its own, and for each one checks that the keys
-    /// come in order, that a lookup of the key finds the same record (a
-    /// damaged branch page routes a lookup elsewhere, and the key would
-    /// read as absent), the record's checksum, and its expiry index entry.
-    /// It starts again at the first key after the last. Damage (anything
-    /// but a missing expiry entry) poisons the store: writes get
-    /// [`Error::Poisoned`](crate::Error::Poisoned), so that a key the index
-    /// can no longer find is not claimed a second time, and the reopen runs
-    /// the full integrity check (the store closes without its clean
-    /// checkpoint). See README, "What it guarantees", point 5.
+    /// a stray write) is read as it is. Once a second the store's
+    /// background thread walks the next `rate` records of the index in key
+    /// order, in a read snapshot of its own, and for each one checks that
+    /// the keys come in order, that a lookup of the key finds the same
+    /// record (a damaged branch page routes a lookup elsewhere, and the key
+    /// would read as absent), the record's checksum, and its expiry index
+    /// entry. A pass ends at the key that was last when it started; the
+    /// next starts again at the first key. At the default rate a pass over
+    /// a million records takes about 100 s, over ten million about 17
+    /// minutes; walking runs at about 800,000 records per second here, so
+    /// the default costs about 1 % of a core (BENCHMARKS.md, "Online
+    /// scrub").
     ///
-    /// The scrub runs on the thread of the background sweeper (no thread
-    /// of its own), reads through redb's page cache, and never blocks the
-    /// writer. The rate is an upper bound: a step that takes longer than a
-    /// second (a cold disk) delays the next. `Some(0)` or a rate over
-    /// [`MAX_SCRUB_RATE`] makes the open fail with
+    /// Damage (anything but a missing expiry entry, which is reported and
+    /// changes nothing) poisons the store: writes get
+    /// [`Error::Poisoned`](crate::Error::Poisoned), so that a key the index
+    /// can no longer find is not claimed a second time. The scrub also
+    /// leaves a file `<path>-damaged` beside the store file, naming what it
+    /// found, and every later open refuses the store with
+    /// [`Error::CorruptFile`](crate::Error::CorruptFile) while that file
+    /// exists: a damaged page that a later write rewrote carries a valid
+    /// checksum again, and the open's integrity check alone would not see
+    /// it. Restore from the latest export; [`check_file`](crate::check_file)
+    /// still opens the file. See README, "What it guarantees", point 5.
+    ///
+    /// The thread is the background sweeper's (one thread for both, started
+    /// when either is on). A step never waits for the writer; it reads
+    /// through redb's page cache. An I/O error is logged (warn) and the
+    /// step retried at the next tick. The rate is an upper bound: a step
+    /// that takes longer than a second (a cold disk) delays the next.
+    /// `Some(0)` or a rate over [`MAX_SCRUB_RATE`] makes the open fail with
     /// [`Error::InvalidArgument`] naming `scrub_rate`; on a PostgreSQL
-    /// store (whose pages the server checks) anything but the default is
-    /// refused the same way.
+    /// store (whose pages the server checks) a rate other than the default
+    /// is refused the same way, and `None` is accepted (a configuration
+    /// shared by both engines can turn the scrub off).
     pub fn scrub_rate(mut self, records_per_second: Option<u32>) -> Config {
         self.scrub_rate = records_per_second;
         self
@@ -447,7 +465,8 @@ impl Config {
         if self.integrity_check_interval != defaults.integrity_check_interval {
             return embedded_only("integrity_check_interval");
         }
-        if self.scrub_rate != defaults.scrub_rate {
+        // `None` says "no background scrub", true of every PostgreSQL store.
+        if self.scrub_rate.is_some() && self.scrub_rate != defaults.scrub_rate {
             return embedded_only("scrub_rate");
         }
         if self

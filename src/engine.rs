@@ -211,10 +211,14 @@ impl Engine {
     }
 
     /// One step of the embedded engine's online scrub over up to `max`
-    /// records; `None` on an engine that checks its own pages (PostgreSQL).
-    pub(crate) fn scrub(&self, max: usize) -> Option<Result<ScrubReport>> {
+    /// records, after committing the writer's open transaction when
+    /// `commit`; `None` on an engine that checks its own pages
+    /// (PostgreSQL), and for the background scrub (`commit` false) on a
+    /// store that already refuses writes.
+    pub(crate) fn scrub(&self, max: usize, commit: bool) -> Option<Result<ScrubReport>> {
         match self {
-            Engine::Embedded(e) => Some(e.scrub(max)),
+            Engine::Embedded(e) if !commit && e.is_poisoned() => None,
+            Engine::Embedded(e) => Some(e.scrub(max, commit)),
             #[cfg(feature = "postgres")]
             Engine::Postgres { .. } => None,
         }

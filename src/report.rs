@@ -50,13 +50,15 @@ pub struct Problem {
 pub struct ScrubReport {
     /// Records this step walked (live, expired and damaged).
     pub records: u64,
-    /// What this step found, in key order. A missing expiry index entry is
+    /// What this step found, in key order, at most 100 (the event `scrub
+    /// pass finished` counts them all). A missing expiry index entry is
     /// reported and changes nothing; anything else is damage.
     pub problems: Vec<Problem>,
     /// Whether the step found damage, and so poisoned the store.
     pub damaged: bool,
-    /// Whether this step reached the last key: the next step starts a new
-    /// pass at the first key.
+    /// Whether this step ended the pass: it reached the key that was last
+    /// when the pass started, or found no more records, or could not read
+    /// on. The next step starts a new pass at the first key.
     pub pass_finished: bool,
 }
 

@@ -20,7 +20,9 @@ const SCRUB_TICK: Duration = Duration::from_secs(1);
 /// The background thread `config` asks for over `engine`, if any: sweeps
 /// every `sweep_interval` (steps of `sweep_batch` until fewer are due) and,
 /// on the embedded engine, a scrub step of `scrub_rate` records every
-/// second. Failures are logged (warn) and retried at the next tick.
+/// second (at most; a slow step delays the next), until the store refuses
+/// writes. Failures are logged (warn) and retried at the next tick. The
+/// thread ticks at the shorter of the two periods.
 pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Sweeper>> {
     let batch = config.sweep_batch;
     let sweep_every = config.sweep_interval;
@@ -35,11 +37,15 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         (Some(every), Some(_)) => every.min(SCRUB_TICK),
     };
     let mut last_sweep = Instant::now();
+    let mut last_scrub = Instant::now();
     Sweeper::start(engine, interval, move |engine: &Engine| {
         if let Some(rate) = scrub
-            && let Some(Err(err)) = engine.scrub(rate)
+            && last_scrub.elapsed() >= SCRUB_TICK
         {
-            tracing::warn!(error = %err, "background scrub step failed");
+            last_scrub = Instant::now();
+            if let Some(Err(err)) = engine.scrub(rate, false) {
+                tracing::warn!(error = %err, "background scrub step failed; retried at the next tick");
+            }
         }
         let Some(every) = sweep_every else { return };
         if last_sweep.elapsed() < every {

@@ -85,6 +85,7 @@ const RESULT_LEN: usize = 500_000;
 fn recovery_config() -> Config {
     Config::new()
         .sweep_interval(None)
+        .scrub_rate(None)
         .max_log_bytes(8 * 1024 * 1024)
         .max_result_bytes(512 * KIB)
 }

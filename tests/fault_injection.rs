@@ -367,6 +367,7 @@ fn repeat() -> usize {
 fn config(clock: &ManualClock) -> Config {
     Config::new()
         .sweep_interval(None)
+        .scrub_rate(None)
         .lease(LEASE)
         .retention(RETENTION)
         .clock(clock.clone())

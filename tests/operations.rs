@@ -26,6 +26,7 @@ fn config(clock: &ManualClock) -> Config {
         .retention(Duration::from_secs(60))
         .lease(Duration::from_secs(10))
         .sweep_interval(None)
+        .scrub_rate(None)
 }
 
 fn open(path: &Path, clock: &ManualClock) -> Store {

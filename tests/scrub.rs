@@ -15,7 +15,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
-use idemstore::{ClaimOutcome, Config, Error, MAX_SCRUB_RATE, Store};
+use idemstore::{ClaimOutcome, Config, Error, Integrity, MAX_SCRUB_RATE, Store, check_file};
 
 /// A result found nowhere else in the file.
 const MARKER: &[u8] = b"MARKER-scrub-5c0ffee-result-of-the-victim";
@@ -76,37 +76,53 @@ fn claim_fresh(store: &Store, n: usize) -> Result<ClaimOutcome, Error> {
     )
 }
 
-/// A pass walks every record once, in steps of at most the number asked
-/// for; the step that reaches the last key says so, and the next step
-/// starts the next pass from the first key. A sound store has nothing to
-/// report and keeps taking writes.
-#[test]
-fn a_scrub_pass_walks_every_record_once_in_bounded_steps() {
-    let t = TestDir::new();
-    let store = t.open();
-    populate(&store, 50, None);
+/// The records walked by each step of one pass in steps of `max`.
+fn pass_steps(store: &Store, max: usize) -> Vec<u64> {
     let mut steps = Vec::new();
     loop {
-        let step = store.scrub(7).unwrap();
+        let step = store.scrub(max).unwrap();
         assert!(step.problems.is_empty(), "{:?}", step.problems);
         assert!(!step.damaged);
         steps.push(step.records);
         if step.pass_finished {
-            break;
+            return steps;
         }
-        assert!(steps.len() < 100, "the pass never finished: {steps:?}");
+        assert!(steps.len() < 10_000, "the pass never finished: {steps:?}");
     }
-    assert_eq!(steps, [7, 7, 7, 7, 7, 7, 7, 1]);
-    // The next pass starts again at the first key.
-    let next = store.scrub(1000).unwrap();
-    assert_eq!(next.records, 50);
-    assert!(next.pass_finished);
-    // Writes made meanwhile are walked by the pass that reaches them.
+}
+
+/// A pass walks every record once, in steps of at most the number asked
+/// for; the step that reaches the last key says so (also when the count is
+/// a multiple of the step), and the next step starts the next pass from
+/// the first key. A sound store has nothing to report and keeps taking
+/// writes.
+#[test]
+fn a_scrub_pass_walks_every_record_once_in_bounded_steps() {
+    let t = TestDir::new();
+    let store = t.open();
+    // An empty store: one step ends the pass.
+    assert_eq!(pass_steps(&store, 7), [0]);
+    populate(&store, 49, None);
+    assert_eq!(pass_steps(&store, 7), [7; 7]);
+    acquired(
+        store
+            .claim(&key(&id(49)), &fp("k"), &lease_of(secs(60)))
+            .unwrap(),
+    );
+    assert_eq!(pass_steps(&store, 7), [7, 7, 7, 7, 7, 7, 7, 1]);
+    // 0 walks one record at a time; usize::MAX the whole store in one step.
+    assert_eq!(pass_steps(&store, 0), [1; 50]);
+    assert_eq!(pass_steps(&store, usize::MAX), [50]);
+    // Keys written after a pass started, past its last key, are left to the
+    // next pass: a pass ends even while keys keep arriving past its end.
+    assert_eq!(store.scrub(20).unwrap().records, 20);
     for i in 0..10 {
         let k = key(&format!("later-{i}"));
         acquired(store.claim(&k, &fp("later"), &lease_of(secs(60))).unwrap());
     }
-    assert_eq!(store.scrub(1000).unwrap().records, 60);
+    let rest = store.scrub(1000).unwrap();
+    assert_eq!((rest.records, rest.pass_finished), (30, true));
+    assert_eq!(pass_steps(&store, 1000), [60]);
     assert!(matches!(
         claim_fresh(&store, 0),
         Ok(ClaimOutcome::Acquired(_))
@@ -114,11 +130,13 @@ fn a_scrub_pass_walks_every_record_once_in_bounded_steps() {
 }
 
 /// A stored result damaged on disk while the store is open: the scrub
-/// names the record, poisons the store (a fresh claim is refused), and the
-/// reopen (an unclean one: the poisoned store skips its clean checkpoint)
-/// runs the full integrity check, which refuses the file. (The records are
-/// checkpointed first: a page of a change not yet checkpointed is rebuilt
-/// from the write-ahead log at the reopen, damage and all discarded.)
+/// names the record, poisons the store (a fresh claim is refused) and
+/// leaves the damage marker, so that the reopen is refused too;
+/// `check_file` still checks the file (redb's page checksum fails). Once
+/// the marker is removed, the reopen (an unclean one: the poisoned store
+/// skips its clean checkpoint) runs the full integrity check, which refuses
+/// the file. (The records are checkpointed first: a page of a change not
+/// yet checkpointed is rebuilt from the write-ahead log at the reopen.)
 #[test]
 fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     let t = TestDir::new();
@@ -139,10 +157,68 @@ fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     assert_eq!(named, [key(&id(17)).to_string()], "{:?}", report.problems);
     assert!(matches!(claim_fresh(&store, 1), Err(Error::Poisoned)));
     drop(store);
+    let marker = marker_of(&t.path);
+    let text = std::fs::read_to_string(&marker).unwrap();
+    assert!(text.contains(&key(&id(17)).to_string()), "{text}");
+    assert_refused_by_marker(&t);
+    let checked = check_file(&t.path, |_| {}).unwrap();
+    assert!(!checked.is_clean(), "{checked:?}");
+    std::fs::remove_file(&marker).unwrap();
     match Store::open_with(&t.path, t.config()) {
         Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
         Err(other) => panic!("expected CorruptFile, got {other:?}"),
-        Ok(_) => panic!("the reopen after the scrub's damage report did not refuse the file"),
+        Ok(_) => panic!("the unclean reopen's integrity check did not refuse the file"),
+    }
+}
+
+/// Damage that redb's page checksums do not see (a record rewritten with a
+/// bad checksum, as a damaged page rewritten by a later write would be):
+/// the reopen's integrity check passes, so only the marker keeps the store
+/// from opening and taking claims again. `check_file` names the record.
+#[test]
+fn damage_with_valid_page_checksums_keeps_the_store_refused_until_the_marker_is_removed() {
+    let t = TestDir::new();
+    drop({
+        let store = t.open();
+        populate(&store, 30, Some(17));
+        store
+    });
+    damage_record(&t.path, &key(&id(17)));
+    let store = t.open();
+    let report = store.scrub(1000).unwrap();
+    assert!(report.damaged, "{report:?}");
+    assert!(matches!(claim_fresh(&store, 4), Err(Error::Poisoned)));
+    drop(store);
+    assert_refused_by_marker(&t);
+    let checked = check_file(&t.path, |_| {}).unwrap();
+    assert_eq!(checked.integrity, Integrity::Clean);
+    let named: Vec<&str> = checked.problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(named, [key(&id(17)).to_string()], "{:?}", checked.problems);
+    // The operator's decision: the file opens again, and the damaged record
+    // is refused as on every read.
+    std::fs::remove_file(marker_of(&t.path)).unwrap();
+    let store = t.open();
+    assert!(matches!(
+        store.get(&key(&id(17))),
+        Err(Error::CorruptRecord { .. })
+    ));
+}
+
+fn marker_of(path: &Path) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_os_string();
+    name.push("-damaged");
+    name.into()
+}
+
+/// The open of `t`'s store is refused with `CorruptFile` naming the marker.
+fn assert_refused_by_marker(t: &TestDir) {
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { path, detail }) => {
+            assert_eq!(path, t.path);
+            assert!(detail.contains("-damaged"), "{detail}");
+        }
+        Err(other) => panic!("expected CorruptFile naming the marker, got {other:?}"),
+        Ok(_) => panic!("a store the scrub marked damaged opened"),
     }
 }
 
@@ -187,6 +263,12 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
         .map(|i| key(&id(i)).to_string())
         .collect();
     assert!(!hidden.is_empty(), "the damage hid no key from lookups");
+    // `verify` (and so `idemstore check`) looks each record up too.
+    let verified = store.verify(|_| {}).unwrap();
+    let reported: Vec<&str> = verified.problems.iter().map(|p| p.key.as_str()).collect();
+    for k in &hidden {
+        assert!(reported.contains(&k.as_str()), "verify did not name {k}");
+    }
     let mut named = Vec::new();
     let mut damaged = false;
     let mut walked = 0;
@@ -213,6 +295,8 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
         store.claim(&hidden_key, &fp(hidden_key.id()), &lease_of(secs(60))),
         Err(Error::Poisoned)
     ));
+    drop(store);
+    assert_refused_by_marker(&t);
 }
 
 /// With `scrub_rate` set, the store's background thread finds damage
@@ -232,8 +316,11 @@ fn the_background_scrub_finds_damage_without_being_asked() {
         claim_fresh(&store, 2),
         Ok(ClaimOutcome::Acquired(_))
     ));
+    store.checkpoint().unwrap();
     let bytes = std::fs::read(&t.path).unwrap();
-    for offset in find_all(&bytes, MARKER) {
+    let at = find_all(&bytes, MARKER);
+    assert!(!at.is_empty());
+    for offset in at {
         flip(&t.path, offset + 3, 0x20);
     }
     // A liveness bound, not a timing figure: a pass of 30 records runs
@@ -274,16 +361,20 @@ fn a_scrub_rate_out_of_range_is_refused_at_open() {
 
 /// The scrub is the embedded engine's: a PostgreSQL store refuses a rate
 /// other than the default before connecting (the server checks its own
-/// pages), naming the setting.
+/// pages), naming the setting; `None` (no scrub) passes the check, and the
+/// connection to a port nobody listens on then fails.
 #[cfg(feature = "postgres")]
 #[test]
 fn a_postgres_store_refuses_a_scrub_rate() {
-    for rate in [None, Some(5)] {
-        let config = Config::new().scrub_rate(rate);
-        match Store::connect("postgresql://127.0.0.1:9/none", config) {
-            Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "scrub_rate"),
-            Err(other) => panic!("rate {rate:?}: expected InvalidArgument, got {other:?}"),
-            Ok(_) => panic!("rate {rate:?} was accepted"),
-        }
+    let url = "postgresql://127.0.0.1:9/none?connect_timeout=2";
+    match Store::connect(url, Config::new().scrub_rate(Some(5))) {
+        Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "scrub_rate"),
+        Err(other) => panic!("expected InvalidArgument, got {other:?}"),
+        Ok(_) => panic!("a scrub rate was accepted"),
+    }
+    match Store::connect(url, Config::new().scrub_rate(None)) {
+        Err(Error::InvalidArgument { what, .. }) => panic!("{what} refused"),
+        Err(_) => {}
+        Ok(_) => panic!("connected to port 9"),
     }
 }

@@ -213,7 +213,7 @@ impl LogFile for SimLog {
 }
 
 fn config() -> Config {
-    Config::new().sweep_interval(None)
+    Config::new().sweep_interval(None).scrub_rate(None)
 }
 
 fn open_sim(disk: &SimDisk, log: &SimLog, config: Config) -> Result<Store, Error> {

@@ -110,10 +110,11 @@ fn redacted(url: &str, schema: &str) -> String {
     format!("{scheme}://{host}/{db}?schema={schema}")
 }
 
-/// The settings of an operator command's store: no background sweeper,
-/// `retention` for what the command writes (the default, 24 h, when `None`).
+/// The settings of an operator command's store: no background sweeper and
+/// no background scrub (a command is short), `retention` for what the
+/// command writes (the default, 24 h, when `None`).
 fn config(retention: Option<Duration>) -> Config {
-    let mut config = Config::new().sweep_interval(None);
+    let mut config = Config::new().sweep_interval(None).scrub_rate(None);
     if let Some(retention) = retention {
         config = config.retention(retention);
     }

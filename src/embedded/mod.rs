@@ -55,6 +55,9 @@ pub(crate) struct Embedded {
     writer: Writer,
     /// Where the online scrub stands (see [`scrub`]).
     scrub: Mutex<scrub::Cursor>,
+    /// Whether the index is a file (not a custom backend): the scrub then
+    /// leaves its damage marker beside it.
+    file_backed: bool,
 }
 
 /// What a read outside the writer found.
@@ -127,6 +130,10 @@ impl Embedded {
             interval_ms,
             wall_ms: config.clock.now_ms(),
         };
+        let file_backed = backend.is_none();
+        if file_backed && !config.ignore_damage_marker {
+            scrub::refuse_if_marked(&path)?;
+        }
         let fence = Fence::default();
         let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
         // The log file is opened (or created) only once the index is known
@@ -197,6 +204,7 @@ impl Embedded {
             shared,
             writer,
             scrub: Mutex::default(),
+            file_backed,
         })
     }
 
@@ -556,15 +564,17 @@ impl Embedded {
     }
 
     /// Runs one step of the online scrub over up to `max` records (see
-    /// [`scrub::step`]) once the index holds every acknowledged change;
-    /// damage poisons the store, so that writes are refused and the reopen
-    /// runs the full integrity check.
-    pub(crate) fn scrub(&self, max: usize) -> Result<ScrubReport> {
+    /// [`scrub::step`]). With `commit`, the writer's open index
+    /// transaction is committed first, so that the step sees every change
+    /// acknowledged before the call (the background scrub does not: the
+    /// writer commits by itself within a millisecond of going idle, and a
+    /// commit asked every second would make an idle store write). Damage
+    /// poisons the store, so that writes are refused, and leaves the damage
+    /// marker beside a store file, so that every later open refuses it
+    /// until the operator acts ([`scrub::marker_path_of`]).
+    pub(crate) fn scrub(&self, max: usize, commit: bool) -> Result<ScrubReport> {
         let shared = &self.shared;
-        // The walk reads redb's last commit: the writer's open transaction
-        // is committed first, so that a step sees every acknowledged change
-        // (a poisoned store's index is walked as it stands).
-        if !shared.poisoned.load(Ordering::SeqCst) {
+        if commit && !shared.poisoned.load(Ordering::SeqCst) {
             self.commit_index()?;
         }
         let mut cursor = self.scrub.lock().unwrap_or_else(PoisonError::into_inner);
@@ -572,13 +582,35 @@ impl Embedded {
             shared.db.begin_read().map_err(|e| map_err(&shared.path, e))
         })?;
         let report = scrub::step(&shared.path, &txn, &mut cursor, max)?;
-        if report.damaged && !shared.poisoned.swap(true, Ordering::SeqCst) {
-            tracing::error!(
-                path = %shared.path.display(),
-                "the scrub found damage in the index; store refuses writes until reopened (the reopen runs the full integrity check)"
-            );
+        if report.damaged {
+            let first = !shared.poisoned.swap(true, Ordering::SeqCst);
+            let marker = if self.file_backed {
+                scrub::mark_damaged(&shared.path, shared.clock.wall_ms(), &report.problems)
+                    .map(|()| Some(scrub::marker_path_of(&shared.path)))
+            } else {
+                Ok(None)
+            };
+            match marker {
+                Err(err) => tracing::error!(
+                    path = %shared.path.display(),
+                    error = %err,
+                    "the scrub found damage in the index; store refuses writes until reopened, but the damage marker could not be written"
+                ),
+                Ok(marker) if first => tracing::error!(
+                    path = %shared.path.display(),
+                    marker = ?marker,
+                    "the scrub found damage in the index; store refuses writes, and opens are refused while the marker exists"
+                ),
+                Ok(_) => {}
+            }
         }
         Ok(report)
+    }
+
+    /// Whether the store refuses writes (a failed durable write, or damage
+    /// the scrub found): the background scrub then stops.
+    pub(crate) fn is_poisoned(&self) -> bool {
+        self.shared.poisoned.load(Ordering::SeqCst)
     }
 
     /// How many records are stored (past retention or not), once durable.

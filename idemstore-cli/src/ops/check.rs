@@ -105,15 +105,16 @@ fn check_file(path: &std::path::Path) -> Result<CheckReport, CliError> {
     // The record count sizes the progress bar; the store is closed again
     // before the check, which needs the file to itself.
     // A file whose pages are damaged may not open: the check reports that.
-    let total = match Store::open_existing(path, Config::new().sweep_interval(None)) {
-        Ok(store) => Some(
-            store
-                .len()
-                .map_err(|e| CliError::store("cannot read the store", e))?,
-        ),
-        Err(idemstore::Error::CorruptFile { .. }) => None,
-        Err(e) => return Err(ops::open_error(path, e)),
-    };
+    let total =
+        match Store::open_existing(path, Config::new().sweep_interval(None).scrub_rate(None)) {
+            Ok(store) => Some(
+                store
+                    .len()
+                    .map_err(|e| CliError::store("cannot read the store", e))?,
+            ),
+            Err(idemstore::Error::CorruptFile { .. }) => None,
+            Err(e) => return Err(ops::open_error(path, e)),
+        };
     // redb's page check comes first and reports no progress of its own.
     let bar = ops::progress(total, "checking pages (redb)", ops::Unit::Records);
     let report = idemstore::check_file(path, |p| {

@@ -160,11 +160,21 @@ fn open_file(path: &std::path::Path, create: bool) -> Result<(Store, Created), C
     };
     let log_existed = log_before.exists();
     let store = if creating {
-        Store::open_with(path, idemstore::Config::new().sweep_interval(None))
-            .map_err(|e| ops::open_error(path, e))?
+        Store::open_with(
+            path,
+            idemstore::Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None),
+        )
+        .map_err(|e| ops::open_error(path, e))?
     } else {
-        Store::open_existing(path, idemstore::Config::new().sweep_interval(None))
-            .map_err(|e| ops::open_error(path, e))?
+        Store::open_existing(
+            path,
+            idemstore::Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None),
+        )
+        .map_err(|e| ops::open_error(path, e))?
     };
     // What this command created: the store file, and its log unless one
     // was already there.
