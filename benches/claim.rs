@@ -8,7 +8,9 @@
 //!
 //! Each runs from 1, 4, 16 and 64 threads sharing one store, in every
 //! durability mode of [`MODES`], on a store that starts with 10 thousand
-//! records, and 1 million with `IDEMSTORE_BENCH_LARGE=1`. One iteration is
+//! records, and 1 million with `IDEMSTORE_BENCH_LARGE=1`, 10 million with
+//! `IDEMSTORE_BENCH_HUGE=1` (its store takes minutes to build and 3 GB of
+//! disk, and each group copies it). One iteration is
 //! one operation (one lifecycle for `lifecycle`), so the reported throughput
 //! is operations per second of all threads together.
 //!
@@ -59,6 +61,8 @@ const MODES: &[Mode] = &[
 const SIZE: (u64, &str) = (10_000, "10k");
 /// The large starting store, measured with `IDEMSTORE_BENCH_LARGE=1`.
 const LARGE_SIZE: (u64, &str) = (1_000_000, "1m");
+/// The huge starting store, measured with `IDEMSTORE_BENCH_HUGE=1`.
+const HUGE_SIZE: (u64, &str) = (10_000_000, "10m");
 
 const SCOPE: &str = "bench/tickets.create";
 /// The result every complete stores (64 bytes).
@@ -315,6 +319,9 @@ fn claims(c: &mut Criterion) {
     let mut sizes = vec![SIZE];
     if std::env::var_os("IDEMSTORE_BENCH_LARGE").is_some_and(|v| v == "1") {
         sizes.push(LARGE_SIZE);
+    }
+    if std::env::var_os("IDEMSTORE_BENCH_HUGE").is_some_and(|v| v == "1") {
+        sizes.push(HUGE_SIZE);
     }
     for (records, label) in sizes {
         let base = base_store(records);

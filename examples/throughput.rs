@@ -65,6 +65,16 @@ struct Args {
     /// the threads claim, in random order.
     #[arg(long, default_value_t = 65_536)]
     hot: u64,
+    /// Store: spread the fresh keys over an existing store's keys
+    /// (`key-<n>-s<thread>-<i>`, next to a random one of `key-0` up to this)
+    /// instead of a scope of the run's own, as keys that hash anywhere in
+    /// the index do.
+    #[arg(long)]
+    spread: Option<u64>,
+    /// redb's page cache in MiB (`Config::cache_bytes`; the default, 64,
+    /// when absent).
+    #[arg(long)]
+    cache_mib: Option<usize>,
     /// Sweep: how many records to write expired and then sweep.
     #[arg(long, default_value_t = 100_000)]
     expire: u64,
@@ -108,7 +118,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run_for = Duration::from_secs_f64(args.seconds);
     let path = args.store.clone().unwrap_or_else(|| dir.join("bench.redb"));
     let (done, elapsed) = match args.what {
-        What::Store => run_store(&path, args.threads, run_for, args.buffered_ms)?,
+        What::Store => run_store(&path, &args, run_for)?,
         What::Floor => run_floor(&dir, args.threads, run_for)?,
         What::Replay => {
             let Some(path) = &args.store else {
@@ -242,22 +252,34 @@ fn drive(threads: usize, run_for: Duration, op: impl Fn(usize, u64) + Sync) -> (
 
 fn run_store(
     path: &std::path::Path,
-    threads: usize,
+    args: &Args,
     run_for: Duration,
-    buffered_ms: Option<u64>,
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
-    let store = Store::open_with(path, config(buffered_ms))?;
-    // Fresh keys on an existing store too: a scope of this run's own.
+    let mut config = config(args.buffered_ms);
+    if let Some(mib) = args.cache_mib {
+        config = config.cache_bytes(mib * 1024 * 1024);
+    }
+    let store = Store::open_with(path, config)?;
+    // Fresh keys on an existing store too: a scope of this run's own, or
+    // spread among the store's keys.
     let scope = format!(
         "bench/op-{}",
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     );
+    let run = std::process::id();
     let fp = Fingerprint::of(b"payload");
     let opts = ClaimOptions::new();
-    Ok(drive(threads, run_for, |t, i| {
-        let key = Key::new(scope.as_str(), format!("t{t}-{i}")).expect("key");
+    Ok(drive(args.threads, run_for, |t, i| {
+        let key = match args.spread {
+            Some(spread) => Key::new(
+                "bench",
+                format!("key-{:012}-s{run}-{t}-{i}", mix(t, i) % spread.max(1)),
+            ),
+            None => Key::new(scope.as_str(), format!("t{t}-{i}")),
+        }
+        .expect("key");
         match store.claim(&key, &fp, &opts).expect("claim") {
             ClaimOutcome::Acquired(lease) => {
                 store.complete(&lease, b"result-bytes").expect("complete");
