@@ -53,7 +53,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = idemstore::Config::new()
         .sweep_interval(None)
         .scrub_rate(None);
-    let store = idemstore::Store::open_with(&path, config)?;
+    let store = idemstore::Store::open_existing(&path, config)?;
     println!("{:9.3} s opened", started.elapsed().as_secs_f64());
     drop(store);
     println!("{:9.3} s closed", started.elapsed().as_secs_f64());

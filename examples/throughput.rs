@@ -257,7 +257,8 @@ fn run_store(
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
     let mut config = config(args.buffered_ms);
     if let Some(mib) = args.cache_mib {
-        config = config.cache_bytes(mib * 1024 * 1024);
+        let bytes = mib.checked_mul(1024 * 1024).ok_or("--cache-mib is too large")?;
+        config = config.cache_bytes(bytes);
     }
     let store = Store::open_with(path, config)?;
     // Fresh keys on an existing store too: a scope of this run's own, or

@@ -6,17 +6,17 @@ use std::path::Path;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::report::{CheckReport, Integrity, Progress};
+use crate::report::{CheckReport, Integrity, Problem, Progress};
 use crate::store::Store;
 
 /// Checks the store file at `path`: first redb's own integrity check of
 /// every page (which needs the file to itself, and repairs what it can),
 /// then every record as [`Store::verify`] does. `progress` is called after
-/// each record. Opens the file only if it exists and no one else holds it,
-/// also when the online scrub marked it damaged (`<path>-damaged`, which
-/// makes [`Store::open`] refuse it; see
-/// [`Config::scrub_rate`](crate::Config::scrub_rate)): a check is how an
-/// operator decides whether to restore or to remove the marker.
+/// each record. Opens the file only if it exists and no one else holds it.
+/// A file the online scrub marked damaged (`<path>-damaged`, see
+/// [`Config::scrub_rate`](crate::Config::scrub_rate)) is checked too, and
+/// the marker is reported as a problem: a check is how an operator decides
+/// whether to restore or to remove the marker.
 ///
 /// This reads the whole file: its time grows linearly with the file's
 /// size (about 1 s for a million records, a 310 MB file, warm; each pass
@@ -42,11 +42,27 @@ use crate::store::Store;
 pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Result<CheckReport> {
     let path = path.as_ref();
     crate::embedded::check_existing(path)?;
+    let marker = crate::embedded::scrub::marker_path_of(
+        &std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
+    );
+    // Reported in every outcome: the store opens read-only while it exists.
+    let marked: Vec<Problem> = crate::embedded::scrub::is_marked(&marker)
+        .then(|| Problem {
+            key: "(damage marker)".into(),
+            detail: format!(
+                "the online scrub marked this store damaged ({}): it opens read-only while \
+                 that file exists; restore from an export, or remove the file once the store \
+                 is known sound",
+                marker.display()
+            ),
+        })
+        .into_iter()
+        .collect();
     let damaged = |integrity| CheckReport {
         integrity,
         records: 0,
         bindings: 0,
-        problems: Vec::new(),
+        problems: marked.clone(),
     };
     let checked = crate::embedded::check::integrity(path);
     let integrity = match checked {
@@ -59,10 +75,9 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
         }
         Err(e) => return Err(e),
     };
-    // The check is what an operator runs on a file the scrub marked
-    // damaged: it opens the file regardless of the marker.
-    let mut config = Config::new().sweep_interval(None).scrub_rate(None);
-    config.ignore_damage_marker = true;
+    // A file the scrub marked damaged opens read-only: the check reads it,
+    // and reports the marker.
+    let config = Config::new().sweep_interval(None).scrub_rate(None);
     let store = match Store::open_existing(path, config) {
         Ok(store) => store,
         Err(Error::CorruptFile { detail, .. }) => {
@@ -74,5 +89,6 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
     };
     let mut report = store.verify(progress)?;
     report.integrity = integrity;
+    report.problems.extend(marked);
     Ok(report)
 }

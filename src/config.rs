@@ -81,12 +81,14 @@ pub const DEFAULT_INTEGRITY_CHECK_INTERVAL: Duration = Duration::from_secs(24 * 
 /// The default of [`Config::scrub_rate`]: 10,000 records per second. At
 /// that rate a pass over a million records takes about 100 s and over ten
 /// million about 17 minutes; each record costs a walk step and two
-/// lookups of the index (BENCHMARKS.md, "Online scrub").
+/// lookups of the index, about 1.3 µs with the file cached (BENCHMARKS.md,
+/// "Online scrub").
 pub const DEFAULT_SCRUB_RATE: u32 = 10_000;
 
-/// The highest [`Config::scrub_rate`] accepted: 10,000,000 records per
-/// second (past that the scrub would simply run flat out).
-pub const MAX_SCRUB_RATE: u32 = 10_000_000;
+/// The highest [`Config::scrub_rate`] accepted: 1,000,000 records per
+/// second, about what one core walks (BENCHMARKS.md, "Online scrub"); a
+/// step of that many records holds its read snapshot for about 1.3 s.
+pub const MAX_SCRUB_RATE: u32 = 1_000_000;
 
 /// Store configuration.
 ///
@@ -142,9 +144,6 @@ pub struct Config {
     pub(crate) read_cache_bytes: usize,
     pub(crate) integrity_check_interval: Option<Duration>,
     pub(crate) scrub_rate: Option<u32>,
-    /// Opens a store file that the scrub marked damaged (`check_file`
-    /// only, to check it).
-    pub(crate) ignore_damage_marker: bool,
 }
 
 impl Default for Config {
@@ -164,7 +163,6 @@ impl Default for Config {
             read_cache_bytes: 64 * 1024 * 1024,
             integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
             scrub_rate: Some(DEFAULT_SCRUB_RATE),
-            ignore_damage_marker: false,
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,
@@ -242,7 +240,11 @@ impl Config {
 
     /// How often the background sweeper evicts expired records; `None`
     /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself). The sweeper stops
-    /// when the store is dropped.
+    /// when the store is dropped, or when the store refuses writes. Its
+    /// thread also runs the online scrub ([`Config::scrub_rate`]): with
+    /// the scrub on it ticks every second, so a sweep runs at the first
+    /// tick after its interval has passed (an interval of 1.5 s sweeps
+    /// every 2 s), and waits for a scrub step in progress.
     pub fn sweep_interval(mut self, interval: Option<Duration>) -> Config {
         self.sweep_interval = interval;
         self
@@ -374,21 +376,28 @@ impl Config {
     /// entry. A pass ends at the key that was last when it started; the
     /// next starts again at the first key. At the default rate a pass over
     /// a million records takes about 100 s, over ten million about 17
-    /// minutes; walking runs at about 800,000 records per second here, so
-    /// the default costs about 1 % of a core (BENCHMARKS.md, "Online
-    /// scrub").
+    /// minutes; walking runs at about 750,000–820,000 records per second
+    /// here with the file cached, so the default costs about 1.2 % of a
+    /// core (BENCHMARKS.md, "Online scrub").
     ///
     /// Damage (anything but a missing expiry entry, which is reported and
-    /// changes nothing) poisons the store: writes get
-    /// [`Error::Poisoned`](crate::Error::Poisoned), so that a key the index
-    /// can no longer find is not claimed a second time. The scrub also
-    /// leaves a file `<path>-damaged` beside the store file, naming what it
-    /// found, and every later open refuses the store with
-    /// [`Error::CorruptFile`](crate::Error::CorruptFile) while that file
-    /// exists: a damaged page that a later write rewrote carries a valid
-    /// checksum again, and the open's integrity check alone would not see
-    /// it. Restore from the latest export; [`check_file`](crate::check_file)
-    /// still opens the file. See README, "What it guarantees", point 5.
+    /// changes nothing) makes the store refuse writes: claims and every
+    /// other change get [`Error::Poisoned`](crate::Error::Poisoned), so
+    /// that a key the index can no longer find is not claimed a second
+    /// time, while reads, scans, stats and exports still answer (for the
+    /// restore). The scrub also leaves a file `<path>-damaged` beside the
+    /// store file, naming what it found, and every later open opens the
+    /// store read-only in the same way while that file (or its temporary
+    /// `-damaged.tmp`) exists: a damaged page that a later write rewrote
+    /// carries a valid checksum again, and the open's integrity check alone
+    /// would not see it. Export, restore into a new file, and move the
+    /// marker away with the damaged file; [`check_file`](crate::check_file)
+    /// reports it. A marker left beside a path whose store file is gone is
+    /// renamed aside (`-damaged.before-<ms>`) when a new store is created
+    /// there. A store on a custom backend, or one whose marker cannot be
+    /// written, is poisoned instead: it closes without its clean checkpoint
+    /// and the reopen runs the full integrity check. See README, "What it
+    /// guarantees", point 5.
     ///
     /// The thread is the background sweeper's (one thread for both, started
     /// when either is on). A step never waits for the writer; it reads

@@ -217,10 +217,21 @@ impl Engine {
     /// store that already refuses writes.
     pub(crate) fn scrub(&self, max: usize, commit: bool) -> Option<Result<ScrubReport>> {
         match self {
-            Engine::Embedded(e) if !commit && e.is_poisoned() => None,
+            Engine::Embedded(e) if !commit && e.refuses_writes() => None,
             Engine::Embedded(e) => Some(e.scrub(max, commit)),
             #[cfg(feature = "postgres")]
             Engine::Postgres { .. } => None,
+        }
+    }
+
+    /// Whether the store refuses writes (the embedded engine after a failed
+    /// durable write or damage found by its scrub): the background sweep
+    /// then stops.
+    pub(crate) fn refuses_writes(&self) -> bool {
+        match self {
+            Engine::Embedded(e) => e.refuses_writes(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => false,
         }
     }
 

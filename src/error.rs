@@ -223,15 +223,17 @@ pub enum Error {
     #[error("storage error: {0}")]
     Storage(String),
 
-    /// An earlier durable write failed (an fsync above all), or the online
-    /// scrub ([`Config::scrub_rate`](crate::Config::scrub_rate)) found the
-    /// index damaged, so the store refuses writes until it is reopened:
-    /// after a failed fsync the page cache cannot be trusted (the lesson
-    /// PostgreSQL learned in 2018), and a damaged index may not find a key
-    /// it holds (a claim would run the work again). Only a reopen recovers
-    /// from what is really on disk; it runs the full integrity check.
+    /// An earlier durable write failed (an fsync above all), so the store
+    /// refuses writes until it is reopened: after a failed fsync the page
+    /// cache cannot be trusted (the lesson PostgreSQL learned in 2018), and
+    /// only a reopen recovers from what is really on disk. Also the answer
+    /// to every write on a store whose online scrub found the index damaged
+    /// ([`Config::scrub_rate`](crate::Config::scrub_rate)): a damaged index
+    /// may not find a key it holds, and a claim would run the work again.
+    /// Reopening does not clear that while the marker `<path>-damaged`
+    /// exists: restore from an export.
     #[error(
-        "store refuses writes after an earlier I/O error or damage found by the scrub; reopen it to recover"
+        "store refuses writes after an earlier I/O error or damage found by the scrub; reopen it, or restore it if the scrub marked it damaged"
     )]
     Poisoned,
 

@@ -90,9 +90,9 @@ impl Store {
     /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer
     ///   format; or a log that belongs to another store, is of another
     ///   format version, or is not a log (naming the log).
-    /// - [`Error::CorruptFile`]: the file is damaged, or the online scrub
-    ///   marked it damaged (`<path>-damaged` exists; see
-    ///   [`Config::scrub_rate`]).
+    /// - [`Error::CorruptFile`]: the file is damaged. (A file the online
+    ///   scrub marked damaged, `<path>-damaged`, opens read-only instead:
+    ///   see [`Config::scrub_rate`].)
     /// - [`Error::CorruptLog`]: after an unclean shutdown, a log frame that
     ///   was durable is damaged while later frames are intact, or the log is
     ///   missing or its header damaged (naming the log and the offset).
@@ -695,9 +695,7 @@ impl Store {
     }
 
     /// Runs one step of the online scrub now: walks up to `max_records`
-    /// records (at least one; the step holds one read snapshot and the
-    /// scrub's position for its whole walk, about 1.3 µs per record warm)
-    /// after where the last step stopped, in key order, and checks each as
+    /// records (at least one) after where the last step stopped, in key order, and checks each as
     /// the background scrub does (see [`Config::scrub_rate`]): the keys in
     /// order, a lookup of each key finding the same record, the record's
     /// checksum, its expiry index entry. The step that reaches the key that
@@ -707,19 +705,21 @@ impl Store {
     /// open transaction is committed first, so the step sees every change
     /// acknowledged before the call.
     ///
-    /// Damage found (anything but a missing expiry entry) poisons the
-    /// store: later writes get [`Error::Poisoned`]. It also leaves the file
-    /// `<path>-damaged` beside the store file, and every later open refuses
-    /// the store with [`Error::CorruptFile`] while it exists (restore from
-    /// the latest export; [`check_file`](crate::check_file) still opens
-    /// the file).
+    /// Damage found (anything but a missing expiry entry) makes the store
+    /// refuse writes ([`Error::Poisoned`]) while reads, scans and exports
+    /// still answer, and leaves the file `<path>-damaged` beside the store
+    /// file, which makes every later open read-only too (see
+    /// [`Config::scrub_rate`] for the restore). A step of `max_records`
+    /// holds its snapshot, and the position the background scrub shares,
+    /// for about 1.3 µs per record with the file cached.
     ///
     /// # Errors
     /// - [`Error::InvalidArgument`] on a PostgreSQL store (the server
     ///   checks its own pages: enable data checksums there).
     /// - [`Error::Storage`] when the file cannot be read for a reason other
-    ///   than damage, or the writer's commit fails; damage is reported in
-    ///   the [`ScrubReport`], not as an error.
+    ///   than damage (after 10 such failures in a row at one place, the
+    ///   place is reported as damage), or the writer's commit fails; damage
+    ///   is reported in the [`ScrubReport`], not as an error.
     /// - [`Error::Poisoned`] or [`Error::Closed`] from the writer's commit
     ///   (a store already poisoned is walked without it).
     pub fn scrub(&self, max_records: usize) -> Result<ScrubReport> {

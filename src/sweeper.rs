@@ -48,6 +48,9 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
             }
         }
         let Some(every) = sweep_every else { return };
+        if engine.refuses_writes() {
+            return;
+        }
         if last_sweep.elapsed() < every {
             return;
         }

@@ -130,13 +130,10 @@ fn a_scrub_pass_walks_every_record_once_in_bounded_steps() {
 }
 
 /// A stored result damaged on disk while the store is open: the scrub
-/// names the record, poisons the store (a fresh claim is refused) and
-/// leaves the damage marker, so that the reopen is refused too;
-/// `check_file` still checks the file (redb's page checksum fails). Once
-/// the marker is removed, the reopen (an unclean one: the poisoned store
-/// skips its clean checkpoint) runs the full integrity check, which refuses
-/// the file. (The records are checkpointed first: a page of a change not
-/// yet checkpointed is rebuilt from the write-ahead log at the reopen.)
+/// names the record, makes the store refuse writes (a fresh claim gets
+/// `Poisoned`) and leaves the damage marker, so that the reopen is read-only
+/// too; `check_file` finds redb's page checksum failing. (The records are
+/// checkpointed first, so that the damaged page is the one on disk.)
 #[test]
 fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     let t = TestDir::new();
@@ -160,23 +157,25 @@ fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     let marker = marker_of(&t.path);
     let text = std::fs::read_to_string(&marker).unwrap();
     assert!(text.contains(&key(&id(17)).to_string()), "{text}");
-    assert_refused_by_marker(&t);
+    assert_read_only_by_marker(&t);
     let checked = check_file(&t.path, |_| {}).unwrap();
     assert!(!checked.is_clean(), "{checked:?}");
+    // Without the marker, an open that runs the full check refuses it.
     std::fs::remove_file(&marker).unwrap();
-    match Store::open_with(&t.path, t.config()) {
+    match Store::open_with(&t.path, t.config().integrity_check_interval(None)) {
         Err(Error::CorruptFile { path, .. }) => assert_eq!(path, t.path),
         Err(other) => panic!("expected CorruptFile, got {other:?}"),
-        Ok(_) => panic!("the unclean reopen's integrity check did not refuse the file"),
+        Ok(_) => panic!("the integrity check did not refuse the file"),
     }
 }
 
 /// Damage that redb's page checksums do not see (a record rewritten with a
 /// bad checksum, as a damaged page rewritten by a later write would be):
 /// the reopen's integrity check passes, so only the marker keeps the store
-/// from opening and taking claims again. `check_file` names the record.
+/// from taking claims again. `check_file` names the record and the marker;
+/// once the marker is removed, the store takes writes again.
 #[test]
-fn damage_with_valid_page_checksums_keeps_the_store_refused_until_the_marker_is_removed() {
+fn damage_with_valid_page_checksums_keeps_the_store_read_only_until_the_marker_is_removed() {
     let t = TestDir::new();
     drop({
         let store = t.open();
@@ -189,18 +188,70 @@ fn damage_with_valid_page_checksums_keeps_the_store_refused_until_the_marker_is_
     assert!(report.damaged, "{report:?}");
     assert!(matches!(claim_fresh(&store, 4), Err(Error::Poisoned)));
     drop(store);
-    assert_refused_by_marker(&t);
+    assert_read_only_by_marker(&t);
     let checked = check_file(&t.path, |_| {}).unwrap();
     assert_eq!(checked.integrity, Integrity::Clean);
     let named: Vec<&str> = checked.problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(named, [key(&id(17)).to_string()], "{:?}", checked.problems);
-    // The operator's decision: the file opens again, and the damaged record
-    // is refused as on every read.
+    assert_eq!(
+        named,
+        [key(&id(17)).to_string().as_str(), "(damage marker)"],
+        "{:?}",
+        checked.problems
+    );
+    // The operator's decision: the file takes writes again, and the damaged
+    // record is refused as on every read.
     std::fs::remove_file(marker_of(&t.path)).unwrap();
     let store = t.open();
     assert!(matches!(
+        claim_fresh(&store, 5),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    assert!(matches!(
         store.get(&key(&id(17))),
         Err(Error::CorruptRecord { .. })
+    ));
+}
+
+/// The marker's temporary name, left by a crash during its write, counts
+/// as the marker; a marker beside a store file that does not exist (the
+/// damaged file moved away) is set aside when a new store is created
+/// there, which then takes writes, also after a reopen.
+#[test]
+fn a_leftover_marker_write_counts_and_a_new_store_ignores_a_stale_marker() {
+    let t = TestDir::new();
+    drop({
+        let store = t.open();
+        populate(&store, 3, None);
+        store
+    });
+    let mut temp = marker_of(&t.path).into_os_string();
+    temp.push(".tmp");
+    std::fs::write(&temp, "partial").unwrap();
+    let store = t.open();
+    assert!(matches!(claim_fresh(&store, 6), Err(Error::Poisoned)));
+    drop(store);
+    std::fs::remove_file(&temp).unwrap();
+    std::fs::write(marker_of(&t.path), "stale").unwrap();
+    std::fs::remove_file(&t.path).unwrap();
+    let _ = std::fs::remove_file(t.dir.path().join("idem.redb-wal"));
+    let store = t.open();
+    assert!(matches!(
+        claim_fresh(&store, 7),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    drop(store);
+    // Set aside, not deleted: what it said is kept for the operator.
+    assert!(!marker_of(&t.path).exists());
+    let aside: Vec<_> = std::fs::read_dir(t.dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("-damaged.before-"))
+        .collect();
+    assert_eq!(aside.len(), 1);
+    let store = t.open();
+    assert!(matches!(
+        claim_fresh(&store, 8),
+        Ok(ClaimOutcome::Acquired(_))
     ));
 }
 
@@ -210,16 +261,27 @@ fn marker_of(path: &Path) -> std::path::PathBuf {
     name.into()
 }
 
-/// The open of `t`'s store is refused with `CorruptFile` naming the marker.
-fn assert_refused_by_marker(t: &TestDir) {
-    match Store::open_with(&t.path, t.config()) {
-        Err(Error::CorruptFile { path, detail }) => {
-            assert_eq!(path, t.path);
-            assert!(detail.contains("-damaged"), "{detail}");
-        }
-        Err(other) => panic!("expected CorruptFile naming the marker, got {other:?}"),
-        Ok(_) => panic!("a store the scrub marked damaged opened"),
+/// The open of `t`'s store succeeds read-only: a fresh claim gets
+/// `Poisoned`, reads and an export still run (for the restore), and
+/// `check_file` reports the marker.
+fn assert_read_only_by_marker(t: &TestDir) {
+    let store = t.open();
+    assert!(matches!(claim_fresh(&store, 99), Err(Error::Poisoned)));
+    assert!(store.get(&key(&id(0))).is_ok());
+    // Not refused for the marker; a damaged record itself stops an export
+    // (it cannot be exported faithfully), as on any store.
+    match store.export(&mut Vec::new(), |_| {}) {
+        Ok(summary) => assert!(summary.records > 0, "{summary:?}"),
+        Err(Error::CorruptRecord { .. }) => {}
+        Err(other) => panic!("the export of a marked store failed: {other:?}"),
     }
+    drop(store);
+    let checked = check_file(&t.path, |_| {}).unwrap();
+    assert!(
+        checked.problems.iter().any(|p| p.key == "(damage marker)"),
+        "{:?}",
+        checked.problems
+    );
 }
 
 /// A flipped byte in a separator key of a B-tree branch page, in a closed
@@ -296,7 +358,7 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
         Err(Error::Poisoned)
     ));
     drop(store);
-    assert_refused_by_marker(&t);
+    assert_read_only_by_marker(&t);
 }
 
 /// With `scrub_rate` set, the store's background thread finds damage

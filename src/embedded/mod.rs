@@ -55,9 +55,12 @@ pub(crate) struct Embedded {
     writer: Writer,
     /// Where the online scrub stands (see [`scrub`]).
     scrub: Mutex<scrub::Cursor>,
-    /// Whether the index is a file (not a custom backend): the scrub then
-    /// leaves its damage marker beside it.
-    file_backed: bool,
+    /// The damage marker beside the store file (absolute); `None` on a
+    /// custom backend.
+    marker: Option<PathBuf>,
+    /// Whether the scrub found the index damaged, now or before the open
+    /// (the marker existed): writes are refused, reads still answered.
+    damaged: AtomicBool,
 }
 
 /// What a read outside the writer found.
@@ -131,9 +134,19 @@ impl Embedded {
             wall_ms: config.clock.now_ms(),
         };
         let file_backed = backend.is_none();
-        if file_backed && !config.ignore_damage_marker {
-            scrub::refuse_if_marked(&path)?;
-        }
+        // The marker applies to the file it was left beside: only to a
+        // store file that exists (a new store at the path is not damaged).
+        let marker = file_backed.then(|| {
+            scrub::marker_path_of(&std::path::absolute(&path).unwrap_or_else(|_| path.clone()))
+        });
+        let marked = match &marker {
+            Some(marker) if path.exists() => scrub::is_marked(marker),
+            Some(marker) => {
+                scrub::set_aside_stale(marker, config.clock.now_ms());
+                false
+            }
+            None => false,
+        };
         let fence = Fence::default();
         let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
         // The log file is opened (or created) only once the index is known
@@ -200,11 +213,19 @@ impl Embedded {
             opened.writer,
         );
         let writer = Writer::start(shared.clone(), state, log)?;
+        if marked {
+            tracing::error!(
+                path = %shared.path.display(),
+                marker = ?marker,
+                "the online scrub marked this store damaged: it opens read-only (writes get Poisoned) while the marker exists"
+            );
+        }
         Ok(Embedded {
             shared,
             writer,
             scrub: Mutex::default(),
-            file_backed,
+            marker,
+            damaged: AtomicBool::new(marked),
         })
     }
 
@@ -230,10 +251,21 @@ impl Embedded {
     }
 
     fn submit(&self, cmd: Command) -> Completion {
-        if self.shared.poisoned.load(Ordering::SeqCst) {
+        if self.refuses(&cmd) {
             return Completion::Ready(Err(Error::Poisoned));
         }
         self.writer.submit(cmd)
+    }
+
+    /// Whether `cmd` is refused: every command after a failed durable write;
+    /// the writes (changes of records, sweeps, checkpoints) on a store the
+    /// scrub found damaged, whose commits of what is already acknowledged
+    /// and time reservations still run, so that it keeps answering reads,
+    /// scans and exports.
+    fn refuses(&self, cmd: &Command) -> bool {
+        self.shared.poisoned.load(Ordering::SeqCst)
+            || (self.damaged.load(Ordering::SeqCst)
+                && !matches!(cmd, Command::Commit | Command::Reserve))
     }
 
     fn submit_op(&self, key: &Key, op: Op) -> Completion {
@@ -245,7 +277,7 @@ impl Embedded {
 
     /// [`Embedded::submit`] from async code: a full queue is awaited.
     async fn submit_async(&self, cmd: Command) -> Completion {
-        if self.shared.poisoned.load(Ordering::SeqCst) {
+        if self.refuses(&cmd) {
             return Completion::Ready(Err(Error::Poisoned));
         }
         self.writer.submit_async(cmd).await
@@ -289,13 +321,14 @@ impl Embedded {
     /// dropping a response): always queued for the writer thread.
     #[cfg(feature = "http")]
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
-        if self.shared.poisoned.load(Ordering::SeqCst) {
-            return;
-        }
-        drop(self.writer.submit_queued(Command::Op {
+        let cmd = Command::Op {
             key: key.clone(),
             op,
-        }));
+        };
+        if self.refuses(&cmd) {
+            return;
+        }
+        drop(self.writer.submit_queued(cmd));
     }
 
     /// The store's time for an answer about to be given: the clock's
@@ -568,49 +601,68 @@ impl Embedded {
     /// transaction is committed first, so that the step sees every change
     /// acknowledged before the call (the background scrub does not: the
     /// writer commits by itself within a millisecond of going idle, and a
-    /// commit asked every second would make an idle store write). Damage
-    /// poisons the store, so that writes are refused, and leaves the damage
-    /// marker beside a store file, so that every later open refuses it
-    /// until the operator acts ([`scrub::marker_path_of`]).
+    /// commit asked every second would make an idle store write).
+    ///
+    /// Damage makes the store refuse writes (reads, scans and exports are
+    /// still answered) and leaves the damage marker beside a store file, so
+    /// that later opens do the same until the operator acts
+    /// ([`scrub::marker_path_of`]). A store without a marker (a custom
+    /// backend, or a marker that cannot be written) is poisoned instead:
+    /// it closes without its clean checkpoint, and the reopen runs the full
+    /// integrity check.
     pub(crate) fn scrub(&self, max: usize, commit: bool) -> Result<ScrubReport> {
         let shared = &self.shared;
         if commit && !shared.poisoned.load(Ordering::SeqCst) {
             self.commit_index()?;
         }
         let mut cursor = self.scrub.lock().unwrap_or_else(PoisonError::into_inner);
-        let txn = guard(&shared.path, || {
+        let report = match guard(&shared.path, || {
             shared.db.begin_read().map_err(|e| map_err(&shared.path, e))
-        })?;
-        let report = scrub::step(&shared.path, &txn, &mut cursor, max)?;
-        if report.damaged {
-            let first = !shared.poisoned.swap(true, Ordering::SeqCst);
-            let marker = if self.file_backed {
-                scrub::mark_damaged(&shared.path, shared.clock.wall_ms(), &report.problems)
-                    .map(|()| Some(scrub::marker_path_of(&shared.path)))
-            } else {
-                Ok(None)
+        }) {
+            Ok(txn) => scrub::step(&shared.path, &txn, &mut cursor, max)?,
+            Err(Error::CorruptFile { detail, .. }) => {
+                scrub::unreadable(&shared.path, &mut cursor, &detail)
+            }
+            Err(other) => return Err(other),
+        };
+        if report.damaged && !self.damaged.swap(true, Ordering::SeqCst) {
+            let marked = match &self.marker {
+                Some(marker) => scrub::mark_damaged(
+                    marker,
+                    &shared.path,
+                    shared.clock.wall_ms(),
+                    &report.problems,
+                )
+                .map_err(|e| {
+                    format!(
+                        "the damage marker {} cannot be written: {e}",
+                        marker.display()
+                    )
+                }),
+                None => Err("a store on a custom backend has no damage marker".to_string()),
             };
-            match marker {
-                Err(err) => tracing::error!(
+            match marked {
+                Ok(()) => tracing::error!(
                     path = %shared.path.display(),
-                    error = %err,
-                    "the scrub found damage in the index; store refuses writes until reopened, but the damage marker could not be written"
+                    marker = ?self.marker,
+                    "the scrub found damage in the index; the store refuses writes, now and at every open while the marker exists"
                 ),
-                Ok(marker) if first => tracing::error!(
-                    path = %shared.path.display(),
-                    marker = ?marker,
-                    "the scrub found damage in the index; store refuses writes, and opens are refused while the marker exists"
-                ),
-                Ok(_) => {}
+                Err(why) => {
+                    shared.poisoned.store(true, Ordering::SeqCst);
+                    tracing::error!(
+                        path = %shared.path.display(),
+                        "the scrub found damage in the index; the store refuses writes until reopened ({why}; the reopen runs the full integrity check)"
+                    );
+                }
             }
         }
         Ok(report)
     }
 
-    /// Whether the store refuses writes (a failed durable write, or damage
-    /// the scrub found): the background scrub then stops.
-    pub(crate) fn is_poisoned(&self) -> bool {
-        self.shared.poisoned.load(Ordering::SeqCst)
+    /// Whether the store refuses writes: a failed durable write, or damage
+    /// the scrub found. The background sweep and scrub then stop.
+    pub(crate) fn refuses_writes(&self) -> bool {
+        self.shared.poisoned.load(Ordering::SeqCst) || self.damaged.load(Ordering::SeqCst)
     }
 
     /// How many records are stored (past retention or not), once durable.

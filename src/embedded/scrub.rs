@@ -40,13 +40,23 @@ pub(crate) struct Cursor {
     pass_records: u64,
     /// Problems found in the current pass so far.
     pass_problems: u64,
+    /// Steps in a row that failed to read (an I/O error) where the cursor
+    /// stands.
+    failures: u32,
 }
+
+/// After this many steps in a row fail to read at the same place, the
+/// place counts as damage (a sector that no longer reads), so that a pass
+/// neither stalls there forever nor ends without a word.
+pub(crate) const MAX_READ_FAILURES: u32 = 10;
 
 /// What one walk saw.
 #[derive(Default)]
 struct Walk {
     records: u64,
     problems: Vec<Problem>,
+    /// Whether each reported problem is damage.
+    damage: Vec<bool>,
     /// Problems found, reported or not.
     found: u64,
     damaged: bool,
@@ -60,6 +70,7 @@ impl Walk {
         self.damaged |= damage;
         if self.problems.len() < MAX_PROBLEMS_PER_STEP {
             self.problems.push(Problem { key, detail });
+            self.damage.push(damage);
         }
     }
 }
@@ -102,19 +113,45 @@ pub(crate) fn step(
             walk.problem(at, format!("the walk cannot read on: {detail}"), true);
             true
         }
-        Err(other) => return Err(other),
+        Err(other) => {
+            cursor.failures = cursor.failures.saturating_add(1);
+            if cursor.failures < MAX_READ_FAILURES {
+                return Err(other);
+            }
+            let at = match &cursor.after {
+                Some(after) => format!("(the index after {})", Key::describe_bytes(after)),
+                None => "(the index)".into(),
+            };
+            let detail = format!(
+                "the walk failed to read {} times in a row here: {other}",
+                cursor.failures
+            );
+            walk.problem(at, detail, true);
+            true
+        }
     };
+    cursor.failures = 0;
     if walk.records < max as u64 {
         finished = true;
     }
-    for problem in &walk.problems {
-        tracing::error!(
-            target: "idemstore::scrub",
-            path = %path.display(),
-            key = %problem.key,
-            detail = %problem.detail,
-            "scrub found a problem"
-        );
+    for (problem, damage) in walk.problems.iter().zip(&walk.damage) {
+        if *damage {
+            tracing::error!(
+                target: "idemstore::scrub",
+                path = %path.display(),
+                key = %problem.key,
+                detail = %problem.detail,
+                "scrub found damage"
+            );
+        } else {
+            tracing::warn!(
+                target: "idemstore::scrub",
+                path = %path.display(),
+                key = %problem.key,
+                detail = %problem.detail,
+                "scrub found a problem"
+            );
+        }
     }
     cursor.pass_records = cursor.pass_records.saturating_add(walk.records);
     cursor.pass_problems = cursor.pass_problems.saturating_add(walk.found);
@@ -143,6 +180,29 @@ pub(crate) fn step(
         damaged: walk.damaged,
         pass_finished: finished,
     })
+}
+
+/// The report of a step that could not even open its snapshot (redb
+/// reports the file corrupted): damage, and the pass ends.
+pub(crate) fn unreadable(path: &Path, cursor: &mut Cursor, detail: &str) -> ScrubReport {
+    let problem = Problem {
+        key: "(the index)".into(),
+        detail: format!("the scrub's snapshot cannot be read: {detail}"),
+    };
+    tracing::error!(
+        target: "idemstore::scrub",
+        path = %path.display(),
+        key = %problem.key,
+        detail = %problem.detail,
+        "scrub found damage"
+    );
+    *cursor = Cursor::default();
+    ScrubReport {
+        records: 0,
+        problems: vec![problem],
+        damaged: true,
+        pass_finished: true,
+    }
 }
 
 /// Walks up to `max` records of the pass `cursor` is in (starting one when
@@ -226,30 +286,42 @@ fn walk_records(
 // The damage marker
 
 /// The `<path>-damaged` file that the scrub leaves beside a store file
-/// whose index it found damaged. Its presence makes every later open of
-/// the store refuse ([`refuse_if_marked`]): a damaged page rewritten by a
-/// later write carries a valid checksum again, so the reopen's integrity
-/// check alone would not find it, and the store would take claims of keys
-/// it can no longer find until the scrub came round again.
+/// whose index it found damaged (`path` made absolute at the open, so
+/// that a later change of the working directory does not move it). While
+/// it exists, every open of the store opens it read-only: a damaged page
+/// rewritten by a later write carries a valid checksum again, so the
+/// reopen's integrity check alone would not find it, and the store would
+/// take claims of keys it can no longer find until the scrub came round
+/// again. Reads, scans and exports still work, for the restore.
 pub(crate) fn marker_path_of(path: &Path) -> std::path::PathBuf {
     let mut name = path.as_os_str().to_os_string();
     name.push("-damaged");
     std::path::PathBuf::from(name)
 }
 
-/// Writes the marker of `path` (durably: a temporary file synced, renamed,
-/// and the directory synced) with what the scrub found, for the operator.
-pub(crate) fn mark_damaged(path: &Path, wall_ms: u64, problems: &[Problem]) -> std::io::Result<()> {
+/// The temporary name the marker is written under before its rename.
+fn marker_temp_of(marker: &Path) -> std::path::PathBuf {
+    let mut name = marker.as_os_str().to_os_string();
+    name.push(".tmp");
+    std::path::PathBuf::from(name)
+}
+
+/// Writes `marker` (durably: a temporary file synced, renamed, and the
+/// directory synced) with what the scrub found in the store at `path`, for
+/// the operator.
+pub(crate) fn mark_damaged(
+    marker: &Path,
+    path: &Path,
+    wall_ms: u64,
+    problems: &[Problem],
+) -> std::io::Result<()> {
     use std::io::Write;
-    let marker = marker_path_of(path);
-    let mut temp = marker.as_os_str().to_os_string();
-    temp.push(".tmp");
-    let temp = std::path::PathBuf::from(temp);
+    let temp = marker_temp_of(marker);
     let mut text = format!(
         "idemstore: the online scrub found the index of {} damaged at {wall_ms} ms since the epoch.\n\
-         The store refuses to open while this file exists. Restore from the latest export into a \
-         new file (idemstore import --create NEW EXPORT); remove this file only once the store \
-         file is known sound (idemstore check).\n",
+         The store opens read-only while this file exists: export it (idemstore export), restore \
+         the export into a new file (idemstore import --create NEW EXPORT), and move this file \
+         away with the damaged one. Remove it only once idemstore check reports the store clean.\n",
         path.display()
     );
     for p in problems {
@@ -258,23 +330,43 @@ pub(crate) fn mark_damaged(path: &Path, wall_ms: u64, problems: &[Problem]) -> s
     let mut file = std::fs::File::create(&temp)?;
     file.write_all(text.as_bytes())?;
     file.sync_all()?;
-    std::fs::rename(&temp, &marker)?;
-    super::wal::sync_parent_dir(&marker)
+    std::fs::rename(&temp, marker)?;
+    super::wal::sync_parent_dir(marker)
 }
 
-/// Refuses the open of a store file that the scrub marked damaged, with
-/// [`Error::CorruptFile`] naming the marker.
-pub(crate) fn refuse_if_marked(path: &Path) -> Result<()> {
-    let marker = marker_path_of(path);
-    match std::fs::symlink_metadata(&marker) {
-        Ok(_) => Err(Error::CorruptFile {
-            path: path.to_path_buf(),
-            detail: format!(
-                "the online scrub found the index damaged (see {}): restore from the latest \
-                 export, or remove that file once the store file is known sound",
-                marker.display()
+/// Whether `marker` (or its temporary name, left by a crash during the
+/// write) exists. A name that cannot be looked up for another reason
+/// (permissions) counts as marked: the safe side.
+pub(crate) fn is_marked(marker: &Path) -> bool {
+    let present = |p: &Path| match std::fs::symlink_metadata(p) {
+        Ok(_) => true,
+        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+    };
+    present(marker) || present(&marker_temp_of(marker))
+}
+
+/// Renames a marker (and its temporary name) left beside a store file that
+/// no longer exists to `<marker>.before-<wall_ms>`, so that the new store
+/// created at the path is not taken for the damaged one; logged (warn).
+/// A rename that fails is logged and the marker left.
+pub(crate) fn set_aside_stale(marker: &Path, wall_ms: u64) {
+    for name in [marker.to_path_buf(), marker_temp_of(marker)] {
+        if std::fs::symlink_metadata(&name).is_err() {
+            continue;
+        }
+        let mut aside = name.as_os_str().to_os_string();
+        aside.push(format!(".before-{wall_ms}"));
+        match std::fs::rename(&name, &aside) {
+            Ok(()) => tracing::warn!(
+                marker = %name.display(),
+                moved_to = ?aside,
+                "a damage marker without its store file was set aside: the store at this path is new"
             ),
-        }),
-        Err(_) => Ok(()),
+            Err(e) => tracing::warn!(
+                marker = %name.display(),
+                error = %e,
+                "a damage marker without its store file could not be set aside"
+            ),
+        }
     }
 }
