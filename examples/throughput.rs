@@ -257,7 +257,9 @@ fn run_store(
 ) -> Result<(u64, Duration), Box<dyn std::error::Error>> {
     let mut config = config(args.buffered_ms);
     if let Some(mib) = args.cache_mib {
-        let bytes = mib.checked_mul(1024 * 1024).ok_or("--cache-mib is too large")?;
+        let bytes = mib
+            .checked_mul(1024 * 1024)
+            .ok_or("--cache-mib is too large")?;
         config = config.cache_bytes(bytes);
     }
     let store = Store::open_with(path, config)?;

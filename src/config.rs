@@ -242,8 +242,8 @@ impl Config {
     /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself). The sweeper stops
     /// when the store is dropped, or when the store refuses writes. Its
     /// thread also runs the online scrub ([`Config::scrub_rate`]): with
-    /// the scrub on it ticks every second, so a sweep runs at the first
-    /// tick after its interval has passed (an interval of 1.5 s sweeps
+    /// the scrub on it ticks at least every second, so a sweep runs at the
+    /// first tick after its interval has passed (an interval of 1.5 s sweeps
     /// every 2 s), and waits for a scrub step in progress.
     pub fn sweep_interval(mut self, interval: Option<Duration>) -> Config {
         self.sweep_interval = interval;
@@ -402,7 +402,8 @@ impl Config {
     /// The thread is the background sweeper's (one thread for both, started
     /// when either is on). A step never waits for the writer; it reads
     /// through redb's page cache. An I/O error is logged (warn) and the
-    /// step retried at the next tick. The rate is an upper bound: a step
+    /// step retried at the next tick; ten failures in a row at one place
+    /// count as damage there. The rate is an upper bound: a step
     /// that takes longer than a second (a cold disk) delays the next.
     /// `Some(0)` or a rate over [`MAX_SCRUB_RATE`] makes the open fail with
     /// [`Error::InvalidArgument`] naming `scrub_rate`; on a PostgreSQL

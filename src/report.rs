@@ -54,7 +54,8 @@ pub struct ScrubReport {
     /// pass finished` counts them all). A missing expiry index entry is
     /// reported and changes nothing; anything else is damage.
     pub problems: Vec<Problem>,
-    /// Whether the step found damage, and so poisoned the store.
+    /// Whether the step found damage, and so made the store refuse writes
+    /// (see [`Config::scrub_rate`](crate::Config::scrub_rate)).
     pub damaged: bool,
     /// Whether this step ended the pass: it reached the key that was last
     /// when the pass started, or found no more records, or could not read

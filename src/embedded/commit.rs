@@ -215,6 +215,11 @@ pub(crate) struct Shared {
     pub durability: Durability,
     /// Set after any failed durable write: the store refuses writes.
     pub poisoned: AtomicBool,
+    /// Raised when the online scrub found the index damaged (or the store
+    /// was opened with its damage marker): the writer refuses every change
+    /// (`Poisoned`) and still commits what is acknowledged and renews the
+    /// time reservation, so that reads keep their answers.
+    pub damaged: AtomicBool,
     /// Set when the failure was the index's (redb latched an error): no
     /// closing checkpoint is attempted.
     pub index_failed: AtomicBool,
@@ -1546,6 +1551,12 @@ fn decide(
     token: &mut u64,
     events: &mut Vec<Event>,
 ) -> Result<Result<Answer>> {
+    // Checked here too, not only when a request is submitted: requests
+    // already queued (or waiting for room) when the scrub found the damage
+    // are refused as well.
+    if shared.damaged.load(Ordering::SeqCst) && !matches!(cmd, Command::Commit | Command::Reserve) {
+        return Ok(Err(Error::Poisoned));
+    }
     match cmd {
         Command::Op { key, op } => apply_op(shared, tables, key, op, now, token, events),
         Command::Sweep { max } => Ok(Ok(Answer::Evicted(expiry::evict(

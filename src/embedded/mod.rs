@@ -58,9 +58,6 @@ pub(crate) struct Embedded {
     /// The damage marker beside the store file (absolute); `None` on a
     /// custom backend.
     marker: Option<PathBuf>,
-    /// Whether the scrub found the index damaged, now or before the open
-    /// (the marker existed): writes are refused, reads still answered.
-    damaged: AtomicBool,
 }
 
 /// What a read outside the writer found.
@@ -140,7 +137,7 @@ impl Embedded {
             scrub::marker_path_of(&std::path::absolute(&path).unwrap_or_else(|_| path.clone()))
         });
         let marked = match &marker {
-            Some(marker) if path.exists() => scrub::is_marked(marker),
+            Some(marker) if std::fs::symlink_metadata(&path).is_ok() => scrub::is_marked(marker),
             Some(marker) => {
                 scrub::set_aside_stale(marker, config.clock.now_ms());
                 false
@@ -198,6 +195,7 @@ impl Embedded {
             retention_ms: duration_ms(config.retention),
             durability: config.durability,
             poisoned: AtomicBool::new(false),
+            damaged: AtomicBool::new(marked),
             counters: LiveCounters::new(),
             index_failed: AtomicBool::new(false),
             progress: WriteProgress::new(opened.last_seq),
@@ -225,7 +223,6 @@ impl Embedded {
             writer,
             scrub: Mutex::default(),
             marker,
-            damaged: AtomicBool::new(marked),
         })
     }
 
@@ -258,13 +255,14 @@ impl Embedded {
     }
 
     /// Whether `cmd` is refused: every command after a failed durable write;
-    /// the writes (changes of records, sweeps, checkpoints) on a store the
-    /// scrub found damaged, whose commits of what is already acknowledged
-    /// and time reservations still run, so that it keeps answering reads,
-    /// scans and exports.
+    /// the writes (changes of records, sweeps, `Store::checkpoint`) on a
+    /// store the scrub found damaged, whose commits of what is already
+    /// acknowledged and time reservations still run, so that it keeps
+    /// answering reads, scans and exports. The writer checks the same again
+    /// for requests queued before the damage was found.
     fn refuses(&self, cmd: &Command) -> bool {
         self.shared.poisoned.load(Ordering::SeqCst)
-            || (self.damaged.load(Ordering::SeqCst)
+            || (self.shared.damaged.load(Ordering::SeqCst)
                 && !matches!(cmd, Command::Commit | Command::Reserve))
     }
 
@@ -569,6 +567,11 @@ impl Embedded {
         token_floor: u64,
         clock_floor: u64,
     ) -> Result<Vec<Result<ImportResult>>> {
+        // A store that refuses writes must not have its clock raised by a
+        // batch it then refuses.
+        if self.refuses_writes() {
+            return Err(Error::Poisoned);
+        }
         // Raised before the write is queued, so the write that carries the
         // batch stores a clock at least this high.
         self.shared.clock.raise(clock_floor);
@@ -625,7 +628,7 @@ impl Embedded {
             }
             Err(other) => return Err(other),
         };
-        if report.damaged && !self.damaged.swap(true, Ordering::SeqCst) {
+        if report.damaged && !shared.damaged.swap(true, Ordering::SeqCst) {
             let marked = match &self.marker {
                 Some(marker) => scrub::mark_damaged(
                     marker,
@@ -662,7 +665,7 @@ impl Embedded {
     /// Whether the store refuses writes: a failed durable write, or damage
     /// the scrub found. The background sweep and scrub then stop.
     pub(crate) fn refuses_writes(&self) -> bool {
-        self.shared.poisoned.load(Ordering::SeqCst) || self.damaged.load(Ordering::SeqCst)
+        self.shared.poisoned.load(Ordering::SeqCst) || self.shared.damaged.load(Ordering::SeqCst)
     }
 
     /// How many records are stored (past retention or not), once durable.

@@ -79,8 +79,9 @@ impl Walk {
 /// `txn`, and moves the cursor past them (back to the first key once the
 /// walk reaches the key that was last when the pass started). Emits the
 /// debug events `scrub` per step and `scrub pass finished` at the end of a
-/// pass (a store under `max` records ends one every step), and an error event `scrub found a problem` per
-/// problem reported (target `idemstore::scrub`).
+/// pass (a store under `max` records ends one every step), an error event
+/// `scrub found damage` per damage and a warn event `scrub found a
+/// problem` per missing expiry entry reported (target `idemstore::scrub`).
 ///
 /// # Errors
 /// [`Error::Storage`] when the snapshot cannot be read for a reason other
@@ -321,7 +322,7 @@ pub(crate) fn mark_damaged(
         "idemstore: the online scrub found the index of {} damaged at {wall_ms} ms since the epoch.\n\
          The store opens read-only while this file exists: export it (idemstore export), restore \
          the export into a new file (idemstore import --create NEW EXPORT), and move this file \
-         away with the damaged one. Remove it only once idemstore check reports the store clean.\n",
+         away with the damaged one. Remove it only once idemstore check reports no other problem.\n",
         path.display()
     );
     for p in problems {
