@@ -42,9 +42,7 @@ use crate::store::Store;
 pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Result<CheckReport> {
     let path = path.as_ref();
     crate::embedded::check_existing(path)?;
-    let marker = crate::embedded::scrub::marker_path_of(
-        &std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
-    );
+    let marker = crate::embedded::scrub::marker_of_store(path);
     // Reported in every outcome: the store opens read-only while it exists.
     let marked: Vec<Problem> = crate::embedded::scrub::is_marked(&marker)
         .then(|| Problem {

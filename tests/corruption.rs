@@ -20,8 +20,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::fs::OpenOptions;
-use std::os::unix::fs::FileExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -72,30 +70,6 @@ fn populate(store: &Store) -> BTreeMap<Key, Record> {
     }
     expected.insert(victim(), store.get(&victim()).unwrap().unwrap());
     expected
-}
-
-fn find_all(haystack: &[u8], needle: &[u8]) -> Vec<usize> {
-    haystack
-        .windows(needle.len())
-        .enumerate()
-        .filter(|(_, w)| *w == needle)
-        .map(|(i, _)| i)
-        .collect()
-}
-
-/// XORs the byte at `offset` of the file with `mask`, in place (the file
-/// may be open by a store).
-fn flip(path: &Path, offset: usize, mask: u8) {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8; 1];
-    file.read_exact_at(&mut byte, offset as u64).unwrap();
-    byte[0] ^= mask;
-    file.write_all_at(&byte, offset as u64).unwrap();
-    file.sync_all().unwrap();
 }
 
 /// Whether `err` reports damage (or a storage failure) rather than being an

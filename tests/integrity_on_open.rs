@@ -12,8 +12,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::fs::OpenOptions;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -245,19 +243,6 @@ fn an_unclean_shutdown_always_runs_the_check() {
         drop(store);
         assert_eq!(reopen(&t, config), None, "round {round}: clean again");
     }
-}
-
-fn flip(path: &Path, offset: usize, mask: u8) {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8; 1];
-    file.read_exact_at(&mut byte, offset as u64).unwrap();
-    byte[0] ^= mask;
-    file.write_all_at(&byte, offset as u64).unwrap();
-    file.sync_all().unwrap();
 }
 
 /// A page damaged while the store is closed: within the period the open

@@ -9,8 +9,6 @@
 
 mod common;
 
-use std::fs::OpenOptions;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -44,27 +42,14 @@ fn populate(store: &Store, n: usize, victim: Option<usize>) {
     }
 }
 
-fn find_all(haystack: &[u8], needle: &[u8]) -> Vec<usize> {
-    haystack
-        .windows(needle.len())
-        .enumerate()
-        .filter(|(_, w)| *w == needle)
-        .map(|(i, _)| i)
-        .collect()
-}
-
-/// XORs the byte at `offset` of the file with `mask`, in place.
-fn flip(path: &Path, offset: usize, mask: u8) {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8; 1];
-    file.read_exact_at(&mut byte, offset as u64).unwrap();
-    byte[0] ^= mask;
-    file.write_all_at(&byte, offset as u64).unwrap();
-    file.sync_all().unwrap();
+/// Flips a byte of every copy of [`MARKER`] in the store file at `path`.
+fn damage_the_marked_result(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    let at = find_all(&bytes, MARKER);
+    assert!(!at.is_empty());
+    for offset in at {
+        flip(path, offset + 3, 0x20);
+    }
 }
 
 /// A fresh key's claim: `Err(Poisoned)` once the scrub found damage.
@@ -140,12 +125,7 @@ fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     let store = t.open_with(t.config().cache_bytes(0).read_cache_bytes(0));
     populate(&store, 30, Some(17));
     store.checkpoint().unwrap();
-    let bytes = std::fs::read(&t.path).unwrap();
-    let at = find_all(&bytes, MARKER);
-    assert!(!at.is_empty());
-    for offset in at {
-        flip(&t.path, offset + 3, 0x20);
-    }
+    damage_the_marked_result(&t.path);
     let report = store.scrub(1000).unwrap();
     assert!(report.damaged, "{report:?}");
     assert!(report.pass_finished);
@@ -381,12 +361,7 @@ fn the_background_scrub_finds_damage_without_being_asked() {
         Ok(ClaimOutcome::Acquired(_))
     ));
     store.checkpoint().unwrap();
-    let bytes = std::fs::read(&t.path).unwrap();
-    let at = find_all(&bytes, MARKER);
-    assert!(!at.is_empty());
-    for offset in at {
-        flip(&t.path, offset + 3, 0x20);
-    }
+    damage_the_marked_result(&t.path);
     // A liveness bound, not a timing figure: a pass of 30 records runs
     // every second.
     let deadline = Instant::now() + Duration::from_secs(120);

@@ -133,9 +133,7 @@ impl Embedded {
         let file_backed = backend.is_none();
         // The marker applies to the file it was left beside: only to a
         // store file that exists (a new store at the path is not damaged).
-        let marker = file_backed.then(|| {
-            scrub::marker_path_of(&std::path::absolute(&path).unwrap_or_else(|_| path.clone()))
-        });
+        let marker = file_backed.then(|| scrub::marker_of_store(&path));
         let marked = match &marker {
             Some(marker) if std::fs::symlink_metadata(&path).is_ok() => scrub::is_marked(marker),
             Some(marker) => {

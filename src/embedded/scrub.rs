@@ -107,10 +107,7 @@ pub(crate) fn step(
         // where the walk stopped, and start the next pass from the first
         // key.
         Err(Error::CorruptFile { detail, .. }) => {
-            let at = match &walk.last {
-                Some(last) => format!("(the index after {})", Key::describe_bytes(last)),
-                None => "(the index)".into(),
-            };
+            let at = place(walk.last.as_deref());
             walk.problem(at, format!("the walk cannot read on: {detail}"), true);
             true
         }
@@ -119,10 +116,7 @@ pub(crate) fn step(
             if cursor.failures < MAX_READ_FAILURES {
                 return Err(other);
             }
-            let at = match &cursor.after {
-                Some(after) => format!("(the index after {})", Key::describe_bytes(after)),
-                None => "(the index)".into(),
-            };
+            let at = place(cursor.after.as_deref());
             let detail = format!(
                 "the walk failed to read {} times in a row here: {other}",
                 cursor.failures
@@ -136,23 +130,7 @@ pub(crate) fn step(
         finished = true;
     }
     for (problem, damage) in walk.problems.iter().zip(&walk.damage) {
-        if *damage {
-            tracing::error!(
-                target: "idemstore::scrub",
-                path = %path.display(),
-                key = %problem.key,
-                detail = %problem.detail,
-                "scrub found damage"
-            );
-        } else {
-            tracing::warn!(
-                target: "idemstore::scrub",
-                path = %path.display(),
-                key = %problem.key,
-                detail = %problem.detail,
-                "scrub found a problem"
-            );
-        }
+        log_problem(path, problem, *damage);
     }
     cursor.pass_records = cursor.pass_records.saturating_add(walk.records);
     cursor.pass_problems = cursor.pass_problems.saturating_add(walk.found);
@@ -183,20 +161,45 @@ pub(crate) fn step(
     })
 }
 
+/// The event of one problem found: error `scrub found damage`, or warn
+/// `scrub found a problem` (a missing expiry entry).
+fn log_problem(path: &Path, problem: &Problem, damage: bool) {
+    if damage {
+        tracing::error!(
+            target: "idemstore::scrub",
+            path = %path.display(),
+            key = %problem.key,
+            detail = %problem.detail,
+            "scrub found damage"
+        );
+    } else {
+        tracing::warn!(
+            target: "idemstore::scrub",
+            path = %path.display(),
+            key = %problem.key,
+            detail = %problem.detail,
+            "scrub found a problem"
+        );
+    }
+}
+
+/// How a problem names the place where the walk stopped: after the last
+/// key walked, or at the start.
+fn place(after: Option<&[u8]>) -> String {
+    match after {
+        Some(after) => format!("(the index after {})", Key::describe_bytes(after)),
+        None => "(the index)".into(),
+    }
+}
+
 /// The report of a step that could not even open its snapshot (redb
 /// reports the file corrupted): damage, and the pass ends.
 pub(crate) fn unreadable(path: &Path, cursor: &mut Cursor, detail: &str) -> ScrubReport {
     let problem = Problem {
-        key: "(the index)".into(),
+        key: place(None),
         detail: format!("the scrub's snapshot cannot be read: {detail}"),
     };
-    tracing::error!(
-        target: "idemstore::scrub",
-        path = %path.display(),
-        key = %problem.key,
-        detail = %problem.detail,
-        "scrub found damage"
-    );
+    log_problem(path, &problem, true);
     *cursor = Cursor::default();
     ScrubReport {
         records: 0,
@@ -298,6 +301,12 @@ pub(crate) fn marker_path_of(path: &Path) -> std::path::PathBuf {
     let mut name = path.as_os_str().to_os_string();
     name.push("-damaged");
     std::path::PathBuf::from(name)
+}
+
+/// The damage marker of the store file at `path`, as given to an open:
+/// [`marker_path_of`] its absolute path.
+pub(crate) fn marker_of_store(path: &Path) -> std::path::PathBuf {
+    marker_path_of(&std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()))
 }
 
 /// The temporary name the marker is written under before its rename.

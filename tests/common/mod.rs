@@ -380,6 +380,32 @@ pub fn count_from_env(var: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// Every offset of `needle` in `haystack`.
+pub fn find_all(haystack: &[u8], needle: &[u8]) -> Vec<usize> {
+    haystack
+        .windows(needle.len())
+        .enumerate()
+        .filter(|(_, w)| *w == needle)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// XORs the byte at `offset` of the file with `mask`, in place (the file
+/// may be open by a store), and syncs it.
+pub fn flip(path: &Path, offset: usize, mask: u8) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, offset as u64).unwrap();
+    byte[0] ^= mask;
+    file.write_all_at(&byte, offset as u64).unwrap();
+    file.sync_all().unwrap();
+}
+
 /// Flips a byte in the stored body of `k`'s record, through redb directly.
 pub fn damage_record(path: &Path, k: &Key) {
     use redb::ReadableTable;

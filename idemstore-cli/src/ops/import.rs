@@ -159,23 +159,15 @@ fn open_file(path: &std::path::Path, create: bool) -> Result<(Store, Created), C
         PathBuf::from(name)
     };
     let log_existed = log_before.exists();
-    let store = if creating {
-        Store::open_with(
-            path,
-            idemstore::Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None),
-        )
-        .map_err(|e| ops::open_error(path, e))?
+    let config = idemstore::Config::new()
+        .sweep_interval(None)
+        .scrub_rate(None);
+    let opened = if creating {
+        Store::open_with(path, config)
     } else {
-        Store::open_existing(
-            path,
-            idemstore::Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None),
-        )
-        .map_err(|e| ops::open_error(path, e))?
+        Store::open_existing(path, config)
     };
+    let store = opened.map_err(|e| ops::open_error(path, e))?;
     // What this command created: the store file, and its log unless one
     // was already there.
     let log = store.log_path().to_path_buf();
