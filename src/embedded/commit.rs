@@ -54,7 +54,7 @@
 
 use std::collections::VecDeque;
 use std::future::{Future, IntoFuture};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -71,6 +71,7 @@ use redb::{Database, WriteTransaction};
 use super::cache::ReadCache;
 use super::expiry;
 use super::fence::Fence;
+use super::pending::Pending;
 use super::schema::{self, Checkpoint, Tables, Tally, guard, map_err};
 use super::wal::{self, BodyWriter, FRAME_HEADER_LEN, LogFile, LogWriter};
 use crate::audit::Event;
@@ -585,6 +586,26 @@ struct OpenTxn {
     batches: usize,
     /// Record keys those batches changed (to clear their read-gate marks).
     keys: Vec<Vec<u8>>,
+    /// Their changes to records and expiry entries not yet applied to
+    /// `txn` (see `pending.rs`): applied before `txn` commits.
+    pending: Pending,
+}
+
+impl OpenTxn {
+    /// Applies the buffered changes to the transaction's tables and counts
+    /// their records' states into `tally`.
+    fn apply_pending(&mut self, path: &Path, tally: &mut Option<Tally>) -> Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        guard(path, || {
+            let mut tables =
+                Tables::buffered(path, &self.txn, &mut self.pending)?.with_tally(*tally);
+            tables.apply_pending()?;
+            *tally = tables.finish().tally;
+            Ok(())
+        })
+    }
 }
 
 /// Async callers waiting for room in the writer's full queue.
@@ -1116,11 +1137,16 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
         return; // Nothing changed: dropping it aborts nothing of value.
     }
     let path = &shared.path;
+    let mut open = open;
+    let mut tally = state.tally;
+    let applied = open.apply_pending(path, &mut tally);
     let OpenTxn { txn, keys, .. } = open;
-    let tally = state.tally;
-    let committed = guard(path, || {
-        schema::write_tally(path, &txn, tally)?;
-        txn.commit().map_err(|e| map_err(path, e))
+    state.tally = tally;
+    let committed = applied.and_then(|()| {
+        guard(path, || {
+            schema::write_tally(path, &txn, tally)?;
+            txn.commit().map_err(|e| map_err(path, e))
+        })
     });
     if let Err(err) = committed {
         shared.index_failed.store(true, Ordering::SeqCst);
@@ -1177,6 +1203,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 txn,
                 batches: 0,
                 keys: Vec::new(),
+                pending: Pending::default(),
             })
         }),
     };
@@ -1201,7 +1228,8 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     // for a lone caller).
     let mut alone = false;
     let decided = guard(path, || {
-        let mut tables = Tables::open(path, &open.txn, true)?.with_tally(state.tally);
+        let mut tables =
+            Tables::buffered(path, &open.txn, &mut open.pending)?.with_tally(state.tally);
         let mut bytes = 0;
         loop {
             while answers.len() < batch.len() {
@@ -1267,6 +1295,9 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
             // present or skipped still raises it): no frame is written, so
             // the checkpoint below makes the counter durable.
             tables.set_counters(token, bound, state.last_seq)?;
+        }
+        if tables.pending_full() {
+            tables.apply_pending()?;
         }
         Ok(tables.finish())
     });
@@ -1422,27 +1453,31 @@ fn commit_checkpoint(
     let epoch = state.log.epoch() + 1;
     let token_reserved = wal::reserve_tokens(state.next_token);
     shared.cache.begin_write(&touched, Some(seq));
+    let mut open = open;
+    let applied = open.apply_pending(&shared.path, &mut state.tally);
     let OpenTxn { mut txn, keys, .. } = open;
     let started = Instant::now();
-    let committed = guard(&shared.path, || {
-        let path = &shared.path;
-        txn.set_durability(redb::Durability::Immediate)
-            .map_err(|e| map_err(path, e))?;
-        txn.set_quick_repair(true);
-        let ck = Checkpoint {
-            epoch,
-            base: seq,
-            clean: false,
-            token_reserved,
-        };
-        schema::write_checkpoint(path, &txn, ck)?;
-        schema::write_clock_hwm(
-            path,
-            &txn,
-            shared.clock.high_water_ms().max(state.time_reserved),
-        )?;
-        schema::write_tally(path, &txn, state.tally)?;
-        txn.commit().map_err(|e| map_err(path, e))
+    let committed = applied.and_then(|()| {
+        guard(&shared.path, || {
+            let path = &shared.path;
+            txn.set_durability(redb::Durability::Immediate)
+                .map_err(|e| map_err(path, e))?;
+            txn.set_quick_repair(true);
+            let ck = Checkpoint {
+                epoch,
+                base: seq,
+                clean: false,
+                token_reserved,
+            };
+            schema::write_checkpoint(path, &txn, ck)?;
+            schema::write_clock_hwm(
+                path,
+                &txn,
+                shared.clock.high_water_ms().max(state.time_reserved),
+            )?;
+            schema::write_tally(path, &txn, state.tally)?;
+            txn.commit().map_err(|e| map_err(path, e))
+        })
     });
     if let Err(err) = committed {
         shared.index_failed.store(true, Ordering::SeqCst);
@@ -1500,7 +1535,10 @@ fn close(shared: &Shared, state: &mut WriterState) {
     let open = state.open.take();
     let done = guard(path, || {
         let mut txn = match open {
-            Some(open) => open.txn,
+            Some(mut open) => {
+                open.apply_pending(path, &mut state.tally)?;
+                open.txn
+            }
             None => shared.db.begin_write().map_err(|e| map_err(path, e))?,
         };
         txn.set_durability(redb::Durability::Immediate)
@@ -1649,14 +1687,18 @@ fn apply_op(
         Effect::Put(new) => {
             // Records in flight are indexed under a tagged deadline
             // (`schema::expiry_slot`).
+            // The entry moves only when the deadline changes (an entry is
+            // inserted only where none is: `pending::Pending::set_expiry`).
             let slot = schema::expiry_slot(new.state, new.expires_ms);
-            if let Some(old) = &stored {
-                let old_slot = schema::expiry_slot(old.state, old.expires_ms);
-                if old_slot != slot {
+            let old_slot = stored
+                .as_ref()
+                .map(|old| schema::expiry_slot(old.state, old.expires_ms));
+            if old_slot != Some(slot) {
+                if let Some(old_slot) = old_slot {
                     tables.remove_expiry(old_slot, &kb)?;
                 }
+                tables.insert_expiry(slot, &kb)?;
             }
-            tables.insert_expiry(slot, &kb)?;
             tables.put_record(&kb, &codec::encode_record(&kb, new))?;
             rebind(tables, key, stored.as_ref(), new, fresh)?;
             if let (true, Some(after)) = (acquires, after) {

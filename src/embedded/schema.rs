@@ -11,6 +11,7 @@ use redb::{
 };
 
 use super::fence::{Fence, Fenced};
+use super::pending::{EntryChange, Pending};
 use super::wal::{BodyWriter, Change, LogTable};
 use crate::codec;
 use crate::error::{Error, Result};
@@ -761,6 +762,11 @@ pub(crate) type ExpiryEntry = (u64, Vec<u8>);
 /// around them would be lost in a crash (its redb commit is not durable;
 /// only the log is). To add a table: add a `LogTable` code, methods here, and
 /// an arm in [`Tables::apply`].
+///
+/// Opened with [`Tables::buffered`], changes to the records table and the
+/// expiry index wait in the writer's [`Pending`] buffer and reach redb at
+/// [`Tables::apply_pending`] (see `pending.rs`); they are logged at once
+/// all the same.
 pub(crate) struct Tables<'t> {
     path: &'t Path,
     txn: &'t WriteTransaction,
@@ -775,7 +781,11 @@ pub(crate) struct Tables<'t> {
     /// The state counts: handed in by the caller ([`Tables::with_tally`])
     /// or read at the first change, and handed back by [`Tables::finish`]
     /// for the caller to write before its commit ([`write_tally`]).
+    /// Buffered changes count when they are applied.
     tally: Option<Tally>,
+    /// The writer's buffer of changes not yet applied (`None`: every
+    /// change goes to redb at once, as recovery's replay does).
+    pending: Option<&'t mut Pending>,
 }
 
 impl<'t> Tables<'t> {
@@ -791,7 +801,56 @@ impl<'t> Tables<'t> {
             log: logged.then(BodyWriter::new),
             touched: Vec::new(),
             tally: None,
+            pending: None,
         })
+    }
+
+    /// Opens the tables in `txn` for the writer: every change is logged,
+    /// and changes to records and expiry entries wait in `pending`.
+    pub(crate) fn buffered(
+        path: &'t Path,
+        txn: &'t WriteTransaction,
+        pending: &'t mut Pending,
+    ) -> Result<Self> {
+        let mut tables = Tables::open(path, txn, true)?;
+        tables.pending = Some(pending);
+        Ok(tables)
+    }
+
+    /// Whether the buffered changes should be applied now (see
+    /// [`super::pending::MAX_PENDING_BYTES`]).
+    pub(crate) fn pending_full(&self) -> bool {
+        self.pending.as_ref().is_some_and(|p| p.is_full())
+    }
+
+    /// Applies the buffered changes to the redb tables, in key order
+    /// (records, then expiry entries), and counts the records' states.
+    /// Before the transaction commits and before a scan of a table.
+    pub(crate) fn apply_pending(&mut self) -> Result<()> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(());
+        };
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let (records, expiry) = pending.take();
+        for (key, envelope) in records {
+            let old = match &envelope {
+                Some(env) => self.records.insert(&key[..], &env[..]),
+                None => self.records.remove(&key[..]),
+            }
+            .map_err(|e| map_err(self.path, e))?
+            .map(|old| Tally::slot_of(old.value()));
+            self.derive(old, envelope.as_deref().map(Tally::slot_of))?;
+        }
+        for ((deadline, key), change) in expiry {
+            match change {
+                EntryChange::Insert => self.expiry.insert((deadline, &key[..]), ()).map(|_| ()),
+                EntryChange::Remove => self.expiry.remove((deadline, &key[..])).map(|_| ()),
+            }
+            .map_err(|e| map_err(self.path, e))?;
+        }
+        Ok(())
     }
 
     /// Hands in the state counts as of this transaction (`None`: not read
@@ -851,6 +910,9 @@ impl<'t> Tables<'t> {
 
     /// The stored bytes of a record (its envelope), if present.
     pub(crate) fn get_record(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
+        if let Some(buffered) = self.pending.as_ref().and_then(|p| p.record(key)) {
+            return Ok(buffered.map(<[u8]>::to_vec));
+        }
         Ok(self
             .records
             .get(key)
@@ -860,12 +922,16 @@ impl<'t> Tables<'t> {
 
     /// Stores a record envelope under `key`.
     pub(crate) fn put_record(&mut self, key: &[u8], envelope: &[u8]) -> Result<()> {
-        let old = self
-            .records
-            .insert(key, envelope)
-            .map_err(|e| map_err(self.path, e))?
-            .map(|old| Tally::slot_of(old.value()));
-        self.derive(old, Some(Tally::slot_of(envelope)))?;
+        if let Some(pending) = self.pending.as_mut() {
+            pending.set_record(key, Some(envelope));
+        } else {
+            let old = self
+                .records
+                .insert(key, envelope)
+                .map_err(|e| map_err(self.path, e))?
+                .map(|old| Tally::slot_of(old.value()));
+            self.derive(old, Some(Tally::slot_of(envelope)))?;
+        }
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Records, &[key], envelope);
         }
@@ -875,12 +941,16 @@ impl<'t> Tables<'t> {
 
     /// Removes the record under `key`.
     pub(crate) fn remove_record(&mut self, key: &[u8]) -> Result<()> {
-        let old = self
-            .records
-            .remove(key)
-            .map_err(|e| map_err(self.path, e))?
-            .map(|old| Tally::slot_of(old.value()));
-        self.derive(old, None)?;
+        if let Some(pending) = self.pending.as_mut() {
+            pending.set_record(key, None);
+        } else {
+            let old = self
+                .records
+                .remove(key)
+                .map_err(|e| map_err(self.path, e))?
+                .map(|old| Tally::slot_of(old.value()));
+            self.derive(old, None)?;
+        }
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Records, &[key]);
         }
@@ -888,11 +958,16 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
-    /// Adds `(deadline, key)` to the expiry index.
+    /// Adds `(deadline, key)` to the expiry index (an entry that is not
+    /// there: see [`Pending::set_expiry`]).
     pub(crate) fn insert_expiry(&mut self, deadline: u64, key: &[u8]) -> Result<()> {
-        self.expiry
-            .insert((deadline, key), ())
-            .map_err(|e| map_err(self.path, e))?;
+        if let Some(pending) = self.pending.as_mut() {
+            pending.set_expiry(deadline, key, EntryChange::Insert);
+        } else {
+            self.expiry
+                .insert((deadline, key), ())
+                .map_err(|e| map_err(self.path, e))?;
+        }
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Expiry, &[&deadline.to_le_bytes(), key], &[]);
         }
@@ -901,9 +976,13 @@ impl<'t> Tables<'t> {
 
     /// Removes `(deadline, key)` from the expiry index.
     pub(crate) fn remove_expiry(&mut self, deadline: u64, key: &[u8]) -> Result<()> {
-        self.expiry
-            .remove((deadline, key))
-            .map_err(|e| map_err(self.path, e))?;
+        if let Some(pending) = self.pending.as_mut() {
+            pending.set_expiry(deadline, key, EntryChange::Remove);
+        } else {
+            self.expiry
+                .remove((deadline, key))
+                .map_err(|e| map_err(self.path, e))?;
+        }
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Expiry, &[&deadline.to_le_bytes(), key]);
         }
@@ -916,13 +995,14 @@ impl<'t> Tables<'t> {
     /// entry as stored (tagged deadline, key), and how many entries were
     /// read from redb. Reads at most `max` + 1 entries of each range (the
     /// due ones, and the first that is not or the one past `max`), never
-    /// the rest.
+    /// the rest. Applies the buffered changes first.
     pub(crate) fn expiry_due(
-        &self,
+        &mut self,
         now_ms: u64,
         max: usize,
         is_due: impl Fn(u64, u64) -> bool,
     ) -> Result<(Vec<ExpiryEntry>, usize)> {
+        self.apply_pending()?;
         let path = self.path;
         let empty: &[u8] = &[];
         let mut visited = 0usize;

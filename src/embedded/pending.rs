@@ -1,0 +1,181 @@
+//! The writer's write buffer: changes to the records table and the expiry
+//! index that the writer has decided (and logged) but not yet applied to
+//! its open redb transaction.
+//!
+//! Each change in redb copies the B-tree pages on its path, so applying a
+//! change as soon as it is decided costs one B-tree operation per change:
+//! a lifecycle makes seven (two record reads, two record writes, the
+//! lease's expiry entry inserted and removed, the retention's inserted).
+//! Buffered, the changes of the open transaction (up to `COMMIT_EVERY`
+//! batches, see `commit.rs`) are applied once, sorted by key, just before
+//! the transaction commits or the writer scans a table: a key changed
+//! several times is written once with its last value, an expiry entry
+//! inserted and removed again never reaches redb, reads of a key changed in
+//! the window are answered here without a B-tree lookup, and the writes
+//! that do reach redb come in key order, so successive ones mostly land in
+//! pages the transaction has already copied. LevelDB's memtable and fjall's
+//! are the same idea in front of a sorted table.
+//!
+//! Nothing here is durable and nothing needs to be: every change is in the
+//! batch's log frame before its caller is answered, and the open
+//! transaction (this buffer with it) is dropped on any failure, as before.
+//! Readers outside the writer read committed redb only, through the read
+//! gate (`cache.rs`), which already keeps them off every key the open
+//! transaction changed until it commits.
+
+use std::collections::BTreeMap;
+
+/// Applied as soon as the buffered changes hold this many bytes of keys and
+/// values, whatever the commit schedule: a bound on the writer's memory for
+/// the buffer (about the size of the log frames of the window; 8 MiB).
+pub(crate) const MAX_PENDING_BYTES: usize = 8 * 1024 * 1024;
+
+/// What the last change did to an expiry index entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EntryChange {
+    Insert,
+    Remove,
+}
+
+/// A buffered record change: the stored key and its envelope (`None`:
+/// removed).
+pub(crate) type RecordChange = (Vec<u8>, Option<Vec<u8>>);
+
+/// A buffered expiry entry change: (tagged deadline, stored key) and what
+/// happens to it.
+pub(crate) type ExpiryChange = ((u64, Vec<u8>), EntryChange);
+
+/// Changes not yet applied to the open transaction's tables, by key.
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    /// Stored key → the record envelope it now holds (`None`: removed).
+    records: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// (Tagged deadline, stored key) → the change to that expiry entry.
+    expiry: BTreeMap<(u64, Vec<u8>), EntryChange>,
+    /// Bytes of keys and values held (a saturating estimate).
+    bytes: usize,
+}
+
+impl Pending {
+    /// Whether nothing is buffered.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.records.is_empty() && self.expiry.is_empty()
+    }
+
+    /// Whether the buffer should be applied now (see [`MAX_PENDING_BYTES`]).
+    pub(crate) fn is_full(&self) -> bool {
+        self.bytes >= MAX_PENDING_BYTES
+    }
+
+    /// The buffered state of the record under `key`: `None` when the buffer
+    /// does not know it (read the table), `Some(None)` when it was removed.
+    pub(crate) fn record(&self, key: &[u8]) -> Option<Option<&[u8]>> {
+        self.records.get(key).map(|v| v.as_deref())
+    }
+
+    /// Buffers a put (`Some`) or a removal (`None`) of the record `key`.
+    pub(crate) fn set_record(&mut self, key: &[u8], envelope: Option<&[u8]>) {
+        let len = key.len() + envelope.map_or(0, <[u8]>::len);
+        self.bytes = self.bytes.saturating_add(len);
+        match self.records.get_mut(key) {
+            Some(slot) => *slot = envelope.map(<[u8]>::to_vec),
+            None => {
+                self.records
+                    .insert(key.to_vec(), envelope.map(<[u8]>::to_vec));
+            }
+        }
+    }
+
+    /// Buffers a change of the expiry entry `(deadline, key)`.
+    ///
+    /// The writer inserts an entry only where none is (a record's entry
+    /// moves only when its deadline changes) and removes only one that is
+    /// there (the stored record's): the index holds one entry per record,
+    /// under the deadline the record's own state gives, which `verify` and
+    /// the scrub check. So a change opposite to one already buffered for
+    /// the same entry undoes it, and both are forgotten: the entry is as
+    /// the table has it.
+    pub(crate) fn set_expiry(&mut self, deadline: u64, key: &[u8], change: EntryChange) {
+        let entry = (deadline, key.to_vec());
+        match self.expiry.get(&entry) {
+            Some(buffered) if *buffered != change => {
+                self.expiry.remove(&entry);
+            }
+            _ => {
+                self.bytes = self.bytes.saturating_add(key.len().saturating_add(8));
+                self.expiry.insert(entry, change);
+            }
+        }
+    }
+
+    /// Empties the buffer, handing its changes over in key order: records
+    /// first, then expiry entries.
+    pub(crate) fn take(&mut self) -> (Vec<RecordChange>, Vec<ExpiryChange>) {
+        self.bytes = 0;
+        let records = std::mem::take(&mut self.records).into_iter().collect();
+        let expiry = std::mem::take(&mut self.expiry).into_iter().collect();
+        (records, expiry)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_record_change_wins() {
+        let mut p = Pending::default();
+        assert_eq!(p.record(b"k"), None);
+        p.set_record(b"k", Some(b"one"));
+        p.set_record(b"k", Some(b"two"));
+        assert_eq!(p.record(b"k"), Some(Some(&b"two"[..])));
+        p.set_record(b"k", None);
+        assert_eq!(p.record(b"k"), Some(None));
+        p.set_record(b"a", Some(b"x"));
+        let (records, expiry) = p.take();
+        assert_eq!(
+            records,
+            vec![(b"a".to_vec(), Some(b"x".to_vec())), (b"k".to_vec(), None)]
+        );
+        assert!(expiry.is_empty());
+        assert!(p.is_empty());
+        assert_eq!(p.record(b"k"), None);
+    }
+
+    #[test]
+    fn opposite_entry_changes_cancel() {
+        let mut p = Pending::default();
+        // A claim's lease entry, then its completion: the lease entry goes,
+        // the retention entry comes.
+        p.set_expiry(5, b"k", EntryChange::Insert);
+        p.set_expiry(5, b"k", EntryChange::Remove);
+        p.set_expiry(9, b"k", EntryChange::Insert);
+        // A stored entry removed and put back is as stored.
+        p.set_expiry(3, b"j", EntryChange::Remove);
+        p.set_expiry(3, b"j", EntryChange::Insert);
+        p.set_expiry(1, b"z", EntryChange::Remove);
+        let (records, expiry) = p.take();
+        assert!(records.is_empty());
+        assert_eq!(
+            expiry,
+            vec![
+                ((1, b"z".to_vec()), EntryChange::Remove),
+                ((9, b"k".to_vec()), EntryChange::Insert),
+            ]
+        );
+    }
+
+    #[test]
+    fn fills_at_the_byte_bound() {
+        let mut p = Pending::default();
+        let value = vec![0u8; 1024 * 1024];
+        for i in 0..7u8 {
+            p.set_record(&[i], Some(&value));
+            assert!(!p.is_full());
+        }
+        p.set_record(&[7], Some(&value));
+        assert!(p.is_full());
+        let _ = p.take();
+        assert!(!p.is_full());
+    }
+}
