@@ -54,7 +54,11 @@
 //! `--replay` times replay claims of finished keys against the in-memory map
 //! instead and ends with `replay threads=<n> idemstore/map=<m>`. With
 //! `--runs N` every peer is timed N times, in turn, and the lines give the
-//! median with `min=` and `max=`.
+//! median with `min=` and `max=`. With `--warmup S` every peer first runs
+//! the same lifecycle load for S seconds on its new store, untimed, so that
+//! its files reach their working size (idemstore's log grows from 1 MiB to
+//! 64 MiB in its first seconds, with a checkpoint at each doubling) before
+//! the timed seconds; without it a run times a store from its first write.
 //!
 //! Files go to a temporary directory under `--dir` (the system's temporary
 //! directory by default), which must be on the disk you mean to measure (not
@@ -99,6 +103,12 @@ struct Args {
     /// Seconds each peer is timed in each run.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+    /// Seconds of the same lifecycle load each peer runs on its new store
+    /// before it is timed, on keys of their own (lifecycle runs only): the
+    /// files reach their working size first, as the fsync floor's ring
+    /// file is written in full before timing. 0: none.
+    #[arg(long, default_value_t = 0.0)]
+    warmup: f64,
     /// Time replay claims of finished keys (idemstore against the in-memory
     /// map) instead of lifecycles.
     #[arg(long)]
@@ -294,9 +304,31 @@ where
 }
 
 /// Times full lifecycles (claim, then complete) of fresh keys.
-fn time_lifecycles<P: Peer>(peer: &P, name: &str, threads: usize, seconds: f64) -> BoxResult<f64> {
+fn time_lifecycles<P: Peer>(
+    peer: &P,
+    name: &str,
+    threads: usize,
+    seconds: f64,
+    warmup: f64,
+) -> BoxResult<f64> {
+    if warmup > 0.0 {
+        // Warm-up keys carry a thread number above every timed one.
+        time_lifecycle_load(peer, name, threads, warmup, threads.saturating_add(1))?;
+    }
+    time_lifecycle_load(peer, name, threads, seconds, 0)
+}
+
+/// Runs lifecycles on fresh keys for `seconds` from `threads` threads, the
+/// keys of thread `t` numbered from `(t + base) << 40`; returns the rate.
+fn time_lifecycle_load<P: Peer>(
+    peer: &P,
+    name: &str,
+    threads: usize,
+    seconds: f64,
+    base: usize,
+) -> BoxResult<f64> {
     time_threads(peer, threads, seconds, |t, client, n| {
-        let req = Req::new(((t as u64) << 40) | n)?;
+        let req = Req::new((((t + base) as u64) << 40) | n)?;
         let lease = match peer.claim(client, &req)? {
             Claimed::Acquired(lease) => lease,
             other => return Err(format!("{name}: a fresh claim answered {other:?}").into()),
@@ -435,23 +467,29 @@ fn time_peer(
     Ok(Some(match name {
         "idemstore" => {
             let peer = IdemPeer::open(&dir.join("idem.redb"), args.buffered_ms)?;
-            time_lifecycles(&peer, name, threads, seconds)?
+            time_lifecycles(&peer, name, threads, seconds, args.warmup)?
         }
         "sqlite" => {
             let peer = SqlitePeer::open(&dir.join("peer.sqlite"))?;
-            time_lifecycles(&peer, name, threads, seconds)?
+            time_lifecycles(&peer, name, threads, seconds, args.warmup)?
         }
         "redb-naive" => {
             let peer = RedbPeer::open(&dir.join("naive.redb"))?;
-            time_lifecycles(&peer, name, threads, seconds)?
+            time_lifecycles(&peer, name, threads, seconds, args.warmup)?
         }
         "fsync-floor" => {
             let peer = FloorPeer::open(&dir.join("floor.log"))?;
-            time_lifecycles(&peer, name, threads, seconds)?
+            time_lifecycles(&peer, name, threads, seconds, args.warmup)?
         }
-        "map" => time_lifecycles(&MapPeer::default(), name, threads, seconds)?,
+        "map" => time_lifecycles(&MapPeer::default(), name, threads, seconds, args.warmup)?,
         "redis" => match redis_url {
-            Some(url) => time_lifecycles(&RedisPeer::new(url, run)?, name, threads, seconds)?,
+            Some(url) => time_lifecycles(
+                &RedisPeer::new(url, run)?,
+                name,
+                threads,
+                seconds,
+                args.warmup,
+            )?,
             None => return Ok(None),
         },
         "postgres" => match args.postgres.as_deref() {
@@ -466,7 +504,7 @@ fn time_peer(
                     )?,
                     options: ClaimOptions::new(),
                 };
-                let timed = time_lifecycles(&peer, name, threads, seconds);
+                let timed = time_lifecycles(&peer, name, threads, seconds, args.warmup);
                 drop(peer);
                 pg_drop_schema(url, &schema)?;
                 timed?
@@ -476,7 +514,7 @@ fn time_peer(
         "postgres-naive" => match args.postgres.as_deref() {
             Some(url) => {
                 let peer = PgNaivePeer::open(url, pg_schema("naive", run))?;
-                let timed = time_lifecycles(&peer, name, threads, seconds);
+                let timed = time_lifecycles(&peer, name, threads, seconds, args.warmup);
                 let schema = peer.schema.clone();
                 drop(peer);
                 pg_drop_schema(url, &schema)?;

@@ -1248,6 +1248,9 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                     &mut token,
                     &mut events,
                 )?);
+                if tables.pending_full() {
+                    tables.apply_pending()?;
+                }
             }
             if closing || checkpoint || batch.len() >= MAX_BATCH || bytes >= MAX_BATCH_BYTES {
                 break;
@@ -1295,9 +1298,6 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
             // present or skipped still raises it): no frame is written, so
             // the checkpoint below makes the counter durable.
             tables.set_counters(token, bound, state.last_seq)?;
-        }
-        if tables.pending_full() {
-            tables.apply_pending()?;
         }
         Ok(tables.finish())
     });
@@ -1687,18 +1687,16 @@ fn apply_op(
         Effect::Put(new) => {
             // Records in flight are indexed under a tagged deadline
             // (`schema::expiry_slot`).
-            // The entry moves only when the deadline changes (an entry is
-            // inserted only where none is: `pending::Pending::set_expiry`).
             let slot = schema::expiry_slot(new.state, new.expires_ms);
-            let old_slot = stored
-                .as_ref()
-                .map(|old| schema::expiry_slot(old.state, old.expires_ms));
-            if old_slot != Some(slot) {
-                if let Some(old_slot) = old_slot {
+            if let Some(old) = &stored {
+                let old_slot = schema::expiry_slot(old.state, old.expires_ms);
+                if old_slot != slot {
                     tables.remove_expiry(old_slot, &kb)?;
                 }
-                tables.insert_expiry(slot, &kb)?;
             }
+            // Written even when the deadline is unchanged: a missing entry
+            // (which the scrub warns of) comes back at the next change.
+            tables.insert_expiry(slot, &kb)?;
             tables.put_record(&kb, &codec::encode_record(&kb, new))?;
             rebind(tables, key, stored.as_ref(), new, fresh)?;
             if let (true, Some(after)) = (acquires, after) {

@@ -1342,4 +1342,76 @@ mod tests {
         let report = store.verify(|_| {}).unwrap();
         assert!(report.is_clean(), "{:?}", report.problems);
     }
+
+    /// Changes the committed expiry index directly, as damage would (the
+    /// writer holds no open transaction right after a checkpoint).
+    fn damage_expiry(store: &Store, change: impl FnOnce(&mut redb::Table<(u64, &[u8]), ()>)) {
+        store.checkpoint().unwrap();
+        let txn = embedded(store).shared.db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(schema::EXPIRY).unwrap();
+            change(&mut table);
+        }
+        txn.commit().unwrap();
+    }
+
+    /// On an inconsistent index the buffer changes nothing either: with the
+    /// store's time standing still (so that deadlines repeat), a missing
+    /// entry comes back at the record's next change, also when the change
+    /// keeps its deadline or a remove and an insert of it fall in one
+    /// window, and an entry left behind under a deadline that a claim and
+    /// its completion use in one window is removed, as applying each change
+    /// in turn (and a replay of the log) leaves them.
+    #[test]
+    fn the_write_buffer_repairs_and_removes_as_direct_application_does() {
+        let clock = crate::clock::ManualClock::new(1_700_000_000_000);
+        let store = Store::open_with_backend(
+            "inconsistent.redb",
+            redb::backends::InMemoryBackend::new(),
+            MemoryLog::new(),
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .clock(clock.clone()),
+        )
+        .unwrap();
+        let key = |id: &str| Key::new("buffer", id).unwrap();
+        let fp = Fingerprint::of(b"p");
+        let claim = |k: &Key| match store.claim(k, &fp, &ClaimOptions::new()).unwrap() {
+            ClaimOutcome::Acquired(lease) => lease,
+            other => panic!("{other:?}"),
+        };
+        let entry_of = |k: &Key| {
+            let record = store.get(k).unwrap().unwrap();
+            schema::expiry_slot(record.state, record.expires_ms)
+        };
+        // A: its entry goes missing; a recovery point keeps the deadline.
+        let a = claim(&key("a"));
+        let a_slot = entry_of(&key("a"));
+        damage_expiry(&store, |t| {
+            t.remove((a_slot, key("a").to_bytes().as_slice())).unwrap();
+        });
+        store.set_recovery_point(&a, b"step 1").unwrap();
+        // B: its entry goes missing; a retryable failure and a new claim in
+        // the same millisecond move it away and back within one window.
+        let b = claim(&key("b"));
+        let b_slot = entry_of(&key("b"));
+        damage_expiry(&store, |t| {
+            t.remove((b_slot, key("b").to_bytes().as_slice())).unwrap();
+        });
+        store.fail(&b, b"busy", true).unwrap();
+        let _b2 = claim(&key("b"));
+        // C: an entry left behind under the deadline C's claim takes.
+        let c_slot = a_slot;
+        damage_expiry(&store, |t| {
+            t.insert((c_slot, key("c").to_bytes().as_slice()), ())
+                .unwrap();
+        });
+        let c = claim(&key("c"));
+        store.complete(&c, b"done").unwrap();
+        store.checkpoint().unwrap();
+        let (stored, wanted) = expiry_entries(&store);
+        assert_eq!(stored, wanted);
+        assert_eq!(stored.len(), 3);
+    }
 }

@@ -7,28 +7,45 @@
 //! a lifecycle makes seven (two record reads, two record writes, the
 //! lease's expiry entry inserted and removed, the retention's inserted).
 //! Buffered, the changes of the open transaction (up to `COMMIT_EVERY`
-//! batches, see `commit.rs`) are applied once, sorted by key, just before
-//! the transaction commits or the writer scans a table: a key changed
-//! several times is written once with its last value, an expiry entry
-//! inserted and removed again never reaches redb, reads of a key changed in
-//! the window are answered here without a B-tree lookup, and the writes
-//! that do reach redb come in key order, so successive ones mostly land in
-//! pages the transaction has already copied. LevelDB's memtable and fjall's
-//! are the same idea in front of a sorted table.
+//! batches, see `commit.rs`) are applied just before the transaction
+//! commits, or earlier when the writer scans the expiry index (a sweep) or
+//! the buffer is full, sorted by key and each key once with its last
+//! change. A claim and its completion in one window so make one record read
+//! (the claim's, which finds the key absent), one record write and two
+//! expiry index writes (the retention's entry inserted; the lease's
+//! removed, which finds nothing) instead of seven, and the writes come in
+//! key order, so successive ones mostly land in pages the transaction has
+//! already copied. LevelDB's memtable and fjall's are the same idea in
+//! front of a sorted table.
+//!
+//! **The result is the same as applying every change in turn**, whatever
+//! the tables held before: for a key of a table, inserts and removes in
+//! sequence leave what the last of them says, and that is what is applied.
+//! No invariant of the index is relied on, so a store whose index is
+//! inconsistent (a record whose expiry entry is missing, an entry left
+//! behind) ends each window as it would have without the buffer, and as a
+//! replay of the log after a crash leaves it.
 //!
 //! Nothing here is durable and nothing needs to be: every change is in the
-//! batch's log frame before its caller is answered, and the open
-//! transaction (this buffer with it) is dropped on any failure, as before.
-//! Readers outside the writer read committed redb only, through the read
-//! gate (`cache.rs`), which already keeps them off every key the open
+//! batch's log frame before its caller is answered. The buffer belongs to
+//! the open transaction: dropped with it when the index fails, and applied
+//! before every commit of it, including the one that keeps acknowledged
+//! changes readable after a log failure (`settle_open`). Readers outside
+//! the writer read committed redb only, through the read gate
+//! (`cache.rs`), which already keeps them off every key the open
 //! transaction changed until it commits.
 
 use std::collections::BTreeMap;
 
-/// Applied as soon as the buffered changes hold this many bytes of keys and
-/// values, whatever the commit schedule: a bound on the writer's memory for
-/// the buffer (about the size of the log frames of the window; 8 MiB).
+/// Applied as soon as the buffer's estimate reaches this many bytes
+/// (8 MiB), whatever the commit schedule: checked after each request, so
+/// the buffer holds at most this plus one request's changes.
 pub(crate) const MAX_PENDING_BYTES: usize = 8 * 1024 * 1024;
+
+/// What a buffered change costs in the estimate besides its key and value:
+/// the map's node share and the vectors' headers (an over-estimate for
+/// large values, about right for small ones).
+const ENTRY_OVERHEAD: usize = 96;
 
 /// What the last change did to an expiry index entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +69,9 @@ pub(crate) struct Pending {
     records: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     /// (Tagged deadline, stored key) → the change to that expiry entry.
     expiry: BTreeMap<(u64, Vec<u8>), EntryChange>,
-    /// Bytes of keys and values held (a saturating estimate).
+    /// Bytes held, estimated: keys, values and [`ENTRY_OVERHEAD`] per
+    /// change made (not per entry held, so it over-counts a key changed
+    /// twice; saturating).
     bytes: usize,
 }
 
@@ -75,7 +94,10 @@ impl Pending {
 
     /// Buffers a put (`Some`) or a removal (`None`) of the record `key`.
     pub(crate) fn set_record(&mut self, key: &[u8], envelope: Option<&[u8]>) {
-        let len = key.len() + envelope.map_or(0, <[u8]>::len);
+        let len = key
+            .len()
+            .saturating_add(envelope.map_or(0, <[u8]>::len))
+            .saturating_add(ENTRY_OVERHEAD);
         self.bytes = self.bytes.saturating_add(len);
         match self.records.get_mut(key) {
             Some(slot) => *slot = envelope.map(<[u8]>::to_vec),
@@ -86,26 +108,12 @@ impl Pending {
         }
     }
 
-    /// Buffers a change of the expiry entry `(deadline, key)`.
-    ///
-    /// The writer inserts an entry only where none is (a record's entry
-    /// moves only when its deadline changes) and removes only one that is
-    /// there (the stored record's): the index holds one entry per record,
-    /// under the deadline the record's own state gives, which `verify` and
-    /// the scrub check. So a change opposite to one already buffered for
-    /// the same entry undoes it, and both are forgotten: the entry is as
-    /// the table has it.
+    /// Buffers a change of the expiry entry `(deadline, key)`: the last
+    /// change of an entry is the one applied.
     pub(crate) fn set_expiry(&mut self, deadline: u64, key: &[u8], change: EntryChange) {
-        let entry = (deadline, key.to_vec());
-        match self.expiry.get(&entry) {
-            Some(buffered) if *buffered != change => {
-                self.expiry.remove(&entry);
-            }
-            _ => {
-                self.bytes = self.bytes.saturating_add(key.len().saturating_add(8));
-                self.expiry.insert(entry, change);
-            }
-        }
+        let len = key.len().saturating_add(8).saturating_add(ENTRY_OVERHEAD);
+        self.bytes = self.bytes.saturating_add(len);
+        self.expiry.insert((deadline, key.to_vec()), change);
     }
 
     /// Empties the buffer, handing its changes over in key order: records
@@ -143,14 +151,14 @@ mod tests {
     }
 
     #[test]
-    fn opposite_entry_changes_cancel() {
+    fn last_entry_change_wins() {
         let mut p = Pending::default();
-        // A claim's lease entry, then its completion: the lease entry goes,
-        // the retention entry comes.
+        // A claim's lease entry, then its completion: the lease entry is to
+        // go (whether or not the table holds one), the retention's to come.
         p.set_expiry(5, b"k", EntryChange::Insert);
         p.set_expiry(5, b"k", EntryChange::Remove);
         p.set_expiry(9, b"k", EntryChange::Insert);
-        // A stored entry removed and put back is as stored.
+        // Removed and put back: put back (a missing entry is restored).
         p.set_expiry(3, b"j", EntryChange::Remove);
         p.set_expiry(3, b"j", EntryChange::Insert);
         p.set_expiry(1, b"z", EntryChange::Remove);
@@ -160,6 +168,8 @@ mod tests {
             expiry,
             vec![
                 ((1, b"z".to_vec()), EntryChange::Remove),
+                ((3, b"j".to_vec()), EntryChange::Insert),
+                ((5, b"k".to_vec()), EntryChange::Remove),
                 ((9, b"k".to_vec()), EntryChange::Insert),
             ]
         );

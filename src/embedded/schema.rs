@@ -765,8 +765,9 @@ pub(crate) type ExpiryEntry = (u64, Vec<u8>);
 ///
 /// Opened with [`Tables::buffered`], changes to the records table and the
 /// expiry index wait in the writer's [`Pending`] buffer and reach redb at
-/// [`Tables::apply_pending`] (see `pending.rs`); they are logged at once
-/// all the same.
+/// [`Tables::apply_pending`] (see `pending.rs`), each key's last change
+/// only, which leaves the tables as applying every change in turn would;
+/// they are logged at once all the same.
 pub(crate) struct Tables<'t> {
     path: &'t Path,
     txn: &'t WriteTransaction,
@@ -958,8 +959,7 @@ impl<'t> Tables<'t> {
         Ok(())
     }
 
-    /// Adds `(deadline, key)` to the expiry index (an entry that is not
-    /// there: see [`Pending::set_expiry`]).
+    /// Adds `(deadline, key)` to the expiry index.
     pub(crate) fn insert_expiry(&mut self, deadline: u64, key: &[u8]) -> Result<()> {
         if let Some(pending) = self.pending.as_mut() {
             pending.set_expiry(deadline, key, EntryChange::Insert);
