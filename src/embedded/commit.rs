@@ -574,6 +574,12 @@ impl WriterState {
 /// several batches, and a page changed by several of them is copied once.
 const COMMIT_EVERY: usize = 64;
 
+/// Buffered changes the writer applies at a time while it would block
+/// waiting for the syncer's fsync (see `process`): few, so that it sees a
+/// new request or the end of the fsync soon (a few microseconds for small
+/// records; a change carries one record, so at most 16 records' bytes).
+const IDLE_APPLY_CHUNK: usize = 16;
+
 /// How long the writer waits for more requests before it commits the open
 /// index transaction when idle. Readers never wait for it: a read of a key
 /// with an uncommitted change asks for the commit.
@@ -1171,7 +1177,9 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
 /// more is queued — unless, in `Immediate` mode, an earlier frame's fsync is
 /// still running: the new frame could not be synced before it ends anyway,
 /// so the writer keeps taking requests into the batch until the syncer
-/// reports the disk free. A lone caller is never held back.
+/// reports the disk free, and while none arrives it applies buffered
+/// changes to the index (`pending.rs`), 16 at a time, blocking only once
+/// none is left. A lone caller is never held back.
 ///
 /// Without `rx`, a caller leads its own request (see [`Writer::submit`]):
 /// the batch is that request alone, sealed at once, and synced here when
@@ -1276,6 +1284,12 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
             if !gated || !shared.progress.busy() {
                 alone = true;
                 break;
+            }
+            // Waiting for the disk: apply some buffered changes meanwhile,
+            // a few at a time so that a request or the end of the fsync
+            // is seen soon, and block only once nothing is left to apply.
+            if tables.apply_pending_some(IDLE_APPLY_CHUNK)? {
+                continue;
             }
             match rx.recv() {
                 Ok(Msg::Req(req)) => batch.push(req),

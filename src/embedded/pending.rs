@@ -7,16 +7,19 @@
 //! a lifecycle makes seven (two record reads, two record writes, the
 //! lease's expiry entry inserted and removed, the retention's inserted).
 //! Buffered, the changes of the open transaction (up to `COMMIT_EVERY`
-//! batches, see `commit.rs`) are applied just before the transaction
-//! commits, or earlier when the writer scans the expiry index (a sweep) or
-//! the buffer is full, sorted by key and each key once with its last
-//! change. A claim and its completion in one window so make one record read
+//! batches, see `commit.rs`) are applied sorted by key, each key with its
+//! last change when it is applied: a few at a time while the writer would
+//! block waiting for the syncer's fsync of an earlier batch, and the rest
+//! just before the transaction commits, when the writer scans the expiry
+//! index (a sweep) or when the buffer is full. A key changed again after
+//! it was applied is applied again. A claim whose completion comes while its
+//! changes are still buffered so makes, with it, one record read
 //! (the claim's, which finds the key absent), one record write and two
 //! expiry index writes (the retention's entry inserted; the lease's
-//! removed, which finds nothing) instead of seven, and the writes come in
-//! key order, so successive ones mostly land in pages the transaction has
-//! already copied. LevelDB's memtable and fjall's are the same idea in
-//! front of a sorted table.
+//! removed, which finds nothing) instead of seven; and each application
+//! writes its keys in order, so that successive ones may land in pages the
+//! transaction has already copied. LevelDB's memtable and fjall's are the
+//! same idea in front of a sorted table.
 //!
 //! **The result is the same as applying every change in turn**, whatever
 //! the tables held before: for a key of a table, inserts and removes in
@@ -71,7 +74,7 @@ pub(crate) struct Pending {
     expiry: BTreeMap<(u64, Vec<u8>), EntryChange>,
     /// Bytes held, estimated: keys, values and [`ENTRY_OVERHEAD`] per
     /// change made (not per entry held, so it over-counts a key changed
-    /// twice; saturating).
+    /// twice), less what was taken out; saturating.
     bytes: usize,
 }
 
@@ -94,11 +97,7 @@ impl Pending {
 
     /// Buffers a put (`Some`) or a removal (`None`) of the record `key`.
     pub(crate) fn set_record(&mut self, key: &[u8], envelope: Option<&[u8]>) {
-        let len = key
-            .len()
-            .saturating_add(envelope.map_or(0, <[u8]>::len))
-            .saturating_add(ENTRY_OVERHEAD);
-        self.bytes = self.bytes.saturating_add(len);
+        self.bytes = self.bytes.saturating_add(record_len(key, envelope));
         match self.records.get_mut(key) {
             Some(slot) => *slot = envelope.map(<[u8]>::to_vec),
             None => {
@@ -111,9 +110,35 @@ impl Pending {
     /// Buffers a change of the expiry entry `(deadline, key)`: the last
     /// change of an entry is the one applied.
     pub(crate) fn set_expiry(&mut self, deadline: u64, key: &[u8], change: EntryChange) {
-        let len = key.len().saturating_add(8).saturating_add(ENTRY_OVERHEAD);
-        self.bytes = self.bytes.saturating_add(len);
+        self.bytes = self.bytes.saturating_add(entry_len(key));
         self.expiry.insert((deadline, key.to_vec()), change);
+    }
+
+    /// Takes up to `max` changes in key order (records first, then expiry
+    /// entries), leaving the rest buffered.
+    pub(crate) fn take_some(&mut self, max: usize) -> (Vec<RecordChange>, Vec<ExpiryChange>) {
+        let mut records = Vec::new();
+        while records.len() < max {
+            let Some(change) = self.records.pop_first() else {
+                break;
+            };
+            self.bytes = self
+                .bytes
+                .saturating_sub(record_len(&change.0, change.1.as_deref()));
+            records.push(change);
+        }
+        let mut expiry = Vec::new();
+        while records.len() + expiry.len() < max {
+            let Some(change) = self.expiry.pop_first() else {
+                break;
+            };
+            self.bytes = self.bytes.saturating_sub(entry_len(&(change.0).1));
+            expiry.push(change);
+        }
+        if self.is_empty() {
+            self.bytes = 0;
+        }
+        (records, expiry)
     }
 
     /// Empties the buffer, handing its changes over in key order: records
@@ -124,6 +149,18 @@ impl Pending {
         let expiry = std::mem::take(&mut self.expiry).into_iter().collect();
         (records, expiry)
     }
+}
+
+/// The estimate of a buffered record change.
+fn record_len(key: &[u8], envelope: Option<&[u8]>) -> usize {
+    key.len()
+        .saturating_add(envelope.map_or(0, <[u8]>::len))
+        .saturating_add(ENTRY_OVERHEAD)
+}
+
+/// The estimate of a buffered expiry entry change.
+fn entry_len(key: &[u8]) -> usize {
+    key.len().saturating_add(8).saturating_add(ENTRY_OVERHEAD)
 }
 
 #[cfg(test)]
@@ -173,6 +210,30 @@ mod tests {
                 ((9, b"k".to_vec()), EntryChange::Insert),
             ]
         );
+    }
+
+    #[test]
+    fn takes_some_in_key_order() {
+        let mut p = Pending::default();
+        p.set_record(b"b", Some(b"2"));
+        p.set_record(b"a", Some(b"1"));
+        p.set_expiry(7, b"a", EntryChange::Insert);
+        p.set_expiry(2, b"b", EntryChange::Remove);
+        let (records, expiry) = p.take_some(3);
+        assert_eq!(
+            records,
+            vec![
+                (b"a".to_vec(), Some(b"1".to_vec())),
+                (b"b".to_vec(), Some(b"2".to_vec()))
+            ]
+        );
+        assert_eq!(expiry, vec![((2, b"b".to_vec()), EntryChange::Remove)]);
+        assert!(!p.is_empty());
+        let (records, expiry) = p.take_some(3);
+        assert!(records.is_empty());
+        assert_eq!(expiry, vec![((7, b"a".to_vec()), EntryChange::Insert)]);
+        assert!(p.is_empty());
+        assert_eq!(p.take_some(3), (Vec::new(), Vec::new()));
     }
 
     #[test]

@@ -765,9 +765,10 @@ pub(crate) type ExpiryEntry = (u64, Vec<u8>);
 ///
 /// Opened with [`Tables::buffered`], changes to the records table and the
 /// expiry index wait in the writer's [`Pending`] buffer and reach redb at
-/// [`Tables::apply_pending`] (see `pending.rs`), each key's last change
-/// only, which leaves the tables as applying every change in turn would;
-/// they are logged at once all the same.
+/// [`Tables::apply_pending`] or [`Tables::apply_pending_some`] (see
+/// `pending.rs`), each key with its last change at that point, which leaves
+/// the tables as applying every change in turn would; they are logged at
+/// once all the same.
 pub(crate) struct Tables<'t> {
     path: &'t Path,
     txn: &'t WriteTransaction,
@@ -835,6 +836,28 @@ impl<'t> Tables<'t> {
             return Ok(());
         }
         let (records, expiry) = pending.take();
+        self.apply_changes(records, expiry)
+    }
+
+    /// Applies up to `max` buffered changes (the first in key order);
+    /// whether any was applied.
+    pub(crate) fn apply_pending_some(&mut self, max: usize) -> Result<bool> {
+        let Some(pending) = self.pending.as_mut() else {
+            return Ok(false);
+        };
+        if pending.is_empty() {
+            return Ok(false);
+        }
+        let (records, expiry) = pending.take_some(max);
+        self.apply_changes(records, expiry)?;
+        Ok(true)
+    }
+
+    fn apply_changes(
+        &mut self,
+        records: Vec<super::pending::RecordChange>,
+        expiry: Vec<super::pending::ExpiryChange>,
+    ) -> Result<()> {
         for (key, envelope) in records {
             let old = match &envelope {
                 Some(env) => self.records.insert(&key[..], &env[..]),
@@ -1239,6 +1262,93 @@ mod tests {
     use super::*;
 
     const DAY: u64 = 24 * 3600 * 1000;
+
+    fn memory_db() -> Database {
+        Database::builder()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .unwrap()
+    }
+
+    /// Everything the records table and the expiry index hold.
+    type Contents = (Vec<(Vec<u8>, Vec<u8>)>, Vec<(u64, Vec<u8>)>);
+
+    fn contents(db: &Database) -> Contents {
+        let txn = db.begin_read().unwrap();
+        let records = txn.open_table(RECORDS).unwrap();
+        let expiry = txn.open_table(EXPIRY).unwrap();
+        let r = records
+            .iter()
+            .unwrap()
+            .map(|e| {
+                let (k, v) = e.unwrap();
+                (k.value().to_vec(), v.value().to_vec())
+            })
+            .collect();
+        let x = expiry
+            .iter()
+            .unwrap()
+            .map(|e| {
+                let (k, _) = e.unwrap();
+                let (d, key) = k.value();
+                (d, key.to_vec())
+            })
+            .collect();
+        (r, x)
+    }
+
+    /// Buffered tables, applied in part at arbitrary points and changed
+    /// again after, end as the same changes applied one by one: the same
+    /// records, expiry entries and state counts.
+    #[test]
+    fn buffered_tables_end_as_direct_ones() {
+        let path = Path::new("buffer-test");
+        let (direct_db, buffered_db) = (memory_db(), memory_db());
+        let mut pending = Pending::default();
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let direct_txn = direct_db.begin_write().unwrap();
+        let buffered_txn = buffered_db.begin_write().unwrap();
+        let (direct_tally, buffered_tally) = {
+            let mut direct = Tables::open(path, &direct_txn, false).unwrap();
+            let mut buffered = Tables::buffered(path, &buffered_txn, &mut pending).unwrap();
+            for _ in 0..2000 {
+                let r = next();
+                let key = [b'k', u8::try_from(r % 16).unwrap()];
+                let deadline = (r >> 8) % 4;
+                // An envelope whose state byte varies, so that the state
+                // counts move (most are unreadable: counted as such).
+                let envelope = [u8::try_from((r >> 16) % 7).unwrap(); 12];
+                for t in [&mut direct, &mut buffered] {
+                    match (r >> 24) % 5 {
+                        0 | 1 => t.put_record(&key, &envelope).unwrap(),
+                        2 => t.remove_record(&key).unwrap(),
+                        3 => t.insert_expiry(deadline, &key).unwrap(),
+                        _ => t.remove_expiry(deadline, &key).unwrap(),
+                    }
+                }
+                assert_eq!(
+                    direct.get_record(&key).unwrap(),
+                    buffered.get_record(&key).unwrap()
+                );
+                if (r >> 32) % 7 == 0 {
+                    let n = usize::try_from((r >> 40) % 4).unwrap();
+                    buffered.apply_pending_some(n + 1).unwrap();
+                }
+            }
+            buffered.apply_pending().unwrap();
+            (direct.finish().tally, buffered.finish().tally)
+        };
+        assert_eq!(direct_tally, buffered_tally);
+        assert!(direct_tally.is_some_and(|t| t.total() > 0));
+        direct_txn.commit().unwrap();
+        buffered_txn.commit().unwrap();
+        assert_eq!(contents(&direct_db), contents(&buffered_db));
+    }
 
     fn policy(interval_ms: Option<u64>, wall_ms: u64) -> IntegrityPolicy {
         IntegrityPolicy {
