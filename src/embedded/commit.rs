@@ -1144,10 +1144,9 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
     }
     let path = &shared.path;
     let mut open = open;
-    let mut tally = state.tally;
-    let applied = open.apply_pending(path, &mut tally);
+    let applied = open.apply_pending(path, &mut state.tally);
     let OpenTxn { txn, keys, .. } = open;
-    state.tally = tally;
+    let tally = state.tally;
     let committed = applied.and_then(|()| {
         guard(path, || {
             schema::write_tally(path, &txn, tally)?;

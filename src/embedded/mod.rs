@@ -1236,6 +1236,17 @@ mod tests {
         );
     }
 
+    /// A store on in-memory storage (index and log).
+    fn in_memory(name: &str, config: Config) -> Store {
+        Store::open_with_backend(
+            name,
+            redb::backends::InMemoryBackend::new(),
+            MemoryLog::new(),
+            config,
+        )
+        .unwrap()
+    }
+
     /// The expiry index as committed, and the entries the committed records
     /// call for (one each, under the deadline their state gives).
     fn expiry_entries(store: &Store) -> (Vec<schema::ExpiryEntry>, Vec<schema::ExpiryEntry>) {
@@ -1275,15 +1286,12 @@ mod tests {
     /// state counts agree with the records.
     #[test]
     fn the_write_buffer_leaves_one_expiry_entry_per_record() {
-        let store = Store::open_with_backend(
+        let store = in_memory(
             "buffer.redb",
-            redb::backends::InMemoryBackend::new(),
-            MemoryLog::new(),
             Config::new()
                 .sweep_interval(None)
                 .retention(Duration::from_millis(30)),
-        )
-        .unwrap();
+        );
         let keys: Vec<Key> = (0..24)
             .map(|i| Key::new("buffer", format!("k{i}")).unwrap())
             .collect();
@@ -1365,16 +1373,13 @@ mod tests {
     #[test]
     fn the_write_buffer_repairs_and_removes_as_direct_application_does() {
         let clock = crate::clock::ManualClock::new(1_700_000_000_000);
-        let store = Store::open_with_backend(
+        let store = in_memory(
             "inconsistent.redb",
-            redb::backends::InMemoryBackend::new(),
-            MemoryLog::new(),
             Config::new()
                 .sweep_interval(None)
                 .scrub_rate(None)
                 .clock(clock.clone()),
-        )
-        .unwrap();
+        );
         let key = |id: &str| Key::new("buffer", id).unwrap();
         let fp = Fingerprint::of(b"p");
         let claim = |k: &Key| match store.claim(k, &fp, &ClaimOptions::new()).unwrap() {

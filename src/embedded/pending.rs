@@ -115,8 +115,14 @@ impl Pending {
     }
 
     /// Takes up to `max` changes in key order (records first, then expiry
-    /// entries), leaving the rest buffered.
+    /// entries), leaving the rest buffered (`usize::MAX`: all of them).
     pub(crate) fn take_some(&mut self, max: usize) -> (Vec<RecordChange>, Vec<ExpiryChange>) {
+        if max >= self.records.len().saturating_add(self.expiry.len()) {
+            self.bytes = 0;
+            let records = std::mem::take(&mut self.records).into_iter().collect();
+            let expiry = std::mem::take(&mut self.expiry).into_iter().collect();
+            return (records, expiry);
+        }
         let mut records = Vec::new();
         while records.len() < max {
             let Some(change) = self.records.pop_first() else {
@@ -138,15 +144,6 @@ impl Pending {
         if self.is_empty() {
             self.bytes = 0;
         }
-        (records, expiry)
-    }
-
-    /// Empties the buffer, handing its changes over in key order: records
-    /// first, then expiry entries.
-    pub(crate) fn take(&mut self) -> (Vec<RecordChange>, Vec<ExpiryChange>) {
-        self.bytes = 0;
-        let records = std::mem::take(&mut self.records).into_iter().collect();
-        let expiry = std::mem::take(&mut self.expiry).into_iter().collect();
         (records, expiry)
     }
 }
@@ -177,7 +174,7 @@ mod tests {
         p.set_record(b"k", None);
         assert_eq!(p.record(b"k"), Some(None));
         p.set_record(b"a", Some(b"x"));
-        let (records, expiry) = p.take();
+        let (records, expiry) = p.take_some(usize::MAX);
         assert_eq!(
             records,
             vec![(b"a".to_vec(), Some(b"x".to_vec())), (b"k".to_vec(), None)]
@@ -199,7 +196,7 @@ mod tests {
         p.set_expiry(3, b"j", EntryChange::Remove);
         p.set_expiry(3, b"j", EntryChange::Insert);
         p.set_expiry(1, b"z", EntryChange::Remove);
-        let (records, expiry) = p.take();
+        let (records, expiry) = p.take_some(usize::MAX);
         assert!(records.is_empty());
         assert_eq!(
             expiry,
@@ -246,7 +243,7 @@ mod tests {
         }
         p.set_record(&[7], Some(&value));
         assert!(p.is_full());
-        let _ = p.take();
+        let _ = p.take_some(usize::MAX);
         assert!(!p.is_full());
     }
 }

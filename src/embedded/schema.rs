@@ -829,14 +829,7 @@ impl<'t> Tables<'t> {
     /// (records, then expiry entries), and counts the records' states.
     /// Before the transaction commits and before a scan of a table.
     pub(crate) fn apply_pending(&mut self) -> Result<()> {
-        let Some(pending) = self.pending.as_mut() else {
-            return Ok(());
-        };
-        if pending.is_empty() {
-            return Ok(());
-        }
-        let (records, expiry) = pending.take();
-        self.apply_changes(records, expiry)
+        self.apply_pending_some(usize::MAX).map(|_| ())
     }
 
     /// Applies up to `max` buffered changes (the first in key order);
@@ -849,15 +842,6 @@ impl<'t> Tables<'t> {
             return Ok(false);
         }
         let (records, expiry) = pending.take_some(max);
-        self.apply_changes(records, expiry)?;
-        Ok(true)
-    }
-
-    fn apply_changes(
-        &mut self,
-        records: Vec<super::pending::RecordChange>,
-        expiry: Vec<super::pending::ExpiryChange>,
-    ) -> Result<()> {
         for (key, envelope) in records {
             let old = match &envelope {
                 Some(env) => self.records.insert(&key[..], &env[..]),
@@ -874,7 +858,7 @@ impl<'t> Tables<'t> {
             }
             .map_err(|e| map_err(self.path, e))?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Hands in the state counts as of this transaction (`None`: not read
