@@ -56,11 +56,10 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
         })
         .into_iter()
         .collect();
-    let damaged = |integrity| CheckReport {
-        integrity,
-        records: 0,
-        bindings: 0,
-        problems: marked.clone(),
+    let damaged = |integrity| {
+        let mut report = CheckReport::new(integrity);
+        listed_always(&mut report, marked.clone());
+        report
     };
     let checked = crate::embedded::check::integrity(path);
     let integrity = match checked {
@@ -87,6 +86,15 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
     };
     let mut report = store.verify(progress)?;
     report.integrity = integrity;
-    report.problems.extend(marked);
+    listed_always(&mut report, marked);
     Ok(report)
+}
+
+/// Lists `problems` (the damage marker's) however many are listed already:
+/// it says why the store opens read-only.
+fn listed_always(report: &mut CheckReport, problems: Vec<Problem>) {
+    for problem in problems {
+        report.problems_found = report.problems_found.saturating_add(1);
+        report.problems.push(problem);
+    }
 }

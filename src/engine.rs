@@ -364,12 +364,7 @@ fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<C
     use crate::report::{Integrity, Problem};
     let entries = pg.entries(vec![(Vec::new(), None)])?;
     let next_token = pg.next_token()?;
-    let mut report = CheckReport {
-        integrity: Integrity::NotRun,
-        records: 0,
-        bindings: 0,
-        problems: Vec::new(),
-    };
+    let mut report = CheckReport::new(Integrity::NotRun);
     for entry in entries {
         let (key, envelope) = entry?;
         report.records = report.records.saturating_add(1);
@@ -378,7 +373,7 @@ fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<C
             bytes: 0,
         });
         match crate::codec::decode_record(&key, &envelope) {
-            Ok(record) if record.token() >= next_token => report.problems.push(Problem {
+            Ok(record) if record.token() >= next_token => report.found(Problem {
                 key: record.key().to_string(),
                 detail: format!(
                     "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
@@ -387,7 +382,7 @@ fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<C
             }),
             Ok(_) => {}
             Err(crate::error::Error::CorruptRecord { key, detail }) => {
-                report.problems.push(Problem { key, detail });
+                report.found(Problem { key, detail });
             }
             Err(other) => return Err(other),
         }

@@ -164,7 +164,7 @@ pub use key::{
 pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
-pub use report::{CheckReport, Integrity, Problem, Progress, ScrubReport};
+pub use report::{CheckReport, Integrity, MAX_LISTED_PROBLEMS, Problem, Progress, ScrubReport};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
 pub use store::Store;

@@ -63,6 +63,13 @@ pub struct ScrubReport {
     pub pass_finished: bool,
 }
 
+/// The most problems a [`CheckReport`] lists (10,000); the rest are
+/// counted in [`CheckReport::problems_found`]. A check of a store damaged
+/// throughout so keeps its memory bounded (a listed problem is one line,
+/// some 200 bytes: about 2 MB at most), where listing every one of 10
+/// million damaged records would take gigabytes.
+pub const MAX_LISTED_PROBLEMS: usize = 10_000;
+
 /// What a check found: see [`Store::verify`](crate::Store::verify) and [`check_file`](crate::check_file).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -73,14 +80,43 @@ pub struct CheckReport {
     pub records: u64,
     /// Business-key bindings read.
     pub bindings: u64,
-    /// Every problem found, in key order.
+    /// The problems found, in key order within each part of the check
+    /// (records, then the state counts, then business-key bindings), at
+    /// most the first [`MAX_LISTED_PROBLEMS`] of them found, and the damage
+    /// marker's line when the online scrub marked the store
+    /// ([`check_file`](crate::check_file)).
     pub problems: Vec<Problem>,
+    /// How many problems were found in all, listed or not (at least
+    /// `problems.len()`).
+    pub problems_found: u64,
 }
 
 impl CheckReport {
+    /// A report with nothing read and nothing found yet.
+    pub(crate) fn new(integrity: Integrity) -> CheckReport {
+        CheckReport {
+            integrity,
+            records: 0,
+            bindings: 0,
+            problems: Vec::new(),
+            problems_found: 0,
+        }
+    }
+
+    /// Counts `problem`, and lists it while fewer than
+    /// [`MAX_LISTED_PROBLEMS`] are listed.
+    pub(crate) fn found(&mut self, problem: Problem) {
+        self.problems_found = self.problems_found.saturating_add(1);
+        if self.problems.len() < MAX_LISTED_PROBLEMS {
+            self.problems.push(problem);
+        }
+    }
+
     /// Whether nothing is damaged: no problem, and redb's check (if it ran)
     /// neither failed nor had to repair the file.
     pub fn is_clean(&self) -> bool {
-        self.problems.is_empty() && matches!(self.integrity, Integrity::NotRun | Integrity::Clean)
+        self.problems.is_empty()
+            && self.problems_found == 0
+            && matches!(self.integrity, Integrity::NotRun | Integrity::Clean)
     }
 }

@@ -489,3 +489,65 @@ fn verify_names_a_record_without_its_expiry_entry_and_ignores_an_orphan_entry() 
         Ok(ClaimOutcome::Acquired(_))
     ));
 }
+
+/// A check of a store damaged throughout lists the first
+/// `MAX_LISTED_PROBLEMS` problems, in key order, and counts every one, so
+/// that its memory stays bounded: here every record's expiry entry is gone.
+#[test]
+fn verify_lists_at_most_max_listed_problems_and_counts_them_all() {
+    use idemstore::MAX_LISTED_PROBLEMS;
+    let t = TestDir::new();
+    let total = MAX_LISTED_PROBLEMS + 25;
+    {
+        let store = Store::open_with(&t.path, t.config()).unwrap();
+        let keys: Vec<_> = (0..total)
+            .map(|i| (key(&format!("k-{i:06}")), fp("a")))
+            .collect();
+        for chunk in keys.chunks(idemstore::MAX_CLAIM_MANY) {
+            let outcomes = store.claim_many(chunk, &lease_of(secs(600))).unwrap();
+            assert!(
+                outcomes
+                    .iter()
+                    .all(|o| matches!(o, Ok(ClaimOutcome::Acquired(_))))
+            );
+        }
+    }
+    // Every expiry entry removed, through redb directly.
+    {
+        let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
+        let db = redb::Database::open(&t.path).unwrap();
+        let txn = db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(expiry).unwrap();
+            table.retain(|_, _| false).unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    let store = Store::open_with(&t.path, checked(&t)).unwrap();
+    let report = store.verify(|_| {}).unwrap();
+    assert_eq!(report.records, total as u64);
+    assert_eq!(report.problems_found, total as u64, "every record counted");
+    assert_eq!(
+        report.problems.len(),
+        MAX_LISTED_PROBLEMS,
+        "the first listed"
+    );
+    assert!(!report.is_clean());
+    let listed: Vec<&str> = report.problems.iter().map(|p| p.key.as_str()).collect();
+    let mut sorted = listed.clone();
+    sorted.sort_unstable();
+    assert_eq!(listed, sorted, "in key order");
+    assert!(
+        report
+            .problems
+            .iter()
+            .all(|p| p.detail.contains("no expiry index entry")),
+        "{:?}",
+        report.problems.first()
+    );
+    // The check of the file says the same.
+    drop(store);
+    let checked_file = idemstore::check_file(&t.path, |_| {}).unwrap();
+    assert_eq!(checked_file.problems_found, total as u64);
+    assert_eq!(checked_file.problems.len(), MAX_LISTED_PROBLEMS);
+}

@@ -707,6 +707,7 @@ fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
     assert_eq!(code(&out), 1, "{}", stderr(&out));
     let v = json(&out);
     assert_eq!(v["clean"], false);
+    assert_eq!(v["problems_found"], 1);
     assert_eq!(v["problems"][0]["key"], "acme/tickets/done");
     assert!(
         v["problems"][0]["detail"]
@@ -870,4 +871,56 @@ fn a_store_held_by_a_service_is_reported_as_in_use() {
     }
     drop(service);
     assert_eq!(code(&idemstore(&["stats", p(&path)])), 0);
+}
+
+/// A store damaged throughout: `check` lists the first
+/// `MAX_LISTED_PROBLEMS` problems and says how many more it found.
+#[test]
+fn check_lists_the_first_problems_and_counts_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let total = idemstore::MAX_LISTED_PROBLEMS + 7;
+    {
+        let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        let fingerprint = Fingerprint::of(b"a");
+        let keys: Vec<_> = (0..total)
+            .map(|i| (key(&format!("k-{i:06}")), fingerprint.clone()))
+            .collect();
+        for chunk in keys.chunks(idemstore::MAX_CLAIM_MANY) {
+            store.claim_many(chunk, &ClaimOptions::new()).unwrap();
+        }
+    }
+    // Every expiry entry removed, through redb directly.
+    {
+        let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
+        let db = redb::Database::open(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(expiry)
+            .unwrap()
+            .retain(|_, _| false)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    let out = idemstore(&["check", p(&path)]);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(
+        text.contains(&format!("problems         {total}")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "... and 7 more, not listed (a check lists the first {})",
+            idemstore::MAX_LISTED_PROBLEMS
+        )),
+        "{}",
+        &text[text.len().saturating_sub(400)..]
+    );
+    let out = idemstore(&["check", p(&path), "--json"]);
+    let v = json(&out);
+    assert_eq!(v["problems_found"].as_u64(), Some(total as u64));
+    assert_eq!(
+        v["problems"].as_array().map(Vec::len),
+        Some(idemstore::MAX_LISTED_PROBLEMS)
+    );
 }

@@ -86,8 +86,10 @@ impl EntryDigest {
 /// digest (each record is also looked up by its key, which finds a damaged
 /// branch page that hides it from lookups); only when the digests differ is each record's expiry entry
 /// looked up, to name the records that lack one. Each business-key binding
-/// is looked up from its record and back. Memory is bounded by the problems
-/// found (one line each), not by the store's size.
+/// is looked up from its record and back. Memory is bounded, not by the
+/// store's size: two digests, and at most
+/// [`MAX_LISTED_PROBLEMS`](crate::MAX_LISTED_PROBLEMS) listed
+/// problems (the rest are counted).
 pub(crate) fn verify(
     path: &Path,
     txn: &redb::ReadTransaction,
@@ -102,12 +104,7 @@ pub(crate) fn verify(
         let records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
         let expiry = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
         let business = txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
-        let mut report = CheckReport {
-            integrity: Integrity::NotRun,
-            records: 0,
-            bindings: 0,
-            problems: Vec::new(),
-        };
+        let mut report = CheckReport::new(Integrity::NotRun);
         let hashers = [RandomState::new(), RandomState::new()];
         // What the decoded records say the expiry index holds.
         let mut wanted = EntryDigest::new(&hashers);
@@ -127,7 +124,7 @@ pub(crate) fn verify(
             // `super::scrub`).
             let found = records.get(kb).map_err(|e| map_err(path, e))?;
             if found.as_ref().map(|g| g.value()) != Some(v.value()) {
-                report.problems.push(Problem {
+                report.found(Problem {
                     key: Key::describe_bytes(kb),
                     detail: "a lookup of this stored key does not find its record: a damaged \
                              branch page (the key would read as absent, and a claim of it would \
@@ -138,13 +135,13 @@ pub(crate) fn verify(
             let record = match codec::decode_record(kb, v.value()) {
                 Ok(r) => r,
                 Err(Error::CorruptRecord { key, detail }) => {
-                    report.problems.push(Problem { key, detail });
+                    report.found(Problem { key, detail });
                     continue;
                 }
                 Err(other) => return Err(other),
             };
             let mut problem = |detail: String| {
-                report.problems.push(Problem {
+                report.found(Problem {
                     key: record.key.to_string(),
                     detail,
                 });
@@ -192,7 +189,7 @@ pub(crate) fn verify(
         if let Some(stored) = stored_tally
             && stored != tally
         {
-            report.problems.push(Problem {
+            report.found(Problem {
                 key: "(state counts)".into(),
                 detail: format!(
                     "the stored state counts {:?} differ from the records' {:?} (processing, succeeded, failed, retryably failed, unreadable): stats would report wrong counts",
@@ -232,7 +229,7 @@ pub(crate) fn verify(
                 },
             };
             if let Some(detail) = detail {
-                report.problems.push(Problem { key: name, detail });
+                report.found(Problem { key: name, detail });
             }
         }
         Ok(report)
@@ -259,7 +256,7 @@ fn missing_expiry_entries(
             .map_err(|e| map_err(path, e))?
             .is_some();
         if !found {
-            report.problems.push(Problem {
+            report.found(Problem {
                 key: record.key.to_string(),
                 detail: format!(
                     "no expiry index entry for its expiry {} ms: eviction would never remove it",

@@ -76,6 +76,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 "records": report.records,
                 "bindings": report.bindings,
                 "problems": problems,
+                "problems_found": report.problems_found,
                 "next_step": next_step,
             }),
         )?;
@@ -84,9 +85,17 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         writeln!(out, "{:<16} {integrity}", "redb integrity")?;
         writeln!(out, "{:<16} {} checked", "records", report.records)?;
         writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
-        writeln!(out, "{:<16} {}", "problems", report.problems.len())?;
+        writeln!(out, "{:<16} {}", "problems", report.problems_found)?;
         for p in &report.problems {
             writeln!(out, "  {}: {}", p.key, p.detail)?;
+        }
+        let listed = u64::try_from(report.problems.len()).unwrap_or(u64::MAX);
+        if let Some(more) = report.problems_found.checked_sub(listed).filter(|&n| n > 0) {
+            writeln!(
+                out,
+                "  ... and {more} more, not listed (a check lists the first {})",
+                idemstore::MAX_LISTED_PROBLEMS
+            )?;
         }
         if let Some(step) = next_step {
             writeln!(out, "{:<16} {step}", "next step")?;
