@@ -22,8 +22,10 @@ use crate::store::Store;
 /// size (about 1 s for a million records, a 310 MB file, warm; each pass
 /// reads each table in its own order). Its memory does not: each pass
 /// holds at most 64 MiB of redb's page cache (the store's default
-/// `cache_bytes`), plus one record at a time: about 75 MiB at most in
-/// all, whatever the file's size (BENCHMARKS.md).
+/// `cache_bytes`), plus one record at a time and the report's list of
+/// problems (at most [`MAX_LISTED_PROBLEMS`](crate::MAX_LISTED_PROBLEMS)
+/// lines, about 2 MB): about 75 MiB at most in all, whatever the file's
+/// size or its damage (BENCHMARKS.md).
 ///
 /// Damage is reported in the [`CheckReport`], not as an error: a damaged
 /// record as a [`Problem`](crate::Problem), and damaged pages, including a file that does

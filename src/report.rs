@@ -65,9 +65,11 @@ pub struct ScrubReport {
 
 /// The most problems a [`CheckReport`] lists (10,000); the rest are
 /// counted in [`CheckReport::problems_found`]. A check of a store damaged
-/// throughout so keeps its memory bounded (a listed problem is one line,
-/// some 200 bytes: about 2 MB at most), where listing every one of 10
-/// million damaged records would take gigabytes.
+/// throughout so keeps its memory bounded: a listed problem is one line,
+/// some 200 bytes for a typical key (about 2 MB for the whole list), at
+/// most about 2 KB for the longest keys and business keys printed escaped
+/// (about 20 MB), where listing every one of 10 million damaged records
+/// would take gigabytes.
 pub const MAX_LISTED_PROBLEMS: usize = 10_000;
 
 /// What a check found: see [`Store::verify`](crate::Store::verify) and [`check_file`](crate::check_file).
@@ -80,10 +82,11 @@ pub struct CheckReport {
     pub records: u64,
     /// Business-key bindings read.
     pub bindings: u64,
-    /// The problems found, in key order within each part of the check
-    /// (records, then the state counts, then business-key bindings), at
-    /// most the first [`MAX_LISTED_PROBLEMS`] of them found, and the damage
-    /// marker's line when the online scrub marked the store
+    /// The first [`MAX_LISTED_PROBLEMS`] problems found, in the order the
+    /// check reads them (records in the store's key order, sorted by their
+    /// printed `scope/id` when records without an expiry entry were looked
+    /// for; then the state counts; then business-key bindings), and the
+    /// damage marker's line when the online scrub marked the store
     /// ([`check_file`](crate::check_file)).
     pub problems: Vec<Problem>,
     /// How many problems were found in all, listed or not (at least
