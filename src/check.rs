@@ -60,7 +60,7 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
         .collect();
     let damaged = |integrity| {
         let mut report = CheckReport::new(integrity);
-        listed_always(&mut report, marked.clone());
+        marked.iter().cloned().for_each(|p| report.found_listed(p));
         report
     };
     let checked = crate::embedded::check::integrity(path);
@@ -88,15 +88,6 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
     };
     let mut report = store.verify(progress)?;
     report.integrity = integrity;
-    listed_always(&mut report, marked);
+    marked.into_iter().for_each(|p| report.found_listed(p));
     Ok(report)
-}
-
-/// Lists `problems` (the damage marker's) however many are listed already:
-/// it says why the store opens read-only.
-fn listed_always(report: &mut CheckReport, problems: Vec<Problem>) {
-    for problem in problems {
-        report.problems_found = report.problems_found.saturating_add(1);
-        report.problems.push(problem);
-    }
 }

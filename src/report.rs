@@ -115,11 +115,16 @@ impl CheckReport {
         }
     }
 
+    /// Counts and lists `problem` however many are listed already (the
+    /// damage marker's line: it says why the store opens read-only).
+    pub(crate) fn found_listed(&mut self, problem: Problem) {
+        self.problems_found = self.problems_found.saturating_add(1);
+        self.problems.push(problem);
+    }
+
     /// Whether nothing is damaged: no problem, and redb's check (if it ran)
     /// neither failed nor had to repair the file.
     pub fn is_clean(&self) -> bool {
-        self.problems.is_empty()
-            && self.problems_found == 0
-            && matches!(self.integrity, Integrity::NotRun | Integrity::Clean)
+        self.problems_found == 0 && matches!(self.integrity, Integrity::NotRun | Integrity::Clean)
     }
 }

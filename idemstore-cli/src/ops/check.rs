@@ -90,7 +90,8 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             writeln!(out, "  {}: {}", p.key, p.detail)?;
         }
         let listed = u64::try_from(report.problems.len()).unwrap_or(u64::MAX);
-        if let Some(more) = report.problems_found.checked_sub(listed).filter(|&n| n > 0) {
+        let more = report.problems_found.saturating_sub(listed);
+        if more > 0 {
             writeln!(
                 out,
                 "  ... and {more} more, not listed (a check lists the first {})",
