@@ -292,7 +292,15 @@ struct ProgressState {
 /// How far the log is written and durable, and who waits for it.
 pub(crate) struct Progress {
     state: Mutex<ProgressState>,
+    /// Signalled when durability moves (`synced`), fails, or the syncer is
+    /// gone (and when the writer is done): what callers of
+    /// [`Progress::wait_durable`] wait for.
     changed: Condvar,
+    /// Signalled when the syncer may have work (a frame written, a flush
+    /// asked for, the writer done, a failure): the only thing the syncer
+    /// waits on, so that a batch the writer synced itself does not wake
+    /// it for nothing (a futex wake and a context switch per batch).
+    work: Condvar,
     synced: AtomicU64,
     /// The highest sequence number applied to the index by a commit (the
     /// writer keeps one index transaction open across a few batches).
@@ -309,6 +317,7 @@ impl Progress {
                 ..ProgressState::default()
             }),
             changed: Condvar::new(),
+            work: Condvar::new(),
             synced: AtomicU64::new(seq),
             committed: AtomicU64::new(seq),
         }
@@ -382,6 +391,12 @@ impl Progress {
         let ready = self.advance(&mut st, seq);
         if st.written <= st.synced {
             st.unsynced_since = None;
+        } else {
+            // Not reached today (only the holder of the writer's state
+            // writes frames, and it is the one syncing): kept so that a
+            // frame written meanwhile could never wait for a syncer that
+            // kept off while the writer synced.
+            self.work.notify_all();
         }
         ready
     }
@@ -399,7 +414,7 @@ impl Progress {
             let mut st = self.state.lock();
             if st.written > st.synced {
                 st.flush_now = true;
-                self.changed.notify_all();
+                self.work.notify_all();
             }
             st.written
         };
@@ -410,7 +425,7 @@ impl Progress {
         let mut st = self.state.lock();
         st.written = st.written.max(seq);
         st.unsynced_since.get_or_insert_with(Instant::now);
-        self.changed.notify_all();
+        self.work.notify_all();
     }
 
     /// Records that everything up to `seq` is durable and takes the parked
@@ -470,6 +485,7 @@ impl Progress {
                 st.failed = Some(msg.clone());
             }
             self.changed.notify_all();
+            self.work.notify_all();
             std::mem::take(&mut st.parked)
         };
         let err = Error::Storage(msg);
@@ -606,7 +622,7 @@ impl OpenTxn {
         }
         guard(path, || {
             let mut tables =
-                Tables::buffered(path, &self.txn, &mut self.pending)?.with_tally(*tally);
+                Tables::buffered(path, &self.txn, &mut self.pending).with_tally(*tally);
             tables.apply_pending()?;
             *tally = tables.finish().tally;
             Ok(())
@@ -973,6 +989,7 @@ impl Drop for WriterDone<'_> {
         let mut st = self.0.progress.state.lock();
         st.writer_done = true;
         self.0.progress.changed.notify_all();
+        self.0.progress.work.notify_all();
     }
 }
 
@@ -1236,7 +1253,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     let mut alone = false;
     let decided = guard(path, || {
         let mut tables =
-            Tables::buffered(path, &open.txn, &mut open.pending)?.with_tally(state.tally);
+            Tables::buffered(path, &open.txn, &mut open.pending).with_tally(state.tally);
         let mut bytes = 0;
         loop {
             while answers.len() < batch.len() {
@@ -1832,7 +1849,7 @@ fn sync_loop(
                         let since = *st.unsynced_since.get_or_insert_with(Instant::now);
                         let deadline = since + max_delay;
                         if Instant::now() < deadline {
-                            p.changed.wait_until(&mut st, deadline);
+                            p.work.wait_until(&mut st, deadline);
                             continue;
                         }
                     }
@@ -1841,7 +1858,7 @@ fn sync_loop(
                 if st.writer_done {
                     return;
                 }
-                p.changed.wait(&mut st);
+                p.work.wait(&mut st);
             }
             st.flush_now = false;
             st.written

@@ -29,6 +29,18 @@
 //! behind) ends each window as it would have without the buffer, and as a
 //! replay of the log after a crash leaves it.
 //!
+//! Recovery's replay (`wal::open`) goes through a buffer too: a record or
+//! expiry entry that several frames change (a claim, then its completion)
+//! reaches the index once per application of the buffer, in key order; the
+//! buffer is applied whenever its estimate reaches [`MAX_PENDING_BYTES`]
+//! (checked after each frame) and once the last frame is read.
+//!
+//! The state counts (`schema::Tally`) move by each key's net change when
+//! the buffer is applied. They end as applying every change in turn would
+//! whenever they were consistent with the records before; counts already
+//! wrong (which `verify` reports) may end otherwise, as a count that would
+//! go below zero stops at zero.
+//!
 //! Nothing here is durable and nothing needs to be: every change is in the
 //! batch's log frame before its caller is answered. The buffer belongs to
 //! the open transaction: dropped with it when the index fails, and applied
@@ -42,7 +54,8 @@ use std::collections::BTreeMap;
 
 /// Applied as soon as the buffer's estimate reaches this many bytes
 /// (8 MiB), whatever the commit schedule: checked after each request, so
-/// the buffer holds at most this plus one request's changes.
+/// the buffer holds at most this plus one request's changes (recovery's
+/// replay: after each frame, so plus one frame's changes).
 pub(crate) const MAX_PENDING_BYTES: usize = 8 * 1024 * 1024;
 
 /// What a buffered change costs in the estimate besides its key and value:

@@ -754,6 +754,45 @@ pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoi
 /// An expiry index entry as stored: the (tagged) deadline and the key.
 pub(crate) type ExpiryEntry = (u64, Vec<u8>);
 
+/// A table of a write transaction, opened in it at its first use.
+struct LazyTable<'t, K: redb::Key + 'static, V: redb::Value + 'static> {
+    definition: TableDefinition<'static, K, V>,
+    table: std::cell::OnceCell<Table<'t, K, V>>,
+}
+
+impl<'t, K: redb::Key + 'static, V: redb::Value + 'static> LazyTable<'t, K, V> {
+    fn new(definition: TableDefinition<'static, K, V>) -> Self {
+        LazyTable {
+            definition,
+            table: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// The table, opened in `txn` if it is not yet. Errors: redb's, when
+    /// it cannot be opened (`path` names the store in them).
+    fn get(&self, path: &Path, txn: &'t WriteTransaction) -> Result<&Table<'t, K, V>> {
+        if let Some(table) = self.table.get() {
+            return Ok(table);
+        }
+        let table = txn
+            .open_table(self.definition)
+            .map_err(|e| map_err(path, e))?;
+        Ok(self.table.get_or_init(|| table))
+    }
+
+    /// As [`LazyTable::get`], to change it.
+    fn get_mut(&mut self, path: &Path, txn: &'t WriteTransaction) -> Result<&mut Table<'t, K, V>> {
+        self.get(path, txn)?;
+        self.table.get_mut().ok_or_else(|| {
+            Error::Storage(format!(
+                "{}: the table {} did not open",
+                path.display(),
+                self.definition.name()
+            ))
+        })
+    }
+}
+
 /// The tables of one write transaction of the writer (or of recovery).
 ///
 /// **Every change to the store's tables in the writer goes through these
@@ -768,17 +807,23 @@ pub(crate) type ExpiryEntry = (u64, Vec<u8>);
 /// [`Tables::apply_pending`] or [`Tables::apply_pending_some`] (see
 /// `pending.rs`), each key with its last change at that point, which leaves
 /// the tables as applying every change in turn would; they are logged at
-/// once all the same.
+/// once all the same. Recovery's replay buffers its unlogged tables the
+/// same way ([`Tables::buffering`]).
 pub(crate) struct Tables<'t> {
     path: &'t Path,
     txn: &'t WriteTransaction,
-    records: Table<'t, &'static [u8], &'static [u8]>,
-    expiry: Table<'t, (u64, &'static [u8]), ()>,
-    /// Opened at first use: most batches have no business key, and
-    /// opening a table costs about as much as an insert.
-    business: std::cell::OnceCell<Table<'t, &'static [u8], &'static [u8]>>,
-    meta: Table<'t, &'static str, &'static [u8]>,
+    // Each table is opened at its first use: opening one costs about as
+    // much as an insert, and a batch often needs few of them (a batch of
+    // one completion whose claim is still buffered opens only the
+    // metadata, for its counters; most batches have no business key).
+    records: LazyTable<'t, &'static [u8], &'static [u8]>,
+    expiry: LazyTable<'t, (u64, &'static [u8]), ()>,
+    business: LazyTable<'t, &'static [u8], &'static [u8]>,
+    meta: LazyTable<'t, &'static str, &'static [u8]>,
     log: Option<BodyWriter>,
+    /// The record keys changed, for the writer's read gate (logged tables
+    /// only: recovery's replay has no readers to gate, and a full log's
+    /// keys would all be held here).
     touched: Vec<Vec<u8>>,
     /// The state counts: handed in by the caller ([`Tables::with_tally`])
     /// or read at the first change, and handed back by [`Tables::finish`]
@@ -786,37 +831,45 @@ pub(crate) struct Tables<'t> {
     /// Buffered changes count when they are applied.
     tally: Option<Tally>,
     /// The writer's buffer of changes not yet applied (`None`: every
-    /// change goes to redb at once, as recovery's replay does).
+    /// change goes to redb at once).
     pending: Option<&'t mut Pending>,
 }
 
 impl<'t> Tables<'t> {
-    /// Opens the tables in `txn`; `logged` records every change for a frame.
-    pub(crate) fn open(path: &'t Path, txn: &'t WriteTransaction, logged: bool) -> Result<Self> {
-        Ok(Tables {
+    /// The tables of `txn` (each opened in it at its first use, so a
+    /// failure to open one is that use's error); `logged` records every
+    /// change for a frame.
+    pub(crate) fn open(path: &'t Path, txn: &'t WriteTransaction, logged: bool) -> Self {
+        Tables {
             path,
             txn,
-            records: txn.open_table(RECORDS).map_err(|e| map_err(path, e))?,
-            expiry: txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?,
-            business: std::cell::OnceCell::new(),
-            meta: txn.open_table(META).map_err(|e| map_err(path, e))?,
+            records: LazyTable::new(RECORDS),
+            expiry: LazyTable::new(EXPIRY),
+            business: LazyTable::new(BUSINESS),
+            meta: LazyTable::new(META),
             log: logged.then(BodyWriter::new),
             touched: Vec::new(),
             tally: None,
             pending: None,
-        })
+        }
     }
 
-    /// Opens the tables in `txn` for the writer: every change is logged,
-    /// and changes to records and expiry entries wait in `pending`.
+    /// The tables of `txn` for the writer: every change is logged, and
+    /// changes to records and expiry entries wait in `pending`.
     pub(crate) fn buffered(
         path: &'t Path,
         txn: &'t WriteTransaction,
         pending: &'t mut Pending,
-    ) -> Result<Self> {
-        let mut tables = Tables::open(path, txn, true)?;
-        tables.pending = Some(pending);
-        Ok(tables)
+    ) -> Self {
+        Tables::open(path, txn, true).buffering(pending)
+    }
+
+    /// Lets changes to records and expiry entries wait in `pending` (see
+    /// `pending.rs`) until [`Tables::apply_pending`]: recovery's replay
+    /// opens its unlogged tables so, as the writer does its logged ones.
+    pub(crate) fn buffering(mut self, pending: &'t mut Pending) -> Self {
+        self.pending = Some(pending);
+        self
     }
 
     /// Whether the buffered changes should be applied now (see
@@ -842,21 +895,24 @@ impl<'t> Tables<'t> {
             return Ok(false);
         }
         let (records, expiry) = pending.take_some(max);
+        let (path, txn) = (self.path, self.txn);
         for (key, envelope) in records {
+            let table = self.records.get_mut(path, txn)?;
             let old = match &envelope {
-                Some(env) => self.records.insert(&key[..], &env[..]),
-                None => self.records.remove(&key[..]),
+                Some(env) => table.insert(&key[..], &env[..]),
+                None => table.remove(&key[..]),
             }
-            .map_err(|e| map_err(self.path, e))?
+            .map_err(|e| map_err(path, e))?
             .map(|old| Tally::slot_of(old.value()));
             self.derive(old, envelope.as_deref().map(Tally::slot_of))?;
         }
         for ((deadline, key), change) in expiry {
+            let table = self.expiry.get_mut(path, txn)?;
             match change {
-                EntryChange::Insert => self.expiry.insert((deadline, &key[..]), ()).map(|_| ()),
-                EntryChange::Remove => self.expiry.remove((deadline, &key[..])).map(|_| ()),
+                EntryChange::Insert => table.insert((deadline, &key[..]), ()).map(|_| ()),
+                EntryChange::Remove => table.remove((deadline, &key[..])).map(|_| ()),
             }
-            .map_err(|e| map_err(self.path, e))?;
+            .map_err(|e| map_err(path, e))?;
         }
         Ok(true)
     }
@@ -866,24 +922,6 @@ impl<'t> Tables<'t> {
     pub(crate) fn with_tally(mut self, tally: Option<Tally>) -> Self {
         self.tally = tally;
         self
-    }
-
-    fn business(&self) -> Result<&Table<'t, &'static [u8], &'static [u8]>> {
-        if let Some(table) = self.business.get() {
-            return Ok(table);
-        }
-        let table = self
-            .txn
-            .open_table(BUSINESS)
-            .map_err(|e| map_err(self.path, e))?;
-        Ok(self.business.get_or_init(|| table))
-    }
-
-    fn business_mut(&mut self) -> Result<&mut Table<'t, &'static [u8], &'static [u8]>> {
-        self.business()?;
-        self.business
-            .get_mut()
-            .ok_or_else(|| Error::Storage("the business-key table did not open".into()))
     }
 
     /// Moves a record from state slot `old` to `new` (either `None`:
@@ -898,7 +936,8 @@ impl<'t> Tables<'t> {
                 // A store of this format always has one (written at
                 // creation or migration); a missing one counts from zero
                 // and `verify` reports the difference.
-                let read = Tally::read(self.path, &self.meta)?.unwrap_or_default();
+                let meta = self.meta.get(self.path, self.txn)?;
+                let read = Tally::read(self.path, meta)?.unwrap_or_default();
                 self.tally.insert(read)
             }
         };
@@ -923,6 +962,7 @@ impl<'t> Tables<'t> {
         }
         Ok(self
             .records
+            .get(self.path, self.txn)?
             .get(key)
             .map_err(|e| map_err(self.path, e))?
             .map(|v| v.value().to_vec()))
@@ -935,6 +975,7 @@ impl<'t> Tables<'t> {
         } else {
             let old = self
                 .records
+                .get_mut(self.path, self.txn)?
                 .insert(key, envelope)
                 .map_err(|e| map_err(self.path, e))?
                 .map(|old| Tally::slot_of(old.value()));
@@ -942,8 +983,8 @@ impl<'t> Tables<'t> {
         }
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Records, &[key], envelope);
+            self.touched.push(key.to_vec());
         }
-        self.touched.push(key.to_vec());
         Ok(())
     }
 
@@ -954,6 +995,7 @@ impl<'t> Tables<'t> {
         } else {
             let old = self
                 .records
+                .get_mut(self.path, self.txn)?
                 .remove(key)
                 .map_err(|e| map_err(self.path, e))?
                 .map(|old| Tally::slot_of(old.value()));
@@ -961,8 +1003,8 @@ impl<'t> Tables<'t> {
         }
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Records, &[key]);
+            self.touched.push(key.to_vec());
         }
-        self.touched.push(key.to_vec());
         Ok(())
     }
 
@@ -972,6 +1014,7 @@ impl<'t> Tables<'t> {
             pending.set_expiry(deadline, key, EntryChange::Insert);
         } else {
             self.expiry
+                .get_mut(self.path, self.txn)?
                 .insert((deadline, key), ())
                 .map_err(|e| map_err(self.path, e))?;
         }
@@ -987,6 +1030,7 @@ impl<'t> Tables<'t> {
             pending.set_expiry(deadline, key, EntryChange::Remove);
         } else {
             self.expiry
+                .get_mut(self.path, self.txn)?
                 .remove((deadline, key))
                 .map_err(|e| map_err(self.path, e))?;
         }
@@ -1032,13 +1076,14 @@ impl<'t> Tables<'t> {
             }
             Ok::<_, Error>(out)
         };
+        let expiry = self.expiry.get(path, self.txn)?;
         let finished = due_of(
-            self.expiry
+            expiry
                 .range(..(IN_FLIGHT_TAG, empty))
                 .map_err(|e| map_err(path, e))?,
         )?;
         let in_flight = due_of(
-            self.expiry
+            expiry
                 .range((IN_FLIGHT_TAG, empty)..)
                 .map_err(|e| map_err(path, e))?,
         )?;
@@ -1057,7 +1102,8 @@ impl<'t> Tables<'t> {
     /// The stored key a business-key binding names, if any.
     pub(crate) fn get_business(&self, key: &[u8]) -> Result<Option<Vec<u8>>> {
         Ok(self
-            .business()?
+            .business
+            .get(self.path, self.txn)?
             .get(key)
             .map_err(|e| map_err(self.path, e))?
             .map(|v| v.value().to_vec()))
@@ -1066,7 +1112,8 @@ impl<'t> Tables<'t> {
     /// Binds a business key to a stored key.
     pub(crate) fn put_business(&mut self, key: &[u8], stored_key: &[u8]) -> Result<()> {
         let path = self.path;
-        self.business_mut()?
+        self.business
+            .get_mut(path, self.txn)?
             .insert(key, stored_key)
             .map_err(|e| map_err(path, e))?;
         if let Some(log) = &mut self.log {
@@ -1078,7 +1125,8 @@ impl<'t> Tables<'t> {
     /// Removes a business key.
     pub(crate) fn remove_business(&mut self, key: &[u8]) -> Result<()> {
         let path = self.path;
-        self.business_mut()?
+        self.business
+            .get_mut(path, self.txn)?
             .remove(key)
             .map_err(|e| map_err(path, e))?;
         if let Some(log) = &mut self.log {
@@ -1142,6 +1190,7 @@ impl<'t> Tables<'t> {
             (META_APPLIED_SEQ, applied_seq),
         ] {
             self.meta
+                .get_mut(self.path, self.txn)?
                 .insert(name, &value.to_le_bytes()[..])
                 .map_err(|e| map_err(self.path, e))?;
         }
@@ -1150,8 +1199,8 @@ impl<'t> Tables<'t> {
 
     /// Closes the tables: the frame body being built (`None` when nothing
     /// was changed or the transaction is not logged), the record keys
-    /// changed, and the state counts, which the caller writes with
-    /// [`write_tally`] before it commits.
+    /// changed (logged tables only), and the state counts, which the
+    /// caller writes with [`write_tally`] before it commits.
     pub(crate) fn finish(self) -> Finished {
         Finished {
             body: self.log.filter(|l| !l.is_empty()),
@@ -1280,6 +1329,16 @@ mod tests {
         (r, x)
     }
 
+    /// A xorshift64 generator: the tests' reproducible stream of changes.
+    fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+
     /// Buffered tables, applied in part at arbitrary points and changed
     /// again after, end as the same changes applied one by one: the same
     /// records, expiry entries and state counts.
@@ -1288,18 +1347,12 @@ mod tests {
         let path = Path::new("buffer-test");
         let (direct_db, buffered_db) = (memory_db(), memory_db());
         let mut pending = Pending::default();
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         let direct_txn = direct_db.begin_write().unwrap();
         let buffered_txn = buffered_db.begin_write().unwrap();
         let (direct_tally, buffered_tally) = {
-            let mut direct = Tables::open(path, &direct_txn, false).unwrap();
-            let mut buffered = Tables::buffered(path, &buffered_txn, &mut pending).unwrap();
+            let mut direct = Tables::open(path, &direct_txn, false);
+            let mut buffered = Tables::buffered(path, &buffered_txn, &mut pending);
             for _ in 0..2000 {
                 let r = next();
                 let key = [b'k', u8::try_from(r % 16).unwrap()];
@@ -1332,6 +1385,98 @@ mod tests {
         direct_txn.commit().unwrap();
         buffered_txn.commit().unwrap();
         assert_eq!(contents(&direct_db), contents(&buffered_db));
+    }
+
+    /// Recovery's replay: the frame a logged writer's tables wrote, decoded
+    /// and applied through unlogged tables that buffer (as `wal::open`
+    /// replays, applying the buffer whenever it fills and at the end), ends
+    /// as the changes themselves did: the same records, expiry entries and
+    /// state counts and business-key bindings, on an index that already
+    /// held some of the keys.
+    #[test]
+    fn a_buffered_replay_ends_as_the_logged_changes() {
+        let path = Path::new("replay-test");
+        let (written_db, replayed_db) = (memory_db(), memory_db());
+        // Both indexes start with the same records: the replay changes an
+        // existing index, not an empty one.
+        for db in [&written_db, &replayed_db] {
+            let txn = db.begin_write().unwrap();
+            {
+                let mut t = Tables::open(path, &txn, false);
+                for k in 0..8u8 {
+                    t.put_record(&[b'k', k], &[k % 7; 12]).unwrap();
+                    t.insert_expiry(u64::from(k % 4), &[b'k', k]).unwrap();
+                }
+                let tally = t.finish().tally;
+                write_tally(path, &txn, tally).unwrap();
+            }
+            txn.commit().unwrap();
+        }
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
+        let txn = written_db.begin_write().unwrap();
+        let (body, written_tally) = {
+            let mut t = Tables::open(path, &txn, true);
+            for _ in 0..3000 {
+                let r = next();
+                let key = [b'k', u8::try_from(r % 16).unwrap()];
+                let deadline = (r >> 8) % 4;
+                let envelope = [u8::try_from((r >> 16) % 7).unwrap(); 12];
+                let binding = [b'b', u8::try_from((r >> 40) % 4).unwrap()];
+                match (r >> 24) % 7 {
+                    0 | 1 => t.put_record(&key, &envelope).unwrap(),
+                    2 => t.remove_record(&key).unwrap(),
+                    3 => t.insert_expiry(deadline, &key).unwrap(),
+                    4 => t.remove_expiry(deadline, &key).unwrap(),
+                    5 => t.put_business(&binding, &key).unwrap(),
+                    _ => t.remove_business(&binding).unwrap(),
+                }
+            }
+            let finished = t.finish();
+            (finished.body.unwrap().finish(7, 9), finished.tally)
+        };
+        write_tally(path, &txn, written_tally).unwrap();
+        txn.commit().unwrap();
+
+        let decoded = super::super::wal::decode_body(&body).unwrap();
+        let txn = replayed_db.begin_write().unwrap();
+        let mut pending = Pending::default();
+        let replayed_tally = {
+            let mut t = Tables::open(path, &txn, false).buffering(&mut pending);
+            assert_eq!(decoded.changes.len(), 3000);
+            for (i, change) in decoded.changes.iter().enumerate() {
+                assert!(t.apply(*change).unwrap());
+                // The buffer applied part way, as a full one is; the last
+                // 200 changes wait for the final application.
+                if i % 700 == 699 {
+                    t.apply_pending().unwrap();
+                }
+            }
+            t.apply_pending().unwrap();
+            let finished = t.finish();
+            assert!(
+                finished.touched.is_empty(),
+                "an unlogged replay gates no key"
+            );
+            finished.tally
+        };
+        write_tally(path, &txn, replayed_tally).unwrap();
+        txn.commit().unwrap();
+        assert_eq!(written_tally, replayed_tally);
+        assert_eq!(contents(&written_db), contents(&replayed_db));
+        let business = |db: &Database| -> Vec<(Vec<u8>, Vec<u8>)> {
+            let txn = db.begin_read().unwrap();
+            let table = txn.open_table(BUSINESS).unwrap();
+            table
+                .iter()
+                .unwrap()
+                .map(|e| {
+                    let (k, v) = e.unwrap();
+                    (k.value().to_vec(), v.value().to_vec())
+                })
+                .collect()
+        };
+        assert!(!business(&written_db).is_empty());
+        assert_eq!(business(&written_db), business(&replayed_db));
     }
 
     fn policy(interval_ms: Option<u64>, wall_ms: u64) -> IntegrityPolicy {

@@ -597,6 +597,7 @@ pub(crate) fn open<T>(
     max_len: u64,
     reserve_time: impl FnOnce(u64) -> (u64, T),
 ) -> Result<(Opened, T)> {
+    use super::pending::Pending;
     use super::schema::{Checkpoint, Tables, guard, map_err, write_checkpoint};
 
     let header = read_header(log.as_ref()).map_err(|e| io_err(log_path, "read", &e))?;
@@ -673,10 +674,18 @@ pub(crate) fn open<T>(
     let made = guard(path, || {
         let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
         txn.set_quick_repair(true);
+        // The replay goes through the writer's buffer: a record or expiry
+        // entry changed by several frames (a claim, then its completion)
+        // reaches the index once per application of the buffer, with its
+        // last change, in key order, which ends the tables as applying each
+        // change in turn would (`pending.rs`). Business-key changes go to
+        // the index at once, as in the writer.
+        let mut pending = Pending::default();
         let (tally, made) = {
-            let mut tables = Tables::open(path, &txn, false)?;
+            let mut tables = Tables::open(path, &txn, false).buffering(&mut pending);
             if let Some(r) = &recovered {
-                // One frame in memory at a time.
+                // One frame in memory at a time, and buffered changes up to
+                // `MAX_PENDING_BYTES` (estimated) plus one frame's.
                 r.replay_after(log.as_ref(), log_path, meta.applied_seq, |frame| {
                     for change in &frame.body.changes {
                         if !tables.apply(*change)? {
@@ -687,11 +696,15 @@ pub(crate) fn open<T>(
                             });
                         }
                     }
+                    if tables.pending_full() {
+                        tables.apply_pending()?;
+                    }
                     last_seq = frame.seq;
                     next_token = next_token.max(frame.body.next_token);
                     clock_hwm = clock_hwm.max(frame.body.clock_hwm);
                     Ok(())
                 })?;
+                tables.apply_pending()?;
             }
             let (bound, made) = reserve_time(clock_hwm);
             tables.set_counters(next_token, bound.max(clock_hwm), last_seq)?;
@@ -728,8 +741,9 @@ pub(crate) fn open<T>(
 /// What recovery found after the last checkpoint: where the chain of
 /// frames ends. The frames themselves stay in the log and are read again,
 /// one at a time, by [`Recovered::replay_after`], so recovery holds at most
-/// one frame (and one [`SCAN_CHUNK`] buffer) in memory, whatever the log's
-/// size.
+/// one frame (and one [`SCAN_CHUNK`] buffer) of the log in memory, whatever
+/// the log's size, besides the write buffer the replay applies through
+/// (bounded by `pending::MAX_PENDING_BYTES` plus one frame's changes).
 pub(crate) struct Recovered {
     store_id: u128,
     /// The sequence number of the last checkpoint (the chain starts after
