@@ -1372,7 +1372,7 @@ mod tests {
                     direct.get_record(&key).unwrap(),
                     buffered.get_record(&key).unwrap()
                 );
-                if (r >> 32) % 7 == 0 {
+                if (r >> 32).is_multiple_of(7) {
                     let n = usize::try_from((r >> 40) % 4).unwrap();
                     buffered.apply_pending_some(n + 1).unwrap();
                 }
