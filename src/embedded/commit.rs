@@ -611,19 +611,36 @@ struct OpenTxn {
     /// Their changes to records and expiry entries not yet applied to
     /// `txn` (see `pending.rs`): applied before `txn` commits.
     pending: Pending,
+    /// The counters as of the last batch sealed into it, not yet written:
+    /// written once, before `txn` commits, instead of at every batch (a
+    /// lone caller's batch then opens no metadata table).
+    counters: Option<Counters>,
+}
+
+/// The counters the index holds beside its tables (`schema::Tables::set_counters`).
+#[derive(Debug, Clone, Copy)]
+struct Counters {
+    next_token: u64,
+    clock_hwm: u64,
+    /// The sequence number of the last batch whose changes `txn` holds.
+    applied_seq: u64,
 }
 
 impl OpenTxn {
-    /// Applies the buffered changes to the transaction's tables and counts
-    /// their records' states into `tally`.
+    /// Brings the transaction's tables up to date before it commits:
+    /// applies the buffered changes (counting their records' states into
+    /// `tally`) and writes the last batch's counters.
     fn apply_pending(&mut self, path: &Path, tally: &mut Option<Tally>) -> Result<()> {
-        if self.pending.is_empty() {
+        if self.pending.is_empty() && self.counters.is_none() {
             return Ok(());
         }
         guard(path, || {
             let mut tables =
                 Tables::buffered(path, &self.txn, &mut self.pending).with_tally(*tally);
             tables.apply_pending()?;
+            if let Some(c) = self.counters.take() {
+                tables.set_counters(c.next_token, c.clock_hwm, c.applied_seq)?;
+            }
             *tally = tables.finish().tally;
             Ok(())
         })
@@ -1228,6 +1245,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 batches: 0,
                 keys: Vec::new(),
                 pending: Pending::default(),
+                counters: None,
             })
         }),
     };
@@ -1321,19 +1339,34 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         if now.saturating_add(RENEW_AHEAD_MS) > state.time_reserved {
             bound = shared.clock.reservation(now);
         }
-        if tables.is_changed() || bound != state.time_reserved {
-            tables.set_counters(token, bound, state.last_seq + 1)?;
+        // The counters the index must hold with this batch, written before
+        // the transaction commits (`OpenTxn::apply_pending`).
+        let counters = if tables.is_changed() || bound != state.time_reserved {
+            Some(Counters {
+                next_token: token,
+                clock_hwm: bound,
+                applied_seq: state.last_seq + 1,
+            })
         } else if token != state.next_token {
             // Only the token counter moved (an import whose records were all
             // present or skipped still raises it): no frame is written, so
             // the checkpoint below makes the counter durable.
-            tables.set_counters(token, bound, state.last_seq)?;
-        }
-        Ok(tables.finish())
+            Some(Counters {
+                next_token: token,
+                clock_hwm: bound,
+                applied_seq: state.last_seq,
+            })
+        } else {
+            None
+        };
+        Ok((tables.finish(), counters))
     });
     let (body, touched) = match decided {
-        Ok(finished) => {
+        Ok((finished, counters)) => {
             state.tally = finished.tally;
+            if counters.is_some() {
+                open.counters = counters;
+            }
             (finished.body, finished.touched)
         }
         Err(err) => {
