@@ -622,7 +622,9 @@ struct OpenTxn {
 struct Counters {
     next_token: u64,
     clock_hwm: u64,
-    /// The sequence number of the last batch whose changes `txn` holds.
+    /// The last frame whose effects the index holds with these counters
+    /// (for a batch that moved only the token counter and wrote no frame,
+    /// the frame before it).
     applied_seq: u64,
 }
 
@@ -1364,8 +1366,8 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     let (body, touched) = match decided {
         Ok((finished, counters)) => {
             state.tally = finished.tally;
-            if counters.is_some() {
-                open.counters = counters;
+            if let Some(c) = counters {
+                open.counters = Some(c);
             }
             (finished.body, finished.touched)
         }

@@ -814,8 +814,8 @@ pub(crate) struct Tables<'t> {
     txn: &'t WriteTransaction,
     // Each table is opened at its first use: opening one costs about as
     // much as an insert, and a batch often needs few of them (a batch of
-    // one completion whose claim is still buffered opens only the
-    // metadata, for its counters; most batches have no business key).
+    // one completion whose claim is still buffered opens none; most
+    // batches have no business key).
     records: LazyTable<'t, &'static [u8], &'static [u8]>,
     expiry: LazyTable<'t, (u64, &'static [u8]), ()>,
     business: LazyTable<'t, &'static [u8], &'static [u8]>,
