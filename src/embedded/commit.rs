@@ -1343,24 +1343,21 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         }
         // The counters the index must hold with this batch, written before
         // the transaction commits (`OpenTxn::apply_pending`).
-        let counters = if tables.is_changed() || bound != state.time_reserved {
-            Some(Counters {
-                next_token: token,
-                clock_hwm: bound,
-                applied_seq: state.last_seq + 1,
-            })
+        let applied_seq = if tables.is_changed() || bound != state.time_reserved {
+            Some(state.last_seq + 1)
         } else if token != state.next_token {
             // Only the token counter moved (an import whose records were all
             // present or skipped still raises it): no frame is written, so
             // the checkpoint below makes the counter durable.
-            Some(Counters {
-                next_token: token,
-                clock_hwm: bound,
-                applied_seq: state.last_seq,
-            })
+            Some(state.last_seq)
         } else {
             None
         };
+        let counters = applied_seq.map(|applied_seq| Counters {
+            next_token: token,
+            clock_hwm: bound,
+            applied_seq,
+        });
         Ok((tables.finish(), counters))
     });
     let (body, touched) = match decided {
