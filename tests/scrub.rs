@@ -137,7 +137,9 @@ fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     let marker = marker_of(&t.path);
     let text = std::fs::read_to_string(&marker).unwrap();
     assert!(text.contains(&key(&id(17)).to_string()), "{text}");
-    assert_read_only_by_marker(&t);
+    // The close forgot the last verification: the reopen runs the full
+    // check, which finds the page checksum failing.
+    assert_refused_with_marker(&t);
     let checked = check_file(&t.path, |_| {}).unwrap();
     assert!(!checked.is_clean(), "{checked:?}");
     // Without the marker, an open that runs the full check refuses it.
@@ -264,6 +266,23 @@ fn assert_read_only_by_marker(t: &TestDir) {
     );
 }
 
+/// The open of `t`'s store, whose last close forgot its verification
+/// because the scrub found it damaged, runs the full check, which refuses
+/// the file (its page checksums fail); `check_file` reports the marker.
+fn assert_refused_with_marker(t: &TestDir) {
+    match Store::open_with(&t.path, t.config()) {
+        Err(Error::CorruptFile { .. }) => {}
+        Err(other) => panic!("expected CorruptFile, got {other:?}"),
+        Ok(_) => panic!("a store found damaged opened without the full check"),
+    }
+    let checked = check_file(&t.path, |_| {}).unwrap();
+    assert!(
+        checked.problems.iter().any(|p| p.key == "(damage marker)"),
+        "{:?}",
+        checked.problems
+    );
+}
+
 /// A flipped byte in a separator key of a B-tree branch page, in a closed
 /// file whose clean reopen skips the full check (verified recently): a
 /// lookup of a stored key misses, so the key reads as absent and a claim
@@ -280,25 +299,7 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
     }
     // A clean open that runs no check: the last one is recent.
     drop(t.open());
-    let bytes = std::fs::read(&t.path).unwrap();
-    // Every stored id on a branch page (redb's page type 2, 4 KiB pages)
-    // whose last digit is odd: clearing its lowest bit makes the separator
-    // sort lower, which routes a lookup of the keys between the two
-    // versions to the wrong child.
-    let mut flipped = 0;
-    for page in bytes.chunks(4096).enumerate().filter(|(_, p)| p[0] == 2) {
-        let (number, page) = page;
-        for at in find_all(page, b"k-") {
-            let Some(digits) = page.get(at + 2..at + 7) else {
-                continue;
-            };
-            if digits.iter().all(u8::is_ascii_digit) && digits[4] % 2 == 1 {
-                flip(&t.path, number * 4096 + at + 6, 0x01);
-                flipped += 1;
-            }
-        }
-    }
-    assert!(flipped > 0, "no separator key found on a branch page");
+    damage_branch_pages(&t.path);
     let store = t.open();
     let hidden: Vec<String> = (0..n)
         .filter(|&i| matches!(store.get(&key(&id(i))), Ok(None)))
@@ -340,7 +341,121 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
         Err(Error::Poisoned)
     ));
     drop(store);
-    assert_read_only_by_marker(&t);
+    assert_refused_with_marker(&t);
+}
+
+/// Flips a bit in every stored id on a branch page of the closed store
+/// file at `path` (redb's page type 2, 4 KiB pages) whose last digit is
+/// odd: clearing its lowest bit makes the separator sort lower, which
+/// routes a lookup of the keys between the two versions to the wrong
+/// child. Panics when it found no such id.
+fn damage_branch_pages(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    let mut flipped = 0;
+    for page in bytes.chunks(4096).enumerate().filter(|(_, p)| p[0] == 2) {
+        let (number, page) = page;
+        for at in find_all(page, b"k-") {
+            let Some(digits) = page.get(at + 2..at + 7) else {
+                continue;
+            };
+            if digits.iter().all(u8::is_ascii_digit) && digits[4] % 2 == 1 {
+                flip(path, number * 4096 + at + 6, 0x01);
+                flipped += 1;
+            }
+        }
+    }
+    assert!(flipped > 0, "no separator key found on a branch page");
+}
+
+/// Runs scrub steps of 40 records over one whole pass; whether any step
+/// found damage.
+fn scrub_pass(store: &Store) -> bool {
+    let mut damaged = false;
+    loop {
+        let step = store.scrub(40).unwrap();
+        damaged |= step.damaged;
+        if step.pass_finished {
+            return damaged;
+        }
+    }
+}
+
+/// A store the scrub found damaged is never closed as clean: every later
+/// open runs the full integrity check, whatever path names the file (here
+/// a symlink in another directory and a relative path, neither of which
+/// spells the path the marker was written beside), and the marker is found
+/// through each of them. Branch-page damage on disk: the full check
+/// refuses the file, so a hidden key is never acquired a second time.
+#[test]
+fn a_store_found_damaged_is_checked_at_every_later_open_by_any_path() {
+    let t = TestDir::new();
+    {
+        let store = t.open();
+        populate(&store, 3000, None);
+    }
+    // A clean open that runs no check: the last one is recent.
+    drop(t.open());
+    damage_branch_pages(&t.path);
+    let store = t.open();
+    assert!(scrub_pass(&store), "the scrub found no damage");
+    drop(store);
+    let other = tempfile::tempdir().unwrap();
+    let link = other.path().join("through-a-link.redb");
+    std::os::unix::fs::symlink(&t.path, &link).unwrap();
+    let refused = |path: &Path| match Store::open_with(path, t.config()) {
+        Err(Error::CorruptFile { .. }) => {}
+        Err(other) => panic!("{}: expected CorruptFile, got {other:?}", path.display()),
+        Ok(_) => panic!("{}: opened without the full check", path.display()),
+    };
+    refused(&link);
+    // Without the marker too: the close forgot the last verification.
+    let marker = marker_of(&t.path);
+    assert!(marker.exists());
+    std::fs::remove_file(&marker).unwrap();
+    refused(&link);
+    refused(&t.path);
+}
+
+/// The damage marker belongs to the file, not to the spelling of its path:
+/// a store found damaged (with page checksums that pass, so that only the
+/// marker keeps it read-only) opens read-only through a symlink and through
+/// a path relative to another directory.
+#[test]
+fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
+    let t = TestDir::new();
+    drop({
+        let store = t.open();
+        populate(&store, 30, Some(17));
+        store
+    });
+    damage_record(&t.path, &key(&id(17)));
+    let store = t.open();
+    assert!(store.scrub(1000).unwrap().damaged);
+    drop(store);
+    let other = tempfile::tempdir().unwrap();
+    let link = other.path().join("link.redb");
+    std::os::unix::fs::symlink(&t.path, &link).unwrap();
+    let dir_link = other.path().join("dir");
+    std::os::unix::fs::symlink(t.dir.path(), &dir_link).unwrap();
+    for path in [link, dir_link.join("idem.redb")] {
+        let store = Store::open_with(&path, t.config()).unwrap();
+        assert!(
+            matches!(claim_fresh(&store, 9), Err(Error::Poisoned)),
+            "{} took a claim",
+            path.display()
+        );
+    }
+    // A relative path from the store's directory's parent: the working
+    // directory of this test process is not changed (tests run in
+    // parallel); the path is spelled through `..` instead.
+    let dotted = t
+        .dir
+        .path()
+        .join("..")
+        .join(t.dir.path().file_name().unwrap())
+        .join("idem.redb");
+    let store = Store::open_with(&dotted, t.config()).unwrap();
+    assert!(matches!(claim_fresh(&store, 10), Err(Error::Poisoned)));
 }
 
 /// With `scrub_rate` set, the store's background thread finds damage

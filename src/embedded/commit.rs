@@ -1581,6 +1581,9 @@ fn commit_checkpoint(
 /// changes whose callers got an error, and neither this checkpoint nor
 /// redb's own close may make them durable (DESIGN.md guarantee 6). The next
 /// open recovers from the last checkpoint and the log.
+///
+/// A store the scrub found damaged gets its closing checkpoint without its
+/// last verification, so that every later open runs the full check.
 fn close(shared: &Shared, state: &mut WriterState) {
     // Every frame written must be durable before a checkpoint may cover it:
     // a frame whose fsync fails now poisons the store here.
@@ -1614,6 +1617,12 @@ fn close(shared: &Shared, state: &mut WriterState) {
         };
         schema::write_checkpoint(path, &txn, ck)?;
         schema::write_tally(path, &txn, state.tally)?;
+        // A store the scrub found damaged forgets its last verification,
+        // so that every later open, by whatever path, runs the full
+        // integrity check (a clean close lets a recent one skip it).
+        if shared.damaged.load(Ordering::SeqCst) {
+            schema::forget_verification(path, &txn)?;
+        }
         // Every time an answer was based on is at most the high-water mark
         // (reads reserve time through the writer, so it is within the last
         // bound); the floor-based time tells the next open which part of

@@ -735,6 +735,14 @@ pub(crate) fn write_clean_clock(
     Ok(())
 }
 
+/// Removes the record of the last full integrity check ([`META_VERIFIED`])
+/// in `txn`: every later open runs the check ([`CheckReason::NeverVerified`]).
+pub(crate) fn forget_verification(path: &Path, txn: &WriteTransaction) -> Result<()> {
+    let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    table.remove(META_VERIFIED).map_err(|e| map_err(path, e))?;
+    Ok(())
+}
+
 /// Records a checkpoint in `txn`, which the caller commits durably.
 pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoint) -> Result<()> {
     let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;

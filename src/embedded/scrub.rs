@@ -304,9 +304,31 @@ pub(crate) fn marker_path_of(path: &Path) -> std::path::PathBuf {
 }
 
 /// The damage marker of the store file at `path`, as given to an open:
-/// [`marker_path_of`] its absolute path.
+/// [`marker_path_of`] the file's canonical path, so that every spelling of
+/// the same file (a relative path from another directory, a symlink to it
+/// or to a directory on its path) finds the same marker. A file that does
+/// not exist yet is named by its canonical directory and its file name; a
+/// path that cannot be resolved at all, by its absolute spelling. (A hard
+/// link is another path to the same inode and is not resolved; the store
+/// also records a damaged store's close as unclean, so every open of it
+/// runs the full integrity check whatever the marker.)
 pub(crate) fn marker_of_store(path: &Path) -> std::path::PathBuf {
-    marker_path_of(&std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()))
+    marker_path_of(&identity_of(path))
+}
+
+/// The canonical path of the file at `path` (see [`marker_of_store`]).
+fn identity_of(path: &Path) -> std::path::PathBuf {
+    if let Ok(canonical) = std::fs::canonicalize(path) {
+        return canonical;
+    }
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    match (absolute.parent(), absolute.file_name()) {
+        (Some(dir), Some(name)) => match std::fs::canonicalize(dir) {
+            Ok(dir) => dir.join(name),
+            Err(_) => absolute,
+        },
+        _ => absolute,
+    }
 }
 
 /// The temporary name the marker is written under before its rename.
