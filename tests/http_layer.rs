@@ -1257,3 +1257,156 @@ async fn a_body_that_disagrees_with_its_content_length_is_recorded_as_sent() {
     );
     assert_eq!(runs.count(), 1);
 }
+
+/// A request axum's `Json` extractor refused before the handler ran (415
+/// without `content-type`, 422 for a body of the wrong shape, 400 for one
+/// that is not JSON) stores nothing: the same key, sent again as it should
+/// have been, runs the handler once and is then replayed. Over a real
+/// connection with a real client.
+#[tokio::test]
+async fn a_request_the_json_extractor_refused_is_not_pinned() {
+    use axum::routing::post;
+    #[derive(serde::Deserialize)]
+    struct Ticket {
+        title: String,
+    }
+    let (_d, store, _c) = manual_store();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |axum::Json(ticket): axum::Json<Ticket>| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move { (StatusCode::CREATED, ticket.title) }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/tickets", post(handler))
+        .layer(IdempotencyLayer::new(store.clone()));
+    let addr = serve(app).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<Bytes>>();
+    let send = |id: &'static str, content_type: Option<&'static str>, body: &'static str| {
+        let client = client.clone();
+        async move {
+            let mut req =
+                Request::post(format!("http://{addr}/tickets")).header("idempotency-key", id);
+            if let Some(ct) = content_type {
+                req = req.header("content-type", ct);
+            }
+            let resp = client
+                .request(
+                    req.body(Full::new(Bytes::from_static(body.as_bytes())))
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await.unwrap().to_bytes();
+            (parts.status, replayed(&parts.headers), body)
+        }
+    };
+    let good = r#"{"title":"printer on fire"}"#;
+    for (id, ct, bad_body, refused) in [
+        (
+            "no-media-type",
+            None,
+            good,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        ),
+        (
+            "wrong-shape",
+            Some("application/json"),
+            r#"{"name":1}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            "not-json",
+            Some("application/json"),
+            "{",
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        let (code, again, _) = send(id, ct, bad_body).await;
+        assert_eq!((code, again), (refused, false), "{id}");
+        let key = Key::new("POST /tickets", id).unwrap();
+        assert!(
+            store.get(&key).unwrap().is_none(),
+            "{id}: the refusal was stored"
+        );
+        let (code, again, body) = send(id, Some("application/json"), good).await;
+        assert_eq!(
+            (code, again, &body[..]),
+            (StatusCode::CREATED, false, &b"printer on fire"[..]),
+            "{id}"
+        );
+        let (code, again, body) = send(id, Some("application/json"), good).await;
+        assert_eq!(
+            (code, again, &body[..]),
+            (StatusCode::CREATED, true, &b"printer on fire"[..]),
+            "{id}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
+
+/// `content-type` is in the default fingerprint: the same bytes sent with
+/// another media type under the same key are another payload (422).
+#[tokio::test]
+async fn the_default_fingerprint_covers_the_media_type() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { created("{}") });
+    let with = |ct: &'static str| {
+        Request::post("/tickets")
+            .header("idempotency-key", "k")
+            .header("content-type", ct)
+            .body(Full::new(Bytes::from_static(b"same")))
+            .unwrap()
+    };
+    assert_eq!(send(&svc, with("application/json")).await.0, 201);
+    assert!(replayed(&send(&svc, with("application/json")).await.1));
+    assert_eq!(send(&svc, with("text/plain")).await.0, 422);
+    assert_eq!(runs.count(), 1);
+}
+
+/// A response that echoes `authorization` or `proxy-authorization` is
+/// replayed without them (they belong to the client that sent them).
+#[tokio::test]
+async fn a_replay_never_carries_credentials() {
+    let (_d, store, _c) = manual_store();
+    let (svc, _runs) = service(IdempotencyLayer::new(store), |_| async {
+        let mut r = created("{}");
+        r.headers_mut().insert(
+            "authorization",
+            HeaderValue::from_static("Bearer first-client"),
+        );
+        r.headers_mut().insert(
+            "proxy-authorization",
+            HeaderValue::from_static("Basic Zmlyc3Q="),
+        );
+        r.headers_mut()
+            .insert("x-ticket", HeaderValue::from_static("7"));
+        r
+    });
+    let (_, first, _) = send(&svc, post(Some("k"), "x")).await;
+    assert!(first.contains_key("authorization"));
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(code, 201);
+    assert!(replayed(&headers));
+    assert_eq!(headers.get("x-ticket").unwrap(), "7");
+    assert!(!headers.contains_key("authorization"), "{headers:?}");
+    assert!(!headers.contains_key("proxy-authorization"), "{headers:?}");
+}
+
+/// A key is visible ASCII: a space or a tab in it, bare or quoted, is 400
+/// and runs nothing.
+#[tokio::test]
+async fn a_key_with_a_space_is_400() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { created("{}") });
+    for bad in ["k 5", "\"k 5\"", "k\t5"] {
+        let (code, _, body) = send(&svc, post(Some(bad), "x")).await;
+        assert_eq!(code, 400, "{bad:?}: {body:?}");
+    }
+    assert_eq!(send(&svc, post(Some("\"k-5\""), "x")).await.0, 201);
+    assert_eq!(runs.count(), 1);
+}

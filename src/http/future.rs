@@ -83,7 +83,7 @@ pin_project! {
     /// the client while it is kept for storage and that goes on extending
     /// the lease; the outcome is recorded before the body's last byte is
     /// handed on (see [`IdempotencyBody`]). A response whose status
-    /// releases the key (408, 425, 429 by default) or that the handler
+    /// releases the key ([`DEFAULT_RELEASE_STATUSES`](super::DEFAULT_RELEASE_STATUSES) by default) or that the handler
     /// marked `NoEffect` is returned once the key is released.
     ///
     /// Dropping the future while the handler runs (the client went away)

@@ -33,9 +33,11 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 /// - hop-by-hop and per-connection headers (RFC 9110 §7.6.1): `connection`,
 ///   `keep-alive`, `proxy-connection`, `te`, `trailer`, `transfer-encoding`,
 ///   `upgrade`; `content-length` too, which the replay computes anew;
-/// - cookies and authentication, which belong to the client that got them:
+/// - cookies and credentials, which belong to the client that got them:
 ///   `set-cookie`, `www-authenticate`, `proxy-authenticate`,
-///   `authentication-info`, `proxy-authentication-info`;
+///   `authentication-info`, `proxy-authentication-info`, and
+///   `authorization`, `proxy-authorization` (request headers that a
+///   service may echo, never to be handed to whoever retries);
 /// - `date`, the time of one delivery (a replay gets its own);
 /// - [`REPLAYED_HEADER`], which the replay sets itself.
 ///
@@ -43,7 +45,7 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 /// `link`, `content-type`, `content-encoding`, application headers) is
 /// stored and replayed, so that a retry gets the response the first client
 /// saw, as the IETF Idempotency-Key draft asks ("the same response").
-pub const REPLAY_DENY_LIST: [HeaderName; 15] = [
+pub const REPLAY_DENY_LIST: [HeaderName; 17] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -57,21 +59,55 @@ pub const REPLAY_DENY_LIST: [HeaderName; 15] = [
     header::PROXY_AUTHENTICATE,
     HeaderName::from_static("authentication-info"),
     HeaderName::from_static("proxy-authentication-info"),
+    header::AUTHORIZATION,
+    header::PROXY_AUTHORIZATION,
     header::DATE,
     REPLAYED_HEADER,
 ];
 
 /// The statuses that release the key by default instead of storing the
-/// response: refusals that did nothing, so a retry must be able to run the
-/// handler. 408 Request Timeout (the request was not read in time), 425 Too
-/// Early (RFC 8470: not processed, retry later) and 429 Too Many Requests
-/// (rate limited before any work; Stripe saves a result only once the
-/// endpoint started executing).
-pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 3] = [
+/// response: refusals given before the handler acted (by routing, an
+/// extractor such as axum's `Json`, authentication or validation), so a
+/// corrected retry must be able to run the handler. Stripe saves a result
+/// only once the endpoint started executing: "if incoming parameters
+/// failed validation … no idempotent result is saved"; the IETF
+/// Idempotency-Key draft leaves to the server which responses it keeps.
+///
+/// - 400 Bad Request, 422 Unprocessable Content: the request failed
+///   parsing or validation (axum's `Json` rejections).
+/// - 401 Unauthorized, 403 Forbidden: refused before any work; a retry with
+///   credentials must not get the refusal replayed.
+/// - 404 Not Found, 405 Method Not Allowed: no handler took the request.
+/// - 408 Request Timeout: the request was not read in time.
+/// - 413 Content Too Large, 415 Unsupported Media Type: the body was
+///   refused unread (a missing `content-type` is axum's 415).
+/// - 425 Too Early (RFC 8470): not processed, retry later.
+/// - 429 Too Many Requests: rate limited before any work.
+///
+/// Every other 4xx (409 Conflict, 402 Payment Required for a declined
+/// charge, 410, …) is a judgement of the request and is stored. A handler
+/// that acted and still answers a listed status marks its response
+/// [`IdempotencyOutcome::Final`](super::IdempotencyOutcome::Final), which
+/// stores it.
+pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 11] = [
+    StatusCode::BAD_REQUEST,
+    StatusCode::UNAUTHORIZED,
+    StatusCode::FORBIDDEN,
+    StatusCode::NOT_FOUND,
+    StatusCode::METHOD_NOT_ALLOWED,
     StatusCode::REQUEST_TIMEOUT,
+    StatusCode::PAYLOAD_TOO_LARGE,
+    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+    StatusCode::UNPROCESSABLE_ENTITY,
     StatusCode::TOO_EARLY,
     StatusCode::TOO_MANY_REQUESTS,
 ];
+
+/// The request headers the fingerprint covers by default: `content-type`,
+/// so that the same bytes sent with another media type are another
+/// payload (a request refused for its media type, then sent again with the
+/// right one, is a first attempt, not a replay of the refusal).
+pub const DEFAULT_FINGERPRINT_HEADERS: [HeaderName; 1] = [header::CONTENT_TYPE];
 
 /// Which response headers are stored for a replay.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,10 +178,11 @@ impl fmt::Debug for Settings {
 ///   passes through untouched
 /// - scope: `METHOD path` (the request's URI path); no tenant
 /// - no business key
-/// - fingerprint: method, path and query, body; no headers
+/// - fingerprint: method, path and query, body, and the headers of
+///   [`DEFAULT_FINGERPRINT_HEADERS`] (`content-type`)
 /// - replayed headers: every response header but [`REPLAY_DENY_LIST`]
-/// - statuses that release the key: [`DEFAULT_RELEASE_STATUSES`] (408, 425,
-///   429)
+/// - statuses that release the key: [`DEFAULT_RELEASE_STATUSES`] (400, 401,
+///   403, 404, 405, 408, 413, 415, 422, 425, 429)
 /// - `max_request_bytes`: 1 MiB (in bytes)
 /// - `max_response_bytes`: 1 MiB (in bytes, status and headers included)
 /// - `lease`: 30 seconds, extended every third of it while the handler runs
@@ -167,7 +204,7 @@ impl IdempotencyLayer {
                 tenant: None,
                 route: None,
                 business_key: None,
-                fingerprint_headers: Vec::new(),
+                fingerprint_headers: DEFAULT_FINGERPRINT_HEADERS.to_vec(),
                 replay_headers: ReplayHeaders::AllExcept(REPLAY_DENY_LIST.to_vec()),
                 release_statuses: DEFAULT_RELEASE_STATUSES.to_vec(),
                 max_request_bytes: 1024 * 1024,
@@ -180,8 +217,10 @@ impl IdempotencyLayer {
 
     /// The request header that carries the idempotency key (default
     /// `Idempotency-Key`). Its value is the key's id: 1 to 255 bytes of
-    /// visible ASCII, either bare (as Stripe sends it) or as a quoted
-    /// structured-field string (as the IETF draft writes it, `"abc"`).
+    /// visible ASCII (`!` to `~`: no space, no tab), either bare (as Stripe
+    /// sends it) or as a quoted structured-field string (as the IETF draft
+    /// writes it, `"abc"`, whose content obeys the same rule). Anything else
+    /// is answered 400 and runs nothing.
     pub fn key_header(mut self, name: HeaderName) -> IdempotencyLayer {
         self.settings.key_header = name;
         self
@@ -269,9 +308,10 @@ impl IdempotencyLayer {
     }
 
     /// Request headers that the fingerprint covers besides the method, the
-    /// path and query, and the body (default none). A retry that changes
-    /// one of them is a different payload (422). `content-type` is a good
-    /// candidate when the same bytes mean different things in two formats.
+    /// path and query, and the body (default [`DEFAULT_FINGERPRINT_HEADERS`]:
+    /// `content-type`). Replaces the default: keep `content-type` in the
+    /// list unless the service reads one media type only. A retry that
+    /// changes one of them is a different payload (422).
     pub fn fingerprint_headers(
         mut self,
         names: impl IntoIterator<Item = HeaderName>,
@@ -319,7 +359,7 @@ impl IdempotencyLayer {
     /// The response statuses that release the key instead of storing the
     /// response, as [`IdempotencyOutcome::NoEffect`](super::IdempotencyOutcome::NoEffect)
     /// does: a retry then runs the handler as a first attempt. Replaces the
-    /// default [`DEFAULT_RELEASE_STATUSES`] (408, 425, 429); pass those
+    /// default [`DEFAULT_RELEASE_STATUSES`]; pass those
     /// and more to add a status (for example a 503 the service gives
     /// before doing any work). Use it only for statuses that mean "nothing
     /// was done": a released key protects nothing. A handler's

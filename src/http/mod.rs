@@ -73,7 +73,7 @@
 //! by `tenant/` when [`tenant`](IdempotencyLayer::tenant) finds one; the id
 //! is the header's value. The fingerprint is SHA-256 over the method, the
 //! path and query, the [chosen request headers](IdempotencyLayer::fingerprint_headers)
-//! and the body.
+//! (`content-type` by default) and the body.
 //!
 //! The handler's response is stored as its status, its headers (all but
 //! [`REPLAY_DENY_LIST`], unless [`replay_headers`](IdempotencyLayer::replay_headers)
@@ -83,7 +83,7 @@
 //! | handler's answer | the key | a retry |
 //! |---|---|---|
 //! | 1xx–3xx | completed, response stored | replayed until retention ends (24 h by default) |
-//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 408, 425, 429) | released: nothing was done | runs the handler as a first attempt |
+//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 408, 413, 415, 422, 425, 429) | released: nothing was done | runs the handler as a first attempt |
 //! | other 4xx | permanent failure, response stored | replayed |
 //! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |
 //! | marked [`IdempotencyOutcome::Final`] | stored whatever the status | replayed |
@@ -144,7 +144,7 @@ mod stored;
 pub use body::{BoxError, IdempotencyBody};
 pub use future::ResponseFuture;
 pub use layer::{
-    DEFAULT_KEY_HEADER, DEFAULT_RELEASE_STATUSES, IdempotencyLayer, REPLAY_DENY_LIST,
-    REPLAYED_HEADER,
+    DEFAULT_FINGERPRINT_HEADERS, DEFAULT_KEY_HEADER, DEFAULT_RELEASE_STATUSES, IdempotencyLayer,
+    REPLAY_DENY_LIST, REPLAYED_HEADER,
 };
 pub use service::{Idempotency, IdempotencyContext, IdempotencyOutcome};

@@ -84,7 +84,8 @@ impl IdempotencyContext {
 /// response's extensions. Only the handler knows whether its effect
 /// happened, so only it can overrule the layer's default (1xx–3xx and 4xx
 /// stored, but the [release statuses](super::IdempotencyLayer::release_statuses),
-/// 408, 425 and 429 by default, which release the key; 5xx recorded as a
+/// [`DEFAULT_RELEASE_STATUSES`](super::DEFAULT_RELEASE_STATUSES) by default,
+/// which release the key; 5xx recorded as a
 /// retryable failure).
 ///
 /// With axum: `(Extension(IdempotencyOutcome::NoEffect), StatusCode::SERVICE_UNAVAILABLE)`.
@@ -278,12 +279,22 @@ fn key_id(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, Stri
         .to_str()
         .map_err(|_| format!("`{name}` is not visible ASCII"))?
         .trim();
+    let visible = |id: &str| {
+        if id.bytes().all(|b| b.is_ascii_graphic()) {
+            Ok(())
+        } else {
+            Err(format!(
+                "`{name}` holds a space or a tab: a key is visible ASCII (`!` to `~`)"
+            ))
+        }
+    };
     // The IETF draft writes the key as a structured-field string ("...").
     let Some(quoted) = text
         .strip_prefix('"')
         .and_then(|t| t.strip_suffix('"'))
         .filter(|_| text.len() >= 2)
     else {
+        visible(text)?;
         return Ok(Some(text.to_owned()));
     };
     let mut out = String::with_capacity(quoted.len());
@@ -298,6 +309,7 @@ fn key_id(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, Stri
             c => out.push(c),
         }
     }
+    visible(&out)?;
     Ok(Some(out))
 }
 
