@@ -38,7 +38,8 @@ pub(crate) enum Cause {
     Complete,
     Fail,
     Release,
-    /// An administrative finish through `Store::resolve`.
+    /// An administrative finish through `Store::resolve`, or a correction
+    /// of a finished outcome through `Store::amend`.
     Resolve,
     /// Eviction of a record past retention.
     Evict,
@@ -159,7 +160,7 @@ impl Event {
             (Op::Fail { .. }, Effect::Put(new), _) => {
                 transition(new.token, Some(new.state), Cause::Fail)
             }
-            (Op::Resolve { .. }, Effect::Put(new), _) => {
+            (Op::Resolve { .. } | Op::Amend { .. }, Effect::Put(new), _) => {
                 transition(new.token, Some(new.state), Cause::Resolve)
             }
             (Op::Release { token }, Effect::Delete, _) => transition(*token, None, Cause::Release),

@@ -297,6 +297,12 @@ pub(crate) enum Op {
         token: u64,
         outcome: Resolution,
     },
+    /// An administrative correction of a finished record's outcome, fenced
+    /// by its token (the finished record's own).
+    Amend {
+        token: u64,
+        outcome: Resolution,
+    },
     /// A record restored from a backup: fills an absent key only.
     Import {
         record: Box<Record>,
@@ -413,6 +419,24 @@ pub(crate) fn transition(
             // a holder that has since finished, or a newer holder.
             let rec = current_lease(key, current, *token)?;
             Ok(finish(rec, outcome.state(), outcome.bytes(), ctx))
+        }
+        Op::Amend { token, outcome } => {
+            // Only a finished, live record whose token is `token`: an amend
+            // never finishes a Processing record (that is a resolve, fenced
+            // by the holder's lease) and never reaches a newer holder's.
+            match current {
+                Some(rec)
+                    if rec.state != State::Processing
+                        && rec.token == *token
+                        && !rec.is_expired_at(ctx.now_ms) =>
+                {
+                    Ok(finish(rec, outcome.state(), outcome.bytes(), ctx))
+                }
+                _ => Err(Error::StaleLease {
+                    key: key.to_string(),
+                    token: *token,
+                }),
+            }
         }
         Op::Import { record } => Ok(import(key, current, record, ctx)),
     }
@@ -640,6 +664,42 @@ mod tests {
             result: b"late".to_vec(),
         };
         assert!(transition(&k, Some(&done), &complete, &ctx(5_001, 7)).is_err());
+    }
+
+    #[test]
+    fn amend_replaces_a_finished_outcome_fenced_by_its_token() {
+        let k = Key::new("s", "k").unwrap();
+        let rec = put(transition(&k, None, &claim_op(b"a", 1_000), &ctx(10, 5))
+            .unwrap()
+            .0);
+        let amend = |token| Op::Amend {
+            token,
+            outcome: Resolution::Succeeded(b"\"T-2\"".to_vec()),
+        };
+        // A Processing record is resolved, never amended.
+        assert!(matches!(
+            transition(&k, Some(&rec), &amend(5), &ctx(20, 7)),
+            Err(Error::StaleLease { .. })
+        ));
+        let complete = Op::Complete {
+            token: 5,
+            result: b"T-2".to_vec(),
+        };
+        let done = put(transition(&k, Some(&rec), &complete, &ctx(20, 7))
+            .unwrap()
+            .0);
+        for token in [4, 6] {
+            assert!(transition(&k, Some(&done), &amend(token), &ctx(30, 7)).is_err());
+        }
+        let amended = put(transition(&k, Some(&done), &amend(5), &ctx(30, 7))
+            .unwrap()
+            .0);
+        assert_eq!(amended.state, State::Succeeded);
+        assert_eq!(amended.result(), Some(&b"\"T-2\""[..]));
+        assert_eq!(amended.token, 5);
+        assert_eq!(amended.expires_ms, 60_030);
+        // Past retention the record is absent: nothing to amend.
+        assert!(transition(&k, Some(&amended), &amend(5), &ctx(60_030, 7)).is_err());
     }
 
     #[test]

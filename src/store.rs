@@ -385,10 +385,26 @@ impl Store {
     /// [`Store::claim`].
     ///
     /// # Errors
-    /// The outer `Err` means nothing was applied:
+    /// The outer `Err` is about the batch as a whole; what it means for the
+    /// claims depends on the error:
     /// - [`Error::InvalidArgument`] for more than [`MAX_CLAIM_MANY`] claims,
-    ///   options with a business key, or an invalid lease;
-    /// - the storage errors of [`Store::claim`] for the whole write.
+    ///   options with a business key, or an invalid lease: refused before
+    ///   anything was written; nothing was applied.
+    /// - [`Error::Poisoned`], [`Error::Closed`]: refused before the batch was
+    ///   written; nothing was applied.
+    /// - [`Error::Storage`] (a write or fsync of the log failed after the
+    ///   batch was written to it) and, on PostgreSQL, [`Error::OutcomeUnknown`]
+    ///   (the connection was lost after the commit was sent): the batch may
+    ///   or may not be applied, as a whole (a batch is never half applied).
+    ///   Where it was, its keys are held by leases whose tokens the caller
+    ///   never received; they lapse after the lease duration. A later claim
+    ///   of each key finds out: [`ClaimOutcome::InProgress`] while such a
+    ///   lease is valid, [`ClaimOutcome::Acquired`] when the batch was not
+    ///   applied or its lease lapsed. Retrying the same batch does exactly
+    ///   that. After a storage error the embedded store refuses writes
+    ///   ([`Error::Poisoned`]) until it is reopened.
+    /// - [`Error::Unavailable`] (PostgreSQL): nothing was sent for commit;
+    ///   nothing was applied.
     ///
     /// Each inner `Err` is that claim's own refusal, as [`Store::claim`]
     /// gives it ([`Error::FingerprintMismatch`], [`Error::CorruptRecord`],
@@ -752,12 +768,46 @@ impl Store {
     pub fn resolve(&self, key: &Key, token: u64, outcome: Resolution) -> Result<Record> {
         let _span =
             tracing::debug_span!("idemstore.resolve", scope = key.scope(), id = key.id()).entered();
-        let (what, limit) = match &outcome {
+        self.check_outcome_len(&outcome)?;
+        expect_record(self.engine.apply(key, Op::Resolve { token, outcome }))
+    }
+
+    /// [`Error::TooLarge`] when `outcome`'s bytes are over their limit
+    /// (`max_result_bytes` or `max_failure_bytes`).
+    fn check_outcome_len(&self, outcome: &Resolution) -> Result<()> {
+        let (what, limit) = match outcome {
             Resolution::Succeeded(_) => ("result", self.config.max_result_bytes),
             Resolution::Failed { .. } => ("failure", self.config.max_failure_bytes),
         };
-        check_len(what, outcome.bytes().len(), limit)?;
-        expect_record(self.engine.apply(key, Op::Resolve { token, outcome }))
+        check_len(what, outcome.bytes().len(), limit)
+    }
+
+    /// Replaces the stored outcome of a *finished* record of `key`
+    /// (succeeded or failed) whose fencing token is `token`: the operator's
+    /// correction of an outcome recorded wrongly, for example a result that
+    /// the code replaying it cannot decode (a record made by
+    /// `Store::execute` (feature `agent`) replays its result as JSON). The record
+    /// keeps its token and fingerprint, takes `outcome`'s state and bytes,
+    /// and its retention is counted from now. What a finished record
+    /// replays is the one thing retries rely on, so this is for an operator
+    /// who knows what happened downstream, never for a service's own code
+    /// path. Durable when this returns; audited with cause `resolve`.
+    ///
+    /// A `retryable` failure makes the next claim run the work again, as
+    /// after any retryable failure.
+    ///
+    /// # Errors
+    /// - [`Error::StaleLease`] when `key` has no live finished record whose
+    ///   token is `token` (absent, past retention, still Processing — use
+    ///   [`Store::resolve`] — or another token).
+    /// - [`Error::TooLarge`] when the result is over `max_result_bytes` or
+    ///   the failure over `max_failure_bytes`.
+    /// - Storage errors as for [`Store::complete`].
+    pub fn amend(&self, key: &Key, token: u64, outcome: Resolution) -> Result<Record> {
+        let _span =
+            tracing::debug_span!("idemstore.amend", scope = key.scope(), id = key.id()).entered();
+        self.check_outcome_len(&outcome)?;
+        expect_record(self.engine.apply(key, Op::Amend { token, outcome }))
     }
 
     /// The records a reconciler must look at: Processing records whose

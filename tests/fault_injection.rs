@@ -924,6 +924,60 @@ fn a_poisoned_store_closes_without_checkpointing_the_failed_change() {
     acquire(&reopened, &key("after"));
 }
 
+/// `claim_many`'s outer `Storage` error after the log's fsync failed: the
+/// batch was written to the log, so it may be applied, as a whole. Reopened
+/// from the file as the failed fsync left it (the page cache wrote it out
+/// after all), every key of the batch is held by a lease whose token the
+/// caller never received, and a later claim finds that out: in progress
+/// until the lease lapses, acquired after. After a power cut that kept
+/// only synced bytes, none is there, and a claim acquires each at once.
+#[test]
+fn claim_many_after_a_failed_fsync_may_be_applied_and_a_later_claim_finds_out() {
+    let rig = Rig::new();
+    let store = rig.open().unwrap();
+    acquire(&store, &key("before"));
+    let batch: Vec<(Key, Fingerprint)> = (0..3).map(|i| (key(&format!("b{i}")), fp())).collect();
+    rig.plan.arm(Target::Log, Call::Sync, 0);
+    match store.claim_many(&batch, &ClaimOptions::new()) {
+        Err(Error::Storage(_)) => {}
+        other => panic!("expected the batch's Storage error, got {other:?}"),
+    }
+    assert_eq!(rig.plan.disarm(), Some((Target::Log, Call::Sync)));
+    assert!(matches!(
+        store.claim(&key("later"), &fp(), &ClaimOptions::new()),
+        Err(Error::Poisoned)
+    ));
+    let cut = rig.power_cut();
+    drop(store);
+    let as_left = Rig {
+        plan: Arc::default(),
+        ..rig
+    };
+    let reopened = as_left.open().unwrap();
+    for (k, _) in &batch {
+        let record = reopened.get(k).unwrap();
+        assert_eq!(
+            record.as_ref().map(|r| r.state()),
+            Some(State::Processing),
+            "{k}: the written batch was not applied"
+        );
+        match reopened.claim(k, &fp(), &ClaimOptions::new()).unwrap() {
+            ClaimOutcome::InProgress { .. } => {}
+            other => panic!("{k}: expected InProgress, got {other:?}"),
+        }
+    }
+    as_left.clock.advance(LEASE);
+    for (k, _) in &batch {
+        acquire(&reopened, k);
+    }
+    drop(reopened);
+    let reopened = cut.open().unwrap();
+    for (k, _) in &batch {
+        assert!(reopened.get(k).unwrap().is_none(), "{k}");
+        acquire(&reopened, k);
+    }
+}
+
 /// `stats` on a poisoned store refuses, as `scan`, `export` and `verify`
 /// do: its index may hold a change that never became durable.
 #[test]

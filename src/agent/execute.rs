@@ -816,10 +816,20 @@ fn replay<T: DeserializeOwned, E: DeserializeOwned>(
     woken: bool,
 ) -> ExecResult<T, E> {
     let key = record.key();
+    // The record is final until retention ends: name the command that
+    // corrects it (an outcome written by hand, or by an older build whose
+    // types differ), so that the key is not unusable until then.
     let decode_error = |detail: String| ExecuteError::Codec {
         key: key.clone(),
         action: "replay",
-        detail,
+        detail: format!(
+            "{detail}; the stored outcome is not the JSON this call reads. If it was recorded \
+             by hand, correct it: idemstore resolve STORE {scope} {id} --token {token} --amend \
+             (--succeeded JSON | --failed JSON)",
+            scope = key.scope(),
+            id = key.id(),
+            token = record.token(),
+        ),
     };
     match record.state() {
         State::Succeeded => {
