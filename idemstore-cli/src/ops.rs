@@ -24,7 +24,7 @@ use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use idemstore::{Config, Error, Record, State, Store};
+use idemstore::{Config, Error, Key, Record, State, Store};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 
@@ -35,8 +35,9 @@ use crate::error::CliError;
 #[derive(Debug, Clone, clap::Args)]
 pub struct StoreArg {
     /// The store: a file (a redb file written by idemstore), or a
-    /// PostgreSQL connection URL (`postgresql://…` or `postgres://…`;
-    /// nothing else counts as one). A password in the URL is never printed.
+    /// PostgreSQL connection URL (`postgresql://…` or `postgres://…`) or
+    /// key=value connection string (`host=… dbname=… user=…`, when no file
+    /// of that name exists). A password is never printed.
     #[arg(value_name = "STORE")]
     pub store: PathBuf,
     /// The PostgreSQL schema that holds the store [default: idemstore]. For
@@ -73,14 +74,18 @@ impl StoreArg {
     /// `postgresql://` or `postgres://`, else a file. `--schema` on a file
     /// is refused.
     pub fn target(&self) -> Result<Target, CliError> {
-        let url = self
-            .store
-            .to_str()
-            .filter(|s| URL_PREFIXES.iter().any(|p| s.starts_with(p)));
+        let url = self.store.to_str().filter(|s| {
+            URL_PREFIXES.iter().any(|p| s.starts_with(p))
+                || (is_key_value(s) && std::fs::symlink_metadata(&self.store).is_err())
+        });
         match url {
             Some(url) => {
                 let schema = self.schema.as_deref().unwrap_or(DEFAULT_SCHEMA).to_owned();
-                let name = redacted(url, &schema);
+                let name = if is_key_value(url) {
+                    redacted_key_value(url, &schema)
+                } else {
+                    redacted(url, &schema)
+                };
                 Ok(Target::Postgres {
                     url: url.to_owned(),
                     schema,
@@ -95,6 +100,43 @@ impl StoreArg {
             None => Ok(Target::File(self.store.clone())),
         }
     }
+}
+
+/// The libpq keywords that start a key=value connection string
+/// (`host=db1 dbname=app user=svc`), which `Store::connect` takes as well as
+/// a URL.
+const KEY_VALUE_KEYWORDS: [&str; 8] = [
+    "host", "hostaddr", "port", "dbname", "user", "password", "sslmode", "options",
+];
+
+/// Whether `s` reads as a key=value connection string: its first word is
+/// `KEYWORD=` with a libpq keyword. (A store file of that name is still a
+/// file: the caller checks that no such file exists.)
+fn is_key_value(s: &str) -> bool {
+    s.trim_start()
+        .split_once('=')
+        .is_some_and(|(word, _)| KEY_VALUE_KEYWORDS.contains(&word.trim_end()))
+}
+
+/// A key=value connection string as messages show it: host, port and
+/// database only (never the user or a password), plus `?schema=NAME`.
+fn redacted_key_value(conn: &str, schema: &str) -> String {
+    let value = |key: &str| {
+        conn.split_whitespace()
+            .filter_map(|pair| pair.split_once('='))
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.trim_matches('\''))
+            .unwrap_or("")
+    };
+    let port = match value("port") {
+        "" => String::new(),
+        p => format!(":{p}"),
+    };
+    format!(
+        "postgresql://{}{port}/{}?schema={schema}",
+        value("host"),
+        value("dbname")
+    )
 }
 
 /// `url` without its user, password and parameters, plus `?schema=NAME`:
@@ -202,6 +244,58 @@ pub fn connect_error(name: &str, schema: &str, err: Error) -> CliError {
 /// ambiguous: a scope may contain `/`.
 pub fn key_text(scope: &str, id: &str) -> String {
     format!("scope {scope:?} id {id:?}")
+}
+
+/// The key named by `scope` and `id`; with no `id`, `scope` is a key as the
+/// library prints it (`scope/id`, as in `acme/tickets.create/task-1:call-1`)
+/// and is split at the one `/` after which `store` holds a live record.
+/// A scope and an id may both hold `/`, so the joined form is ambiguous on
+/// its own: when no split or more than one names a record, the error lists
+/// each way to split it as two arguments.
+pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliError> {
+    if let Some(id) = id {
+        return Key::new(scope, id)
+            .map_err(|e| CliError::store(format!("invalid key ({})", key_text(scope, id)), e));
+    }
+    let joined = scope;
+    let splits: Vec<Key> = joined
+        .match_indices('/')
+        .filter_map(|(at, _)| Key::new(&joined[..at], &joined[at + 1..]).ok())
+        .collect();
+    let mut found = Vec::new();
+    for key in &splits {
+        let record = store
+            .get(key)
+            .map_err(|e| CliError::store(format!("cannot read {key}"), e))?;
+        if record.is_some() {
+            found.push(key.clone());
+        }
+    }
+    if let [key] = found.as_slice() {
+        return Ok(key.clone());
+    }
+    let listed = |keys: &[Key]| {
+        keys.iter()
+            .map(|k| format!("\n  {:?} {:?}", k.scope(), k.id()))
+            .collect::<String>()
+    };
+    Err(CliError::Usage(match (splits.len(), found.len()) {
+        (0, _) => format!(
+            "{joined:?} is one argument: a key is SCOPE ID, two arguments (a key printed as \
+             scope/id splits at a `/`, and this one has no `/` with text on both sides)"
+        ),
+        (_, 0) => format!(
+            "{joined:?} is one argument and no way of splitting it at a `/` names a record \
+             (absent or past retention). A key is SCOPE ID, two arguments; it splits as one \
+             of:{}",
+            listed(&splits)
+        ),
+        _ => format!(
+            "{joined:?} is one argument and names more than one record; give SCOPE ID as two \
+             arguments, one of:{}",
+            listed(&found)
+        ),
+    }))
 }
 
 /// A writer that remembers whether a write failed because the reader went

@@ -250,6 +250,7 @@ fn list_columns_paste_into_get_and_resolve() {
         row[1],
         "--token",
         row[3],
+        "--raw",
         "--succeeded",
         "T-1",
     ]);
@@ -330,6 +331,7 @@ fn resolve_tells_an_absent_key_an_unknown_token_and_a_finished_record_apart() {
             id,
             "--token",
             &t,
+            "--raw",
             "--succeeded",
             "x",
         ])
@@ -504,6 +506,7 @@ fn resolve_finishes_a_record_fenced_by_its_token() {
         "lapsed",
         "--token",
         &wrong,
+        "--raw",
         "--succeeded",
         "T-9",
     ]);
@@ -521,6 +524,7 @@ fn resolve_finishes_a_record_fenced_by_its_token() {
         "lapsed",
         "--token",
         &t,
+        "--raw",
         "--succeeded",
         "T-9",
         "--json",
@@ -536,6 +540,7 @@ fn resolve_finishes_a_record_fenced_by_its_token() {
         "lapsed",
         "--token",
         &t,
+        "--raw",
         "--failed",
         "x",
     ]);
@@ -795,7 +800,7 @@ fn usage_errors_are_one_line_naming_what_is_missing() {
     assert_eq!(code(&out), 2);
     let err = stderr(&out);
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains("<STORE> <SCOPE> <ID>"), "{err}");
+    assert!(err.contains("<STORE> <SCOPE>"), "{err}");
     let err = stderr(&idemstore(&["list", "x.redb", "--state", "bogus"]));
     assert!(err.contains("possible values: processing"), "{err}");
 }
@@ -922,5 +927,171 @@ fn check_lists_the_first_problems_and_counts_the_rest() {
     assert_eq!(
         v["problems"].as_array().map(Vec::len),
         Some(idemstore::MAX_LISTED_PROBLEMS)
+    );
+}
+
+/// A tool call's key left in doubt (its lease lapsed, no outcome), as
+/// `Store::execute` leaves it after a crash; returns its token.
+fn in_doubt_tool_call(path: &Path, id: &str) -> u64 {
+    let clock = ManualClock::new(SystemClock.now_ms() - 60_000);
+    let store = Store::open_with(
+        path,
+        Config::new()
+            .clock(clock)
+            .lease(Duration::from_secs(10))
+            .sweep_interval(None),
+    )
+    .unwrap();
+    let k = Key::new("acme/tools", id).unwrap();
+    match store
+        .claim(&k, &tool_fingerprint(), &ClaimOptions::new())
+        .unwrap()
+    {
+        ClaimOutcome::Acquired(lease) => lease.token(),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn tool_fingerprint() -> Fingerprint {
+    Fingerprint::of_json(&serde_json::json!({"title": "printer on fire"})).unwrap()
+}
+
+/// `execute` on an agent key: the value it replays, or the error's text.
+fn execute_again(path: &Path, id: &str) -> Result<String, String> {
+    use idemstore::agent::{ExecuteOptions, Failure};
+    let store = Store::open(path).unwrap();
+    let k = Key::new("acme/tools", id).unwrap();
+    store
+        .execute(
+            &k,
+            &tool_fingerprint(),
+            ExecuteOptions::new(),
+            |_lease| -> Result<String, Failure<String>> { panic!("the tool ran again") },
+        )
+        .map(|out| out.value().clone())
+        .map_err(|e| e.to_string())
+}
+
+/// `resolve` takes a JSON value by default, so that an operator cannot
+/// make an agent key unusable: text that is not JSON is refused and
+/// changes nothing; the quoted value is replayed by `execute`. A value
+/// stored with --raw makes `execute` fail with an error that names the
+/// repair (`resolve --amend`), which then works.
+#[test]
+fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let token = in_doubt_tool_call(&path, "task-1:call_2");
+    let t = token.to_string();
+    let resolve = |id: &str, extra: &[&str]| {
+        let mut args = vec!["resolve", p(&path), "acme/tools", id, "--token", &t];
+        args.extend_from_slice(extra);
+        idemstore(&args)
+    };
+    let out = resolve("task-1:call_2", &["--succeeded", "T-call_2"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("is not a JSON value"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(stderr(&out).contains(r#"'"T-call_2"'"#), "{}", stderr(&out));
+    let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_2", "--json"]);
+    assert_eq!(json(&out)["state"], "processing");
+    let out = resolve("task-1:call_2", &["--succeeded", r#""T-call_2""#]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(execute_again(&path, "task-1:call_2").unwrap(), "T-call_2");
+
+    // Bytes stored with --raw: execute names the repair; --amend makes it.
+    let token = in_doubt_tool_call(&path, "task-1:call_3");
+    let t = token.to_string();
+    let resolve = |extra: &[&str]| {
+        let mut args = vec![
+            "resolve",
+            p(&path),
+            "acme/tools",
+            "task-1:call_3",
+            "--token",
+            &t,
+        ];
+        args.extend_from_slice(extra);
+        idemstore(&args)
+    };
+    assert_eq!(code(&resolve(&["--raw", "--succeeded", "T-call_3"])), 0);
+    let err = execute_again(&path, "task-1:call_3").unwrap_err();
+    assert!(
+        err.contains(&format!(
+            "idemstore resolve STORE acme/tools task-1:call_3 --token {token} --amend"
+        )),
+        "{err}"
+    );
+    // Without --amend a finished record is refused, and says how.
+    let out = resolve(&["--succeeded", r#""T-call_3""#]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("give --amend"), "{}", stderr(&out));
+    let out = resolve(&["--amend", "--succeeded", r#""T-call_3""#]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stdout(&out).contains("amended"), "{}", stdout(&out));
+    assert_eq!(execute_again(&path, "task-1:call_3").unwrap(), "T-call_3");
+    // --amend never finishes a record in progress.
+    let token = in_doubt_tool_call(&path, "task-1:call_4");
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "acme/tools",
+        "task-1:call_4",
+        "--token",
+        &token.to_string(),
+        "--amend",
+        "--succeeded",
+        "1",
+    ]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("still in progress"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A key as the library prints it (`scope/id`, one argument) pastes into
+/// `get` and `resolve`: split at the `/` after which a record exists. When
+/// no split names a record, the message lists each way to split it.
+#[test]
+fn a_key_as_the_library_prints_it_pastes_into_get_and_resolve() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let token = in_doubt_tool_call(&path, "task/1:call_2");
+    let printed = Key::new("acme/tools", "task/1:call_2").unwrap().to_string();
+    assert_eq!(printed, "acme/tools/task/1:call_2");
+    let out = idemstore(&["get", p(&path), &printed, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["id"], "task/1:call_2");
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        &printed,
+        "--token",
+        &token.to_string(),
+        "--succeeded",
+        "7",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = idemstore(&["get", p(&path), "acme/tools/task/9:call_9"]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    for split in [
+        r#""acme" "tools/task/9:call_9""#,
+        r#""acme/tools" "task/9:call_9""#,
+        r#""acme/tools/task" "9:call_9""#,
+    ] {
+        assert!(err.contains(split), "{split} not in: {err}");
+    }
+    let out = idemstore(&["get", p(&path), "no-slash-at-all"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("SCOPE ID, two arguments"),
+        "{}",
+        stderr(&out)
     );
 }

@@ -218,6 +218,7 @@ fn resolve_sweep_and_check_on_postgres() {
         "lapsed",
         "--token",
         &wrong,
+        "--raw",
         "--succeeded",
         "T-9",
     ]);
@@ -232,6 +233,7 @@ fn resolve_sweep_and_check_on_postgres() {
         "lapsed",
         "--token",
         &token.to_string(),
+        "--raw",
         "--succeeded",
         "T-9",
         "--json",
@@ -395,4 +397,54 @@ fn unreachable_server_and_bad_url_never_show_the_password() {
             assert!(!stdout(&out).contains("s3cret-pw"), "{args:?}");
         }
     }
+}
+
+/// A key=value connection string (`host=… port=… dbname=… user=…`) names a
+/// PostgreSQL store, as `Store::connect` takes it: the command reaches the
+/// server instead of looking for a file of that name, and messages show
+/// neither the user nor the password.
+#[test]
+fn a_key_value_connection_string_names_a_postgres_store() {
+    use idemstore::postgres::tokio_postgres;
+    let conn = "host=127.0.0.1 port=1 dbname=x user=admin password=s3cret-pw";
+    let out = idemstore(&["stats", conn]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("unavailable"), "{err}");
+    assert!(!err.contains("no such store file"), "{err}");
+    assert!(err.contains("postgresql://127.0.0.1:1/x"), "{err}");
+    assert!(!err.contains("s3cret") && !err.contains("admin"), "{err}");
+    let Some(url) = server() else { return };
+    // The shared server's URL, spelled as key=value.
+    let parsed: tokio_postgres::Config = url.parse().unwrap();
+    let host = match &parsed.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(h) => h.clone(),
+        tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+    };
+    let mut conn = format!(
+        "host={host} port={} dbname={} user={}",
+        parsed.get_ports()[0],
+        parsed.get_dbname().unwrap(),
+        parsed.get_user().unwrap()
+    );
+    if let Some(pw) = parsed.get_password() {
+        conn.push_str(&format!(" password={}", String::from_utf8_lossy(pw)));
+    }
+    let schema = schema("kv");
+    {
+        let store = Store::connect(&url, Config::new().postgres_schema(&schema)).unwrap();
+        let l = acquire(&store, &key("kv"), &ClaimOptions::new());
+        store.complete(&l, b"\"T-1\"").unwrap();
+    }
+    let out = idemstore(&[
+        "get",
+        &conn,
+        "--schema",
+        &schema,
+        "acme/tickets",
+        "kv",
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["state"], "succeeded");
 }

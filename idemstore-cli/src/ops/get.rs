@@ -3,7 +3,6 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use idemstore::Key;
 use serde_json::Value;
 
 use crate::error::CliError;
@@ -15,10 +14,13 @@ use crate::ops::{self, StoreArg};
 pub struct Args {
     #[command(flatten)]
     store: StoreArg,
-    /// The key's scope (tenant and operation), e.g. acme/tickets.create.
+    /// The key's scope (tenant and operation), e.g. acme/tickets.create; or,
+    /// with no ID, a whole key as the library prints it
+    /// (acme/tickets.create/task-42:call-7), split at the `/` after which a
+    /// record exists.
     scope: String,
     /// The idempotency key within the scope, e.g. task-42:call-7.
-    id: String,
+    id: Option<String>,
     /// Print JSON instead of a table (`null` when there is no record).
     #[arg(long)]
     json: bool,
@@ -26,10 +28,9 @@ pub struct Args {
 
 /// Runs `idemstore get`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let shown = ops::key_text(&args.scope, &args.id);
-    let key = Key::new(args.scope.as_str(), args.id.as_str())
-        .map_err(|e| CliError::store(format!("invalid key ({shown})"), e))?;
     let store = ops::open(&args.store, None)?;
+    let key = ops::key_of(&store, &args.scope, args.id.as_deref())?;
+    let shown = ops::key_text(key.scope(), key.id());
     let now = store.now_ms();
     let record = store
         .get(&key)

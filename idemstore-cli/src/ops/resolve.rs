@@ -1,6 +1,6 @@
-//! `idemstore resolve STORE SCOPE ID --token N (--succeeded TEXT | --failed TEXT)`:
+//! `idemstore resolve STORE SCOPE ID --token N (--succeeded VALUE | --failed VALUE) [--amend] [--raw]`:
 //! finish a Processing record after asking the downstream system what
-//! happened.
+//! happened, or (`--amend`) correct the outcome of a finished one.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -14,32 +14,46 @@ use crate::ops::{self, StoreArg};
 /// Arguments of `idemstore resolve`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "The token fences the change: if the record was completed, \
+    after_help = "The outcome is a JSON value by default (a string is quoted: --succeeded '\"T-42\"'), because a record made by Store::execute (the agent feature: tool calls, intents) replays its result and failure as JSON: bytes that are not JSON would make every later retry of the key fail until retention ends. Give --raw to store other bytes, for a record whose service reads its outcome as plain bytes.\n\n\
+The token fences the change: if the record was completed, \
 failed, released or taken over since you read it, nothing changes and the command fails \
 (exit 2), saying which: no record for the key (absent or past retention), the record is \
-already finished (its state and token), or the token is not its current holder's (never \
-issued for it, or taken over since; the current token is shown). Find candidates with \
-`idemstore list STORE --compensation`."
+already finished (its state and token; --amend corrects a finished record), or the token \
+is not its current holder's (never issued for it, or taken over since; the current token \
+is shown). Find candidates with `idemstore list STORE --compensation`."
 )]
 pub struct Args {
     #[command(flatten)]
     store: StoreArg,
-    /// The key's scope.
+    /// The key's scope (the part before the last `/` of a key as printed,
+    /// `acme/tickets.create/task-1:call-1` being scope `acme/tickets.create`
+    /// and id `task-1:call-1`).
     scope: String,
-    /// The idempotency key within the scope.
-    id: String,
+    /// The idempotency key within the scope. Without it, SCOPE is a whole
+    /// key as the library prints it, split as `get` splits it.
+    id: Option<String>,
     /// The record's fencing token, as `get` or `list` showed it.
     #[arg(long)]
     token: u64,
-    /// The work took effect: store this result (replayed to every retry).
-    #[arg(long, value_name = "RESULT", group = "outcome")]
+    /// The work took effect: store this result (a JSON value unless --raw),
+    /// replayed to every retry.
+    #[arg(long, value_name = "VALUE", group = "outcome")]
     succeeded: Option<String>,
-    /// The work did not take effect: store this failure.
-    #[arg(long, value_name = "FAILURE", group = "outcome")]
+    /// The work did not take effect: store this failure (a JSON value
+    /// unless --raw).
+    #[arg(long, value_name = "VALUE", group = "outcome")]
     failed: Option<String>,
     /// With --failed: let the next claim run the work again.
     #[arg(long, requires = "failed")]
     retryable: bool,
+    /// Store the outcome's bytes as given, not checked as JSON.
+    #[arg(long)]
+    raw: bool,
+    /// Correct the outcome of a finished record (succeeded or failed) whose
+    /// token is --token, instead of finishing a Processing record: the
+    /// repair for an outcome recorded wrongly.
+    #[arg(long)]
+    amend: bool,
     /// How long the finished record is kept for replays, e.g. `24h`. Use the
     /// service's configured retention.
     #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
@@ -49,15 +63,27 @@ pub struct Args {
     json: bool,
 }
 
+/// The outcome's bytes: `text` itself, checked to be one JSON value unless
+/// `raw` (see the command's help for why).
+fn outcome_bytes(flag: &str, text: &str, raw: bool) -> Result<Vec<u8>, CliError> {
+    if !raw && let Err(e) = serde_json::from_str::<serde_json::Value>(text) {
+        return Err(CliError::Usage(format!(
+            "--{flag} {text:?} is not a JSON value ({e}); nothing changed. A record made by \
+             Store::execute replays its outcome as JSON, so other bytes would make every \
+             retry of the key fail: quote a string as JSON (--{flag} '{quoted}'), or give \
+             --raw if this key's service reads its outcome as plain bytes",
+            quoted = serde_json::Value::String(text.to_string()),
+        )));
+    }
+    Ok(text.as_bytes().to_vec())
+}
+
 /// Runs `idemstore resolve`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let shown = ops::key_text(&args.scope, &args.id);
-    let key = Key::new(args.scope.as_str(), args.id.as_str())
-        .map_err(|e| CliError::store(format!("invalid key ({shown})"), e))?;
     let outcome = match (&args.succeeded, &args.failed) {
-        (Some(result), _) => Resolution::Succeeded(result.clone().into_bytes()),
+        (Some(result), _) => Resolution::Succeeded(outcome_bytes("succeeded", result, args.raw)?),
         (None, Some(failure)) => Resolution::Failed {
-            failure: failure.clone().into_bytes(),
+            failure: outcome_bytes("failed", failure, args.raw)?,
             retryable: args.retryable,
         },
         (None, None) => {
@@ -67,9 +93,18 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         }
     };
     let store = ops::open(&args.store, Some(args.retention))?;
-    let record = match store.resolve(&key, args.token, outcome) {
+    let key = ops::key_of(&store, &args.scope, args.id.as_deref())?;
+    let shown = ops::key_text(key.scope(), key.id());
+    let done = if args.amend {
+        store.amend(&key, args.token, outcome)
+    } else {
+        store.resolve(&key, args.token, outcome)
+    };
+    let record = match done {
         Ok(record) => record,
-        Err(Error::StaleLease { .. }) => return Err(refusal(&store, &key, &shown, args.token)),
+        Err(Error::StaleLease { .. }) => {
+            return Err(refusal(&store, &key, &shown, args.token, args.amend));
+        }
         Err(e) => return Err(CliError::store(format!("cannot resolve {shown}"), e)),
     };
     if args.json {
@@ -77,7 +112,8 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     } else {
         writeln!(
             out,
-            "resolved {shown} (token {}) as {}",
+            "{} {shown} (token {}) as {}",
+            if args.amend { "amended" } else { "resolved" },
             record.token(),
             record.state().name()
         )?;
@@ -87,8 +123,9 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
 
 /// Why `resolve` changed nothing, read back from the record (the command
 /// has the store to itself, so the record is what the refusal saw): no
-/// record, a finished record, or a token that is not the current holder's.
-fn refusal(store: &Store, key: &Key, shown: &str, token: u64) -> CliError {
+/// record, a finished record (a Processing one with `amend`), or a token
+/// that is not the current holder's.
+fn refusal(store: &Store, key: &Key, shown: &str, token: u64, amend: bool) -> CliError {
     let record = match store.get(key) {
         Ok(record) => record,
         Err(e) => return CliError::store(format!("cannot resolve {shown}"), e),
@@ -98,8 +135,14 @@ fn refusal(store: &Store, key: &Key, shown: &str, token: u64) -> CliError {
             "no record for {shown} (absent or past retention); nothing changed. \
              Check the scope and id (`idemstore list STORE` prints them as columns)"
         ),
-        Some(r) if r.state() != State::Processing => format!(
-            "{shown} is already finished as {} (token {}); nothing changed",
+        Some(r) if amend && r.state() == State::Processing => format!(
+            "{shown} is still in progress (token {}); nothing changed. Finish it without \
+             --amend",
+            r.token()
+        ),
+        Some(r) if !amend && r.state() != State::Processing => format!(
+            "{shown} is already finished as {} (token {}); nothing changed. To correct its \
+             outcome, give --amend",
             r.state().name(),
             r.token()
         ),
@@ -114,5 +157,6 @@ fn refusal(store: &Store, key: &Key, shown: &str, token: u64) -> CliError {
             r.token()
         ),
     };
-    CliError::Failed(format!("cannot resolve: {why}"))
+    let verb = if amend { "amend" } else { "resolve" };
+    CliError::Failed(format!("cannot {verb}: {why}"))
 }
