@@ -299,7 +299,8 @@ pub fn sweep(h: &dyn Harness) {
 }
 
 /// An operator's resolve finishes a Processing record under its token;
-/// a wrong token is refused.
+/// a wrong token is refused. An amend corrects a finished record's outcome
+/// under its token.
 pub fn resolve(h: &dyn Harness) {
     let clock = ManualClock::new(START_MS);
     let store = h.open("resolve", config(&clock));
@@ -316,6 +317,35 @@ pub fn resolve(h: &dyn Harness) {
     assert_eq!(record.state(), State::Succeeded);
     assert!(matches!(
         store.complete(&lease, b"late"),
+        Err(Error::StaleLease { .. })
+    ));
+    // An amend corrects the finished outcome under the same token, and
+    // only that: a wrong token and a record in progress are refused.
+    assert!(matches!(
+        store.amend(&k, wrong, Resolution::Succeeded(b"x".to_vec())),
+        Err(Error::StaleLease { .. })
+    ));
+    let amended = store
+        .amend(
+            &k,
+            lease.token(),
+            Resolution::Failed {
+                failure: b"not sent".to_vec(),
+                retryable: false,
+            },
+        )
+        .expect("amend");
+    assert_eq!(amended.state(), State::Failed { retryable: false });
+    assert_eq!(amended.token(), lease.token());
+    let got = store.get(&k).expect("get").expect("the amended record");
+    assert_eq!(got.failure(), Some(&b"not sent"[..]));
+    let other = acquire(&store, &key("running"), &f);
+    assert!(matches!(
+        store.amend(
+            &key("running"),
+            other.token(),
+            Resolution::Succeeded(b"x".to_vec())
+        ),
         Err(Error::StaleLease { .. })
     ));
 }
