@@ -85,6 +85,10 @@ pub const DEFAULT_INTEGRITY_CHECK_INTERVAL: Duration = Duration::from_secs(24 * 
 /// "Online scrub").
 pub const DEFAULT_SCRUB_RATE: u32 = 10_000;
 
+/// The default [`Config::sweep_batch`]: records one sweep step evicts at
+/// most.
+pub const DEFAULT_SWEEP_BATCH: usize = 10_000;
+
 /// The highest [`Config::scrub_rate`] accepted: 1,000,000 records per
 /// second, about what one core walks (BENCHMARKS.md, "Online scrub"); a
 /// step of that many records holds its read snapshot for about 1.3 s.
@@ -155,7 +159,7 @@ impl Default for Config {
             max_failure_bytes: 1024 * 1024,
             max_recovery_point_bytes: 1024 * 1024,
             sweep_interval: Some(Duration::from_secs(60)),
-            sweep_batch: 10_000,
+            sweep_batch: DEFAULT_SWEEP_BATCH,
             clock: Arc::new(SystemClock),
             cache_bytes: 64 * 1024 * 1024,
             durability: Durability::Immediate,

@@ -16,8 +16,10 @@
 use std::path::Path;
 #[cfg(feature = "postgres")]
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::codec::Entries;
+use crate::embedded::expiry::Swept;
 use crate::embedded::{self, Embedded};
 use crate::error::Result;
 use crate::key::Key;
@@ -143,6 +145,27 @@ impl Engine {
             Engine::Embedded(e) => e.sweep(max),
             #[cfg(feature = "postgres")]
             Engine::Postgres { engine, .. } => engine.sweep(max),
+        }
+    }
+
+    /// One slice of the background sweeper: up to `max` evictions, on the
+    /// file engine also stopped once `budget` of the writer's time is spent
+    /// (the writer is shared with every write; PostgreSQL's sweep is a
+    /// statement of its own that holds no other request up, and ends at
+    /// `max`).
+    pub(crate) fn sweep_slice(&self, max: usize, budget: Duration) -> Result<Swept> {
+        match self {
+            Engine::Embedded(e) => e.sweep_step(max, Some(budget)),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => {
+                let evicted = engine.sweep(max)?;
+                // No writer shared with other requests: nothing to pace.
+                Ok(Swept {
+                    evicted,
+                    more: evicted >= max,
+                    spent: Duration::ZERO,
+                })
+            }
         }
     }
 

@@ -152,8 +152,9 @@ pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSu
 pub use check::check_file;
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use config::{
-    ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE, Durability,
-    MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE, MAX_TOKEN, MAX_VALUE_LIMIT,
+    ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE,
+    DEFAULT_SWEEP_BATCH, Durability, MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE,
+    MAX_TOKEN, MAX_VALUE_LIMIT,
 };
 pub use embedded::WRITER_QUEUE_BOUND;
 pub use embedded::wal::{FileLog, LogFile, MemoryLog};

@@ -956,3 +956,47 @@ fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
     }
     assert_eq!(seen[0], seen[1]);
 }
+
+/// `sweep_due` (the background sweeper's paced sweep) evicts every due
+/// record, finished or in flight, in slices of at most `sweep_batch`
+/// records (here 7) however many are due, and leaves the live ones: the
+/// captured sweep events show slices of at most 7 evictions, and the store
+/// holds exactly the live records afterwards.
+#[test]
+fn sweep_due_evicts_everything_due_in_bounded_slices() {
+    let _events = captured();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let store = Store::open_with(&path, config(&clock).sweep_batch(7)).unwrap();
+    let scope = "sweep/paced";
+    for i in 0..300 {
+        let lease = acquire(
+            &store,
+            &key(scope, &format!("due-{i}")),
+            &ClaimOptions::new(),
+        );
+        if i % 3 != 0 {
+            store.complete(&lease, b"ok").unwrap();
+        }
+    }
+    clock.advance(secs(61));
+    for i in 0..5 {
+        acquire(
+            &store,
+            &key(scope, &format!("live-{i}")),
+            &ClaimOptions::new(),
+        );
+    }
+    assert_eq!(store.sweep_due().unwrap(), 300);
+    assert_eq!(store.sweep(usize::MAX).unwrap(), 0);
+    assert_eq!(store.len().unwrap(), 5);
+    drop(store);
+    let slices = sweeps_of(&path);
+    assert!(slices.len() >= 300 / 7, "{slices:?}");
+    assert!(
+        slices.iter().all(|(_, evicted)| *evicted <= 7),
+        "{slices:?}"
+    );
+    assert_eq!(slices.iter().map(|(_, e)| e).sum::<u64>(), 300);
+}

@@ -65,6 +65,8 @@ use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use super::expiry::Swept;
+
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use redb::{Database, WriteTransaction};
 
@@ -99,8 +101,12 @@ pub(crate) const QUEUE_BOUND: usize = 4096;
 pub(crate) enum Command {
     /// A transition of one key.
     Op { key: Key, op: Op },
-    /// Evict up to `max` expired records.
-    Sweep { max: usize },
+    /// Evict up to `max` expired records, stopping once `budget` of the
+    /// writer's time is spent (a slice of the background sweeper).
+    Sweep {
+        max: usize,
+        budget: Option<std::time::Duration>,
+    },
     /// Several transitions in one write, each decided on its own and in
     /// order (a later one of the same key sees the earlier one), after the
     /// token counter is raised to at least `token_floor` (an import's
@@ -124,7 +130,7 @@ pub(crate) enum Command {
 /// The writer's answer to one command.
 pub(crate) enum Answer {
     Reply(Reply),
-    Evicted(usize),
+    Evicted(Swept),
     Checkpointed,
     Committed,
     /// The store's time is durable up to at least the time the request was
@@ -1668,8 +1674,8 @@ fn decide(
     }
     match cmd {
         Command::Op { key, op } => apply_op(shared, tables, key, op, now, token, events),
-        Command::Sweep { max } => Ok(Ok(Answer::Evicted(expiry::evict(
-            tables, now, *max, events,
+        Command::Sweep { max, budget } => Ok(Ok(Answer::Evicted(expiry::evict(
+            tables, now, *max, *budget, events,
         )?))),
         Command::Many { ops, token_floor } => {
             apply_many(shared, tables, ops, *token_floor, now, token, events)

@@ -387,8 +387,22 @@ impl Embedded {
 
     /// Evicts up to `max_records` records past retention.
     pub(crate) fn sweep(&self, max_records: usize) -> Result<usize> {
-        match self.submit(Command::Sweep { max: max_records }).wait()? {
-            Answer::Evicted(n) => Ok(n),
+        self.sweep_step(max_records, None).map(|s| s.evicted)
+    }
+
+    /// Evicts up to `max_records` records past retention, stopping once
+    /// `budget` of the writer's time is spent (see [`expiry::evict`]).
+    pub(crate) fn sweep_step(
+        &self,
+        max_records: usize,
+        budget: Option<std::time::Duration>,
+    ) -> Result<expiry::Swept> {
+        let cmd = Command::Sweep {
+            max: max_records,
+            budget,
+        };
+        match self.submit(cmd).wait()? {
+            Answer::Evicted(swept) => Ok(swept),
             _ => Err(Error::Storage(
                 "writer answered a sweep with another answer".into(),
             )),
