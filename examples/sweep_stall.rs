@@ -16,8 +16,10 @@
 //! and writer time, each followed by a pause), or with `--mode steps` in
 //! back-to-back `Store::sweep(--batch)` calls until one returns fewer than
 //! the batch (what the background sweeper did before it was paced).
-//! Prints one line per phase and the lifecycles per second of each window
-//! of the sweep phase.
+//! Once per window the driving thread also times `Store::stats()` (which
+//! reads the records past retention that are not evicted yet). Prints one
+//! line per phase and the lifecycles per second of each window of the sweep
+//! phase.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -96,7 +98,11 @@ struct Phase {
     lifecycles: u64,
     elapsed: Duration,
     latencies: Vec<u64>,
-    windows: Vec<u64>,
+    /// Lifecycles per second of each window (a window lasts at least
+    /// `--window-ms`, longer when a `stats()` call took longer).
+    windows: Vec<f64>,
+    /// How long each `Store::stats()` call took (ms), one per window.
+    stats_ms: Vec<u64>,
 }
 
 /// Runs lifecycles on `threads` threads until `done` says so (checked
@@ -116,6 +122,7 @@ fn run_phase(
     let latencies = Mutex::new(Vec::new());
     let started = Instant::now();
     let mut windows = Vec::new();
+    let mut stats_ms = Vec::new();
     std::thread::scope(|s| {
         for t in 0..threads {
             let (stop, count, latencies, fp, opts) = (&stop, &count, &latencies, &fp, &opts);
@@ -132,9 +139,14 @@ fn run_phase(
         }
         let mut last = 0;
         loop {
-            std::thread::sleep(window);
+            let opened = Instant::now();
+            let asked = Instant::now();
+            store.stats().expect("stats");
+            let took = asked.elapsed();
+            stats_ms.push(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
+            std::thread::sleep(window.saturating_sub(took));
             let now = count.load(Ordering::Relaxed);
-            windows.push(now - last);
+            windows.push((now - last) as f64 / opened.elapsed().as_secs_f64());
             last = now;
             if started.elapsed() >= least && done() {
                 break;
@@ -149,6 +161,7 @@ fn run_phase(
         elapsed: started.elapsed(),
         latencies,
         windows,
+        stats_ms,
     }
 }
 
@@ -160,17 +173,20 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[at.min(sorted.len() - 1)]
 }
 
-fn report(name: &str, phase: &Phase, window: Duration) {
+fn report(name: &str, phase: &Phase) {
     let rate = phase.lifecycles as f64 / phase.elapsed.as_secs_f64();
-    let per_s = |n: u64| n as f64 / window.as_secs_f64();
-    let lowest = phase.windows.iter().copied().min().unwrap_or(0);
+    let lowest = phase.windows.iter().copied().fold(f64::INFINITY, f64::min);
+    let mut stats_ms = phase.stats_ms.clone();
+    stats_ms.sort_unstable();
     println!(
-        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0}",
+        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0} stats_ms p50={} max={}",
         percentile(&phase.latencies, 0.5),
         percentile(&phase.latencies, 0.99),
         phase.latencies.last().copied().unwrap_or(0),
         phase.windows.len(),
-        per_s(lowest),
+        lowest,
+        percentile(&stats_ms, 0.5),
+        stats_ms.last().copied().unwrap_or(0),
     );
 }
 
@@ -212,7 +228,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = Store::open_with(&path, quiet.sweep_batch(args.batch))?;
     let least = Duration::from_secs_f64(args.seconds);
     let quiet_phase = run_phase(&store, args.threads, 1, least, window, &|| true);
-    report("no sweep", &quiet_phase, window);
+    report("no sweep", &quiet_phase);
     let swept = AtomicBool::new(false);
     let evicted = AtomicU64::new(0);
     let sweep_time = Mutex::new(Duration::ZERO);
@@ -239,7 +255,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             swept.load(Ordering::SeqCst)
         })
     });
-    report("sweeping", &sweeping, window);
+    report("sweeping", &sweeping);
     let sweep_time = *sweep_time.lock().expect("sweep time");
     println!(
         "sweep: mode={} evicted={} seconds={:.2} evicted_per_s={:.0} batch={}",
@@ -252,11 +268,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         evicted.load(Ordering::Relaxed) as f64 / sweep_time.as_secs_f64().max(1e-9),
         args.batch,
     );
-    let windows: Vec<String> = sweeping
-        .windows
-        .iter()
-        .map(|n| format!("{:.0}", *n as f64 / window.as_secs_f64()))
-        .collect();
+    let windows: Vec<String> = sweeping.windows.iter().map(|r| format!("{r:.0}")).collect();
     println!("sweeping windows_per_s: {}", windows.join(" "));
     Ok(())
 }

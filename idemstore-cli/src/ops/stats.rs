@@ -12,8 +12,11 @@ use crate::ops::{self, StoreArg};
 /// Arguments of `idemstore stats`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Counts come from a scan of every record (reads the whole table). \
-Counters of answers (claims, replays, takeovers, ...) live in the process that holds the \
+    after_help = "On a store file, counts by state come from the store's metadata (kept in \
+the same transaction as the records), less the records past retention that eviction has not \
+removed yet and plus the records in flight, which are read from the expiry index: the cost \
+grows with those, not with the store's size. On PostgreSQL, counts come from a scan of every \
+row. Counters of answers (claims, replays, takeovers, ...) live in the process that holds the \
 store: a service reads them from Store::stats()."
 )]
 pub struct Args {
