@@ -1,0 +1,83 @@
+//! A soak of the store as an operator runs it for months: a steady arrival
+//! of claim + complete lifecycles on fresh random keys, a retention, the
+//! background sweeper, and one line every `--sample-secs` with the index
+//! file's size, the log's, resident memory, live records, records awaiting
+//! eviction and how long `Store::stats()` took. What to provision from
+//! these figures: docs/operations.md, "Sizing".
+//!
+//! ```text
+//! cargo run --release --example soak -- --threads 16 --minutes 30 --retention-secs 30
+//! cargo run --release --example soak -- --threads 16 --rate 5000 --minutes 10
+//! ```
+//!
+//! The short form of the same run is `tests/soak.rs`.
+
+#[path = "soak/driver.rs"]
+mod driver;
+
+use std::time::Duration;
+
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    /// Client threads.
+    #[arg(long, default_value_t = 16)]
+    threads: usize,
+    /// Lifecycles per second across all threads (as fast as the store goes
+    /// when absent).
+    #[arg(long)]
+    rate: Option<u64>,
+    /// How long the store keeps a finished record (seconds).
+    #[arg(long, default_value_t = 30)]
+    retention_secs: u64,
+    /// How often the background sweeper runs (seconds).
+    #[arg(long, default_value_t = 60)]
+    sweep_secs: u64,
+    /// How long to run (minutes; fractions allowed).
+    #[arg(long, default_value_t = 30.0)]
+    minutes: f64,
+    /// Seconds between samples.
+    #[arg(long, default_value_t = 10)]
+    sample_secs: u64,
+    /// Bytes of each stored result.
+    #[arg(long, default_value_t = 64)]
+    result_bytes: usize,
+    /// Directory under which a fresh temporary directory holds the store
+    /// (the system's temporary directory when absent).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let tmp = match &args.dir {
+        Some(parent) => tempfile::tempdir_in(parent)?,
+        None => tempfile::tempdir()?,
+    };
+    let soak = driver::Soak {
+        threads: args.threads,
+        rate_per_s: args.rate,
+        retention: Duration::from_secs(args.retention_secs),
+        sweep_interval: Duration::from_secs(args.sweep_secs.max(1)),
+        run_for: Duration::from_secs_f64(args.minutes.max(0.0) * 60.0),
+        sample_every: Duration::from_secs(args.sample_secs.max(1)),
+        result_bytes: args.result_bytes,
+    };
+    println!("{soak:?}");
+    let samples = driver::run(&tmp.path().join("soak.redb"), &soak, |s| {
+        println!("{}", s.line());
+    })?;
+    if let Some(last) = samples.last() {
+        let peak_live = samples.iter().map(|s| s.live).max().unwrap_or(0);
+        let peak_index = samples.iter().map(|s| s.index_bytes).max().unwrap_or(0);
+        println!(
+            "summary: lifecycles_per_s={:.0} peak_live={peak_live} peak_index_mib={:.1} index_bytes_per_peak_live={:.0} stats_ms_max={:.1}",
+            last.lifecycles as f64 / last.at_s,
+            peak_index as f64 / (1024.0 * 1024.0),
+            peak_index as f64 / peak_live.max(1) as f64,
+            samples.iter().map(|s| s.stats_us).max().unwrap_or(0) as f64 / 1000.0,
+        );
+    }
+    Ok(())
+}

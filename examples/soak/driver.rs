@@ -1,0 +1,179 @@
+//! The soak driver shared by `examples/soak.rs` and `tests/soak.rs`: a
+//! steady arrival of claim + complete lifecycles on fresh random keys, with
+//! a retention and the background sweeper, sampling what an operator
+//! provisions for: the index file's size, the log's, the process's
+//! resident memory, and how long `Store::stats()` takes.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Store};
+
+/// What a soak runs.
+#[derive(Debug, Clone)]
+pub struct Soak {
+    /// Client threads.
+    pub threads: usize,
+    /// Lifecycles per second across all threads (each thread paces itself
+    /// to its share); `None`: as fast as the store goes.
+    pub rate_per_s: Option<u64>,
+    /// The store's retention.
+    pub retention: Duration,
+    /// The background sweeper's interval.
+    pub sweep_interval: Duration,
+    /// How long to run.
+    pub run_for: Duration,
+    /// How often to sample.
+    pub sample_every: Duration,
+    /// Bytes of each stored result.
+    pub result_bytes: usize,
+}
+
+/// One sample.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample {
+    /// Seconds since the start.
+    pub at_s: f64,
+    /// Lifecycles finished so far.
+    pub lifecycles: u64,
+    /// The index file's size (bytes).
+    pub index_bytes: u64,
+    /// The write-ahead log's size (bytes).
+    pub log_bytes: u64,
+    /// The process's resident memory (bytes), where `/proc` tells it.
+    pub rss_bytes: Option<u64>,
+    /// Live records (`Store::stats`).
+    pub live: u64,
+    /// Records past retention not evicted yet (`Store::stats`).
+    pub expired: u64,
+    /// How long the `Store::stats()` call took (µs).
+    pub stats_us: u64,
+}
+
+impl Sample {
+    /// One line for a person.
+    pub fn line(&self) -> String {
+        format!(
+            "t={:>7.1}s lifecycles={:>10} index_mib={:>8.1} log_mib={:>6.1} rss_mib={:>7.1} live={:>9} awaiting_eviction={:>8} stats_ms={:>8.1}",
+            self.at_s,
+            self.lifecycles,
+            mib(self.index_bytes),
+            mib(self.log_bytes),
+            self.rss_bytes.map_or(f64::NAN, mib),
+            self.live,
+            self.expired,
+            self.stats_us as f64 / 1000.0,
+        )
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// The resident memory of this process (`VmRSS`), in bytes.
+fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// A stateless random number of (thread, step): splitmix64.
+fn mix(t: u64, i: u64) -> u64 {
+    let mut x = (t << 40 ^ i).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Runs `soak` on a new store at `path`, calling `on_sample` with each
+/// sample as it is taken; returns every sample.
+pub fn run(
+    path: &Path,
+    soak: &Soak,
+    mut on_sample: impl FnMut(&Sample),
+) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
+    let config = Config::new()
+        .retention(soak.retention)
+        .sweep_interval(Some(soak.sweep_interval));
+    let store = Store::open_with(path, config)?;
+    let log_path: PathBuf = store.log_path().to_path_buf();
+    let fp = Fingerprint::of(b"payload");
+    let opts = ClaimOptions::new();
+    let result = vec![b'r'; soak.result_bytes];
+    let stop = AtomicBool::new(false);
+    let done = AtomicU64::new(0);
+    let started = Instant::now();
+    let per_thread = soak.rate_per_s.map(|rate| {
+        let share = (rate as f64 / soak.threads.max(1) as f64).max(1e-3);
+        Duration::from_secs_f64(1.0 / share)
+    });
+    let mut samples = Vec::new();
+    std::thread::scope(|s| -> Result<(), Box<dyn std::error::Error>> {
+        let workers: Vec<_> = (0..soak.threads as u64)
+            .map(|t| {
+                let (store, fp, opts, result, stop, done) =
+                    (&store, &fp, &opts, &result, &stop, &done);
+                s.spawn(move || -> Result<(), idemstore::Error> {
+                    let mut i = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let key = Key::new("soak", format!("{:016x}", mix(t, i)))?;
+                        if let ClaimOutcome::Acquired(lease) = store.claim(&key, fp, opts)? {
+                            store.complete(&lease, result)?;
+                        }
+                        i += 1;
+                        done.fetch_add(1, Ordering::Relaxed);
+                        if let Some(every) = per_thread {
+                            let due = every.saturating_mul(u32::try_from(i).unwrap_or(u32::MAX));
+                            if let Some(wait) = due.checked_sub(started.elapsed()) {
+                                std::thread::sleep(wait);
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        let mut next = soak.sample_every;
+        let sampled = loop {
+            if let Some(wait) = next.checked_sub(started.elapsed()) {
+                std::thread::sleep(wait);
+            }
+            let asked = Instant::now();
+            let stats = match store.stats() {
+                Ok(stats) => stats,
+                Err(e) => break Err(e),
+            };
+            let sample = Sample {
+                at_s: started.elapsed().as_secs_f64(),
+                lifecycles: done.load(Ordering::Relaxed),
+                stats_us: u64::try_from(asked.elapsed().as_micros()).unwrap_or(u64::MAX),
+                index_bytes: stats.file_bytes.unwrap_or(0),
+                log_bytes: std::fs::metadata(&log_path).map_or(0, |m| m.len()),
+                rss_bytes: rss_bytes(),
+                live: stats.records.live(),
+                expired: stats.records.expired,
+            };
+            on_sample(&sample);
+            samples.push(sample);
+            next = next.saturating_add(soak.sample_every);
+            if started.elapsed() >= soak.run_for {
+                break Ok(());
+            }
+        };
+        stop.store(true, Ordering::Relaxed);
+        for worker in workers {
+            worker.join().map_err(|_| "a soak worker panicked")??;
+        }
+        sampled.map_err(Into::into)
+    })?;
+    Ok(samples)
+}
