@@ -77,10 +77,11 @@ pub use crate::pg::server;
 ///
 /// # Errors
 ///
-/// After **any** error the caller's transaction is aborted (a stale lease
-/// or a refused record is turned into a failed statement, so that the
-/// transaction cannot commit the effect without the completion): roll it
-/// back. A `COMMIT` of it rolls back, too.
+/// After **any** error the caller's transaction is aborted (a stale lease,
+/// a result over its limit, a store of the wrong kind or a refused record
+/// is turned into a failed statement, so that the transaction cannot
+/// commit the effect without the completion): roll it back. A `COMMIT` of
+/// it rolls back, too.
 ///
 /// - [`Error::StaleLease`]: the record is no longer Processing under the
 ///   lease's token (it was taken over after the lease lapsed, finished,
@@ -92,6 +93,10 @@ pub use crate::pg::server;
 /// - [`Error::CorruptRecord`]: the stored row cannot be decoded.
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
 ///   server refused it): nothing of the caller's transaction is applied.
+/// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
+///   block (autocommit, where the completion's `UPDATE` commits on its
+///   own): the `UPDATE` was sent and its answer lost, so the completion
+///   may or may not be applied; read the key ([`Store::get`]) to learn it.
 ///
 /// The commit is the caller's, and so is its failure: if `COMMIT` fails
 /// with the connection lost, the outcome is unknown, as it is for
@@ -119,8 +124,13 @@ pub async fn complete_in<C>(
 where
     C: GenericClient + Sync,
 {
-    let op = store.complete_op(lease, result)?;
-    crate::pg::txn::finish_in(client, engine_of(store)?, lease, op).await
+    let prepared = store
+        .complete_op(lease, result)
+        .and_then(|op| Ok((engine_of(store)?, op)));
+    match prepared {
+        Ok((engine, op)) => crate::pg::txn::finish_in(client, engine, lease, op).await,
+        Err(error) => Err(crate::pg::txn::refuse(client, error).await),
+    }
 }
 
 /// Records `failure` as the outcome of `lease`'s key inside the caller's
@@ -146,8 +156,13 @@ pub async fn fail_in<C>(
 where
     C: GenericClient + Sync,
 {
-    let op = store.fail_op(lease, failure, retryable)?;
-    crate::pg::txn::finish_in(client, engine_of(store)?, lease, op).await
+    let prepared = store
+        .fail_op(lease, failure, retryable)
+        .and_then(|op| Ok((engine_of(store)?, op)));
+    match prepared {
+        Ok((engine, op)) => crate::pg::txn::finish_in(client, engine, lease, op).await,
+        Err(error) => Err(crate::pg::txn::refuse(client, error).await),
+    }
 }
 
 /// The PostgreSQL engine under `store`, or the error for another engine.

@@ -17,8 +17,9 @@
 //!   never waiting for more to arrive, so a lone caller is never held back)
 //!   and runs it as one transaction: one multi-row read that locks the
 //!   batch's rows in key order (`SELECT … WHERE key = ANY($1) ORDER BY key
-//!   FOR UPDATE`), the database clock read once, tokens drawn from the
-//!   sequence only after the rows are locked, every request decided in
+//!   FOR UPDATE`), tokens drawn from the sequence only after the rows are
+//!   locked, the database clock read after the last lock wait, every
+//!   request decided in
 //!   arrival order by the pure `record::transition`
 //!   over an in-memory overlay (so a later request sees an earlier one), and
 //!   one multi-row write per kind (`UNNEST` arrays) that is a compare-and-set
@@ -34,7 +35,10 @@
 //!   and the batch runs again at once in a new one, the savepoint's way
 //!   (its callers see no difference but the time).
 //! - **One clock.** The store's time is the database's `clock_timestamp()`,
-//!   read once per transaction (or, for tests, the reading of the
+//!   read after every lock the decision waits for (rows, the shared token
+//!   lock, business-key bindings; again after a lost compare-and-set's
+//!   new locks), so that a lease is never granted from a reading taken
+//!   before a wait (or, for tests, the reading of the
 //!   [`Clock`] given at connect, which replaces the server clock entirely),
 //!   kept monotonic per process (the highest reading seen) and per record
 //!   (a request on a record is decided at no earlier time than the record's
@@ -627,20 +631,29 @@ async fn load_records(conn: &Conn, keys: &[Vec<u8>], base: &mut Base) -> Result<
 }
 
 /// Locks and reads the bindings the batch needs, then reads (without
-/// locking) the records they name that are not loaded yet.
-async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Result<(), Fail> {
+/// locking) the records they name that are not loaded yet. When it locked
+/// bindings, returns the store's time read after those locks (in the same
+/// flight), since waiting for them may have taken any time.
+async fn load_bindings(
+    shared: &Shared,
+    conn: &Conn,
+    ops: &[(Key, Op)],
+    base: &mut Base,
+) -> Result<Option<u64>, Fail> {
     let needed: Vec<Vec<u8>> = decide::bindings_needed(base, ops)
         .into_iter()
         .filter(|b| !base.bindings.contains_key(b))
         .collect();
     if needed.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
-    let rows = conn
-        .client
-        .query(&conn.st.lock_bindings, &[&needed])
-        .await
-        .map_err(|e| fail(&e))?;
+    let params: [&(dyn ToSql + Sync); 1] = [&needed];
+    let (rows, now) = tokio::join!(
+        conn.client.query(&conn.st.lock_bindings, &params),
+        read_time(shared, conn)
+    );
+    let rows = rows.map_err(|e| fail(&e))?;
+    let now = now?;
     for b in &needed {
         base.bindings.insert(b.clone(), None);
     }
@@ -658,7 +671,7 @@ async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Resul
         .cloned()
         .collect();
     if holders.is_empty() {
-        return Ok(());
+        return Ok(Some(now));
     }
     let holders: Vec<Vec<u8>> = holders.into_iter().collect();
     let rows = conn
@@ -673,7 +686,7 @@ async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Resul
         let rc = row_columns(row)?;
         base.records.insert(rc.key.clone(), decide::slot_of(&rc));
     }
-    Ok(())
+    Ok(Some(now))
 }
 
 /// How many tokens to draw.
@@ -854,8 +867,11 @@ async fn attempt(
     let lock_key = shared.sql.token_lock;
     // The first flight: begin; for an import, raise the sequence under the
     // exclusive token lock (no draw may overtake the raise); lock and read
-    // the rows; read the clock (after the lock, so that a wait for a lock
-    // does not age the batch's time); draw tokens.
+    // the rows; draw tokens under the shared token lock; read the clock
+    // last (after every lock of the flight, so that a wait for a row or
+    // for the token lock, which an import holds while it waits for rows of
+    // its own, never ages the batch's time: a claim is never answered with
+    // a lease that lapsed while it waited).
     let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
     let raise = async {
         if let Some(floor) = floor {
@@ -879,7 +895,7 @@ async fn attempt(
             Ok(Vec::new())
         }
     };
-    let (begin, raise, rows, clock, draw) = tokio::join!(begin, raise, rows, clock, draw);
+    let (begin, raise, rows, draw, clock) = tokio::join!(begin, raise, rows, draw, clock);
     begin.map_err(|e| fail(&e))?;
     raise.map_err(|e| fail(&e))?;
     let rows = rows.map_err(|e| fail(&e))?;
@@ -887,10 +903,13 @@ async fn attempt(
     let first_draw = draw?;
     let mut base = Base::default();
     fill_records(&keys, &rows, &mut base)?;
-    let now = time_from(shared, clock.as_deref())?;
+    let mut now = time_from(shared, clock.as_deref())?;
     let mut first_draw = Some(first_draw);
     for round in 0..MAX_ROUNDS {
-        load_bindings(conn, ops, &mut base).await?;
+        if let Some(later) = load_bindings(shared, conn, ops, &mut base).await? {
+            // The bindings' locks may have been waited for.
+            now = later;
+        }
         let mut tokens = first_draw.take().unwrap_or_default();
         let mut exhausted = false;
         let decided = loop {
@@ -958,7 +977,13 @@ async fn attempt(
             .await
             .map_err(|e| fail(&e))?;
         base = Base::default();
-        load_records(conn, &keys, &mut base).await?;
+        // The clock again after the new locks (one flight).
+        let (loaded, later) = tokio::join!(
+            load_records(conn, &keys, &mut base),
+            read_time(shared, conn)
+        );
+        loaded?;
+        now = later?;
     }
     Err(Fail::Retry(format!(
         "the batch lost its compare-and-set {MAX_ROUNDS} times in a row"
