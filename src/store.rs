@@ -202,8 +202,12 @@ impl Store {
     ///   `config`.
     /// - [`Error::Unavailable`]: the server cannot be reached (safe to
     ///   retry).
-    /// - [`Error::IncompatibleSchema`]: the schema was written by a newer
-    ///   version of idemstore, or is not an idemstore schema.
+    /// - [`Error::Misconfigured`]: no such database, the role refused or
+    ///   its password wrong, a privilege missing, the server's certificate
+    ///   refused, or the schema written by a newer idemstore (never retry
+    ///   as is).
+    /// - [`Error::IncompatibleSchema`]: the schema is not an idemstore
+    ///   schema.
     #[cfg(feature = "postgres")]
     pub fn connect(url: &str, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.connect").entered();
@@ -1083,6 +1087,10 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
                             detail: detail.clone(),
                         },
                         Error::OutcomeUnknown { detail } => Error::OutcomeUnknown {
+                            detail: detail.clone(),
+                        },
+                        Error::Misconfigured { fault, detail } => Error::Misconfigured {
+                            fault: *fault,
                             detail: detail.clone(),
                         },
                         other => Error::Storage(other.to_string()),

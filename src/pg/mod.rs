@@ -83,7 +83,7 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use crate::audit::Event;
 use crate::clock::Clock;
-use crate::error::{Error, Result};
+use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
 use crate::record::{Op, Record, Reply};
 use crate::stats::LiveCounters;
@@ -257,6 +257,10 @@ enum Fail {
     Refused(String),
     /// Something else went wrong (a bad row, an unexpected answer).
     Storage(String),
+    /// A configuration fault (no such database, a role refused, a
+    /// privilege missing, TLS verification): nothing applied, and a retry
+    /// as is gets the same answer.
+    Config(ConfigFault, String),
 }
 
 impl Fail {
@@ -268,7 +272,58 @@ impl Fail {
             }
             Fail::Unknown(d) => Error::OutcomeUnknown { detail: d.clone() },
             Fail::Storage(d) => Error::Storage(d.clone()),
+            Fail::Config(fault, d) => Error::Misconfigured {
+                fault: *fault,
+                detail: d.clone(),
+            },
         }
+    }
+}
+
+/// The configuration fault `err` reports, if any: a server error whose
+/// SQLSTATE names one, or a TLS failure of verification (or a server
+/// without TLS where TLS is required).
+fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
+    if let Some(code) = err.code() {
+        return match code.code() {
+            "3D000" => Some(ConfigFault::DatabaseMissing),
+            "28000" => Some(ConfigFault::RoleRefused),
+            "28P01" => Some(ConfigFault::AuthenticationFailed),
+            "42501" => Some(ConfigFault::PermissionDenied),
+            _ => None,
+        };
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = err.source();
+    while let Some(s) = source {
+        if tls_refused(s) {
+            return Some(ConfigFault::Tls);
+        }
+        // An I/O error hides the error it wraps from `source`.
+        if let Some(inner) = s
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+            && tls_refused(inner)
+        {
+            return Some(ConfigFault::Tls);
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// Whether `e` is a TLS failure that configuration causes: a certificate
+/// refused by verification, or no TLS where it is required.
+fn tls_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    match e.downcast_ref::<rustls::Error>() {
+        Some(
+            rustls::Error::InvalidCertificate(_)
+            | rustls::Error::NoCertificatesPresented
+            | rustls::Error::UnsupportedNameType,
+        ) => true,
+        Some(_) => false,
+        // tokio-postgres's own words when the server answers 'N' to the
+        // TLS request under sslmode=require.
+        None => e.to_string() == "server does not support TLS",
     }
 }
 
@@ -294,7 +349,9 @@ fn connection_lost(err: &tokio_postgres::Error) -> bool {
 /// Classifies an error of a statement sent before the commit.
 fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
-    if connection_lost(err) {
+    if let Some(fault) = config_fault(err) {
+        Fail::Config(fault, detail)
+    } else if connection_lost(err) {
         Fail::Lost(detail)
     } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
         || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
@@ -371,7 +428,9 @@ struct Conn {
 /// TLS as `sslmode` asks.
 async fn open_client(shared: &Shared) -> Result<Client, Fail> {
     let classify = |e: tokio_postgres::Error| {
-        if e.as_db_error().is_some() && !connection_lost(&e) {
+        if let Some(fault) = config_fault(&e) {
+            Fail::Config(fault, describe(&e))
+        } else if e.as_db_error().is_some() && !connection_lost(&e) {
             Fail::Refused(describe(&e))
         } else {
             Fail::Lost(describe(&e))
@@ -510,10 +569,14 @@ async fn setup(shared: &Shared) -> Result<u128> {
                 .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
             let version = u32::from_be_bytes(bytes);
             if version > SCHEMA_VERSION {
-                return Err(incompatible(format!(
-                    "schema version {version} was written by a newer idemstore \
-                     (this build reads version {SCHEMA_VERSION})"
-                )));
+                return Err(Error::Misconfigured {
+                    fault: ConfigFault::SchemaTooNew,
+                    detail: format!(
+                        "schema {} is at version {version}, written by a newer idemstore \
+                         (this build reads version {SCHEMA_VERSION})",
+                        sql.schema
+                    ),
+                });
             }
             if version == 0 {
                 return Err(incompatible("schema version 0".into()));
@@ -1014,9 +1077,14 @@ async fn ensure<'a>(shared: &Shared, slot: &'a mut Option<Conn>) -> Result<&'a C
 /// is unknown.
 async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
     let keep = match (slot.as_ref(), failure) {
-        (Some(conn), Fail::Retry(_) | Fail::Contended(_) | Fail::Refused(_) | Fail::Storage(_)) => {
-            !conn.client.is_closed() && conn.client.batch_execute("ROLLBACK").await.is_ok()
-        }
+        (
+            Some(conn),
+            Fail::Retry(_)
+            | Fail::Contended(_)
+            | Fail::Refused(_)
+            | Fail::Storage(_)
+            | Fail::Config(..),
+        ) => !conn.client.is_closed() && conn.client.batch_execute("ROLLBACK").await.is_ok(),
         _ => false,
     };
     if !keep {
