@@ -355,6 +355,10 @@ pub enum ConfigFault {
     /// The schema was created or upgraded by a newer idemstore than this
     /// build reads: deploy the newer build (a schema is never downgraded).
     SchemaTooNew,
+    /// The schema holds no store at this build's version, and the role
+    /// that connected may not create it: run `idemstore migrate` (or
+    /// `idemstore::postgres::migrate`) once with a role that may.
+    SchemaNotMigrated,
 }
 
 impl ConfigFault {
@@ -368,6 +372,7 @@ impl ConfigFault {
             ConfigFault::PermissionDenied => "permission-denied",
             ConfigFault::Tls => "tls",
             ConfigFault::SchemaTooNew => "schema-too-new",
+            ConfigFault::SchemaNotMigrated => "schema-not-migrated",
         }
     }
 }

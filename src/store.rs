@@ -245,6 +245,7 @@ impl Store {
                 .postgres_connections
                 .unwrap_or(crate::pg::DEFAULT_CONNECTIONS),
             must_exist,
+            migrate: false,
         };
         let name = crate::pg::store_name(url, &schema);
         let engine = crate::pg::Postgres::connect(url, options).map_err(|e| match e {

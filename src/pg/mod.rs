@@ -89,7 +89,8 @@ use crate::record::{Op, Record, Reply};
 use crate::stats::LiveCounters;
 
 use decide::{Base, Pass, RowColumns, Slot};
-use schema::{SCHEMA_VERSION, Sql};
+pub(crate) use schema::SCHEMA_VERSION;
+use schema::Sql;
 
 /// The most requests one group commit takes from the queue.
 pub(crate) const MAX_BATCH: usize = 512;
@@ -124,6 +125,11 @@ pub(crate) struct PgOptions {
     /// of creating it (for tools that inspect an existing store). Default
     /// `false`.
     pub must_exist: bool,
+    /// Run the schema's DDL (create or upgrade it, idempotent) under the
+    /// DDL advisory lock whatever its version, instead of a version check
+    /// that sends no DDL when the schema is current (for
+    /// `idemstore::postgres::migrate`). Default `false`.
+    pub migrate: bool,
 }
 
 /// The schema a store lives in when none is configured.
@@ -139,6 +145,7 @@ impl Default for PgOptions {
             retention_ms: 24 * 3600 * 1000,
             connections: DEFAULT_CONNECTIONS,
             must_exist: false,
+            migrate: false,
         }
     }
 }
@@ -201,6 +208,8 @@ struct Shared {
     retention_ms: u64,
     /// Refuse a schema without a store instead of creating it.
     must_exist: bool,
+    /// Run the DDL whatever the schema's version.
+    migrate: bool,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
@@ -225,6 +234,8 @@ pub(crate) struct Postgres {
     handle: tokio::runtime::Handle,
     /// The store's identity, from the meta table.
     store_id: u128,
+    /// What connecting found the schema to be.
+    found: Found,
     /// The driver thread.
     thread: Option<JoinHandle<()>>,
 }
@@ -512,10 +523,119 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
     Ok(Conn { client, st })
 }
 
-/// Creates or checks the schema under the DDL advisory lock, and returns
-/// the store's identity.
-async fn setup(shared: &Shared) -> Result<u128> {
+/// What connecting found the schema to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// At this build's version: no DDL was sent.
+    Current,
+    /// Created (or completed) by this connection's DDL.
+    Created,
+}
+
+/// Checks the schema's version with one read and no DDL; when it is not
+/// current (absent, or `migrate` asked for), creates or checks it under
+/// the DDL advisory lock. Returns the store's identity.
+async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     let client = open_client(shared).await.map_err(|f| f.error())?;
+    if !shared.migrate {
+        match read_current(shared, &client).await? {
+            Some(id) => return Ok((id, Found::Current)),
+            None if shared.must_exist => {
+                return Err(Error::Missing {
+                    path: std::path::PathBuf::new(),
+                });
+            }
+            None => {}
+        }
+    }
+    match create_or_check(shared, &client).await {
+        // Connecting (not migrating) found no store at this version and
+        // may not create one: the schema must be migrated first.
+        Err(Error::Misconfigured {
+            fault: ConfigFault::PermissionDenied,
+            detail,
+        }) if !shared.migrate => Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaNotMigrated,
+            detail: format!(
+                "schema {} holds no store at version {SCHEMA_VERSION} and this role may not \
+                 create it ({detail}): run `idemstore migrate URL --schema {}` (or \
+                 idemstore::postgres::migrate) with a role that may",
+                shared.sql.schema, shared.sql.schema
+            ),
+        }),
+        other => other,
+    }
+}
+
+/// The store's identity when the schema is at this build's version, with
+/// one read and no lock (`None` when the schema, its meta table or its
+/// version row is absent, or the version is older).
+///
+/// # Errors
+/// [`Error::Misconfigured`] for a newer version or a missing privilege,
+/// [`Error::IncompatibleSchema`] for malformed meta rows, and the errors of
+/// the connection.
+async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> {
+    let sql = &shared.sql;
+    let rows = match client.query(&sql.read_meta_all(), &[]).await {
+        Ok(rows) => rows,
+        Err(e)
+            if e.code() == Some(&SqlState::UNDEFINED_TABLE)
+                || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(fail(&e).error()),
+    };
+    let incompatible = |detail: String| Error::IncompatibleSchema {
+        schema: sql.schema.clone(),
+        detail,
+    };
+    let mut version = None;
+    let mut id = None;
+    for row in &rows {
+        let name: String = row.try_get(0).map_err(|e| fail(&e).error())?;
+        let value: Vec<u8> = row.try_get(1).map_err(|e| fail(&e).error())?;
+        match name.as_str() {
+            "version" => version = Some(value),
+            "store_id" => id = Some(value),
+            _ => {}
+        }
+    }
+    let Some(v) = version else { return Ok(None) };
+    let bytes: [u8; 4] = v
+        .as_slice()
+        .try_into()
+        .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
+    let version = u32::from_be_bytes(bytes);
+    if version > SCHEMA_VERSION {
+        return Err(too_new(&sql.schema, version));
+    }
+    if version < SCHEMA_VERSION {
+        return Ok(None);
+    }
+    let id = id.ok_or_else(|| incompatible("the store_id row is missing".into()))?;
+    let id: [u8; 16] = id
+        .as_slice()
+        .try_into()
+        .map_err(|_| incompatible(format!("store_id row holds {} bytes", id.len())))?;
+    Ok(Some(u128::from_be_bytes(id)))
+}
+
+/// The error for a schema at `version`, above this build's.
+fn too_new(schema: &str, version: u32) -> Error {
+    Error::Misconfigured {
+        fault: ConfigFault::SchemaTooNew,
+        detail: format!(
+            "schema {schema} is at version {version}, written by a newer idemstore \
+             (this build reads version {SCHEMA_VERSION})"
+        ),
+    }
+}
+
+/// Creates the schema's objects (idempotent) or checks them under the
+/// DDL advisory lock, and returns the store's identity.
+async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Found)> {
     let sql = &shared.sql;
     let pg = |e: tokio_postgres::Error| fail(&e).error();
     client
@@ -561,7 +681,7 @@ async fn setup(shared: &Shared) -> Result<u128> {
             }
         }
     };
-    match read("version").await? {
+    let found = match read("version").await? {
         Some(v) => {
             let bytes: [u8; 4] = v
                 .as_slice()
@@ -569,20 +689,14 @@ async fn setup(shared: &Shared) -> Result<u128> {
                 .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
             let version = u32::from_be_bytes(bytes);
             if version > SCHEMA_VERSION {
-                return Err(Error::Misconfigured {
-                    fault: ConfigFault::SchemaTooNew,
-                    detail: format!(
-                        "schema {} is at version {version}, written by a newer idemstore \
-                         (this build reads version {SCHEMA_VERSION})",
-                        sql.schema
-                    ),
-                });
+                return Err(too_new(&sql.schema, version));
             }
             if version == 0 {
                 return Err(incompatible("schema version 0".into()));
             }
             // Idempotent: a version-1 schema has every object already.
             client.batch_execute(&sql.create()).await.map_err(pg)?;
+            Found::Current
         }
         None if shared.must_exist => return Err(missing()),
         None => {
@@ -598,8 +712,9 @@ async fn setup(shared: &Shared) -> Result<u128> {
                 .execute(&sql.write_meta(), &[&"store_id", &id_bytes])
                 .await
                 .map_err(pg)?;
+            Found::Created
         }
-    }
+    };
     let id = read("store_id")
         .await?
         .ok_or_else(|| incompatible("the store_id row is missing".into()))?;
@@ -611,7 +726,7 @@ async fn setup(shared: &Shared) -> Result<u128> {
         .batch_execute("COMMIT")
         .await
         .map_err(|e| fail_commit(&e).error())?;
-    Ok(u128::from_be_bytes(id))
+    Ok((u128::from_be_bytes(id), found))
 }
 
 /// Reads the columns of a records row.
@@ -1419,14 +1534,18 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
 
 impl Postgres {
     /// Connects to the database at `url` (a `postgresql://` URL or a
-    /// `key=value` connection string), creates the schema on first use (or
-    /// checks its version), and starts the driver thread.
+    /// `key=value` connection string), checks the schema's version with one
+    /// read (no DDL when it is current), creates the schema when it holds
+    /// no store (or runs the DDL whatever its version with
+    /// `options.migrate`), and starts the driver thread.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a bad URL, schema name, retention or
     /// connection count; [`Error::Unavailable`] when the server cannot be
-    /// reached; [`Error::IncompatibleSchema`] when the schema was written by
-    /// a newer version.
+    /// reached; [`Error::Misconfigured`] for a configuration fault (a
+    /// schema written by a newer version, a schema to create that this
+    /// role may not create, a missing grant, …);
+    /// [`Error::IncompatibleSchema`] for malformed meta rows.
     pub(crate) fn connect(url: &str, options: PgOptions) -> Result<Postgres> {
         let sql = Sql::new(&options.schema)?;
         if options.retention_ms == 0 {
@@ -1459,6 +1578,7 @@ impl Postgres {
             clock: options.clock,
             retention_ms: options.retention_ms,
             must_exist: options.must_exist,
+            migrate: options.migrate,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
         });
@@ -1483,14 +1603,23 @@ impl Postgres {
             jobs: Some(jobs),
             handle,
             store_id: 0,
+            found: Found::Current,
             thread: Some(thread),
         };
         let (tx, rx) = oneshot::channel();
         pg.handle.spawn(async move {
             let _ = tx.send(setup(&shared).await);
         });
-        pg.store_id = rx.recv().map_err(|_| Error::Closed)??;
+        let (id, found) = rx.recv().map_err(|_| Error::Closed)??;
+        pg.store_id = id;
+        pg.found = found;
         Ok(pg)
+    }
+
+    /// What connecting found the schema to be (current, or created by
+    /// this connection).
+    pub(crate) fn found(&self) -> Found {
+        self.found
     }
 
     /// Sends `job` to the driver thread.

@@ -54,6 +54,7 @@ fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
         retention_ms: RETENTION,
         connections: 4,
         must_exist: false,
+        migrate: false,
     };
     Postgres::connect(url, options).unwrap()
 }
@@ -1487,5 +1488,93 @@ fn a_wrong_password_is_misconfigured() {
     );
     // The right password gets as far as the schema, which pw_user may not
     // create.
-    assert_eq!(fault_of(&right, "pw_store"), ConfigFault::PermissionDenied);
+    assert_eq!(fault_of(&right, "pw_store"), ConfigFault::SchemaNotMigrated);
+}
+
+#[test]
+fn a_runtime_role_without_create_runs_a_migrated_store() {
+    if skipped() {
+        return;
+    }
+    let url = server().url();
+    let name = schema("runtime");
+    let current: tokio_postgres::Config = url.parse().unwrap();
+    let db = current.get_dbname().unwrap_or("postgres").to_string();
+    let role = format!("rt_{}_{}", std::process::id(), name.len());
+    raw_sql(&format!("CREATE ROLE {role} LOGIN"));
+    let as_role = url_as(url, &role, None, &db);
+    let options = |schema: &str| PgOptions {
+        schema: schema.to_string(),
+        connections: 2,
+        ..PgOptions::default()
+    };
+    // Before the migration the runtime role cannot create the store.
+    match Postgres::connect(&as_role, options(&name)) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaNotMigrated,
+            detail,
+        }) => assert!(detail.contains("idemstore migrate"), "{detail}"),
+        other => panic!("expected SchemaNotMigrated, got {other:?}"),
+    }
+    // The deploy's migration, by a role that may create (idempotent).
+    let done = crate::postgres::migrate(url, &name).unwrap();
+    assert!(done.created(), "{done:?}");
+    assert_eq!(done.version(), super::SCHEMA_VERSION);
+    let again = crate::postgres::migrate(url, &name).unwrap();
+    assert!(!again.created(), "{again:?}");
+    // Exactly the runtime grants: no CREATE anywhere, so a connect that
+    // sent any DDL would fail.
+    raw_sql(&format!("GRANT USAGE ON SCHEMA \"{name}\" TO {role}"));
+    raw_sql(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{name}\" TO {role}"
+    ));
+    raw_sql(&format!(
+        "GRANT USAGE ON SEQUENCE \"{name}\".tokens TO {role}"
+    ));
+    let pg = Postgres::connect(&as_role, options(&name)).unwrap();
+    assert_eq!(pg.found(), super::Found::Current);
+    let first = pg.next_token().unwrap();
+    let lease = acquired(pg.apply(&key("rt-1"), claim_bk(b"a", "T-1")).unwrap());
+    assert_eq!(lease.token(), first);
+    let done = record(
+        pg.apply(
+            &key("rt-1"),
+            Op::Complete {
+                token: lease.token(),
+                result: b"r".to_vec(),
+            },
+        )
+        .unwrap(),
+    );
+    assert_eq!(done.state, State::Succeeded);
+    assert!(matches!(
+        pg.apply(&key("rt-1"), claim_bk(b"a", "T-1")).unwrap(),
+        Reply::Claim(ClaimOutcome::Replay(_))
+    ));
+    let other = acquired(pg.apply(&key("rt-2"), claim(b"b")).unwrap());
+    assert!(other.token() > lease.token());
+    let released = pg
+        .apply(
+            &key("rt-2"),
+            Op::Release {
+                token: other.token(),
+            },
+        )
+        .unwrap();
+    assert!(matches!(released, Reply::Released), "{released:?}");
+    assert_eq!(
+        pg.get(&key("rt-1")).unwrap().unwrap().state,
+        State::Succeeded
+    );
+    assert_eq!(pg.len().unwrap(), 1);
+    assert_eq!(pg.entries(vec![(Vec::new(), None)]).unwrap().count(), 1);
+    assert_eq!(pg.sweep(10).unwrap(), 0);
+    assert!(pg.next_token().unwrap() > other.token());
+    drop(pg);
+    // The same role's store in a schema of a newer version is refused as
+    // too new, without DDL.
+    raw_sql(&format!(
+        "UPDATE \"{name}\".meta SET value = '\\x00000002'::bytea WHERE name = 'version'"
+    ));
+    assert_eq!(fault_of(&as_role, &name), ConfigFault::SchemaTooNew);
 }
