@@ -246,6 +246,7 @@ impl Store {
                 .unwrap_or(crate::pg::DEFAULT_CONNECTIONS),
             must_exist,
             migrate: false,
+            limits: config.postgres_limits.unwrap_or_default(),
         };
         let name = crate::pg::store_name(url, &schema);
         let engine = crate::pg::Postgres::connect(url, options).map_err(|e| match e {

@@ -53,6 +53,17 @@
 //!   new connection. A statement the server refuses (a deadlock is tried
 //!   again first) also leaves the batch unapplied and answers
 //!   [`Error::Unavailable`].
+//! - **Bounded waits** ([`PostgresLimits`]): every call carries a
+//!   deadline (`call_timeout` from when it is made) that covers the wait
+//!   for room in the bounded queue, for a worker, for a connection and
+//!   for the server; a worker runs a job under its deadline and, past it,
+//!   drops the connection and answers [`Error::Unavailable`] if the
+//!   `COMMIT` was not sent yet and [`Error::OutcomeUnknown`] if it was.
+//!   The engine's sessions carry `statement_timeout`, `lock_timeout` and
+//!   `idle_in_transaction_session_timeout` (so the server ends a session
+//!   left half-open inside a transaction, releasing its row locks), and
+//!   TCP keepalives. `Drop` waits for the jobs in flight, so for at most
+//!   one `call_timeout`.
 //! - **Durability** is the server's: an answer is given only after the
 //!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
 //!   a crash of the server loses acknowledged claims, and a lost claim lets
@@ -72,7 +83,7 @@ pub(crate) mod txn;
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -83,6 +94,7 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use crate::audit::Event;
 use crate::clock::Clock;
+use crate::config::PostgresLimits;
 use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
 use crate::record::{Op, Record, Reply};
@@ -101,8 +113,10 @@ const MAX_ATTEMPTS: usize = 8;
 const MAX_ROUNDS: usize = 64;
 /// Rows per page of [`Postgres::entries`].
 const PAGE_ROWS: i32 = 512;
-/// How long a connection attempt may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The interval of TCP keepalive probes after the first, and how many
+/// unanswered ones end a connection.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
 
 /// How a PostgreSQL store is opened.
 #[derive(Clone)]
@@ -130,6 +144,9 @@ pub(crate) struct PgOptions {
     /// that sends no DDL when the schema is current (for
     /// `idemstore::postgres::migrate`). Default `false`.
     pub migrate: bool,
+    /// Time limits and the queue's bound. Default
+    /// [`PostgresLimits::default`](crate::PostgresLimits).
+    pub limits: PostgresLimits,
 }
 
 /// The schema a store lives in when none is configured.
@@ -146,6 +163,7 @@ impl Default for PgOptions {
             connections: DEFAULT_CONNECTIONS,
             must_exist: false,
             migrate: false,
+            limits: PostgresLimits::default(),
         }
     }
 }
@@ -194,6 +212,62 @@ enum Job {
     Len { reply: oneshot::Sender<Result<u64>> },
 }
 
+impl Job {
+    /// Answers the job with `error` (its deadline passed before it ran, or
+    /// the engine is closing).
+    fn fail(self, error: Error) {
+        match self {
+            Job::Apply { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Many { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Get { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Sweep { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Now { reply } | Job::NextToken { reply } | Job::Len { reply } => {
+                let _ = reply.send(Err(error));
+            }
+        }
+    }
+}
+
+/// A job in the queue: its deadline (the call's), and its place in the
+/// bounded queue (given back when the job is answered).
+struct Queued {
+    job: Job,
+    deadline: Instant,
+    permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// The error of a job whose deadline passed before it was sent to the
+/// server.
+fn expired_in_queue() -> Error {
+    Error::Unavailable {
+        detail: "the call's deadline (PostgresLimits::call_timeout) passed before it could run"
+            .into(),
+    }
+}
+
+/// After a call's deadline passed mid-transaction: drops the connection
+/// (its state is unknown) and says whether the `COMMIT` had been sent.
+fn expire(slot: &mut Option<Conn>) -> Fail {
+    let sent = slot
+        .as_ref()
+        .is_some_and(|c| c.commit_sent.load(Ordering::SeqCst));
+    *slot = None;
+    let what = "the call's deadline (PostgresLimits::call_timeout) passed";
+    if sent {
+        Fail::Unknown(format!("{what} after its COMMIT was sent"))
+    } else {
+        Fail::Lost(format!("{what} before its COMMIT was sent"))
+    }
+}
+
 /// What the driver thread's tasks share.
 struct Shared {
     /// The statements, for the configured schema.
@@ -210,6 +284,8 @@ struct Shared {
     must_exist: bool,
     /// Run the DDL whatever the schema's version.
     migrate: bool,
+    /// Time limits and the queue's bound.
+    limits: PostgresLimits,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
@@ -229,7 +305,9 @@ pub(crate) struct Postgres {
     /// What the driver thread shares.
     shared: Arc<Shared>,
     /// The queue to the workers (`None` once dropping).
-    jobs: Option<UnboundedSender<Job>>,
+    jobs: Option<UnboundedSender<Queued>>,
+    /// Room in the queue: one permit per call queued or running.
+    room: Arc<tokio::sync::Semaphore>,
     /// The driver thread's runtime, for scans.
     handle: tokio::runtime::Handle,
     /// The store's identity, from the meta table.
@@ -431,6 +509,9 @@ struct Stmts {
 struct Conn {
     /// The client half of the connection.
     client: Client,
+    /// Whether the `COMMIT` of the transaction under way was sent: a call
+    /// whose deadline passes after that has an unknown outcome.
+    commit_sent: AtomicBool,
     /// Its prepared statements.
     st: Stmts,
 }
@@ -520,7 +601,11 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         xact_lock_shared: s,
         draw_estimate,
     };
-    Ok(Conn { client, st })
+    Ok(Conn {
+        client,
+        commit_sent: AtomicBool::new(false),
+        st,
+    })
 }
 
 /// What connecting found the schema to be.
@@ -1050,6 +1135,7 @@ async fn attempt(
     // for the token lock, which an import holds while it waits for rows of
     // its own, never ages the batch's time: a claim is never answered with
     // a lease that lapsed while it waited).
+    conn.commit_sent.store(false, Ordering::SeqCst);
     let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
     let raise = async {
         if let Some(floor) = floor {
@@ -1120,6 +1206,7 @@ async fn attempt(
             // record inserts, sent strict: a key inserted meanwhile by
             // another transaction fails the insert, and the COMMIT behind
             // it then rolls the whole transaction back (Fail::Contended).
+            conn.commit_sent.store(true, Ordering::SeqCst);
             let (written, committed) =
                 tokio::join!(send_writes(conn, &w, strict), c.batch_execute("COMMIT"));
             match written {
@@ -1170,6 +1257,7 @@ async fn attempt(
 
 /// Commits the open transaction.
 async fn commit(conn: &Conn) -> Result<(), Fail> {
+    conn.commit_sent.store(true, Ordering::SeqCst);
     conn.client
         .batch_execute("COMMIT")
         .await
@@ -1280,6 +1368,7 @@ async fn run_sweep(shared: &Shared, slot: &mut Option<Conn>, max: usize) -> Resu
     let done = async {
         let conn = ensure(shared, slot).await?;
         let c = &conn.client;
+        conn.commit_sent.store(false, Ordering::SeqCst);
         c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(|e| fail(&e))?;
@@ -1447,55 +1536,115 @@ fn answer_batch(
     }
 }
 
-/// One connection's worker: takes what is queued, runs it, answers.
-async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedReceiver<Job>>>) {
+/// One connection's worker: takes what is queued, runs it, answers. Every
+/// job runs under its call's deadline: one that expired in the queue is
+/// answered `Unavailable` without running; one whose deadline passes while
+/// it runs has its connection dropped and is answered `Unavailable`
+/// before its `COMMIT` was sent, `OutcomeUnknown` after.
+async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedReceiver<Queued>>>) {
     let mut conn: Option<Conn> = None;
-    let mut held: Option<Job> = None;
+    let mut held: Option<Queued> = None;
     loop {
         let mut batch: Vec<(Key, Op)> = Vec::new();
         let mut replies = Vec::new();
+        let mut permits = Vec::new();
+        let mut deadline: Option<Instant> = None;
         let mut other = held.take();
         if other.is_none() {
             let mut q = queue.lock().await;
             let Some(first) = q.recv().await else { return };
             let mut next = Some(first);
-            while let Some(job) = next.take() {
+            while let Some(queued) = next.take() {
+                let Queued {
+                    job,
+                    deadline: due,
+                    permit,
+                } = queued;
+                if due <= Instant::now() {
+                    job.fail(expired_in_queue());
+                    drop(permit);
+                    next = q.try_recv().ok();
+                    continue;
+                }
                 match job {
                     Job::Apply { key, op, reply } => {
                         batch.push((key, op));
                         replies.push(reply);
+                        permits.push(permit);
+                        deadline = Some(deadline.map_or(due, |d| d.min(due)));
                         if batch.len() < MAX_BATCH {
                             next = q.try_recv().ok();
                         }
                     }
                     job => {
+                        let queued = Queued {
+                            job,
+                            deadline: due,
+                            permit,
+                        };
                         if batch.is_empty() {
-                            other = Some(job);
+                            other = Some(queued);
                         } else {
-                            held = Some(job);
+                            held = Some(queued);
                         }
                     }
                 }
             }
         }
-        if !batch.is_empty() {
+        if let Some(due) = deadline {
+            not_committing(&conn);
             let started = Instant::now();
-            let result = run_batch(&shared, &mut conn, &batch, None).await;
+            let run = run_batch(&shared, &mut conn, &batch, None);
+            let result = match tokio::time::timeout_at(due.into(), run).await {
+                Ok(result) => result,
+                Err(_) => Err(expire(&mut conn)),
+            };
             answer_batch(&shared, replies, result, started);
+            drop(permits);
         }
-        if let Some(job) = other {
-            run_job(&shared, &mut conn, job).await;
+        if let Some(queued) = other {
+            run_job(&shared, &mut conn, queued).await;
         }
     }
 }
 
-/// Runs a job other than a group-committed request.
-async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
+/// Marks the connection as not committing, before a job starts on it.
+fn not_committing(slot: &Option<Conn>) {
+    if let Some(c) = slot {
+        c.commit_sent.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Runs `work` on the worker's connection until `due`; past it, the
+/// connection is dropped and the failure says whether the commit was sent.
+async fn until<T>(
+    due: Instant,
+    conn: &mut Option<Conn>,
+    work: impl AsyncFnOnce(&mut Option<Conn>) -> Result<T, Fail>,
+) -> Result<T, Fail> {
+    not_committing(conn);
+    match tokio::time::timeout_at(due.into(), work(conn)).await {
+        Ok(result) => result,
+        Err(_) => Err(expire(conn)),
+    }
+}
+
+/// Runs a job other than a group-committed request, under its deadline.
+async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
+    let Queued {
+        job,
+        deadline: due,
+        permit,
+    } = queued;
+    if due <= Instant::now() {
+        job.fail(expired_in_queue());
+        return;
+    }
     match job {
         Job::Apply { key, op, reply } => {
             let started = Instant::now();
             let ops = [(key, op)];
-            let result = run_batch(shared, conn, &ops, None).await;
+            let result = until(due, conn, async |c| run_batch(shared, c, &ops, None).await).await;
             answer_batch(shared, vec![reply], result, started);
         }
         Job::Many {
@@ -1504,7 +1653,11 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
             reply,
         } => {
             let started = Instant::now();
-            let answer = match run_batch(shared, conn, &ops, token_floor).await {
+            let result = until(due, conn, async |c| {
+                run_batch(shared, c, &ops, token_floor).await
+            })
+            .await;
+            let answer = match result {
                 Ok((answers, events)) => {
                     shared.counters.publish(events);
                     shared.counters.group_commit(started.elapsed(), ops.len());
@@ -1515,21 +1668,35 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
             let _ = reply.send(answer);
         }
         Job::Get { key, reply } => {
-            let _ = reply.send(run_get(shared, conn, &key).await);
+            let got = until(due, conn, async |c| Ok(run_get(shared, c, &key).await)).await;
+            let _ = reply.send(got.unwrap_or_else(|f| Err(f.error())));
         }
         Job::Sweep { max, reply } => {
-            let _ = reply.send(run_sweep(shared, conn, max).await);
+            let swept = until(due, conn, async |c| Ok(run_sweep(shared, c, max).await)).await;
+            let _ = reply.send(swept.unwrap_or_else(|f| Err(f.error())));
         }
         Job::Now { reply } => {
-            let _ = reply.send(run_read(shared, conn, read_time).await);
+            let read = until(
+                due,
+                conn,
+                async |c| Ok(run_read(shared, c, read_time).await),
+            )
+            .await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
         Job::NextToken { reply } => {
-            let _ = reply.send(run_read(shared, conn, read_next_token).await);
+            let read = until(due, conn, async |c| {
+                Ok(run_read(shared, c, read_next_token).await)
+            })
+            .await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
         Job::Len { reply } => {
-            let _ = reply.send(run_read(shared, conn, read_len).await);
+            let read = until(due, conn, async |c| Ok(run_read(shared, c, read_len).await)).await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
     }
+    drop(permit);
 }
 
 impl Postgres {
@@ -1563,9 +1730,31 @@ impl Postgres {
         if config.get_application_name().is_none() {
             config.application_name("idemstore");
         }
+        options.limits.check()?;
+        let limits = options.limits;
+        // What the URL sets wins; the limits fill in the rest.
         if config.get_connect_timeout().is_none() {
-            config.connect_timeout(CONNECT_TIMEOUT);
+            config.connect_timeout(limits.connect_timeout);
         }
+        // tokio-postgres's default idle time (2 hours) stands for unset.
+        if config.get_keepalives() && config.get_keepalives_idle() == Duration::from_secs(2 * 3600)
+        {
+            config.keepalives_idle(limits.keepalive_idle);
+            config.keepalives_interval(KEEPALIVE_INTERVAL);
+            config.keepalives_retries(KEEPALIVE_RETRIES);
+        }
+        let ms = |d: Duration| d.as_millis();
+        let session = format!(
+            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={}",
+            ms(limits.statement_timeout),
+            ms(limits.lock_timeout),
+            ms(limits.idle_in_transaction_timeout),
+        );
+        let options_text = match config.get_options() {
+            Some(given) => format!("{session} {given}"),
+            None => session,
+        };
+        config.options(&options_text);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -1579,6 +1768,7 @@ impl Postgres {
             retention_ms: options.retention_ms,
             must_exist: options.must_exist,
             migrate: options.migrate,
+            limits: options.limits,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
         });
@@ -1601,14 +1791,22 @@ impl Postgres {
         let mut pg = Postgres {
             shared: Arc::clone(&shared),
             jobs: Some(jobs),
+            room: Arc::new(tokio::sync::Semaphore::new(limits.queue)),
             handle,
             store_id: 0,
             found: Found::Current,
             thread: Some(thread),
         };
         let (tx, rx) = oneshot::channel();
+        let due = tokio::time::Instant::now() + limits.call_timeout;
         pg.handle.spawn(async move {
-            let _ = tx.send(setup(&shared).await);
+            let done = match tokio::time::timeout_at(due, setup(&shared)).await {
+                Ok(done) => done,
+                Err(_) => Err(Error::Unavailable {
+                    detail: "connecting took longer than PostgresLimits::call_timeout".into(),
+                }),
+            };
+            let _ = tx.send(done);
         });
         let (id, found) = rx.recv().map_err(|_| Error::Closed)??;
         pg.store_id = id;
@@ -1622,13 +1820,52 @@ impl Postgres {
         self.found
     }
 
-    /// Sends `job` to the driver thread.
+    /// Sends `job` to the driver thread, with the call's deadline
+    /// (`call_timeout` from now). When the queue is full, a task on the
+    /// driver thread waits for room until the deadline, then answers the
+    /// job [`Error::Unavailable`]; the caller waits on the job's answer
+    /// either way.
     fn send(&self, job: Job) -> Result<()> {
-        self.jobs
-            .as_ref()
-            .ok_or(Error::Closed)?
-            .send(job)
-            .map_err(|_| Error::Closed)
+        let jobs = self.jobs.as_ref().ok_or(Error::Closed)?;
+        let timeout = self.shared.limits.call_timeout;
+        let now = Instant::now();
+        let deadline = now.checked_add(timeout).unwrap_or(now);
+        match Arc::clone(&self.room).try_acquire_owned() {
+            Ok(permit) => jobs
+                .send(Queued {
+                    job,
+                    deadline,
+                    permit,
+                })
+                .map_err(|_| Error::Closed),
+            Err(tokio::sync::TryAcquireError::Closed) => Err(Error::Closed),
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                let jobs = jobs.clone();
+                let room = Arc::clone(&self.room);
+                self.handle.spawn(async move {
+                    let waited = tokio::time::timeout_at(deadline.into(), room.acquire_owned());
+                    match waited.await {
+                        Ok(Ok(permit)) => {
+                            let queued = Queued {
+                                job,
+                                deadline,
+                                permit,
+                            };
+                            if let Err(back) = jobs.send(queued) {
+                                back.0.job.fail(Error::Closed);
+                            }
+                        }
+                        Ok(Err(_)) => job.fail(Error::Closed),
+                        Err(_) => job.fail(Error::Unavailable {
+                            detail: "the engine's queue stayed full until the call's deadline \
+                                     (PostgresLimits::queue, call_timeout)"
+                                .into(),
+                        }),
+                    }
+                });
+                Ok(())
+            }
+        }
     }
 
     /// Sends a job built around a reply channel and waits for the answer.
@@ -1728,6 +1965,7 @@ impl Postgres {
             requests: req_tx,
             buffered: VecDeque::new(),
             done: false,
+            timeout: self.shared.limits.call_timeout,
         };
         // The snapshot is taken with the first page, before returning.
         entries.fill()?;
@@ -1955,10 +2193,14 @@ struct Entries {
     buffered: VecDeque<(Vec<u8>, Vec<u8>)>,
     /// Whether the scan ended (an empty page or an error).
     done: bool,
+    /// How long one page may take.
+    timeout: Duration,
 }
 
 impl Entries {
     /// Fetches the next page into the buffer; an empty page ends the scan.
+    /// A page that takes longer than the call timeout ends the scan with
+    /// [`Error::Unavailable`].
     fn fill(&mut self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         if self.requests.send(tx).is_err() {
@@ -1967,7 +2209,18 @@ impl Entries {
                 detail: "the scan's connection ended".into(),
             });
         }
-        match rx.recv() {
+        let answer = match rx.recv_timeout(self.timeout) {
+            Ok(answer) => Ok(answer),
+            Err(oneshot::RecvTimeoutError::Timeout) => {
+                self.done = true;
+                return Err(Error::Unavailable {
+                    detail: "a page of the scan took longer than PostgresLimits::call_timeout"
+                        .into(),
+                });
+            }
+            Err(oneshot::RecvTimeoutError::Disconnected) => Err(()),
+        };
+        match answer {
             Ok(Ok(page)) => {
                 if page.is_empty() {
                     self.done = true;

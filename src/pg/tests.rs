@@ -55,6 +55,7 @@ fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
         connections: 4,
         must_exist: false,
         migrate: false,
+        limits: crate::config::PostgresLimits::default(),
     };
     Postgres::connect(url, options).unwrap()
 }

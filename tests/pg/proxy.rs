@@ -7,7 +7,10 @@
 //! - [`Proxy::lose_answer_after`] lets the client's next message after one
 //!   that contains a pattern reach the server, and then drops whatever the
 //!   server answers and closes the client's side: the request was applied,
-//!   its answer lost.
+//!   its answer lost;
+//! - [`Proxy::hold_answers_after`] forwards everything the client sends,
+//!   and from the client chunk that contains a pattern on holds the
+//!   server's answers (nothing closed) until [`Proxy::resume`].
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -30,6 +33,11 @@ struct State {
     /// The first byte of the client chunk sent before the cut (the
     /// message type: `B` for a Bind).
     cut_chunk_type: Mutex<Option<u8>>,
+    /// The pattern after which the server's answers are held.
+    hold_pattern: Mutex<Option<Vec<u8>>>,
+    /// Whether the server's answers are held (guarded by `paused`'s
+    /// condition variable too).
+    holding: Mutex<bool>,
 }
 
 impl State {
@@ -80,10 +88,25 @@ impl Proxy {
         *self.state.paused.lock().expect("proxy lock") = true;
     }
 
-    /// Forwards again what was held and what comes.
+    /// Forwards again what was held and what comes (ends a pause and a
+    /// hold).
     pub fn resume(&self) {
+        *self.state.hold_pattern.lock().expect("proxy lock") = None;
+        *self.state.holding.lock().expect("proxy lock") = false;
         *self.state.paused.lock().expect("proxy lock") = false;
         self.state.wake.notify_all();
+    }
+
+    /// Holds the server's answers from the client chunk that contains
+    /// `pattern` on (that chunk and later ones still reach the server),
+    /// until [`Proxy::resume`].
+    pub fn hold_answers_after(&self, pattern: &[u8]) {
+        *self.state.hold_pattern.lock().expect("proxy lock") = Some(pattern.to_vec());
+    }
+
+    /// Whether answers are being held.
+    pub fn holding(&self) -> bool {
+        *self.state.holding.lock().expect("proxy lock")
     }
 
     /// Arms the lost-answer fault: after a client chunk containing
@@ -127,6 +150,16 @@ fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State)
         {
             armed_seen = true;
         }
+        // Held before the chunk leaves, so that no answer to it slips by.
+        let hold = state
+            .hold_pattern
+            .lock()
+            .expect("proxy lock")
+            .as_ref()
+            .is_some_and(|p| chunk.windows(p.len()).any(|w| w == p.as_slice()));
+        if hold {
+            *state.holding.lock().expect("proxy lock") = true;
+        }
         if server.write_all(chunk).is_err() {
             break;
         }
@@ -142,6 +175,9 @@ fn server_to_client(mut server: TcpStream, mut client: TcpStream, state: &State)
             Ok(n) => n,
         };
         state.wait_unpaused();
+        while *state.holding.lock().expect("proxy lock") {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         if state.cut.load(Ordering::SeqCst) {
             // The answer is lost: the client sees its connection end.
             let _ = client.shutdown(Shutdown::Both);
