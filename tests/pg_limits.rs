@@ -192,3 +192,45 @@ fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
         .expect("record");
     assert_eq!(r.state(), State::Succeeded);
 }
+
+#[test]
+fn a_full_queue_is_waited_on_until_the_deadline() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_queue");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(1);
+    limits.connect_timeout = Duration::from_secs(1);
+    limits.queue = 1;
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(1)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config).expect("connect"));
+    assert!(matches!(
+        claim(&store, "warm"),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    proxy.pause();
+    // One call holds the only place in the queue on a stalled connection;
+    // the others wait for room, each until its own deadline.
+    let callers: Vec<_> = (0..4)
+        .map(|i| {
+            let s = Arc::clone(&store);
+            std::thread::spawn(move || claim(&s, &format!("queued-{i}")))
+        })
+        .collect();
+    for caller in callers {
+        let err = caller.join().expect("caller").unwrap_err();
+        assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    }
+    proxy.resume();
+    for i in 0..4 {
+        assert!(matches!(
+            claim(&store, &format!("queued-{i}")),
+            Ok(ClaimOutcome::Acquired(_))
+        ));
+    }
+}
