@@ -937,7 +937,7 @@ fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
     }
     let own = match TestServer::start_own(super::server::ServerOptions {
         fsync: true,
-        tls: false,
+        ..super::server::ServerOptions::default()
     }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
@@ -1110,7 +1110,11 @@ fn lifecycles_per_second() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
-    let own = match TestServer::start_own(super::server::ServerOptions { fsync, tls: false }) {
+    let own = match TestServer::start_own(super::server::ServerOptions {
+        fsync,
+        tls: false,
+        stat_statements: false,
+    }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
     };
@@ -1243,8 +1247,8 @@ fn tls_follows_sslmode() {
         return;
     }
     let own = match TestServer::start_own(super::server::ServerOptions {
-        fsync: false,
         tls: true,
+        ..super::server::ServerOptions::default()
     }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),

@@ -35,9 +35,13 @@ struct State {
     cut_chunk_type: Mutex<Option<u8>>,
     /// The pattern after which the server's answers are held.
     hold_pattern: Mutex<Option<Vec<u8>>>,
-    /// Whether the server's answers are held (guarded by `paused`'s
-    /// condition variable too).
+    /// Whether the server's answers are held.
     holding: Mutex<bool>,
+    /// Whether the last bytes forwarded went to the server (`true`) or to
+    /// the client, and how many times the direction turned from the
+    /// server's way to the client's: round trips (one connection at a
+    /// time).
+    turns: Mutex<(bool, u64)>,
 }
 
 impl State {
@@ -104,6 +108,13 @@ impl Proxy {
         *self.state.hold_pattern.lock().expect("proxy lock") = Some(pattern.to_vec());
     }
 
+    /// Round trips since the last call: how many times bytes went to the
+    /// client after bytes went to the server (meaningful with one
+    /// connection busy at a time).
+    pub fn take_round_trips(&self) -> u64 {
+        std::mem::take(&mut self.state.turns.lock().expect("proxy lock").1)
+    }
+
     /// Whether answers are being held.
     pub fn holding(&self) -> bool {
         *self.state.holding.lock().expect("proxy lock")
@@ -160,6 +171,7 @@ fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State)
         if hold {
             *state.holding.lock().expect("proxy lock") = true;
         }
+        state.turns.lock().expect("proxy lock").0 = true;
         if server.write_all(chunk).is_err() {
             break;
         }
@@ -182,6 +194,12 @@ fn server_to_client(mut server: TcpStream, mut client: TcpStream, state: &State)
             // The answer is lost: the client sees its connection end.
             let _ = client.shutdown(Shutdown::Both);
             continue;
+        }
+        {
+            let mut turns = state.turns.lock().expect("proxy lock");
+            if turns.0 {
+                *turns = (false, turns.1 + 1);
+            }
         }
         if client.write_all(&buf[..n]).is_err() {
             break;
