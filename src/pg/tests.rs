@@ -1521,12 +1521,20 @@ fn a_runtime_role_without_create_runs_a_migrated_store() {
         }) => assert!(detail.contains("idemstore migrate"), "{detail}"),
         other => panic!("expected SchemaNotMigrated, got {other:?}"),
     }
-    // The deploy's migration, by a role that may create (idempotent).
-    let done = crate::postgres::migrate(url, &name).unwrap();
-    assert!(done.created(), "{done:?}");
-    assert_eq!(done.version(), super::SCHEMA_VERSION);
-    let again = crate::postgres::migrate(url, &name).unwrap();
-    assert!(!again.created(), "{again:?}");
+    // The deploy's migration (what idemstore::postgres::migrate runs), by
+    // a role that may create; idempotent.
+    let migrate = || PgOptions {
+        schema: name.clone(),
+        connections: 1,
+        migrate: true,
+        ..PgOptions::default()
+    };
+    let done = Postgres::connect(url, migrate()).unwrap();
+    assert_eq!(done.found(), super::Found::Created);
+    drop(done);
+    let again = Postgres::connect(url, migrate()).unwrap();
+    assert_eq!(again.found(), super::Found::Current);
+    drop(again);
     // Exactly the runtime grants: no CREATE anywhere, so a connect that
     // sent any DDL would fail.
     raw_sql(&format!("GRANT USAGE ON SCHEMA \"{name}\" TO {role}"));
