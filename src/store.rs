@@ -174,7 +174,8 @@ impl Store {
     /// from one sequence, one clock (the database's).
     ///
     /// The store's time is the database's clock (`clock_timestamp()`),
-    /// read once per transaction and kept monotonic per process (a server
+    /// read after the last lock wait of each transaction and kept
+    /// monotonic per process (a server
     /// clock that steps back makes time stand still until it catches up);
     /// the app's clock is never read, unless a clock is given with
     /// [`Config::clock`], which then replaces the database's (for tests).
