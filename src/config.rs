@@ -94,6 +94,97 @@ pub const DEFAULT_SWEEP_BATCH: usize = 10_000;
 /// step of that many records holds its read snapshot for about 1.3 s.
 pub const MAX_SCRUB_RATE: u32 = 1_000_000;
 
+/// How long the PostgreSQL engine waits for anything (feature `postgres`;
+/// [`Config::postgres_limits`]): every wait of a call is bounded, and each
+/// expiry is answered as [`Error::Unavailable`] when nothing of the call
+/// was sent for commit (it was not applied) and [`Error::OutcomeUnknown`]
+/// once its `COMMIT` was sent.
+///
+/// Build it from [`PostgresLimits::default`] and change the fields you
+/// need. Every duration must be at least 1 ms and at most 24 hours, and
+/// `queue` at least 1; [`Store::connect`](crate::Store) refuses others with
+/// [`Error::InvalidArgument`] naming `postgres_limits`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PostgresLimits {
+    /// The overall deadline of one call (claim, complete, get, a sweep
+    /// step, an import batch, …), from when it is made: the wait for room
+    /// in the queue, for a connection, for its turn and for the server all
+    /// count. Default 30 s.
+    pub call_timeout: Duration,
+    /// How long opening a connection may take (TCP, TLS and the server's
+    /// start-up). Default 10 s.
+    pub connect_timeout: Duration,
+    /// The server's `statement_timeout` on the engine's own sessions: a
+    /// statement running longer is cancelled. Default 30 s.
+    pub statement_timeout: Duration,
+    /// The server's `lock_timeout` on the engine's own sessions: a wait for
+    /// a row (one held by a caller's open `complete_in` transaction, say)
+    /// or for the token lock longer than this fails the batch that waits,
+    /// with [`Error::Unavailable`], instead of holding every request of
+    /// that batch. Default 5 s.
+    pub lock_timeout: Duration,
+    /// The server's `idle_in_transaction_session_timeout` on the engine's
+    /// own sessions: the server ends a session of the engine that sits in
+    /// an open transaction this long (a client gone half-open), so that
+    /// its row locks are released. Default 60 s.
+    pub idle_in_transaction_timeout: Duration,
+    /// TCP keepalive: idle time before the first probe (probes then every
+    /// 10 s, 3 unanswered ones end the connection). Default 30 s.
+    pub keepalive_idle: Duration,
+    /// How many calls may wait in the engine's queue or run at once. A call
+    /// that finds it full waits for room until its deadline
+    /// (`call_timeout`), then gets [`Error::Unavailable`]. Default 16,384.
+    pub queue: usize,
+}
+
+impl Default for PostgresLimits {
+    fn default() -> PostgresLimits {
+        PostgresLimits {
+            call_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            statement_timeout: Duration::from_secs(30),
+            lock_timeout: Duration::from_secs(5),
+            idle_in_transaction_timeout: Duration::from_secs(60),
+            keepalive_idle: Duration::from_secs(30),
+            queue: 16_384,
+        }
+    }
+}
+
+impl PostgresLimits {
+    /// Checks every field's range.
+    pub(crate) fn check(&self) -> Result<()> {
+        let day = Duration::from_secs(24 * 3600);
+        let durations = [
+            ("call_timeout", self.call_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("statement_timeout", self.statement_timeout),
+            ("lock_timeout", self.lock_timeout),
+            (
+                "idle_in_transaction_timeout",
+                self.idle_in_transaction_timeout,
+            ),
+            ("keepalive_idle", self.keepalive_idle),
+        ];
+        for (name, d) in durations {
+            if d < Duration::from_millis(1) || d > day {
+                return Err(Error::invalid(
+                    "postgres_limits",
+                    format!("{name} must be between 1 ms and 24 hours, not {d:?}"),
+                ));
+            }
+        }
+        if self.queue == 0 {
+            return Err(Error::invalid(
+                "postgres_limits",
+                "queue must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Store configuration.
 ///
 /// # Defaults
@@ -117,16 +208,18 @@ pub const MAX_SCRUB_RATE: u32 = 1_000_000;
 ///   the store file's pages may be before a clean open runs it again
 /// - `scrub_rate`: 10,000 records per second, the online scrub of the open
 ///   store's index ([`DEFAULT_SCRUB_RATE`]); `None` disables it
-/// - `postgres_schema`: `idemstore`; `postgres_connections`: 16 (the
-///   PostgreSQL engine's only)
+/// - `postgres_schema`: `idemstore`; `postgres_connections`: 16;
+///   `postgres_limits`: [`PostgresLimits::default`] (the PostgreSQL
+///   engine's only)
 ///
 /// # Engines
 /// Most settings apply to both engines. `durability`, `max_log_bytes`,
 /// `cache_bytes`, `read_cache_bytes`, `integrity_check_interval` and
 /// `scrub_rate` belong to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
 /// to anything but their defaults, with [`Error::InvalidArgument`] naming
-/// the setting. `postgres_schema` and `postgres_connections` belong to the
-/// PostgreSQL engine: the `open` methods refuse them the same way.
+/// the setting. `postgres_schema`, `postgres_connections` and
+/// `postgres_limits` belong to the PostgreSQL engine: the `open` methods
+/// refuse them the same way.
 #[derive(Clone)]
 pub struct Config {
     pub(crate) retention: Duration,
@@ -142,6 +235,7 @@ pub struct Config {
     pub(crate) clock_given: bool,
     pub(crate) postgres_schema: Option<String>,
     pub(crate) postgres_connections: Option<usize>,
+    pub(crate) postgres_limits: Option<PostgresLimits>,
     pub(crate) cache_bytes: usize,
     pub(crate) durability: Durability,
     pub(crate) max_log_bytes: u64,
@@ -170,6 +264,7 @@ impl Default for Config {
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,
+            postgres_limits: None,
         }
     }
 }
@@ -193,6 +288,7 @@ impl std::fmt::Debug for Config {
             .field("clock_given", &self.clock_given)
             .field("postgres_schema", &self.postgres_schema)
             .field("postgres_connections", &self.postgres_connections)
+            .field("postgres_limits", &self.postgres_limits)
             .finish_non_exhaustive()
     }
 }
@@ -439,6 +535,16 @@ impl Config {
         self
     }
 
+    /// The PostgreSQL engine's time limits and queue bound (PostgreSQL
+    /// engine only; default [`PostgresLimits::default`]): see
+    /// [`PostgresLimits`] for each and its range. On the embedded engine,
+    /// opening fails with [`Error::InvalidArgument`] naming
+    /// `postgres_limits`.
+    pub fn postgres_limits(mut self, limits: PostgresLimits) -> Config {
+        self.postgres_limits = Some(limits);
+        self
+    }
+
     /// Refuses the settings of the PostgreSQL engine on the embedded one.
     pub(crate) fn check_embedded(&self) -> Result<()> {
         let postgres_only =
@@ -448,6 +554,9 @@ impl Config {
         }
         if self.postgres_connections.is_some() {
             return Err(Error::invalid("postgres_connections", postgres_only));
+        }
+        if self.postgres_limits.is_some() {
+            return Err(Error::invalid("postgres_limits", postgres_only));
         }
         Ok(())
     }
@@ -491,6 +600,9 @@ impl Config {
                 "postgres_connections",
                 "must be between 1 and 1,024",
             ));
+        }
+        if let Some(limits) = &self.postgres_limits {
+            limits.check()?;
         }
         Ok(())
     }
@@ -640,5 +752,32 @@ mod tests {
                 .check_postgres()
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn postgres_limits_are_checked_and_refused_on_a_file() {
+        let limits = PostgresLimits::default();
+        assert!(
+            Config::new()
+                .postgres_limits(limits)
+                .check_postgres()
+                .is_ok()
+        );
+        match Config::new().postgres_limits(limits).check_embedded() {
+            Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "postgres_limits"),
+            other => panic!("{other:?}"),
+        }
+        let mut zero = limits;
+        zero.lock_timeout = Duration::ZERO;
+        let mut no_queue = limits;
+        no_queue.queue = 0;
+        let mut too_long = limits;
+        too_long.call_timeout = Duration::from_secs(2 * 24 * 3600);
+        for bad in [zero, no_queue, too_long] {
+            match Config::new().postgres_limits(bad).check_postgres() {
+                Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "postgres_limits"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
     }
 }

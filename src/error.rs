@@ -268,9 +268,29 @@ pub enum Error {
         detail: String,
     },
 
-    /// The database schema was created by a newer version of idemstore than
-    /// this build reads, or does not look like an idemstore schema. Nothing
-    /// was changed.
+    /// The PostgreSQL store cannot work as configured, and will not until
+    /// an operator changes something (the URL, a role, a grant, a
+    /// certificate, the schema, or this build): the server named no such
+    /// database, refused the role or its password, denied a privilege the
+    /// store needs, the server's certificate failed verification, or the
+    /// schema was created by a newer idemstore. Nothing was applied.
+    /// **Never retry it as is** (the same request gets the same answer):
+    /// report it, page someone, and fail the request; an HTTP layer answers
+    /// it with 503 like any other fault of the store. [`ConfigFault`] says
+    /// which; `detail` holds the server's words (SQLSTATE and message) or
+    /// the TLS library's.
+    #[error("the store is misconfigured ({fault}): {detail}")]
+    Misconfigured {
+        /// Which configuration fault.
+        fault: ConfigFault,
+        /// What the server or the TLS library said, for a person.
+        detail: String,
+    },
+
+    /// The database schema does not look like an idemstore schema (its
+    /// version or identity row is malformed). Nothing was changed. (A
+    /// schema created by a newer idemstore is [`Error::Misconfigured`] with
+    /// [`ConfigFault::SchemaTooNew`].)
     #[error("schema {schema} is not a store this version can open: {detail}")]
     IncompatibleSchema {
         /// The schema name.
@@ -304,6 +324,62 @@ impl Error {
                 | Error::StaleLease { .. }
                 | Error::BusinessKeyConflict { .. }
         )
+    }
+}
+
+/// The configuration fault behind [`Error::Misconfigured`] (feature
+/// `postgres`). None of them goes away by retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ConfigFault {
+    /// The database named in the URL does not exist (SQLSTATE `3D000`).
+    DatabaseMissing,
+    /// The server refused the role: it does not exist, may not log in, or
+    /// `pg_hba.conf` has no entry for this host, role and database
+    /// (SQLSTATE `28000`).
+    RoleRefused,
+    /// The password (or other credential) was wrong (SQLSTATE `28P01`).
+    AuthenticationFailed,
+    /// The role lacks a privilege the store needs: `USAGE` on the schema,
+    /// `SELECT`, `INSERT`, `UPDATE` or `DELETE` on its tables, `USAGE` on
+    /// its sequence, or `CREATE` where the schema must be created or
+    /// upgraded (SQLSTATE `42501`; see `docs/operations.md` for the grants
+    /// of a runtime role).
+    PermissionDenied,
+    /// TLS failed for a reason of configuration: the server's certificate
+    /// failed verification under `sslmode=verify-ca` or `verify-full` (an
+    /// unknown issuer, a name mismatch, an expired certificate), or the
+    /// server does not offer TLS where `sslmode=require` (or stricter)
+    /// asks for it.
+    Tls,
+    /// The schema was created or upgraded by a newer idemstore than this
+    /// build reads: deploy the newer build (a schema is never downgraded).
+    SchemaTooNew,
+    /// The schema holds no store at this build's version, and the role
+    /// that connected may not create it: run `idemstore migrate` (or
+    /// `idemstore::postgres::migrate`) once with a role that may.
+    SchemaNotMigrated,
+}
+
+impl ConfigFault {
+    /// A short name of the fault, for messages, metrics and JSON
+    /// (`"database-missing"`, `"role-refused"`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            ConfigFault::DatabaseMissing => "database-missing",
+            ConfigFault::RoleRefused => "role-refused",
+            ConfigFault::AuthenticationFailed => "authentication-failed",
+            ConfigFault::PermissionDenied => "permission-denied",
+            ConfigFault::Tls => "tls",
+            ConfigFault::SchemaTooNew => "schema-too-new",
+            ConfigFault::SchemaNotMigrated => "schema-not-migrated",
+        }
+    }
+}
+
+impl std::fmt::Display for ConfigFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -154,11 +154,11 @@ pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use config::{
     ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE,
     DEFAULT_SWEEP_BATCH, Durability, MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE,
-    MAX_TOKEN, MAX_VALUE_LIMIT,
+    MAX_TOKEN, MAX_VALUE_LIMIT, PostgresLimits,
 };
 pub use embedded::WRITER_QUEUE_BOUND;
 pub use embedded::wal::{FileLog, LogFile, MemoryLog};
-pub use error::{Error, ImportRule, Result};
+pub use error::{ConfigFault, Error, ImportRule, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
 };

@@ -77,10 +77,11 @@ pub use crate::pg::server;
 ///
 /// # Errors
 ///
-/// After **any** error the caller's transaction is aborted (a stale lease
-/// or a refused record is turned into a failed statement, so that the
-/// transaction cannot commit the effect without the completion): roll it
-/// back. A `COMMIT` of it rolls back, too.
+/// After **any** error the caller's transaction is aborted (a stale lease,
+/// a result over its limit, a store of the wrong kind or a refused record
+/// is turned into a failed statement, so that the transaction cannot
+/// commit the effect without the completion): roll it back. A `COMMIT` of
+/// it rolls back, too.
 ///
 /// - [`Error::StaleLease`]: the record is no longer Processing under the
 ///   lease's token (it was taken over after the lease lapsed, finished,
@@ -92,6 +93,10 @@ pub use crate::pg::server;
 /// - [`Error::CorruptRecord`]: the stored row cannot be decoded.
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
 ///   server refused it): nothing of the caller's transaction is applied.
+/// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
+///   block (autocommit, where the completion's `UPDATE` commits on its
+///   own): the `UPDATE` was sent and its answer lost, so the completion
+///   may or may not be applied; read the key ([`Store::get`]) to learn it.
 ///
 /// The commit is the caller's, and so is its failure: if `COMMIT` fails
 /// with the connection lost, the outcome is unknown, as it is for
@@ -119,8 +124,13 @@ pub async fn complete_in<C>(
 where
     C: GenericClient + Sync,
 {
-    let op = store.complete_op(lease, result)?;
-    crate::pg::txn::finish_in(client, engine_of(store)?, lease, op).await
+    let prepared = store
+        .complete_op(lease, result)
+        .and_then(|op| Ok((engine_of(store)?, op)));
+    match prepared {
+        Ok((engine, op)) => crate::pg::txn::finish_in(client, engine, lease, op).await,
+        Err(error) => Err(crate::pg::txn::refuse(client, error).await),
+    }
 }
 
 /// Records `failure` as the outcome of `lease`'s key inside the caller's
@@ -146,8 +156,83 @@ pub async fn fail_in<C>(
 where
     C: GenericClient + Sync,
 {
-    let op = store.fail_op(lease, failure, retryable)?;
-    crate::pg::txn::finish_in(client, engine_of(store)?, lease, op).await
+    let prepared = store
+        .fail_op(lease, failure, retryable)
+        .and_then(|op| Ok((engine_of(store)?, op)));
+    match prepared {
+        Ok((engine, op)) => crate::pg::txn::finish_in(client, engine, lease, op).await,
+        Err(error) => Err(crate::pg::txn::refuse(client, error).await),
+    }
+}
+
+/// What [`migrate`] did to the schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Migration {
+    /// The schema held no store: its objects were created at `version`.
+    Created {
+        /// The schema version now stored (this build's).
+        version: u32,
+    },
+    /// The schema was at `version` already; its objects were checked (the
+    /// idempotent DDL ran and found everything in place).
+    Current {
+        /// The schema version stored (this build's).
+        version: u32,
+    },
+}
+
+impl Migration {
+    /// The schema version stored once the migration is done.
+    pub fn version(&self) -> u32 {
+        match self {
+            Migration::Created { version } | Migration::Current { version } => *version,
+        }
+    }
+
+    /// Whether this migration created the store (the schema held none).
+    pub fn created(&self) -> bool {
+        matches!(self, Migration::Created { .. })
+    }
+}
+
+/// Creates the store's schema and objects in `schema` of the database at
+/// `url`, or upgrades them to this build's schema version, under the
+/// schema's DDL advisory lock (so deploys that run it at once create it
+/// once); idempotent. For deploy pipelines: run it with a role that may
+/// create the schema (`CREATE` on the database, or the schema's owner),
+/// then run the service under a runtime role that holds only the grants
+/// `docs/operations.md` lists, since [`Store::connect`] sends no DDL when
+/// the schema is current. `idemstore migrate URL [--schema S]` does the
+/// same from the command line.
+///
+/// `url` is as for [`Store::connect`] (TLS options included); `schema` is
+/// 1 to 63 ASCII letters, digits or underscores, not starting with a
+/// digit (`"idemstore"` is the default schema of [`Store::connect`]).
+///
+/// # Errors
+/// - [`Error::InvalidArgument`]: a bad URL or schema name.
+/// - [`Error::Unavailable`]: the server cannot be reached (retry).
+/// - [`Error::Misconfigured`]: no such database, the role refused or its
+///   password wrong, [`ConfigFault::PermissionDenied`](crate::ConfigFault)
+///   when the role may not create the schema or its objects, TLS refused,
+///   or [`ConfigFault::SchemaTooNew`](crate::ConfigFault) for a schema
+///   written by a newer idemstore (never downgraded).
+/// - [`Error::IncompatibleSchema`]: the schema's meta rows are malformed.
+pub fn migrate(url: &str, schema: &str) -> Result<Migration> {
+    let _span = tracing::debug_span!("idemstore.migrate").entered();
+    let options = crate::pg::PgOptions {
+        schema: schema.to_string(),
+        connections: 1,
+        migrate: true,
+        ..crate::pg::PgOptions::default()
+    };
+    let engine = crate::pg::Postgres::connect(url, options)?;
+    let version = crate::pg::SCHEMA_VERSION;
+    Ok(match engine.found() {
+        crate::pg::Found::Created => Migration::Created { version },
+        crate::pg::Found::Current => Migration::Current { version },
+    })
 }
 
 /// The PostgreSQL engine under `store`, or the error for another engine.

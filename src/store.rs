@@ -174,7 +174,8 @@ impl Store {
     /// from one sequence, one clock (the database's).
     ///
     /// The store's time is the database's clock (`clock_timestamp()`),
-    /// read once per transaction and kept monotonic per process (a server
+    /// read after the last lock wait of each transaction and kept
+    /// monotonic per process (a server
     /// clock that steps back makes time stand still until it catches up);
     /// the app's clock is never read, unless a clock is given with
     /// [`Config::clock`], which then replaces the database's (for tests).
@@ -202,8 +203,12 @@ impl Store {
     ///   `config`.
     /// - [`Error::Unavailable`]: the server cannot be reached (safe to
     ///   retry).
-    /// - [`Error::IncompatibleSchema`]: the schema was written by a newer
-    ///   version of idemstore, or is not an idemstore schema.
+    /// - [`Error::Misconfigured`]: no such database, the role refused or
+    ///   its password wrong, a privilege missing, the server's certificate
+    ///   refused, or the schema written by a newer idemstore (never retry
+    ///   as is).
+    /// - [`Error::IncompatibleSchema`]: the schema is not an idemstore
+    ///   schema.
     #[cfg(feature = "postgres")]
     pub fn connect(url: &str, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.connect").entered();
@@ -241,6 +246,8 @@ impl Store {
                 .postgres_connections
                 .unwrap_or(crate::pg::DEFAULT_CONNECTIONS),
             must_exist,
+            migrate: false,
+            limits: config.postgres_limits.unwrap_or_default(),
         };
         let name = crate::pg::store_name(url, &schema);
         let engine = crate::pg::Postgres::connect(url, options).map_err(|e| match e {
@@ -1151,6 +1158,10 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
                             detail: detail.clone(),
                         },
                         Error::OutcomeUnknown { detail } => Error::OutcomeUnknown {
+                            detail: detail.clone(),
+                        },
+                        Error::Misconfigured { fault, detail } => Error::Misconfigured {
+                            fault: *fault,
                             detail: detail.clone(),
                         },
                         other => Error::Storage(other.to_string()),

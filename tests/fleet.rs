@@ -4,9 +4,11 @@
 //! - **Several nodes, one database**: 3 processes × 32 threads claim the
 //!   same 1,000 keys, each process with its wall clock skewed (-5 s, 0,
 //!   +5 s, through `faketime` when it is installed: the store reads the
-//!   database's clock, so the skew must change nothing). Every key ends
-//!   with exactly one acquisition per lease period and tokens that grow
-//!   per key.
+//!   database's clock, so the skew must change nothing). Each node's wall
+//!   clock is checked against the database's: the test fails if faketime
+//!   is installed and a node's skew is not the one intended. Every key
+//!   ends with exactly one acquisition per lease period and tokens that
+//!   grow per key.
 //! - **The server killed**: an immediate shutdown (SIGQUIT to the
 //!   postmaster, `pg_ctl stop -m immediate`) of a server with fsync on,
 //!   while 64 threads run lifecycles, then a restart: every acknowledged
@@ -33,8 +35,9 @@ use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Sta
 const NODES: usize = 3;
 const THREADS: usize = 32;
 const KEYS: usize = 1_000;
-/// The wall-clock skew of each node (seconds), applied with `faketime`.
-const SKEWS: [&str; NODES] = ["-5s", "+0s", "+5s"];
+/// The wall-clock skew of each node, applied with `faketime` (its
+/// `FAKETIME` spec, and the same in ms).
+const SKEWS: [(&str, i64); NODES] = [("-5s", -5_000), ("+0s", 0), ("+5s", 5_000)];
 
 fn key(i: usize) -> Key {
     Key::new("fleet/tickets", format!("k{i}")).expect("key")
@@ -54,12 +57,48 @@ fn fleet_config(schema: &str) -> Config {
         .sweep_interval(None)
 }
 
-/// Whether `faketime` (libfaketime) is on this machine.
+/// Whether `faketime` (libfaketime) is on this machine. The spec goes
+/// through `-f` (libfaketime's own `FAKETIME` format, as the nodes get
+/// it): faketime 0.9.10 refuses a bare `+0s`, which it hands to `date`.
 fn faketime() -> bool {
     std::process::Command::new("faketime")
-        .args(["+0s", "true"])
+        .args(["-f", "+0s", "true"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
+}
+
+/// The wall clock, ms since the epoch.
+fn wall_ms() -> i64 {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_millis();
+    i64::try_from(ms).expect("fits")
+}
+
+/// In a node: its wall clock read just before and just after one reading
+/// of the database's clock (which no skew touches), reported as
+/// `wall_before`, `db_now` and `wall_after`.
+fn report_clocks(url: &str) {
+    use idemstore::postgres::tokio_postgres::{self, NoTls};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        let clock = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+        client.query_one(clock, &[]).await.expect("warm up");
+        let before = wall_ms();
+        let db: i64 = client.query_one(clock, &[]).await.expect("clock").get(0);
+        let after = wall_ms();
+        report("wall_before", before);
+        report("db_now", db);
+        report("wall_after", after);
+    });
 }
 
 /// One node: 32 threads walk the 1,000 keys in orders of their own until
@@ -126,6 +165,7 @@ fn run_node(url: &str, schema: &str, node: usize) {
 fn several_nodes_one_database() {
     if child_role("several_nodes_one_database") {
         let node: usize = child_var_parsed("FLEET_NODE");
+        report_clocks(&child_var("FLEET_URL"));
         run_node(&child_var("FLEET_URL"), &child_var("FLEET_SCHEMA"), node);
         ready_and_wait();
     }
@@ -135,7 +175,10 @@ fn several_nodes_one_database() {
     drop(Store::connect(&url, fleet_config(&schema)).expect("connect"));
     let skewed = faketime();
     if !skewed {
-        eprintln!("faketime is not installed: the nodes run with the machine's clock");
+        eprintln!(
+            "faketime is not installed (or refuses `faketime -f +0s true`): the nodes run \
+             with the machine's clock"
+        );
     }
     let mut children: Vec<_> = (0..NODES)
         .map(|node| {
@@ -149,7 +192,7 @@ fn several_nodes_one_database() {
                 // real monotonic clock.
                 let lib = faketime_lib();
                 vars.push(("LD_PRELOAD", lib));
-                vars.push(("FAKETIME", SKEWS[node].to_string()));
+                vars.push(("FAKETIME", SKEWS[node].0.to_string()));
                 vars.push(("FAKETIME_DONT_FAKE_MONOTONIC", "1".to_string()));
             }
             spawn_child("several_nodes_one_database", &vars)
@@ -157,8 +200,27 @@ fn several_nodes_one_database() {
         .collect();
     // key -> [(token, ended with a retryable failure)]
     let mut acquisitions: BTreeMap<usize, Vec<(u64, bool)>> = BTreeMap::new();
-    for child in &mut children {
+    for (node, child) in children.iter_mut().enumerate() {
         let reports = child.wait_ready();
+        // The node's wall clock is skewed as intended: the database's
+        // reading (unskewed, on this machine's clock) falls between the
+        // node's two wall readings less the skew (1 ms either way for the
+        // truncation to ms).
+        let get = |name: &str| -> i64 {
+            reports
+                .get(name)
+                .unwrap_or_else(|| panic!("node {node} did not report {name}"))
+                .parse()
+                .expect("a time")
+        };
+        let (before, db, after) = (get("wall_before"), get("db_now"), get("wall_after"));
+        let skew = if skewed { SKEWS[node].1 } else { 0 };
+        assert!(
+            before - skew - 1 <= db && db <= after - skew + 1,
+            "node {node}: its wall clock read {before}..{after} around the database's {db}: \
+             a skew of {} ms, not the {skew} ms intended",
+            (before + after) / 2 - db
+        );
         assert_eq!(
             reports.get("unexpected").map(String::as_str),
             Some("0"),

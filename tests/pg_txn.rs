@@ -374,3 +374,237 @@ impl NowForChild for ManualClock {
         self.now_ms()
     }
 }
+
+/// Whether the caller's transaction `tx` is aborted: its next statement
+/// fails.
+async fn is_aborted(tx: &tokio_postgres::Transaction<'_>) -> bool {
+    tx.execute("SELECT 1", &[]).await.is_err()
+}
+
+#[test]
+fn every_refusal_aborts_the_callers_transaction() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_refusals");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(
+        &url,
+        config(&schema, &clock)
+            .max_result_bytes(16)
+            .max_failure_bytes(16),
+    )
+    .expect("connect");
+    let table = table_of(&schema);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = Store::open(dir.path().join("s.redb")).expect("open");
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        create_tickets(&c, &table).await;
+        let k = key("refused-1");
+        let lease = acquire(&store, &k);
+        let long = [b'x'; 17];
+        // Each refusal that is decided before anything is sent: the ticket
+        // is inserted, the completion refused, and the caller's next
+        // statement and its COMMIT must fail.
+        for case in ["complete too large", "fail too large", "file store"] {
+            let tx = c.transaction().await.expect("begin");
+            insert_ticket(&tx, &table, &k).await;
+            let err = match case {
+                "complete too large" => complete_in(&tx, &store, &lease, &long).await,
+                "fail too large" => fail_in(&tx, &store, &lease, &long, false).await,
+                _ => complete_in(&tx, &file, &lease, b"1").await,
+            }
+            .unwrap_err();
+            match case {
+                "file store" => assert!(
+                    matches!(err, Error::InvalidArgument { what: "store", .. }),
+                    "{case}: {err:?}"
+                ),
+                _ => assert!(matches!(err, Error::TooLarge { .. }), "{case}: {err:?}"),
+            }
+            assert!(is_aborted(&tx).await, "{case}: the transaction goes on");
+            let _ = tx.commit().await;
+            assert_eq!(
+                tickets_of(&c, &table, &k).await,
+                0,
+                "{case}: the effect was committed without the completion"
+            );
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!(r.state(), State::Processing, "{case}");
+        }
+        // The lease still finishes the key.
+        let tx = c.transaction().await.expect("begin");
+        insert_ticket(&tx, &table, &k).await;
+        complete_in(&tx, &store, &lease, b"ok")
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert_eq!(tickets_of(&c, &table, &k).await, 1);
+    });
+}
+
+/// Polls `check` on `client` until it holds (hang guard).
+async fn wait_until(client: &Client, what: &str, sql: &str) {
+    let deadline = std::time::Instant::now() + pg::proxy::HANG_GUARD;
+    loop {
+        let n: i64 = client.query_one(sql, &[]).await.expect(what).get(0);
+        if n > 0 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The database clock, ms since the epoch.
+async fn db_now(client: &Client) -> u64 {
+    let ms: i64 = client
+        .query_one(
+            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+            &[],
+        )
+        .await
+        .expect("clock")
+        .get(0);
+    u64::try_from(ms).expect("a positive time")
+}
+
+/// A claim that waits behind an import (which holds the token lock while
+/// it waits for a row locked by an open `complete_in` transaction) is
+/// decided at a time read after that wait: its lease runs from when the
+/// claim could proceed, not from before it waited.
+#[test]
+fn a_claim_that_waited_for_locks_gets_a_lease_from_after_the_wait() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_lapse");
+    let lease = Duration::from_secs(1);
+    // The database clock: the test clock is read after every wait anyway.
+    let store = Store::connect(
+        &url,
+        Config::new()
+            .postgres_schema(&schema)
+            .postgres_connections(4)
+            .lease(lease)
+            .sweep_interval(None),
+    )
+    .expect("connect");
+    // The import runs in another replica: this process's monotonic clock
+    // must not carry the import's later reading over to the claim.
+    let replica = Store::connect(
+        &url,
+        Config::new()
+            .postgres_schema(&schema)
+            .postgres_connections(2)
+            .lease(lease)
+            .sweep_interval(None),
+    )
+    .expect("connect the replica");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let held = key("lapse-held");
+    let held_lease = acquire(&store, &held);
+    let mut export = Vec::new();
+    store.export(&mut export, |_| {}).expect("export");
+    let mut c = rt.block_on(client(&url));
+    let monitor = rt.block_on(client(&url));
+    let tx = rt.block_on(c.transaction()).expect("begin");
+    // The caller's transaction locks the held key's row.
+    rt.block_on(complete_in(&tx, &store, &held_lease, b"done"))
+        .expect("complete_in");
+    std::thread::scope(|s| {
+        // The import takes the exclusive token lock, then waits for the row.
+        let import = s.spawn(|| replica.import(&export[..], |_| {}));
+        rt.block_on(wait_until(
+            &monitor,
+            "the import waits for the row",
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND wait_event IN ('transactionid', 'tuple')",
+        ));
+        // A claim of another key waits for the token lock.
+        let claim = s.spawn(|| acquire(&store, &key("lapse-fresh")));
+        rt.block_on(wait_until(
+            &monitor,
+            "the claim waits for the token lock",
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND wait_event = 'advisory'",
+        ));
+        // Longer than the lease passes while the claim waits.
+        let waiting_since = rt.block_on(db_now(&monitor));
+        let lapsed = waiting_since + 2 * u64::try_from(lease.as_millis()).expect("ms");
+        while rt.block_on(db_now(&monitor)) <= lapsed {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let released = rt.block_on(db_now(&monitor));
+        rt.block_on(tx.commit()).expect("commit");
+        import.join().expect("import thread").expect("import");
+        let fresh = claim.join().expect("claim thread");
+        // The claim could not proceed before the commit above: its lease
+        // runs at least a full lease from there.
+        let until = fresh.lease_until_ms().expect("a lease deadline");
+        assert!(
+            until >= released + 1000,
+            "acquired with a lease ending at {until}, but the claim waited until {released}: \
+             lapsed {} ms before it was answered",
+            (released + 1000).saturating_sub(until)
+        );
+    });
+}
+
+/// On a client outside a transaction block, the completion's `UPDATE`
+/// commits on its own: when its answer is lost, the outcome is unknown
+/// (and it was in fact applied). Inside a transaction block, the same loss
+/// leaves nothing applied.
+#[test]
+fn a_lost_answer_of_an_autocommit_completion_is_outcome_unknown() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_lost");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let rt = runtime();
+    for in_block in [false, true] {
+        let k = key(&format!("lost-{in_block}"));
+        let lease = acquire(&store, &k);
+        let proxy = pg::proxy::Proxy::start(pg::proxy::upstream_of(&url));
+        let err = rt.block_on(async {
+            let (c, connection) = tokio_postgres::connect(&pg::proxy::via(&url, &proxy), NoTls)
+                .await
+                .expect("connect through the proxy");
+            tokio::spawn(connection);
+            if in_block {
+                c.batch_execute("BEGIN").await.expect("begin");
+            }
+            // The completion's UPDATE (not the lock's `FOR UPDATE`).
+            proxy.lose_answer_after(b"UPDATE \"");
+            complete_in(&c, &store, &lease, b"applied")
+                .await
+                .unwrap_err()
+        });
+        assert_eq!(
+            proxy.cut_chunk_type(),
+            Some(b'B'),
+            "the fault must fire on the UPDATE's Bind"
+        );
+        if in_block {
+            assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+            // The server rolls the transaction back once the connection is
+            // gone; the key stays Processing under the lease.
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!(r.state(), State::Processing);
+            continue;
+        }
+        assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err:?}");
+        // It was applied: the caller must read the key, not retry blindly.
+        let deadline = std::time::Instant::now() + pg::proxy::HANG_GUARD;
+        loop {
+            let r = store.get(&k).expect("get").expect("record");
+            if r.state() == State::Succeeded {
+                assert_eq!(r.result(), Some(&b"applied"[..]));
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "never applied");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}

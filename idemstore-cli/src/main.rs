@@ -50,6 +50,8 @@ enum Command {
     Export(ops::export::Args),
     /// Restore records from a backup (idempotent).
     Import(ops::import::Args),
+    /// Create or upgrade a PostgreSQL store's schema (for deploys).
+    Migrate(ops::migrate::Args),
 }
 
 fn main() -> ExitCode {
@@ -82,6 +84,7 @@ fn run() -> Result<ExitCode, CliError> {
         Command::Check(args) => ops::check::run(&args, &mut out),
         Command::Export(args) => ops::export::run(&args, &mut out),
         Command::Import(args) => ops::import::run(&args, &mut out),
+        Command::Migrate(args) => ops::migrate::run(&args, &mut out),
     }
 }
 

@@ -1,5 +1,5 @@
 //! Operator subcommands on a store: `stats`, `get`, `list`, `sweep`,
-//! `resolve`, `check`, `export` and `import`.
+//! `resolve`, `check`, `export`, `import`, and `migrate` (PostgreSQL only).
 //!
 //! A store is a file or, given a `postgresql://` or `postgres://` URL (and
 //! `--schema`, default `idemstore`), a PostgreSQL store. A command opens a
@@ -16,6 +16,7 @@ pub mod export;
 pub mod get;
 pub mod import;
 pub mod list;
+pub mod migrate;
 pub mod resolve;
 pub mod stats;
 pub mod sweep;

@@ -448,3 +448,32 @@ fn a_key_value_connection_string_names_a_postgres_store() {
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert_eq!(json(&out)["state"], "succeeded");
 }
+
+#[test]
+fn migrate_creates_the_schema_once_for_a_deploy() {
+    let Some(url) = server() else { return };
+    let schema = schema("migrate");
+    let out = idemstore(&["migrate", &url, "--schema", &schema]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("created at schema version 1"),
+        "{}",
+        stdout(&out)
+    );
+    // Idempotent; JSON says what it found.
+    let out = idemstore(&["migrate", &url, "--schema", &schema, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["created"], false);
+    assert_eq!(v["schema_version"], 1);
+    // The store is there: the other commands open it.
+    let out = idemstore(&["stats", &url, "--schema", &schema, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    // A file store needs no migration: a usage error.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("s.redb");
+    let out = idemstore(&["migrate", p(&file)]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("PostgreSQL"), "{}", stderr(&out));
+    assert!(!file.exists());
+}

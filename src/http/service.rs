@@ -528,6 +528,15 @@ fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
                 "the request was not processed",
             )
         }
+        Error::Misconfigured { .. } => {
+            // Not passing: an operator must change the configuration.
+            tracing::error!(%key, %error, "idempotency store misconfigured");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+                "the request was not processed",
+            )
+        }
         _ => {
             tracing::warn!(%key, %error, "idempotency store unavailable");
             problem(

@@ -17,8 +17,9 @@
 //!   never waiting for more to arrive, so a lone caller is never held back)
 //!   and runs it as one transaction: one multi-row read that locks the
 //!   batch's rows in key order (`SELECT … WHERE key = ANY($1) ORDER BY key
-//!   FOR UPDATE`), the database clock read once, tokens drawn from the
-//!   sequence only after the rows are locked, every request decided in
+//!   FOR UPDATE`), tokens drawn from the sequence only after the rows are
+//!   locked, the database clock read after the last lock wait, every
+//!   request decided in
 //!   arrival order by the pure `record::transition`
 //!   over an in-memory overlay (so a later request sees an earlier one), and
 //!   one multi-row write per kind (`UNNEST` arrays) that is a compare-and-set
@@ -34,7 +35,10 @@
 //!   and the batch runs again at once in a new one, the savepoint's way
 //!   (its callers see no difference but the time).
 //! - **One clock.** The store's time is the database's `clock_timestamp()`,
-//!   read once per transaction (or, for tests, the reading of the
+//!   read after every lock the decision waits for (rows, the shared token
+//!   lock, business-key bindings; again after a lost compare-and-set's
+//!   new locks), so that a lease is never granted from a reading taken
+//!   before a wait (or, for tests, the reading of the
 //!   [`Clock`] given at connect, which replaces the server clock entirely),
 //!   kept monotonic per process (the highest reading seen) and per record
 //!   (a request on a record is decided at no earlier time than the record's
@@ -49,6 +53,17 @@
 //!   new connection. A statement the server refuses (a deadlock is tried
 //!   again first) also leaves the batch unapplied and answers
 //!   [`Error::Unavailable`].
+//! - **Bounded waits** ([`PostgresLimits`]): every call carries a
+//!   deadline (`call_timeout` from when it is made) that covers the wait
+//!   for room in the bounded queue, for a worker, for a connection and
+//!   for the server; a worker runs a job under its deadline and, past it,
+//!   drops the connection and answers [`Error::Unavailable`] if the
+//!   `COMMIT` was not sent yet and [`Error::OutcomeUnknown`] if it was.
+//!   The engine's sessions carry `statement_timeout`, `lock_timeout` and
+//!   `idle_in_transaction_session_timeout` (so the server ends a session
+//!   left half-open inside a transaction, releasing its row locks), and
+//!   TCP keepalives. `Drop` waits for the jobs in flight, so for at most
+//!   one `call_timeout`.
 //! - **Durability** is the server's: an answer is given only after the
 //!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
 //!   a crash of the server loses acknowledged claims, and a lost claim lets
@@ -68,7 +83,7 @@ pub(crate) mod txn;
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -79,13 +94,15 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use crate::audit::Event;
 use crate::clock::Clock;
-use crate::error::{Error, Result};
+use crate::config::PostgresLimits;
+use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
 use crate::record::{Op, Record, Reply};
 use crate::stats::LiveCounters;
 
 use decide::{Base, Pass, RowColumns, Slot};
-use schema::{SCHEMA_VERSION, Sql};
+pub(crate) use schema::SCHEMA_VERSION;
+use schema::Sql;
 
 /// The most requests one group commit takes from the queue.
 pub(crate) const MAX_BATCH: usize = 512;
@@ -96,8 +113,10 @@ const MAX_ATTEMPTS: usize = 8;
 const MAX_ROUNDS: usize = 64;
 /// Rows per page of [`Postgres::entries`].
 const PAGE_ROWS: i32 = 512;
-/// How long a connection attempt may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The interval of TCP keepalive probes after the first, and how many
+/// unanswered ones end a connection.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
 
 /// How a PostgreSQL store is opened.
 #[derive(Clone)]
@@ -120,6 +139,14 @@ pub(crate) struct PgOptions {
     /// of creating it (for tools that inspect an existing store). Default
     /// `false`.
     pub must_exist: bool,
+    /// Run the schema's DDL (create or upgrade it, idempotent) under the
+    /// DDL advisory lock whatever its version, instead of a version check
+    /// that sends no DDL when the schema is current (for
+    /// `idemstore::postgres::migrate`). Default `false`.
+    pub migrate: bool,
+    /// Time limits and the queue's bound. Default
+    /// [`PostgresLimits::default`](crate::PostgresLimits).
+    pub limits: PostgresLimits,
 }
 
 /// The schema a store lives in when none is configured.
@@ -135,6 +162,8 @@ impl Default for PgOptions {
             retention_ms: 24 * 3600 * 1000,
             connections: DEFAULT_CONNECTIONS,
             must_exist: false,
+            migrate: false,
+            limits: PostgresLimits::default(),
         }
     }
 }
@@ -183,6 +212,62 @@ enum Job {
     Len { reply: oneshot::Sender<Result<u64>> },
 }
 
+impl Job {
+    /// Answers the job with `error` (its deadline passed before it ran, or
+    /// the engine is closing).
+    fn fail(self, error: Error) {
+        match self {
+            Job::Apply { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Many { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Get { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Sweep { reply, .. } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Now { reply } | Job::NextToken { reply } | Job::Len { reply } => {
+                let _ = reply.send(Err(error));
+            }
+        }
+    }
+}
+
+/// A job in the queue: its deadline (the call's), and its place in the
+/// bounded queue (given back when the job is answered).
+struct Queued {
+    job: Job,
+    deadline: Instant,
+    permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+/// The error of a job whose deadline passed before it was sent to the
+/// server.
+fn expired_in_queue() -> Error {
+    Error::Unavailable {
+        detail: "the call's deadline (PostgresLimits::call_timeout) passed before it could run"
+            .into(),
+    }
+}
+
+/// After a call's deadline passed mid-transaction: drops the connection
+/// (its state is unknown) and says whether the `COMMIT` had been sent.
+fn expire(slot: &mut Option<Conn>) -> Fail {
+    let sent = slot
+        .as_ref()
+        .is_some_and(|c| c.commit_sent.load(Ordering::SeqCst));
+    *slot = None;
+    let what = "the call's deadline (PostgresLimits::call_timeout) passed";
+    if sent {
+        Fail::Unknown(format!("{what} after its COMMIT was sent"))
+    } else {
+        Fail::Lost(format!("{what} before its COMMIT was sent"))
+    }
+}
+
 /// What the driver thread's tasks share.
 struct Shared {
     /// The statements, for the configured schema.
@@ -197,6 +282,10 @@ struct Shared {
     retention_ms: u64,
     /// Refuse a schema without a store instead of creating it.
     must_exist: bool,
+    /// Run the DDL whatever the schema's version.
+    migrate: bool,
+    /// Time limits and the queue's bound.
+    limits: PostgresLimits,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
@@ -216,11 +305,15 @@ pub(crate) struct Postgres {
     /// What the driver thread shares.
     shared: Arc<Shared>,
     /// The queue to the workers (`None` once dropping).
-    jobs: Option<UnboundedSender<Job>>,
+    jobs: Option<UnboundedSender<Queued>>,
+    /// Room in the queue: one permit per call queued or running.
+    room: Arc<tokio::sync::Semaphore>,
     /// The driver thread's runtime, for scans.
     handle: tokio::runtime::Handle,
     /// The store's identity, from the meta table.
     store_id: u128,
+    /// What connecting found the schema to be.
+    found: Found,
     /// The driver thread.
     thread: Option<JoinHandle<()>>,
 }
@@ -253,6 +346,10 @@ enum Fail {
     Refused(String),
     /// Something else went wrong (a bad row, an unexpected answer).
     Storage(String),
+    /// A configuration fault (no such database, a role refused, a
+    /// privilege missing, TLS verification): nothing applied, and a retry
+    /// as is gets the same answer.
+    Config(ConfigFault, String),
 }
 
 impl Fail {
@@ -264,7 +361,58 @@ impl Fail {
             }
             Fail::Unknown(d) => Error::OutcomeUnknown { detail: d.clone() },
             Fail::Storage(d) => Error::Storage(d.clone()),
+            Fail::Config(fault, d) => Error::Misconfigured {
+                fault: *fault,
+                detail: d.clone(),
+            },
         }
+    }
+}
+
+/// The configuration fault `err` reports, if any: a server error whose
+/// SQLSTATE names one, or a TLS failure of verification (or a server
+/// without TLS where TLS is required).
+fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
+    if let Some(code) = err.code() {
+        return match code.code() {
+            "3D000" => Some(ConfigFault::DatabaseMissing),
+            "28000" => Some(ConfigFault::RoleRefused),
+            "28P01" => Some(ConfigFault::AuthenticationFailed),
+            "42501" => Some(ConfigFault::PermissionDenied),
+            _ => None,
+        };
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = err.source();
+    while let Some(s) = source {
+        if tls_refused(s) {
+            return Some(ConfigFault::Tls);
+        }
+        // An I/O error hides the error it wraps from `source`.
+        if let Some(inner) = s
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+            && tls_refused(inner)
+        {
+            return Some(ConfigFault::Tls);
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// Whether `e` is a TLS failure that configuration causes: a certificate
+/// refused by verification, or no TLS where it is required.
+fn tls_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    match e.downcast_ref::<rustls::Error>() {
+        Some(
+            rustls::Error::InvalidCertificate(_)
+            | rustls::Error::NoCertificatesPresented
+            | rustls::Error::UnsupportedNameType,
+        ) => true,
+        Some(_) => false,
+        // tokio-postgres's own words when the server answers 'N' to the
+        // TLS request under sslmode=require.
+        None => e.to_string() == "server does not support TLS",
     }
 }
 
@@ -290,7 +438,9 @@ fn connection_lost(err: &tokio_postgres::Error) -> bool {
 /// Classifies an error of a statement sent before the commit.
 fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
-    if connection_lost(err) {
+    if let Some(fault) = config_fault(err) {
+        Fail::Config(fault, detail)
+    } else if connection_lost(err) {
         Fail::Lost(detail)
     } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
         || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
@@ -359,6 +509,9 @@ struct Stmts {
 struct Conn {
     /// The client half of the connection.
     client: Client,
+    /// Whether the `COMMIT` of the transaction under way was sent: a call
+    /// whose deadline passes after that has an unknown outcome.
+    commit_sent: AtomicBool,
     /// Its prepared statements.
     st: Stmts,
 }
@@ -367,7 +520,9 @@ struct Conn {
 /// TLS as `sslmode` asks.
 async fn open_client(shared: &Shared) -> Result<Client, Fail> {
     let classify = |e: tokio_postgres::Error| {
-        if e.as_db_error().is_some() && !connection_lost(&e) {
+        if let Some(fault) = config_fault(&e) {
+            Fail::Config(fault, describe(&e))
+        } else if e.as_db_error().is_some() && !connection_lost(&e) {
             Fail::Refused(describe(&e))
         } else {
             Fail::Lost(describe(&e))
@@ -446,13 +601,126 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         xact_lock_shared: s,
         draw_estimate,
     };
-    Ok(Conn { client, st })
+    Ok(Conn {
+        client,
+        commit_sent: AtomicBool::new(false),
+        st,
+    })
 }
 
-/// Creates or checks the schema under the DDL advisory lock, and returns
-/// the store's identity.
-async fn setup(shared: &Shared) -> Result<u128> {
+/// What connecting found the schema to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// At this build's version: no DDL was sent.
+    Current,
+    /// Created (or completed) by this connection's DDL.
+    Created,
+}
+
+/// Checks the schema's version with one read and no DDL; when it is not
+/// current (absent, or `migrate` asked for), creates or checks it under
+/// the DDL advisory lock. Returns the store's identity.
+async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     let client = open_client(shared).await.map_err(|f| f.error())?;
+    if !shared.migrate {
+        match read_current(shared, &client).await? {
+            Some(id) => return Ok((id, Found::Current)),
+            None if shared.must_exist => {
+                return Err(Error::Missing {
+                    path: std::path::PathBuf::new(),
+                });
+            }
+            None => {}
+        }
+    }
+    match create_or_check(shared, &client).await {
+        // Connecting (not migrating) found no store at this version and
+        // may not create one: the schema must be migrated first.
+        Err(Error::Misconfigured {
+            fault: ConfigFault::PermissionDenied,
+            detail,
+        }) if !shared.migrate => Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaNotMigrated,
+            detail: format!(
+                "schema {} holds no store at version {SCHEMA_VERSION} and this role may not \
+                 create it ({detail}): run `idemstore migrate URL --schema {}` (or \
+                 idemstore::postgres::migrate) with a role that may",
+                shared.sql.schema, shared.sql.schema
+            ),
+        }),
+        other => other,
+    }
+}
+
+/// The store's identity when the schema is at this build's version, with
+/// one read and no lock (`None` when the schema, its meta table or its
+/// version row is absent, or the version is older).
+///
+/// # Errors
+/// [`Error::Misconfigured`] for a newer version or a missing privilege,
+/// [`Error::IncompatibleSchema`] for malformed meta rows, and the errors of
+/// the connection.
+async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> {
+    let sql = &shared.sql;
+    let rows = match client.query(&sql.read_meta_all(), &[]).await {
+        Ok(rows) => rows,
+        Err(e)
+            if e.code() == Some(&SqlState::UNDEFINED_TABLE)
+                || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
+        {
+            return Ok(None);
+        }
+        Err(e) => return Err(fail(&e).error()),
+    };
+    let incompatible = |detail: String| Error::IncompatibleSchema {
+        schema: sql.schema.clone(),
+        detail,
+    };
+    let mut version = None;
+    let mut id = None;
+    for row in &rows {
+        let name: String = row.try_get(0).map_err(|e| fail(&e).error())?;
+        let value: Vec<u8> = row.try_get(1).map_err(|e| fail(&e).error())?;
+        match name.as_str() {
+            "version" => version = Some(value),
+            "store_id" => id = Some(value),
+            _ => {}
+        }
+    }
+    let Some(v) = version else { return Ok(None) };
+    let bytes: [u8; 4] = v
+        .as_slice()
+        .try_into()
+        .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
+    let version = u32::from_be_bytes(bytes);
+    if version > SCHEMA_VERSION {
+        return Err(too_new(&sql.schema, version));
+    }
+    if version < SCHEMA_VERSION {
+        return Ok(None);
+    }
+    let id = id.ok_or_else(|| incompatible("the store_id row is missing".into()))?;
+    let id: [u8; 16] = id
+        .as_slice()
+        .try_into()
+        .map_err(|_| incompatible(format!("store_id row holds {} bytes", id.len())))?;
+    Ok(Some(u128::from_be_bytes(id)))
+}
+
+/// The error for a schema at `version`, above this build's.
+fn too_new(schema: &str, version: u32) -> Error {
+    Error::Misconfigured {
+        fault: ConfigFault::SchemaTooNew,
+        detail: format!(
+            "schema {schema} is at version {version}, written by a newer idemstore \
+             (this build reads version {SCHEMA_VERSION})"
+        ),
+    }
+}
+
+/// Creates the schema's objects (idempotent) or checks them under the
+/// DDL advisory lock, and returns the store's identity.
+async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Found)> {
     let sql = &shared.sql;
     let pg = |e: tokio_postgres::Error| fail(&e).error();
     client
@@ -498,7 +766,7 @@ async fn setup(shared: &Shared) -> Result<u128> {
             }
         }
     };
-    match read("version").await? {
+    let found = match read("version").await? {
         Some(v) => {
             let bytes: [u8; 4] = v
                 .as_slice()
@@ -506,16 +774,14 @@ async fn setup(shared: &Shared) -> Result<u128> {
                 .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
             let version = u32::from_be_bytes(bytes);
             if version > SCHEMA_VERSION {
-                return Err(incompatible(format!(
-                    "schema version {version} was written by a newer idemstore \
-                     (this build reads version {SCHEMA_VERSION})"
-                )));
+                return Err(too_new(&sql.schema, version));
             }
             if version == 0 {
                 return Err(incompatible("schema version 0".into()));
             }
             // Idempotent: a version-1 schema has every object already.
             client.batch_execute(&sql.create()).await.map_err(pg)?;
+            Found::Current
         }
         None if shared.must_exist => return Err(missing()),
         None => {
@@ -531,8 +797,9 @@ async fn setup(shared: &Shared) -> Result<u128> {
                 .execute(&sql.write_meta(), &[&"store_id", &id_bytes])
                 .await
                 .map_err(pg)?;
+            Found::Created
         }
-    }
+    };
     let id = read("store_id")
         .await?
         .ok_or_else(|| incompatible("the store_id row is missing".into()))?;
@@ -544,7 +811,7 @@ async fn setup(shared: &Shared) -> Result<u128> {
         .batch_execute("COMMIT")
         .await
         .map_err(|e| fail_commit(&e).error())?;
-    Ok(u128::from_be_bytes(id))
+    Ok((u128::from_be_bytes(id), found))
 }
 
 /// Reads the columns of a records row.
@@ -627,20 +894,29 @@ async fn load_records(conn: &Conn, keys: &[Vec<u8>], base: &mut Base) -> Result<
 }
 
 /// Locks and reads the bindings the batch needs, then reads (without
-/// locking) the records they name that are not loaded yet.
-async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Result<(), Fail> {
+/// locking) the records they name that are not loaded yet. When it locked
+/// bindings, returns the store's time read after those locks (in the same
+/// flight), since waiting for them may have taken any time.
+async fn load_bindings(
+    shared: &Shared,
+    conn: &Conn,
+    ops: &[(Key, Op)],
+    base: &mut Base,
+) -> Result<Option<u64>, Fail> {
     let needed: Vec<Vec<u8>> = decide::bindings_needed(base, ops)
         .into_iter()
         .filter(|b| !base.bindings.contains_key(b))
         .collect();
     if needed.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
-    let rows = conn
-        .client
-        .query(&conn.st.lock_bindings, &[&needed])
-        .await
-        .map_err(|e| fail(&e))?;
+    let params: [&(dyn ToSql + Sync); 1] = [&needed];
+    let (rows, now) = tokio::join!(
+        conn.client.query(&conn.st.lock_bindings, &params),
+        read_time(shared, conn)
+    );
+    let rows = rows.map_err(|e| fail(&e))?;
+    let now = now?;
     for b in &needed {
         base.bindings.insert(b.clone(), None);
     }
@@ -658,7 +934,7 @@ async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Resul
         .cloned()
         .collect();
     if holders.is_empty() {
-        return Ok(());
+        return Ok(Some(now));
     }
     let holders: Vec<Vec<u8>> = holders.into_iter().collect();
     let rows = conn
@@ -673,7 +949,7 @@ async fn load_bindings(conn: &Conn, ops: &[(Key, Op)], base: &mut Base) -> Resul
         let rc = row_columns(row)?;
         base.records.insert(rc.key.clone(), decide::slot_of(&rc));
     }
-    Ok(())
+    Ok(Some(now))
 }
 
 /// How many tokens to draw.
@@ -854,8 +1130,12 @@ async fn attempt(
     let lock_key = shared.sql.token_lock;
     // The first flight: begin; for an import, raise the sequence under the
     // exclusive token lock (no draw may overtake the raise); lock and read
-    // the rows; read the clock (after the lock, so that a wait for a lock
-    // does not age the batch's time); draw tokens.
+    // the rows; draw tokens under the shared token lock; read the clock
+    // last (after every lock of the flight, so that a wait for a row or
+    // for the token lock, which an import holds while it waits for rows of
+    // its own, never ages the batch's time: a claim is never answered with
+    // a lease that lapsed while it waited).
+    conn.commit_sent.store(false, Ordering::SeqCst);
     let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
     let raise = async {
         if let Some(floor) = floor {
@@ -879,7 +1159,7 @@ async fn attempt(
             Ok(Vec::new())
         }
     };
-    let (begin, raise, rows, clock, draw) = tokio::join!(begin, raise, rows, clock, draw);
+    let (begin, raise, rows, draw, clock) = tokio::join!(begin, raise, rows, draw, clock);
     begin.map_err(|e| fail(&e))?;
     raise.map_err(|e| fail(&e))?;
     let rows = rows.map_err(|e| fail(&e))?;
@@ -887,10 +1167,13 @@ async fn attempt(
     let first_draw = draw?;
     let mut base = Base::default();
     fill_records(&keys, &rows, &mut base)?;
-    let now = time_from(shared, clock.as_deref())?;
+    let mut now = time_from(shared, clock.as_deref())?;
     let mut first_draw = Some(first_draw);
     for round in 0..MAX_ROUNDS {
-        load_bindings(conn, ops, &mut base).await?;
+        if let Some(later) = load_bindings(shared, conn, ops, &mut base).await? {
+            // The bindings' locks may have been waited for.
+            now = later;
+        }
         let mut tokens = first_draw.take().unwrap_or_default();
         let mut exhausted = false;
         let decided = loop {
@@ -923,6 +1206,7 @@ async fn attempt(
             // record inserts, sent strict: a key inserted meanwhile by
             // another transaction fails the insert, and the COMMIT behind
             // it then rolls the whole transaction back (Fail::Contended).
+            conn.commit_sent.store(true, Ordering::SeqCst);
             let (written, committed) =
                 tokio::join!(send_writes(conn, &w, strict), c.batch_execute("COMMIT"));
             match written {
@@ -958,7 +1242,13 @@ async fn attempt(
             .await
             .map_err(|e| fail(&e))?;
         base = Base::default();
-        load_records(conn, &keys, &mut base).await?;
+        // The clock again after the new locks (one flight).
+        let (loaded, later) = tokio::join!(
+            load_records(conn, &keys, &mut base),
+            read_time(shared, conn)
+        );
+        loaded?;
+        now = later?;
     }
     Err(Fail::Retry(format!(
         "the batch lost its compare-and-set {MAX_ROUNDS} times in a row"
@@ -967,6 +1257,7 @@ async fn attempt(
 
 /// Commits the open transaction.
 async fn commit(conn: &Conn) -> Result<(), Fail> {
+    conn.commit_sent.store(true, Ordering::SeqCst);
     conn.client
         .batch_execute("COMMIT")
         .await
@@ -989,9 +1280,14 @@ async fn ensure<'a>(shared: &Shared, slot: &'a mut Option<Conn>) -> Result<&'a C
 /// is unknown.
 async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
     let keep = match (slot.as_ref(), failure) {
-        (Some(conn), Fail::Retry(_) | Fail::Contended(_) | Fail::Refused(_) | Fail::Storage(_)) => {
-            !conn.client.is_closed() && conn.client.batch_execute("ROLLBACK").await.is_ok()
-        }
+        (
+            Some(conn),
+            Fail::Retry(_)
+            | Fail::Contended(_)
+            | Fail::Refused(_)
+            | Fail::Storage(_)
+            | Fail::Config(..),
+        ) => !conn.client.is_closed() && conn.client.batch_execute("ROLLBACK").await.is_ok(),
         _ => false,
     };
     if !keep {
@@ -1072,6 +1368,7 @@ async fn run_sweep(shared: &Shared, slot: &mut Option<Conn>, max: usize) -> Resu
     let done = async {
         let conn = ensure(shared, slot).await?;
         let c = &conn.client;
+        conn.commit_sent.store(false, Ordering::SeqCst);
         c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED")
             .await
             .map_err(|e| fail(&e))?;
@@ -1239,55 +1536,115 @@ fn answer_batch(
     }
 }
 
-/// One connection's worker: takes what is queued, runs it, answers.
-async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedReceiver<Job>>>) {
+/// One connection's worker: takes what is queued, runs it, answers. Every
+/// job runs under its call's deadline: one that expired in the queue is
+/// answered `Unavailable` without running; one whose deadline passes while
+/// it runs has its connection dropped and is answered `Unavailable`
+/// before its `COMMIT` was sent, `OutcomeUnknown` after.
+async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedReceiver<Queued>>>) {
     let mut conn: Option<Conn> = None;
-    let mut held: Option<Job> = None;
+    let mut held: Option<Queued> = None;
     loop {
         let mut batch: Vec<(Key, Op)> = Vec::new();
         let mut replies = Vec::new();
+        let mut permits = Vec::new();
+        let mut deadline: Option<Instant> = None;
         let mut other = held.take();
         if other.is_none() {
             let mut q = queue.lock().await;
             let Some(first) = q.recv().await else { return };
             let mut next = Some(first);
-            while let Some(job) = next.take() {
+            while let Some(queued) = next.take() {
+                let Queued {
+                    job,
+                    deadline: due,
+                    permit,
+                } = queued;
+                if due <= Instant::now() {
+                    job.fail(expired_in_queue());
+                    drop(permit);
+                    next = q.try_recv().ok();
+                    continue;
+                }
                 match job {
                     Job::Apply { key, op, reply } => {
                         batch.push((key, op));
                         replies.push(reply);
+                        permits.push(permit);
+                        deadline = Some(deadline.map_or(due, |d| d.min(due)));
                         if batch.len() < MAX_BATCH {
                             next = q.try_recv().ok();
                         }
                     }
                     job => {
+                        let queued = Queued {
+                            job,
+                            deadline: due,
+                            permit,
+                        };
                         if batch.is_empty() {
-                            other = Some(job);
+                            other = Some(queued);
                         } else {
-                            held = Some(job);
+                            held = Some(queued);
                         }
                     }
                 }
             }
         }
-        if !batch.is_empty() {
+        if let Some(due) = deadline {
+            not_committing(&conn);
             let started = Instant::now();
-            let result = run_batch(&shared, &mut conn, &batch, None).await;
+            let run = run_batch(&shared, &mut conn, &batch, None);
+            let result = match tokio::time::timeout_at(due.into(), run).await {
+                Ok(result) => result,
+                Err(_) => Err(expire(&mut conn)),
+            };
             answer_batch(&shared, replies, result, started);
+            drop(permits);
         }
-        if let Some(job) = other {
-            run_job(&shared, &mut conn, job).await;
+        if let Some(queued) = other {
+            run_job(&shared, &mut conn, queued).await;
         }
     }
 }
 
-/// Runs a job other than a group-committed request.
-async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
+/// Marks the connection as not committing, before a job starts on it.
+fn not_committing(slot: &Option<Conn>) {
+    if let Some(c) = slot {
+        c.commit_sent.store(false, Ordering::SeqCst);
+    }
+}
+
+/// Runs `work` on the worker's connection until `due`; past it, the
+/// connection is dropped and the failure says whether the commit was sent.
+async fn until<T>(
+    due: Instant,
+    conn: &mut Option<Conn>,
+    work: impl AsyncFnOnce(&mut Option<Conn>) -> Result<T, Fail>,
+) -> Result<T, Fail> {
+    not_committing(conn);
+    match tokio::time::timeout_at(due.into(), work(conn)).await {
+        Ok(result) => result,
+        Err(_) => Err(expire(conn)),
+    }
+}
+
+/// Runs a job other than a group-committed request, under its deadline.
+async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
+    let Queued {
+        job,
+        deadline: due,
+        permit,
+    } = queued;
+    if due <= Instant::now() {
+        job.fail(expired_in_queue());
+        return;
+    }
     match job {
         Job::Apply { key, op, reply } => {
             let started = Instant::now();
             let ops = [(key, op)];
-            let result = run_batch(shared, conn, &ops, None).await;
+            let result = until(due, conn, async |c| run_batch(shared, c, &ops, None).await).await;
             answer_batch(shared, vec![reply], result, started);
         }
         Job::Many {
@@ -1296,7 +1653,11 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
             reply,
         } => {
             let started = Instant::now();
-            let answer = match run_batch(shared, conn, &ops, token_floor).await {
+            let result = until(due, conn, async |c| {
+                run_batch(shared, c, &ops, token_floor).await
+            })
+            .await;
+            let answer = match result {
                 Ok((answers, events)) => {
                     shared.counters.publish(events);
                     shared.counters.group_commit(started.elapsed(), ops.len());
@@ -1307,33 +1668,51 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, job: Job) {
             let _ = reply.send(answer);
         }
         Job::Get { key, reply } => {
-            let _ = reply.send(run_get(shared, conn, &key).await);
+            let got = until(due, conn, async |c| Ok(run_get(shared, c, &key).await)).await;
+            let _ = reply.send(got.unwrap_or_else(|f| Err(f.error())));
         }
         Job::Sweep { max, reply } => {
-            let _ = reply.send(run_sweep(shared, conn, max).await);
+            let swept = until(due, conn, async |c| Ok(run_sweep(shared, c, max).await)).await;
+            let _ = reply.send(swept.unwrap_or_else(|f| Err(f.error())));
         }
         Job::Now { reply } => {
-            let _ = reply.send(run_read(shared, conn, read_time).await);
+            let read = until(
+                due,
+                conn,
+                async |c| Ok(run_read(shared, c, read_time).await),
+            )
+            .await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
         Job::NextToken { reply } => {
-            let _ = reply.send(run_read(shared, conn, read_next_token).await);
+            let read = until(due, conn, async |c| {
+                Ok(run_read(shared, c, read_next_token).await)
+            })
+            .await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
         Job::Len { reply } => {
-            let _ = reply.send(run_read(shared, conn, read_len).await);
+            let read = until(due, conn, async |c| Ok(run_read(shared, c, read_len).await)).await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
     }
+    drop(permit);
 }
 
 impl Postgres {
     /// Connects to the database at `url` (a `postgresql://` URL or a
-    /// `key=value` connection string), creates the schema on first use (or
-    /// checks its version), and starts the driver thread.
+    /// `key=value` connection string), checks the schema's version with one
+    /// read (no DDL when it is current), creates the schema when it holds
+    /// no store (or runs the DDL whatever its version with
+    /// `options.migrate`), and starts the driver thread.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for a bad URL, schema name, retention or
     /// connection count; [`Error::Unavailable`] when the server cannot be
-    /// reached; [`Error::IncompatibleSchema`] when the schema was written by
-    /// a newer version.
+    /// reached; [`Error::Misconfigured`] for a configuration fault (a
+    /// schema written by a newer version, a schema to create that this
+    /// role may not create, a missing grant, …);
+    /// [`Error::IncompatibleSchema`] for malformed meta rows.
     pub(crate) fn connect(url: &str, options: PgOptions) -> Result<Postgres> {
         let sql = Sql::new(&options.schema)?;
         if options.retention_ms == 0 {
@@ -1351,9 +1730,31 @@ impl Postgres {
         if config.get_application_name().is_none() {
             config.application_name("idemstore");
         }
+        options.limits.check()?;
+        let limits = options.limits;
+        // What the URL sets wins; the limits fill in the rest.
         if config.get_connect_timeout().is_none() {
-            config.connect_timeout(CONNECT_TIMEOUT);
+            config.connect_timeout(limits.connect_timeout);
         }
+        // tokio-postgres's default idle time (2 hours) stands for unset.
+        if config.get_keepalives() && config.get_keepalives_idle() == Duration::from_secs(2 * 3600)
+        {
+            config.keepalives_idle(limits.keepalive_idle);
+            config.keepalives_interval(KEEPALIVE_INTERVAL);
+            config.keepalives_retries(KEEPALIVE_RETRIES);
+        }
+        let ms = |d: Duration| d.as_millis();
+        let session = format!(
+            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={}",
+            ms(limits.statement_timeout),
+            ms(limits.lock_timeout),
+            ms(limits.idle_in_transaction_timeout),
+        );
+        let options_text = match config.get_options() {
+            Some(given) => format!("{session} {given}"),
+            None => session,
+        };
+        config.options(&options_text);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -1366,6 +1767,8 @@ impl Postgres {
             clock: options.clock,
             retention_ms: options.retention_ms,
             must_exist: options.must_exist,
+            migrate: options.migrate,
+            limits: options.limits,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
         });
@@ -1388,25 +1791,81 @@ impl Postgres {
         let mut pg = Postgres {
             shared: Arc::clone(&shared),
             jobs: Some(jobs),
+            room: Arc::new(tokio::sync::Semaphore::new(limits.queue)),
             handle,
             store_id: 0,
+            found: Found::Current,
             thread: Some(thread),
         };
         let (tx, rx) = oneshot::channel();
+        let due = tokio::time::Instant::now() + limits.call_timeout;
         pg.handle.spawn(async move {
-            let _ = tx.send(setup(&shared).await);
+            let done = match tokio::time::timeout_at(due, setup(&shared)).await {
+                Ok(done) => done,
+                Err(_) => Err(Error::Unavailable {
+                    detail: "connecting took longer than PostgresLimits::call_timeout".into(),
+                }),
+            };
+            let _ = tx.send(done);
         });
-        pg.store_id = rx.recv().map_err(|_| Error::Closed)??;
+        let (id, found) = rx.recv().map_err(|_| Error::Closed)??;
+        pg.store_id = id;
+        pg.found = found;
         Ok(pg)
     }
 
-    /// Sends `job` to the driver thread.
+    /// What connecting found the schema to be (current, or created by
+    /// this connection).
+    pub(crate) fn found(&self) -> Found {
+        self.found
+    }
+
+    /// Sends `job` to the driver thread, with the call's deadline
+    /// (`call_timeout` from now). When the queue is full, a task on the
+    /// driver thread waits for room until the deadline, then answers the
+    /// job [`Error::Unavailable`]; the caller waits on the job's answer
+    /// either way.
     fn send(&self, job: Job) -> Result<()> {
-        self.jobs
-            .as_ref()
-            .ok_or(Error::Closed)?
-            .send(job)
-            .map_err(|_| Error::Closed)
+        let jobs = self.jobs.as_ref().ok_or(Error::Closed)?;
+        let timeout = self.shared.limits.call_timeout;
+        let now = Instant::now();
+        let deadline = now.checked_add(timeout).unwrap_or(now);
+        match Arc::clone(&self.room).try_acquire_owned() {
+            Ok(permit) => jobs
+                .send(Queued {
+                    job,
+                    deadline,
+                    permit,
+                })
+                .map_err(|_| Error::Closed),
+            Err(tokio::sync::TryAcquireError::Closed) => Err(Error::Closed),
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                let jobs = jobs.clone();
+                let room = Arc::clone(&self.room);
+                self.handle.spawn(async move {
+                    let waited = tokio::time::timeout_at(deadline.into(), room.acquire_owned());
+                    match waited.await {
+                        Ok(Ok(permit)) => {
+                            let queued = Queued {
+                                job,
+                                deadline,
+                                permit,
+                            };
+                            if let Err(back) = jobs.send(queued) {
+                                back.0.job.fail(Error::Closed);
+                            }
+                        }
+                        Ok(Err(_)) => job.fail(Error::Closed),
+                        Err(_) => job.fail(Error::Unavailable {
+                            detail: "the engine's queue stayed full until the call's deadline \
+                                     (PostgresLimits::queue, call_timeout)"
+                                .into(),
+                        }),
+                    }
+                });
+                Ok(())
+            }
+        }
     }
 
     /// Sends a job built around a reply channel and waits for the answer.
@@ -1506,6 +1965,7 @@ impl Postgres {
             requests: req_tx,
             buffered: VecDeque::new(),
             done: false,
+            timeout: self.shared.limits.call_timeout,
         };
         // The snapshot is taken with the first page, before returning.
         entries.fill()?;
@@ -1733,10 +2193,14 @@ struct Entries {
     buffered: VecDeque<(Vec<u8>, Vec<u8>)>,
     /// Whether the scan ended (an empty page or an error).
     done: bool,
+    /// How long one page may take.
+    timeout: Duration,
 }
 
 impl Entries {
     /// Fetches the next page into the buffer; an empty page ends the scan.
+    /// A page that takes longer than the call timeout ends the scan with
+    /// [`Error::Unavailable`].
     fn fill(&mut self) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         if self.requests.send(tx).is_err() {
@@ -1745,7 +2209,18 @@ impl Entries {
                 detail: "the scan's connection ended".into(),
             });
         }
-        match rx.recv() {
+        let answer = match rx.recv_timeout(self.timeout) {
+            Ok(answer) => Ok(answer),
+            Err(oneshot::RecvTimeoutError::Timeout) => {
+                self.done = true;
+                return Err(Error::Unavailable {
+                    detail: "a page of the scan took longer than PostgresLimits::call_timeout"
+                        .into(),
+                });
+            }
+            Err(oneshot::RecvTimeoutError::Disconnected) => Err(()),
+        };
+        match answer {
             Ok(Ok(page)) => {
                 if page.is_empty() {
                     self.done = true;

@@ -77,6 +77,10 @@ pub(crate) struct Sql {
     pub lock_bindings: String,
     /// The database clock, ms since the epoch.
     pub clock: String,
+    /// The database clock (ms since the epoch) and whether the session's
+    /// transaction has an id (`complete_in`: after locking a row, true
+    /// only inside a transaction block).
+    pub txn_probe: String,
     /// Draws up to `$1` tokens from the sequence (fewer when it nears its
     /// end).
     pub draw_tokens: String,
@@ -127,6 +131,19 @@ impl Sql {
         check_schema_name(schema)?;
         let s = format!("\"{schema}\"");
         let cols = "key, record, token, state, created_ms, lease_until_ms, expires_ms";
+        // The sequence's last value, read through a function that needs
+        // only USAGE on the sequence, so that a runtime role needs no
+        // SELECT on it. It is NULL while nothing was drawn since the
+        // sequence was created (or restarted by hand), when the position is
+        // unknown without SELECT: then a draw takes one token (always
+        // possible), and a read of the position draws one to learn it (a
+        // token skipped, never handed out twice).
+        let lv = format!("pg_sequence_last_value('{s}.tokens'::regclass)");
+        let room = format!(
+            "CASE WHEN {lv} IS NULL THEN 1 ELSE {max} - {lv} END",
+            max = crate::MAX_TOKEN - 1
+        );
+        let last = format!("COALESCE({lv}, nextval('{s}.tokens'))");
         Ok(Sql {
             schema: schema.to_string(),
             ddl_lock: stable_hash(&format!("idemstore.ddl.{schema}")),
@@ -140,13 +157,14 @@ impl Sql {
                  ORDER BY binding FOR UPDATE"
             ),
             clock: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".into(),
+            txn_probe: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                        pg_current_xact_id_if_assigned() IS NOT NULL"
+                .into(),
             // Never past the end in one statement: a draw that fails half
             // way would lose the tokens it already took.
             draw_tokens: format!(
                 "SELECT nextval('{s}.tokens') FROM generate_series(1, LEAST($1::bigint, \
-                 (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
-                 FROM {s}.tokens)))",
-                max = crate::MAX_TOKEN - 1
+                 {room}))"
             ),
             draw_estimate: format!(
                 "WITH t AS (SELECT COALESCE($2::bigint, \
@@ -156,9 +174,7 @@ impl Sql {
                  (SELECT count(*) FROM c CROSS JOIN t LEFT JOIN {s}.records r ON r.key = c.k \
                   WHERE r.key IS NULL OR r.expires_ms <= t.now OR r.state = 3 \
                   OR (r.state = 0 AND r.lease_until_ms <= t.now)), \
-                 (SELECT {max} - last_value + (CASE WHEN is_called THEN 0 ELSE 1 END) \
-                  FROM {s}.tokens)))",
-                max = crate::MAX_TOKEN - 1
+                 {room}))"
             ),
             insert_records: format!(
                 "INSERT INTO {s}.records ({cols}) \
@@ -215,10 +231,10 @@ impl Sql {
                  AND (expires_ms, key) > ($3, $4) \
                  ORDER BY expires_ms, key LIMIT $2 FOR UPDATE SKIP LOCKED"
             ),
-            next_token: format!("SELECT last_value, is_called FROM {s}.tokens"),
+            next_token: format!("SELECT {last}, true"),
             raise_tokens: format!(
-                "SELECT setval('{s}.tokens', $1::bigint - 1, true) FROM {s}.tokens \
-                 WHERE last_value + (CASE WHEN is_called THEN 1 ELSE 0 END) < $1::bigint"
+                "SELECT setval('{s}.tokens', $1::bigint - 1, true) \
+                 FROM (SELECT {last} AS last) AS c WHERE c.last + 1 < $1::bigint"
             ),
             count: format!("SELECT count(*) FROM {s}.records"),
             range: format!(
@@ -263,6 +279,12 @@ impl Sql {
     /// Reads one meta value by name.
     pub(crate) fn read_meta(&self) -> String {
         format!("SELECT value FROM \"{}\".meta WHERE name = $1", self.schema)
+    }
+
+    /// Reads every meta row (name, value): the version check of a
+    /// connect, which sends no DDL.
+    pub(crate) fn read_meta_all(&self) -> String {
+        format!("SELECT name, value FROM \"{}\".meta", self.schema)
     }
 
     /// Writes one meta value (first writer wins).

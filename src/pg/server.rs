@@ -54,6 +54,10 @@ pub struct ServerOptions {
     /// issued by a throwaway CA ([`TestServer::root_cert`]); needs the
     /// `openssl` command.
     pub tls: bool,
+    /// Load `pg_stat_statements` (`shared_preload_libraries`), for tests
+    /// that count the statements the engine sends; the test creates the
+    /// extension.
+    pub stat_statements: bool,
 }
 
 fn running_as_root() -> bool {
@@ -260,6 +264,9 @@ impl TestServer {
             if options.fsync { "on" } else { "off" },
             sock = dir.display(),
         );
+        if options.stat_statements {
+            opts.push_str(" -c shared_preload_libraries=pg_stat_statements");
+        }
         if options.tls {
             make_certs(&dir)?;
             opts.push_str(&format!(

@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::server::TestServer;
 use super::{PgOptions, Postgres};
 use crate::clock::ManualClock;
-use crate::error::Error;
+use crate::error::{ConfigFault, Error};
 use crate::key::{Fingerprint, Key};
 use crate::record::{ClaimOutcome, ImportResult, Lease, Op, Record, Reply, State};
 
@@ -54,6 +54,8 @@ fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
         retention_ms: RETENTION,
         connections: 4,
         must_exist: false,
+        migrate: false,
+        limits: crate::config::PostgresLimits::default(),
     };
     Postgres::connect(url, options).unwrap()
 }
@@ -879,7 +881,16 @@ fn a_newer_schema_version_is_refused() {
         ..PgOptions::default()
     };
     let err = Postgres::connect(server().url(), options).unwrap_err();
-    assert!(matches!(err, Error::IncompatibleSchema { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured {
+                fault: ConfigFault::SchemaTooNew,
+                ..
+            }
+        ),
+        "{err}"
+    );
     let bad = PgOptions {
         schema: "no-dashes".into(),
         ..PgOptions::default()
@@ -926,7 +937,7 @@ fn a_server_that_goes_away_is_unavailable_until_it_is_back() {
     }
     let own = match TestServer::start_own(super::server::ServerOptions {
         fsync: true,
-        tls: false,
+        ..super::server::ServerOptions::default()
     }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
@@ -1099,7 +1110,11 @@ fn lifecycles_per_second() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(16);
-    let own = match TestServer::start_own(super::server::ServerOptions { fsync, tls: false }) {
+    let own = match TestServer::start_own(super::server::ServerOptions {
+        fsync,
+        tls: false,
+        stat_statements: false,
+    }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
     };
@@ -1232,8 +1247,8 @@ fn tls_follows_sslmode() {
         return;
     }
     let own = match TestServer::start_own(super::server::ServerOptions {
-        fsync: false,
         tls: true,
+        ..super::server::ServerOptions::default()
     }) {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
@@ -1260,11 +1275,30 @@ fn tls_follows_sslmode() {
     // A certificate from an unknown CA is refused under verify-full.
     let url = format!("{}?sslmode=verify-full", own.url());
     let err = Postgres::connect(&url, PgOptions::default()).unwrap_err();
-    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Misconfigured {
+                fault: ConfigFault::Tls,
+                ..
+            }
+        ),
+        "{err}"
+    );
     // A throwaway server without TLS: require cannot connect.
     if std::env::var(super::server::URL_ENV).is_err() {
         let url = format!("{}?sslmode=require", server().url());
-        assert!(Postgres::connect(&url, PgOptions::default()).is_err());
+        let err = Postgres::connect(&url, PgOptions::default()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Misconfigured {
+                    fault: ConfigFault::Tls,
+                    ..
+                }
+            ),
+            "{err}"
+        );
     }
 }
 
@@ -1320,4 +1354,240 @@ fn corrupt_rows_do_not_hold_a_sweep_back() {
     assert_eq!(pg.sweep(2).unwrap(), 2, "the two sound rows behind them");
     assert_eq!(pg.sweep(2).unwrap(), 0);
     assert_eq!(pg.len().unwrap(), 2, "the damaged rows stay for check");
+}
+
+/// `url` (its host and port) as a key=value connection string for `user`
+/// (with `password`, if any) and database `db`.
+fn url_as(url: &str, user: &str, password: Option<&str>, db: &str) -> String {
+    let config: tokio_postgres::Config = url.parse().unwrap();
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "127.0.0.1".into(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let mut out = format!("host={host} port={port} user={user} dbname={db}");
+    if let Some(pw) = password {
+        out.push_str(&format!(" password={pw}"));
+    }
+    out
+}
+
+/// The fault of a refused connect, or a panic naming what came instead.
+fn fault_of(url: &str, schema: &str) -> ConfigFault {
+    let options = PgOptions {
+        schema: schema.to_string(),
+        ..PgOptions::default()
+    };
+    match Postgres::connect(url, options) {
+        Err(Error::Misconfigured { fault, detail }) => {
+            assert!(!detail.is_empty());
+            fault
+        }
+        Err(other) => panic!("expected Misconfigured, got {other:?}"),
+        Ok(_) => panic!("connected"),
+    }
+}
+
+#[test]
+fn configuration_faults_are_misconfigured_not_unavailable() {
+    if skipped() {
+        return;
+    }
+    let url = server().url();
+    let name = schema("faults");
+    drop(open_with(&name, None));
+    let current: tokio_postgres::Config = url.parse().unwrap();
+    let user = current.get_user().unwrap_or("postgres").to_string();
+    let db = current.get_dbname().unwrap_or("postgres").to_string();
+    let tag = format!("{}_{}", std::process::id(), name.len());
+    // No such database.
+    let missing_db = url_as(url, &user, None, &format!("no_such_db_{tag}"));
+    assert_eq!(fault_of(&missing_db, &name), ConfigFault::DatabaseMissing);
+    // No such role, and a role that may not log in.
+    let ghost = url_as(url, &format!("no_such_role_{tag}"), None, &db);
+    assert_eq!(fault_of(&ghost, &name), ConfigFault::RoleRefused);
+    let nologin = format!("nologin_{tag}");
+    raw_sql(&format!("CREATE ROLE {nologin} NOLOGIN"));
+    assert_eq!(
+        fault_of(&url_as(url, &nologin, None, &db), &name),
+        ConfigFault::RoleRefused
+    );
+    // A role without any privilege on the store's schema.
+    let bare = format!("bare_{tag}");
+    raw_sql(&format!("CREATE ROLE {bare} LOGIN"));
+    assert_eq!(
+        fault_of(&url_as(url, &bare, None, &db), &name),
+        ConfigFault::PermissionDenied
+    );
+    // An unreachable server stays Unavailable (retry as is).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let err = Postgres::connect(
+        &format!("postgresql://postgres@127.0.0.1:{port}/postgres"),
+        PgOptions::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err}");
+}
+
+#[test]
+fn a_wrong_password_is_misconfigured() {
+    if skipped() {
+        return;
+    }
+    // A server of its own: its pg_hba.conf is rewritten to ask one role
+    // for a password.
+    let own = match TestServer::start_own(super::server::ServerOptions::default()) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(own.url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .batch_execute("CREATE ROLE pw_user LOGIN PASSWORD 'right'")
+            .await
+            .unwrap();
+        let hba: String = client.query_one("SHOW hba_file", &[]).await.unwrap().get(0);
+        client
+            .batch_execute(&format!(
+                "COPY (VALUES ('local all all trust'), \
+                 ('host all pw_user 0.0.0.0/0 scram-sha-256'), \
+                 ('host all all 0.0.0.0/0 trust')) TO '{hba}'; SELECT pg_reload_conf()"
+            ))
+            .await
+            .unwrap();
+    });
+    let right = url_as(own.url(), "pw_user", Some("right"), "postgres");
+    let wrong = url_as(own.url(), "pw_user", Some("wrong"), "postgres");
+    // The reload takes effect for connections after it: wait until the
+    // password is asked for (hang guard).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let asked = rt.block_on(async {
+            tokio_postgres::connect(&wrong, tokio_postgres::NoTls)
+                .await
+                .is_err()
+        });
+        if asked {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pg_hba.conf never reloaded"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        fault_of(&wrong, "pw_store"),
+        ConfigFault::AuthenticationFailed
+    );
+    // The right password gets as far as the schema, which pw_user may not
+    // create.
+    assert_eq!(fault_of(&right, "pw_store"), ConfigFault::SchemaNotMigrated);
+}
+
+#[test]
+fn a_runtime_role_without_create_runs_a_migrated_store() {
+    if skipped() {
+        return;
+    }
+    let url = server().url();
+    let name = schema("runtime");
+    let current: tokio_postgres::Config = url.parse().unwrap();
+    let db = current.get_dbname().unwrap_or("postgres").to_string();
+    let role = format!("rt_{}_{}", std::process::id(), name.len());
+    raw_sql(&format!("CREATE ROLE {role} LOGIN"));
+    let as_role = url_as(url, &role, None, &db);
+    let options = |schema: &str| PgOptions {
+        schema: schema.to_string(),
+        connections: 2,
+        ..PgOptions::default()
+    };
+    // Before the migration the runtime role cannot create the store.
+    match Postgres::connect(&as_role, options(&name)) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaNotMigrated,
+            detail,
+        }) => assert!(detail.contains("idemstore migrate"), "{detail}"),
+        other => panic!("expected SchemaNotMigrated, got {other:?}"),
+    }
+    // The deploy's migration (what idemstore::postgres::migrate runs), by
+    // a role that may create; idempotent.
+    let migrate = || PgOptions {
+        schema: name.clone(),
+        connections: 1,
+        migrate: true,
+        ..PgOptions::default()
+    };
+    let done = Postgres::connect(url, migrate()).unwrap();
+    assert_eq!(done.found(), super::Found::Created);
+    drop(done);
+    let again = Postgres::connect(url, migrate()).unwrap();
+    assert_eq!(again.found(), super::Found::Current);
+    drop(again);
+    // Exactly the runtime grants: no CREATE anywhere, so a connect that
+    // sent any DDL would fail.
+    raw_sql(&format!("GRANT USAGE ON SCHEMA \"{name}\" TO {role}"));
+    raw_sql(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{name}\" TO {role}"
+    ));
+    raw_sql(&format!(
+        "GRANT USAGE ON SEQUENCE \"{name}\".tokens TO {role}"
+    ));
+    let pg = Postgres::connect(&as_role, options(&name)).unwrap();
+    assert_eq!(pg.found(), super::Found::Current);
+    let first = pg.next_token().unwrap();
+    let lease = acquired(pg.apply(&key("rt-1"), claim_bk(b"a", "T-1")).unwrap());
+    assert_eq!(lease.token(), first);
+    let done = record(
+        pg.apply(
+            &key("rt-1"),
+            Op::Complete {
+                token: lease.token(),
+                result: b"r".to_vec(),
+            },
+        )
+        .unwrap(),
+    );
+    assert_eq!(done.state, State::Succeeded);
+    assert!(matches!(
+        pg.apply(&key("rt-1"), claim_bk(b"a", "T-1")).unwrap(),
+        Reply::Claim(ClaimOutcome::Replay(_))
+    ));
+    let other = acquired(pg.apply(&key("rt-2"), claim(b"b")).unwrap());
+    assert!(other.token() > lease.token());
+    let released = pg
+        .apply(
+            &key("rt-2"),
+            Op::Release {
+                token: other.token(),
+            },
+        )
+        .unwrap();
+    assert!(matches!(released, Reply::Released), "{released:?}");
+    assert_eq!(
+        pg.get(&key("rt-1")).unwrap().unwrap().state,
+        State::Succeeded
+    );
+    assert_eq!(pg.len().unwrap(), 1);
+    assert_eq!(pg.entries(vec![(Vec::new(), None)]).unwrap().count(), 1);
+    assert_eq!(pg.sweep(10).unwrap(), 0);
+    assert!(pg.next_token().unwrap() > other.token());
+    drop(pg);
+    // The same role's store in a schema of a newer version is refused as
+    // too new, without DDL.
+    raw_sql(&format!(
+        "UPDATE \"{name}\".meta SET value = '\\x00000002'::bytea WHERE name = 'version'"
+    ));
+    assert_eq!(fault_of(&as_role, &name), ConfigFault::SchemaTooNew);
 }

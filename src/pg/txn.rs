@@ -33,11 +33,20 @@ where
     match decide_and_write(client, shared, lease, op).await {
         Ok(record) => Ok(record),
         Err(Refusal::Server(f)) => Err(f.error()),
-        Err(Refusal::Decision(error)) => {
-            abort(client, &error).await;
-            Err(error)
-        }
+        Err(Refusal::Decision(error)) => Err(refuse(client, error).await),
     }
+}
+
+/// Aborts the caller's transaction for `error` (refused before anything
+/// was sent, or by the decision) and gives the error back: every error of
+/// `complete_in` and `fail_in` leaves the caller's transaction unable to
+/// commit.
+pub(crate) async fn refuse<C>(client: &C, error: Error) -> Error
+where
+    C: GenericClient + Sync,
+{
+    abort(client, &error).await;
+    error
 }
 
 /// Why a completion did not happen.
@@ -96,17 +105,26 @@ where
             base.bindings.insert(b, Some(k));
         }
     }
-    // The clock after the lock, as the engine reads it.
-    let clock = match shared.clock {
-        Some(_) => None,
-        None => Some(
-            client
-                .query(sql.clock.as_str(), &[])
-                .await
-                .map_err(|e| fail(&e))?,
-        ),
+    // The clock after the last lock wait, as the engine reads it, and
+    // whether the client is inside a transaction block: the row was locked
+    // above, which assigned this transaction an id if it is one; outside a
+    // block this statement runs in a fresh transaction that has none.
+    let probe = client
+        .query(sql.txn_probe.as_str(), &[])
+        .await
+        .map_err(|e| fail(&e))?;
+    let now = time_from(shared, Some(&probe))?;
+    let in_block: bool = probe
+        .first()
+        .ok_or_else(|| Fail::Storage("the clock query returned no row".into()))?
+        .try_get(1)
+        .map_err(|e| read_error(&e))?;
+    // Outside a transaction block each write commits on its own: once the
+    // update is sent, a lost answer leaves the outcome unknown.
+    let sent = |e: tokio_postgres::Error| match fail(&e) {
+        Fail::Lost(detail) if !in_block => Fail::Unknown(detail),
+        other => other,
     };
-    let now = time_from(shared, clock.as_deref())?;
     let pass = Pass {
         now_ms: now,
         retention_ms: shared.retention_ms,
@@ -145,7 +163,7 @@ where
     let updated = client
         .query(sql.update_processing_records.as_str(), &params)
         .await
-        .map_err(|e| fail(&e))?;
+        .map_err(sent)?;
     if updated.len() != uk.len() {
         // The row is locked by this transaction: a compare-and-set that
         // misses means the row is not what was read.
@@ -159,20 +177,20 @@ where
         client
             .query(sql.update_bindings.as_str(), &params)
             .await
-            .map_err(|e| fail(&e))?;
+            .map_err(sent)?;
     }
     for (b, seen) in &w.bind_deletes {
         let params: [&(dyn ToSql + Sync); 2] = [&vec![b], &vec![seen]];
         client
             .query(sql.delete_bindings.as_str(), &params)
             .await
-            .map_err(|e| fail(&e))?;
+            .map_err(sent)?;
     }
     Ok(record)
 }
 
 fn read_error(e: &tokio_postgres::Error) -> Fail {
-    Fail::Storage(format!("reading a bindings row: {}", describe(e)))
+    Fail::Storage(format!("reading a row: {}", describe(e)))
 }
 
 /// Makes the caller's transaction fail, so that it cannot commit the

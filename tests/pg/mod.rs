@@ -11,6 +11,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub mod proxy;
+
 use idemstore::postgres::server::TestServer;
 
 /// The URL of the server the PostgreSQL tests run on, or `None` (after

@@ -1,0 +1,236 @@
+//! Every wait of the PostgreSQL engine is bounded (feature `postgres`),
+//! on a real server behind a TCP proxy of the test's own
+//! (`tests/pg/proxy.rs`):
+//!
+//! - a half-open connection (the proxy stops forwarding, closing nothing):
+//!   every call returns by its deadline, `Unavailable` when its `COMMIT`
+//!   was not sent (and nothing was applied) and `OutcomeUnknown` when it
+//!   was (and it was applied); the store serves again once forwarding
+//!   resumes, and dropping it does not wait for the proxy;
+//! - a caller's `complete_in` transaction that holds a row longer than
+//!   `lock_timeout` holds a batch that includes that row no longer than
+//!   that, and no other key at all.
+//!
+//! The hang guards are generous bounds that only a hang reaches.
+//! `IDEMSTORE_SKIP_POSTGRES=1` skips these tests.
+
+mod common;
+mod pg;
+
+use std::sync::Arc;
+use std::sync::mpsc::channel;
+use std::time::Duration;
+
+use idemstore::postgres::complete_in;
+use idemstore::postgres::tokio_postgres::{self, NoTls};
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, PostgresLimits, State, Store,
+};
+use pg::proxy::{HANG_GUARD, Proxy, upstream_of, via};
+
+fn key(id: &str) -> Key {
+    Key::new("limits", id).expect("key")
+}
+
+fn fp() -> Fingerprint {
+    Fingerprint::of(b"payload")
+}
+
+/// Runs `call` on a thread of its own and returns its answer, failing the
+/// test if it has not returned within the hang guard.
+fn guarded<T: Send + 'static>(what: &str, call: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(call());
+    });
+    rx.recv_timeout(HANG_GUARD)
+        .unwrap_or_else(|_| panic!("{what} did not return: a wait is unbounded"))
+}
+
+fn claim(store: &Arc<Store>, id: &str) -> idemstore::Result<ClaimOutcome> {
+    let store = Arc::clone(store);
+    let k = key(id);
+    guarded(&format!("claim {id}"), move || {
+        store.claim(&k, &fp(), &ClaimOptions::new())
+    })
+}
+
+#[test]
+fn a_half_open_connection_bounds_every_call_and_the_store_recovers() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_half_open");
+    // Created directly; the store under test goes through the proxy.
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(2);
+    limits.connect_timeout = Duration::from_secs(1);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(2)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config).expect("connect"));
+    assert!(matches!(
+        claim(&store, "warm"),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+
+    // Half-open: nothing forwarded either way, nothing closed.
+    proxy.pause();
+    let err = claim(&store, "paused").unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    let s = Arc::clone(&store);
+    let err = guarded("get", move || s.get(&key("warm"))).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    let s = Arc::clone(&store);
+    let err = guarded("sweep", move || s.sweep(10)).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+
+    // Forwarding resumes: the store serves again, and the claim answered
+    // Unavailable was not applied.
+    proxy.resume();
+    match claim(&store, "paused") {
+        Ok(ClaimOutcome::Acquired(lease)) => assert!(!lease.is_takeover()),
+        other => panic!("expected a first acquisition, got {other:?}"),
+    }
+
+    // The answers are held from the COMMIT on: the outcome is unknown, and
+    // the claim was in fact applied.
+    proxy.hold_answers_after(b"COMMIT\0");
+    let err = claim(&store, "unknown").unwrap_err();
+    assert!(proxy.holding(), "the COMMIT was never sent");
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err:?}");
+    proxy.resume();
+    let s = Arc::clone(&store);
+    let r = guarded("get", move || s.get(&key("unknown")))
+        .expect("get")
+        .expect("the claim was applied");
+    assert_eq!(r.state(), State::Processing);
+
+    // Dropping the store does not wait for a half-open connection: an
+    // async claim is left in flight (its future dropped), then the store.
+    proxy.pause();
+    let s = Arc::clone(&store);
+    guarded("a dropped async claim", move || {
+        let k = key("in-flight");
+        let f = fp();
+        let options = ClaimOptions::new();
+        let mut call = std::pin::pin!(s.claim_async(&k, &f, &options));
+        // One poll sends the request; the future is then dropped.
+        let _ = futures_lite::future::block_on(futures_lite::future::poll_once(&mut call));
+    });
+    guarded("dropping the store", move || drop(store));
+    proxy.resume();
+}
+
+#[test]
+fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_lock");
+    let mut limits = PostgresLimits::default();
+    limits.lock_timeout = Duration::from_millis(500);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(2)
+        .postgres_limits(limits)
+        .lease(Duration::from_secs(60))
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&url, config).expect("connect"));
+    let lease = match claim(&store, "held") {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("{other:?}"),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (mut client, connection) = rt
+        .block_on(tokio_postgres::connect(&url, NoTls))
+        .expect("connect");
+    rt.spawn(connection);
+    // The caller's transaction locks the row and stays open.
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    rt.block_on(complete_in(&tx, &store, &lease, b"done"))
+        .expect("complete_in");
+
+    // A batch that includes the held row fails after lock_timeout, while
+    // the transaction is still open (without the bound it would wait for
+    // the transaction's end).
+    let s = Arc::clone(&store);
+    let answer = guarded("a batch with the held row", move || {
+        s.claim_many(
+            &[(key("held"), fp()), (key("beside"), fp())],
+            &ClaimOptions::new(),
+        )
+    });
+    match answer {
+        Err(Error::Unavailable { detail }) => assert!(detail.contains("55P03"), "{detail}"),
+        Ok(each) => assert!(
+            each.iter()
+                .all(|r| matches!(r, Err(Error::Unavailable { .. }))),
+            "{each:?}"
+        ),
+        Err(other) => panic!("expected Unavailable, got {other:?}"),
+    }
+    // Other keys do not wait at all.
+    assert!(matches!(
+        claim(&store, "free"),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    // Nothing of the refused batch was applied.
+    let s = Arc::clone(&store);
+    assert!(
+        guarded("get", move || s.get(&key("beside")))
+            .expect("get")
+            .is_none()
+    );
+    rt.block_on(tx.commit()).expect("commit");
+    let s = Arc::clone(&store);
+    let r = guarded("get", move || s.get(&key("held")))
+        .expect("get")
+        .expect("record");
+    assert_eq!(r.state(), State::Succeeded);
+}
+
+#[test]
+fn a_full_queue_is_waited_on_until_the_deadline() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_queue");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(1);
+    limits.connect_timeout = Duration::from_secs(1);
+    limits.queue = 1;
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(1)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config).expect("connect"));
+    assert!(matches!(
+        claim(&store, "warm"),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    proxy.pause();
+    // One call holds the only place in the queue on a stalled connection;
+    // the others wait for room, each until its own deadline.
+    let callers: Vec<_> = (0..4)
+        .map(|i| {
+            let s = Arc::clone(&store);
+            std::thread::spawn(move || claim(&s, &format!("queued-{i}")))
+        })
+        .collect();
+    for caller in callers {
+        let err = caller.join().expect("caller").unwrap_err();
+        assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    }
+    proxy.resume();
+    for i in 0..4 {
+        assert!(matches!(
+            claim(&store, &format!("queued-{i}")),
+            Ok(ClaimOutcome::Acquired(_))
+        ));
+    }
+}
