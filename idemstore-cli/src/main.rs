@@ -10,6 +10,8 @@
 
 mod demo;
 mod error;
+#[cfg(feature = "mcp")]
+mod mcp_proxy;
 mod ops;
 
 use std::io::{self, Write};
@@ -50,6 +52,10 @@ enum Command {
     Export(ops::export::Args),
     /// Restore records from a backup (idempotent).
     Import(ops::import::Args),
+    /// Run a stdio MCP server as a child and give its tools run-once
+    /// semantics: a tools/call with an idempotency key runs once per key.
+    #[cfg(feature = "mcp")]
+    McpProxy(mcp_proxy::Args),
 }
 
 fn main() -> ExitCode {
@@ -82,6 +88,12 @@ fn run() -> Result<ExitCode, CliError> {
         Command::Check(args) => ops::check::run(&args, &mut out),
         Command::Export(args) => ops::export::run(&args, &mut out),
         Command::Import(args) => ops::import::run(&args, &mut out),
+        #[cfg(feature = "mcp")]
+        Command::McpProxy(args) => {
+            // stdout belongs to the MCP client.
+            drop(out);
+            mcp_proxy::run(&args)
+        }
     }
 }
 
