@@ -101,6 +101,10 @@ pub mod docs_doctests {
     /// docs/operations.md.
     #[doc = include_str!("../docs/operations.md")]
     pub struct Operations;
+    /// docs/mcp.md (its snippets use the `mcp` feature).
+    #[cfg(feature = "mcp")]
+    #[doc = include_str!("../docs/mcp.md")]
+    pub struct Mcp;
     /// docs/demo.md, docs/design.md and docs/testing.md (no Rust, but their
     /// code blocks must be marked as what they are).
     #[doc = include_str!("../docs/demo.md")]
