@@ -44,7 +44,7 @@ use rmcp::transport::TokioChildProcess;
 use tokio::sync::watch;
 
 use crate::error::CliError;
-use crate::ops::{StoreArg, Target, connect, connect_error, open_error};
+use crate::ops::{StoreArg, Target, connect, connect_error};
 
 /// Command-line arguments of `idemstore mcp-proxy`.
 #[derive(Debug, clap::Args)]
@@ -235,9 +235,16 @@ fn open_store(args: &Args) -> Result<Store, CliError> {
         schema: args.schema.clone(),
     };
     match arg.target()? {
-        Target::File(path) => {
-            Store::open_with(&path, Config::new()).map_err(|e| open_error(&path, e))
-        }
+        Target::File(path) => Store::open_with(&path, Config::new()).map_err(|e| {
+            CliError::store(
+                format!(
+                    "cannot open the store {} (one proxy per store file; share a store \
+                     between proxies with a PostgreSQL URL)",
+                    path.display()
+                ),
+                e,
+            )
+        }),
         Target::Postgres { url, schema, name } => {
             connect(&url, &schema, None, true).map_err(|e| connect_error(&name, &schema, e))
         }
