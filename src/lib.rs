@@ -78,6 +78,8 @@
 
 #[cfg(feature = "agent")]
 pub mod agent;
+#[cfg(feature = "mcp")]
+pub mod mcp;
 
 /// README.md's Rust snippets, compiled and run as doc tests (with
 /// `--all-features`, since some use the `agent` and `http` features; CI
@@ -99,6 +101,10 @@ pub mod docs_doctests {
     /// docs/operations.md.
     #[doc = include_str!("../docs/operations.md")]
     pub struct Operations;
+    /// docs/mcp.md (its snippets use the `mcp` feature).
+    #[cfg(feature = "mcp")]
+    #[doc = include_str!("../docs/mcp.md")]
+    pub struct Mcp;
     /// docs/demo.md, docs/design.md and docs/testing.md (no Rust, but their
     /// code blocks must be marked as what they are).
     #[doc = include_str!("../docs/demo.md")]
@@ -109,7 +115,7 @@ pub mod docs_doctests {
 
 // The layers, top to bottom; a module imports only from its own layer or
 // below (tests/architecture.rs checks it):
-// - the public face: `store` (`Store`), `check` (`check_file`), `agent`,
+// - the public face: `store` (`Store`), `check` (`check_file`), `agent`, `mcp`,
 //   `http`, `postgres` (`complete_in`, `fail_in`), `conformance`;
 // - operations written once over any engine: `backup` (export and import
 //   framing), `scan`, `sweeper`;

@@ -17,6 +17,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("store", 6),
     ("check", 6),
     ("agent", 6),
+    ("mcp", 6),
     ("http", 6),
     ("fuzzing", 6),
     ("conformance", 6),

@@ -10,6 +10,8 @@
 
 mod demo;
 mod error;
+#[cfg(feature = "mcp")]
+mod mcp_proxy;
 mod ops;
 
 use std::io::{self, Write};
@@ -52,6 +54,10 @@ enum Command {
     Import(ops::import::Args),
     /// Create or upgrade a PostgreSQL store's schema (for deploys).
     Migrate(ops::migrate::Args),
+    /// Run a stdio MCP server as a child and give its tools run-once
+    /// semantics: a tools/call with an idempotency key runs once per key.
+    #[cfg(feature = "mcp")]
+    McpProxy(mcp_proxy::Args),
 }
 
 fn main() -> ExitCode {
@@ -85,6 +91,12 @@ fn run() -> Result<ExitCode, CliError> {
         Command::Export(args) => ops::export::run(&args, &mut out),
         Command::Import(args) => ops::import::run(&args, &mut out),
         Command::Migrate(args) => ops::migrate::run(&args, &mut out),
+        #[cfg(feature = "mcp")]
+        Command::McpProxy(args) => {
+            // stdout belongs to the MCP client.
+            drop(out);
+            mcp_proxy::run(&args)
+        }
     }
 }
 

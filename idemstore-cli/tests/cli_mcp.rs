@@ -1,0 +1,257 @@
+//! `idemstore mcp-proxy` in front of a real stdio MCP server (the
+//! library's `mcp_append_server` example, whose `append` tool writes a
+//! line to a file), driven by the `rmcp` client over the proxy's stdin and
+//! stdout.
+//!
+//! The tool holds a call open on two FIFOs: it writes to `started` once its
+//! line is written and reads `release` before it answers, so a test cuts
+//! the connection or kills the proxy exactly while a call is in progress.
+//! The lease lapsing is shown by running a proxy under libfaketime two
+//! hours ahead, not by waiting.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use idemstore::Key;
+use idemstore::mcp::{IN_DOUBT, IN_PROGRESS, announces_idempotency, attach_key};
+use rmcp::model::{CallToolRequestParams, CallToolResult, ErrorData};
+use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
+use serde_json::json;
+use tokio::process::{Child, Command};
+
+/// The example server, built for this test's profile and target directory.
+fn append_server() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/cli_mcp-<hash>
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    let target_dir = profile_dir.parent().unwrap();
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut build = std::process::Command::new(cargo);
+    build
+        .args([
+            "build",
+            "--quiet",
+            "--example",
+            "mcp_append_server",
+            "--features",
+            "mcp",
+        ])
+        .arg("--manifest-path")
+        .arg(root.join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(target_dir);
+    if release {
+        build.arg("--release");
+    }
+    assert!(
+        build.status().unwrap().success(),
+        "building mcp_append_server failed"
+    );
+    profile_dir.join("examples").join("mcp_append_server")
+}
+
+/// Where libfaketime's preload library is (Debian's paths).
+fn faketime_lib() -> String {
+    for dir in [
+        "/usr/lib/x86_64-linux-gnu/faketime",
+        "/usr/lib/aarch64-linux-gnu/faketime",
+        "/usr/lib/faketime",
+    ] {
+        let lib = format!("{dir}/libfaketime.so.1");
+        if Path::new(&lib).exists() {
+            return lib;
+        }
+    }
+    panic!("libfaketime.so.1 not found: install faketime (.ci/run does)");
+}
+
+struct Setup {
+    dir: tempfile::TempDir,
+    server: PathBuf,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        Setup {
+            dir: tempfile::tempdir().unwrap(),
+            server: append_server(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn lines(&self) -> Vec<String> {
+        std::fs::read_to_string(self.path("lines.txt"))
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    fn fifo(&self, name: &str) -> PathBuf {
+        let path = self.path(name);
+        let made = std::process::Command::new("mkfifo")
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(made.success(), "mkfifo failed");
+        path
+    }
+
+    /// Starts a proxy (`ahead`: its wall clock two hours ahead) and
+    /// connects the rmcp client to its stdin and stdout.
+    async fn proxy(&self, ahead: bool) -> (Child, RunningService<RoleClient, ()>) {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idemstore"));
+        command
+            .arg("mcp-proxy")
+            .arg("--store")
+            .arg(self.path("proxy.redb"))
+            .args(["--lease", "1h", "--"])
+            .arg(&self.server)
+            .arg(self.path("lines.txt"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        if ahead {
+            command
+                .env("LD_PRELOAD", faketime_lib())
+                .env("FAKETIME", "+2h")
+                .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");
+        }
+        let mut child = command.spawn().unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let client = ().serve((stdout, stdin)).await.unwrap();
+        (child, client)
+    }
+}
+
+fn append(line: &str, key: Option<&str>, hold: Option<(&Path, &Path)>) -> CallToolRequestParams {
+    let mut arguments = json!({ "line": line });
+    if let Some((started, release)) = hold {
+        arguments["started"] = json!(started);
+        arguments["release"] = json!(release);
+    }
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(arguments.as_object().cloned().unwrap());
+    match key {
+        Some(key) => attach_key(params, &Key::new("agent", key).unwrap()),
+        None => params,
+    }
+}
+
+fn text_of(result: &CallToolResult) -> String {
+    result
+        .content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect()
+}
+
+fn rpc_error(error: ServiceError) -> ErrorData {
+    match error {
+        ServiceError::McpError(e) => e,
+        other => panic!("expected a JSON-RPC error, got {other}"),
+    }
+}
+
+/// Waits (on a blocking thread) until the held tool has written its line.
+async fn wait_started(started: &Path) {
+    let started = started.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        let mut byte = Vec::new();
+        std::io::Read::read_to_end(&mut std::fs::File::open(started).unwrap(), &mut byte).unwrap();
+        assert_eq!(byte, b"1");
+    })
+    .await
+    .unwrap();
+}
+
+/// Lets the held tool answer.
+async fn release(release: &Path) {
+    let release = release.to_path_buf();
+    tokio::task::spawn_blocking(move || {
+        drop(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(release)
+                .unwrap(),
+        )
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_cut_connection_runs_the_tool_once() {
+    let s = Setup::new();
+    let (started, released) = (s.fifo("started"), s.fifo("release"));
+    let (mut proxy, client) = s.proxy(false).await;
+    assert!(announces_idempotency(
+        &client.peer_info().unwrap().capabilities
+    ));
+
+    let peer = client.peer().clone();
+    let held = append("hello", Some("task-1:call-1"), Some((&started, &released)));
+    let sent = tokio::spawn({
+        let held = held.clone();
+        async move { peer.call_tool(held).await }
+    });
+    wait_started(&started).await;
+    drop(client); // the connection is cut: the proxy's stdin closes
+    assert!(sent.await.unwrap().is_err(), "the answer is lost");
+    release(&released).await;
+    // The proxy lets the call finish and record before it exits.
+    assert!(proxy.wait().await.unwrap().success());
+
+    let (_proxy, client) = s.proxy(false).await;
+    let retry = client.call_tool(held.clone()).await.unwrap();
+    assert_eq!(text_of(&retry), "appended line 1");
+    assert_eq!(client.call_tool(held).await.unwrap(), retry);
+    assert_eq!(s.lines(), vec!["hello"]);
+
+    // A call without a key passes through unchanged: it runs every time.
+    client.call_tool(append("plain", None, None)).await.unwrap();
+    client.call_tool(append("plain", None, None)).await.unwrap();
+    assert_eq!(s.lines(), vec!["hello", "plain", "plain"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_during_a_call_answers_in_progress_then_in_doubt() {
+    let s = Setup::new();
+    let (started, released) = (s.fifo("started"), s.fifo("release"));
+    let (mut proxy, client) = s.proxy(false).await;
+    let held = append("charge", Some("task-2:call-1"), Some((&started, &released)));
+    let peer = client.peer().clone();
+    let sent = tokio::spawn({
+        let held = held.clone();
+        async move { peer.call_tool(held).await }
+    });
+    wait_started(&started).await;
+    proxy.kill().await.unwrap(); // SIGKILL during the call
+    assert!(sent.await.unwrap().is_err());
+
+    // Restarted within the lease: the key is in progress.
+    let (mut proxy, client) = s.proxy(false).await;
+    let busy = rpc_error(client.call_tool(held.clone()).await.unwrap_err());
+    assert_eq!(busy.code.0, IN_PROGRESS);
+    assert!(busy.data.unwrap()["retryAfterMs"].as_u64().unwrap() > 1000);
+    drop(client); // the proxy exits and lets go of the store file
+    assert!(proxy.wait().await.unwrap().success());
+
+    // Restarted after the lease (its clock two hours on): the holder left
+    // no outcome, so the call is in doubt and is not run again.
+    let (_proxy, client) = s.proxy(true).await;
+    let doubt = rpc_error(client.call_tool(held.clone()).await.unwrap_err());
+    assert_eq!(doubt.code.0, IN_DOUBT);
+    assert_eq!(doubt.data.unwrap()["idempotencyKey"], "task-2:call-1");
+    assert_eq!(s.lines(), vec!["charge"], "the tool ran once");
+
+    // Let the orphaned server of the killed proxy finish.
+    release(&released).await;
+}

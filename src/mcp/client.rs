@@ -1,0 +1,220 @@
+//! The client side: attach the stable tool-call key to a `tools/call`, and
+//! retry it with the `agent` feature's query-before-retry policy.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ErrorCode, ErrorData, RequestMetaObject,
+    ServerCapabilities,
+};
+use rmcp::service::{Peer, RoleClient, RunningService, Service, ServiceError};
+use serde_json::Value;
+
+use super::codes;
+use super::request::META_KEY;
+use super::server::CAPABILITY;
+use crate::agent::{CallError, RemoteError, RemoteStatus, RetryPolicy, call_async};
+use crate::key::Key;
+
+/// Puts the id of `key` (for an agent, [`Key::for_tool_call`]'s
+/// `task_id:tool_call_id`) into `params._meta.idempotencyKey`
+/// ([`META_KEY`]), replacing any key already there. The key's scope stays
+/// on the client: the server scopes keys by tool (and client) itself.
+///
+/// ```
+/// use idemstore::Key;
+/// use idemstore::mcp::attach_key;
+/// use rmcp::model::CallToolRequestParams;
+///
+/// let key = Key::for_tool_call("acme/agent", "task-42", "call_7")?;
+/// let params = attach_key(CallToolRequestParams::new("tickets.create"), &key);
+/// assert_eq!(params.meta.unwrap()["idempotencyKey"], "task-42:call_7");
+/// # Ok::<(), idemstore::Error>(())
+/// ```
+pub fn attach_key(mut params: CallToolRequestParams, key: &Key) -> CallToolRequestParams {
+    params
+        .meta
+        .get_or_insert_with(RequestMetaObject::default)
+        .insert(META_KEY.to_string(), Value::String(key.id().to_string()));
+    params
+}
+
+/// Whether a server announced run-once tool calls ([`CAPABILITY`], under
+/// `capabilities.experimental`, where [`IdempotentServer`](super::IdempotentServer)
+/// and the proxy put it for `rmcp` peers). `rmcp` 3.11 does not keep the
+/// SEP's `capabilities.tools.idempotency` when it parses a server's
+/// capabilities, so a server that announces it only there is not seen.
+pub fn announces_idempotency(capabilities: &ServerCapabilities) -> bool {
+    capabilities
+        .experimental
+        .as_ref()
+        .is_some_and(|e| e.contains_key(CAPABILITY))
+}
+
+/// Why [`call_tool_once`] got no result from one request. Carried by
+/// [`CallError`].
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ToolCallError {
+    /// `connect` failed (the message is its error).
+    #[error("cannot connect to the MCP server: {0}")]
+    Connect(String),
+    /// The server answered with a JSON-RPC error.
+    #[error("the MCP server answered error {}: {}", .0.code.0, .0.message)]
+    Rpc(ErrorData),
+    /// A request after a lost answer would have gone to a server that does
+    /// not announce [`CAPABILITY`]: it could run the tool twice, so the
+    /// call stops instead (in doubt).
+    #[error("the MCP server does not announce {CAPABILITY}: a retry could run the tool twice")]
+    NotAnnounced,
+    /// The server's answer was not a tool result, or the client failed in
+    /// a way that is not a lost connection.
+    #[error("unexpected answer from the MCP server: {0}")]
+    Unexpected(String),
+}
+
+/// One request of the call: sends `params` on the current connection
+/// (connecting first if there is none) and sorts the answer.
+///
+/// `later`: this is not the call's first request, so the server must
+/// announce the capability.
+async fn attempt<S, C, F>(
+    connection: &Mutex<Option<RunningService<RoleClient, S>>>,
+    connect: &C,
+    params: &CallToolRequestParams,
+    later: bool,
+) -> Result<CallToolResult, Sorted>
+where
+    S: Service<RoleClient>,
+    C: Fn() -> F,
+    F: Future<Output = Result<RunningService<RoleClient, S>, String>>,
+{
+    let current: Option<Peer<RoleClient>> = connection.lock().as_ref().map(|s| s.peer().clone());
+    let peer = match current {
+        Some(peer) => peer,
+        None => {
+            let service = connect()
+                .await
+                .map_err(|e| Sorted::Retry(ToolCallError::Connect(e)))?;
+            let peer = service.peer().clone();
+            *connection.lock() = Some(service);
+            peer
+        }
+    };
+    if later {
+        let announced = peer
+            .peer_info()
+            .is_some_and(|info| announces_idempotency(&info.capabilities));
+        if !announced {
+            return Err(Sorted::Stop(ToolCallError::NotAnnounced));
+        }
+    }
+    match peer.call_tool(params.clone()).await {
+        Ok(result) => Ok(result),
+        Err(ServiceError::McpError(error)) => Err(sort_rpc(error)),
+        Err(
+            ServiceError::TransportClosed
+            | ServiceError::TransportSend(_)
+            | ServiceError::Timeout { .. }
+            | ServiceError::Cancelled { .. },
+        ) => {
+            // The connection is gone or the answer lost: the next request
+            // connects again.
+            *connection.lock() = None;
+            Err(Sorted::Lost)
+        }
+        Err(other) => Err(Sorted::Stop(ToolCallError::Unexpected(other.to_string()))),
+    }
+}
+
+/// How one request ended without a result.
+enum Sorted {
+    /// No answer: the call may have run.
+    Lost,
+    /// The key is held by a call still running.
+    Busy,
+    /// Another request may succeed.
+    Retry(ToolCallError),
+    /// No request with this key will succeed.
+    Stop(ToolCallError),
+}
+
+fn sort_rpc(error: ErrorData) -> Sorted {
+    match error.code {
+        ErrorCode(codes::IN_PROGRESS) => Sorted::Busy,
+        ErrorCode(codes::KEY_CONFLICT | codes::IN_DOUBT)
+        | ErrorCode::INVALID_PARAMS
+        | ErrorCode::METHOD_NOT_FOUND
+        | ErrorCode::INVALID_REQUEST => Sorted::Stop(ToolCallError::Rpc(error)),
+        _ => Sorted::Retry(ToolCallError::Rpc(error)),
+    }
+}
+
+/// Calls a tool once per `key`, across lost answers and new connections:
+/// every request carries `key` ([`attach_key`]), and the agent feature's
+/// [`call_async`] driver retries by `policy`.
+///
+/// `connect` opens a connection (an initialized `rmcp` client); it is
+/// called before the first request and again after a connection is lost.
+/// Each request is sorted as [`call_async`] expects:
+///
+/// - a result (`isError` or not) → returned;
+/// - the connection lost or the answer timed out → *in doubt*: the driver
+///   asks before it sends again. Over MCP the question is the same request
+///   with the same key: a server that announces [`CAPABILITY`] answers it
+///   with the recorded result, [`IN_PROGRESS`](super::IN_PROGRESS) (the
+///   driver waits and asks again) or, if the first request never arrived,
+///   by running the tool. A server that does not announce it is never
+///   asked: the call stops with [`ToolCallError::NotAnnounced`], in doubt;
+/// - [`IN_PROGRESS`](super::IN_PROGRESS) to a send → treated as in doubt
+///   too (another request with the key is running);
+/// - [`KEY_CONFLICT`](super::KEY_CONFLICT), [`IN_DOUBT`](super::IN_DOUBT),
+///   Invalid params, Method not found, Invalid request → stop
+///   ([`CallError::Rejected`]);
+/// - any other JSON-RPC error, or a failed `connect` → send again after a
+///   delay.
+///
+/// # Errors
+/// [`CallError::Exhausted`] when the policy's attempts or deadline run out
+/// (with `in_doubt` saying whether the tool may have run),
+/// [`CallError::Rejected`] as above; both carry the key.
+pub async fn call_tool_once<S, C, F>(
+    key: &Key,
+    params: CallToolRequestParams,
+    policy: &RetryPolicy,
+    connect: C,
+) -> Result<CallToolResult, CallError<ToolCallError>>
+where
+    S: Service<RoleClient>,
+    C: Fn() -> F,
+    F: Future<Output = Result<RunningService<RoleClient, S>, String>>,
+{
+    let params = attach_key(params, key);
+    let connection = Mutex::new(None);
+    let sent = AtomicBool::new(false);
+    let (connection, connect, params, sent) = (&connection, &connect, &params, &sent);
+    call_async(
+        key,
+        policy,
+        async |_key: &Key| {
+            let later = sent.swap(true, Ordering::Relaxed);
+            attempt(connection, connect, params, later)
+                .await
+                .map_err(|sorted| match sorted {
+                    Sorted::Lost | Sorted::Busy => RemoteError::TimedOut,
+                    Sorted::Retry(e) => RemoteError::Retryable(e),
+                    Sorted::Stop(e) => RemoteError::Permanent(e),
+                })
+        },
+        async |_key: &Key| match attempt(connection, connect, params, true).await {
+            Ok(result) => Ok(RemoteStatus::Done(result)),
+            Err(Sorted::Busy) => Ok(RemoteStatus::InProgress),
+            Err(Sorted::Lost) => Err(RemoteError::TimedOut),
+            Err(Sorted::Retry(e)) => Err(RemoteError::Retryable(e)),
+            Err(Sorted::Stop(e)) => Err(RemoteError::Permanent(e)),
+        },
+    )
+    .await
+}

@@ -1,0 +1,106 @@
+//! The JSON-RPC errors the layer answers, and their codes.
+//!
+//! JSON-RPC 2.0 (§5.1) leaves −32000 to −32099 to the implementation for
+//! server errors. The layer uses −32040 to −32043, none of which MCP or
+//! `rmcp` assigns. Every error carries a `data` object whose `reason`
+//! member names the case in words, so that a client can tell them apart
+//! without knowing the codes, and whose `idempotencyKey` member repeats the
+//! key, for a person to follow up with.
+
+use std::time::Duration;
+
+use rmcp::model::{ErrorCode, ErrorData};
+use serde_json::json;
+
+/// A call with this key is still running under a valid lease (the IETF
+/// Idempotency-Key draft's HTTP 409). `data.retryAfterMs` (whole
+/// milliseconds, at least 1) is when the current lease ends: retry then,
+/// with the same key and arguments.
+pub const IN_PROGRESS: i32 = -32040;
+
+/// The key was used before with other arguments or for another tool (the
+/// SEP's conflict on a reused key; the draft's HTTP 422). Nothing ran.
+/// Retrying with the same key never succeeds: the key is bound to the first
+/// call's arguments until its record is forgotten (retention, 24 h by
+/// default).
+pub const KEY_CONFLICT: i32 = -32041;
+
+/// An earlier call with this key started and its holder disappeared before
+/// recording an outcome (a crash, a cut connection to the store), so the
+/// tool may or may not have acted; the policy is to refuse rather than run
+/// it again. Nothing ran. A person decides (the `idemstore resolve`
+/// command records what happened); until then every retry answers this, or
+/// [`IN_PROGRESS`] while this refusal's own lease lasts.
+pub const IN_DOUBT: i32 = -32042;
+
+/// The idempotency store failed (I/O, corruption, an unreachable
+/// database). Whether the tool ran is told by a retry with the same key
+/// once the store is back.
+pub const STORE_FAILED: i32 = -32043;
+
+/// The `data.reason` of each error, in words.
+pub(crate) mod reason {
+    pub(crate) const IN_PROGRESS: &str = "idempotency key in progress";
+    pub(crate) const KEY_CONFLICT: &str = "idempotency key reused with different arguments";
+    pub(crate) const IN_DOUBT: &str = "idempotency key in doubt";
+    pub(crate) const STORE_FAILED: &str = "idempotency store failed";
+    pub(crate) const INVALID_KEY: &str = "invalid idempotency key";
+}
+
+pub(crate) fn in_progress(key: &str, retry_after: Duration) -> ErrorData {
+    let ms = u64::try_from(retry_after.as_millis())
+        .unwrap_or(u64::MAX)
+        .max(1);
+    ErrorData::new(
+        ErrorCode(IN_PROGRESS),
+        "a call with this idempotency key is in progress; retry later with the same key",
+        Some(json!({
+            "reason": reason::IN_PROGRESS,
+            "idempotencyKey": key,
+            "retryAfterMs": ms,
+        })),
+    )
+}
+
+pub(crate) fn key_conflict(key: &str, tool: &str) -> ErrorData {
+    ErrorData::new(
+        ErrorCode(KEY_CONFLICT),
+        "this idempotency key was used with different arguments",
+        Some(json!({
+            "reason": reason::KEY_CONFLICT,
+            "idempotencyKey": key,
+            "tool": tool,
+        })),
+    )
+}
+
+pub(crate) fn in_doubt(key: &str) -> ErrorData {
+    ErrorData::new(
+        ErrorCode(IN_DOUBT),
+        "an earlier call with this idempotency key may have acted; it is not run again",
+        Some(json!({
+            "reason": reason::IN_DOUBT,
+            "idempotencyKey": key,
+        })),
+    )
+}
+
+pub(crate) fn store_failed(key: &str) -> ErrorData {
+    ErrorData::new(
+        ErrorCode(STORE_FAILED),
+        "the idempotency store failed; retry with the same key",
+        Some(json!({
+            "reason": reason::STORE_FAILED,
+            "idempotencyKey": key,
+        })),
+    )
+}
+
+/// A malformed key: JSON-RPC's own Invalid params (−32602), as the draft
+/// answers a malformed `Idempotency-Key` with HTTP 400.
+pub(crate) fn invalid_key(detail: String) -> ErrorData {
+    ErrorData::invalid_params(
+        format!("invalid idempotency key: {detail}"),
+        Some(json!({ "reason": reason::INVALID_KEY })),
+    )
+}

@@ -1,0 +1,278 @@
+//! SEP-3182's wire form over a newline-delimited JSON-RPC stream (stdio):
+//! `params.idempotencyKey` moved into `_meta` before `rmcp` parses a
+//! request, and `capabilities.tools.idempotency` written into the
+//! initialize and discover results after `rmcp` serializes them.
+
+use std::sync::Arc;
+
+use rmcp::service::{RoleServer, RxJsonRpcMessage, TxJsonRpcMessage};
+use rmcp::transport::Transport;
+use serde_json::{Map, Value};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+
+use super::request::META_KEY;
+
+/// The longest line [`SepTransport`] reads: 16 MiB. A longer line is
+/// discarded (logged), up to its newline; the stream goes on.
+pub const MAX_LINE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Moves SEP-3182's `params.idempotencyKey` of a `tools/call` request into
+/// `params._meta.idempotencyKey`, where `rmcp` keeps it and
+/// [`IdempotentServer`](super::IdempotentServer) reads it. Returns whether
+/// the message was changed.
+///
+/// A key already in `_meta` that differs from the one in `params` is
+/// replaced by the one in `params` (the SEP's place wins) and the change is
+/// logged. Messages of any other shape are left alone.
+///
+/// ```
+/// use idemstore::mcp::sep_key_to_meta;
+/// use serde_json::json;
+///
+/// let mut call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+///     "params": {"name": "append", "arguments": {"line": "x"}, "idempotencyKey": "task-1:call-1"}});
+/// assert!(sep_key_to_meta(&mut call));
+/// assert_eq!(call["params"]["_meta"]["idempotencyKey"], "task-1:call-1");
+/// assert!(call["params"].get("idempotencyKey").is_none());
+/// ```
+pub fn sep_key_to_meta(message: &mut Value) -> bool {
+    if message.get("method").and_then(Value::as_str) != Some("tools/call") {
+        return false;
+    }
+    let Some(params) = message.get_mut("params").and_then(Value::as_object_mut) else {
+        return false;
+    };
+    let Some(key) = params.remove("idempotencyKey") else {
+        return false;
+    };
+    let meta = params
+        .entry("_meta")
+        .or_insert_with(|| Value::Object(Map::new()));
+    match meta.as_object_mut() {
+        Some(meta) => {
+            if let Some(old) = meta.insert(META_KEY.to_string(), key)
+                && Some(&old) != meta.get(META_KEY)
+            {
+                tracing::warn!(
+                    "tools/call carried two different idempotency keys; params.idempotencyKey wins"
+                );
+            }
+        }
+        None => {
+            // `_meta` is not an object: the request is malformed, and
+            // rmcp refuses it; keep the key beside it so nothing is lost.
+            params.insert("idempotencyKey".to_string(), key);
+            return false;
+        }
+    }
+    true
+}
+
+/// Writes `capabilities.tools.idempotency: {}` into an initialize or
+/// discover result (a JSON-RPC response whose `result` has `capabilities`
+/// and `protocolVersion` or `supportedVersions`) that announces tools.
+/// Returns whether the message was changed.
+pub fn announce_in_result(message: &mut Value) -> bool {
+    let Some(result) = message.get_mut("result").and_then(Value::as_object_mut) else {
+        return false;
+    };
+    if !result.contains_key("protocolVersion") && !result.contains_key("supportedVersions") {
+        return false;
+    }
+    let Some(tools) = result
+        .get_mut("capabilities")
+        .and_then(|c| c.get_mut("tools"))
+        .and_then(Value::as_object_mut)
+    else {
+        return false;
+    };
+    tools.insert("idempotency".to_string(), Value::Object(Map::new()));
+    true
+}
+
+/// Errors of [`SepTransport`]: writing to the stream failed.
+#[derive(Debug, thiserror::Error)]
+#[error("writing an MCP message failed: {0}")]
+pub struct SepTransportError(#[from] std::io::Error);
+
+/// A server-side `rmcp` transport over a byte stream of newline-delimited
+/// JSON-RPC messages (stdio), that speaks SEP-3182's wire form: each
+/// incoming message goes through [`sep_key_to_meta`], each outgoing one
+/// through [`announce_in_result`].
+///
+/// Every incoming line is hostile: a line over [`MAX_LINE_BYTES`], one that
+/// is not JSON, or one that is not a client message is logged and
+/// skipped (so its sender gets no answer, as from `rmcp`'s own stdio
+/// transport).
+pub struct SepTransport<R, W> {
+    reader: BufReader<R>,
+    writer: Arc<tokio::sync::Mutex<W>>,
+}
+
+impl<R, W> std::fmt::Debug for SepTransport<R, W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SepTransport").finish_non_exhaustive()
+    }
+}
+
+impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> SepTransport<R, W> {
+    /// A transport reading client messages from `read` and writing server
+    /// messages to `write`.
+    pub fn new(read: R, write: W) -> Self {
+        SepTransport {
+            reader: BufReader::new(read),
+            writer: Arc::new(tokio::sync::Mutex::new(write)),
+        }
+    }
+}
+
+/// Reads one line of at most `MAX_LINE_BYTES`; `None` at the end of the
+/// stream or on a read error; `Some(None)` for a line that was too long
+/// (discarded up to its newline).
+async fn read_line<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> Option<Option<Vec<u8>>> {
+    let mut line = Vec::new();
+    let limit = u64::try_from(MAX_LINE_BYTES)
+        .unwrap_or(u64::MAX)
+        .saturating_add(1);
+    match (&mut *reader)
+        .take(limit)
+        .read_until(b'\n', &mut line)
+        .await
+    {
+        Ok(0) => return None,
+        Ok(_) => {}
+        Err(e) => {
+            tracing::warn!(error = %e, "reading an MCP message failed");
+            return None;
+        }
+    }
+    if line.len() <= MAX_LINE_BYTES || line.ends_with(b"\n") {
+        return Some(Some(line));
+    }
+    // Too long: skip the rest of the line.
+    let mut rest = Vec::new();
+    loop {
+        rest.clear();
+        match (&mut *reader)
+            .take(limit)
+            .read_until(b'\n', &mut rest)
+            .await
+        {
+            Ok(0) | Err(_) => return None,
+            Ok(_) if rest.ends_with(b"\n") => break,
+            Ok(_) => {}
+        }
+    }
+    tracing::warn!(
+        limit = MAX_LINE_BYTES,
+        "an MCP message over the line limit was skipped"
+    );
+    Some(None)
+}
+
+impl<R, W> Transport<RoleServer> for SepTransport<R, W>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    type Error = SepTransportError;
+
+    fn send(
+        &mut self,
+        item: TxJsonRpcMessage<RoleServer>,
+    ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
+        let writer = Arc::clone(&self.writer);
+        async move {
+            let mut value = serde_json::to_value(&item).map_err(std::io::Error::other)?;
+            announce_in_result(&mut value);
+            let mut bytes = serde_json::to_vec(&value).map_err(std::io::Error::other)?;
+            bytes.push(b'\n');
+            let mut writer = writer.lock().await;
+            writer.write_all(&bytes).await?;
+            writer.flush().await?;
+            Ok(())
+        }
+    }
+
+    async fn receive(&mut self) -> Option<RxJsonRpcMessage<RoleServer>> {
+        loop {
+            let Some(line) = read_line(&mut self.reader).await? else {
+                continue;
+            };
+            let text = line.trim_ascii();
+            if text.is_empty() {
+                continue;
+            }
+            let mut value: Value = match serde_json::from_slice(text) {
+                Ok(value) => value,
+                Err(e) => {
+                    tracing::warn!(error = %e, "an MCP message that is not JSON was skipped");
+                    continue;
+                }
+            };
+            sep_key_to_meta(&mut value);
+            match serde_json::from_value(value) {
+                Ok(message) => return Some(message),
+                Err(e) => {
+                    tracing::warn!(error = %e, "an MCP message of unknown shape was skipped");
+                }
+            }
+        }
+    }
+
+    async fn close(&mut self) -> Result<(), Self::Error> {
+        self.writer.lock().await.shutdown().await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn only_tool_calls_move_their_key() {
+        let mut other = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list",
+            "params": {"idempotencyKey": "k"}});
+        assert!(!sep_key_to_meta(&mut other));
+        assert_eq!(other["params"]["idempotencyKey"], "k");
+        let mut bad_meta = json!({"method": "tools/call", "params": {"name": "t", "_meta": 3, "idempotencyKey": "k"}});
+        assert!(!sep_key_to_meta(&mut bad_meta));
+        assert_eq!(bad_meta["params"]["idempotencyKey"], "k");
+        let mut both = json!({"method": "tools/call", "params": {"name": "t",
+            "_meta": {"idempotencyKey": "old"}, "idempotencyKey": "new"}});
+        assert!(sep_key_to_meta(&mut both));
+        assert_eq!(both["params"]["_meta"]["idempotencyKey"], "new");
+    }
+
+    #[test]
+    fn the_capability_goes_where_the_sep_puts_it() {
+        let mut init = json!({"jsonrpc": "2.0", "id": 0, "result": {"protocolVersion": "2025-06-18",
+            "capabilities": {"tools": {"listChanged": false}}, "serverInfo": {"name": "s", "version": "1"}}});
+        assert!(announce_in_result(&mut init));
+        assert_eq!(
+            init["result"]["capabilities"]["tools"]["idempotency"],
+            json!({})
+        );
+        let mut no_tools =
+            json!({"id": 0, "result": {"protocolVersion": "2025-06-18", "capabilities": {}}});
+        assert!(!announce_in_result(&mut no_tools));
+        let mut call = json!({"id": 1, "result": {"content": [], "capabilities": {"tools": {}}}});
+        assert!(!announce_in_result(&mut call));
+    }
+
+    #[tokio::test]
+    async fn long_lines_are_skipped_and_the_stream_goes_on() {
+        let mut input = vec![b'x'; MAX_LINE_BYTES + 10];
+        input.push(b'\n');
+        input.extend_from_slice(b"{\"a\":1}\n");
+        let mut reader = BufReader::new(&input[..]);
+        assert_eq!(read_line(&mut reader).await, Some(None));
+        assert_eq!(
+            read_line(&mut reader).await,
+            Some(Some(b"{\"a\":1}\n".to_vec()))
+        );
+        assert_eq!(read_line(&mut reader).await, None);
+    }
+}

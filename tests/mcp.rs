@@ -1,0 +1,557 @@
+//! Run-once MCP tool calls with real `rmcp` peers: a server whose tool
+//! appends a line to a file, behind [`IdempotentServer`], and the `rmcp`
+//! client, over in-memory pipes that a test cuts at will. Every wait is on
+//! a channel or on the store's own wake-up; no test sleeps to order events.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use idemstore::agent::{CallError, RetryPolicy};
+use idemstore::mcp::{
+    CAPABILITY, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, SepTransport,
+    ToolCallError, announces_idempotency, attach_key, call_tool_once,
+};
+use idemstore::{Key, Store};
+use parking_lot::Mutex;
+use rmcp::ErrorData;
+use rmcp::handler::server::ServerHandler;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock as Content,
+    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+    ToolAnnotations,
+};
+use rmcp::service::{RequestContext, RoleClient, RoleServer, RunningService, ServiceExt};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::oneshot;
+
+/// Holds one call of `append` open: the tool reports that its line is
+/// written on `started`, then waits for `release`.
+struct Gate {
+    started: oneshot::Sender<()>,
+    release: oneshot::Receiver<()>,
+}
+
+/// The tools' side effects and counters, shared by every connection.
+struct Tools {
+    file: std::path::PathBuf,
+    gate: Mutex<Option<Gate>>,
+    /// How often each tool body ran.
+    runs: AtomicUsize,
+    flaky_failures_left: AtomicUsize,
+}
+
+/// The server: `append` (writes a line), `count` (read-only), `reject`
+/// (a tool error), `flaky` (a JSON-RPC error, then a result).
+#[derive(Clone)]
+struct AppendServer(Arc<Tools>);
+
+fn schema() -> Arc<rmcp::model::JsonObject> {
+    Arc::new(
+        json!({"type": "object"})
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+    )
+}
+
+fn tools() -> Vec<Tool> {
+    let mut count = Tool::new("count", "Count the lines", schema());
+    count.annotations = Some(ToolAnnotations::new().read_only(true));
+    vec![
+        Tool::new("append", "Append a line", schema()),
+        count,
+        Tool::new("reject", "Always a tool error", schema()),
+        Tool::new("flaky", "A JSON-RPC error, then a result", schema()),
+    ]
+}
+
+impl Tools {
+    fn lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.file)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl ServerHandler for AppendServer {
+    fn get_info(&self) -> ServerConfig {
+        let mut info = ServerConfig::default();
+        info.capabilities = ServerCapabilities::builder().enable_tools().build();
+        info
+    }
+
+    fn get_tool(&self, name: &str) -> Option<Tool> {
+        tools().into_iter().find(|t| t.name == name)
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        Ok(ListToolsResult::with_all_items(tools()))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let tools = &self.0;
+        tools.runs.fetch_add(1, Ordering::SeqCst);
+        let text = |r: String| Ok(CallToolResult::success(vec![Content::text(r)]).into());
+        match &*request.name {
+            "append" => {
+                let line = request
+                    .arguments
+                    .as_ref()
+                    .and_then(|a| a.get("line"))
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| ErrorData::invalid_params("line is required", None))?
+                    .to_string();
+                let mut lines = tools.lines();
+                lines.push(line);
+                std::fs::write(&tools.file, lines.join("\n") + "\n")
+                    .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+                let gate = tools.gate.lock().take();
+                if let Some(gate) = gate {
+                    let _ = gate.started.send(());
+                    let _ = gate.release.await;
+                }
+                text(format!("appended line {}", lines.len()))
+            }
+            "count" => text(format!("{} lines", tools.lines().len())),
+            "reject" => Ok(CallToolResult::error(vec![Content::text("order not found")]).into()),
+            "flaky" => {
+                let left = tools.flaky_failures_left.load(Ordering::SeqCst);
+                if left > 0 {
+                    tools.flaky_failures_left.store(left - 1, Ordering::SeqCst);
+                    return Err(ErrorData::internal_error("upstream unavailable", None));
+                }
+                text("flaky worked".to_string())
+            }
+            _ => Err(ErrorData::invalid_params("no such tool", None)),
+        }
+    }
+}
+
+/// A store, the tools, and the server options, from which connections are
+/// made.
+struct Harness {
+    _dir: tempfile::TempDir,
+    store: Arc<Store>,
+    tools: Arc<Tools>,
+    options: McpOptions,
+}
+
+type Client = RunningService<RoleClient, ()>;
+type Server = RunningService<RoleServer, IdempotentServer<AppendServer>>;
+
+impl Harness {
+    fn new(options: McpOptions) -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(dir.path().join("mcp.redb")).unwrap());
+        let tools = Arc::new(Tools {
+            file: dir.path().join("lines.txt"),
+            gate: Mutex::new(None),
+            runs: AtomicUsize::new(0),
+            flaky_failures_left: AtomicUsize::new(1),
+        });
+        Harness {
+            _dir: dir,
+            store,
+            tools,
+            options,
+        }
+    }
+
+    /// A new connection: the wrapped server on one end of an in-memory
+    /// pipe, an initialized `rmcp` client on the other.
+    async fn connect(&self) -> (Client, Server) {
+        let (client_io, server_io) = tokio::io::duplex(1 << 16);
+        let server = IdempotentServer::with_options(
+            AppendServer(Arc::clone(&self.tools)),
+            Arc::clone(&self.store),
+            self.options.clone(),
+        );
+        let (server, client) = tokio::join!(server.serve(server_io), ().serve(client_io));
+        (client.unwrap(), server.unwrap())
+    }
+
+    /// Holds the next `append` call open; the receiver fires once its line
+    /// is written, the sender lets it answer.
+    fn hold_next(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (started_tx, started_rx) = oneshot::channel();
+        let (release_tx, release_rx) = oneshot::channel();
+        *self.tools.gate.lock() = Some(Gate {
+            started: started_tx,
+            release: release_rx,
+        });
+        (started_rx, release_tx)
+    }
+}
+
+fn call(tool: &str, arguments: Value, key: &str) -> CallToolRequestParams {
+    let key = Key::new("client", key).unwrap();
+    attach_key(
+        CallToolRequestParams::new(tool.to_string())
+            .with_arguments(arguments.as_object().cloned().unwrap_or_default()),
+        &key,
+    )
+}
+
+fn text_of(result: &CallToolResult) -> String {
+    result
+        .content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect()
+}
+
+fn rpc_error(error: rmcp::service::ServiceError) -> ErrorData {
+    match error {
+        rmcp::service::ServiceError::McpError(e) => e,
+        other => panic!("expected a JSON-RPC error, got {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_a_cut_connection_runs_the_tool_once_and_gets_the_same_result() {
+    // The retry waits for a call still running and replays its outcome.
+    let h = Harness::new(McpOptions::new().wait(Duration::from_secs(30)));
+    let (first, _server1) = h.connect().await;
+    assert!(announces_idempotency(
+        &first.peer_info().unwrap().capabilities
+    ));
+
+    let (started, release) = h.hold_next();
+    let peer = first.peer().clone();
+    let sent = tokio::spawn(async move {
+        peer.call_tool(call("append", json!({"line": "hello"}), "task-1:call-1"))
+            .await
+    });
+    started.await.unwrap(); // the call arrived and the line is written
+    first.cancel().await.unwrap(); // the connection is cut
+    assert!(sent.await.unwrap().is_err(), "the first answer is lost");
+    release.send(()).unwrap();
+
+    let (second, _server2) = h.connect().await;
+    let retry = second
+        .call_tool(call("append", json!({"line": "hello"}), "task-1:call-1"))
+        .await
+        .unwrap();
+    assert_eq!(text_of(&retry), "appended line 1");
+    assert_eq!(h.tools.lines(), vec!["hello"]);
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
+
+    // Member order of the arguments does not matter; the replay is equal.
+    let again = second
+        .call_tool(call("append", json!({"line": "hello"}), "task-1:call-1"))
+        .await
+        .unwrap();
+    assert_eq!(again, retry);
+    assert_eq!(h.tools.lines(), vec!["hello"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_reused_with_other_arguments_is_a_conflict() {
+    let h = Harness::new(McpOptions::new());
+    let (client, _server) = h.connect().await;
+    client
+        .call_tool(call("append", json!({"line": "one"}), "k-1"))
+        .await
+        .unwrap();
+    let error = rpc_error(
+        client
+            .call_tool(call("append", json!({"line": "two"}), "k-1"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(error.code.0, KEY_CONFLICT);
+    let data = error.data.unwrap();
+    assert_eq!(data["idempotencyKey"], "k-1");
+    assert_eq!(data["tool"], "append");
+    assert_eq!(h.tools.lines(), vec!["one"]);
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_in_progress_is_answered_as_such() {
+    let h = Harness::new(McpOptions::new());
+    let (client, _server) = h.connect().await;
+    let (started, release) = h.hold_next();
+    let peer = client.peer().clone();
+    let first = tokio::spawn(async move {
+        peer.call_tool(call("append", json!({"line": "slow"}), "k-2"))
+            .await
+    });
+    started.await.unwrap();
+
+    let error = rpc_error(
+        client
+            .call_tool(call("append", json!({"line": "slow"}), "k-2"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(error.code.0, IN_PROGRESS);
+    let data = error.data.unwrap();
+    assert!(data["retryAfterMs"].as_u64().unwrap() >= 1);
+    assert_eq!(data["idempotencyKey"], "k-2");
+
+    release.send(()).unwrap();
+    let done = first.await.unwrap().unwrap();
+    let replay = client
+        .call_tool(call("append", json!({"line": "slow"}), "k-2"))
+        .await
+        .unwrap();
+    assert_eq!(replay, done);
+    assert_eq!(h.tools.lines(), vec!["slow"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_without_a_key_and_read_only_tools_pass_through() {
+    let h = Harness::new(McpOptions::new());
+    let (client, _server) = h.connect().await;
+    let plain = || {
+        CallToolRequestParams::new("append")
+            .with_arguments(json!({"line": "x"}).as_object().cloned().unwrap())
+    };
+    client.call_tool(plain()).await.unwrap();
+    client.call_tool(plain()).await.unwrap();
+    assert_eq!(h.tools.lines(), vec!["x", "x"]);
+
+    // A read-only tool runs every time, whatever key and arguments it gets.
+    let before = h.tools.runs.load(Ordering::SeqCst);
+    let one = client
+        .call_tool(call("count", json!({}), "k-3"))
+        .await
+        .unwrap();
+    let two = client
+        .call_tool(call("count", json!({"other": true}), "k-3"))
+        .await
+        .unwrap();
+    assert_eq!(text_of(&one), "2 lines");
+    assert_eq!(text_of(&two), "2 lines");
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), before + 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_errors_are_replayed_and_json_rpc_errors_run_again() {
+    let h = Harness::new(McpOptions::new());
+    let (client, _server) = h.connect().await;
+
+    let first = client
+        .call_tool(call("reject", json!({}), "k-4"))
+        .await
+        .unwrap();
+    let again = client
+        .call_tool(call("reject", json!({}), "k-4"))
+        .await
+        .unwrap();
+    assert_eq!(first.is_error, Some(true));
+    assert_eq!(again, first);
+    assert_eq!(
+        h.tools.runs.load(Ordering::SeqCst),
+        1,
+        "a permanent tool error is replayed"
+    );
+
+    let failed = rpc_error(
+        client
+            .call_tool(call("flaky", json!({}), "k-5"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(failed.message, "upstream unavailable");
+    let worked = client
+        .call_tool(call("flaky", json!({}), "k-5"))
+        .await
+        .unwrap();
+    assert_eq!(text_of(&worked), "flaky worked");
+    assert_eq!(
+        h.tools.runs.load(Ordering::SeqCst),
+        3,
+        "a JSON-RPC error runs again"
+    );
+
+    // A tool error the options call retryable runs again too.
+    let h = Harness::new(McpOptions::new().retryable_tool_error(|_| true));
+    let (client, _server) = h.connect().await;
+    client
+        .call_tool(call("reject", json!({}), "k-6"))
+        .await
+        .unwrap();
+    client
+        .call_tool(call("reject", json!({}), "k-6"))
+        .await
+        .unwrap();
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_keys_are_invalid_params() {
+    let h = Harness::new(McpOptions::new());
+    let (client, _server) = h.connect().await;
+    let mut params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "x"}).as_object().cloned().unwrap());
+    params.meta = Some(rmcp::model::RequestMetaObject::default());
+    if let Some(meta) = params.meta.as_mut() {
+        meta.insert("idempotencyKey".into(), json!(17));
+    }
+    let error = rpc_error(client.call_tool(params.clone()).await.unwrap_err());
+    assert_eq!(error.code, rmcp::model::ErrorCode::INVALID_PARAMS);
+    if let Some(meta) = params.meta.as_mut() {
+        meta.insert("idempotencyKey".into(), json!("k".repeat(256)));
+    }
+    let error = rpc_error(client.call_tool(params).await.unwrap_err());
+    assert_eq!(error.code, rmcp::model::ErrorCode::INVALID_PARAMS);
+    assert!(h.tools.lines().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_helper_retries_on_a_new_connection_and_the_tool_runs_once() {
+    let h = Arc::new(Harness::new(McpOptions::new()));
+    let (started, release) = h.hold_next();
+    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let connect = {
+        let (h, servers, connections) = (h.clone(), servers.clone(), connections.clone());
+        move || {
+            let (h, servers, connections) = (h.clone(), servers.clone(), connections.clone());
+            async move {
+                connections.fetch_add(1, Ordering::SeqCst);
+                let (client, server) = h.connect().await;
+                servers.lock().push(server);
+                Ok::<_, String>(client)
+            }
+        }
+    };
+    // The call is in flight; once its line is written, the server drops
+    // the connection, then the tool is let go.
+    let cutter = {
+        let servers = servers.clone();
+        tokio::spawn(async move {
+            started.await.unwrap();
+            let server = servers.lock().pop().unwrap();
+            server.cancel().await.unwrap();
+            release.send(()).unwrap();
+        })
+    };
+    let key = Key::for_tool_call("acme/agent", "task-7", "call_1").unwrap();
+    let policy = RetryPolicy::new(20, Duration::from_millis(1), Duration::from_millis(20))
+        .unwrap()
+        .deadline(Duration::from_secs(60));
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "once"}).as_object().cloned().unwrap());
+    let result = call_tool_once(&key, params, &policy, connect)
+        .await
+        .unwrap();
+    cutter.await.unwrap();
+    assert_eq!(text_of(&result), "appended line 1");
+    assert_eq!(h.tools.lines(), vec!["once"]);
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
+    assert!(
+        connections.load(Ordering::SeqCst) >= 2,
+        "the retry used a new connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_helper_stops_on_a_conflict_with_the_key() {
+    let h = Arc::new(Harness::new(McpOptions::new()));
+    let (client, _server) = h.connect().await;
+    client
+        .call_tool(call("append", json!({"line": "first"}), "task-8:call_1"))
+        .await
+        .unwrap();
+    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
+    let connect = {
+        let (h, servers) = (h.clone(), servers.clone());
+        move || {
+            let (h, servers) = (h.clone(), servers.clone());
+            async move {
+                let (client, server) = h.connect().await;
+                servers.lock().push(server); // dropping it would end the connection
+                Ok::<_, String>(client)
+            }
+        }
+    };
+    let key = Key::for_tool_call("acme/agent", "task-8", "call_1").unwrap();
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "second"}).as_object().cloned().unwrap());
+    let error = call_tool_once(&key, params, &RetryPolicy::default(), connect)
+        .await
+        .unwrap_err();
+    match error {
+        CallError::Rejected {
+            error: ToolCallError::Rpc(e),
+            in_doubt,
+            ..
+        } => {
+            assert_eq!(e.code.0, KEY_CONFLICT);
+            assert!(!in_doubt);
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    assert_eq!(h.tools.lines(), vec!["first"]);
+}
+
+/// The SEP's wire form, byte for byte: the key beside `arguments`, the
+/// capability under `tools`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sep_wire_form_over_stdio_framing() {
+    let h = Harness::new(McpOptions::new());
+    let (client_io, server_io) = tokio::io::duplex(1 << 16);
+    let (server_read, server_write) = tokio::io::split(server_io);
+    let server = IdempotentServer::new(AppendServer(Arc::clone(&h.tools)), Arc::clone(&h.store));
+    let serving = tokio::spawn(async move {
+        let running = server
+            .serve(SepTransport::new(server_read, server_write))
+            .await
+            .unwrap();
+        running.waiting().await.unwrap();
+    });
+    let (read, mut write) = tokio::io::split(client_io);
+    let mut lines = BufReader::new(read).lines();
+    let mut send = async |message: Value| {
+        let mut bytes = serde_json::to_vec(&message).unwrap();
+        bytes.push(b'\n');
+        write.write_all(&bytes).await.unwrap();
+    };
+    send(
+        json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}}),
+    )
+    .await;
+    let init: Value = serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+    let capabilities = &init["result"]["capabilities"];
+    assert_eq!(capabilities["tools"]["idempotency"], json!({}), "{init}");
+    assert_eq!(
+        capabilities["experimental"][CAPABILITY],
+        json!({}),
+        "{init}"
+    );
+    send(json!({"jsonrpc": "2.0", "method": "notifications/initialized"})).await;
+    // A line that is not JSON is skipped; the stream goes on.
+    send(json!("not a message")).await;
+    let mut answers = Vec::new();
+    for id in 1..=2 {
+        send(
+            json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "append", "arguments": {"line": "wire"}, "idempotencyKey": "sep-1"}}),
+        )
+        .await;
+        let answer: Value =
+            serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+        answers.push(answer["result"].clone());
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert_eq!(answers[0]["content"][0]["text"], "appended line 1");
+    assert_eq!(h.tools.lines(), vec!["wire"]);
+    serving.abort();
+}
