@@ -100,6 +100,7 @@ pub mod docs_doctests {
     pub struct Http;
     /// docs/operations.md.
     #[doc = include_str!("../docs/operations.md")]
+    #[doc = include_str!("../docs/postgres.md")]
     pub struct Operations;
     /// docs/mcp.md (its snippets use the `mcp` feature).
     #[cfg(feature = "mcp")]
@@ -109,6 +110,7 @@ pub mod docs_doctests {
     /// code blocks must be marked as what they are).
     #[doc = include_str!("../docs/demo.md")]
     #[doc = include_str!("../docs/design.md")]
+    #[doc = include_str!("../docs/store.md")]
     #[doc = include_str!("../docs/testing.md")]
     pub struct Other;
 }
