@@ -642,6 +642,14 @@ fn contend(
     takeovers
 }
 
+/// The lease of the real-clock extension tests, and how long their work
+/// runs: longer than the lease, so the key is kept only if the lease is
+/// renewed (every third of it). The slack before a lapse (two thirds of
+/// the lease) is wide, so a loaded machine that delays one renewal does
+/// not make the test fail; this is no timing assertion, only a margin.
+const REAL_LEASE: Duration = Duration::from_secs(3);
+const REAL_WORK: Duration = Duration::from_secs(4);
+
 fn real_clock_store(dir: &tempfile::TempDir) -> Store {
     Store::open_with(
         dir.path().join("agent.redb"),
@@ -665,10 +673,10 @@ fn the_lease_is_extended_while_the_work_runs_longer() {
             .execute(
                 key,
                 &fp(params),
-                ExecuteOptions::new().lease(Duration::from_millis(300)),
+                ExecuteOptions::new().lease(REAL_LEASE),
                 |_lease| {
                     started_tx.send(()).unwrap();
-                    std::thread::sleep(Duration::from_secs(1));
+                    std::thread::sleep(REAL_WORK);
                     Ok::<_, Failure<String>>("report".to_string())
                 },
             )
@@ -702,10 +710,10 @@ async fn the_lease_is_extended_while_async_work_runs_longer() {
                 .execute_async(
                     &key,
                     &fp(&params),
-                    ExecuteOptions::new().lease(Duration::from_millis(300)),
+                    ExecuteOptions::new().lease(REAL_LEASE),
                     async |_lease: &Lease| {
                         started_tx.send(()).unwrap();
-                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        tokio::time::sleep(REAL_WORK).await;
                         Ok::<_, Failure<String>>("report".to_string())
                     },
                 )
