@@ -79,6 +79,8 @@ pub mod server;
 mod tests;
 mod tls;
 pub(crate) mod txn;
+#[cfg(feature = "sqlx")]
+pub(crate) mod txn_sqlx;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;

@@ -12,6 +12,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub mod proxy;
+pub mod txn;
 
 use idemstore::postgres::server::TestServer;
 
