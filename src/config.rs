@@ -71,6 +71,42 @@ pub enum Durability {
     },
 }
 
+/// The connection pooler between a PostgreSQL store and its server
+/// ([`Config::postgres_pooler`]): what the engine may rely on of a session.
+/// PgBouncer (1.18, Debian's) is the one tested (`tests/pg_bouncer.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PostgresPooler {
+    /// No pooler (the default): the store's connections are server
+    /// sessions of their own. Its session settings (`statement_timeout`,
+    /// `lock_timeout`, `idle_in_transaction_session_timeout`) travel as the
+    /// startup parameter `options`.
+    #[default]
+    Direct,
+    /// A pooler that gives each of the store's connections one server
+    /// session for as long as it is open: PgBouncer with `pool_mode =
+    /// session` (set for the store's database entry alone, if the rest of
+    /// the service uses transaction pooling). PgBouncer refuses the startup
+    /// parameter `options` ("unsupported startup parameter"), so the store
+    /// sends its session settings with `SET` once each connection is open
+    /// instead, one round trip per connection opened.
+    Session,
+    /// A pooler that may move a connection to another server session
+    /// between transactions: PgBouncer with `pool_mode = transaction`.
+    /// Not supported by this build: the engine prepares its statements
+    /// once per connection (PgBouncer 1.18 keeps no prepared statement
+    /// across server sessions) and relies on session settings, neither of
+    /// which survives a change of server session. [`Store::connect`]
+    /// refuses it with [`Error::InvalidArgument`] naming `postgres_pooler`:
+    /// point the store at a session-mode entry ([`PostgresPooler::Session`]).
+    /// A caller's own transaction-mode connection works for
+    /// `idemstore::postgres::complete_in` and its sqlx form (their
+    /// statements live inside the caller's transaction).
+    ///
+    /// [`Store::connect`]: crate::Store
+    Transaction,
+}
+
 /// The default of [`Config::integrity_check_interval`]: 24 hours. A store
 /// reopened cleanly many times a day (deploys, restarts) pays the full
 /// check of its file at most once a day, and a page damaged on disk while
@@ -209,17 +245,17 @@ impl PostgresLimits {
 /// - `scrub_rate`: 10,000 records per second, the online scrub of the open
 ///   store's index ([`DEFAULT_SCRUB_RATE`]); `None` disables it
 /// - `postgres_schema`: `idemstore`; `postgres_connections`: 16;
-///   `postgres_limits`: [`PostgresLimits::default`] (the PostgreSQL
-///   engine's only)
+///   `postgres_limits`: [`PostgresLimits::default`]; `postgres_pooler`:
+///   [`PostgresPooler::Direct`] (the PostgreSQL engine's only)
 ///
 /// # Engines
 /// Most settings apply to both engines. `durability`, `max_log_bytes`,
 /// `cache_bytes`, `read_cache_bytes`, `integrity_check_interval` and
 /// `scrub_rate` belong to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
 /// to anything but their defaults, with [`Error::InvalidArgument`] naming
-/// the setting. `postgres_schema`, `postgres_connections` and
-/// `postgres_limits` belong to the PostgreSQL engine: the `open` methods
-/// refuse them the same way.
+/// the setting. `postgres_schema`, `postgres_connections`,
+/// `postgres_limits` and `postgres_pooler` belong to the PostgreSQL
+/// engine: the `open` methods refuse them the same way.
 #[derive(Clone)]
 pub struct Config {
     pub(crate) retention: Duration,
@@ -236,6 +272,7 @@ pub struct Config {
     pub(crate) postgres_schema: Option<String>,
     pub(crate) postgres_connections: Option<usize>,
     pub(crate) postgres_limits: Option<PostgresLimits>,
+    pub(crate) postgres_pooler: Option<PostgresPooler>,
     pub(crate) cache_bytes: usize,
     pub(crate) durability: Durability,
     pub(crate) max_log_bytes: u64,
@@ -265,6 +302,7 @@ impl Default for Config {
             postgres_schema: None,
             postgres_connections: None,
             postgres_limits: None,
+            postgres_pooler: None,
         }
     }
 }
@@ -545,6 +583,16 @@ impl Config {
         self
     }
 
+    /// The connection pooler between the PostgreSQL store and its server
+    /// (PostgreSQL engine only; default [`PostgresPooler::Direct`]): see
+    /// [`PostgresPooler`] for what each needs and changes. On the embedded
+    /// engine, opening fails with [`Error::InvalidArgument`] naming
+    /// `postgres_pooler`.
+    pub fn postgres_pooler(mut self, pooler: PostgresPooler) -> Config {
+        self.postgres_pooler = Some(pooler);
+        self
+    }
+
     /// Refuses the settings of the PostgreSQL engine on the embedded one.
     pub(crate) fn check_embedded(&self) -> Result<()> {
         let postgres_only =
@@ -557,6 +605,9 @@ impl Config {
         }
         if self.postgres_limits.is_some() {
             return Err(Error::invalid("postgres_limits", postgres_only));
+        }
+        if self.postgres_pooler.is_some() {
+            return Err(Error::invalid("postgres_pooler", postgres_only));
         }
         Ok(())
     }

@@ -162,7 +162,7 @@ pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use config::{
     ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE,
     DEFAULT_SWEEP_BATCH, Durability, MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE,
-    MAX_TOKEN, MAX_VALUE_LIMIT, PostgresLimits,
+    MAX_TOKEN, MAX_VALUE_LIMIT, PostgresLimits, PostgresPooler,
 };
 pub use embedded::WRITER_QUEUE_BOUND;
 pub use embedded::wal::{FileLog, LogFile, MemoryLog};

@@ -18,7 +18,7 @@ use tokio_postgres::GenericClient;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::record::{Lease, Record};
+use crate::record::{Lease, Op, Record};
 use crate::store::Store;
 
 /// The `tokio-postgres` this crate is built with: its types
@@ -26,6 +26,9 @@ use crate::store::Store;
 /// `Transaction`) are part of the public API of [`complete_in`] and
 /// [`fail_in`].
 pub use tokio_postgres;
+
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 
 /// The throwaway PostgreSQL server of the crate's tests and of the
 /// conformance suite (feature `conformance`). Not part of the API.
@@ -124,13 +127,8 @@ pub async fn complete_in<C>(
 where
     C: GenericClient + Sync,
 {
-    let prepared = store
-        .complete_op(lease, result)
-        .and_then(|op| Ok((engine_of(store)?, op)));
-    match prepared {
-        Ok((engine, op)) => crate::pg::txn::finish_in(client, engine, lease, op).await,
-        Err(error) => Err(crate::pg::txn::refuse(client, error).await),
-    }
+    let prepared = prepare(store, store.complete_op(lease, result));
+    crate::pg::txn::finish_in(client, prepared, lease).await
 }
 
 /// Records `failure` as the outcome of `lease`'s key inside the caller's
@@ -156,13 +154,8 @@ pub async fn fail_in<C>(
 where
     C: GenericClient + Sync,
 {
-    let prepared = store
-        .fail_op(lease, failure, retryable)
-        .and_then(|op| Ok((engine_of(store)?, op)));
-    match prepared {
-        Ok((engine, op)) => crate::pg::txn::finish_in(client, engine, lease, op).await,
-        Err(error) => Err(crate::pg::txn::refuse(client, error).await),
-    }
+    let prepared = prepare(store, store.fail_op(lease, failure, retryable));
+    crate::pg::txn::finish_in(client, prepared, lease).await
 }
 
 /// What [`migrate`] did to the schema.
@@ -233,6 +226,14 @@ pub fn migrate(url: &str, schema: &str) -> Result<Migration> {
         crate::pg::Found::Created => Migration::Created { version },
         crate::pg::Found::Current => Migration::Current { version },
     })
+}
+
+/// The PostgreSQL engine under `store` and the operation `op` to decide
+/// in the caller's transaction, or the first error of the two (found
+/// before anything is sent: the caller's transaction is then aborted all
+/// the same).
+fn prepare(store: &Store, op: Result<Op>) -> Result<(&crate::pg::Postgres, Op)> {
+    op.and_then(|op| Ok((engine_of(store)?, op)))
 }
 
 /// The PostgreSQL engine under `store`, or the error for another engine.

@@ -248,6 +248,7 @@ impl Store {
             must_exist,
             migrate: false,
             limits: config.postgres_limits.unwrap_or_default(),
+            pooler: config.postgres_pooler.unwrap_or_default(),
         };
         let name = crate::pg::store_name(url, &schema);
         let engine = crate::pg::Postgres::connect(url, options).map_err(|e| match e {

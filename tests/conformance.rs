@@ -79,11 +79,7 @@ mod postgres {
 
         fn reopen(&self, store: Store, config: Config) -> Store {
             // The store names its schema in its path (`…?schema=name`).
-            let path = store.path().display().to_string();
-            let schema = path
-                .rsplit_once("schema=")
-                .map(|(_, s)| s.to_string())
-                .expect("a PostgreSQL store's path names its schema");
+            let schema = super::pg::schema_of(&store);
             drop(store);
             Store::connect(&self.url, config.postgres_schema(schema)).unwrap()
         }

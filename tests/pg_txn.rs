@@ -26,36 +26,8 @@ use std::time::Duration;
 use common::{child_role, child_var, child_var_parsed, ready_and_wait, report, spawn_child};
 use idemstore::postgres::tokio_postgres::{self, Client, NoTls};
 use idemstore::postgres::{complete_in, fail_in};
-use idemstore::{
-    ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock, State, Store,
-};
-
-const T0: u64 = 1_700_000_000_000;
-const LEASE: Duration = Duration::from_secs(10);
-
-fn key(id: &str) -> Key {
-    Key::new("POST /tickets", id).expect("key")
-}
-
-fn fp() -> Fingerprint {
-    Fingerprint::of(b"{\"title\":\"printer on fire\"}")
-}
-
-fn config(schema: &str, clock: &ManualClock) -> Config {
-    Config::new()
-        .postgres_schema(schema)
-        .postgres_connections(2)
-        .clock(clock.clone())
-        .lease(LEASE)
-        .sweep_interval(None)
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
+use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Key, ManualClock, State, Store};
+use pg::txn::{LEASE, T0, acquire, config, fp, key, runtime, table_of};
 
 async fn client(url: &str) -> Client {
     let (client, connection) = tokio_postgres::connect(url, NoTls).await.expect("connect");
@@ -94,21 +66,6 @@ async fn insert_ticket(client: &impl tokio_postgres::GenericClient, table: &str,
         .await
         .expect("insert ticket")
         .get(0)
-}
-
-fn acquire(store: &Store, key: &Key) -> Lease {
-    match store
-        .claim(key, &fp(), &ClaimOptions::new())
-        .expect("claim")
-    {
-        ClaimOutcome::Acquired(lease) => lease,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
-}
-
-/// A table name for one test (letters, digits and `_`).
-fn table_of(schema: &str) -> String {
-    format!("public.tickets_{schema}")
 }
 
 #[test]

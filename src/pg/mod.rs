@@ -79,6 +79,8 @@ pub mod server;
 mod tests;
 mod tls;
 pub(crate) mod txn;
+#[cfg(feature = "sqlx")]
+pub(crate) mod txn_sqlx;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::error::Error as _;
@@ -94,7 +96,7 @@ use tokio_postgres::{Client, NoTls, Row, Statement};
 
 use crate::audit::Event;
 use crate::clock::Clock;
-use crate::config::PostgresLimits;
+use crate::config::{PostgresLimits, PostgresPooler};
 use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
 use crate::record::{Op, Record, Reply};
@@ -147,6 +149,13 @@ pub(crate) struct PgOptions {
     /// Time limits and the queue's bound. Default
     /// [`PostgresLimits::default`](crate::PostgresLimits).
     pub limits: PostgresLimits,
+    /// The pooler between the store and the server: with one, the session
+    /// settings are sent with `SET` on each connection opened (a pooler
+    /// refuses the startup `options`). Default `Direct`.
+    /// `PostgresPooler::Transaction` is refused at connect (in
+    /// `Postgres::connect`) until the engine sends no named statements and
+    /// relies on no session settings.
+    pub pooler: PostgresPooler,
 }
 
 /// The schema a store lives in when none is configured.
@@ -164,6 +173,7 @@ impl Default for PgOptions {
             must_exist: false,
             migrate: false,
             limits: PostgresLimits::default(),
+            pooler: PostgresPooler::Direct,
         }
     }
 }
@@ -286,6 +296,9 @@ struct Shared {
     migrate: bool,
     /// Time limits and the queue's bound.
     limits: PostgresLimits,
+    /// The session settings to send with `SET` once a connection is open
+    /// (behind a pooler, which refuses them as startup `options`).
+    session_set: Option<String>,
     /// The highest time reading seen by this process (ms).
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
@@ -533,19 +546,25 @@ async fn open_client(shared: &Shared) -> Result<Client, Fail> {
             tracing::debug!(error = %err, "idemstore: postgres connection ended");
         }
     };
-    match &shared.tls {
+    let client = match &shared.tls {
         None => {
             let (client, connection) = shared.config.connect(NoTls).await.map_err(classify)?;
             tokio::spawn(async move { done(connection.await.err()) });
-            Ok(client)
+            client
         }
         Some(tls) => {
             let (client, connection) =
                 shared.config.connect(tls.clone()).await.map_err(classify)?;
             tokio::spawn(async move { done(connection.await.err()) });
-            Ok(client)
+            client
         }
+    };
+    // Behind a pooler: the session settings that `options` carries
+    // otherwise (see `Postgres::connect`).
+    if let Some(set) = &shared.session_set {
+        client.batch_execute(set).await.map_err(|e| fail(&e))?;
     }
+    Ok(client)
 }
 
 /// Opens a connection and prepares every statement (pipelined).
@@ -1750,11 +1769,33 @@ impl Postgres {
             ms(limits.lock_timeout),
             ms(limits.idle_in_transaction_timeout),
         );
-        let options_text = match config.get_options() {
-            Some(given) => format!("{session} {given}"),
-            None => session,
+        let session_set = match options.pooler {
+            PostgresPooler::Direct => {
+                let options_text = match config.get_options() {
+                    Some(given) => format!("{session} {given}"),
+                    None => session,
+                };
+                config.options(&options_text);
+                None
+            }
+            // PgBouncer refuses the startup parameter `options`.
+            PostgresPooler::Session => Some(format!(
+                "SET statement_timeout = {}; SET lock_timeout = {}; \
+                 SET idle_in_transaction_session_timeout = {}",
+                ms(limits.statement_timeout),
+                ms(limits.lock_timeout),
+                ms(limits.idle_in_transaction_timeout),
+            )),
+            PostgresPooler::Transaction => {
+                return Err(Error::invalid(
+                    "postgres_pooler",
+                    "transaction pooling is not supported by this build: the engine prepares \
+                     its statements once per connection and sets session limits, which a \
+                     pooler in transaction mode does not keep; point the store at a pool in \
+                     session mode (PostgresPooler::Session)",
+                ));
+            }
         };
-        config.options(&options_text);
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -1769,6 +1810,7 @@ impl Postgres {
             must_exist: options.must_exist,
             migrate: options.migrate,
             limits: options.limits,
+            session_set,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
         });

@@ -56,6 +56,7 @@ fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
         must_exist: false,
         migrate: false,
         limits: crate::config::PostgresLimits::default(),
+        pooler: crate::config::PostgresPooler::Direct,
     };
     Postgres::connect(url, options).unwrap()
 }

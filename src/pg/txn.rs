@@ -1,13 +1,19 @@
 //! The effect and the completion in one transaction: the engine's half of
 //! `idemstore::postgres::complete_in` and `fail_in` (`src/postgres.rs`),
-//! which finish a key inside the caller's own `tokio-postgres`
-//! transaction, so that the caller's write (a ticket row, an order, a
-//! ledger entry) and the idempotency record commit together or not at all.
+//! which finish a key inside the caller's own transaction, so that the
+//! caller's write (a ticket row, an order, a ledger entry) and the
+//! idempotency record commit together or not at all.
 //!
 //! This is the recipe of Stripe's rocket-rides example ("Implementing
 //! Stripe-like Idempotency Keys in Postgres", Brandur Leach): the effect
 //! on the same database as the keys is made atomic with the key's
 //! recorded outcome, so that no crash can fall between them.
+//!
+//! The decision and its statements are written once, over [`Session`]:
+//! the caller's connection, whichever driver holds it (`tokio-postgres`
+//! here, sqlx in `txn_sqlx.rs` with the feature `sqlx`).
+
+use std::future::Future;
 
 use tokio_postgres::GenericClient;
 use tokio_postgres::types::ToSql;
@@ -15,38 +21,154 @@ use tokio_postgres::types::ToSql;
 use crate::error::{Error, Result};
 use crate::record::{Lease, Op, Record, Reply};
 
-use super::decide::{self, Base, Pass};
-use super::{Fail, Shared, describe, fail, fill_records, time_from};
+use super::decide::{self, Base, Pass, RowColumns, Slot};
+use super::{Fail, Shared, describe, fail, row_columns, to_u64};
+
+/// The caller's connection, whichever driver holds it: the few statements
+/// a completion sends, each failure classified as the engine classifies
+/// its own ([`Fail`]).
+pub(super) trait Session: Send {
+    /// Locks and reads the record rows of `keys` (`sql`:
+    /// `Sql::lock_records`, one `bytea[]` parameter).
+    fn records(
+        &mut self,
+        sql: &str,
+        keys: &[Vec<u8>],
+    ) -> impl Future<Output = Result<Vec<RowColumns>, Fail>> + Send;
+    /// Locks and reads business-key bindings (`sql`: `Sql::lock_bindings`,
+    /// one `bytea[]` parameter): (binding, key) pairs.
+    fn bindings(
+        &mut self,
+        sql: &str,
+        bindings: &[Vec<u8>],
+    ) -> impl Future<Output = Result<Vec<Binding>, Fail>> + Send;
+    /// Runs `sql` (`Sql::txn_probe`): the database clock (ms since the
+    /// epoch) and whether the session's transaction has an id.
+    fn probe(&mut self, sql: &str) -> impl Future<Output = Result<(i64, bool), Fail>> + Send;
+    /// Runs a write whose parameters are arrays; how many rows it returned.
+    fn write(
+        &mut self,
+        sql: &str,
+        params: &[Param<'_>],
+    ) -> impl Future<Output = Result<usize, Fail>> + Send;
+    /// Runs `statement` with the simple protocol; whether it succeeded.
+    fn execute(&mut self, statement: &str) -> impl Future<Output = bool> + Send;
+}
+
+/// A business-key binding read: (binding, key).
+pub(super) type Binding = (Vec<u8>, Vec<u8>);
+
+/// A record update of `decide::Writes`: key, envelope, columns, the token
+/// read.
+type Update = (Vec<u8>, Vec<u8>, decide::Columns, i64);
+
+/// One array parameter of a write.
+pub(super) enum Param<'a> {
+    /// `bytea[]`.
+    Bytes(Vec<&'a [u8]>),
+    /// `bigint[]`.
+    Big(Vec<i64>),
+    /// `smallint[]`.
+    Small(Vec<i16>),
+}
 
 /// Decides `op` on `lease`'s key inside the caller's transaction and
-/// writes the result; after an error, the caller's transaction is aborted.
+/// writes the result (`prepared`: the store's engine and the operation, or
+/// the error found before anything was sent); after an error, the caller's
+/// transaction is aborted.
+pub(super) async fn finish<S: Session>(
+    session: &mut S,
+    prepared: Result<(&super::Postgres, Op)>,
+    lease: &Lease,
+) -> Result<Record> {
+    let (engine, op) = match prepared {
+        Ok(prepared) => prepared,
+        Err(error) => {
+            abort(session, &error).await;
+            return Err(error);
+        }
+    };
+    match decide_and_write(session, &engine.shared, lease, op).await {
+        Ok(record) => Ok(record),
+        Err(Refusal::Server(f)) => Err(f.error()),
+        Err(Refusal::Decision(error)) => {
+            abort(session, &error).await;
+            Err(error)
+        }
+    }
+}
+
+/// [`finish`] over a `tokio-postgres` client or transaction.
 pub(crate) async fn finish_in<C>(
     client: &C,
-    engine: &super::Postgres,
+    prepared: Result<(&super::Postgres, Op)>,
     lease: &Lease,
-    op: Op,
 ) -> Result<Record>
 where
     C: GenericClient + Sync,
 {
-    let shared = &engine.shared;
-    match decide_and_write(client, shared, lease, op).await {
-        Ok(record) => Ok(record),
-        Err(Refusal::Server(f)) => Err(f.error()),
-        Err(Refusal::Decision(error)) => Err(refuse(client, error).await),
+    finish(&mut TokioPostgres(client), prepared, lease).await
+}
+
+/// A `tokio-postgres` client or transaction of the caller's.
+struct TokioPostgres<'a, C>(&'a C);
+
+impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
+    async fn records(&mut self, sql: &str, keys: &[Vec<u8>]) -> Result<Vec<RowColumns>, Fail> {
+        let rows = self.0.query(sql, &[&keys]).await.map_err(|e| fail(&e))?;
+        rows.iter().map(row_columns).collect()
+    }
+
+    async fn bindings(&mut self, sql: &str, bindings: &[Vec<u8>]) -> Result<Vec<Binding>, Fail> {
+        let rows = self
+            .0
+            .query(sql, &[&bindings])
+            .await
+            .map_err(|e| fail(&e))?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get(0).map_err(read_error)?,
+                    row.try_get(1).map_err(read_error)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn probe(&mut self, sql: &str) -> Result<(i64, bool), Fail> {
+        let rows = self.0.query(sql, &[]).await.map_err(|e| fail(&e))?;
+        let row = rows.first().ok_or_else(no_clock)?;
+        Ok((
+            row.try_get(0).map_err(read_error)?,
+            row.try_get(1).map_err(read_error)?,
+        ))
+    }
+
+    async fn write(&mut self, sql: &str, params: &[Param<'_>]) -> Result<usize, Fail> {
+        let params: Vec<&(dyn ToSql + Sync)> = params
+            .iter()
+            .map(|p| match p {
+                Param::Bytes(v) => v as &(dyn ToSql + Sync),
+                Param::Big(v) => v,
+                Param::Small(v) => v,
+            })
+            .collect();
+        let rows = self.0.query(sql, &params).await.map_err(|e| fail(&e))?;
+        Ok(rows.len())
+    }
+
+    async fn execute(&mut self, statement: &str) -> bool {
+        self.0.batch_execute(statement).await.is_ok()
     }
 }
 
-/// Aborts the caller's transaction for `error` (refused before anything
-/// was sent, or by the decision) and gives the error back: every error of
-/// `complete_in` and `fail_in` leaves the caller's transaction unable to
-/// commit.
-pub(crate) async fn refuse<C>(client: &C, error: Error) -> Error
-where
-    C: GenericClient + Sync,
-{
-    abort(client, &error).await;
-    error
+fn read_error(e: tokio_postgres::Error) -> Fail {
+    Fail::Storage(format!("reading a row: {}", describe(&e)))
+}
+
+/// The answer of a clock query without a row.
+pub(super) fn no_clock() -> Fail {
+    Fail::Storage("the clock query returned no row".into())
 }
 
 /// Why a completion did not happen.
@@ -70,38 +192,32 @@ impl From<Fail> for Refusal {
     }
 }
 
-async fn decide_and_write<C>(
-    client: &C,
+async fn decide_and_write<S: Session>(
+    session: &mut S,
     shared: &Shared,
     lease: &Lease,
     op: Op,
-) -> Result<Record, Refusal>
-where
-    C: GenericClient + Sync,
-{
+) -> Result<Record, Refusal> {
     let sql = &shared.sql;
     let key = lease.key();
     let keys = vec![key.to_bytes()];
     // The engine's order: the record row, then its business-key binding.
-    let rows = client
-        .query(sql.lock_records.as_str(), &[&keys])
-        .await
-        .map_err(|e| fail(&e))?;
+    let rows = session.records(&sql.lock_records, &keys).await?;
     let mut base = Base::default();
-    fill_records(&keys, &rows, &mut base)?;
+    for k in &keys {
+        base.records.insert(k.clone(), Slot::Absent);
+    }
+    for rc in &rows {
+        base.records.insert(rc.key.clone(), decide::slot_of(rc));
+    }
     let ops = [(key.clone(), op)];
     let needed: Vec<Vec<u8>> = decide::bindings_needed(&base, &ops).into_iter().collect();
     if !needed.is_empty() {
-        let rows = client
-            .query(sql.lock_bindings.as_str(), &[&needed])
-            .await
-            .map_err(|e| fail(&e))?;
+        let rows = session.bindings(&sql.lock_bindings, &needed).await?;
         for b in &needed {
             base.bindings.insert(b.clone(), None);
         }
-        for row in &rows {
-            let b: Vec<u8> = row.try_get(0).map_err(|e| read_error(&e))?;
-            let k: Vec<u8> = row.try_get(1).map_err(|e| read_error(&e))?;
+        for (b, k) in rows {
             base.bindings.insert(b, Some(k));
         }
     }
@@ -109,19 +225,15 @@ where
     // whether the client is inside a transaction block: the row was locked
     // above, which assigned this transaction an id if it is one; outside a
     // block this statement runs in a fresh transaction that has none.
-    let probe = client
-        .query(sql.txn_probe.as_str(), &[])
-        .await
-        .map_err(|e| fail(&e))?;
-    let now = time_from(shared, Some(&probe))?;
-    let in_block: bool = probe
-        .first()
-        .ok_or_else(|| Fail::Storage("the clock query returned no row".into()))?
-        .try_get(1)
-        .map_err(|e| read_error(&e))?;
+    let (db_ms, in_block) = session.probe(&sql.txn_probe).await?;
+    let reading = match &shared.clock {
+        Some(clock) => clock.now_ms(),
+        None => to_u64("the database clock", db_ms)?,
+    };
+    let now = shared.stamp(reading);
     // Outside a transaction block each write commits on its own: once the
     // update is sent, a lost answer leaves the outcome unknown.
-    let sent = |e: tokio_postgres::Error| match fail(&e) {
+    let sent = |f: Fail| match f {
         Fail::Lost(detail) if !in_block => Fail::Unknown(detail),
         other => other,
     };
@@ -151,20 +263,23 @@ where
             "a completion would insert or delete a row".into(),
         )));
     }
-    let uk: Vec<&[u8]> = w.updates.iter().map(|x| x.0.as_slice()).collect();
-    let ur: Vec<&[u8]> = w.updates.iter().map(|x| x.1.as_slice()).collect();
-    let ut: Vec<i64> = w.updates.iter().map(|x| x.2.token).collect();
-    let us: Vec<i16> = w.updates.iter().map(|x| x.2.state).collect();
-    let uc: Vec<i64> = w.updates.iter().map(|x| x.2.created_ms).collect();
-    let ul: Vec<i64> = w.updates.iter().map(|x| x.2.lease_until_ms).collect();
-    let ue: Vec<i64> = w.updates.iter().map(|x| x.2.expires_ms).collect();
-    let useen: Vec<i64> = w.updates.iter().map(|x| x.3).collect();
-    let params: [&(dyn ToSql + Sync); 8] = [&uk, &ur, &ut, &us, &uc, &ul, &ue, &useen];
-    let updated = client
-        .query(sql.update_processing_records.as_str(), &params)
+    let bytes = |f: fn(&Update) -> &[u8]| Param::Bytes(w.updates.iter().map(f).collect());
+    let big = |f: fn(&Update) -> i64| Param::Big(w.updates.iter().map(f).collect());
+    let params = [
+        bytes(|x| x.0.as_slice()),
+        bytes(|x| x.1.as_slice()),
+        big(|x| x.2.token),
+        Param::Small(w.updates.iter().map(|x| x.2.state).collect()),
+        big(|x| x.2.created_ms),
+        big(|x| x.2.lease_until_ms),
+        big(|x| x.2.expires_ms),
+        big(|x| x.3),
+    ];
+    let updated = session
+        .write(&sql.update_processing_records, &params)
         .await
         .map_err(sent)?;
-    if updated.len() != uk.len() {
+    if updated != w.updates.len() {
         // The row is locked by this transaction: a compare-and-set that
         // misses means the row is not what was read.
         return Err(Refusal::Decision(Error::StaleLease {
@@ -173,33 +288,33 @@ where
         }));
     }
     for (b, k, seen) in &w.bind_updates {
-        let params: [&(dyn ToSql + Sync); 3] = [&vec![b], &vec![k], &vec![seen]];
-        client
-            .query(sql.update_bindings.as_str(), &params)
+        let params = [
+            Param::Bytes(vec![b.as_slice()]),
+            Param::Bytes(vec![k.as_slice()]),
+            Param::Bytes(vec![seen.as_slice()]),
+        ];
+        session
+            .write(&sql.update_bindings, &params)
             .await
             .map_err(sent)?;
     }
     for (b, seen) in &w.bind_deletes {
-        let params: [&(dyn ToSql + Sync); 2] = [&vec![b], &vec![seen]];
-        client
-            .query(sql.delete_bindings.as_str(), &params)
+        let params = [
+            Param::Bytes(vec![b.as_slice()]),
+            Param::Bytes(vec![seen.as_slice()]),
+        ];
+        session
+            .write(&sql.delete_bindings, &params)
             .await
             .map_err(sent)?;
     }
     Ok(record)
 }
 
-fn read_error(e: &tokio_postgres::Error) -> Fail {
-    Fail::Storage(format!("reading a row: {}", describe(e)))
-}
-
 /// Makes the caller's transaction fail, so that it cannot commit the
 /// effect without the completion: a statement that raises an error. (On a
 /// client outside a transaction it fails alone and changes nothing.)
-async fn abort<C>(client: &C, error: &Error)
-where
-    C: GenericClient + Sync,
-{
+async fn abort<S: Session>(session: &mut S, error: &Error) {
     let statement = match error {
         Error::StaleLease { .. } => {
             "DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = 'P0001', \
@@ -211,7 +326,7 @@ where
              END $$"
         }
     };
-    if client.batch_execute(statement).await.is_ok() {
+    if session.execute(statement).await {
         tracing::error!(%error, "idemstore: could not abort the caller's transaction");
     }
 }

@@ -12,6 +12,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub mod proxy;
+pub mod txn;
 
 use idemstore::postgres::server::TestServer;
 
@@ -38,4 +39,13 @@ pub fn schema(prefix: &str) -> String {
         .map_or(0, |d| d.as_micros() % 1_000_000_000);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     format!("{prefix}_{}_{run}_{n}", std::process::id())
+}
+
+/// The schema a PostgreSQL store lives in, from its path
+/// (`postgresql://host:port/db?schema=name`).
+pub fn schema_of(store: &idemstore::Store) -> String {
+    let path = store.path().display().to_string();
+    path.rsplit_once("schema=")
+        .map(|(_, s)| s.to_string())
+        .expect("a PostgreSQL store's path names its schema")
 }

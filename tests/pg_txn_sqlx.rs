@@ -1,0 +1,396 @@
+//! The effect and the completion in one transaction over **sqlx** (feature
+//! `sqlx`): `idemstore::postgres::sqlx::complete_in` and `fail_in` inside
+//! the caller's own sqlx transaction, with a tickets table in the same
+//! database; the cases of `tests/pg_txn.rs` for the `tokio-postgres` form:
+//!
+//! - commit: the record is Succeeded and the ticket row exists (the
+//!   future is `Send`: it runs on a multi-thread runtime's task);
+//! - rollback: neither; the key stays Processing and is taken over once
+//!   its lease lapses;
+//! - a stale lease (taken over): `Error::StaleLease`, the caller's
+//!   transaction is aborted (its `COMMIT` rolls back), no ticket row;
+//! - every refusal decided before anything is sent (a result or failure
+//!   over its limit, a file store) aborts the caller's transaction too;
+//! - a process killed between the two statements (a child that inserted
+//!   the ticket, and one that also completed the key, both SIGKILLed
+//!   before `COMMIT`): no ticket row, the key still Processing, then taken
+//!   over after the lease.
+//!
+//! The server is the throwaway one of `tests/pg`; `IDEMSTORE_SKIP_POSTGRES=1`
+//! skips these tests.
+
+mod common;
+mod pg;
+#[path = "../examples/ticket_txn_sqlx/recipe.rs"]
+mod recipe;
+
+use std::time::Duration;
+
+use common::{child_role, child_var, child_var_parsed, ready_and_wait, report, spawn_child};
+use idemstore::postgres::sqlx::{complete_in, fail_in};
+use idemstore::{ClaimOptions, ClaimOutcome, Clock, Error, Key, ManualClock, State, Store};
+use pg::txn::{LEASE, T0, acquire, config, fp, key, runtime, table_of};
+use sqlx::{Connection, PgConnection};
+
+async fn connect(url: &str) -> PgConnection {
+    PgConnection::connect(url).await.expect("connect")
+}
+
+async fn tickets_of(conn: &mut PgConnection, table: &str, key: &Key) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {table} WHERE idempotency_key = $1"
+    ))
+    .bind(key.to_string())
+    .fetch_one(conn)
+    .await
+    .expect("count")
+}
+
+async fn insert_ticket(conn: &mut PgConnection, table: &str, key: &Key) -> i64 {
+    recipe::insert_ticket(conn, table, &key.to_string(), "printer on fire")
+        .await
+        .expect("insert ticket")
+}
+
+/// Whether the caller's transaction on `conn` is aborted: its next
+/// statement fails.
+async fn is_aborted(conn: &mut PgConnection) -> bool {
+    sqlx::query("SELECT 1").execute(conn).await.is_err()
+}
+
+#[test]
+fn commit_stores_the_ticket_and_the_completion_together() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_commit");
+    let clock = ManualClock::new(T0);
+    let store =
+        std::sync::Arc::new(Store::connect(&url, config(&schema, &clock)).expect("connect"));
+    let table = table_of(&schema);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let k = key("commit-1");
+    let lease = acquire(&store, &k);
+    clock.advance(Duration::from_millis(5));
+    // On a task of a multi-thread runtime: the futures are Send, as an
+    // axum handler needs.
+    let task = {
+        let (store, url, table, k, lease) = (
+            store.clone(),
+            url.clone(),
+            table.clone(),
+            k.clone(),
+            lease.clone(),
+        );
+        rt.spawn(async move {
+            let mut c = connect(&url).await;
+            recipe::create_table(&mut c, &table)
+                .await
+                .expect("create tickets");
+            let mut tx = c.begin().await.expect("begin");
+            let id = insert_ticket(&mut tx, &table, &k).await;
+            let record = complete_in(&mut tx, &store, &lease, id.to_string().as_bytes())
+                .await
+                .expect("complete_in");
+            assert_eq!(record.state(), State::Succeeded);
+            assert_eq!(record.updated_ms(), T0 + 5, "decided at the store's clock");
+            // Not visible to the store before the caller commits.
+            let before = store.get_async(&k).await.expect("get").expect("record");
+            assert_eq!(before.state(), State::Processing);
+            tx.commit().await.expect("commit");
+            id
+        })
+    };
+    let id = rt.block_on(task).expect("the task");
+    let after = store.get(&k).expect("get").expect("record");
+    assert_eq!(after.state(), State::Succeeded);
+    assert_eq!(after.result(), Some(id.to_string().as_bytes()));
+    assert_eq!(after.token(), lease.token());
+    // Every later claim replays it.
+    match store.claim(&k, &fp(), &ClaimOptions::new()).expect("claim") {
+        ClaimOutcome::Replay(r) => assert_eq!(r.result(), Some(id.to_string().as_bytes())),
+        other => panic!("expected a replay, got {other:?}"),
+    }
+    rt.block_on(async {
+        let mut c = connect(&url).await;
+        assert_eq!(tickets_of(&mut c, &table, &k).await, 1);
+        // The lease is finished: a second completion is stale.
+        let mut tx = c.begin().await.expect("begin");
+        let err = complete_in(&mut tx, &store, &lease, b"again")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, Error::StaleLease { .. }), "{err:?}");
+        drop(tx);
+
+        // fail_in: a permanent failure, committed with the caller's write.
+        let k2 = key("fail-1");
+        let lease2 = acquire(&store, &k2);
+        let mut tx = c.begin().await.expect("begin");
+        sqlx::query(&format!(
+            "INSERT INTO {table} (idempotency_key, title) VALUES ($1, 'refused: logged')"
+        ))
+        .bind(k2.to_string())
+        .execute(&mut *tx)
+        .await
+        .expect("insert");
+        let failed = fail_in(&mut tx, &store, &lease2, b"no such printer", false)
+            .await
+            .expect("fail_in");
+        assert_eq!(failed.state(), State::Failed { retryable: false });
+        tx.commit().await.expect("commit");
+        let r = store.get(&k2).expect("get").expect("record");
+        assert_eq!(r.failure(), Some(&b"no such printer"[..]));
+        assert_eq!(tickets_of(&mut c, &table, &k2).await, 1);
+    });
+}
+
+#[test]
+fn rollback_keeps_neither_and_the_key_is_taken_over_after_its_lease() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_rollback");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = connect(&url).await;
+        recipe::create_table(&mut c, &table)
+            .await
+            .expect("create tickets");
+        let k = key("rollback-1");
+        let lease = acquire(&store, &k);
+
+        let mut tx = c.begin().await.expect("begin");
+        insert_ticket(&mut tx, &table, &k).await;
+        complete_in(&mut tx, &store, &lease, b"1")
+            .await
+            .expect("complete_in");
+        tx.rollback().await.expect("rollback");
+
+        assert_eq!(tickets_of(&mut c, &table, &k).await, 0);
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing);
+        assert_eq!(r.token(), lease.token());
+        // Still held while the lease runs.
+        assert!(matches!(
+            store.claim(&k, &fp(), &ClaimOptions::new()).expect("claim"),
+            ClaimOutcome::InProgress { .. }
+        ));
+        clock.advance(LEASE);
+        let next = acquire(&store, &k);
+        assert!(next.is_takeover());
+        assert!(next.token() > lease.token());
+        // The new holder finishes it in one transaction (the recipe).
+        let id = recipe::create_ticket(&mut c, &store, &table, &next, "printer on fire", async {})
+            .await
+            .expect("create_ticket");
+        assert_eq!(tickets_of(&mut c, &table, &k).await, 1);
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Succeeded);
+        assert_eq!(r.result(), Some(id.to_string().as_bytes()));
+    });
+}
+
+#[test]
+fn a_stale_lease_aborts_the_callers_transaction() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_stale");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = connect(&url).await;
+        recipe::create_table(&mut c, &table)
+            .await
+            .expect("create tickets");
+        let k = key("stale-1");
+        let old = acquire(&store, &k);
+        clock.advance(LEASE + Duration::from_millis(1));
+        let new = acquire(&store, &k);
+        assert!(new.token() > old.token());
+
+        let mut tx = c.begin().await.expect("begin");
+        insert_ticket(&mut tx, &table, &k).await;
+        let err = complete_in(&mut tx, &store, &old, b"1").await.unwrap_err();
+        match &err {
+            Error::StaleLease { token, .. } => assert_eq!(*token, old.token()),
+            other => panic!("expected StaleLease, got {other:?}"),
+        }
+        // The transaction is aborted: nothing more runs in it, and even a
+        // COMMIT of it rolls back.
+        assert!(
+            is_aborted(&mut tx).await,
+            "the caller's transaction must be aborted"
+        );
+        let _ = tx.commit().await;
+
+        assert_eq!(tickets_of(&mut c, &table, &k).await, 0);
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing);
+        assert_eq!(r.token(), new.token(), "the new holder keeps the key");
+        // The recipe answers StaleLease and creates no ticket.
+        let err = recipe::create_ticket(&mut c, &store, &table, &old, "t", async {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err.downcast_ref::<Error>(), Some(Error::StaleLease { .. })),
+            "{err:?}"
+        );
+        assert_eq!(tickets_of(&mut c, &table, &k).await, 0);
+    });
+}
+
+#[test]
+fn every_refusal_aborts_the_callers_transaction() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_refusals");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(
+        &url,
+        config(&schema, &clock)
+            .max_result_bytes(16)
+            .max_failure_bytes(16),
+    )
+    .expect("connect");
+    let table = table_of(&schema);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = Store::open(dir.path().join("s.redb")).expect("open");
+    runtime().block_on(async {
+        let mut c = connect(&url).await;
+        recipe::create_table(&mut c, &table)
+            .await
+            .expect("create tickets");
+        let k = key("refused-1");
+        let lease = acquire(&store, &k);
+        let long = [b'x'; 17];
+        // Each refusal that is decided before anything is sent: the ticket
+        // is inserted, the completion refused, and the caller's next
+        // statement and its COMMIT must fail.
+        for case in ["complete too large", "fail too large", "file store"] {
+            let mut tx = c.begin().await.expect("begin");
+            insert_ticket(&mut tx, &table, &k).await;
+            let err = match case {
+                "complete too large" => complete_in(&mut tx, &store, &lease, &long).await,
+                "fail too large" => fail_in(&mut tx, &store, &lease, &long, false).await,
+                _ => complete_in(&mut tx, &file, &lease, b"1").await,
+            }
+            .unwrap_err();
+            match case {
+                "file store" => assert!(
+                    matches!(err, Error::InvalidArgument { what: "store", .. }),
+                    "{case}: {err:?}"
+                ),
+                _ => assert!(matches!(err, Error::TooLarge { .. }), "{case}: {err:?}"),
+            }
+            assert!(is_aborted(&mut tx).await, "{case}: the transaction goes on");
+            let _ = tx.commit().await;
+            assert_eq!(
+                tickets_of(&mut c, &table, &k).await,
+                0,
+                "{case}: the effect was committed without the completion"
+            );
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!(r.state(), State::Processing, "{case}");
+        }
+        // The lease still finishes the key.
+        let mut tx = c.begin().await.expect("begin");
+        insert_ticket(&mut tx, &table, &k).await;
+        complete_in(&mut tx, &store, &lease, b"ok")
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert_eq!(tickets_of(&mut c, &table, &k).await, 1);
+    });
+}
+
+/// The child of [`a_process_killed_between_the_statements_commits_nothing`]:
+/// claims its key and runs the recipe of `examples/ticket_txn_sqlx`,
+/// killed between the ticket's insert and the completion (`TXN_STAGE`
+/// `inserted`); or inserts the ticket and completes the key, killed before
+/// `COMMIT` (`completed`).
+fn killed_child() -> ! {
+    let url = child_var("TXN_URL");
+    let schema = child_var("TXN_SCHEMA");
+    let table = child_var("TXN_TABLE");
+    let id = child_var("TXN_KEY");
+    let stage = child_var("TXN_STAGE");
+    let clock = ManualClock::new(child_var_parsed("TXN_T0"));
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let k = key(&id);
+    let lease = acquire(&store, &k);
+    report("token", lease.token());
+    let rt = runtime();
+    let mut c = rt.block_on(connect(&url));
+    rt.block_on(async {
+        if stage == "inserted" {
+            let killed_here = async { ready_and_wait() };
+            let _ = recipe::create_ticket(&mut c, &store, &table, &lease, "t", killed_here).await;
+            unreachable!("killed between the statements");
+        }
+        // The transaction is left open: BEGIN, the ticket, the completion.
+        let mut tx = c.begin().await.expect("begin");
+        insert_ticket(&mut tx, &table, &k).await;
+        complete_in(&mut tx, &store, &lease, b"ticket")
+            .await
+            .expect("complete_in");
+        ready_and_wait()
+    })
+}
+
+#[test]
+fn a_process_killed_between_the_statements_commits_nothing() {
+    const NAME: &str = "a_process_killed_between_the_statements_commits_nothing";
+    if child_role(NAME) {
+        killed_child();
+    }
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_killed");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    let rt = runtime();
+    let mut c = rt.block_on(connect(&url));
+    rt.block_on(recipe::create_table(&mut c, &table))
+        .expect("create tickets");
+    for stage in ["inserted", "completed"] {
+        let k = key(&format!("killed-{stage}"));
+        let vars = [
+            ("TXN_URL", url.clone()),
+            ("TXN_SCHEMA", schema.clone()),
+            ("TXN_TABLE", table.clone()),
+            ("TXN_KEY", format!("killed-{stage}")),
+            ("TXN_STAGE", stage.to_string()),
+            ("TXN_T0", clock.now_ms().to_string()),
+        ];
+        let mut child = spawn_child(NAME, &vars);
+        let reports = child.wait_ready();
+        let token: u64 = reports["token"].parse().expect("token");
+        child.kill();
+
+        // The server rolls the dead client's transaction back once it sees
+        // the connection gone; nothing of it was ever visible.
+        rt.block_on(async {
+            assert_eq!(tickets_of(&mut c, &table, &k).await, 0, "{stage}");
+        });
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing, "{stage}");
+        assert_eq!(r.token(), token, "{stage}");
+        clock.advance(LEASE);
+        // The claim waits for the dead backend's row lock (if it took one)
+        // to go with its transaction.
+        let next = acquire(&store, &k);
+        assert!(next.is_takeover(), "{stage}");
+        rt.block_on(async {
+            recipe::create_ticket(&mut c, &store, &table, &next, "t", async {})
+                .await
+                .expect("create_ticket");
+            assert_eq!(tickets_of(&mut c, &table, &k).await, 1, "{stage}");
+        });
+        assert_eq!(
+            store.get(&k).expect("get").expect("record").state(),
+            State::Succeeded,
+            "{stage}"
+        );
+    }
+}
