@@ -72,6 +72,7 @@
 //!   acknowledged claims and completions).
 
 mod decide;
+mod hot;
 mod schema;
 #[cfg(any(test, feature = "conformance"))]
 pub mod server;
@@ -80,7 +81,7 @@ mod tests;
 mod tls;
 pub(crate) mod txn;
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::error::Error as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -290,6 +291,24 @@ struct Shared {
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
     counters: LiveCounters,
+    /// The Processing records this process wrote last (by key bytes), with
+    /// their `record` column: what a completion by the holder is decided
+    /// on by the hot path, whose `UPDATE` lands only while the row still
+    /// holds these bytes (so a stale entry only sends the request the
+    /// general way). At most [`HELD_MAX`] entries.
+    held: parking_lot::Mutex<HashMap<Vec<u8>, Held>>,
+}
+
+/// The most records [`Shared::held`] keeps (it is emptied when full).
+const HELD_MAX: usize = 65_536;
+
+/// A record this process wrote, as stored.
+#[derive(Debug, Clone)]
+struct Held {
+    /// The record.
+    record: Record,
+    /// Its `record` column.
+    stored: Vec<u8>,
 }
 
 impl Shared {
@@ -297,6 +316,46 @@ impl Shared {
     fn stamp(&self, reading: u64) -> u64 {
         let before = self.high_water.fetch_max(reading, Ordering::SeqCst);
         before.max(reading)
+    }
+
+    /// Keeps `record` (written as `stored`) for a completion by its holder
+    /// while it is Processing; forgets the key otherwise.
+    fn hold(&self, kb: &[u8], record: &Record, stored: Vec<u8>) {
+        let mut held = self.held.lock();
+        if record.state == crate::record::State::Processing {
+            if held.len() >= HELD_MAX && !held.contains_key(kb) {
+                held.clear();
+            }
+            held.insert(
+                kb.to_vec(),
+                Held {
+                    record: record.clone(),
+                    stored,
+                },
+            );
+        } else {
+            held.remove(kb);
+        }
+    }
+
+    /// Keeps what the general path's answers say of the keys' records.
+    fn remember(&self, ops: &[(Key, Op)], answers: &[Result<Reply>]) {
+        for ((key, _), answer) in ops.iter().zip(answers) {
+            let record = match answer {
+                Ok(Reply::Claim(crate::record::ClaimOutcome::Acquired(lease))) => lease.record(),
+                Ok(Reply::Record(r)) => Some(r),
+                Ok(Reply::Released) => {
+                    self.held.lock().remove(&key.to_bytes());
+                    None
+                }
+                _ => None,
+            };
+            if let Some(r) = record {
+                let kb = key.to_bytes();
+                let stored = crate::codec::encode_record(&kb, r);
+                self.hold(&kb, r, stored);
+            }
+        }
     }
 }
 
@@ -503,6 +562,8 @@ struct Stmts {
     count: Statement,
     xact_lock: Statement,
     xact_lock_shared: Statement,
+    hot_claim: Statement,
+    hot_finish: Statement,
 }
 
 /// One connection and its statements.
@@ -578,8 +639,12 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         p("SELECT pg_advisory_xact_lock($1::bigint)"),
         p("SELECT pg_advisory_xact_lock_shared($1::bigint)"),
     )?;
-    let (draw_estimate, insert_records_strict) =
-        tokio::try_join!(p(&q.draw_estimate), p(&q.insert_records_strict))?;
+    let (draw_estimate, insert_records_strict, hot_claim, hot_finish) = tokio::try_join!(
+        p(&q.draw_estimate),
+        p(&q.insert_records_strict),
+        p(&q.hot_claim),
+        p(&q.hot_finish)
+    )?;
     let st = Stmts {
         lock_records: a,
         read_records: b,
@@ -600,6 +665,8 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         xact_lock: r,
         xact_lock_shared: s,
         draw_estimate,
+        hot_claim,
+        hot_finish,
     };
     Ok(Conn {
         client,
@@ -1129,7 +1196,11 @@ async fn attempt(
     };
     let lock_key = shared.sql.token_lock;
     // The first flight: begin; for an import, raise the sequence under the
-    // exclusive token lock (no draw may overtake the raise); lock and read
+    // records table's EXCLUSIVE lock (no hot claim's INSERT and no locking
+    // read runs meanwhile, and both draw only after taking their lock, so
+    // no draw overtakes the raise: see `hot`) and the exclusive token lock
+    // (for processes of earlier versions, whose draws take it shared),
+    // taken in that order, the order of a general batch; lock and read
     // the rows; draw tokens under the shared token lock; read the clock
     // last (after every lock of the flight, so that a wait for a row or
     // for the token lock, which an import holds while it waits for rows of
@@ -1139,6 +1210,7 @@ async fn attempt(
     let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
     let raise = async {
         if let Some(floor) = floor {
+            c.batch_execute(&shared.sql.lock_for_raise).await?;
             c.query(&conn.st.xact_lock, &[&lock_key]).await?;
             c.query(&conn.st.raise_tokens, &[&floor]).await?;
         }
@@ -1323,6 +1395,318 @@ async fn run_batch(
         }
     }
     Err(last)
+}
+
+/// One request of a batch that the hot path may decide.
+struct HotOp<'a> {
+    /// Its place in the batch.
+    at: usize,
+    key: &'a Key,
+    op: &'a Op,
+    kb: Vec<u8>,
+    template: hot::Template,
+    /// For a completion or failure: the record as held.
+    held: Option<Held>,
+}
+
+/// The answers of the hot path, by place in the batch (`None`: not
+/// decided there, for the general path).
+type HotAnswers = Vec<Option<Result<Reply>>>;
+
+/// Runs the hot path's part of a batch ([`hot`]): the claims of keys that
+/// may be absent in one autocommit statement, the completions and failures
+/// by a holder of this process in another, pipelined. A request whose key
+/// appears more than once in the batch, and any other kind, is left to the
+/// general path (the batch's requests are concurrent, so deciding some
+/// before the others is a valid order).
+///
+/// # Errors
+/// The connection could not be opened (nothing sent).
+async fn run_hot(
+    shared: &Shared,
+    slot: &mut Option<Conn>,
+    ops: &[(Key, Op)],
+) -> Result<HotAnswers, Fail> {
+    let mut answers: HotAnswers = ops.iter().map(|_| None).collect();
+    let mut seen: HashMap<Vec<u8>, usize> = HashMap::with_capacity(ops.len());
+    for (key, _) in ops {
+        *seen.entry(key.to_bytes()).or_default() += 1;
+    }
+    let p = shared.high_water.load(Ordering::SeqCst);
+    let retention = shared.retention_ms;
+    let mut claims = Vec::new();
+    let mut finishes = Vec::new();
+    for (at, (key, op)) in ops.iter().enumerate() {
+        let kb = key.to_bytes();
+        if seen.get(&kb) != Some(&1) {
+            continue;
+        }
+        match op {
+            Op::Claim { .. } => {
+                if let Some(template) = hot::claim_template(key, op, retention, p) {
+                    claims.push(HotOp {
+                        at,
+                        key,
+                        op,
+                        kb,
+                        template,
+                        held: None,
+                    });
+                }
+            }
+            Op::Complete { token, .. } | Op::Fail { token, .. } => {
+                let held = shared.held.lock().get(&kb).cloned();
+                let Some(held) = held.filter(|h| h.record.token == *token) else {
+                    continue;
+                };
+                let at_least = p.max(held.record.updated_ms);
+                if let Some(template) =
+                    hot::finish_template(key, &held.record, op, retention, at_least)
+                {
+                    finishes.push(HotOp {
+                        at,
+                        key,
+                        op,
+                        kb,
+                        template,
+                        held: Some(held),
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    if claims.is_empty() && finishes.is_empty() {
+        return Ok(answers);
+    }
+    let conn = ensure(shared, slot).await?;
+    let c = &conn.client;
+    let test_now = match &shared.clock {
+        Some(clock) => Some(to_i64("the test clock", shared.stamp(clock.now_ms()))?),
+        None => None,
+    };
+    let floor = to_i64("the time", shared.high_water.load(Ordering::SeqCst))?;
+    let ck: Vec<&[u8]> = claims.iter().map(|h| h.kb.as_slice()).collect();
+    let ch: Vec<Vec<u8>> = claims.iter().map(|h| h.template.head()).collect();
+    let ct: Vec<&[u8]> = claims
+        .iter()
+        .map(|h| h.template.envelope.as_slice())
+        .collect();
+    let cl: Vec<i64> = claims.iter().map(|h| h.template.lease_offset()).collect();
+    let ce: Vec<i64> = claims.iter().map(|h| h.template.expires_offset()).collect();
+    let fk: Vec<&[u8]> = finishes.iter().map(|h| h.kb.as_slice()).collect();
+    let mut ft = Vec::with_capacity(finishes.len());
+    let mut fseen: Vec<&[u8]> = Vec::with_capacity(finishes.len());
+    let mut ffloor = Vec::with_capacity(finishes.len());
+    for h in &finishes {
+        let held = h
+            .held
+            .as_ref()
+            .ok_or_else(|| Fail::Storage("a hot completion without its record".into()))?;
+        ft.push(to_i64("a token", held.record.token)?);
+        fseen.push(held.stored.as_slice());
+        ffloor.push(to_i64("a record's time", held.record.updated_ms)?);
+    }
+    let fh: Vec<Vec<u8>> = finishes.iter().map(|h| h.template.head()).collect();
+    let fe: Vec<&[u8]> = finishes
+        .iter()
+        .map(|h| h.template.envelope.as_slice())
+        .collect();
+    let fs: Vec<i16> = finishes
+        .iter()
+        .map(|h| decide::state_code(h.template.record.state))
+        .collect();
+    let fx: Vec<i64> = finishes
+        .iter()
+        .map(|h| h.template.expires_offset())
+        .collect();
+    let p_claim: [&(dyn ToSql + Sync); 7] = [&test_now, &floor, &ck, &ch, &ct, &cl, &ce];
+    let p_finish: [&(dyn ToSql + Sync); 10] = [
+        &test_now, &floor, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor,
+    ];
+    // Each statement commits on its own: once sent, a lost answer leaves
+    // its outcome unknown.
+    conn.commit_sent.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let (claimed, finished) = tokio::join!(
+        async {
+            if claims.is_empty() {
+                Ok(Vec::new())
+            } else {
+                c.query(&conn.st.hot_claim, &p_claim).await
+            }
+        },
+        async {
+            if finishes.is_empty() {
+                Ok(Vec::new())
+            } else {
+                c.query(&conn.st.hot_finish, &p_finish).await
+            }
+        }
+    );
+    let elapsed = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let mut events = Vec::new();
+    let mut lost = false;
+    match claimed {
+        Ok(rows) => {
+            for row in &rows {
+                let Some(h) = claim_row(&claims, row) else {
+                    continue;
+                };
+                match claim_answer(shared, h, row, elapsed) {
+                    Ok(Some((answer, evs))) => {
+                        answers[h.at] = Some(answer);
+                        events.extend(evs);
+                    }
+                    Ok(None) => {}
+                    Err(f) => answers[h.at] = Some(Err(f.error())),
+                }
+            }
+        }
+        Err(e) => lost |= hot_failed(&e, &claims, &mut answers),
+    }
+    match finished {
+        Ok(rows) => {
+            for row in &rows {
+                let Ok(kb) = row.try_get::<_, Vec<u8>>(0) else {
+                    continue;
+                };
+                let Some(h) = finishes.iter().find(|h| h.kb == kb) else {
+                    continue;
+                };
+                let answer = match row.try_get::<_, i64>(1) {
+                    Ok(at) => to_u64("the time", at)
+                        .map_err(|f| f.error())
+                        .and_then(|at| finish_answer(shared, h, shared.stamp(at))),
+                    Err(e) => Err(storage("a hot row", e).error()),
+                };
+                if let Ok((_, evs)) = &answer {
+                    events.extend(evs.iter().cloned());
+                }
+                answers[h.at] = Some(answer.map(|(reply, _)| reply));
+            }
+        }
+        Err(e) => lost |= hot_failed(&e, &finishes, &mut answers),
+    }
+    if lost {
+        *slot = None;
+    }
+    let decided = answers.iter().filter(|a| a.is_some()).count();
+    if decided > 0 {
+        shared.counters.publish(events);
+        shared.counters.group_commit(started.elapsed(), decided);
+    }
+    Ok(answers)
+}
+
+/// After a hot statement failed: a lost connection leaves its requests'
+/// outcome unknown (answered so); a refusal applied nothing, so they go the
+/// general way. Returns whether the connection is lost.
+fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAnswers) -> bool {
+    match fail(e) {
+        Fail::Lost(detail) | Fail::Unknown(detail) => {
+            for h in hots {
+                answers[h.at] = Some(Err(Error::OutcomeUnknown {
+                    detail: detail.clone(),
+                }));
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// The hot claim a row of the claim statement answers.
+fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>> {
+    let kb: Vec<u8> = row.try_get(1).ok()?;
+    claims.iter().find(|h| h.kb == kb)
+}
+
+/// The answer (and its events) of a hot claim from its row: a fresh
+/// record, or a row decided without a write; `None` for the general path
+/// (a write to decide, or a fresh lease that may have lapsed while the
+/// statement ran: the general path then decides the key again).
+fn claim_answer(
+    shared: &Shared,
+    h: &HotOp<'_>,
+    row: &Row,
+    elapsed_ms: u64,
+) -> Result<Option<(Result<Reply>, Vec<Event>)>, Fail> {
+    let get = |e: tokio_postgres::Error| storage("a hot row", e);
+    let fresh: bool = row.try_get(0).map_err(get)?;
+    let at: i64 = row.try_get(8).map_err(get)?;
+    let n = shared.stamp(to_u64("the time", at)?);
+    let retention = shared.retention_ms;
+    if fresh {
+        let token: i64 = row.try_get(3).map_err(get)?;
+        let t = &h.template;
+        let token_u = to_u64("a token", token)?;
+        let written = hot::complete(&t.record, t.mask, n, token_u)
+            .ok_or_else(|| Fail::Storage("a hot claim's time overflows".into()))?;
+        let (effect, reply) = hot::confirm(h.key, None, h.op, retention, n, token_u, &written)
+            .map_err(Fail::Storage)?;
+        let expires = to_i64("an expiry", written.expires_ms)?;
+        shared.hold(&h.kb, &written, hot::stored_bytes(&h.kb, t, token, expires));
+        // The lease runs from the statement's time; the answer came at
+        // most `elapsed_ms` later.
+        if n.saturating_add(elapsed_ms) >= written.lease_until_ms {
+            return Ok(None);
+        }
+        let events: Vec<Event> = Event::of_transition(h.key, None, h.op, &effect, &reply, n)
+            .into_iter()
+            .collect();
+        return Ok(Some((Ok(reply), events)));
+    }
+    let rc = RowColumns {
+        key: h.kb.clone(),
+        record: row.try_get(2).map_err(get)?,
+        token: row.try_get(3).map_err(get)?,
+        state: row.try_get(4).map_err(get)?,
+        created_ms: row.try_get(5).map_err(get)?,
+        lease_until_ms: row.try_get(6).map_err(get)?,
+        expires_ms: row.try_get(7).map_err(get)?,
+    };
+    let mut base = Base::default();
+    base.records.insert(h.kb.clone(), decide::slot_of(&rc));
+    let ops = [(h.key.clone(), h.op.clone())];
+    let pass = Pass {
+        now_ms: n,
+        retention_ms: retention,
+        tokens: &[],
+        exhausted: false,
+    };
+    let mut d = decide::decide(&base, &ops, &pass);
+    if d.shortage > 0 || !d.records.is_empty() || !d.bindings.is_empty() {
+        return Ok(None);
+    }
+    Ok(d.replies.pop().map(|reply| (reply, d.events)))
+}
+
+/// The answer (and its events) of a hot completion or failure that
+/// landed at time `n`.
+fn finish_answer(shared: &Shared, h: &HotOp<'_>, n: u64) -> Result<(Reply, Vec<Event>)> {
+    let held = h
+        .held
+        .as_ref()
+        .ok_or_else(|| Error::Storage("a hot completion without its record".into()))?;
+    let t = &h.template;
+    let written = hot::complete(&t.record, t.mask, n, held.record.token)
+        .ok_or_else(|| Error::Storage("a hot completion's time overflows".into()))?;
+    let (effect, reply) = hot::confirm(
+        h.key,
+        Some(&held.record),
+        h.op,
+        shared.retention_ms,
+        n,
+        held.record.token,
+        &written,
+    )
+    .map_err(Error::Storage)?;
+    shared.held.lock().remove(&h.kb);
+    let events = Event::of_transition(h.key, Some(&held.record), h.op, &effect, &reply, n)
+        .into_iter()
+        .collect();
+    Ok((reply, events))
 }
 
 /// Reads one record at the store's time (no transaction: one statement).
@@ -1592,20 +1976,69 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
             }
         }
         if let Some(due) = deadline {
-            not_committing(&conn);
-            let started = Instant::now();
-            let run = run_batch(&shared, &mut conn, &batch, None);
-            let result = match tokio::time::timeout_at(due.into(), run).await {
-                Ok(result) => result,
-                Err(_) => Err(expire(&mut conn)),
-            };
-            answer_batch(&shared, replies, result, started);
+            run_apply(&shared, &mut conn, due, batch, replies).await;
             drop(permits);
         }
         if let Some(queued) = other {
             run_job(&shared, &mut conn, queued).await;
         }
     }
+}
+
+/// Runs a batch of requests under its deadline: the hot path first (its
+/// answers given at once), then the rest in one general transaction.
+async fn run_apply(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    due: Instant,
+    batch: Vec<(Key, Op)>,
+    replies: Vec<oneshot::Sender<Result<Reply>>>,
+) {
+    not_committing(conn);
+    let hot = match tokio::time::timeout_at(due.into(), run_hot(shared, conn, &batch)).await {
+        Ok(Ok(hot)) => hot,
+        Ok(Err(f)) => {
+            recover(conn, &f).await;
+            for tx in replies {
+                let _ = tx.send(Err(f.error()));
+            }
+            return;
+        }
+        Err(_) => {
+            let f = expire(conn);
+            for tx in replies {
+                let _ = tx.send(Err(f.error()));
+            }
+            return;
+        }
+    };
+    let mut rest = Vec::new();
+    let mut rest_replies = Vec::new();
+    for ((op, tx), answer) in batch.into_iter().zip(replies).zip(hot) {
+        match answer {
+            Some(answer) => {
+                let _ = tx.send(answer);
+            }
+            None => {
+                rest.push(op);
+                rest_replies.push(tx);
+            }
+        }
+    }
+    if rest.is_empty() {
+        return;
+    }
+    not_committing(conn);
+    let started = Instant::now();
+    let run = run_batch(shared, conn, &rest, None);
+    let result = match tokio::time::timeout_at(due.into(), run).await {
+        Ok(result) => result,
+        Err(_) => Err(expire(conn)),
+    };
+    if let Ok((answers, _)) = &result {
+        shared.remember(&rest, answers);
+    }
+    answer_batch(shared, rest_replies, result, started);
 }
 
 /// Marks the connection as not committing, before a job starts on it.
@@ -1645,6 +2078,9 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
             let started = Instant::now();
             let ops = [(key, op)];
             let result = until(due, conn, async |c| run_batch(shared, c, &ops, None).await).await;
+            if let Ok((answers, _)) = &result {
+                shared.remember(&ops, answers);
+            }
             answer_batch(shared, vec![reply], result, started);
         }
         Job::Many {
@@ -1659,6 +2095,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
             .await;
             let answer = match result {
                 Ok((answers, events)) => {
+                    shared.remember(&ops, &answers);
                     shared.counters.publish(events);
                     shared.counters.group_commit(started.elapsed(), ops.len());
                     Ok(answers)
@@ -1771,6 +2208,7 @@ impl Postgres {
             limits: options.limits,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
+            held: parking_lot::Mutex::new(HashMap::new()),
         });
         let (jobs, queue) = unbounded_channel();
         let queue = Arc::new(tokio::sync::Mutex::new(queue));
@@ -2160,8 +2598,7 @@ async fn scan_task(
                 }
                 let mut page = Vec::with_capacity(rows.len());
                 for row in &rows {
-                    let get = |e: tokio_postgres::Error| storage("reading a scanned row", e);
-                    page.push((row.try_get(0).map_err(get)?, row.try_get(1).map_err(get)?));
+                    page.push(scanned(row)?);
                 }
                 let _ = tx.send(Ok(page));
             }
@@ -2182,6 +2619,23 @@ async fn scan_task(
         if let Some(tx) = requests.recv().await {
             let _ = tx.send(Err(f.error()));
         }
+    }
+}
+
+/// A scanned row as (key bytes, envelope): a row in the hot form is
+/// completed and handed out as the completed record's envelope; any other
+/// row as stored (whoever reads it checks it).
+fn scanned(row: &Row) -> Result<(Vec<u8>, Vec<u8>), Fail> {
+    let rc = row_columns(row)?;
+    if rc.record.first() != Some(&hot::FORM) {
+        return Ok((rc.key, rc.record));
+    }
+    match decide::slot_of(&rc) {
+        Slot::Present(rec) => {
+            let envelope = crate::codec::encode_record(&rc.key, &rec);
+            Ok((rc.key, envelope))
+        }
+        _ => Ok((rc.key, rc.record)),
     }
 }
 
