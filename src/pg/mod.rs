@@ -186,6 +186,8 @@ enum Job {
     Apply {
         key: Key,
         op: Op,
+        /// Whether the hot path may take it (false once it was tried).
+        hot: bool,
         reply: oneshot::Sender<Result<Reply>>,
     },
     /// Requests in one transaction of their own; with a token floor, an
@@ -375,6 +377,43 @@ pub(crate) struct Postgres {
     found: Found,
     /// The driver thread.
     thread: Option<JoinHandle<()>>,
+    /// Connections a sync caller drives on its own thread for the hot
+    /// path ([`Postgres::apply_direct`]).
+    direct: Vec<parking_lot::Mutex<DirectConn>>,
+}
+
+/// How many direct connections a store keeps (besides its workers').
+const DIRECT_CONNECTIONS: usize = 1;
+
+/// A connection that the calling thread drives: its own current-thread
+/// runtime (whose I/O the caller polls in `block_on`) and the connection,
+/// opened on first use.
+struct DirectConn {
+    /// The runtime (`None` only while dropping).
+    runtime: Option<tokio::runtime::Runtime>,
+    /// The connection.
+    conn: Option<Conn>,
+}
+
+impl Drop for DirectConn {
+    fn drop(&mut self) {
+        // Never blocks (a store may be dropped inside an async runtime).
+        self.conn = None;
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// What [`Postgres::apply_direct`] did.
+enum Direct {
+    /// The hot path answered.
+    Answered(Result<Reply>),
+    /// The hot path sent nothing it could decide: the general path.
+    Undecided,
+    /// Not tried (no free direct connection, not a hot request, or called
+    /// inside a runtime): the queue, where the hot path may still take it.
+    Busy,
 }
 
 impl std::fmt::Debug for Postgres {
@@ -1426,6 +1465,7 @@ async fn run_hot(
     shared: &Shared,
     slot: &mut Option<Conn>,
     ops: &[(Key, Op)],
+    hot_ok: &[bool],
 ) -> Result<HotAnswers, Fail> {
     let mut answers: HotAnswers = ops.iter().map(|_| None).collect();
     let mut seen: HashMap<Vec<u8>, usize> = HashMap::with_capacity(ops.len());
@@ -1438,7 +1478,7 @@ async fn run_hot(
     let mut finishes = Vec::new();
     for (at, (key, op)) in ops.iter().enumerate() {
         let kb = key.to_bytes();
-        if seen.get(&kb) != Some(&1) {
+        if seen.get(&kb) != Some(&1) || !hot_ok.get(at).copied().unwrap_or(false) {
             continue;
         }
         match op {
@@ -1544,7 +1584,6 @@ async fn run_hot(
             }
         }
     );
-    let elapsed = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
     let mut events = Vec::new();
     let mut lost = false;
     match claimed {
@@ -1553,7 +1592,7 @@ async fn run_hot(
                 let Some(h) = claim_row(&claims, row) else {
                     continue;
                 };
-                match claim_answer(shared, h, row, elapsed) {
+                match claim_answer(shared, h, row) {
                     Ok(Some((answer, evs))) => {
                         answers[h.at] = Some(answer);
                         events.extend(evs);
@@ -1624,13 +1663,12 @@ fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>
 
 /// The answer (and its events) of a hot claim from its row: a fresh
 /// record, or a row decided without a write; `None` for the general path
-/// (a write to decide, or a fresh lease that may have lapsed while the
-/// statement ran: the general path then decides the key again).
+/// (a write to decide, or a fresh lease that lapsed while the insert
+/// waited: the general path then decides the key again).
 fn claim_answer(
     shared: &Shared,
     h: &HotOp<'_>,
     row: &Row,
-    elapsed_ms: u64,
 ) -> Result<Option<(Result<Reply>, Vec<Event>)>, Fail> {
     let get = |e: tokio_postgres::Error| storage("a hot row", e);
     let fresh: bool = row.try_get(0).map_err(get)?;
@@ -1647,9 +1685,10 @@ fn claim_answer(
             .map_err(Fail::Storage)?;
         let expires = to_i64("an expiry", written.expires_ms)?;
         shared.hold(&h.kb, &written, hot::stored_bytes(&h.kb, t, token, expires));
-        // The lease runs from the statement's time; the answer came at
-        // most `elapsed_ms` later.
-        if n.saturating_add(elapsed_ms) >= written.lease_until_ms {
+        // A lease that lapsed while the insert waited is never granted:
+        // the general path decides the key again (a takeover then).
+        let after: i64 = row.try_get(9).map_err(get)?;
+        if shared.stamp(to_u64("the time", after)?) >= written.lease_until_ms {
             return Ok(None);
         }
         let events: Vec<Event> = Event::of_transition(h.key, None, h.op, &effect, &reply, n)
@@ -1930,6 +1969,7 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
     let mut held: Option<Queued> = None;
     loop {
         let mut batch: Vec<(Key, Op)> = Vec::new();
+        let mut hot_ok: Vec<bool> = Vec::new();
         let mut replies = Vec::new();
         let mut permits = Vec::new();
         let mut deadline: Option<Instant> = None;
@@ -1951,8 +1991,14 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
                     continue;
                 }
                 match job {
-                    Job::Apply { key, op, reply } => {
+                    Job::Apply {
+                        key,
+                        op,
+                        hot,
+                        reply,
+                    } => {
                         batch.push((key, op));
+                        hot_ok.push(hot);
                         replies.push(reply);
                         permits.push(permit);
                         deadline = Some(deadline.map_or(due, |d| d.min(due)));
@@ -1976,7 +2022,7 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
             }
         }
         if let Some(due) = deadline {
-            run_apply(&shared, &mut conn, due, batch, replies).await;
+            run_apply(&shared, &mut conn, due, (batch, hot_ok), replies).await;
             drop(permits);
         }
         if let Some(queued) = other {
@@ -1991,11 +2037,12 @@ async fn run_apply(
     shared: &Shared,
     conn: &mut Option<Conn>,
     due: Instant,
-    batch: Vec<(Key, Op)>,
+    (batch, hot_ok): (Vec<(Key, Op)>, Vec<bool>),
     replies: Vec<oneshot::Sender<Result<Reply>>>,
 ) {
     not_committing(conn);
-    let hot = match tokio::time::timeout_at(due.into(), run_hot(shared, conn, &batch)).await {
+    let run = run_hot(shared, conn, &batch, &hot_ok);
+    let hot = match tokio::time::timeout_at(due.into(), run).await {
         Ok(Ok(hot)) => hot,
         Ok(Err(f)) => {
             recover(conn, &f).await;
@@ -2074,7 +2121,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
         return;
     }
     match job {
-        Job::Apply { key, op, reply } => {
+        Job::Apply { key, op, reply, .. } => {
             let started = Instant::now();
             let ops = [(key, op)];
             let result = until(due, conn, async |c| run_batch(shared, c, &ops, None).await).await;
@@ -2181,8 +2228,12 @@ impl Postgres {
             config.keepalives_retries(KEEPALIVE_RETRIES);
         }
         let ms = |d: Duration| d.as_millis();
+        // Generic plans: the statements' array parameters would otherwise
+        // be planned again on every call (a custom plan looks cheaper for
+        // a one-element array than the generic plan's estimate).
         let session = format!(
-            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={}",
+            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={} \
+             -c plan_cache_mode=force_generic_plan",
             ms(limits.statement_timeout),
             ms(limits.lock_timeout),
             ms(limits.idle_in_transaction_timeout),
@@ -2234,7 +2285,18 @@ impl Postgres {
             store_id: 0,
             found: Found::Current,
             thread: Some(thread),
+            direct: Vec::new(),
         };
+        for _ in 0..DIRECT_CONNECTIONS {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(Error::storage)?;
+            pg.direct.push(parking_lot::Mutex::new(DirectConn {
+                runtime: Some(runtime),
+                conn: None,
+            }));
+        }
         let (tx, rx) = oneshot::channel();
         let due = tokio::time::Instant::now() + limits.call_timeout;
         pg.handle.spawn(async move {
@@ -2326,11 +2388,63 @@ impl Postgres {
     /// The transition's own errors (per request), [`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`], [`Error::Storage`].
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
+        let hot = match self.apply_direct(key, &op) {
+            Direct::Answered(answer) => return answer,
+            Direct::Undecided => false,
+            Direct::Busy => true,
+        };
         self.ask(|reply| Job::Apply {
             key: key.clone(),
             op,
+            hot,
             reply,
         })
+    }
+
+    /// Runs a request the hot path may decide on the calling thread, over
+    /// a free direct connection, with no hand-off to the driver thread (a
+    /// lone caller then waits on its own socket, as a hand-written client
+    /// does). Not from inside an async runtime (its thread must not
+    /// block), nor when every direct connection is in use.
+    fn apply_direct(&self, key: &Key, op: &Op) -> Direct {
+        if !matches!(op, Op::Claim { .. } | Op::Complete { .. } | Op::Fail { .. })
+            || tokio::runtime::Handle::try_current().is_ok()
+        {
+            return Direct::Busy;
+        }
+        let Some(mut guard) = self.direct.iter().find_map(|d| d.try_lock()) else {
+            return Direct::Busy;
+        };
+        let DirectConn { runtime, conn } = &mut *guard;
+        let Some(runtime) = runtime.as_ref() else {
+            return Direct::Busy;
+        };
+        let shared = &*self.shared;
+        let now = Instant::now();
+        let due = now.checked_add(shared.limits.call_timeout).unwrap_or(now);
+        let ops = [(key.clone(), op.clone())];
+        let answer = runtime.block_on(async {
+            // Lets the connection's task see a connection closed while it
+            // was idle, so that it is opened again instead of used (a
+            // statement sent on it would have an unknown outcome): the
+            // first yield polls the I/O driver, which wakes the task; the
+            // second lets it run.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            not_committing(conn);
+            match tokio::time::timeout_at(due.into(), run_hot(shared, conn, &ops, &[true])).await {
+                Ok(Ok(mut answers)) => answers.pop().flatten(),
+                Ok(Err(f)) => {
+                    recover(conn, &f).await;
+                    Some(Err(f.error()))
+                }
+                Err(_) => Some(Err(expire(conn).error())),
+            }
+        });
+        match answer {
+            Some(answer) => Direct::Answered(answer),
+            None => Direct::Undecided,
+        }
     }
 
     /// [`Postgres::apply`] as a future that needs no runtime: it completes
@@ -2340,6 +2454,7 @@ impl Postgres {
         self.send(Job::Apply {
             key: key.clone(),
             op,
+            hot: true,
             reply: tx,
         })?;
         rx.await.map_err(|_| Error::Closed)?
@@ -2457,6 +2572,7 @@ impl Postgres {
         let _ = self.send(Job::Apply {
             key: key.clone(),
             op,
+            hot: true,
             reply: tx,
         });
     }

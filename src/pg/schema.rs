@@ -126,7 +126,9 @@ pub(crate) struct Sql {
     /// but no earlier than `$2`), inserts a record in the hot form with a
     /// token from the sequence for each key (`$3`, distinct) that has no
     /// row, and answers the rows of the keys that have one. Rows: fresh,
-    /// key, record, token, state, created, lease until, expires, time.
+    /// key, record, token, state, created, lease until, expires, time, and
+    /// for an inserted row the time again after its insert (which may have
+    /// waited for a concurrent insert of the key that then rolled back).
     pub hot_claim: String,
     /// The hot path's completions and failures: at the store's time (as
     /// `hot_claim`, and no earlier than the row's floor), rewrites each row
@@ -265,12 +267,13 @@ impl Sql {
                  f.now + f.lease_off, f.now + f.exp_off \
                  FROM (SELECT c.*, v.now, nextval('{s}.tokens') AS tok FROM c CROSS JOIN v \
                  WHERE NOT EXISTS (SELECT 1 FROM {s}.records r WHERE r.key = c.key)) AS f \
-                 ORDER BY f.key ON CONFLICT (key) DO NOTHING RETURNING key, token) \
+                 ORDER BY f.key ON CONFLICT (key) DO NOTHING RETURNING key, token, \
+                 COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS after) \
                  SELECT true, i.key, NULL::bytea, i.token, NULL::smallint, NULL::bigint, \
-                 NULL::bigint, NULL::bigint, v.now FROM ins i CROSS JOIN v \
+                 NULL::bigint, NULL::bigint, v.now, i.after FROM ins i CROSS JOIN v \
                  UNION ALL \
                  SELECT false, r.key, r.record, r.token, r.state, r.created_ms, r.lease_until_ms, \
-                 r.expires_ms, v.now FROM {s}.records r CROSS JOIN v \
+                 r.expires_ms, v.now, NULL::bigint FROM {s}.records r CROSS JOIN v \
                  WHERE r.key IN (SELECT key FROM c) \
                  AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = r.key)"
             ),
