@@ -2230,10 +2230,14 @@ impl Postgres {
         let ms = |d: Duration| d.as_millis();
         // Generic plans: the statements' array parameters would otherwise
         // be planned again on every call (a custom plan looks cheaper for
-        // a one-element array than the generic plan's estimate).
+        // a one-element array than the generic plan's estimate). Every
+        // statement of the engine finds its rows through an index (the
+        // key, a binding, the expiry); a generic plan made while a table
+        // is new and small would otherwise scan it in full for as long as
+        // the connection lives, so sequential scans are ruled out.
         let session = format!(
             "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={} \
-             -c plan_cache_mode=force_generic_plan",
+             -c plan_cache_mode=force_generic_plan -c enable_seqscan=off",
             ms(limits.statement_timeout),
             ms(limits.lock_timeout),
             ms(limits.idle_in_transaction_timeout),

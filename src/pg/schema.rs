@@ -266,16 +266,17 @@ impl Sql {
                  int8send(f.now + f.exp_off)) FROM 1 FOR 8) || f.tmpl, f.tok, 0::smallint, f.now, \
                  f.now + f.lease_off, f.now + f.exp_off \
                  FROM (SELECT c.*, v.now, nextval('{s}.tokens') AS tok FROM c CROSS JOIN v \
-                 WHERE NOT EXISTS (SELECT 1 FROM {s}.records r WHERE r.key = c.key)) AS f \
+                 LEFT JOIN LATERAL (SELECT true AS hit FROM {s}.records r WHERE r.key = c.key \
+                 LIMIT 1) AS e ON true WHERE e.hit IS NULL) AS f \
                  ORDER BY f.key ON CONFLICT (key) DO NOTHING RETURNING key, token, \
                  COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS after) \
                  SELECT true, i.key, NULL::bytea, i.token, NULL::smallint, NULL::bigint, \
                  NULL::bigint, NULL::bigint, v.now, i.after FROM ins i CROSS JOIN v \
                  UNION ALL \
                  SELECT false, r.key, r.record, r.token, r.state, r.created_ms, r.lease_until_ms, \
-                 r.expires_ms, v.now, NULL::bigint FROM {s}.records r CROSS JOIN v \
-                 WHERE r.key IN (SELECT key FROM c) \
-                 AND NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = r.key)"
+                 r.expires_ms, v.now, NULL::bigint FROM c CROSS JOIN v CROSS JOIN LATERAL \
+                 (SELECT * FROM {s}.records q WHERE q.key = c.key LIMIT 1) AS r \
+                 WHERE NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = r.key)"
             ),
             hot_finish: format!(
                 "WITH v AS (SELECT COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS now), \
