@@ -34,6 +34,16 @@
 //!   that fails on a present key; that failure rolls the transaction back
 //!   and the batch runs again at once in a new one, the savepoint's way
 //!   (its callers see no difference but the time).
+//! - **The hot path** ([`hot`]): before a batch is run the general way, a
+//!   claim of a key that may be absent, a completion or failure by a
+//!   holder of this process, and a claim that the key's row decides
+//!   without a write (a replay, a lease in progress, a fingerprint
+//!   mismatch) are sent as one autocommit statement per kind, the time
+//!   and the token read by the statement itself; only what it cannot
+//!   decide goes on to the general transaction. A sync caller outside an
+//!   async runtime runs its hot request on a direct connection that its
+//!   own thread drives (no hand-off to the driver thread) while that
+//!   connection is free, and through the queue otherwise.
 //! - **One clock.** The store's time is the database's `clock_timestamp()`,
 //!   read after every lock the decision waits for (rows, the shared token
 //!   lock, business-key bindings; again after a lost compare-and-set's
@@ -45,7 +55,9 @@
 //!   last update).
 //! - **Tokens** come from one sequence, capped below `i64::MAX` like the
 //!   embedded counter; a sequence value is never handed out twice, also
-//!   after a row is deleted.
+//!   after a row is deleted. An import raises the sequence under the
+//!   records table's `EXCLUSIVE` lock, which every draw's statement
+//!   conflicts with (see [`hot`]).
 //! - **Failures**: a request that was not applied (the server unreachable,
 //!   the connection lost before the commit) gets
 //!   [`Error::Unavailable`]; a request whose `COMMIT` was sent and whose
@@ -1655,6 +1667,9 @@ fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAn
     }
 }
 
+/// A request's answer with its audit events.
+type Answered = (Result<Reply>, Vec<Event>);
+
 /// The hot claim a row of the claim statement answers.
 fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>> {
     let kb: Vec<u8> = row.try_get(1).ok()?;
@@ -1665,11 +1680,7 @@ fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>
 /// record, or a row decided without a write; `None` for the general path
 /// (a write to decide, or a fresh lease that lapsed while the insert
 /// waited: the general path then decides the key again).
-fn claim_answer(
-    shared: &Shared,
-    h: &HotOp<'_>,
-    row: &Row,
-) -> Result<Option<(Result<Reply>, Vec<Event>)>, Fail> {
+fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answered>, Fail> {
     let get = |e: tokio_postgres::Error| storage("a hot row", e);
     let fresh: bool = row.try_get(0).map_err(get)?;
     let at: i64 = row.try_get(8).map_err(get)?;
