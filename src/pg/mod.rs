@@ -309,12 +309,17 @@ struct Shared {
     /// their `record` column: what a completion by the holder is decided
     /// on by the hot path, whose `UPDATE` lands only while the row still
     /// holds these bytes (so a stale entry only sends the request the
-    /// general way). At most [`HELD_MAX`] entries.
+    /// general way). At most [`HELD_MAX`] entries of at most
+    /// [`HELD_MAX_BYTES`] each.
     held: parking_lot::Mutex<HashMap<Vec<u8>, Held>>,
 }
 
 /// The most records [`Shared::held`] keeps (it is emptied when full).
-const HELD_MAX: usize = 65_536;
+const HELD_MAX: usize = 16_384;
+/// The largest stored record [`Shared::held`] keeps (in bytes; a larger
+/// one, with a large recovery point or failure history, is completed the
+/// general way), so that it holds at most about 32 MiB.
+const HELD_MAX_BYTES: usize = 1024;
 
 /// A record this process wrote, as stored.
 #[derive(Debug, Clone)]
@@ -336,7 +341,7 @@ impl Shared {
     /// while it is Processing; forgets the key otherwise.
     fn hold(&self, kb: &[u8], record: &Record, stored: Vec<u8>) {
         let mut held = self.held.lock();
-        if record.state == crate::record::State::Processing {
+        if record.state == crate::record::State::Processing && stored.len() <= HELD_MAX_BYTES {
             if held.len() >= HELD_MAX && !held.contains_key(kb) {
                 held.clear();
             }
