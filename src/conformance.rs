@@ -38,7 +38,7 @@
 use std::time::Duration;
 
 use crate::{
-    ClaimOptions, ClaimOutcome, Config, Error, Filter, Fingerprint, ImportOptions, Key,
+    ClaimOptions, ClaimOutcome, Clock, Config, Error, Filter, Fingerprint, ImportOptions, Key,
     ManualClock, Resolution, State, Store,
 };
 
@@ -71,6 +71,7 @@ pub const ALL: &[(&str, Test)] = &[
     ("export_import", export_import),
     ("claim_many", claim_many),
     ("reopen", reopen),
+    ("holder_finishes", holder_finishes),
 ];
 
 /// The clock every store of the suite starts at: 2026-01-01T00:00:00Z.
@@ -541,4 +542,88 @@ pub fn reopen(h: &dyn Harness) {
         .expect("the lease outlives a reopen");
     let next = acquire(&store, &key("r-new"), &f);
     assert!(next.token() > held.token(), "tokens never go back");
+}
+
+/// A holder finishes its own record, whatever the holder did to it before
+/// (extended it, saved a recovery point), and also after its lease lapsed
+/// while nobody took the key over; never once the record has passed
+/// retention, nor after a takeover, nor after a restart took the
+/// process's memory of the record away: each answer is the transition's,
+/// with the finishing time and a new expiry, whichever way an engine
+/// decides it (the PostgreSQL engine decides the common cases in one
+/// fenced statement).
+pub fn holder_finishes(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("holder_finishes", config(&clock));
+    let f = fp("a");
+    let retention_ms = u64::try_from(RETENTION.as_millis()).expect("retention");
+    let lease_ms = u64::try_from(LEASE.as_millis()).expect("lease");
+    // Extended and given a recovery point, then completed.
+    let k = key("changed");
+    let lease = acquire(&store, &k, &f);
+    clock.advance(Duration::from_secs(5));
+    store.extend(&lease, LEASE).expect("extend");
+    store
+        .set_recovery_point(&lease, b"step-1")
+        .expect("recovery point");
+    clock.advance(Duration::from_secs(1));
+    let done = store.complete(&lease, b"ok").expect("complete");
+    let at = START_MS + 6_000;
+    assert_eq!(done.state(), State::Succeeded);
+    assert_eq!(done.updated_ms(), at);
+    assert_eq!(done.expires_ms(), at + retention_ms);
+    assert_eq!(done.recovery_point(), Some(&b"step-1"[..]));
+    assert_eq!(store.get(&k).expect("get"), Some(done));
+    // Lapsed, nobody took over: the holder may still fail it.
+    let k = key("lapsed");
+    let lease = acquire(&store, &k, &f);
+    clock.advance(LEASE + Duration::from_secs(1));
+    let failed = store.fail(&lease, b"late", true).expect("fail");
+    assert_eq!(failed.state(), State::Failed { retryable: true });
+    assert_eq!(
+        failed.created_ms(),
+        lease.record().expect("record").created_ms()
+    );
+    assert_eq!(store.get(&k).expect("get"), Some(failed));
+    // Past retention while Processing: the record is gone, the holder
+    // fenced.
+    let k = key("expired");
+    let lease = acquire(&store, &k, &f);
+    let expires = lease.record().expect("record").expires_ms();
+    assert_eq!(expires, clock.now_ms() + retention_ms.max(lease_ms));
+    clock.advance(Duration::from_millis(expires - clock.now_ms()));
+    assert!(matches!(
+        store.complete(&lease, b"too late"),
+        Err(Error::StaleLease { .. })
+    ));
+    assert!(store.get(&k).expect("get").is_none());
+    let fresh = acquire(&store, &k, &f);
+    assert!(!fresh.is_takeover(), "an expired record is absent");
+    assert!(fresh.token() > lease.token());
+    // A takeover fences the first holder; the new one completes.
+    let k = key("taken");
+    let first = acquire(&store, &k, &f);
+    clock.advance(LEASE);
+    let second = acquire(&store, &k, &f);
+    assert!(second.is_takeover());
+    assert!(matches!(
+        store.complete(&first, b"old"),
+        Err(Error::StaleLease { .. })
+    ));
+    let done = store.complete(&second, b"new").expect("complete");
+    assert_eq!(done.acquisitions(), 2);
+    // After a restart, a lease rebuilt from its parts completes too.
+    let k = key("restarted");
+    let lease = acquire(&store, &k, &f);
+    let store = h.reopen(store, config(&clock));
+    clock.advance(Duration::from_secs(2));
+    let rebuilt = crate::Lease::from_parts(k.clone(), lease.token());
+    let done = store
+        .complete(&rebuilt, b"after restart")
+        .expect("complete");
+    assert_eq!(done.updated_ms(), clock.now_ms());
+    assert!(matches!(
+        store.complete(&rebuilt, b"twice"),
+        Err(Error::StaleLease { .. })
+    ));
 }

@@ -173,13 +173,25 @@ pub enum Migration {
         /// The schema version stored (this build's).
         version: u32,
     },
+    /// The schema held a store at the older version `from`; it is now at
+    /// `version`, its records kept. Builds older than `version` refuse it
+    /// from then on ([`ConfigFault::SchemaTooNew`](crate::ConfigFault)):
+    /// stop them before migrating.
+    Upgraded {
+        /// The version found.
+        from: u32,
+        /// The schema version now stored (this build's).
+        version: u32,
+    },
 }
 
 impl Migration {
     /// The schema version stored once the migration is done.
     pub fn version(&self) -> u32 {
         match self {
-            Migration::Created { version } | Migration::Current { version } => *version,
+            Migration::Created { version }
+            | Migration::Current { version }
+            | Migration::Upgraded { version, .. } => *version,
         }
     }
 
@@ -225,6 +237,7 @@ pub fn migrate(url: &str, schema: &str) -> Result<Migration> {
     Ok(match engine.found() {
         crate::pg::Found::Created => Migration::Created { version },
         crate::pg::Found::Current => Migration::Current { version },
+        crate::pg::Found::Upgraded { from } => Migration::Upgraded { from, version },
     })
 }
 

@@ -59,6 +59,7 @@ embedded!(
     export_import,
     claim_many,
     reopen,
+    holder_finishes,
 );
 
 #[cfg(feature = "postgres")]
@@ -117,6 +118,7 @@ mod postgres {
         export_import,
         claim_many,
         reopen,
+        holder_finishes,
     );
 
     /// An export of a file store imports into a PostgreSQL store and back:
@@ -177,7 +179,7 @@ mod postgres {
 fn the_suite_lists_every_test() {
     // `conformance::ALL` is what an engine outside this crate runs; it
     // must hold every function the macro above runs.
-    assert_eq!(conformance::ALL.len(), 13);
+    assert_eq!(conformance::ALL.len(), 14);
 }
 
 #[test]

@@ -425,10 +425,11 @@ async fn db_now(client: &Client) -> u64 {
     u64::try_from(ms).expect("a positive time")
 }
 
-/// A claim that waits behind an import (which holds the token lock while
-/// it waits for a row locked by an open `complete_in` transaction) is
-/// decided at a time read after that wait: its lease runs from when the
-/// claim could proceed, not from before it waited.
+/// A claim that waits behind an import (whose lock on the records table,
+/// taken before it raises the token sequence, waits for an open
+/// `complete_in` transaction) is decided at a time read after that wait:
+/// its lease runs from when the claim could proceed, not from before it
+/// waited.
 #[test]
 fn a_claim_that_waited_for_locks_gets_a_lease_from_after_the_wait() {
     let Some(url) = pg::url() else { return };
@@ -471,21 +472,22 @@ fn a_claim_that_waited_for_locks_gets_a_lease_from_after_the_wait() {
     rt.block_on(complete_in(&tx, &store, &held_lease, b"done"))
         .expect("complete_in");
     std::thread::scope(|s| {
-        // The import takes the exclusive token lock, then waits for the row.
+        // The import's lock on the records table (or, after it, on the
+        // row) waits for the caller's transaction.
         let import = s.spawn(|| replica.import(&export[..], |_| {}));
         rt.block_on(wait_until(
             &monitor,
-            "the import waits for the row",
+            "the import waits for the table or the row",
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND wait_event IN ('transactionid', 'tuple')",
+             AND wait_event IN ('relation', 'transactionid', 'tuple')",
         ));
-        // A claim of another key waits for the token lock.
+        // A claim of another key waits behind the import.
         let claim = s.spawn(|| acquire(&store, &key("lapse-fresh")));
         rt.block_on(wait_until(
             &monitor,
-            "the claim waits for the token lock",
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND wait_event = 'advisory'",
+            "the claim waits behind the import",
+            "SELECT (count(*) >= 2)::int::bigint FROM pg_stat_activity \
+             WHERE wait_event_type = 'Lock'",
         ));
         // Longer than the lease passes while the claim waits.
         let waiting_since = rt.block_on(db_now(&monitor));

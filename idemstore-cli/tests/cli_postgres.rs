@@ -456,7 +456,7 @@ fn migrate_creates_the_schema_once_for_a_deploy() {
     let out = idemstore(&["migrate", &url, "--schema", &schema]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert!(
-        stdout(&out).contains("created at schema version 1"),
+        stdout(&out).contains("created at schema version 2"),
         "{}",
         stdout(&out)
     );
@@ -465,7 +465,7 @@ fn migrate_creates_the_schema_once_for_a_deploy() {
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let v = json(&out);
     assert_eq!(v["created"], false);
-    assert_eq!(v["schema_version"], 1);
+    assert_eq!(v["schema_version"], 2);
     // The store is there: the other commands open it.
     let out = idemstore(&["stats", &url, "--schema", &schema, "--json"]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));

@@ -90,11 +90,16 @@ pub(crate) fn columns(record: &Record) -> Option<Columns> {
     })
 }
 
-/// Turns a row into a slot: decodes the envelope and checks the columns
-/// against it (a negative or disagreeing column is corruption).
+/// Turns a row into a slot: decodes the envelope (or completes a row in
+/// the hot form, [`super::hot`]) and checks the columns against it (a negative or disagreeing column is corruption).
 pub(crate) fn slot_of(row: &RowColumns) -> Slot {
     let corrupt = |detail: String| Slot::Corrupt(Key::describe_bytes(&row.key), detail);
-    let rec = match codec::decode_record(&row.key, &row.record) {
+    let decoded = if row.record.first() == Some(&super::hot::FORM) {
+        super::hot::decode(&row.key, &row.record, row.token, row.expires_ms)
+    } else {
+        codec::decode_record(&row.key, &row.record)
+    };
+    let rec = match decoded {
         Ok(r) => r,
         Err(Error::CorruptRecord { key, detail }) => return Slot::Corrupt(key, detail),
         Err(e) => return corrupt(e.to_string()),

@@ -34,6 +34,16 @@
 //!   that fails on a present key; that failure rolls the transaction back
 //!   and the batch runs again at once in a new one, the savepoint's way
 //!   (its callers see no difference but the time).
+//! - **The hot path** ([`hot`]): before a batch is run the general way, a
+//!   claim of a key that may be absent, a completion or failure by a
+//!   holder of this process, and a claim that the key's row decides
+//!   without a write (a replay, a lease in progress, a fingerprint
+//!   mismatch) are sent as one autocommit statement per kind, the time
+//!   and the token read by the statement itself; only what it cannot
+//!   decide goes on to the general transaction. A sync caller outside an
+//!   async runtime runs its hot request on a direct connection that its
+//!   own thread drives (no hand-off to the driver thread) while that
+//!   connection is free, and through the queue otherwise.
 //! - **One clock.** The store's time is the database's `clock_timestamp()`,
 //!   read after every lock the decision waits for (rows, the shared token
 //!   lock, business-key bindings; again after a lost compare-and-set's
@@ -45,7 +55,9 @@
 //!   last update).
 //! - **Tokens** come from one sequence, capped below `i64::MAX` like the
 //!   embedded counter; a sequence value is never handed out twice, also
-//!   after a row is deleted.
+//!   after a row is deleted. An import raises the sequence under the
+//!   records table's `EXCLUSIVE` lock, which every draw's statement
+//!   conflicts with (see [`hot`]).
 //! - **Failures**: a request that was not applied (the server unreachable,
 //!   the connection lost before the commit) gets
 //!   [`Error::Unavailable`]; a request whose `COMMIT` was sent and whose
@@ -72,6 +84,7 @@
 //!   acknowledged claims and completions).
 
 mod decide;
+mod hot;
 mod schema;
 #[cfg(any(test, feature = "conformance"))]
 pub mod server;
@@ -82,7 +95,7 @@ pub(crate) mod txn;
 #[cfg(feature = "sqlx")]
 pub(crate) mod txn_sqlx;
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::error::Error as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -195,6 +208,8 @@ enum Job {
     Apply {
         key: Key,
         op: Op,
+        /// Whether the hot path may take it (false once it was tried).
+        hot: bool,
         reply: oneshot::Sender<Result<Reply>>,
     },
     /// Requests in one transaction of their own; with a token floor, an
@@ -303,6 +318,29 @@ struct Shared {
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
     counters: LiveCounters,
+    /// The Processing records this process wrote last (by key bytes), with
+    /// their `record` column: what a completion by the holder is decided
+    /// on by the hot path, whose `UPDATE` lands only while the row still
+    /// holds these bytes (so a stale entry only sends the request the
+    /// general way). At most [`HELD_MAX`] entries of at most
+    /// [`HELD_MAX_BYTES`] each.
+    held: parking_lot::Mutex<HashMap<Vec<u8>, Held>>,
+}
+
+/// The most records [`Shared::held`] keeps (it is emptied when full).
+const HELD_MAX: usize = 16_384;
+/// The largest stored record [`Shared::held`] keeps (in bytes; a larger
+/// one, with a large recovery point or failure history, is completed the
+/// general way), so that it holds at most about 32 MiB.
+const HELD_MAX_BYTES: usize = 1024;
+
+/// A record this process wrote, as stored.
+#[derive(Debug, Clone)]
+struct Held {
+    /// The record.
+    record: Record,
+    /// Its `record` column.
+    stored: Vec<u8>,
 }
 
 impl Shared {
@@ -310,6 +348,46 @@ impl Shared {
     fn stamp(&self, reading: u64) -> u64 {
         let before = self.high_water.fetch_max(reading, Ordering::SeqCst);
         before.max(reading)
+    }
+
+    /// Keeps `record` (written as `stored`) for a completion by its holder
+    /// while it is Processing; forgets the key otherwise.
+    fn hold(&self, kb: &[u8], record: &Record, stored: Vec<u8>) {
+        let mut held = self.held.lock();
+        if record.state == crate::record::State::Processing && stored.len() <= HELD_MAX_BYTES {
+            if held.len() >= HELD_MAX && !held.contains_key(kb) {
+                held.clear();
+            }
+            held.insert(
+                kb.to_vec(),
+                Held {
+                    record: record.clone(),
+                    stored,
+                },
+            );
+        } else {
+            held.remove(kb);
+        }
+    }
+
+    /// Keeps what the general path's answers say of the keys' records.
+    fn remember(&self, ops: &[(Key, Op)], answers: &[Result<Reply>]) {
+        for ((key, _), answer) in ops.iter().zip(answers) {
+            let record = match answer {
+                Ok(Reply::Claim(crate::record::ClaimOutcome::Acquired(lease))) => lease.record(),
+                Ok(Reply::Record(r)) => Some(r),
+                Ok(Reply::Released) => {
+                    self.held.lock().remove(&key.to_bytes());
+                    None
+                }
+                _ => None,
+            };
+            if let Some(r) = record {
+                let kb = key.to_bytes();
+                let stored = crate::codec::encode_record(&kb, r);
+                self.hold(&kb, r, stored);
+            }
+        }
     }
 }
 
@@ -329,6 +407,43 @@ pub(crate) struct Postgres {
     found: Found,
     /// The driver thread.
     thread: Option<JoinHandle<()>>,
+    /// Connections a sync caller drives on its own thread for the hot
+    /// path ([`Postgres::apply_direct`]).
+    direct: Vec<parking_lot::Mutex<DirectConn>>,
+}
+
+/// How many direct connections a store keeps (besides its workers').
+const DIRECT_CONNECTIONS: usize = 1;
+
+/// A connection that the calling thread drives: its own current-thread
+/// runtime (whose I/O the caller polls in `block_on`) and the connection,
+/// opened on first use.
+struct DirectConn {
+    /// The runtime (`None` only while dropping).
+    runtime: Option<tokio::runtime::Runtime>,
+    /// The connection.
+    conn: Option<Conn>,
+}
+
+impl Drop for DirectConn {
+    fn drop(&mut self) {
+        // Never blocks (a store may be dropped inside an async runtime).
+        self.conn = None;
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// What [`Postgres::apply_direct`] did.
+enum Direct {
+    /// The hot path answered.
+    Answered(Result<Reply>),
+    /// The hot path sent nothing it could decide: the general path.
+    Undecided,
+    /// Not tried (no free direct connection, not a hot request, or called
+    /// inside a runtime): the queue, where the hot path may still take it.
+    Busy,
 }
 
 impl std::fmt::Debug for Postgres {
@@ -516,6 +631,8 @@ struct Stmts {
     count: Statement,
     xact_lock: Statement,
     xact_lock_shared: Statement,
+    hot_claim: Statement,
+    hot_finish: Statement,
 }
 
 /// One connection and its statements.
@@ -597,8 +714,12 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         p("SELECT pg_advisory_xact_lock($1::bigint)"),
         p("SELECT pg_advisory_xact_lock_shared($1::bigint)"),
     )?;
-    let (draw_estimate, insert_records_strict) =
-        tokio::try_join!(p(&q.draw_estimate), p(&q.insert_records_strict))?;
+    let (draw_estimate, insert_records_strict, hot_claim, hot_finish) = tokio::try_join!(
+        p(&q.draw_estimate),
+        p(&q.insert_records_strict),
+        p(&q.hot_claim),
+        p(&q.hot_finish)
+    )?;
     let st = Stmts {
         lock_records: a,
         read_records: b,
@@ -619,6 +740,8 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         xact_lock: r,
         xact_lock_shared: s,
         draw_estimate,
+        hot_claim,
+        hot_finish,
     };
     Ok(Conn {
         client,
@@ -634,6 +757,11 @@ pub(crate) enum Found {
     Current,
     /// Created (or completed) by this connection's DDL.
     Created,
+    /// Found at the older version `from` and brought to this build's.
+    Upgraded {
+        /// The version found.
+        from: u32,
+    },
 }
 
 /// Checks the schema's version with one read and no DDL; when it is not
@@ -798,9 +926,19 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
             if version == 0 {
                 return Err(incompatible("schema version 0".into()));
             }
-            // Idempotent: a version-1 schema has every object already.
+            // Idempotent: an older schema has every object already; from
+            // version 1 to 2 only the version row changes.
             client.batch_execute(&sql.create()).await.map_err(pg)?;
-            Found::Current
+            if version < SCHEMA_VERSION {
+                let current = SCHEMA_VERSION.to_be_bytes().to_vec();
+                client
+                    .execute(&sql.write_version(), &[&current])
+                    .await
+                    .map_err(pg)?;
+                Found::Upgraded { from: version }
+            } else {
+                Found::Current
+            }
         }
         None if shared.must_exist => return Err(missing()),
         None => {
@@ -1148,7 +1286,11 @@ async fn attempt(
     };
     let lock_key = shared.sql.token_lock;
     // The first flight: begin; for an import, raise the sequence under the
-    // exclusive token lock (no draw may overtake the raise); lock and read
+    // records table's EXCLUSIVE lock (no hot claim's INSERT and no locking
+    // read runs meanwhile, and both draw only after taking their lock, so
+    // no draw overtakes the raise: see `hot`) and the exclusive token lock
+    // (for processes of earlier versions, whose draws take it shared),
+    // taken in that order, the order of a general batch; lock and read
     // the rows; draw tokens under the shared token lock; read the clock
     // last (after every lock of the flight, so that a wait for a row or
     // for the token lock, which an import holds while it waits for rows of
@@ -1158,6 +1300,7 @@ async fn attempt(
     let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
     let raise = async {
         if let Some(floor) = floor {
+            c.batch_execute(&shared.sql.lock_for_raise).await?;
             c.query(&conn.st.xact_lock, &[&lock_key]).await?;
             c.query(&conn.st.raise_tokens, &[&floor]).await?;
         }
@@ -1342,6 +1485,317 @@ async fn run_batch(
         }
     }
     Err(last)
+}
+
+/// One request of a batch that the hot path may decide.
+struct HotOp<'a> {
+    /// Its place in the batch.
+    at: usize,
+    key: &'a Key,
+    op: &'a Op,
+    kb: Vec<u8>,
+    template: hot::Template,
+    /// For a completion or failure: the record as held.
+    held: Option<Held>,
+}
+
+/// The answers of the hot path, by place in the batch (`None`: not
+/// decided there, for the general path).
+type HotAnswers = Vec<Option<Result<Reply>>>;
+
+/// Runs the hot path's part of a batch ([`hot`]): the claims of keys that
+/// may be absent in one autocommit statement, the completions and failures
+/// by a holder of this process in another, pipelined. A request whose key
+/// appears more than once in the batch, and any other kind, is left to the
+/// general path (the batch's requests are concurrent, so deciding some
+/// before the others is a valid order).
+///
+/// # Errors
+/// The connection could not be opened (nothing sent).
+async fn run_hot(
+    shared: &Shared,
+    slot: &mut Option<Conn>,
+    ops: &[(Key, Op)],
+    hot_ok: &[bool],
+) -> Result<HotAnswers, Fail> {
+    let mut answers: HotAnswers = ops.iter().map(|_| None).collect();
+    let mut seen: HashMap<Vec<u8>, usize> = HashMap::with_capacity(ops.len());
+    for (key, _) in ops {
+        *seen.entry(key.to_bytes()).or_default() += 1;
+    }
+    let p = shared.high_water.load(Ordering::SeqCst);
+    let retention = shared.retention_ms;
+    let mut claims = Vec::new();
+    let mut finishes = Vec::new();
+    for (at, (key, op)) in ops.iter().enumerate() {
+        let kb = key.to_bytes();
+        if seen.get(&kb) != Some(&1) || !hot_ok.get(at).copied().unwrap_or(false) {
+            continue;
+        }
+        match op {
+            Op::Claim { .. } => {
+                if let Some(template) = hot::claim_template(key, op, retention, p) {
+                    claims.push(HotOp {
+                        at,
+                        key,
+                        op,
+                        kb,
+                        template,
+                        held: None,
+                    });
+                }
+            }
+            Op::Complete { token, .. } | Op::Fail { token, .. } => {
+                let held = shared.held.lock().get(&kb).cloned();
+                let Some(held) = held.filter(|h| h.record.token == *token) else {
+                    continue;
+                };
+                let at_least = p.max(held.record.updated_ms);
+                if let Some(template) =
+                    hot::finish_template(key, &held.record, op, retention, at_least)
+                {
+                    finishes.push(HotOp {
+                        at,
+                        key,
+                        op,
+                        kb,
+                        template,
+                        held: Some(held),
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    if claims.is_empty() && finishes.is_empty() {
+        return Ok(answers);
+    }
+    let conn = ensure(shared, slot).await?;
+    let c = &conn.client;
+    let test_now = match &shared.clock {
+        Some(clock) => Some(to_i64("the test clock", shared.stamp(clock.now_ms()))?),
+        None => None,
+    };
+    let floor = to_i64("the time", shared.high_water.load(Ordering::SeqCst))?;
+    let ck: Vec<&[u8]> = claims.iter().map(|h| h.kb.as_slice()).collect();
+    let ch: Vec<Vec<u8>> = claims.iter().map(|h| h.template.head()).collect();
+    let ct: Vec<&[u8]> = claims
+        .iter()
+        .map(|h| h.template.envelope.as_slice())
+        .collect();
+    let cl: Vec<i64> = claims.iter().map(|h| h.template.lease_offset()).collect();
+    let ce: Vec<i64> = claims.iter().map(|h| h.template.expires_offset()).collect();
+    let fk: Vec<&[u8]> = finishes.iter().map(|h| h.kb.as_slice()).collect();
+    let mut ft = Vec::with_capacity(finishes.len());
+    let mut fseen: Vec<&[u8]> = Vec::with_capacity(finishes.len());
+    let mut ffloor = Vec::with_capacity(finishes.len());
+    for h in &finishes {
+        let held = h
+            .held
+            .as_ref()
+            .ok_or_else(|| Fail::Storage("a hot completion without its record".into()))?;
+        ft.push(to_i64("a token", held.record.token)?);
+        fseen.push(held.stored.as_slice());
+        ffloor.push(to_i64("a record's time", held.record.updated_ms)?);
+    }
+    let fh: Vec<Vec<u8>> = finishes.iter().map(|h| h.template.head()).collect();
+    let fe: Vec<&[u8]> = finishes
+        .iter()
+        .map(|h| h.template.envelope.as_slice())
+        .collect();
+    let fs: Vec<i16> = finishes
+        .iter()
+        .map(|h| decide::state_code(h.template.record.state))
+        .collect();
+    let fx: Vec<i64> = finishes
+        .iter()
+        .map(|h| h.template.expires_offset())
+        .collect();
+    let p_claim: [&(dyn ToSql + Sync); 7] = [&test_now, &floor, &ck, &ch, &ct, &cl, &ce];
+    let p_finish: [&(dyn ToSql + Sync); 10] = [
+        &test_now, &floor, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor,
+    ];
+    // Each statement commits on its own: once sent, a lost answer leaves
+    // its outcome unknown.
+    conn.commit_sent.store(true, Ordering::SeqCst);
+    let started = Instant::now();
+    let (claimed, finished) = tokio::join!(
+        async {
+            if claims.is_empty() {
+                Ok(Vec::new())
+            } else {
+                c.query(&conn.st.hot_claim, &p_claim).await
+            }
+        },
+        async {
+            if finishes.is_empty() {
+                Ok(Vec::new())
+            } else {
+                c.query(&conn.st.hot_finish, &p_finish).await
+            }
+        }
+    );
+    let mut events = Vec::new();
+    let mut lost = false;
+    match claimed {
+        Ok(rows) => {
+            for row in &rows {
+                let Some(h) = claim_row(&claims, row) else {
+                    continue;
+                };
+                match claim_answer(shared, h, row) {
+                    Ok(Some((answer, evs))) => {
+                        answers[h.at] = Some(answer);
+                        events.extend(evs);
+                    }
+                    Ok(None) => {}
+                    Err(f) => answers[h.at] = Some(Err(f.error())),
+                }
+            }
+        }
+        Err(e) => lost |= hot_failed(&e, &claims, &mut answers),
+    }
+    match finished {
+        Ok(rows) => {
+            for row in &rows {
+                let Ok(kb) = row.try_get::<_, Vec<u8>>(0) else {
+                    continue;
+                };
+                let Some(h) = finishes.iter().find(|h| h.kb == kb) else {
+                    continue;
+                };
+                let answer = match row.try_get::<_, i64>(1) {
+                    Ok(at) => to_u64("the time", at)
+                        .map_err(|f| f.error())
+                        .and_then(|at| finish_answer(shared, h, shared.stamp(at))),
+                    Err(e) => Err(storage("a hot row", e).error()),
+                };
+                if let Ok((_, evs)) = &answer {
+                    events.extend(evs.iter().cloned());
+                }
+                answers[h.at] = Some(answer.map(|(reply, _)| reply));
+            }
+        }
+        Err(e) => lost |= hot_failed(&e, &finishes, &mut answers),
+    }
+    if lost {
+        *slot = None;
+    }
+    let decided = answers.iter().filter(|a| a.is_some()).count();
+    if decided > 0 {
+        shared.counters.publish(events);
+        shared.counters.group_commit(started.elapsed(), decided);
+    }
+    Ok(answers)
+}
+
+/// After a hot statement failed: a lost connection leaves its requests'
+/// outcome unknown (answered so); a refusal applied nothing, so they go the
+/// general way. Returns whether the connection is lost.
+fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAnswers) -> bool {
+    match fail(e) {
+        Fail::Lost(detail) | Fail::Unknown(detail) => {
+            for h in hots {
+                answers[h.at] = Some(Err(Error::OutcomeUnknown {
+                    detail: detail.clone(),
+                }));
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
+/// A request's answer with its audit events.
+type Answered = (Result<Reply>, Vec<Event>);
+
+/// The hot claim a row of the claim statement answers.
+fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>> {
+    let kb: Vec<u8> = row.try_get(1).ok()?;
+    claims.iter().find(|h| h.kb == kb)
+}
+
+/// The answer (and its events) of a hot claim from its row: a fresh
+/// record, or a row decided without a write; `None` for the general path
+/// (a write to decide, or a fresh lease that lapsed while the insert
+/// waited: the general path then decides the key again).
+fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answered>, Fail> {
+    let get = |e: tokio_postgres::Error| storage("a hot row", e);
+    let fresh: bool = row.try_get(0).map_err(get)?;
+    let at: i64 = row.try_get(8).map_err(get)?;
+    let n = shared.stamp(to_u64("the time", at)?);
+    let retention = shared.retention_ms;
+    if fresh {
+        let token: i64 = row.try_get(3).map_err(get)?;
+        let t = &h.template;
+        let token_u = to_u64("a token", token)?;
+        let written = hot::complete(&t.record, t.mask, n, token_u)
+            .ok_or_else(|| Fail::Storage("a hot claim's time overflows".into()))?;
+        let (effect, reply) = hot::confirm(h.key, None, h.op, retention, n, token_u, &written)
+            .map_err(Fail::Storage)?;
+        let expires = to_i64("an expiry", written.expires_ms)?;
+        shared.hold(&h.kb, &written, hot::stored_bytes(&h.kb, t, token, expires));
+        // A lease that lapsed while the insert waited is never granted:
+        // the general path decides the key again (a takeover then).
+        let after: i64 = row.try_get(9).map_err(get)?;
+        if shared.stamp(to_u64("the time", after)?) >= written.lease_until_ms {
+            return Ok(None);
+        }
+        let events: Vec<Event> = Event::of_transition(h.key, None, h.op, &effect, &reply, n)
+            .into_iter()
+            .collect();
+        return Ok(Some((Ok(reply), events)));
+    }
+    let rc = RowColumns {
+        key: h.kb.clone(),
+        record: row.try_get(2).map_err(get)?,
+        token: row.try_get(3).map_err(get)?,
+        state: row.try_get(4).map_err(get)?,
+        created_ms: row.try_get(5).map_err(get)?,
+        lease_until_ms: row.try_get(6).map_err(get)?,
+        expires_ms: row.try_get(7).map_err(get)?,
+    };
+    let mut base = Base::default();
+    base.records.insert(h.kb.clone(), decide::slot_of(&rc));
+    let ops = [(h.key.clone(), h.op.clone())];
+    let pass = Pass {
+        now_ms: n,
+        retention_ms: retention,
+        tokens: &[],
+        exhausted: false,
+    };
+    let mut d = decide::decide(&base, &ops, &pass);
+    if d.shortage > 0 || !d.records.is_empty() || !d.bindings.is_empty() {
+        return Ok(None);
+    }
+    Ok(d.replies.pop().map(|reply| (reply, d.events)))
+}
+
+/// The answer (and its events) of a hot completion or failure that
+/// landed at time `n`.
+fn finish_answer(shared: &Shared, h: &HotOp<'_>, n: u64) -> Result<(Reply, Vec<Event>)> {
+    let held = h
+        .held
+        .as_ref()
+        .ok_or_else(|| Error::Storage("a hot completion without its record".into()))?;
+    let t = &h.template;
+    let written = hot::complete(&t.record, t.mask, n, held.record.token)
+        .ok_or_else(|| Error::Storage("a hot completion's time overflows".into()))?;
+    let (effect, reply) = hot::confirm(
+        h.key,
+        Some(&held.record),
+        h.op,
+        shared.retention_ms,
+        n,
+        held.record.token,
+        &written,
+    )
+    .map_err(Error::Storage)?;
+    shared.held.lock().remove(&h.kb);
+    let events = Event::of_transition(h.key, Some(&held.record), h.op, &effect, &reply, n)
+        .into_iter()
+        .collect();
+    Ok((reply, events))
 }
 
 /// Reads one record at the store's time (no transaction: one statement).
@@ -1565,6 +2019,7 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
     let mut held: Option<Queued> = None;
     loop {
         let mut batch: Vec<(Key, Op)> = Vec::new();
+        let mut hot_ok: Vec<bool> = Vec::new();
         let mut replies = Vec::new();
         let mut permits = Vec::new();
         let mut deadline: Option<Instant> = None;
@@ -1586,8 +2041,14 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
                     continue;
                 }
                 match job {
-                    Job::Apply { key, op, reply } => {
+                    Job::Apply {
+                        key,
+                        op,
+                        hot,
+                        reply,
+                    } => {
                         batch.push((key, op));
+                        hot_ok.push(hot);
                         replies.push(reply);
                         permits.push(permit);
                         deadline = Some(deadline.map_or(due, |d| d.min(due)));
@@ -1611,20 +2072,70 @@ async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedRece
             }
         }
         if let Some(due) = deadline {
-            not_committing(&conn);
-            let started = Instant::now();
-            let run = run_batch(&shared, &mut conn, &batch, None);
-            let result = match tokio::time::timeout_at(due.into(), run).await {
-                Ok(result) => result,
-                Err(_) => Err(expire(&mut conn)),
-            };
-            answer_batch(&shared, replies, result, started);
+            run_apply(&shared, &mut conn, due, (batch, hot_ok), replies).await;
             drop(permits);
         }
         if let Some(queued) = other {
             run_job(&shared, &mut conn, queued).await;
         }
     }
+}
+
+/// Runs a batch of requests under its deadline: the hot path first (its
+/// answers given at once), then the rest in one general transaction.
+async fn run_apply(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    due: Instant,
+    (batch, hot_ok): (Vec<(Key, Op)>, Vec<bool>),
+    replies: Vec<oneshot::Sender<Result<Reply>>>,
+) {
+    not_committing(conn);
+    let run = run_hot(shared, conn, &batch, &hot_ok);
+    let hot = match tokio::time::timeout_at(due.into(), run).await {
+        Ok(Ok(hot)) => hot,
+        Ok(Err(f)) => {
+            recover(conn, &f).await;
+            for tx in replies {
+                let _ = tx.send(Err(f.error()));
+            }
+            return;
+        }
+        Err(_) => {
+            let f = expire(conn);
+            for tx in replies {
+                let _ = tx.send(Err(f.error()));
+            }
+            return;
+        }
+    };
+    let mut rest = Vec::new();
+    let mut rest_replies = Vec::new();
+    for ((op, tx), answer) in batch.into_iter().zip(replies).zip(hot) {
+        match answer {
+            Some(answer) => {
+                let _ = tx.send(answer);
+            }
+            None => {
+                rest.push(op);
+                rest_replies.push(tx);
+            }
+        }
+    }
+    if rest.is_empty() {
+        return;
+    }
+    not_committing(conn);
+    let started = Instant::now();
+    let run = run_batch(shared, conn, &rest, None);
+    let result = match tokio::time::timeout_at(due.into(), run).await {
+        Ok(result) => result,
+        Err(_) => Err(expire(conn)),
+    };
+    if let Ok((answers, _)) = &result {
+        shared.remember(&rest, answers);
+    }
+    answer_batch(shared, rest_replies, result, started);
 }
 
 /// Marks the connection as not committing, before a job starts on it.
@@ -1660,10 +2171,13 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
         return;
     }
     match job {
-        Job::Apply { key, op, reply } => {
+        Job::Apply { key, op, reply, .. } => {
             let started = Instant::now();
             let ops = [(key, op)];
             let result = until(due, conn, async |c| run_batch(shared, c, &ops, None).await).await;
+            if let Ok((answers, _)) = &result {
+                shared.remember(&ops, answers);
+            }
             answer_batch(shared, vec![reply], result, started);
         }
         Job::Many {
@@ -1678,6 +2192,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
             .await;
             let answer = match result {
                 Ok((answers, events)) => {
+                    shared.remember(&ops, &answers);
                     shared.counters.publish(events);
                     shared.counters.group_commit(started.elapsed(), ops.len());
                     Ok(answers)
@@ -1763,8 +2278,16 @@ impl Postgres {
             config.keepalives_retries(KEEPALIVE_RETRIES);
         }
         let ms = |d: Duration| d.as_millis();
+        // Generic plans: the statements' array parameters would otherwise
+        // be planned again on every call (a custom plan looks cheaper for
+        // a one-element array than the generic plan's estimate). Every
+        // statement of the engine finds its rows through an index (the
+        // key, a binding, the expiry); a generic plan made while a table
+        // is new and small would otherwise scan it in full for as long as
+        // the connection lives, so sequential scans are ruled out.
         let session = format!(
-            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={}",
+            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={} \
+             -c plan_cache_mode=force_generic_plan -c enable_seqscan=off",
             ms(limits.statement_timeout),
             ms(limits.lock_timeout),
             ms(limits.idle_in_transaction_timeout),
@@ -1813,6 +2336,7 @@ impl Postgres {
             session_set,
             high_water: AtomicU64::new(0),
             counters: LiveCounters::new(),
+            held: parking_lot::Mutex::new(HashMap::new()),
         });
         let (jobs, queue) = unbounded_channel();
         let queue = Arc::new(tokio::sync::Mutex::new(queue));
@@ -1838,7 +2362,18 @@ impl Postgres {
             store_id: 0,
             found: Found::Current,
             thread: Some(thread),
+            direct: Vec::new(),
         };
+        for _ in 0..DIRECT_CONNECTIONS {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(Error::storage)?;
+            pg.direct.push(parking_lot::Mutex::new(DirectConn {
+                runtime: Some(runtime),
+                conn: None,
+            }));
+        }
         let (tx, rx) = oneshot::channel();
         let due = tokio::time::Instant::now() + limits.call_timeout;
         pg.handle.spawn(async move {
@@ -1930,11 +2465,63 @@ impl Postgres {
     /// The transition's own errors (per request), [`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`], [`Error::Storage`].
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
+        let hot = match self.apply_direct(key, &op) {
+            Direct::Answered(answer) => return answer,
+            Direct::Undecided => false,
+            Direct::Busy => true,
+        };
         self.ask(|reply| Job::Apply {
             key: key.clone(),
             op,
+            hot,
             reply,
         })
+    }
+
+    /// Runs a request the hot path may decide on the calling thread, over
+    /// a free direct connection, with no hand-off to the driver thread (a
+    /// lone caller then waits on its own socket, as a hand-written client
+    /// does). Not from inside an async runtime (its thread must not
+    /// block), nor when every direct connection is in use.
+    fn apply_direct(&self, key: &Key, op: &Op) -> Direct {
+        if !matches!(op, Op::Claim { .. } | Op::Complete { .. } | Op::Fail { .. })
+            || tokio::runtime::Handle::try_current().is_ok()
+        {
+            return Direct::Busy;
+        }
+        let Some(mut guard) = self.direct.iter().find_map(|d| d.try_lock()) else {
+            return Direct::Busy;
+        };
+        let DirectConn { runtime, conn } = &mut *guard;
+        let Some(runtime) = runtime.as_ref() else {
+            return Direct::Busy;
+        };
+        let shared = &*self.shared;
+        let now = Instant::now();
+        let due = now.checked_add(shared.limits.call_timeout).unwrap_or(now);
+        let ops = [(key.clone(), op.clone())];
+        let answer = runtime.block_on(async {
+            // Lets the connection's task see a connection closed while it
+            // was idle, so that it is opened again instead of used (a
+            // statement sent on it would have an unknown outcome): the
+            // first yield polls the I/O driver, which wakes the task; the
+            // second lets it run.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            not_committing(conn);
+            match tokio::time::timeout_at(due.into(), run_hot(shared, conn, &ops, &[true])).await {
+                Ok(Ok(mut answers)) => answers.pop().flatten(),
+                Ok(Err(f)) => {
+                    recover(conn, &f).await;
+                    Some(Err(f.error()))
+                }
+                Err(_) => Some(Err(expire(conn).error())),
+            }
+        });
+        match answer {
+            Some(answer) => Direct::Answered(answer),
+            None => Direct::Undecided,
+        }
     }
 
     /// [`Postgres::apply`] as a future that needs no runtime: it completes
@@ -1944,6 +2531,7 @@ impl Postgres {
         self.send(Job::Apply {
             key: key.clone(),
             op,
+            hot: true,
             reply: tx,
         })?;
         rx.await.map_err(|_| Error::Closed)?
@@ -2061,6 +2649,7 @@ impl Postgres {
         let _ = self.send(Job::Apply {
             key: key.clone(),
             op,
+            hot: true,
             reply: tx,
         });
     }
@@ -2202,8 +2791,7 @@ async fn scan_task(
                 }
                 let mut page = Vec::with_capacity(rows.len());
                 for row in &rows {
-                    let get = |e: tokio_postgres::Error| storage("reading a scanned row", e);
-                    page.push((row.try_get(0).map_err(get)?, row.try_get(1).map_err(get)?));
+                    page.push(scanned(row)?);
                 }
                 let _ = tx.send(Ok(page));
             }
@@ -2224,6 +2812,23 @@ async fn scan_task(
         if let Some(tx) = requests.recv().await {
             let _ = tx.send(Err(f.error()));
         }
+    }
+}
+
+/// A scanned row as (key bytes, envelope): a row in the hot form is
+/// completed and handed out as the completed record's envelope; any other
+/// row as stored (whoever reads it checks it).
+fn scanned(row: &Row) -> Result<(Vec<u8>, Vec<u8>), Fail> {
+    let rc = row_columns(row)?;
+    if rc.record.first() != Some(&hot::FORM) {
+        return Ok((rc.key, rc.record));
+    }
+    match decide::slot_of(&rc) {
+        Slot::Present(rec) => {
+            let envelope = crate::codec::encode_record(&rc.key, &rec);
+            Ok((rc.key, envelope))
+        }
+        _ => Ok((rc.key, rc.record)),
     }
 }
 

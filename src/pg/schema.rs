@@ -24,8 +24,12 @@
 
 use crate::error::{Error, Result};
 
-/// The schema version this build creates and reads.
-pub(crate) const SCHEMA_VERSION: u32 = 1;
+/// The schema version this build creates and reads. Version 2 (the
+/// one-statement hot path) keeps version 1's objects and adds rows in the
+/// hot form, which a version-1 build would read as corrupt: an upgrade
+/// from 1 only rewrites the version row, and a version-1 build then
+/// refuses the schema as too new instead of misreading it.
+pub(crate) const SCHEMA_VERSION: u32 = 2;
 
 /// The longest schema name PostgreSQL keeps (NAMEDATALEN − 1).
 const MAX_SCHEMA_LEN: usize = 63;
@@ -117,11 +121,30 @@ pub(crate) struct Sql {
     pub next_token: String,
     /// Raises the sequence so that the next token is at least `$1`.
     pub raise_tokens: String,
+    /// Taken by an import before it raises the sequence: conflicts with
+    /// the `ROW EXCLUSIVE` of a hot claim's `INSERT` and the `ROW SHARE` of
+    /// the general path's locking read, both taken before their draws.
+    pub lock_for_raise: String,
+    /// The hot path's claims (one autocommit statement, [`super::hot`]):
+    /// at the store's time (`$1` the test clock, else the database clock
+    /// but no earlier than `$2`), inserts a record in the hot form with a
+    /// token from the sequence for each key (`$3`, distinct) that has no
+    /// row, and answers the rows of the keys that have one. Rows: fresh,
+    /// key, record, token, state, created, lease until, expires, time, and
+    /// for an inserted row the time again after its insert (which may have
+    /// waited for a concurrent insert of the key that then rolled back).
+    pub hot_claim: String,
+    /// The hot path's completions and failures: at the store's time (as
+    /// `hot_claim`, and no earlier than the row's floor), rewrites each row
+    /// (`$3`) whose token and record are still the ones the holder wrote
+    /// and that is not past retention. Rows: key, time.
+    pub hot_finish: String,
     /// Number of stored rows.
     pub count: String,
-    /// Rows in `[$1, $2)` in key order.
+    /// Rows in `[$1, $2)` in key order (every column: a row in the hot
+    /// form is completed before a scan hands it out).
     pub range: String,
-    /// Rows from `$1` on in key order.
+    /// Rows from `$1` on in key order (every column).
     pub range_open: String,
 }
 
@@ -131,6 +154,7 @@ impl Sql {
         check_schema_name(schema)?;
         let s = format!("\"{schema}\"");
         let cols = "key, record, token, state, created_ms, lease_until_ms, expires_ms";
+        let clock_ms = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
         // The sequence's last value, read through a function that needs
         // only USAGE on the sequence, so that a runtime role needs no
         // SELECT on it. It is NULL while nothing was drawn since the
@@ -236,11 +260,45 @@ impl Sql {
                 "SELECT setval('{s}.tokens', $1::bigint - 1, true) \
                  FROM (SELECT {last} AS last) AS c WHERE c.last + 1 < $1::bigint"
             ),
+            lock_for_raise: format!("LOCK TABLE {s}.records IN EXCLUSIVE MODE"),
+            hot_claim: format!(
+                "WITH v AS (SELECT COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS now), \
+                 c AS (SELECT * FROM unnest($3::bytea[], $4::bytea[], $5::bytea[], $6::bigint[], \
+                 $7::bigint[]) AS c(key, head, tmpl, lease_off, exp_off)), \
+                 ins AS (INSERT INTO {s}.records ({cols}) \
+                 SELECT f.key, f.head || substring(sha256(f.key || int8send(f.tok) || \
+                 int8send(f.now + f.exp_off)) FROM 1 FOR 8) || f.tmpl, f.tok, 0::smallint, f.now, \
+                 f.now + f.lease_off, f.now + f.exp_off \
+                 FROM (SELECT c.*, v.now, nextval('{s}.tokens') AS tok FROM c CROSS JOIN v \
+                 LEFT JOIN LATERAL (SELECT true AS hit FROM {s}.records r WHERE r.key = c.key \
+                 LIMIT 1) AS e ON true WHERE e.hit IS NULL) AS f \
+                 ORDER BY f.key ON CONFLICT (key) DO NOTHING RETURNING key, token, \
+                 COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS after) \
+                 SELECT true, i.key, NULL::bytea, i.token, NULL::smallint, NULL::bigint, \
+                 NULL::bigint, NULL::bigint, v.now, i.after FROM ins i CROSS JOIN v \
+                 UNION ALL \
+                 SELECT false, r.key, r.record, r.token, r.state, r.created_ms, r.lease_until_ms, \
+                 r.expires_ms, v.now, NULL::bigint FROM c CROSS JOIN v CROSS JOIN LATERAL \
+                 (SELECT * FROM {s}.records q WHERE q.key = c.key LIMIT 1) AS r \
+                 WHERE NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = r.key)"
+            ),
+            hot_finish: format!(
+                "WITH v AS (SELECT COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS now), \
+                 u AS (SELECT u.*, GREATEST(v.now, u.floor) AS at FROM unnest($3::bytea[], \
+                 $4::bigint[], $5::bytea[], $6::bytea[], $7::bytea[], $8::smallint[], \
+                 $9::bigint[], $10::bigint[]) \
+                 AS u(key, token, seen, head, tmpl, state, exp_off, floor) CROSS JOIN v) \
+                 UPDATE {s}.records AS r SET record = u.head || substring(sha256(u.key || \
+                 int8send(u.token) || int8send(u.at + u.exp_off)) FROM 1 FOR 8) || u.tmpl, \
+                 state = u.state, expires_ms = u.at + u.exp_off \
+                 FROM u WHERE r.key = u.key AND r.token = u.token AND r.record = u.seen \
+                 AND r.expires_ms > u.at RETURNING r.key, u.at"
+            ),
             count: format!("SELECT count(*) FROM {s}.records"),
             range: format!(
-                "SELECT key, record FROM {s}.records WHERE key >= $1 AND key < $2 ORDER BY key"
+                "SELECT {cols} FROM {s}.records WHERE key >= $1 AND key < $2 ORDER BY key"
             ),
-            range_open: format!("SELECT key, record FROM {s}.records WHERE key >= $1 ORDER BY key"),
+            range_open: format!("SELECT {cols} FROM {s}.records WHERE key >= $1 ORDER BY key"),
         })
     }
 
@@ -291,6 +349,14 @@ impl Sql {
     pub(crate) fn write_meta(&self) -> String {
         format!(
             "INSERT INTO \"{}\".meta (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+            self.schema
+        )
+    }
+
+    /// Rewrites the version row to `$1` (an upgrade; under the DDL lock).
+    pub(crate) fn write_version(&self) -> String {
+        format!(
+            "UPDATE \"{}\".meta SET value = $1 WHERE name = 'version'",
             self.schema
         )
     }

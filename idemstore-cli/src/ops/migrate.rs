@@ -38,31 +38,46 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             ));
         }
     };
-    let (created, version) = migrate(&url, &schema)
+    let (created, upgraded_from, version) = migrate(&url, &schema)
         .map_err(|e| CliError::store(format!("cannot migrate the store {name}"), e))?;
     if args.json {
         crate::ops::write_json(
             out,
-            &json!({ "store": name, "created": created, "schema_version": version }),
+            &json!({
+                "store": name,
+                "created": created,
+                "upgraded_from": upgraded_from,
+                "schema_version": version,
+            }),
         )?;
     } else if created {
         writeln!(out, "{name}: created at schema version {version}")?;
+    } else if let Some(from) = upgraded_from {
+        writeln!(
+            out,
+            "{name}: upgraded from schema version {from} to {version} (older builds now refuse it)"
+        )?;
     } else {
         writeln!(out, "{name}: already at schema version {version}")?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// Whether the schema was created, and its version.
+/// Whether the schema was created, the version it was upgraded from (if
+/// it was), and its version now.
 #[cfg(feature = "postgres")]
-fn migrate(url: &str, schema: &str) -> Result<(bool, u32), idemstore::Error> {
+fn migrate(url: &str, schema: &str) -> Result<(bool, Option<u32>, u32), idemstore::Error> {
     let done = idemstore::postgres::migrate(url, schema)?;
-    Ok((done.created(), done.version()))
+    let from = match done {
+        idemstore::postgres::Migration::Upgraded { from, .. } => Some(from),
+        _ => None,
+    };
+    Ok((done.created(), from, done.version()))
 }
 
 /// Without the `postgres` feature there is no PostgreSQL engine.
 #[cfg(not(feature = "postgres"))]
-fn migrate(_url: &str, _schema: &str) -> Result<(bool, u32), idemstore::Error> {
+fn migrate(_url: &str, _schema: &str) -> Result<(bool, Option<u32>, u32), idemstore::Error> {
     Err(idemstore::Error::InvalidArgument {
         what: "STORE",
         reason: "this build of idemstore has no PostgreSQL engine (cargo feature `postgres`)"
