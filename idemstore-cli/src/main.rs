@@ -55,7 +55,8 @@ enum Command {
     /// Create or upgrade a PostgreSQL store's schema (for deploys).
     Migrate(ops::migrate::Args),
     /// Run a stdio MCP server as a child and give its tools run-once
-    /// semantics: a tools/call with an idempotency key runs once per key.
+    /// semantics: a tools/call with an idempotency key runs once per key;
+    /// served over stdio, or over streamable HTTP with --listen.
     #[cfg(feature = "mcp")]
     McpProxy(mcp_proxy::Args),
 }

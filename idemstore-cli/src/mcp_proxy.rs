@@ -19,8 +19,18 @@
 //! Calls still running when the client leaves are let finish and their
 //! outcomes recorded first (so that the client's retry on a new connection
 //! replays them); then the child is stopped.
+//!
+//! With `--listen ADDR` the proxy serves MCP's streamable HTTP transport at
+//! `http://ADDR/mcp` instead of stdio, to any number of clients at once,
+//! all in front of one child: the same [`IdempotentServer`] behind rmcp's
+//! HTTP service (through [`HttpFront`], which only adapts the types). Keys
+//! are scoped per tool, as over stdio, and not per HTTP session: a session
+//! id names one connection, and the retry that matters comes on the next
+//! one (see `docs/mcp.md`). It runs until SIGINT or SIGTERM (then calls in
+//! flight finish and are recorded) or until the child exits.
 
 use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,17 +40,22 @@ use idemstore::{Config, Store};
 use rmcp::ErrorData;
 use rmcp::handler::server::ServerHandler;
 use rmcp::model::{
+    CallToolRequest, ClientNotification, ClientRequest, ListToolsRequest, ProtocolVersion,
+    ServerResult,
+};
+use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CompleteRequestParams, CompleteResult,
     GetPromptRequestParams, GetPromptResponse, ListPromptsResult, ListResourceTemplatesResult,
     ListResourcesResult, ListToolsResult, PaginatedRequestParams, ReadResourceRequestParams,
     ReadResourceResponse, ServerConfig,
 };
-use rmcp::model::{ClientNotification, ClientRequest, ProtocolVersion, ServerResult};
 use rmcp::service::{
     NotificationContext, Peer, RequestContext, RoleClient, RoleServer, Service, ServiceError,
     ServiceExt,
 };
 use rmcp::transport::TokioChildProcess;
+use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 use tokio::sync::watch;
 
 use crate::error::CliError;
@@ -74,6 +89,27 @@ pub struct Args {
     /// The prefix of every key's scope (then the tool name).
     #[arg(long, value_name = "PREFIX", default_value = "mcp/")]
     scope_prefix: String,
+    /// Serve MCP's streamable HTTP transport at http://ADDR/mcp instead of
+    /// stdio (e.g. 127.0.0.1:8080; port 0 picks a free one). The bound
+    /// address is printed on stderr as
+    /// `idemstore mcp-proxy: listening on http://IP:PORT/mcp`. Every client
+    /// shares the one child and the store; keys are scoped per tool, not
+    /// per HTTP session (a retry after a reconnect comes in a new session
+    /// and must find its key), so clients must pick unique keys, as the
+    /// journal's task_id:tool_call_id keys are. The key is read from
+    /// params._meta.idempotencyKey (the SEP's sibling field is read over
+    /// stdio only). No authentication: put it behind a reverse proxy that
+    /// authenticates before exposing it beyond the host. Runs until SIGINT
+    /// or SIGTERM (calls in flight finish and are recorded first) or until
+    /// the child exits.
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<SocketAddr>,
+    /// With --listen: a Host header to accept besides the loopback names
+    /// (localhost, 127.0.0.1, ::1), as `name` or `name:port`; repeatable.
+    /// Requests naming another host are refused with 403 (rmcp's defence
+    /// against DNS rebinding).
+    #[arg(long, value_name = "HOST", requires = "listen")]
+    allowed_host: Vec<String>,
     /// The MCP server to run, and its arguments (after `--`).
     #[arg(required = true, last = true, value_name = "COMMAND")]
     command: Vec<OsString>,
@@ -227,6 +263,141 @@ impl<S: Service<RoleServer>> Service<RoleServer> for Draining<S> {
     }
 }
 
+/// The proxy's front as rmcp's streamable HTTP service wants it: a
+/// [`ServerHandler`] (the HTTP service asks for one, and an
+/// [`IdempotentServer`] is a [`Service`]). It adds nothing: `tools/call`
+/// and `tools/list` go through the shared front (the run-once layer and its
+/// count of calls in flight), and the server's description with the
+/// capability comes from it; the other requests go straight to the child.
+#[derive(Clone)]
+struct HttpFront(Arc<Draining<IdempotentServer<Forward>>>);
+
+impl HttpFront {
+    fn forward(&self) -> &Forward {
+        self.0.inner.inner()
+    }
+}
+
+/// An answer of the front that is not the kind the request asks for.
+fn unexpected_answer(request: &str) -> ErrorData {
+    ErrorData::internal_error(
+        format!("the proxy answered {request} with another kind of result"),
+        None,
+    )
+}
+
+impl ServerHandler for HttpFront {
+    fn get_info(&self) -> ServerConfig {
+        Service::get_info(&*self.0)
+    }
+
+    async fn list_tools(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let list = ListToolsRequest {
+            params: request,
+            ..Default::default()
+        };
+        match self
+            .0
+            .handle_request(ClientRequest::ListToolsRequest(list), context)
+            .await?
+        {
+            ServerResult::ListToolsResult(result) => Ok(result),
+            _ => Err(unexpected_answer("tools/list")),
+        }
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let call = ClientRequest::CallToolRequest(CallToolRequest::new(request));
+        match self.0.handle_request(call, context).await? {
+            ServerResult::CallToolResult(result) => Ok(result.into()),
+            ServerResult::CreateTaskResult(result) => Ok(result.into()),
+            ServerResult::InputRequiredResult(result) => Ok(result.into()),
+            _ => Err(unexpected_answer("tools/call")),
+        }
+    }
+
+    async fn list_resources(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListResourcesResult, ErrorData> {
+        self.forward().list_resources(request, context).await
+    }
+
+    async fn list_resource_templates(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListResourceTemplatesResult, ErrorData> {
+        self.forward()
+            .list_resource_templates(request, context)
+            .await
+    }
+
+    async fn read_resource(
+        &self,
+        request: ReadResourceRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ReadResourceResponse, ErrorData> {
+        self.forward().read_resource(request, context).await
+    }
+
+    async fn list_prompts(
+        &self,
+        request: Option<PaginatedRequestParams>,
+        context: RequestContext<RoleServer>,
+    ) -> Result<ListPromptsResult, ErrorData> {
+        self.forward().list_prompts(request, context).await
+    }
+
+    async fn get_prompt(
+        &self,
+        request: GetPromptRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<GetPromptResponse, ErrorData> {
+        self.forward().get_prompt(request, context).await
+    }
+
+    async fn complete(
+        &self,
+        request: CompleteRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CompleteResult, ErrorData> {
+        self.forward().complete(request, context).await
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM (never, for a signal that cannot be
+/// watched).
+async fn stop_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    let terminate = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}
+
 /// Opens (or creates) the store, with the background sweeper on: the
 /// proxy runs as long as its client.
 fn open_store(args: &Args) -> Result<Store, CliError> {
@@ -251,9 +422,11 @@ fn open_store(args: &Args) -> Result<Store, CliError> {
     }
 }
 
-/// Runs the proxy until the client or the child goes away. Exit code 0;
-/// an error when the store cannot be opened, the child cannot be started
-/// or does not complete the MCP handshake.
+/// Runs the proxy until the client or the child goes away (with
+/// `--listen`: until SIGINT, SIGTERM or the child's exit). Exit code 0; an
+/// error when the store cannot be opened, the child cannot be started or
+/// does not complete the MCP handshake, the stdio client does not complete
+/// it, or the address cannot be bound.
 pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
     let store = Arc::new(open_store(args)?);
     let (program, rest) = args
@@ -310,25 +483,65 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
             inner: IdempotentServer::with_options(forward, store, options),
             in_flight,
         };
-        let front = front
-            .serve(SepTransport::new(tokio::io::stdin(), tokio::io::stdout()))
-            .await
-            .map_err(|e| {
-                CliError::Failed(format!(
-                    "the MCP client did not complete the handshake: {e}"
-                ))
-            })?;
-        // Whichever side ends first ends the proxy. When the client goes,
-        // its calls in flight are let finish first; dropping the child's
-        // service then stops the child (rmcp kills it with its transport).
         let mut child = std::pin::pin!(child.waiting());
-        tokio::select! {
-            _ = front.waiting() => {
+        match args.listen {
+            None => {
+                let front = front
+                    .serve(SepTransport::new(tokio::io::stdin(), tokio::io::stdout()))
+                    .await
+                    .map_err(|e| {
+                        CliError::Failed(format!(
+                            "the MCP client did not complete the handshake: {e}"
+                        ))
+                    })?;
+                // Whichever side ends first ends the proxy. When the client
+                // goes, its calls in flight are let finish first; dropping
+                // the child's service then stops the child (rmcp kills it
+                // with its transport).
                 tokio::select! {
-                    _ = watching.wait_for(|n| *n == 0) => {}
-                    _ = &mut child => {}
+                    _ = front.waiting() => {}
+                    _ = &mut child => return Ok(std::process::ExitCode::SUCCESS),
                 }
             }
+            Some(addr) => {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| CliError::io(format!("cannot listen on {addr}"), e))?;
+                let bound = listener
+                    .local_addr()
+                    .map_err(|e| CliError::io(format!("cannot listen on {addr}"), e))?;
+                let mut config = StreamableHttpServerConfig::default();
+                if !args.allowed_host.is_empty() {
+                    let hosts = ["localhost", "127.0.0.1", "::1"]
+                        .into_iter()
+                        .map(String::from)
+                        .chain(args.allowed_host.iter().cloned());
+                    config = config.with_allowed_hosts(hosts);
+                }
+                let sessions = config.cancellation_token.clone();
+                let front = HttpFront(Arc::new(front));
+                let service = StreamableHttpService::new(
+                    move || Ok(front.clone()),
+                    Arc::new(LocalSessionManager::default()),
+                    config,
+                );
+                let router = axum::Router::new().route_service("/mcp", service);
+                eprintln!("idemstore mcp-proxy: listening on http://{bound}/mcp");
+                tokio::select! {
+                    served = axum::serve(listener, router).into_future() => {
+                        served.map_err(|e| CliError::io(format!("serving http://{bound}/mcp"), e))?;
+                    }
+                    () = stop_signal() => {}
+                    _ = &mut child => return Ok(std::process::ExitCode::SUCCESS),
+                }
+                // Stop the HTTP sessions; the calls they started go on.
+                sessions.cancel();
+            }
+        }
+        // Let the calls in flight finish and record their outcomes (so a
+        // retry through the next proxy replays them), unless the child dies.
+        tokio::select! {
+            _ = watching.wait_for(|n| *n == 0) => {}
             _ = &mut child => {}
         }
         Ok(std::process::ExitCode::SUCCESS)

@@ -1,7 +1,7 @@
 //! `idemstore mcp-proxy` in front of a real stdio MCP server (the
 //! library's `mcp_append_server` example, whose `append` tool writes a
 //! line to a file), driven by the `rmcp` client over the proxy's stdin and
-//! stdout.
+//! stdout, and over streamable HTTP (`--listen`).
 //!
 //! The tool holds a call open on two FIFOs: it writes to `started` once its
 //! line is written and reads `release` before it answers, so a test cuts
@@ -13,10 +13,12 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use idemstore::Key;
-use idemstore::mcp::{IN_DOUBT, IN_PROGRESS, announces_idempotency, attach_key};
+use idemstore::mcp::{IN_DOUBT, IN_PROGRESS, KEY_CONFLICT, announces_idempotency, attach_key};
 use rmcp::model::{CallToolRequestParams, CallToolResult, ErrorData};
 use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::transport::StreamableHttpClientTransport;
 use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// The example server, built for this test's profile and target directory.
@@ -126,21 +128,30 @@ impl Setup {
         path
     }
 
-    /// Starts a proxy (`ahead`: its wall clock two hours ahead) and
-    /// connects the rmcp client to its stdin and stdout.
-    async fn proxy(&self, ahead: bool) -> (Child, RunningService<RoleClient, ()>) {
+    /// `idemstore mcp-proxy --store DIR/STORE OPTIONS -- mcp_append_server
+    /// DIR/lines.txt`, killed when dropped.
+    fn proxy_command(&self, store: &str, options: &[&str]) -> Command {
         let mut command = Command::new(env!("CARGO_BIN_EXE_idemstore"));
         command
             .arg("mcp-proxy")
             .arg("--store")
-            .arg(self.path("proxy.redb"))
-            .args(["--lease", "1h", "--"])
+            .arg(self.path(store))
+            .args(options)
+            .arg("--")
             .arg(&self.server)
             .arg(self.path("lines.txt"))
+            .kill_on_drop(true);
+        command
+    }
+
+    /// Starts a proxy (`ahead`: its wall clock two hours ahead) and
+    /// connects the rmcp client to its stdin and stdout.
+    async fn proxy(&self, ahead: bool) -> (Child, RunningService<RoleClient, ()>) {
+        let mut command = self.proxy_command("proxy.redb", &["--lease", "1h"]);
+        command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true);
+            .stderr(Stdio::inherit());
         if ahead {
             command
                 .env("LD_PRELOAD", faketime_lib())
@@ -153,6 +164,49 @@ impl Setup {
         let client = ().serve((stdout, stdin)).await.unwrap();
         (child, client)
     }
+}
+
+impl Setup {
+    /// Starts a proxy serving streamable HTTP on a port the system picks
+    /// (`--listen 127.0.0.1:0`), and returns it with its URL, read from the
+    /// line it prints on stderr once it listens. `--wait 1h`: a call that
+    /// finds its key in progress waits for the outcome and replays it.
+    async fn http_proxy(&self) -> (Child, String) {
+        let options = ["--lease", "1h", "--wait", "1h", "--listen", "127.0.0.1:0"];
+        let mut command = self.proxy_command("http.redb", &options);
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut proxy = command.spawn().unwrap();
+        let mut stderr = BufReader::new(proxy.stderr.take().unwrap()).lines();
+        let url = loop {
+            let line = stderr
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the proxy ended before it listened");
+            eprintln!("{line}");
+            if let Some(url) = line.strip_prefix("idemstore mcp-proxy: listening on ") {
+                break url.to_string();
+            }
+        };
+        // Keep reading its stderr (its server's too), so neither blocks on
+        // a full pipe.
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = stderr.next_line().await {
+                eprintln!("{line}");
+            }
+        });
+        (proxy, url)
+    }
+}
+
+/// A new rmcp client over streamable HTTP: a new connection and session.
+async fn http_client(url: &str) -> RunningService<RoleClient, ()> {
+    ().serve(StreamableHttpClientTransport::from_uri(url.to_string()))
+        .await
+        .unwrap()
 }
 
 fn append(line: &str, key: Option<&str>, hold: Option<(&Path, &Path)>) -> CallToolRequestParams {
@@ -211,6 +265,24 @@ async fn release(release: &Path) {
     .unwrap();
 }
 
+/// Sends `call` (a held call) on `client`, waits until the tool has written
+/// its line, then cuts the connection (drops the client): the answer is
+/// lost.
+async fn cut_while_running(
+    client: RunningService<RoleClient, ()>,
+    call: &CallToolRequestParams,
+    started: &Path,
+) {
+    let peer = client.peer().clone();
+    let sent = tokio::spawn({
+        let call = call.clone();
+        async move { peer.call_tool(call).await }
+    });
+    wait_started(started).await;
+    drop(client);
+    assert!(sent.await.unwrap().is_err(), "the answer is lost");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_after_a_cut_connection_runs_the_tool_once() {
     let s = Setup::new();
@@ -220,15 +292,9 @@ async fn a_retry_after_a_cut_connection_runs_the_tool_once() {
         &client.peer_info().unwrap().capabilities
     ));
 
-    let peer = client.peer().clone();
     let held = append("hello", Some("task-1:call-1"), Some((&started, &released)));
-    let sent = tokio::spawn({
-        let held = held.clone();
-        async move { peer.call_tool(held).await }
-    });
-    wait_started(&started).await;
-    drop(client); // the connection is cut: the proxy's stdin closes
-    assert!(sent.await.unwrap().is_err(), "the answer is lost");
+    // The connection is cut: the proxy's stdin closes.
+    cut_while_running(client, &held, &started).await;
     release(&released).await;
     // The proxy lets the call finish and record before it exits.
     assert!(proxy.wait().await.unwrap().success());
@@ -278,4 +344,57 @@ async fn a_proxy_killed_during_a_call_answers_in_progress_then_in_doubt() {
 
     // Let the orphaned server of the killed proxy finish.
     release(&released).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_streamable_http_a_retry_in_a_new_session_runs_the_tool_once() {
+    let s = Setup::new();
+    let (started, released) = (s.fifo("started"), s.fifo("release"));
+    let (mut proxy, url) = s.http_proxy().await;
+    let client = http_client(&url).await;
+    assert!(announces_idempotency(
+        &client.peer_info().unwrap().capabilities
+    ));
+
+    let held = append("hello", Some("task-3:call-1"), Some((&started, &released)));
+    cut_while_running(client, &held, &started).await;
+
+    // A new client, so a new connection and a new session: the retry finds
+    // the call running (it waits for the outcome) or finished (replayed);
+    // either way the tool does not run again.
+    let client = http_client(&url).await;
+    let retry = tokio::spawn({
+        let peer = client.peer().clone();
+        let held = held.clone();
+        async move { peer.call_tool(held).await }
+    });
+    release(&released).await;
+    let retry = retry.await.unwrap().unwrap();
+    assert_eq!(text_of(&retry), "appended line 1");
+    assert_eq!(client.call_tool(held).await.unwrap(), retry);
+    assert_eq!(s.lines(), vec!["hello"]);
+
+    // The same key with other arguments: the conflict error; nothing runs.
+    let other = rpc_error(
+        client
+            .call_tool(append("goodbye", Some("task-3:call-1"), None))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(other.code.0, KEY_CONFLICT);
+    assert_eq!(other.data.unwrap()["idempotencyKey"], "task-3:call-1");
+    assert_eq!(s.lines(), vec!["hello"]);
+
+    // A call without a key passes through.
+    client.call_tool(append("plain", None, None)).await.unwrap();
+    assert_eq!(s.lines(), vec!["hello", "plain"]);
+
+    // SIGTERM ends the proxy cleanly.
+    drop(client);
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &proxy.id().unwrap().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    assert!(proxy.wait().await.unwrap().success());
 }
