@@ -398,7 +398,8 @@ impl Config {
     /// The clock the store reads time from (milliseconds since the epoch).
     ///
     /// On a PostgreSQL store the store's time is the database's clock
-    /// (`clock_timestamp()`, one reading per transaction) and the app's
+    /// (`clock_timestamp()`, read by each hot statement, or after a
+    /// transaction's last lock wait) and the app's
     /// clock is never read; a clock given here replaces the database's
     /// entirely, its reading sent with each transaction. That is for tests
     /// (a [`ManualClock`](crate::ManualClock)); in production leave it
