@@ -835,23 +835,40 @@ async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> 
         }
     }
     let Some(v) = version else { return Ok(None) };
-    let bytes: [u8; 4] = v
-        .as_slice()
-        .try_into()
-        .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
-    let version = u32::from_be_bytes(bytes);
-    if version > SCHEMA_VERSION {
-        return Err(too_new(&sql.schema, version));
-    }
-    if version < SCHEMA_VERSION {
+    if meta_version(&sql.schema, &v)? < SCHEMA_VERSION {
         return Ok(None);
     }
     let id = id.ok_or_else(|| incompatible("the store_id row is missing".into()))?;
-    let id: [u8; 16] = id
-        .as_slice()
-        .try_into()
-        .map_err(|_| incompatible(format!("store_id row holds {} bytes", id.len())))?;
-    Ok(Some(u128::from_be_bytes(id)))
+    Ok(Some(meta_store_id(&sql.schema, &id)?))
+}
+
+/// The schema version a meta row holds.
+///
+/// # Errors
+/// [`Error::IncompatibleSchema`] for a row that is not 4 bytes, and
+/// [`Error::Misconfigured`] for a version above this build's.
+fn meta_version(schema: &str, value: &[u8]) -> Result<u32> {
+    let bytes: [u8; 4] = value.try_into().map_err(|_| Error::IncompatibleSchema {
+        schema: schema.to_string(),
+        detail: format!("version row holds {} bytes", value.len()),
+    })?;
+    let version = u32::from_be_bytes(bytes);
+    if version > SCHEMA_VERSION {
+        return Err(too_new(schema, version));
+    }
+    Ok(version)
+}
+
+/// The store's identity a meta row holds.
+///
+/// # Errors
+/// [`Error::IncompatibleSchema`] for a row that is not 16 bytes.
+fn meta_store_id(schema: &str, value: &[u8]) -> Result<u128> {
+    let bytes: [u8; 16] = value.try_into().map_err(|_| Error::IncompatibleSchema {
+        schema: schema.to_string(),
+        detail: format!("store_id row holds {} bytes", value.len()),
+    })?;
+    Ok(u128::from_be_bytes(bytes))
 }
 
 /// The error for a schema at `version`, above this build's.
@@ -915,14 +932,7 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
     };
     let found = match read("version").await? {
         Some(v) => {
-            let bytes: [u8; 4] = v
-                .as_slice()
-                .try_into()
-                .map_err(|_| incompatible(format!("version row holds {} bytes", v.len())))?;
-            let version = u32::from_be_bytes(bytes);
-            if version > SCHEMA_VERSION {
-                return Err(too_new(&sql.schema, version));
-            }
+            let version = meta_version(&sql.schema, &v)?;
             if version == 0 {
                 return Err(incompatible("schema version 0".into()));
             }
@@ -960,15 +970,12 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
     let id = read("store_id")
         .await?
         .ok_or_else(|| incompatible("the store_id row is missing".into()))?;
-    let id: [u8; 16] = id
-        .as_slice()
-        .try_into()
-        .map_err(|_| incompatible(format!("store_id row holds {} bytes", id.len())))?;
+    let id = meta_store_id(&sql.schema, &id)?;
     client
         .batch_execute("COMMIT")
         .await
         .map_err(|e| fail_commit(&e).error())?;
-    Ok((u128::from_be_bytes(id), found))
+    Ok((id, found))
 }
 
 /// Reads the columns of a records row.
