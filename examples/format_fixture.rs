@@ -3,16 +3,17 @@
 //! so that every later format change is tested against them.
 //!
 //! The `v1-*` fixtures were written by this program built at commit
-//! 6794c7c (store format 1, log format 1, before the reserved time bound):
+//! 6794c7c (store format 1, log format 1, before the reserved time bound),
+//! the `v2-*` ones built at 0d5ac10 (store format 2, log format 1):
 //!
 //! ```text
 //! git worktree add /tmp/base 6794c7c
 //! cp examples/format_fixture.rs /tmp/base/examples/
-//! cd /tmp/base && cargo run --release --example format_fixture -- <repo>/tests/fixtures
+//! cd /tmp/base && cargo run --release --example format_fixture -- <repo>/tests/fixtures v1
 //! ```
 //!
 //! It writes two stores with the same records, on a fixed clock
-//! (`T0_MS`, see below):
+//! (`T0_MS`, see below), named by the prefix given (`v1` when absent):
 //! - `v1-clean.redb` (+ `-wal`): closed cleanly (the index holds everything);
 //! - `v1-crashed.redb` (+ `-wal`): the process exits without closing after
 //!   a checkpoint, so the changes after it are only in the log and the next
@@ -83,13 +84,16 @@ fn main() {
             .nth(1)
             .unwrap_or_else(|| "tests/fixtures".into()),
     );
+    let prefix = std::env::args().nth(2).unwrap_or_else(|| "v1".into());
     std::fs::create_dir_all(&dir).expect("fixture directory");
 
-    let store = Store::open_with(fresh(&dir, "v1-clean.redb"), config()).expect("open");
+    let clean = format!("{prefix}-clean.redb");
+    let store = Store::open_with(fresh(&dir, &clean), config()).expect("open");
     write(&store, 0..10, true);
     drop(store);
 
-    let store = Store::open_with(fresh(&dir, "v1-crashed.redb"), config()).expect("open");
+    let crashed = format!("{prefix}-crashed.redb");
+    let store = Store::open_with(fresh(&dir, &crashed), config()).expect("open");
     write(&store, 0..5, false);
     store.checkpoint().expect("checkpoint");
     write(&store, 5..10, true);

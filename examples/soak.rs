@@ -2,8 +2,9 @@
 //! of claim + complete lifecycles on fresh random keys, a retention, the
 //! background sweeper, and one line every `--sample-secs` with the index
 //! file's size, the log's, resident memory, live records, records awaiting
-//! eviction and how long `Store::stats()` took. What to provision from
-//! these figures: docs/operations.md, "Sizing".
+//! eviction and how long `Store::stats()` took; at the end, what an
+//! offline compaction (`idemstore::compact_file`) gives back. What to
+//! provision from these figures: docs/operations.md, "Sizing".
 //!
 //! ```text
 //! cargo run --release --example soak -- --threads 16 --minutes 30 --retention-secs 30
@@ -65,7 +66,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         result_bytes: args.result_bytes,
     };
     println!("{soak:?}");
-    let samples = driver::run(&tmp.path().join("soak.redb"), &soak, |s| {
+    let path = tmp.path().join("soak.redb");
+    let samples = driver::run(&path, &soak, |s| {
         println!("{}", s.line());
     })?;
     if let Some(last) = samples.last() {
@@ -77,6 +79,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             peak_index as f64 / (1024.0 * 1024.0),
             peak_index as f64 / peak_live.max(1) as f64,
             samples.iter().map(|s| s.stats_us).max().unwrap_or(0) as f64 / 1000.0,
+        );
+        // What an offline compaction gives back once the load stops.
+        let took = std::time::Instant::now();
+        let done = idemstore::compact_file(&path, idemstore::Config::new())?;
+        println!(
+            "compacted: index_mib {:.1} -> {:.1} in {:.1}s (live at the end {}: {:.0} bytes each after)",
+            done.bytes_before as f64 / (1024.0 * 1024.0),
+            done.bytes_after as f64 / (1024.0 * 1024.0),
+            took.elapsed().as_secs_f64(),
+            last.live,
+            done.bytes_after as f64 / last.live.max(1) as f64,
         );
     }
     Ok(())

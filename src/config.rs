@@ -190,6 +190,7 @@ impl Default for PostgresLimits {
 
 impl PostgresLimits {
     /// Checks every field's range.
+    #[cfg(feature = "postgres")]
     pub(crate) fn check(&self) -> Result<()> {
         let day = Duration::from_secs(24 * 3600);
         let durations = [
@@ -377,7 +378,12 @@ impl Config {
     }
 
     /// How often the background sweeper evicts expired records; `None`
-    /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself). The sweeper stops
+    /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself).
+    /// The first sweep runs a second after open, and after a sweep that
+    /// evicted records the next one runs a second later (when the interval
+    /// is longer), so that under steady churn what awaits eviction stays
+    /// near one second of arrivals; a sweep that found nothing due waits
+    /// the whole interval again. The sweeper stops
     /// when the store is dropped, or when the store refuses writes. Its
     /// thread also runs the online scrub ([`Config::scrub_rate`]): with
     /// the scrub on it ticks at least every second, so a sweep runs at the

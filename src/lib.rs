@@ -134,6 +134,7 @@ mod backup;
 mod check;
 mod clock;
 mod codec;
+mod compact;
 mod config;
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -159,6 +160,7 @@ mod sweeper;
 pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary};
 pub use check::check_file;
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
+pub use compact::{Compaction, compact_file};
 pub use config::{
     ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE,
     DEFAULT_SWEEP_BATCH, Durability, MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE,

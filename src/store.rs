@@ -879,11 +879,16 @@ impl Store {
     /// Cost, on the file engine: the counters are free (atomics); the
     /// counts by state are kept in the store's metadata, written in the
     /// same transaction as the records they count, so a call reads them,
-    /// then the records the expiry index has due (expired, not yet
-    /// evicted) and those in flight (the expiry index holds them in a range
-    /// of their own): its
-    /// work grows with the records in flight and those awaiting eviction,
-    /// never with the store's size. Every field is exact for the read
+    /// then the expiry index's due entries (expired, not yet evicted:
+    /// each entry names its record's state, so no record is read) and the
+    /// records in flight (the expiry index holds them in a range of their
+    /// own): its work grows with the records in flight and, by a few
+    /// bytes each, the entries awaiting eviction, never with the store's
+    /// size (measured by `examples/soak.rs`, 16 threads: at most 130 ms
+    /// with 400,000 awaiting eviction, on a loaded 2-core machine; the
+    /// background sweeper keeps that backlog near one second of arrivals
+    /// once it has caught up). It first asks the writer to commit its open
+    /// index transaction (milliseconds). Every field is exact for the read
     /// snapshot. `records.corrupt` counts only envelopes whose state cannot
     /// be read; a record damaged otherwise is counted in its state, and
     /// [`Store::verify`] (or `idemstore check`), which reads every record,

@@ -31,14 +31,24 @@ pub(crate) const SWEEP_SLICE_BUDGET: Duration = Duration::from_millis(1);
 /// then leaves for the next.
 pub(crate) const SWEEP_SLICE_RECORDS: usize = 256;
 
+/// How soon the next sweep runs after one that evicted records, when the
+/// interval is longer: a store that churns has records coming due all the
+/// time, and sweeping them every second keeps what awaits eviction near
+/// one second of arrivals instead of a whole interval's (which `stats`
+/// counts and the index holds). The first sweep after open runs this soon
+/// too. A sweep that evicted nothing waits the full interval again, so an
+/// idle store is swept once per interval.
+pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
+
 /// The background thread `config` asks for over `engine`, if any: sweeps
-/// every `sweep_interval` (slices of at most `sweep_batch` records and, on
+/// every `sweep_interval`, or [`SWEEP_CATCH_UP`] after open and after a
+/// sweep that evicted records (slices of at most `sweep_batch` records and, on
 /// the file engine, [`SWEEP_SLICE_BUDGET`] of the writer's time, each
 /// followed by a pause as long as it took, until none is due) and,
 /// on the embedded engine, a scrub step of `scrub_rate` records every
 /// second (at most; a slow step delays the next), until the store refuses
 /// writes. Failures are logged (warn) and retried at the next tick. The
-/// thread ticks at the shorter of the two periods.
+/// thread ticks at the shortest of the periods (at most every second).
 pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Sweeper>> {
     let batch = config.sweep_batch;
     let sweep_every = config.sweep_interval;
@@ -48,11 +58,15 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         .map(|rate| usize::try_from(rate).unwrap_or(usize::MAX));
     let interval = match (sweep_every, scrub) {
         (None, None) => return Ok(None),
-        (Some(every), None) => every,
+        (Some(every), None) => every.min(SWEEP_CATCH_UP),
         (None, Some(_)) => SCRUB_TICK,
-        (Some(every), Some(_)) => every.min(SCRUB_TICK),
+        (Some(every), Some(_)) => every.min(SCRUB_TICK).min(SWEEP_CATCH_UP),
     };
     let mut last_sweep = Instant::now();
+    // The wait before the next sweep: the interval, or `SWEEP_CATCH_UP`
+    // after a sweep that evicted records and for the first one (a store
+    // reopened after a while has records that came due meanwhile).
+    let mut wait = sweep_every.map_or(Duration::MAX, |every| every.min(SWEEP_CATCH_UP));
     let mut last_scrub = Instant::now();
     Sweeper::start(engine, interval, move |engine: &Engine| {
         if let Some(rate) = scrub
@@ -67,12 +81,16 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         if engine.refuses_writes() {
             return;
         }
-        if last_sweep.elapsed() < every {
+        if last_sweep.elapsed() < wait {
             return;
         }
         last_sweep = Instant::now();
+        wait = every;
         match sweep_paced(engine, batch) {
-            Ok(n) if n > 0 => tracing::debug!(evicted = n, "sweep"),
+            Ok(n) if n > 0 => {
+                tracing::debug!(evicted = n, "sweep");
+                wait = every.min(SWEEP_CATCH_UP);
+            }
             Ok(_) => {}
             Err(err) => tracing::warn!(error = %err, "background sweep failed"),
         }

@@ -16,6 +16,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("lib", 6),
     ("store", 6),
     ("check", 6),
+    ("compact", 6),
     ("agent", 6),
     ("mcp", 6),
     ("http", 6),

@@ -424,7 +424,14 @@ fn edit_expiry_index(path: &Path, remove: Option<&Record>, orphan: Option<(u64, 
         if let Some(rec) = remove {
             let (len, rest) = (rec.key().scope().len() as u8, rec.key());
             let stored = [&[len][..], rest.scope().as_bytes(), rest.id().as_bytes()].concat();
-            let deadline = rec.expires_ms();
+            // The slot as `docs/design.md` ("Format 3") lays it out.
+            let (tag, code) = match rec.state() {
+                State::Succeeded => (0, 0),
+                State::Failed { retryable: false } => (0, 1),
+                State::Failed { retryable: true } => (0, 2),
+                State::Processing => (1 << 63, 3),
+            };
+            let deadline = tag | (rec.expires_ms() << 2) | code;
             assert!(
                 table
                     .remove((deadline, stored.as_slice()))

@@ -957,6 +957,42 @@ fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
     assert_eq!(seen[0], seen[1]);
 }
 
+/// The background sweeper does not wait its whole interval after an open:
+/// a store reopened with records that came due meanwhile is swept about a
+/// second later, although the interval is an hour (a store that churns is
+/// then swept every second while sweeps find records due; an idle one
+/// once per interval).
+#[test]
+fn the_background_sweeper_catches_up_after_open_without_waiting_its_interval() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    {
+        let store = open(&path, &clock);
+        for i in 0..20 {
+            let lease = acquire(
+                &store,
+                &key("sweep/open", &format!("due-{i}")),
+                &ClaimOptions::new(),
+            );
+            store.complete(&lease, b"ok").unwrap();
+        }
+    }
+    clock.advance(secs(61));
+    let store = Store::open_with(&path, config(&clock).sweep_interval(Some(secs(3600)))).unwrap();
+    assert_eq!(store.stats().unwrap().records.expired, 20);
+    // A hang guard, not a timing assertion: the hourly interval would
+    // leave them far longer.
+    let guard = std::time::Instant::now() + secs(120);
+    while store.stats().unwrap().records.expired > 0 {
+        assert!(std::time::Instant::now() < guard, "not swept");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stats = store.stats().unwrap();
+    assert_eq!(stats.counters.evictions, 20);
+    assert_eq!(stats.records.total(), 0);
+}
+
 /// `sweep_due` (the background sweeper's paced sweep) evicts every due
 /// record, finished or in flight, in slices of at most `sweep_batch`
 /// records (here 7) however many are due, and leaves the live ones: the
@@ -999,4 +1035,87 @@ fn sweep_due_evicts_everything_due_in_bounded_slices() {
         "{slices:?}"
     );
     assert_eq!(slices.iter().map(|(_, e)| e).sum::<u64>(), 300);
+}
+
+// ---------------------------------------------------------------- compaction
+
+/// `compact_file` gives back to the file system the pages churn and
+/// eviction freed: the file shrinks, every live record (and its lease's
+/// token) is still there, the store verifies clean and goes on. A store
+/// held open is refused (and left as it was), as is a missing file.
+#[test]
+fn compaction_gives_back_freed_space_and_keeps_every_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("churn.redb");
+    let clock = ManualClock::new(T0);
+    let buffered = || {
+        config(&clock).durability(idemstore::Durability::Buffered {
+            max_delay: Duration::from_millis(10),
+        })
+    };
+    let result = vec![7u8; 2_000];
+    let held;
+    {
+        let store = Store::open_with(&path, buffered()).unwrap();
+        for n in 0..4_000 {
+            let lease = acquire(
+                &store,
+                &key("churn", &format!("old-{n:05}")),
+                &ClaimOptions::new(),
+            );
+            store.complete(&lease, &result).unwrap();
+        }
+        clock.advance(secs(61));
+        for n in 0..50 {
+            let lease = acquire(
+                &store,
+                &key("churn", &format!("new-{n:02}")),
+                &ClaimOptions::new(),
+            );
+            store.complete(&lease, &result).unwrap();
+        }
+        held = acquire(&store, &key("churn", "held"), &ClaimOptions::new());
+        let mut evicted = 0;
+        loop {
+            let n = store.sweep(1_000).unwrap();
+            evicted += n;
+            if n == 0 {
+                break;
+            }
+        }
+        assert_eq!(evicted, 4_000);
+    }
+    // Held open: refused, nothing changed.
+    {
+        let service = Store::open_with(&path, config(&clock)).unwrap();
+        service.checkpoint().unwrap();
+        let before = std::fs::metadata(&path).unwrap().len();
+        assert!(matches!(
+            idemstore::compact_file(&path, config(&clock)),
+            Err(Error::AlreadyOpen { .. })
+        ));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), before);
+        assert_eq!(service.len().unwrap(), 51);
+    }
+    let done = idemstore::compact_file(&path, config(&clock)).unwrap();
+    assert!(done.passes >= 1, "{done:?}");
+    assert!(done.bytes_after < done.bytes_before / 4, "{done:?}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), done.bytes_after);
+    let store = open(&path, &clock);
+    assert_eq!(store.len().unwrap(), 51);
+    for n in 0..50 {
+        let record = store
+            .get(&key("churn", &format!("new-{n:02}")))
+            .unwrap()
+            .unwrap();
+        assert_eq!(record.result(), Some(&result[..]));
+    }
+    assert!(store.verify(|_| {}).unwrap().is_clean());
+    // The lease taken before compaction still completes its record.
+    store.complete(&held, b"done").unwrap();
+    drop(store);
+    assert!(matches!(
+        idemstore::compact_file(dir.path().join("absent.redb"), config(&clock)),
+        Err(Error::Missing { .. })
+    ));
 }

@@ -48,6 +48,9 @@ enum Command {
     Resolve(ops::resolve::Args),
     /// Verify every record's checksum and redb's integrity; exit 1 on damage.
     Check(ops::check::Args),
+    /// Give the space a churning store file no longer uses back to the file
+    /// system (offline: the store must not be open).
+    Compact(ops::compact::Args),
     /// Write a portable backup of every live record.
     Export(ops::export::Args),
     /// Restore records from a backup (idempotent).
@@ -84,6 +87,7 @@ fn run() -> Result<ExitCode, CliError> {
     match cli.command {
         Command::Demo(args) => demo::run(&args, &mut out),
         Command::Stats(args) => ops::stats::run(&args, &mut out),
+        Command::Compact(args) => ops::compact::run(&args, &mut out),
         Command::Get(args) => ops::get::run(&args, &mut out),
         Command::List(args) => ops::list::run(&args, &mut out),
         Command::Sweep(args) => ops::sweep::run(&args, &mut out),

@@ -12,6 +12,7 @@
 //! `--json`; progress bars go to stderr, only when it is a terminal.
 
 pub mod check;
+pub mod compact;
 pub mod export;
 pub mod get;
 pub mod import;

@@ -587,6 +587,56 @@ fn sweep_evicts_records_past_retention() {
     assert_eq!(stdout(&out).trim(), "evicted 0 records past retention");
 }
 
+/// `compact` shrinks a store file that eviction emptied, keeps what is
+/// live, refuses a store a process holds and a PostgreSQL store.
+#[test]
+fn compact_gives_back_space_and_keeps_live_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.redb");
+    {
+        let clock = ManualClock::new(SystemClock.now_ms() - 3_600_000);
+        let store = Store::open_with(
+            &path,
+            Config::new()
+                .clock(clock)
+                .retention(Duration::from_secs(60))
+                .sweep_interval(None),
+        )
+        .unwrap();
+        let result = vec![b'x'; 4_000];
+        for i in 0..1_000 {
+            let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
+            store.complete(&l, &result).unwrap();
+        }
+    }
+    populate(&path);
+    let out = idemstore(&["sweep", p(&path), "--json"]);
+    assert_eq!(json(&out)["evicted"], 1_000);
+    let out = idemstore(&["compact", p(&path), "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let done = json(&out);
+    let (before, after) = (
+        done["bytes_before"].as_u64().unwrap(),
+        done["bytes_after"].as_u64().unwrap(),
+    );
+    assert!(after < before / 4, "{done}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), after);
+    let out = idemstore(&["stats", p(&path), "--json"]);
+    assert_eq!(json(&out)["records"]["total"], 4, "{}", stdout(&out));
+    let out = idemstore(&["compact", p(&path)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert!(stdout(&out).starts_with("compacted "), "{}", stdout(&out));
+    {
+        let _service = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        let out = idemstore(&["compact", p(&path)]);
+        assert_ne!(code(&out), 0);
+        assert!(stderr(&out).contains("is in use"), "{}", stderr(&out));
+    }
+    let out = idemstore(&["compact", "postgresql://127.0.0.1:1/none"]);
+    assert_ne!(code(&out), 0);
+    assert!(stderr(&out).contains("VACUUM"), "{}", stderr(&out));
+}
+
 /// XORs the byte at `offset` of the file at `path` with `mask`.
 fn flip(path: &Path, offset: usize, mask: u8) {
     let mut bytes = std::fs::read(path).unwrap();

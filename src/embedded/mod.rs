@@ -10,6 +10,7 @@
 pub(crate) mod cache;
 pub(crate) mod check;
 pub(crate) mod commit;
+pub(crate) mod compact;
 pub(crate) mod create;
 pub(crate) mod expiry;
 pub(crate) mod fence;
@@ -735,14 +736,16 @@ impl Snapshot {
 
     /// Records by state at `now_ms`, and the oldest live Processing
     /// record's `created_ms`, without reading every record: the stored
-    /// state counts, less the records the expiry index has due at `now_ms`
-    /// (read and decoded: they are expired), and the records in flight
-    /// (the expiry index's tagged range, `schema::IN_FLIGHT_TAG`; read and
-    /// decoded: lapsed, oldest). Time and memory grow with the records in
-    /// flight and those due for eviction, never with the store's size.
-    /// `corrupt` counts envelopes whose state cannot be read; a damaged
-    /// record that still names its state is counted in it (`verify` finds
-    /// every damaged record).
+    /// state counts, less the entries the expiry index has due at `now_ms`
+    /// (counted by the state their slot names, `schema::expiry_slot`: no
+    /// record is read), and the live records in flight (the index's tagged
+    /// range, `schema::IN_FLIGHT_TAG`; read and decoded: lapsed, oldest).
+    /// Time grows with the records in flight and the index entries due for
+    /// eviction (a few bytes each, read in order), never with the store's
+    /// size; memory is constant. `corrupt` counts envelopes whose state
+    /// cannot be read; a damaged record that still names its state is
+    /// counted in it (`verify` finds every damaged record, and every index
+    /// entry that disagrees with its record).
     ///
     /// # Errors
     /// [`Error::CorruptFile`] when the counts are missing (every open
@@ -751,7 +754,7 @@ impl Snapshot {
         &self,
         now_ms: u64,
     ) -> Result<(crate::stats::StateCounts, Option<u64>)> {
-        use schema::{IN_FLIGHT_TAG, Tally, expiry_slot, slot_expiry};
+        use schema::{IN_FLIGHT_TAG, Tally, slot_expiry, slot_state};
         let path = &self.path;
         guard(path, || {
             let meta = self
@@ -776,32 +779,29 @@ impl Snapshot {
             let in_flight = expiry
                 .range((IN_FLIGHT_TAG, empty)..)
                 .map_err(|e| map_err(path, e))?;
-            // Finished records: the due entries only. Records in flight:
-            // every entry (expired ones are counted as expired).
+            // Finished records: the due entries only, by their slots' state.
+            // Records in flight: every entry (the expired ones by their
+            // slot; the live ones read for their lease and age).
             for (range, all) in [(finished, false), (in_flight, true)] {
                 for entry in range {
                     let (k, _) = entry.map_err(|e| map_err(path, e))?;
-                    let (deadline, kb) = k.value();
-                    let expired = crate::record::is_expired(slot_expiry(deadline), now_ms);
-                    if !expired && !all {
+                    let (slot, kb) = k.value();
+                    if crate::record::is_expired(slot_expiry(slot), now_ms) {
+                        tally.sub(slot_state(slot));
+                        counts.expired = counts.expired.saturating_add(1);
+                        continue;
+                    }
+                    if !all {
                         break;
                     }
                     let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
                         continue;
                     };
-                    // An entry its record does not name (or a damaged
-                    // record's) is a leftover, not a record.
+                    // A damaged record is counted in its state; `verify`
+                    // names it.
                     let Ok(record) = codec::decode_record(kb, v.value()) else {
                         continue;
                     };
-                    if expiry_slot(record.state, record.expires_ms) != deadline {
-                        continue;
-                    }
-                    if expired {
-                        tally.sub(Tally::slot_of(v.value()));
-                        counts.expired = counts.expired.saturating_add(1);
-                        continue;
-                    }
                     if !record.lease_valid_at(now_ms) {
                         counts.lapsed = counts.lapsed.saturating_add(1);
                     }
@@ -1432,5 +1432,64 @@ mod tests {
         let (stored, wanted) = expiry_entries(&store);
         assert_eq!(stored, wanted);
         assert_eq!(stored.len(), 3);
+    }
+
+    /// `stats` counts the records awaiting eviction from the expiry index
+    /// alone (the state is in each entry's slot): with the records of the
+    /// due entries gone from the records table, as if never read, they are
+    /// still counted as expired, by state, and nothing else changes.
+    #[test]
+    fn stats_counts_records_awaiting_eviction_without_reading_them() {
+        let clock = crate::clock::ManualClock::new(1_700_000_000_000);
+        let store = in_memory(
+            "backlog.redb",
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .retention(std::time::Duration::from_secs(60))
+                .clock(clock.clone()),
+        );
+        let fp = Fingerprint::of(b"p");
+        let claim = |k: &Key| match store.claim(k, &fp, &ClaimOptions::new()).unwrap() {
+            ClaimOutcome::Acquired(lease) => lease,
+            other => panic!("{other:?}"),
+        };
+        let key = |n: u32| Key::new("backlog", format!("k{n}")).unwrap();
+        for n in 0..6 {
+            let lease = claim(&key(n));
+            match n % 3 {
+                0 => store.complete(&lease, b"ok").unwrap(),
+                1 => store.fail(&lease, b"no", false).unwrap(),
+                _ => store.fail(&lease, b"later", true).unwrap(),
+            };
+        }
+        clock.advance(std::time::Duration::from_secs(61));
+        // Two live records: one finished, one in flight.
+        store.complete(&claim(&key(10)), b"ok").unwrap();
+        let _held = claim(&key(11));
+        store.checkpoint().unwrap();
+        let before = store.stats().unwrap().records;
+        // The due records' bodies go; their index entries stay.
+        let txn = embedded(&store).shared.db.begin_write().unwrap();
+        {
+            let mut records = txn.open_table(RECORDS).unwrap();
+            for n in 0..6 {
+                records.remove(key(n).to_bytes().as_slice()).unwrap();
+            }
+        }
+        txn.commit().unwrap();
+        let after = store.stats().unwrap().records;
+        assert_eq!(after, before);
+        assert_eq!(
+            (
+                after.expired,
+                after.succeeded,
+                after.failed,
+                after.failed_retryable,
+                after.processing
+            ),
+            (6, 1, 0, 0, 1),
+            "{after:?}"
+        );
     }
 }

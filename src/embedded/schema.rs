@@ -18,24 +18,67 @@ use crate::error::{Error, Result};
 
 /// Records: stored key bytes → record envelope (see `codec`).
 pub(crate) const RECORDS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("records");
-/// Expiry index: (expiry deadline in ms, stored key bytes) → (). Ordered by
-/// deadline, so eviction reads only what has expired.
+/// Expiry index: (slot, stored key bytes) → (), where the slot is the
+/// record's expiry and its state ([`expiry_slot`]). Ordered by expiry, so
+/// eviction reads only what has expired.
 pub(crate) const EXPIRY: TableDefinition<(u64, &[u8]), ()> = TableDefinition::new("expiry");
 /// Business keys: (scope prefix ‖ business key) → stored key bytes.
 pub(crate) const BUSINESS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("business_keys");
 /// The tag of an expiry index entry of a record in state Processing
-/// (format 2 on): its deadline is `IN_FLIGHT_TAG | expiry`, so that the
-/// records in flight sort after every finished record, by expiry. `stats`
-/// reads them as one range instead of reading every record, and eviction
-/// reads the due ones of each range; a lifecycle makes no more index
-/// writes than without the tag. See [`expiry_slot`].
+/// (format 2 on): its slot has this bit set, so that the records in flight
+/// sort after every finished record, by expiry. `stats` reads them as one
+/// range instead of reading every record, and eviction reads the due ones
+/// of each range; a lifecycle makes no more index writes than without the
+/// tag. See [`expiry_slot`].
 pub(crate) const IN_FLIGHT_TAG: u64 = 1 << 63;
+/// Bits of a slot below the expiry that name the record's state (format 3
+/// on): see [`expiry_slot`].
+const STATE_BITS: u32 = 2;
+/// The latest expiry a slot holds, in ms (2^61 − 1, about 73 million
+/// years): a later one is held at it (never due).
+const MAX_SLOT_EXPIRY: u64 = (IN_FLIGHT_TAG >> STATE_BITS) - 1;
 
-/// The deadline under which the expiry index holds a record of `state`
-/// that expires at `expires_ms`: tagged with [`IN_FLIGHT_TAG`] while
-/// Processing. An expiry at or beyond 2^63 ms (about 292 million years)
-/// is held at 2^63 − 1 ms: never due.
+/// The slot under which the expiry index holds a record of `state` that
+/// expires at `expires_ms` (format 3):
+///
+/// ```text
+/// slot = [in flight: 1 bit][expiry in ms: 61 bits][state: 2 bits]
+/// state: 0 Succeeded, 1 Failed, 2 retryably Failed, 3 Processing
+/// ```
+///
+/// Entries sort by (in flight, expiry, state, key): finished records first,
+/// by expiry, then those in flight. The state lets `stats` count the due
+/// entries by state from the index alone, without reading their records.
+/// An expiry beyond [`MAX_SLOT_EXPIRY`] is held at it.
 pub(crate) fn expiry_slot(state: crate::record::State, expires_ms: u64) -> u64 {
+    use crate::record::State;
+    let (tag, code) = match state {
+        State::Succeeded => (0, 0),
+        State::Failed { retryable: false } => (0, 1),
+        State::Failed { retryable: true } => (0, 2),
+        State::Processing => (IN_FLIGHT_TAG, 3),
+    };
+    tag | (expires_ms.min(MAX_SLOT_EXPIRY) << STATE_BITS) | code
+}
+
+/// The expiry time (ms) of an index entry's slot.
+pub(crate) fn slot_expiry(slot: u64) -> u64 {
+    (slot & !IN_FLIGHT_TAG) >> STATE_BITS
+}
+
+/// The [`Tally`] slot of the state an index entry's slot names.
+pub(crate) fn slot_state(slot: u64) -> usize {
+    match slot & ((1 << STATE_BITS) - 1) {
+        0 => Tally::SUCCEEDED,
+        1 => Tally::FAILED,
+        2 => Tally::FAILED_RETRYABLE,
+        _ => Tally::PROCESSING,
+    }
+}
+
+/// The slot format 2 gave a record's expiry entry (`2^63 | expiry` in
+/// flight, the expiry otherwise), for the migration to format 3.
+fn slot_v2(state: crate::record::State, expires_ms: u64) -> u64 {
     let deadline = expires_ms.min(IN_FLIGHT_TAG - 1);
     if state == crate::record::State::Processing {
         deadline | IN_FLIGHT_TAG
@@ -43,19 +86,15 @@ pub(crate) fn expiry_slot(state: crate::record::State, expires_ms: u64) -> u64 {
         deadline
     }
 }
-
-/// The expiry time of an index entry's deadline (the tag taken off).
-pub(crate) fn slot_expiry(deadline: u64) -> u64 {
-    deadline & !IN_FLIGHT_TAG
-}
 /// Metadata: name → little-endian value bytes.
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The store format this build writes and reads. Format 1 (no
-/// [`META_STATE_COUNTS`], untagged expiry entries of records in flight) is
-/// migrated to 2 at open, once the log is replayed ([`migrate`]; see
-/// `docs/design.md`, "Format versions").
-pub(crate) const FORMAT_VERSION: u64 = 2;
+/// [`META_STATE_COUNTS`], untagged expiry entries of records in flight)
+/// and format 2 (expiry slots without the state) are migrated to 3 at
+/// open, once the log is replayed ([`migrate`]; see `docs/design.md`,
+/// "Format versions").
+pub(crate) const FORMAT_VERSION: u64 = 3;
 
 pub(crate) const META_FORMAT: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
@@ -507,11 +546,12 @@ fn stored_format(
 /// the store answers anything, so a crash before it leaves a store of the
 /// old format that the next open migrates.
 ///
-/// Format 1 → 2: one pass over the records counts them by state
-/// ([`META_STATE_COUNTS`]) and moves the expiry entry of each record in
-/// flight under its tagged deadline ([`expiry_slot`]) (time linear in the
-/// records, once; memory bounded by one record). No record is changed or
-/// lost.
+/// Format 1 or 2 → 3: one pass over the records counts them by state
+/// ([`META_STATE_COUNTS`]) and moves each record's expiry entry from the
+/// slot its format gave it (format 1: the expiry; format 2: [`slot_v2`])
+/// to [`expiry_slot`] (time linear in the records, once; memory bounded by
+/// one record). No record is changed or lost; a record that does not
+/// decode keeps its entry (`check` reports both).
 pub(crate) fn migrate(path: &Path, db: &Database, from: u64) -> Result<()> {
     guard(path, || {
         let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
@@ -536,18 +576,23 @@ fn migrate_in(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
     let mut tally = Tally::default();
     for entry in records.iter().map_err(|e| map_err(path, e))? {
         let (k, v) = entry.map_err(|e| map_err(path, e))?;
-        let slot = Tally::slot_of(v.value());
-        tally.add(slot);
-        if slot == Tally::PROCESSING
-            && let Ok(record) = codec::decode_record(k.value(), v.value())
+        tally.add(Tally::slot_of(v.value()));
+        let Ok(record) = codec::decode_record(k.value(), v.value()) else {
+            continue;
+        };
+        let old = match from {
+            1 => record.expires_ms,
+            _ => slot_v2(record.state, record.expires_ms),
+        };
+        if expiry
+            .remove((old, k.value()))
+            .map_err(|e| map_err(path, e))?
+            .is_some()
         {
-            let old = (record.expires_ms, k.value());
-            if expiry.remove(old).map_err(|e| map_err(path, e))?.is_some() {
-                let new = expiry_slot(record.state, record.expires_ms);
-                expiry
-                    .insert((new, k.value()), ())
-                    .map_err(|e| map_err(path, e))?;
-            }
+            let new = expiry_slot(record.state, record.expires_ms);
+            expiry
+                .insert((new, k.value()), ())
+                .map_err(|e| map_err(path, e))?;
         }
     }
     tracing::info!(

@@ -1,0 +1,76 @@
+//! The compaction of a store file that no service holds: gives back to the
+//! file system the space that pages freed by eviction and churn keep.
+
+use std::path::Path;
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::store::Store;
+
+/// What [`compact_file`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Compaction {
+    /// The store file's size before, in bytes (before the open: a clean
+    /// close may already give back free pages at the end of the file).
+    pub bytes_before: u64,
+    /// The store file's size after, in bytes.
+    pub bytes_after: u64,
+    /// Passes of redb's compaction that moved pages (0: nothing to give
+    /// back).
+    pub passes: u32,
+}
+
+/// Compacts the store file at `path` offline: opens it with `config` (the
+/// one the service uses: its clock above all, since an open moves the
+/// store's time to the clock's; the background sweeper and scrub are
+/// turned off), replaying its write-ahead log and migrating an older
+/// format, writes a checkpoint and closes it cleanly, then has redb move every page in use to the front of
+/// the file and truncate the rest. Records, tokens and metadata are
+/// unchanged; only the file shrinks.
+///
+/// Why: under churn (fresh keys, eviction after retention) the index file
+/// grows to a plateau and keeps it; freed pages are reused but never given
+/// back (`docs/operations.md`, "Sizing a file store", has the figures).
+/// Run it in a maintenance window, or after a burst: the store must not be
+/// open anywhere meanwhile. Its time grows with the file's size (it reads
+/// and rewrites the pages in use), its memory is bounded by 64 MiB of page
+/// cache. A crash during it leaves a file that redb repairs at the next
+/// open (a walk of the whole file); nothing is lost. The online
+/// alternative is an export into a new store (`docs/operations.md`).
+///
+/// # Errors
+/// - [`Error::Missing`](crate::Error::Missing): no file at `path`.
+/// - [`Error::AlreadyOpen`](crate::Error::AlreadyOpen): a `Store` (a
+///   running service) holds the file.
+/// - [`Error::Poisoned`](crate::Error::Poisoned): the online scrub marked
+///   the store damaged (`<path>-damaged`): run `idemstore check` and
+///   restore instead; nothing is compacted.
+/// - [`Error::IncompatibleFile`](crate::Error::IncompatibleFile),
+///   [`Error::CorruptFile`](crate::Error::CorruptFile),
+///   [`Error::CorruptLog`](crate::Error::CorruptLog),
+///   [`Error::Storage`](crate::Error::Storage),
+///   [`Error::InvalidArgument`](crate::Error::InvalidArgument): as
+///   [`Store::open_with`].
+pub fn compact_file(path: impl AsRef<Path>, config: Config) -> Result<Compaction> {
+    let path = path.as_ref();
+    crate::embedded::check_existing(path)?;
+    let config = config.sweep_interval(None).scrub_rate(None);
+    let size = |path: &Path| {
+        std::fs::metadata(path)
+            .map(|m| m.len())
+            .map_err(crate::error::Error::storage)
+    };
+    let bytes_before = size(path)?;
+    {
+        let store = Store::open_existing(path, config)?;
+        // Refused on a store the scrub marked damaged (Poisoned).
+        store.checkpoint()?;
+    }
+    let passes = crate::embedded::compact::compact(path)?;
+    Ok(Compaction {
+        bytes_before,
+        bytes_after: size(path)?,
+        passes,
+    })
+}

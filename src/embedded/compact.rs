@@ -1,0 +1,44 @@
+//! Offline compaction of a store file: redb moves the pages in use to the
+//! front of the file and truncates the rest (the public face is
+//! [`crate::compact_file`]).
+
+use std::path::Path;
+
+use redb::Database;
+
+use super::schema::{guard, map_err, open_error};
+use crate::error::Result;
+
+/// redb's page cache while compacting (bytes): the store's default
+/// `cache_bytes`, so that the memory does not grow with the file.
+const COMPACT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+
+/// How many compaction passes are run at most: redb's `compact` answers
+/// whether it moved anything, and a pass after one that did may move more
+/// (pages freed by the first). Each pass walks the file; the bound keeps a
+/// file that never settles from holding the command forever.
+const MAX_PASSES: u32 = 4;
+
+/// Compacts the redb file at `path`, which no store may hold open (redb
+/// locks the file) and whose store was closed cleanly (the caller opens
+/// and closes it first, so that the log holds nothing the index needs).
+/// Returns how many passes moved pages.
+///
+/// # Errors
+/// [`Error::AlreadyOpen`](crate::Error::AlreadyOpen) when a process holds
+/// the file; [`Error::CorruptFile`](crate::Error::CorruptFile) when redb
+/// finds the file damaged; [`Error::Storage`](crate::Error::Storage) when it
+/// cannot be read or written.
+pub(crate) fn compact(path: &Path) -> Result<u32> {
+    guard(path, || {
+        let mut db = Database::builder()
+            .set_cache_size(COMPACT_CACHE_BYTES)
+            .open(path)
+            .map_err(|e| open_error(path, e))?;
+        let mut passes = 0;
+        while passes < MAX_PASSES && db.compact().map_err(|e| map_err(path, e))? {
+            passes += 1;
+        }
+        Ok(passes)
+    })
+}
