@@ -1,7 +1,8 @@
 //! A soak of the store as an operator runs it for months: a steady arrival
 //! of claim + complete lifecycles on fresh random keys, a retention, the
 //! background sweeper, and one line every `--sample-secs` with the index
-//! file's size, the log's, resident memory, live records, records awaiting
+//! file's size, the log's, resident memory, heap bytes allocated, live
+//! records, records awaiting
 //! eviction and how long `Store::stats()` took; at the end, what an
 //! offline compaction (`idemstore::compact_file`) gives back. What to
 //! provision from these figures: docs/operations.md, "Sizing".
@@ -19,6 +20,11 @@ mod driver;
 use std::time::Duration;
 
 use clap::Parser;
+use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
+
+/// Counts the heap bytes held, for the samples' `allocated_mib`.
+#[global_allocator]
+static GLOBAL: &StatsAlloc<std::alloc::System> = &INSTRUMENTED_SYSTEM;
 
 #[derive(Parser)]
 struct Args {
@@ -64,6 +70,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         run_for: Duration::from_secs_f64(args.minutes.max(0.0) * 60.0),
         sample_every: Duration::from_secs(args.sample_secs.max(1)),
         result_bytes: args.result_bytes,
+        allocated: Some(|| driver::allocated_bytes(GLOBAL)),
     };
     println!("{soak:?}");
     let path = tmp.path().join("soak.redb");

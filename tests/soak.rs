@@ -4,7 +4,8 @@
 //! memory must stop growing: over the last 12 s each may rise at most by a
 //! stated bound above its peak of the 12 s before (index: half of that peak
 //! plus 2 MiB, for redb's allocation steps; resident memory: 32 MiB, for
-//! caches still filling). The write-ahead log stays within its configured
+//! caches still filling; heap bytes allocated: half of that peak plus
+//! 4 MiB, which a leak of 500 bytes per lifecycle would pass). The write-ahead log stays within its configured
 //! size. Sizes are asserted, never times.
 //!
 //! The long form (`--ignored`, `IDEMSTORE_SOAK_MINUTES`, default 30) runs
@@ -18,6 +19,15 @@ mod driver;
 use std::time::Duration;
 
 use driver::{Sample, Soak};
+use stats_alloc::{INSTRUMENTED_SYSTEM, StatsAlloc};
+
+/// Counts the heap bytes held, for the samples' allocated bytes.
+#[global_allocator]
+static GLOBAL: &StatsAlloc<std::alloc::System> = &INSTRUMENTED_SYSTEM;
+
+fn allocated() -> u64 {
+    driver::allocated_bytes(GLOBAL)
+}
 
 /// `Config::max_log_bytes`'s default: the size the log grows to.
 const MAX_LOG_BYTES: u64 = 64 << 20;
@@ -43,6 +53,7 @@ fn index_log_and_memory_reach_a_plateau_under_churn() {
         run_for: Duration::from_secs(36),
         sample_every: Duration::from_secs(2),
         result_bytes: 64,
+        allocated: Some(allocated),
     };
     let samples = driver::run(&dir.path().join("soak.redb"), &soak, |s| {
         eprintln!("{}", s.line())
@@ -63,6 +74,16 @@ fn index_log_and_memory_reach_a_plateau_under_churn() {
     assert!(
         log_peak <= MAX_LOG_BYTES + (1 << 20),
         "the log passed its bound: {log_peak} B"
+    );
+    let heap = |s: &Sample| s.allocated_bytes.unwrap_or(0);
+    let (heap_mid, heap_late) = (
+        peak(&samples, 12.0, 24.0, heap),
+        peak(&samples, 24.0, f64::INFINITY, heap),
+    );
+    assert!(heap_mid > 0, "allocated bytes were not counted");
+    assert!(
+        heap_late <= heap_mid + heap_mid / 2 + (4 << 20),
+        "allocated bytes kept growing: peak {heap_mid} B, then {heap_late} B"
     );
     if last.rss_bytes.is_some() {
         let rss = |s: &Sample| s.rss_bytes.unwrap_or(0);
@@ -106,6 +127,7 @@ fn long_soak() {
         run_for,
         sample_every: Duration::from_secs(10),
         result_bytes: 64,
+        allocated: Some(allocated),
     };
     let samples = driver::run(&dir.path().join("soak.redb"), &soak, |s| {
         println!("{}", s.line())
@@ -117,5 +139,12 @@ fn long_soak() {
     assert!(
         late <= mid + mid / 2 + (2 << 20),
         "index {mid} B then {late} B"
+    );
+    let heap = |s: &Sample| s.allocated_bytes.unwrap_or(0);
+    let heap_mid = peak(&samples, third, 2.0 * third, heap);
+    let heap_late = peak(&samples, 2.0 * third, f64::INFINITY, heap);
+    assert!(
+        heap_late <= heap_mid + (32 << 20),
+        "allocated {heap_mid} B then {heap_late} B"
     );
 }

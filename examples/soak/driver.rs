@@ -2,7 +2,8 @@
 //! steady arrival of claim + complete lifecycles on fresh random keys, with
 //! a retention and the background sweeper, sampling what an operator
 //! provisions for: the index file's size, the log's, the process's
-//! resident memory, and how long `Store::stats()` takes.
+//! resident memory and allocated bytes, and how long `Store::stats()`
+//! takes.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,6 +29,17 @@ pub struct Soak {
     pub sample_every: Duration,
     /// Bytes of each stored result.
     pub result_bytes: usize,
+    /// The bytes the process holds allocated, when its global allocator
+    /// counts them (see [`allocated_bytes`]).
+    pub allocated: Option<fn() -> u64>,
+}
+
+/// The bytes allocated and not freed, as the counting allocator `alloc`
+/// saw them since the process started.
+pub fn allocated_bytes(alloc: &stats_alloc::StatsAlloc<std::alloc::System>) -> u64 {
+    // A reallocation's growth or shrinkage is already in these two.
+    let s = alloc.stats();
+    u64::try_from(s.bytes_allocated.saturating_sub(s.bytes_deallocated)).unwrap_or(u64::MAX)
 }
 
 /// One sample.
@@ -43,6 +55,8 @@ pub struct Sample {
     pub log_bytes: u64,
     /// The process's resident memory (bytes), where `/proc` tells it.
     pub rss_bytes: Option<u64>,
+    /// The bytes allocated and not freed (heap), when counted.
+    pub allocated_bytes: Option<u64>,
     /// Live records (`Store::stats`).
     pub live: u64,
     /// Records past retention not evicted yet (`Store::stats`).
@@ -55,12 +69,13 @@ impl Sample {
     /// One line for a person.
     pub fn line(&self) -> String {
         format!(
-            "t={:>7.1}s lifecycles={:>10} index_mib={:>8.1} log_mib={:>6.1} rss_mib={:>7.1} live={:>9} awaiting_eviction={:>8} stats_ms={:>8.1}",
+            "t={:>7.1}s lifecycles={:>10} index_mib={:>8.1} log_mib={:>6.1} rss_mib={:>7.1} allocated_mib={:>7.1} live={:>9} awaiting_eviction={:>8} stats_ms={:>8.1}",
             self.at_s,
             self.lifecycles,
             mib(self.index_bytes),
             mib(self.log_bytes),
             self.rss_bytes.map_or(f64::NAN, mib),
+            self.allocated_bytes.map_or(f64::NAN, mib),
             self.live,
             self.expired,
             self.stats_us as f64 / 1000.0,
@@ -159,6 +174,7 @@ pub fn run(
                 index_bytes: stats.file_bytes.unwrap_or(0),
                 log_bytes: std::fs::metadata(&log_path).map_or(0, |m| m.len()),
                 rss_bytes: rss_bytes(),
+                allocated_bytes: soak.allocated.map(|f| f()),
                 live: stats.records.live(),
                 expired: stats.records.expired,
             };
