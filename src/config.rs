@@ -172,6 +172,14 @@ pub struct PostgresLimits {
     /// that finds it full waits for room until its deadline
     /// (`call_timeout`), then gets [`Error::Unavailable`]. Default 16,384.
     pub queue: usize,
+    /// How long a worker connection may stay unused before it is closed.
+    /// The engine opens its worker connections on demand (a new one only
+    /// while calls are queued and every open one is busy, up to
+    /// [`Config::postgres_connections`]) and closes each after this much
+    /// idle time, so that the count follows the load: a lone sequential
+    /// caller keeps one open, a burst opens more, which close once it has
+    /// passed. Default 60 s.
+    pub connection_idle_timeout: Duration,
 }
 
 impl Default for PostgresLimits {
@@ -184,6 +192,7 @@ impl Default for PostgresLimits {
             idle_in_transaction_timeout: Duration::from_secs(60),
             keepalive_idle: Duration::from_secs(30),
             queue: 16_384,
+            connection_idle_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -203,6 +212,7 @@ impl PostgresLimits {
                 self.idle_in_transaction_timeout,
             ),
             ("keepalive_idle", self.keepalive_idle),
+            ("connection_idle_timeout", self.connection_idle_timeout),
         ];
         for (name, d) in durations {
             if d < Duration::from_millis(1) || d > day {
@@ -570,11 +580,16 @@ impl Config {
         self
     }
 
-    /// How many connections the PostgreSQL engine runs transactions on at
-    /// once (PostgreSQL engine only; 1 to 1,024, default 16). Concurrent
-    /// requests are batched into one transaction per connection (group
-    /// commit over the wire). On the embedded engine, opening fails with
-    /// [`Error::InvalidArgument`] naming `postgres_connections`.
+    /// The most connections the PostgreSQL engine runs transactions on at
+    /// once (PostgreSQL engine only; 1 to 1,024, default 16). They are
+    /// opened on demand, a new one only while calls are queued and every
+    /// open one is busy, and each is closed after
+    /// [`PostgresLimits::connection_idle_timeout`] unused (default 60 s);
+    /// a sync caller's statements may also take one direct connection of
+    /// the store's besides these. Concurrent requests are batched into one
+    /// transaction per connection (group commit over the wire). On the
+    /// embedded engine, opening fails with [`Error::InvalidArgument`]
+    /// naming `postgres_connections`.
     pub fn postgres_connections(mut self, connections: usize) -> Config {
         self.postgres_connections = Some(connections);
         self
@@ -831,7 +846,9 @@ mod tests {
         no_queue.queue = 0;
         let mut too_long = limits;
         too_long.call_timeout = Duration::from_secs(2 * 24 * 3600);
-        for bad in [zero, no_queue, too_long] {
+        let mut no_idle = limits;
+        no_idle.connection_idle_timeout = Duration::ZERO;
+        for bad in [zero, no_queue, too_long, no_idle] {
             match Config::new().postgres_limits(bad).check_postgres() {
                 Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "postgres_limits"),
                 other => panic!("{bad:?}: {other:?}"),

@@ -11,7 +11,12 @@
 //!   is `OutcomeUnknown`);
 //! - a caller's `complete_in` transaction that holds a row longer than
 //!   `lock_timeout` holds a batch that includes that row no longer than
-//!   that, and no other key at all.
+//!   that, and no other key at all;
+//! - the worker connections follow the load (counted in
+//!   `pg_stat_activity` by an application name of the test's own): none
+//!   before the first call, one for a lone sequential caller, more (never
+//!   above `postgres_connections`) for concurrent callers, and none again
+//!   once `connection_idle_timeout` has passed unused.
 //!
 //! The hang guards are generous bounds that only a hang reaches.
 //! `IDEMSTORE_SKIP_POSTGRES=1` skips these tests.
@@ -257,4 +262,188 @@ fn a_full_queue_is_waited_on_until_the_deadline() {
             Ok(ClaimOutcome::Acquired(_))
         ));
     }
+}
+
+/// `url` with an application name of its own, so that the store's
+/// sessions can be counted.
+fn with_app(url: &str, app: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={app}")
+}
+
+/// Counts a server's sessions by application name.
+struct Sessions {
+    rt: tokio::runtime::Runtime,
+    client: tokio_postgres::Client,
+    app: String,
+}
+
+impl Sessions {
+    fn new(url: &str, app: &str) -> Sessions {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let (client, connection) = rt
+            .block_on(tokio_postgres::connect(url, NoTls))
+            .expect("connect");
+        rt.spawn(connection);
+        Sessions {
+            rt,
+            client,
+            app: app.to_string(),
+        }
+    }
+
+    /// The sessions open now under the application name.
+    fn count(&self) -> i64 {
+        self.rt.block_on(async {
+            // Activity statistics are a snapshot per transaction: refresh it.
+            self.client
+                .batch_execute("SELECT pg_stat_clear_snapshot()")
+                .await
+                .expect("clear snapshot");
+            let row = self
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                    &[&self.app],
+                )
+                .await
+                .expect("count sessions");
+            row.get(0)
+        })
+    }
+
+    /// Polls until `done` holds for the count (returned), failing the test
+    /// at the hang guard.
+    fn wait_for(&self, what: &str, done: impl Fn(i64) -> bool) -> i64 {
+        let start = std::time::Instant::now();
+        loop {
+            let n = self.count();
+            if done(n) {
+                return n;
+            }
+            assert!(
+                start.elapsed() < HANG_GUARD,
+                "{what}: still {n} sessions of {} at the hang guard",
+                self.app
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// One lifecycle through the async API (the queue and its workers only:
+/// no direct connection of a sync caller).
+fn lifecycle_async(store: &Store, id: &str) {
+    futures_lite::future::block_on(async {
+        let k = key(id);
+        let lease = match store.claim_async(&k, &fp(), &ClaimOptions::new()).await {
+            Ok(ClaimOutcome::Acquired(lease)) => lease,
+            other => panic!("claim {id}: {other:?}"),
+        };
+        store
+            .complete_async(&lease, b"done")
+            .await
+            .expect("complete");
+        let r = store.get_async(&k).await.expect("get").expect("record");
+        assert_eq!(r.state(), State::Succeeded);
+    });
+}
+
+#[test]
+fn a_lone_sequential_caller_is_served_by_one_connection() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_lone");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let app = schema.clone();
+    let sessions = Sessions::new(&url, &app);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(8)
+        .sweep_interval(None);
+    let store = Store::connect(&with_app(&url, &app), config).expect("connect");
+    // Connecting's own session ends; no worker connection is open yet.
+    sessions.wait_for("after connecting", |n| n == 0);
+    for i in 0..40 {
+        lifecycle_async(&store, &format!("lone-{i}"));
+    }
+    // 120 calls one after the other, each on the worker freed last: one
+    // connection (with a fixed pool they went round all 8).
+    assert_eq!(sessions.count(), 1);
+    // A sync caller outside a runtime also takes the store's direct
+    // connection (its claims and completions run on its own thread); its
+    // reads go through the same worker.
+    for i in 0..40 {
+        let k = key(&format!("sync-{i}"));
+        let lease = match store.claim(&k, &fp(), &ClaimOptions::new()) {
+            Ok(ClaimOutcome::Acquired(lease)) => lease,
+            other => panic!("{other:?}"),
+        };
+        store.complete(&lease, b"done").expect("complete");
+        assert!(store.get(&k).expect("get").is_some());
+    }
+    assert_eq!(sessions.count(), 2);
+}
+
+#[test]
+fn concurrent_callers_open_connections_up_to_the_max_and_idle_ones_close() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_pool");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let app = schema.clone();
+    let sessions = Sessions::new(&url, &app);
+    const MAX: i64 = 4;
+    let mut limits = PostgresLimits::default();
+    limits.connection_idle_timeout = Duration::from_millis(300);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(MAX as usize)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&with_app(&url, &app), config).expect("connect"));
+    sessions.wait_for("after connecting", |n| n == 0);
+
+    // Concurrent callers until told to stop: more than one connection
+    // opens, and never more than the max.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let callers: Vec<_> = (0..16)
+        .map(|t| {
+            let (store, stop) = (Arc::clone(&store), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    lifecycle_async(&store, &format!("pool-{t}-{i}"));
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    let start = std::time::Instant::now();
+    let mut most = 0;
+    while most < 2 {
+        let n = sessions.count();
+        assert!(n <= MAX, "{n} sessions, above the max of {MAX}");
+        most = most.max(n);
+        assert!(
+            start.elapsed() < HANG_GUARD,
+            "16 concurrent callers never opened a second connection"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Sampled a while longer: still within the max.
+    for _ in 0..25 {
+        let n = sessions.count();
+        assert!(n <= MAX, "{n} sessions, above the max of {MAX}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for caller in callers {
+        caller.join().expect("caller");
+    }
+    // Unused, every worker connection closes.
+    sessions.wait_for("after the load", |n| n == 0);
+    // And the next call opens one again (none was open).
+    lifecycle_async(&store, "after");
 }

@@ -14,7 +14,12 @@
 //! - a process killed between the two statements (a child that inserted
 //!   the ticket, and one that also completed the key, both SIGKILLed
 //!   before `COMMIT`): no ticket row, the key still Processing, then taken
-//!   over after the lease.
+//!   over after the lease;
+//! - a lost answer (a TCP proxy of the test's own cuts the connection once
+//!   the completion's `UPDATE` is sent): outside a transaction block the
+//!   `UPDATE` commits on its own, so the error is `Error::OutcomeUnknown`
+//!   (and it was applied); inside one, `Error::Unavailable` (and nothing
+//!   was).
 //!
 //! The server is the throwaway one of `tests/pg`; `IDEMSTORE_SKIP_POSTGRES=1`
 //! skips these tests.
@@ -392,5 +397,68 @@ fn a_process_killed_between_the_statements_commits_nothing() {
             State::Succeeded,
             "{stage}"
         );
+    }
+}
+
+/// On a connection outside a transaction block, the completion's `UPDATE`
+/// commits on its own: when its answer is lost, the outcome is unknown
+/// (and it was in fact applied). Inside a transaction block, the same loss
+/// leaves nothing applied.
+#[test]
+fn a_lost_answer_of_an_autocommit_completion_is_outcome_unknown() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_lost");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let rt = runtime();
+    for in_block in [false, true] {
+        let k = key(&format!("lost-{in_block}"));
+        let lease = acquire(&store, &k);
+        let proxy = pg::proxy::Proxy::start(pg::proxy::upstream_of(&url));
+        let err = rt.block_on(async {
+            // The server's URL with the proxy's host and port.
+            let options: sqlx::postgres::PgConnectOptions = url.parse().expect("a URL");
+            let options = options.host("127.0.0.1").port(proxy.port());
+            let mut c = PgConnection::connect_with(&options)
+                .await
+                .expect("connect through the proxy");
+            if in_block {
+                sqlx::Executor::execute(&mut c, "BEGIN")
+                    .await
+                    .expect("begin");
+            }
+            // The completion's UPDATE (not the lock's `FOR UPDATE`).
+            proxy.lose_answer_after(b"UPDATE \"");
+            complete_in(&mut c, &store, &lease, b"applied")
+                .await
+                .unwrap_err()
+        });
+        // sqlx parses an unnamed statement in a round trip of its own,
+        // then binds and runs it: the fault fires on that Bind.
+        assert_eq!(
+            proxy.cut_chunk_type(),
+            Some(b'B'),
+            "the fault must fire on the UPDATE's Bind"
+        );
+        if in_block {
+            assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+            // The server rolls the transaction back once the connection is
+            // gone; the key stays Processing under the lease.
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!(r.state(), State::Processing);
+            continue;
+        }
+        assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err:?}");
+        // It was applied: the caller must read the key, not retry blindly.
+        let deadline = std::time::Instant::now() + pg::proxy::HANG_GUARD;
+        loop {
+            let r = store.get(&k).expect("get").expect("record");
+            if r.state() == State::Succeeded {
+                assert_eq!(r.result(), Some(&b"applied"[..]));
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "never applied");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 }

@@ -12,9 +12,17 @@
 //!   sync API (`Postgres::apply` and the rest) sends a job to that thread
 //!   and blocks on a one-shot answer; `Postgres::apply_async` awaits the
 //!   same answer as a runtime-free future.
-//! - **Group commit over the wire.** Every connection has a worker task.
-//!   A free worker takes everything queued (up to `MAX_BATCH` requests,
-//!   never waiting for more to arrive, so a lone caller is never held back)
+//! - **A pool that follows the load** ([`pool`]). Every connection has a
+//!   worker task; a dispatcher hands the queued jobs to a free worker (the
+//!   one freed last, whose connection is warm) and starts a new worker,
+//!   whose connection opens on its first job, only while jobs are queued
+//!   and every worker is busy, up to `PgOptions::connections`. A worker
+//!   left unused for `PostgresLimits::connection_idle_timeout` ends and
+//!   closes its connection. A lone sequential caller is served by one
+//!   connection; a burst opens more, which close once it has passed.
+//! - **Group commit over the wire.** A free worker is handed everything
+//!   queued (up to `MAX_BATCH` requests, never waiting for more to
+//!   arrive, so a lone caller is never held back)
 //!   and runs it as one transaction: one multi-row read that locks the
 //!   batch's rows in key order (`SELECT … WHERE key = ANY($1) ORDER BY key
 //!   FOR UPDATE`), tokens drawn from the sequence only after the rows are
@@ -148,7 +156,9 @@ pub(crate) struct PgOptions {
     /// How long a finished record is kept for replays (ms, > 0). Default
     /// 24 hours.
     pub retention_ms: u64,
-    /// How many connections run batches concurrently (> 0). Default 16.
+    /// The most worker connections that run batches concurrently (> 0),
+    /// opened on demand and closed after
+    /// `limits.connection_idle_timeout` unused (see [`pool`]). Default 16.
     pub connections: usize,
     /// Refuse a schema that holds no store with [`Error::Missing`] instead
     /// of creating it (for tools that inspect an existing store). Default
@@ -1730,18 +1740,31 @@ fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answ
     let get = |e: tokio_postgres::Error| storage("a hot row", e);
     let fresh: bool = row.try_get(0).map_err(get)?;
     let at: i64 = row.try_get(8).map_err(get)?;
-    let n = shared.stamp(to_u64("the time", at)?);
+    let at_u = to_u64("the time", at)?;
+    let n = shared.stamp(at_u);
     let retention = shared.retention_ms;
     if fresh {
         let token: i64 = row.try_get(3).map_err(get)?;
         let t = &h.template;
         let token_u = to_u64("a token", token)?;
-        let written = hot::complete(&t.record, t.mask, n, token_u)
-            .ok_or_else(|| Fail::Storage("a hot claim's time overflows".into()))?;
+        let overflow = || Fail::Storage("a hot claim's time overflows".into());
+        let written = hot::complete(&t.record, t.mask, n, token_u).ok_or_else(overflow)?;
         let (effect, reply) = hot::confirm(h.key, None, h.op, retention, n, token_u, &written)
             .map_err(Fail::Storage)?;
-        let expires = to_i64("an expiry", written.expires_ms)?;
-        shared.hold(&h.kb, &written, hot::stored_bytes(&h.kb, t, token, expires));
+        // `held` keeps the row as the statement wrote it, at its own
+        // reading `at`: a concurrent statement of this process may have
+        // raised the high-water mark, and so `n`, above it. Kept at `n`,
+        // the hot completion's compare-and-set on the row's bytes would
+        // miss and send the completion the general way.
+        let stored_at;
+        let stored = if at_u == n {
+            &written
+        } else {
+            stored_at = hot::complete(&t.record, t.mask, at_u, token_u).ok_or_else(overflow)?;
+            &stored_at
+        };
+        let expires = to_i64("an expiry", stored.expires_ms)?;
+        shared.hold(&h.kb, stored, hot::stored_bytes(&h.kb, t, token, expires));
         // A lease that lapsed while the insert waited is never granted:
         // the general path decides the key again (a takeover then).
         let after: i64 = row.try_get(9).map_err(get)?;
@@ -2016,74 +2039,290 @@ fn answer_batch(
     }
 }
 
-/// One connection's worker: takes what is queued, runs it, answers. Every
-/// job runs under its call's deadline: one that expired in the queue is
-/// answered `Unavailable` without running; one whose deadline passes while
-/// it runs has its connection dropped and is answered `Unavailable`
-/// before its `COMMIT` was sent, `OutcomeUnknown` after.
-async fn worker(shared: Arc<Shared>, queue: Arc<tokio::sync::Mutex<UnboundedReceiver<Queued>>>) {
-    let mut conn: Option<Conn> = None;
+/// What a worker is handed: a group-committed batch of requests, or one
+/// job of another kind.
+enum Work {
+    /// Requests decided together (the hot path, then one transaction).
+    Batch {
+        /// The requests, in arrival order.
+        ops: Vec<(Key, Op)>,
+        /// Whether the hot path may take each.
+        hot_ok: Vec<bool>,
+        /// Each request's answer channel.
+        replies: Vec<oneshot::Sender<Result<Reply>>>,
+        /// Their places in the bounded queue, given back once answered.
+        permits: Vec<tokio::sync::OwnedSemaphorePermit>,
+        /// The earliest of their deadlines.
+        due: Instant,
+    },
+    /// A job run on its own.
+    One(Queued),
+}
+
+/// Takes what is queued, starting from `first`, into one piece of work:
+/// every request queued (up to [`MAX_BATCH`], never waiting for more), or
+/// one job of another kind when that comes first. A job of another kind
+/// met after some requests is kept in `held`, to be handed out next. A
+/// job whose deadline has passed is answered `Unavailable` here. `None`
+/// when every job taken had expired.
+fn take_work(
+    first: Queued,
+    queue: &mut UnboundedReceiver<Queued>,
+    held: &mut Option<Queued>,
+) -> Option<Work> {
+    let mut ops: Vec<(Key, Op)> = Vec::new();
+    let mut hot_ok = Vec::new();
+    let mut replies = Vec::new();
+    let mut permits = Vec::new();
+    let mut due: Option<Instant> = None;
+    let mut next = Some(first);
+    while let Some(queued) = next.take() {
+        let Queued {
+            job,
+            deadline,
+            permit,
+        } = queued;
+        if deadline <= Instant::now() {
+            job.fail(expired_in_queue());
+            drop(permit);
+            next = queue.try_recv().ok();
+            continue;
+        }
+        match job {
+            Job::Apply {
+                key,
+                op,
+                hot,
+                reply,
+            } => {
+                ops.push((key, op));
+                hot_ok.push(hot);
+                replies.push(reply);
+                permits.push(permit);
+                due = Some(due.map_or(deadline, |d| d.min(deadline)));
+                if ops.len() < MAX_BATCH {
+                    next = queue.try_recv().ok();
+                }
+            }
+            job => {
+                let queued = Queued {
+                    job,
+                    deadline,
+                    permit,
+                };
+                if ops.is_empty() {
+                    return Some(Work::One(queued));
+                }
+                *held = Some(queued);
+            }
+        }
+    }
+    due.map(|due| Work::Batch {
+        ops,
+        hot_ok,
+        replies,
+        permits,
+        due,
+    })
+}
+
+/// A worker the pool runs: its task and where its work is sent.
+struct Worker {
+    /// Where its work is sent; dropping it ends the worker (and closes its
+    /// connection) once its work in hand is done.
+    work: UnboundedSender<Work>,
+    /// Its task, to tell an unexpected end apart from a retirement.
+    task: tokio::task::Id,
+}
+
+/// What the pool's dispatcher waits for.
+enum PoolEvent {
+    /// The worker in this slot finished its work and is free.
+    Free(usize),
+    /// The next job (`None`: the queue is closed and empty).
+    Job(Option<Queued>),
+    /// The worker free the longest has been so for `connection_idle_timeout`.
+    Retire,
+    /// A worker's task ended.
+    Ended(tokio::task::Id),
+}
+
+/// The worker pool: sizes itself to the load, between no worker and
+/// `max`, each worker with at most one connection.
+///
+/// One dispatcher (this task) takes the jobs from the queue only when it
+/// has a worker for them: the free worker that finished last (its
+/// connection warm), or else a new one while fewer than `max` run. With
+/// every worker busy and `max` running, jobs stay queued, and the next
+/// worker to finish takes everything queued as one batch. A worker free
+/// for `PostgresLimits::connection_idle_timeout` is ended, which closes its
+/// connection; so a lone sequential caller is served by one connection,
+/// and a burst opens up to `max`, which shrink back once it passes.
+///
+/// Returns once the queue is closed (the engine dropped) and every worker
+/// has finished its work in hand.
+async fn pool(shared: Arc<Shared>, mut queue: UnboundedReceiver<Queued>, max: usize) {
+    let idle_timeout = shared.limits.connection_idle_timeout;
+    let mut tasks = tokio::task::JoinSet::new();
+    let (free_tx, mut free_rx) = unbounded_channel::<usize>();
+    let mut slots: Vec<Option<Worker>> = Vec::new();
+    // Free workers (slot, since when), the most recently freed last.
+    let mut free: Vec<(usize, Instant)> = Vec::new();
+    let mut running: usize = 0;
     let mut held: Option<Queued> = None;
     loop {
-        let mut batch: Vec<(Key, Op)> = Vec::new();
-        let mut hot_ok: Vec<bool> = Vec::new();
-        let mut replies = Vec::new();
-        let mut permits = Vec::new();
-        let mut deadline: Option<Instant> = None;
-        let mut other = held.take();
-        if other.is_none() {
-            let mut q = queue.lock().await;
-            let Some(first) = q.recv().await else { return };
-            let mut next = Some(first);
-            while let Some(queued) = next.take() {
-                let Queued {
-                    job,
-                    deadline: due,
-                    permit,
-                } = queued;
-                if due <= Instant::now() {
-                    job.fail(expired_in_queue());
-                    drop(permit);
-                    next = q.try_recv().ok();
-                    continue;
+        let can_take = !free.is_empty() || running < max;
+        let retire_at = free
+            .first()
+            .and_then(|(_, since)| since.checked_add(idle_timeout));
+        let event: PoolEvent = {
+            let next_job = async {
+                match held.take() {
+                    Some(queued) => Some(queued),
+                    None => queue.recv().await,
                 }
-                match job {
-                    Job::Apply {
-                        key,
-                        op,
-                        hot,
-                        reply,
-                    } => {
-                        batch.push((key, op));
-                        hot_ok.push(hot);
-                        replies.push(reply);
-                        permits.push(permit);
-                        deadline = Some(deadline.map_or(due, |d| d.min(due)));
-                        if batch.len() < MAX_BATCH {
-                            next = q.try_recv().ok();
-                        }
+            };
+            let retire = async {
+                match retire_at {
+                    Some(at) => tokio::time::sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                biased;
+                Some(slot) = free_rx.recv() => PoolEvent::Free(slot),
+                Some(Err(e)) = tasks.join_next_with_id(), if !tasks.is_empty() => {
+                    PoolEvent::Ended(e.id())
+                }
+                job = next_job, if can_take => PoolEvent::Job(job),
+                () = retire, if retire_at.is_some() => PoolEvent::Retire,
+            }
+        };
+        match event {
+            PoolEvent::Free(slot) => {
+                if slots.get(slot).is_some_and(Option::is_some) {
+                    free.push((slot, Instant::now()));
+                }
+            }
+            PoolEvent::Retire => {
+                if !free.is_empty() {
+                    let (slot, _) = free.remove(0);
+                    if let Some(s) = slots.get_mut(slot) {
+                        *s = None;
+                        running = running.saturating_sub(1);
                     }
-                    job => {
-                        let queued = Queued {
-                            job,
-                            deadline: due,
-                            permit,
-                        };
-                        if batch.is_empty() {
-                            other = Some(queued);
-                        } else {
-                            held = Some(queued);
+                }
+            }
+            PoolEvent::Ended(task) => {
+                // A worker ends on its own only if it panicked: its slot
+                // is freed so that another can be opened in its place.
+                if let Some(slot) = slots
+                    .iter()
+                    .position(|s| s.as_ref().is_some_and(|s| s.task == task))
+                {
+                    slots[slot] = None;
+                    free.retain(|(s, _)| *s != slot);
+                    running = running.saturating_sub(1);
+                }
+            }
+            PoolEvent::Job(None) => break,
+            PoolEvent::Job(Some(first)) => {
+                let Some(mut work) = take_work(first, &mut queue, &mut held) else {
+                    continue;
+                };
+                // A free worker, the most recently freed first; else a new
+                // one (room for it was checked before taking the job).
+                loop {
+                    let Some(slot) = free.pop().map(|(slot, _)| slot).or_else(|| {
+                        (running < max).then(|| {
+                            let (tx, rx) = unbounded_channel();
+                            let at = slots.iter().position(Option::is_none);
+                            let slot = at.unwrap_or(slots.len());
+                            let handle =
+                                tasks.spawn(worker(Arc::clone(&shared), slot, rx, free_tx.clone()));
+                            let new = Some(Worker {
+                                work: tx,
+                                task: handle.id(),
+                            });
+                            match at {
+                                Some(i) => slots[i] = new,
+                                None => slots.push(new),
+                            }
+                            running = running.saturating_add(1);
+                            slot
+                        })
+                    }) else {
+                        // Unreachable while `can_take` holds; answered
+                        // rather than lost.
+                        fail_work(work, || Error::Unavailable {
+                            detail: "no worker of the PostgreSQL engine could take the call".into(),
+                        });
+                        break;
+                    };
+                    let Some(s) = slots.get(slot).and_then(Option::as_ref) else {
+                        continue;
+                    };
+                    match s.work.send(work) {
+                        Ok(()) => break,
+                        // The worker is gone (its end not yet seen): its
+                        // slot is freed and the work handed to another.
+                        Err(back) => {
+                            work = back.0;
+                            slots[slot] = None;
+                            running = running.saturating_sub(1);
                         }
                     }
                 }
             }
         }
-        if let Some(due) = deadline {
-            run_apply(&shared, &mut conn, due, (batch, hot_ok), replies).await;
-            drop(permits);
+    }
+    // Closing: the free workers end at once, the busy ones after their
+    // work in hand.
+    drop(slots);
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Answers every call of `work` with the error `error` makes.
+fn fail_work(work: Work, error: impl Fn() -> Error) {
+    match work {
+        Work::Batch { replies, .. } => {
+            for tx in replies {
+                let _ = tx.send(Err(error()));
+            }
         }
-        if let Some(queued) = other {
-            run_job(&shared, &mut conn, queued).await;
+        Work::One(queued) => queued.job.fail(error()),
+    }
+}
+
+/// One worker of the [`pool`]: runs the work it is handed on its
+/// connection (opened on first use, and again after a failure) and says
+/// when it is free. Every job runs under its call's deadline: one whose
+/// deadline passes while it runs has its connection dropped and is
+/// answered `Unavailable` before its `COMMIT` was sent, `OutcomeUnknown`
+/// after. Ends, closing its connection, when the pool drops its sender.
+async fn worker(
+    shared: Arc<Shared>,
+    slot: usize,
+    mut work: UnboundedReceiver<Work>,
+    free: UnboundedSender<usize>,
+) {
+    let mut conn: Option<Conn> = None;
+    while let Some(w) = work.recv().await {
+        match w {
+            Work::Batch {
+                ops,
+                hot_ok,
+                replies,
+                permits,
+                due,
+            } => {
+                run_apply(&shared, &mut conn, due, (ops, hot_ok), replies).await;
+                drop(permits);
+            }
+            Work::One(queued) => run_job(&shared, &mut conn, queued).await,
+        }
+        if free.send(slot).is_err() {
+            return;
         }
     }
 }
@@ -2346,20 +2585,11 @@ impl Postgres {
             held: parking_lot::Mutex::new(HashMap::new()),
         });
         let (jobs, queue) = unbounded_channel();
-        let queue = Arc::new(tokio::sync::Mutex::new(queue));
-        let workers = options.connections;
+        let max = options.connections;
         let driver_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("idemstore-postgres".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let mut set = tokio::task::JoinSet::new();
-                    for _ in 0..workers {
-                        set.spawn(worker(Arc::clone(&driver_shared), Arc::clone(&queue)));
-                    }
-                    while set.join_next().await.is_some() {}
-                });
-            })
+            .spawn(move || runtime.block_on(pool(driver_shared, queue, max)))
             .map_err(Error::storage)?;
         let mut pg = Postgres {
             shared: Arc::clone(&shared),

@@ -117,6 +117,60 @@ fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
     })
 }
 
+/// What the engine keeps of a hot claim for its holder's completion
+/// (`Shared::held`) is the row as the claim's statement wrote it, byte for
+/// byte, also when statements running at the same time on the engine's
+/// other connections raised the store's time above that statement's own
+/// reading (so that the holder's completion, a compare-and-set on those
+/// bytes, lands in one statement instead of going the general way).
+#[test]
+fn held_records_are_their_rows_under_concurrent_claims() {
+    if skipped() {
+        return;
+    }
+    let name = schema("held_rows");
+    // The server's clock: each statement reads its own time.
+    let pg = Arc::new(open_with(&name, None));
+    let (threads, each) = (16, 25);
+    let callers: Vec<_> = (0..threads)
+        .map(|t| {
+            let pg = Arc::clone(&pg);
+            std::thread::spawn(move || {
+                for i in 0..each {
+                    acquired(
+                        pg.apply(&key(&format!("held-{t}-{i}")), claim(b"a"))
+                            .unwrap(),
+                    );
+                }
+            })
+        })
+        .collect();
+    for caller in callers {
+        caller.join().unwrap();
+    }
+    let held = pg.shared.held.lock().clone();
+    let rows = raw_sql(&format!("SELECT key, record FROM \"{name}\".records"));
+    assert_eq!(rows.len(), threads * each);
+    let mut differ = Vec::new();
+    for row in &rows {
+        let kb: Vec<u8> = row.get(0);
+        let stored: Vec<u8> = row.get(1);
+        let h = held
+            .get(&kb)
+            .unwrap_or_else(|| panic!("no held record for {kb:?}"));
+        if h.stored != stored {
+            differ.push(String::from_utf8_lossy(&kb).into_owned());
+        }
+    }
+    assert!(
+        differ.is_empty(),
+        "{} of {} held records differ from their rows, among them {:?}",
+        differ.len(),
+        rows.len(),
+        &differ[..differ.len().min(5)]
+    );
+}
+
 #[test]
 fn claim_complete_replay_and_fingerprints() {
     if skipped() {
