@@ -26,16 +26,19 @@ pub struct Compaction {
 /// store's time to the clock's; the background sweeper and scrub are
 /// turned off), replaying its write-ahead log and migrating an older
 /// format, writes a checkpoint and closes it cleanly, then has redb move every page in use to the front of
-/// the file and truncate the rest. Records, tokens and metadata are
+/// the file and truncate the rest, once redb's integrity check of every
+/// page found them sound (compaction rewrites pages with fresh checksums,
+/// so it must not copy a damaged one). Records, tokens and metadata are
 /// unchanged; only the file shrinks.
 ///
 /// Why: under churn (fresh keys, eviction after retention) the index file
 /// grows to a plateau and keeps it; freed pages are reused but never given
 /// back (`docs/operations.md`, "Sizing a file store", has the figures).
 /// Run it in a maintenance window, or after a burst: the store must not be
-/// open anywhere meanwhile. Its time grows with the file's size (it reads
-/// and rewrites the pages in use), its memory is bounded by 64 MiB of page
-/// cache. A crash during it leaves a file that redb repairs at the next
+/// open anywhere meanwhile. Its time grows with the file's size (it checks
+/// every page, then reads and rewrites the pages in use); its memory is
+/// what `config`'s caches allow while the store is open, then 64 MiB of
+/// page cache. A crash during it leaves a file that redb repairs at the next
 /// open (a walk of the whole file); nothing is lost. The online
 /// alternative is an export into a new store (`docs/operations.md`).
 ///
@@ -45,7 +48,10 @@ pub struct Compaction {
 ///   running service) holds the file.
 /// - [`Error::Poisoned`](crate::Error::Poisoned): the online scrub marked
 ///   the store damaged (`<path>-damaged`): run `idemstore check` and
-///   restore instead; nothing is compacted.
+///   restore instead; nothing is written.
+/// - [`Error::CorruptFile`](crate::Error::CorruptFile): redb's check found
+///   damaged pages (repaired or not); nothing is compacted: run
+///   `idemstore check`.
 /// - [`Error::IncompatibleFile`](crate::Error::IncompatibleFile),
 ///   [`Error::CorruptFile`](crate::Error::CorruptFile),
 ///   [`Error::CorruptLog`](crate::Error::CorruptLog),
@@ -55,6 +61,11 @@ pub struct Compaction {
 pub fn compact_file(path: impl AsRef<Path>, config: Config) -> Result<Compaction> {
     let path = path.as_ref();
     crate::embedded::check_existing(path)?;
+    // Refused before anything is written: the open would migrate and
+    // checkpoint a store the scrub marked damaged.
+    if crate::embedded::scrub::is_marked(&crate::embedded::scrub::marker_of_store(path)) {
+        return Err(crate::error::Error::Poisoned);
+    }
     let config = config.sweep_interval(None).scrub_rate(None);
     let size = |path: &Path| {
         std::fs::metadata(path)

@@ -389,16 +389,16 @@ impl Config {
 
     /// How often the background sweeper evicts expired records; `None`
     /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself).
-    /// The first sweep runs a second after open, and after a sweep that
-    /// evicted records the next one runs a second later (when the interval
-    /// is longer), so that under steady churn what awaits eviction stays
-    /// near one second of arrivals; a sweep that found nothing due waits
-    /// the whole interval again. The sweeper stops
-    /// when the store is dropped, or when the store refuses writes. Its
-    /// thread also runs the online scrub ([`Config::scrub_rate`]): with
-    /// the scrub on it ticks at least every second, so a sweep runs at the
-    /// first tick after its interval has passed (an interval of 1.5 s sweeps
-    /// every 2 s), and waits for a scrub step in progress.
+    /// The sweeper's thread ticks at least every second. The first sweep
+    /// runs at the first tick after open, and after a sweep that evicted
+    /// records the next one runs at the next tick, so that under steady
+    /// churn what awaits eviction stays near one second of arrivals; after
+    /// a sweep that found nothing due (or failed) the next waits for the
+    /// first tick after the interval has passed (an interval of 1.5 s then
+    /// sweeps every 2 s). The sweeper stops when the store is dropped, or
+    /// when the store refuses writes. Its thread also runs the online
+    /// scrub ([`Config::scrub_rate`]), and a sweep waits for a scrub step
+    /// in progress.
     pub fn sweep_interval(mut self, interval: Option<Duration>) -> Config {
         self.sweep_interval = interval;
         self

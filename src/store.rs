@@ -884,7 +884,7 @@ impl Store {
     /// records in flight (the expiry index holds them in a range of their
     /// own): its work grows with the records in flight and, by a few
     /// bytes each, the entries awaiting eviction, never with the store's
-    /// size (measured by `examples/soak.rs`, 16 threads: at most 130 ms
+    /// size (measured by `examples/soak.rs`, 16 threads: at most 184 ms
     /// with 400,000 awaiting eviction, on a loaded 2-core machine; the
     /// background sweeper keeps that backlog near one second of arrivals
     /// once it has caught up). It first asks the writer to commit its open

@@ -49,8 +49,9 @@ pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 /// followed by a pause as long as it took, until none is due) and,
 /// on the embedded engine, a scrub step of `scrub_rate` records every
 /// second (at most; a slow step delays the next), until the store refuses
-/// writes. Failures are logged (warn) and retried at the next tick. The
-/// thread ticks at the shortest of the periods (at most every second).
+/// writes. Failures are logged (warn); a failed scrub step is retried at
+/// the next tick, a failed sweep after the interval. The thread ticks at
+/// the shortest of the periods (at least every second).
 pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Sweeper>> {
     let batch = config.sweep_batch;
     let sweep_every = config.sweep_interval;

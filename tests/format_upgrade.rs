@@ -146,7 +146,8 @@ fn a_crashed_store_written_by_format_2_is_recovered_with_nothing_lost() {
 }
 
 /// A migrated store has no entry left under its old format's slot (which
-/// format 3 would read as long due): nothing is due at first; past
+/// format 3 would read as long due), a leftover without a record included:
+/// nothing is due at first; past
 /// retention, every record awaits eviction, counted by the state its new
 /// slot names, and a sweep evicts them all.
 #[test]
@@ -154,6 +155,20 @@ fn a_migrated_store_counts_and_evicts_by_its_new_slots() {
     for name in ["v1-clean.redb", "v2-crashed.redb"] {
         let dir = TestDir::new();
         let path = copy_fixture(dir.dir.path(), name);
+        // A leftover entry without a record, under a slot of the old
+        // format (an hour after the fixtures' time): the migration must
+        // not keep it, format 3 would read it as long due.
+        {
+            let expiry: redb::TableDefinition<(u64, &[u8]), ()> =
+                redb::TableDefinition::new("expiry");
+            let db = redb::Database::open(&path).expect("redb");
+            let txn = db.begin_write().expect("write");
+            txn.open_table(expiry)
+                .expect("expiry")
+                .insert((T0_MS + 3_600_000, &b"\x07fixtureghost"[..]), ())
+                .expect("insert");
+            txn.commit().expect("commit");
+        }
         let clock = ManualClock::new(T0_MS + 60_000);
         let store = Store::open_with(&path, config(&clock)).expect("open");
         let records = store.stats().expect("stats").records;

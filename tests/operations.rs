@@ -910,8 +910,9 @@ fn sweeps_of(path: &Path) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// A sweep reads the expiry index entries that are due and one more per
-/// range (finished records, records in flight), never the rest: the same
+/// A sweep reads the expiry index entries that are due (up to its limit,
+/// and the rest of that limit's millisecond) and one more per range
+/// (finished records, records in flight), never the rest: the same
 /// count on a store of 20 records as on one of 5,000 (DESIGN.md, retention;
 /// the performance issue's "a sweep whose work grows with the entries that
 /// are due").
@@ -940,7 +941,8 @@ fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
         }
         // Past the first records' retention (60 s), before the others'.
         clock.advance(secs(55));
-        // A sweep stopped by its limit reads one entry past it.
+        // A sweep stopped by its limit reads on to the end of that
+        // millisecond's entries (the 7 share one), and one past them.
         assert_eq!(store.sweep(3).unwrap(), 3);
         assert_eq!(store.sweep(usize::MAX).unwrap(), 4);
         // And a sweep with nothing due reads one entry per range.
@@ -949,7 +951,7 @@ fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
         let sweeps = sweeps_of(&path);
         assert_eq!(
             sweeps,
-            vec![(3 + 1 + 1, 3), (4 + 2, 4), (2, 0)],
+            vec![(7 + 1 + 1, 3), (4 + 2, 4), (2, 0)],
             "store of {size} records"
         );
         seen.push(sweeps);
@@ -1042,7 +1044,8 @@ fn sweep_due_evicts_everything_due_in_bounded_slices() {
 /// `compact_file` gives back to the file system the pages churn and
 /// eviction freed: the file shrinks, every live record (and its lease's
 /// token) is still there, the store verifies clean and goes on. A store
-/// held open is refused (and left as it was), as is a missing file.
+/// held open is refused (and left as it was), as are a store the scrub
+/// marked damaged (not written to) and a missing file.
 #[test]
 fn compaction_gives_back_freed_space_and_keeps_every_record() {
     let dir = tempfile::tempdir().unwrap();
@@ -1114,6 +1117,21 @@ fn compaction_gives_back_freed_space_and_keeps_every_record() {
     // The lease taken before compaction still completes its record.
     store.complete(&held, b"done").unwrap();
     drop(store);
+    // A store the online scrub marked damaged is refused before anything
+    // is written to it.
+    let marker = {
+        let mut name = std::fs::canonicalize(&path).unwrap().into_os_string();
+        name.push("-damaged");
+        std::path::PathBuf::from(name)
+    };
+    std::fs::write(&marker, b"damaged").unwrap();
+    let untouched = std::fs::read(&path).unwrap();
+    assert!(matches!(
+        idemstore::compact_file(&path, config(&clock)),
+        Err(Error::Poisoned)
+    ));
+    assert!(std::fs::read(&path).unwrap() == untouched);
+    std::fs::remove_file(&marker).unwrap();
     assert!(matches!(
         idemstore::compact_file(dir.path().join("absent.redb"), config(&clock)),
         Err(Error::Missing { .. })

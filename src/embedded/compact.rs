@@ -7,7 +7,7 @@ use std::path::Path;
 use redb::Database;
 
 use super::schema::{guard, map_err, open_error};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// redb's page cache while compacting (bytes): the store's default
 /// `cache_bytes`, so that the memory does not grow with the file.
@@ -22,12 +22,13 @@ const MAX_PASSES: u32 = 4;
 /// Compacts the redb file at `path`, which no store may hold open (redb
 /// locks the file) and whose store was closed cleanly (the caller opens
 /// and closes it first, so that the log holds nothing the index needs).
-/// Returns how many passes moved pages.
+/// First runs redb's integrity check of every page, and compacts only a
+/// file it found sound. Returns how many passes moved pages.
 ///
 /// # Errors
 /// [`Error::AlreadyOpen`](crate::Error::AlreadyOpen) when a process holds
 /// the file; [`Error::CorruptFile`](crate::Error::CorruptFile) when redb
-/// finds the file damaged; [`Error::Storage`](crate::Error::Storage) when it
+/// finds damaged pages (repaired or not: nothing is compacted); [`Error::Storage`](crate::Error::Storage) when it
 /// cannot be read or written.
 pub(crate) fn compact(path: &Path) -> Result<u32> {
     guard(path, || {
@@ -35,6 +36,23 @@ pub(crate) fn compact(path: &Path) -> Result<u32> {
             .set_cache_size(COMPACT_CACHE_BYTES)
             .open(path)
             .map_err(|e| open_error(path, e))?;
+        // Never copy a damaged page under a fresh checksum.
+        match db.check_integrity() {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Error::CorruptFile {
+                    path: path.to_path_buf(),
+                    detail: "redb repaired damaged pages: not compacted; run idemstore check"
+                        .into(),
+                });
+            }
+            Err(e) => {
+                return Err(Error::CorruptFile {
+                    path: path.to_path_buf(),
+                    detail: format!("damaged pages, not compacted: {e}"),
+                });
+            }
+        }
         let mut passes = 0;
         while passes < MAX_PASSES && db.compact().map_err(|e| map_err(path, e))? {
             passes += 1;

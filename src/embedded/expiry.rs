@@ -56,7 +56,10 @@ pub(crate) fn evict(
     let mut evicted = 0;
     let mut handled = 0;
     for (deadline, key) in due {
-        if budget.is_some_and(|b| started.elapsed() >= b) {
+        // At least one entry per step, so that a step whose read of the
+        // due entries alone used up the budget (it first applies the
+        // writer's buffered changes) still makes progress.
+        if handled > 0 && budget.is_some_and(|b| started.elapsed() >= b) {
             break;
         }
         handled += 1;

@@ -744,8 +744,11 @@ impl Snapshot {
     /// eviction (a few bytes each, read in order), never with the store's
     /// size; memory is constant. `corrupt` counts envelopes whose state
     /// cannot be read; a damaged record that still names its state is
-    /// counted in it (`verify` finds every damaged record, and every index
-    /// entry that disagrees with its record).
+    /// counted in it (`verify` finds every damaged record, and every record
+    /// without its entry). The due entries are trusted as the index holds
+    /// them: a leftover entry without its record (only damage leaves one;
+    /// a migration rebuilds the index) counts as awaiting eviction until a
+    /// sweep removes it.
     ///
     /// # Errors
     /// [`Error::CorruptFile`] when the counts are missing (every open
@@ -798,10 +801,14 @@ impl Snapshot {
                         continue;
                     };
                     // A damaged record is counted in its state; `verify`
-                    // names it.
+                    // names it. An entry its record does not name is a
+                    // leftover, not work in flight.
                     let Ok(record) = codec::decode_record(kb, v.value()) else {
                         continue;
                     };
+                    if schema::expiry_slot(record.state, record.expires_ms) != slot {
+                        continue;
+                    }
                     if !record.lease_valid_at(now_ms) {
                         counts.lapsed = counts.lapsed.saturating_add(1);
                     }

@@ -49,7 +49,8 @@ const MAX_SLOT_EXPIRY: u64 = (IN_FLIGHT_TAG >> STATE_BITS) - 1;
 /// Entries sort by (in flight, expiry, state, key): finished records first,
 /// by expiry, then those in flight. The state lets `stats` count the due
 /// entries by state from the index alone, without reading their records.
-/// An expiry beyond [`MAX_SLOT_EXPIRY`] is held at it.
+/// An expiry beyond [`MAX_SLOT_EXPIRY`] is held at it (so such a record
+/// is evicted then, 73 million years out).
 pub(crate) fn expiry_slot(state: crate::record::State, expires_ms: u64) -> u64 {
     use crate::record::State;
     let (tag, code) = match state {
@@ -76,16 +77,6 @@ pub(crate) fn slot_state(slot: u64) -> usize {
     }
 }
 
-/// The slot format 2 gave a record's expiry entry (`2^63 | expiry` in
-/// flight, the expiry otherwise), for the migration to format 3.
-fn slot_v2(state: crate::record::State, expires_ms: u64) -> u64 {
-    let deadline = expires_ms.min(IN_FLIGHT_TAG - 1);
-    if state == crate::record::State::Processing {
-        deadline | IN_FLIGHT_TAG
-    } else {
-        deadline
-    }
-}
 /// Metadata: name → little-endian value bytes.
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
@@ -546,12 +537,14 @@ fn stored_format(
 /// the store answers anything, so a crash before it leaves a store of the
 /// old format that the next open migrates.
 ///
-/// Format 1 or 2 → 3: one pass over the records counts them by state
-/// ([`META_STATE_COUNTS`]) and moves each record's expiry entry from the
-/// slot its format gave it (format 1: the expiry; format 2: [`slot_v2`])
-/// to [`expiry_slot`] (time linear in the records, once; memory bounded by
-/// one record). No record is changed or lost; a record that does not
-/// decode keeps its entry (`check` reports both).
+/// Format 1 or 2 → 3: the expiry index is rebuilt from the records. One
+/// pass empties it (entries of the old format, leftovers without a record
+/// included), one pass over the records counts them by state
+/// ([`META_STATE_COUNTS`]) and inserts each decodable record's entry under
+/// [`expiry_slot`] (time linear in the records and entries, once; memory
+/// bounded by one record). No record is changed or lost; a record that
+/// does not decode gets no entry (`verify` names it as damaged, and as
+/// without an entry).
 pub(crate) fn migrate(path: &Path, db: &Database, from: u64) -> Result<()> {
     guard(path, || {
         let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
@@ -573,6 +566,9 @@ pub(crate) fn migrate(path: &Path, db: &Database, from: u64) -> Result<()> {
 fn migrate_in(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
     let records = txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
     let mut expiry = txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
+    // Every old entry goes: a slot of format 1 or 2 read as format 3 would
+    // name a wrong expiry and state.
+    expiry.retain(|_, _| false).map_err(|e| map_err(path, e))?;
     let mut tally = Tally::default();
     for entry in records.iter().map_err(|e| map_err(path, e))? {
         let (k, v) = entry.map_err(|e| map_err(path, e))?;
@@ -580,20 +576,12 @@ fn migrate_in(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
         let Ok(record) = codec::decode_record(k.value(), v.value()) else {
             continue;
         };
-        let old = match from {
-            1 => record.expires_ms,
-            _ => slot_v2(record.state, record.expires_ms),
-        };
-        if expiry
-            .remove((old, k.value()))
-            .map_err(|e| map_err(path, e))?
-            .is_some()
-        {
-            let new = expiry_slot(record.state, record.expires_ms);
-            expiry
-                .insert((new, k.value()), ())
-                .map_err(|e| map_err(path, e))?;
-        }
+        expiry
+            .insert(
+                (expiry_slot(record.state, record.expires_ms), k.value()),
+                (),
+            )
+            .map_err(|e| map_err(path, e))?;
     }
     tracing::info!(
         path = %path.display(),
@@ -806,6 +794,11 @@ pub(crate) fn write_checkpoint(path: &Path, txn: &WriteTransaction, ck: Checkpoi
 
 /// An expiry index entry as stored: the (tagged) deadline and the key.
 pub(crate) type ExpiryEntry = (u64, Vec<u8>);
+
+/// How many entries past its `max` a sweep step reads to finish the
+/// millisecond of its last one (see [`Tables::expiry_due`]), so that a
+/// step's reads stay bounded when many records share one expiry.
+const SAME_MS_EXTRA: usize = 1024;
 
 /// A table of a write transaction, opened in it at its first use.
 struct LazyTable<'t, K: redb::Key + 'static, V: redb::Value + 'static> {
@@ -1096,10 +1089,12 @@ impl<'t> Tables<'t> {
     /// Up to `max` expiry index entries whose expiry is due at `now_ms`,
     /// earliest first (by expiry, then key) across finished records and
     /// records in flight (their tagged range, [`IN_FLIGHT_TAG`]); each
-    /// entry as stored (tagged deadline, key), and how many entries were
-    /// read from redb. Reads at most `max` + 1 entries of each range (the
-    /// due ones, and the first that is not or the one past `max`), never
-    /// the rest. Applies the buffered changes first.
+    /// entry as stored (slot, key), and how many entries were read from
+    /// redb. Reads of each range the due entries up to `max`, those that
+    /// share the millisecond of the `max`-th (a slot orders by state before
+    /// key within one; at most [`SAME_MS_EXTRA`] more, past which the order
+    /// within that millisecond is the slots'), and the first past them;
+    /// never the rest. Applies the buffered changes first.
     pub(crate) fn expiry_due(
         &mut self,
         now_ms: u64,
@@ -1117,12 +1112,22 @@ impl<'t> Tables<'t> {
                 // Counted as soon as redb has read it, even when `max`
                 // then stops the walk.
                 visited = visited.saturating_add(1);
-                if out.len() >= max {
-                    break;
-                }
                 let (k, _) = entry.map_err(|e| map_err(path, e))?;
                 let (deadline, key) = k.value();
-                if !is_due(slot_expiry(deadline), now_ms) {
+                let expiry = slot_expiry(deadline);
+                // Past `max`, the rest of the last expiry's millisecond
+                // still (up to `SAME_MS_EXTRA` entries): within one, entries
+                // sort by state before key, and the merge below cuts by
+                // (expiry, key).
+                if out.len() >= max
+                    && (out.len() >= max.saturating_add(SAME_MS_EXTRA)
+                        || out
+                            .last()
+                            .is_none_or(|(d, _): &ExpiryEntry| slot_expiry(*d) != expiry))
+                {
+                    break;
+                }
+                if !is_due(expiry, now_ms) {
                     break;
                 }
                 out.push((deadline, key.to_vec()));

@@ -1747,31 +1747,26 @@ fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answ
         let token: i64 = row.try_get(3).map_err(get)?;
         let t = &h.template;
         let token_u = to_u64("a token", token)?;
+        // The answer is the row exactly as the statement wrote it, at its
+        // own reading `at`, and so is what `held` keeps for the holder's
+        // completion. A concurrent statement of this process may have
+        // raised the high-water mark (`n`) above `at`: answered at `n`,
+        // the caller would hold a lease up to `n - at` ms longer than the
+        // row's, which another replica reads, and the hot completion's
+        // compare-and-set on the row's bytes would miss.
         let overflow = || Fail::Storage("a hot claim's time overflows".into());
-        let written = hot::complete(&t.record, t.mask, n, token_u).ok_or_else(overflow)?;
-        let (effect, reply) = hot::confirm(h.key, None, h.op, retention, n, token_u, &written)
+        let written = hot::complete(&t.record, t.mask, at_u, token_u).ok_or_else(overflow)?;
+        let (effect, reply) = hot::confirm(h.key, None, h.op, retention, at_u, token_u, &written)
             .map_err(Fail::Storage)?;
-        // `held` keeps the row as the statement wrote it, at its own
-        // reading `at`: a concurrent statement of this process may have
-        // raised the high-water mark, and so `n`, above it. Kept at `n`,
-        // the hot completion's compare-and-set on the row's bytes would
-        // miss and send the completion the general way.
-        let stored_at;
-        let stored = if at_u == n {
-            &written
-        } else {
-            stored_at = hot::complete(&t.record, t.mask, at_u, token_u).ok_or_else(overflow)?;
-            &stored_at
-        };
-        let expires = to_i64("an expiry", stored.expires_ms)?;
-        shared.hold(&h.kb, stored, hot::stored_bytes(&h.kb, t, token, expires));
+        let expires = to_i64("an expiry", written.expires_ms)?;
+        shared.hold(&h.kb, &written, hot::stored_bytes(&h.kb, t, token, expires));
         // A lease that lapsed while the insert waited is never granted:
         // the general path decides the key again (a takeover then).
         let after: i64 = row.try_get(9).map_err(get)?;
         if shared.stamp(to_u64("the time", after)?) >= written.lease_until_ms {
             return Ok(None);
         }
-        let events: Vec<Event> = Event::of_transition(h.key, None, h.op, &effect, &reply, n)
+        let events: Vec<Event> = Event::of_transition(h.key, None, h.op, &effect, &reply, at_u)
             .into_iter()
             .collect();
         return Ok(Some((Ok(reply), events)));

@@ -122,7 +122,8 @@ fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
 /// byte, also when statements running at the same time on the engine's
 /// other connections raised the store's time above that statement's own
 /// reading (so that the holder's completion, a compare-and-set on those
-/// bytes, lands in one statement instead of going the general way).
+/// bytes, lands in one statement instead of going the general way); and
+/// the lease answered to the caller ends when the row's does, never later.
 #[test]
 fn held_records_are_their_rows_under_concurrent_claims() {
     if skipped() {
@@ -136,30 +137,44 @@ fn held_records_are_their_rows_under_concurrent_claims() {
         .map(|t| {
             let pg = Arc::clone(&pg);
             std::thread::spawn(move || {
-                for i in 0..each {
-                    acquired(
-                        pg.apply(&key(&format!("held-{t}-{i}")), claim(b"a"))
-                            .unwrap(),
-                    );
-                }
+                (0..each)
+                    .map(|i| {
+                        let id = format!("held-{t}-{i}");
+                        let lease = acquired(pg.apply(&key(&id), claim(b"a")).unwrap());
+                        (id, lease.lease_until_ms().expect("an acquired lease"))
+                    })
+                    .collect::<Vec<_>>()
             })
         })
         .collect();
-    for caller in callers {
-        caller.join().unwrap();
-    }
+    let answered: std::collections::BTreeMap<String, u64> = callers
+        .into_iter()
+        .flat_map(|caller| caller.join().unwrap())
+        .collect();
     let held = pg.shared.held.lock().clone();
-    let rows = raw_sql(&format!("SELECT key, record FROM \"{name}\".records"));
+    let rows = raw_sql(&format!(
+        "SELECT key, record, lease_until_ms FROM \"{name}\".records"
+    ));
     assert_eq!(rows.len(), threads * each);
     let mut differ = Vec::new();
+    let mut longer = Vec::new();
     for row in &rows {
         let kb: Vec<u8> = row.get(0);
         let stored: Vec<u8> = row.get(1);
+        let lease_until: i64 = row.get(2);
         let h = held
             .get(&kb)
             .unwrap_or_else(|| panic!("no held record for {kb:?}"));
         if h.stored != stored {
             differ.push(String::from_utf8_lossy(&kb).into_owned());
+        }
+        // The lease answered is the row's, never longer.
+        let id = answered
+            .keys()
+            .find(|id| kb.ends_with(id.as_bytes()))
+            .unwrap_or_else(|| panic!("no answer for {kb:?}"));
+        if i64::try_from(answered[id]).ok() != Some(lease_until) {
+            longer.push((id.clone(), answered[id], lease_until));
         }
     }
     assert!(
@@ -168,6 +183,13 @@ fn held_records_are_their_rows_under_concurrent_claims() {
         differ.len(),
         rows.len(),
         &differ[..differ.len().min(5)]
+    );
+    assert!(
+        longer.is_empty(),
+        "{} of {} answered leases differ from their rows' (id, answered, row): {:?}",
+        longer.len(),
+        rows.len(),
+        &longer[..longer.len().min(5)]
     );
 }
 
