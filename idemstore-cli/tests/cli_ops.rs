@@ -557,25 +557,29 @@ fn resolve_finishes_a_record_fenced_by_its_token() {
     );
 }
 
+/// Writes `n` records finished an hour ago with `result`, in a store whose
+/// retention is 60 s: all of them past retention, none evicted.
+fn write_expired(path: &Path, n: usize, result: &[u8]) {
+    let clock = ManualClock::new(SystemClock.now_ms() - 3_600_000);
+    let store = Store::open_with(
+        path,
+        Config::new()
+            .clock(clock)
+            .retention(Duration::from_secs(60))
+            .sweep_interval(None),
+    )
+    .unwrap();
+    for i in 0..n {
+        let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
+        store.complete(&l, result).unwrap();
+    }
+}
+
 #[test]
 fn sweep_evicts_records_past_retention() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.redb");
-    {
-        let clock = ManualClock::new(SystemClock.now_ms() - 3_600_000);
-        let store = Store::open_with(
-            &path,
-            Config::new()
-                .clock(clock)
-                .retention(Duration::from_secs(60))
-                .sweep_interval(None),
-        )
-        .unwrap();
-        for i in 0..25 {
-            let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
-            store.complete(&l, b"ok").unwrap();
-        }
-    }
+    write_expired(&path, 25, b"ok");
     let out = idemstore(&["stats", p(&path), "--json"]);
     assert_eq!(json(&out)["records"]["expired"], 25);
     let out = idemstore(&["sweep", p(&path), "--batch", "10", "--json"]);
@@ -593,22 +597,7 @@ fn sweep_evicts_records_past_retention() {
 fn compact_gives_back_space_and_keeps_live_records() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.redb");
-    {
-        let clock = ManualClock::new(SystemClock.now_ms() - 3_600_000);
-        let store = Store::open_with(
-            &path,
-            Config::new()
-                .clock(clock)
-                .retention(Duration::from_secs(60))
-                .sweep_interval(None),
-        )
-        .unwrap();
-        let result = vec![b'x'; 4_000];
-        for i in 0..1_000 {
-            let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
-            store.complete(&l, &result).unwrap();
-        }
-    }
+    write_expired(&path, 1_000, &[b'x'; 4_000]);
     populate(&path);
     let out = idemstore(&["sweep", p(&path), "--json"]);
     assert_eq!(json(&out)["evicted"], 1_000);

@@ -20,7 +20,7 @@ use crate::report::{CheckReport, Integrity, Problem};
 /// default `cache_bytes`. The check reads every page once, so a larger
 /// cache only holds pages it will not read again (redb's default, 1 GiB,
 /// made the check's memory grow with the file up to that size).
-const CHECK_CACHE_BYTES: usize = 64 * 1024 * 1024;
+pub(crate) const CHECK_CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 /// redb's integrity check of the store file at `path` (which no store may
 /// hold open): `Integrity::Failed` when the pages are damaged beyond repair.
@@ -35,12 +35,18 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
             .set_cache_size(CHECK_CACHE_BYTES)
             .open(path)
             .map_err(|e| open_error(path, e))?;
-        Ok(match db.check_integrity() {
-            Ok(true) => Integrity::Clean,
-            Ok(false) => Integrity::Repaired,
-            Err(e) => Integrity::Failed(e.to_string()),
-        })
+        Ok(integrity_of(&mut db))
     })
+}
+
+/// redb's integrity check of every page of `db`, which this process holds
+/// alone (used by the check and before a compaction).
+pub(crate) fn integrity_of(db: &mut Database) -> Integrity {
+    match db.check_integrity() {
+        Ok(true) => Integrity::Clean,
+        Ok(false) => Integrity::Repaired,
+        Err(e) => Integrity::Failed(e.to_string()),
+    }
 }
 
 /// An order-independent digest of a set of expiry entries `(deadline,

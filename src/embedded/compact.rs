@@ -6,12 +6,10 @@ use std::path::Path;
 
 use redb::Database;
 
+use super::check::CHECK_CACHE_BYTES;
 use super::schema::{guard, map_err, open_error};
 use crate::error::{Error, Result};
-
-/// redb's page cache while compacting (bytes): the store's default
-/// `cache_bytes`, so that the memory does not grow with the file.
-const COMPACT_CACHE_BYTES: usize = 64 * 1024 * 1024;
+use crate::report::Integrity;
 
 /// How many compaction passes are run at most: redb's `compact` answers
 /// whether it moved anything, and a pass after one that did may move more
@@ -33,24 +31,31 @@ const MAX_PASSES: u32 = 4;
 pub(crate) fn compact(path: &Path) -> Result<u32> {
     guard(path, || {
         let mut db = Database::builder()
-            .set_cache_size(COMPACT_CACHE_BYTES)
+            .set_cache_size(CHECK_CACHE_BYTES)
             .open(path)
             .map_err(|e| open_error(path, e))?;
         // Never copy a damaged page under a fresh checksum.
-        match db.check_integrity() {
-            Ok(true) => {}
-            Ok(false) => {
+        // Never copy a damaged page under a fresh checksum.
+        match super::check::integrity_of(&mut db) {
+            Integrity::Clean => {}
+            Integrity::Repaired => {
                 return Err(Error::CorruptFile {
                     path: path.to_path_buf(),
                     detail: "redb repaired damaged pages: not compacted; run idemstore check"
                         .into(),
                 });
             }
-            Err(e) => {
+            Integrity::Failed(detail) => {
                 return Err(Error::CorruptFile {
                     path: path.to_path_buf(),
-                    detail: format!("damaged pages, not compacted: {e}"),
+                    detail: format!("damaged pages, not compacted: {detail}"),
                 });
+            }
+            Integrity::NotRun => {
+                return Err(Error::Storage(format!(
+                    "{}: the integrity check did not run; not compacted",
+                    path.display()
+                )));
             }
         }
         let mut passes = 0;
