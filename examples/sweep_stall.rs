@@ -13,13 +13,13 @@
 //! on fresh random keys: `--seconds` with no sweep, then until the sweep
 //! ends (and at least `--seconds`), while one thread sweeps: as the
 //! background sweeper does (`Store::sweep_due`: slices bounded in records
-//! and writer time, each followed by a pause), or with `--mode steps` in
-//! back-to-back `Store::sweep(--batch)` calls until one returns fewer than
-//! the batch (what the background sweeper did before it was paced).
-//! Once per window the driving thread also times `Store::stats()` (which
-//! reads the records past retention that are not evicted yet). Prints one
-//! line per phase and the lifecycles per second of each window of the sweep
-//! phase.
+//! and writer time, each followed by writes for at least twice as long),
+//! or with `--mode steps` in back-to-back `Store::sweep(--batch)` calls
+//! until one returns fewer than the batch (what the background sweeper did
+//! before it was paced). Once per window the driving thread also times
+//! `Store::stats()` (which counts the expiry index entries of the records
+//! past retention that are not evicted yet). Prints one line per phase and
+//! the lifecycles per second of each window of the sweep phase.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

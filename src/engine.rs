@@ -155,7 +155,7 @@ impl Engine {
     /// `max`).
     pub(crate) fn sweep_slice(&self, max: usize, budget: Duration) -> Result<Swept> {
         match self {
-            Engine::Embedded(e) => e.sweep_step(max, Some(budget)),
+            Engine::Embedded(e) => e.sweep_step(max, Some(budget), true),
             #[cfg(feature = "postgres")]
             Engine::Postgres { engine, .. } => {
                 let evicted = engine.sweep(max)?;
@@ -166,6 +166,18 @@ impl Engine {
                     spent: Duration::ZERO,
                 })
             }
+        }
+    }
+
+    /// How many finished records' retention ended in `(from_ms, to_ms]`
+    /// (store time), counted in the file engine's expiry index (one entry
+    /// read per record counted): what came due beside a sweep, for its
+    /// pacing. `None` on PostgreSQL, whose sweeps share no writer.
+    pub(crate) fn came_due(&self, from_ms: u64, to_ms: u64) -> Result<Option<u64>> {
+        match self {
+            Engine::Embedded(e) => e.came_due(from_ms, to_ms).map(Some),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => Ok(None),
         }
     }
 

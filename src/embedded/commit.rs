@@ -102,10 +102,15 @@ pub(crate) enum Command {
     /// A transition of one key.
     Op { key: Key, op: Op },
     /// Evict up to `max` expired records, stopping once `budget` of the
-    /// writer's time is spent (a slice of the background sweeper).
+    /// writer's time is spent (a slice of the background sweeper). With
+    /// `early`, answered as soon as it is decided, before its batch is
+    /// durable: a paced sweep times its next slice from this one's writer
+    /// time, not from the fsync of the writes beside it (a slice the log
+    /// then fails to write evicted nothing, and the store is poisoned).
     Sweep {
         max: usize,
         budget: Option<std::time::Duration>,
+        early: bool,
     },
     /// Several transitions in one write, each decided on its own and in
     /// order (a later one of the same key sees the earlier one), after the
@@ -521,6 +526,13 @@ fn fail_all(replies: Vec<Replier>, err: &Error) {
     for (tx, _) in replies {
         let _ = tx.send(Err(copy_err(err)));
     }
+}
+
+/// Answers `req` now, before its batch is durable; the batch's own answer
+/// later goes to a receiver that is gone.
+fn answer_early(req: &mut Request, answer: Answer) {
+    let (unheard, _) = oneshot::channel();
+    let _ = std::mem::replace(&mut req.reply, unheard).send(Ok(answer));
 }
 
 fn fail_requests(batch: &mut Vec<Request>, err: &Error) {
@@ -1290,14 +1302,12 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 bytes += payload_bytes(cmd);
                 checkpoint |= matches!(cmd, Command::Checkpoint);
                 commit |= matches!(cmd, Command::Commit);
-                answers.push(decide(
-                    shared,
-                    &mut tables,
-                    cmd,
-                    now,
-                    &mut token,
-                    &mut events,
-                )?);
+                let early = matches!(cmd, Command::Sweep { early: true, .. });
+                let answer = decide(shared, &mut tables, cmd, now, &mut token, &mut events)?;
+                if let (true, Ok(Answer::Evicted(swept))) = (early, &answer) {
+                    answer_early(&mut batch[answers.len()], Answer::Evicted(*swept));
+                }
+                answers.push(answer);
                 if tables.pending_full() {
                     tables.apply_pending()?;
                 }
@@ -1674,7 +1684,7 @@ fn decide(
     }
     match cmd {
         Command::Op { key, op } => apply_op(shared, tables, key, op, now, token, events),
-        Command::Sweep { max, budget } => Ok(Ok(Answer::Evicted(expiry::evict(
+        Command::Sweep { max, budget, .. } => Ok(Ok(Answer::Evicted(expiry::evict(
             tables, now, *max, *budget, events,
         )?))),
         Command::Many { ops, token_floor } => {

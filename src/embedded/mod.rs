@@ -386,21 +386,26 @@ impl Embedded {
         self.shared.clock.now_ms()
     }
 
-    /// Evicts up to `max_records` records past retention.
+    /// Evicts up to `max_records` records past retention; durable when it
+    /// returns.
     pub(crate) fn sweep(&self, max_records: usize) -> Result<usize> {
-        self.sweep_step(max_records, None).map(|s| s.evicted)
+        self.sweep_step(max_records, None, false).map(|s| s.evicted)
     }
 
     /// Evicts up to `max_records` records past retention, stopping once
     /// `budget` of the writer's time is spent (see [`expiry::evict`]).
+    /// With `early`, returns once the writer decided the slice, before it
+    /// is durable (see [`Command::Sweep`]).
     pub(crate) fn sweep_step(
         &self,
         max_records: usize,
         budget: Option<std::time::Duration>,
+        early: bool,
     ) -> Result<expiry::Swept> {
         let cmd = Command::Sweep {
             max: max_records,
             budget,
+            early,
         };
         match self.submit(cmd).wait()? {
             Answer::Evicted(swept) => Ok(swept),
@@ -408,6 +413,37 @@ impl Embedded {
                 "writer answered a sweep with another answer".into(),
             )),
         }
+    }
+
+    /// How many finished records' retention ended in `(from_ms, to_ms]`,
+    /// by the expiry index as last committed (changes the writer holds in
+    /// its open index transaction are not seen); reads one entry per
+    /// record counted. For a sweep's pacing (see [`crate::sweeper`]).
+    pub(crate) fn came_due(&self, from_ms: u64, to_ms: u64) -> Result<u64> {
+        use crate::record::State;
+        let path = &self.shared.path;
+        if to_ms <= from_ms {
+            return Ok(0);
+        }
+        guard(path, || {
+            let txn = self.shared.db.begin_read().map_err(|e| map_err(path, e))?;
+            let expiry = txn
+                .open_table(schema::EXPIRY)
+                .map_err(|e| map_err(path, e))?;
+            let empty: &[u8] = &[];
+            // The lowest slot of each expiry is its Succeeded one.
+            let lo = schema::expiry_slot(State::Succeeded, from_ms.saturating_add(1));
+            let hi = schema::expiry_slot(State::Succeeded, to_ms.saturating_add(1));
+            let mut n = 0u64;
+            for entry in expiry
+                .range((lo, empty)..(hi, empty))
+                .map_err(|e| map_err(path, e))?
+            {
+                entry.map_err(|e| map_err(path, e))?;
+                n = n.saturating_add(1);
+            }
+            Ok(n)
+        })
     }
 
     /// Answers a claim from the cache or a read transaction when it can only
@@ -956,16 +992,124 @@ mod tests {
     impl HeldSync {
         /// A store on in-memory storage whose log is this one.
         fn open(&self, name: &str) -> Arc<Store> {
+            self.open_with(name, Config::new().sweep_interval(None))
+        }
+
+        /// As [`HeldSync::open`], with `config`.
+        fn open_with(&self, name: &str, config: Config) -> Arc<Store> {
             Arc::new(
                 Store::open_with_backend(
                     name,
                     redb::backends::InMemoryBackend::new(),
                     self.clone(),
-                    Config::new().sweep_interval(None),
+                    config,
                 )
                 .unwrap(),
             )
         }
+
+        fn hold(&self, on: bool) {
+            let (lock, cv) = &*self.held;
+            *lock.lock() = on;
+            cv.notify_all();
+        }
+    }
+
+    /// `came_due` counts the finished records whose retention ended in a
+    /// span of store time, ends included as `(from, to]`, and nothing in
+    /// flight.
+    #[test]
+    fn came_due_counts_the_finished_records_whose_retention_ended_in_a_span() {
+        let t0 = 1_700_000_000_000;
+        let clock = crate::clock::ManualClock::new(t0);
+        let store = in_memory(
+            "came-due.redb",
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .retention(Duration::from_secs(1))
+                .clock(clock.clone()),
+        );
+        let fp = Fingerprint::of(b"p");
+        let finish = |id: String| {
+            let key = Key::new("due", id).unwrap();
+            let ClaimOutcome::Acquired(lease) =
+                store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
+            else {
+                panic!("fresh key");
+            };
+            store.complete(&lease, b"r").unwrap();
+        };
+        (0..5).for_each(|i| finish(format!("a{i}")));
+        clock.advance(Duration::from_secs(10));
+        (0..3).for_each(|i| finish(format!("b{i}")));
+        let _held = store
+            .claim(&Key::new("due", "held").unwrap(), &fp, &ClaimOptions::new())
+            .unwrap();
+        embedded(&store).commit_index().unwrap();
+        let e = embedded(&store);
+        let (a, b) = (t0 + 1_000, t0 + 11_000);
+        assert_eq!(e.came_due(a - 1, a).unwrap(), 5);
+        assert_eq!(e.came_due(a, b - 1).unwrap(), 0);
+        assert_eq!(e.came_due(a, b).unwrap(), 3);
+        assert_eq!(e.came_due(0, u64::MAX).unwrap(), 8);
+        assert_eq!(e.came_due(b, a).unwrap(), 0);
+    }
+
+    /// A slice of a paced sweep (the background sweeper's) is answered as
+    /// soon as the writer decided it, while its batch's fsync is still
+    /// held, so that the sweeper paces itself by the slice's own writer
+    /// time rather than by the fsync of the writes beside it.
+    #[test]
+    fn a_paced_sweep_slice_is_answered_before_its_batch_is_durable() {
+        let clock = crate::clock::ManualClock::new(1_700_000_000_000);
+        let log = HeldSync::default();
+        let store = log.open_with(
+            "paced.redb",
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .retention(Duration::from_secs(1))
+                .clock(clock.clone()),
+        );
+        let fp = Fingerprint::of(b"p");
+        for i in 0..40 {
+            let key = Key::new("paced", format!("k{i}")).unwrap();
+            let ClaimOutcome::Acquired(lease) =
+                store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
+            else {
+                panic!("fresh key");
+            };
+            store.complete(&lease, b"r").unwrap();
+        }
+        clock.advance(Duration::from_secs(60));
+        // Through the syncer, as under load (a lone caller syncs its own
+        // batch, answer included).
+        embedded(&store)
+            .shared
+            .sync_inline
+            .store(false, Ordering::Relaxed);
+        log.hold(true);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let paced = {
+            let store = store.clone();
+            std::thread::spawn(move || {
+                let _ =
+                    tx.send(embedded(&store).sweep_step(20, Some(Duration::from_secs(10)), true));
+            })
+        };
+        // A hang guard, not a timing bound: before the change the answer
+        // waited for the held fsync, and this would wait forever.
+        let answered = rx.recv_timeout(Duration::from_secs(60));
+        log.hold(false);
+        paced.join().unwrap();
+        let swept = answered
+            .expect("the paced slice waited for its fsync")
+            .unwrap();
+        assert_eq!((swept.evicted, swept.more), (20, true));
+        // The rest, in a plain sweep (durable when it returns).
+        assert_eq!(store.sweep(100).unwrap(), 20);
+        assert_eq!(store.sweep(100).unwrap(), 0);
     }
 
     /// A redb backend that counts the calls that would change the file.
