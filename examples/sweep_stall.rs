@@ -13,7 +13,7 @@
 //! on fresh random keys: `--seconds` with no sweep, then until the sweep
 //! ends (and at least `--seconds`), while one thread sweeps: as the
 //! background sweeper does (`Store::sweep_due`: slices bounded in records
-//! and writer time, each followed by writes for at least twice as long),
+//! and writer time, paced to a share of the writer's time),
 //! or with `--mode steps` in back-to-back `Store::sweep(--batch)` calls
 //! until one returns fewer than the batch (what the background sweeper did
 //! before it was paced). Once per window the driving thread also times

@@ -169,13 +169,14 @@ impl Engine {
         }
     }
 
-    /// How many finished records' retention ended in `(from_ms, to_ms]`
-    /// (store time), counted in the file engine's expiry index (one entry
-    /// read per record counted): what came due beside a sweep, for its
-    /// pacing. `None` on PostgreSQL, whose sweeps share no writer.
-    pub(crate) fn came_due(&self, from_ms: u64, to_ms: u64) -> Result<Option<u64>> {
+    /// How many records awaiting eviction had their retention end in
+    /// `(from_ms, to_ms]` (store time), counting at most `limit`, in the
+    /// file engine's expiry index (one entry read per record counted):
+    /// what came due beside a sweep, for its pacing. `None` on PostgreSQL,
+    /// whose sweeps share no writer.
+    pub(crate) fn came_due(&self, from_ms: u64, to_ms: u64, limit: u64) -> Result<Option<u64>> {
         match self {
-            Engine::Embedded(e) => e.came_due(from_ms, to_ms).map(Some),
+            Engine::Embedded(e) => e.came_due(from_ms, to_ms, limit).map(Some),
             #[cfg(feature = "postgres")]
             Engine::Postgres { .. } => Ok(None),
         }

@@ -722,28 +722,30 @@ impl Store {
     /// does, and returns how many it removed: for a service that runs its
     /// own schedule (`Config::sweep_interval(None)`). It never stalls the
     /// writes beside it: it works in slices of at most
-    /// [`Config::sweep_batch`] records and, on the file engine, 1 ms of the
-    /// writer's time each (plus one eviction, 6 to 40 µs measured; 2 ms
-    /// after the sweep's first second, 4 ms after its second), and leaves
-    /// the writer to other writes for three times as long as each slice
-    /// took, so its slices take at most a quarter of the writer's time
-    /// however many records are due; each second it evicts less than one
-    /// and a half times what came due meanwhile, it is falling behind and
-    /// takes one share more (a third, half, then two thirds), one less once
-    /// it evicts three times that.
-    /// It returns when none is due
-    /// (records that fall due meanwhile are evicted too). Unlike
-    /// [`Store::sweep`], a slice is answered before it is durable: its
-    /// evictions become durable with the writes batched beside it, and a
-    /// crash before that leaves them to the next sweep (records past
-    /// retention read as absent either way).
+    /// [`Config::sweep_batch`] records and, on the file engine, at most 256
+    /// records and 1 ms of the writer's time each (plus one eviction, 6 to
+    /// 40 µs measured; both doubled after the sweep's first second and
+    /// again after its second), and leaves the writer to other writes for
+    /// three times as long as each slice took: its slices start at a
+    /// quarter of the writer's time however many records are due. Each
+    /// second it evicts less than one and a half times what came due
+    /// meanwhile, it is falling behind and takes one share more (a third,
+    /// half, then at most two thirds), one less once it evicts three times
+    /// that. It returns when none is due (records that fall due meanwhile
+    /// are evicted too) and every eviction is durable.
     ///
     /// # Errors
-    /// Storage errors as for [`Store::claim`]; what was evicted before the
-    /// error stays evicted.
+    /// Storage errors as for [`Store::claim`]. Slices are answered before
+    /// they are durable, so evictions of slices before the error may be
+    /// lost with the batch that failed (the store is then poisoned);
+    /// records past retention read as absent either way.
     pub fn sweep_due(&self) -> Result<usize> {
         let _span = tracing::debug_span!("idemstore.sweep_due").entered();
-        crate::sweeper::sweep_paced(&self.engine, self.config.sweep_batch)
+        crate::sweeper::sweep_paced(
+            &self.engine,
+            self.config.sweep_batch,
+            &std::sync::atomic::AtomicBool::new(false),
+        )
     }
 
     /// Runs one step of the online scrub now: walks up to `max_records`

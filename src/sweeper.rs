@@ -2,6 +2,7 @@
 //! every interval, for any engine, and runs the embedded engine's online
 //! scrub on the same thread.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -58,9 +59,8 @@ pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 /// The background thread `config` asks for over `engine`, if any: sweeps
 /// every `sweep_interval`, or [`SWEEP_CATCH_UP`] after open and after a
 /// sweep that evicted records (slices of at most `sweep_batch` records and, on
-/// the file engine, [`SWEEP_SLICE_BUDGET`] of the writer's time, each
-/// followed by writes for at least as long, see [`sweep_paced`], until
-/// none is due) and,
+/// the file engine, [`SWEEP_SLICE_BUDGET`] of the writer's time, paced as
+/// [`sweep_paced`] says, until none is due or the store is dropped) and,
 /// on the embedded engine, a scrub step of `scrub_rate` records every
 /// second (at most; a slow step delays the next), until the store refuses
 /// writes. Failures are logged (warn); a failed scrub step is retried at
@@ -85,7 +85,9 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
     // reopened after a while has records that came due meanwhile).
     let mut wait = sweep_every.map_or(Duration::MAX, |every| every.min(SWEEP_CATCH_UP));
     let mut last_scrub = Instant::now();
-    Sweeper::start(engine, interval, move |engine: &Engine| {
+    let stopping = Arc::new(AtomicBool::new(false));
+    let stop = stopping.clone();
+    Sweeper::start(engine, interval, stopping, move |engine: &Engine| {
         if let Some(rate) = scrub
             && last_scrub.elapsed() >= SCRUB_TICK
         {
@@ -103,7 +105,7 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         }
         last_sweep = Instant::now();
         wait = every;
-        match sweep_paced(engine, batch) {
+        match sweep_paced(engine, batch, &stop) {
             Ok(n) if n > 0 => {
                 tracing::debug!(evicted = n, "sweep");
                 wait = every.min(SWEEP_CATCH_UP);
@@ -117,19 +119,24 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
 
 /// Evicts every record due now over `engine`, in slices of at most `batch`
 /// records (file engine: also at most [`SWEEP_SLICE_RECORDS`] and
-/// [`SWEEP_SLICE_BUDGET`] of the writer's time, doubled for each further
-/// [`SWEEP_CATCH_UP`] the sweep has lasted, up to [`SWEEP_SLICE_MAX_SCALE`]
-/// times), each followed by writes for at least three times its writer
-/// time (less while the sweep falls behind: see `next_share`); how many were
-/// evicted. Stops at the first error (what was evicted before it stays
-/// evicted).
-pub(crate) fn sweep_paced(engine: &Engine, batch: usize) -> Result<usize> {
+/// [`SWEEP_SLICE_BUDGET`] of the writer's time, both doubled for each
+/// further [`SWEEP_CATCH_UP`] the sweep has lasted, up to
+/// [`SWEEP_SLICE_MAX_SCALE`] times), each followed by writes for three
+/// times its writer time (less while the sweep falls behind: see
+/// `next_share`), until none is due or `stop` is set; how many were
+/// evicted. Each slice is answered before it is durable; on the file
+/// engine a last, empty, step waits until every slice is. Stops at the
+/// first error: slices answered before it may be lost with the batch that
+/// failed (the store is then poisoned; records past retention read as
+/// absent either way).
+pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> Result<usize> {
     let mut total = 0usize;
     let started = Instant::now();
     let mut share = 0;
+    let paced = matches!(engine, Engine::Embedded(_));
     // The current second of the sweep: when it began (wall clock and
     // store time) and how many had been evicted by then.
-    let mut second = (Instant::now(), engine.now_ms(), 0usize);
+    let mut second = (Instant::now(), paced.then(|| engine.now_ms()), 0usize);
     loop {
         let scale = slice_scale(started.elapsed());
         let (max, budget) = match engine {
@@ -143,15 +150,30 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize) -> Result<usize> {
         let submitted = Instant::now();
         let slice = engine.sweep_slice(max, budget)?;
         total = total.saturating_add(slice.evicted);
-        if !slice.more {
+        if !slice.more || stop.load(Ordering::SeqCst) {
+            if paced {
+                // Durable: answered behind every slice's batch.
+                engine.sweep(0)?;
+            }
             return Ok(total);
         }
-        if second.0.elapsed() >= SWEEP_CATCH_UP {
+        if let Some(from_ms) = second.1
+            && second.0.elapsed() >= SWEEP_CATCH_UP
+        {
+            let evicted = total.saturating_sub(second.2);
             let now_ms = engine.now_ms();
-            if let Some(arrived) = engine.came_due(second.1, now_ms)? {
-                share = next_share(share, total.saturating_sub(second.2), arrived);
+            // Enough to decide (see `next_share`): more than two thirds of
+            // what it evicted means "up".
+            let enough = u64::try_from(evicted / 3 * 2)
+                .unwrap_or(u64::MAX)
+                .saturating_add(1);
+            match engine.came_due(from_ms, now_ms, enough) {
+                Ok(Some(arrived)) => share = next_share(share, evicted, arrived),
+                Ok(None) => {}
+                // A pacing hint only: the sweep goes on at its share.
+                Err(err) => tracing::debug!(error = %err, "sweep pacing: count failed"),
             }
-            second = (Instant::now(), now_ms, total);
+            second = (Instant::now(), Some(now_ms), total);
         }
         // The wait for the writer counts as the writes' time: they ran
         // meanwhile.
@@ -214,13 +236,22 @@ fn slice_scale(elapsed: Duration) -> usize {
 /// the store is dropped.
 pub(crate) struct Sweeper {
     stop: Option<Sender<()>>,
+    /// Set when the store is dropped, so that a long sweep stops at its
+    /// next slice instead of holding the drop until it ends.
+    stopping: Arc<AtomicBool>,
     handle: Option<JoinHandle<()>>,
 }
 
 impl Sweeper {
     /// Starts a sweeper over `target` that calls `tick` every `interval`;
-    /// it holds only a weak reference, so dropping the store ends it.
-    pub(crate) fn start<T, F>(target: &Arc<T>, interval: Duration, mut tick: F) -> Result<Sweeper>
+    /// it holds only a weak reference, so dropping the store ends it (and
+    /// sets `stopping`, which `tick` may watch, before waiting for it).
+    pub(crate) fn start<T, F>(
+        target: &Arc<T>,
+        interval: Duration,
+        stopping: Arc<AtomicBool>,
+        mut tick: F,
+    ) -> Result<Sweeper>
     where
         T: Send + Sync + 'static,
         F: FnMut(&T) + Send + 'static,
@@ -242,6 +273,7 @@ impl Sweeper {
             .map_err(crate::error::Error::storage)?;
         Ok(Sweeper {
             stop: Some(stop),
+            stopping,
             handle: Some(handle),
         })
     }
@@ -249,6 +281,7 @@ impl Sweeper {
 
 impl Drop for Sweeper {
     fn drop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
         self.stop = None;
         if let Some(h) = self.handle.take() {
             let _ = h.join();
@@ -288,8 +321,10 @@ mod tests {
         assert_eq!(SWEEP_SHARES[0], (4, 1));
         assert_eq!(SWEEP_SHARES[3], (3, 2));
         // Draining, but not three times as fast: the share stays.
+        assert_eq!(next_share(1, 24_000, 16_000), 1);
+        assert_eq!(next_share(1, 23_999, 16_000), 2);
+        assert_eq!(next_share(1, 47_999, 16_000), 1);
         assert_eq!(next_share(3, 24_000, 16_000), 3);
-        assert_eq!(next_share(3, 47_999, 16_000), 3);
         // Well ahead again: one share down.
         assert_eq!(next_share(3, 48_000, 16_000), 2);
         assert_eq!(next_share(0, 48_000, 16_000), 0);

@@ -8,7 +8,9 @@
 //! batch: its effects become one frame of the write-ahead log. A second
 //! thread, the syncer, makes the log durable with `fdatasync`, and only then
 //! are the batch's callers woken (in `Immediate` mode; a third thread does
-//! the waking when there are many). One fsync covers every frame written
+//! the waking when there are many; the one exception is a paced sweep
+//! slice, answered once decided: see [`Command::Sweep`]). One fsync covers
+//! every frame written
 //! before it started. While an fsync runs, the writer keeps deciding the
 //! requests that arrive into the next batch and seals it when the syncer
 //! reports the disk free; a lone caller is never held back (nothing waits
@@ -42,8 +44,8 @@
 //! checkpoint.
 //!
 //! A failed log write, fsync or index commit fails every request of the
-//! batches it concerns with the storage error (none is reported as done)
-//! and poisons the store: no later write is attempted until reopen, which
+//! batches it concerns with the storage error (none is reported as done,
+//! but for a paced sweep slice already answered) and poisons the store: no later write is attempted until reopen, which
 //! recovers from what is on disk (DESIGN.md guarantee 6). If the writer or
 //! the syncer thread dies, every waiting and later call gets
 //! [`Error::Closed`]; nothing hangs.
@@ -897,7 +899,7 @@ impl Writer {
             // index transaction may hold part of it, so the store is
             // poisoned and its file fenced, as when the writer thread dies
             // (`WriterDone`). The request's reply was dropped: its caller
-            // gets `Closed`, later callers `Poisoned`.
+            // gets `Closed` (a paced sweep slice may have been answered already), later callers `Poisoned`.
             shared.fence.raise();
             shared.poison(
                 &Error::Storage("a caller deciding a batch panicked".into()),

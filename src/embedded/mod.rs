@@ -415,11 +415,13 @@ impl Embedded {
         }
     }
 
-    /// How many finished records' retention ended in `(from_ms, to_ms]`,
-    /// by the expiry index as last committed (changes the writer holds in
-    /// its open index transaction are not seen); reads one entry per
-    /// record counted. For a sweep's pacing (see [`crate::sweeper`]).
-    pub(crate) fn came_due(&self, from_ms: u64, to_ms: u64) -> Result<u64> {
+    /// How many records still awaiting eviction had their retention end in
+    /// `(from_ms, to_ms]` (finished ones, and claims abandoned in flight),
+    /// counting at most `limit`: by the expiry index as last committed
+    /// (changes the writer holds in its open index transaction are not
+    /// seen), one entry read per record counted. For a sweep's pacing (see
+    /// [`crate::sweeper`]).
+    pub(crate) fn came_due(&self, from_ms: u64, to_ms: u64, limit: u64) -> Result<u64> {
         use crate::record::State;
         let path = &self.shared.path;
         if to_ms <= from_ms {
@@ -431,16 +433,25 @@ impl Embedded {
                 .open_table(schema::EXPIRY)
                 .map_err(|e| map_err(path, e))?;
             let empty: &[u8] = &[];
-            // The lowest slot of each expiry is its Succeeded one.
-            let lo = schema::expiry_slot(State::Succeeded, from_ms.saturating_add(1));
-            let hi = schema::expiry_slot(State::Succeeded, to_ms.saturating_add(1));
+            let (from, to) = (from_ms.saturating_add(1), to_ms.saturating_add(1));
             let mut n = 0u64;
-            for entry in expiry
-                .range((lo, empty)..(hi, empty))
-                .map_err(|e| map_err(path, e))?
-            {
-                entry.map_err(|e| map_err(path, e))?;
-                n = n.saturating_add(1);
+            // The lowest slot of an expiry is its Succeeded one among
+            // finished records, its only one in flight.
+            for state in [State::Succeeded, State::Processing] {
+                let (lo, hi) = (
+                    schema::expiry_slot(state, from),
+                    schema::expiry_slot(state, to),
+                );
+                for entry in expiry
+                    .range((lo, empty)..(hi, empty))
+                    .map_err(|e| map_err(path, e))?
+                {
+                    if n >= limit {
+                        return Ok(n);
+                    }
+                    entry.map_err(|e| map_err(path, e))?;
+                    n = n.saturating_add(1);
+                }
             }
             Ok(n)
         })
@@ -1015,11 +1026,11 @@ mod tests {
         }
     }
 
-    /// `came_due` counts the finished records whose retention ended in a
-    /// span of store time, ends included as `(from, to]`, and nothing in
-    /// flight.
+    /// `came_due` counts the records awaiting eviction whose retention
+    /// ended in a span of store time, ends included as `(from, to]`, in
+    /// every state, up to its limit.
     #[test]
-    fn came_due_counts_the_finished_records_whose_retention_ended_in_a_span() {
+    fn came_due_counts_the_records_whose_retention_ended_in_a_span() {
         let t0 = 1_700_000_000_000;
         let clock = crate::clock::ManualClock::new(t0);
         let store = in_memory(
@@ -1031,29 +1042,68 @@ mod tests {
                 .clock(clock.clone()),
         );
         let fp = Fingerprint::of(b"p");
-        let finish = |id: String| {
+        let claim = |id: &str| {
             let key = Key::new("due", id).unwrap();
+            match store.claim(&key, &fp, &ClaimOptions::new()).unwrap() {
+                ClaimOutcome::Acquired(lease) => lease,
+                other => panic!("{other:?}"),
+            }
+        };
+        for i in 0..5 {
+            store.complete(&claim(&format!("a{i}")), b"r").unwrap();
+        }
+        clock.advance(Duration::from_secs(10));
+        store.complete(&claim("b0"), b"r").unwrap();
+        store.fail(&claim("b1"), b"no", false).unwrap();
+        store.fail(&claim("b2"), b"busy", true).unwrap();
+        // In flight: due at the end of its lease plus retention.
+        let held = claim("held");
+        let held = store.get(held.key()).unwrap().unwrap().expires_ms;
+        embedded(&store).commit_index().unwrap();
+        let e = embedded(&store);
+        let (a, b) = (t0 + 1_000, t0 + 11_000);
+        assert!(held > b, "{held}");
+        let all = u64::MAX;
+        assert_eq!(e.came_due(a - 1, a, all).unwrap(), 5);
+        assert_eq!(e.came_due(a, b - 1, all).unwrap(), 0);
+        assert_eq!(e.came_due(a, b, all).unwrap(), 3);
+        assert_eq!(e.came_due(held - 1, held, all).unwrap(), 1);
+        assert_eq!(e.came_due(0, u64::MAX, all).unwrap(), 9);
+        assert_eq!(e.came_due(0, u64::MAX, 4).unwrap(), 4);
+        assert_eq!(e.came_due(b, a, all).unwrap(), 0);
+    }
+
+    /// A paced sweep told to stop (the store is being dropped) stops after
+    /// its current slice, with what that slice evicted durable, instead of
+    /// holding the drop until every due record is evicted.
+    #[test]
+    fn a_paced_sweep_stops_after_one_slice_when_told_to() {
+        let clock = crate::clock::ManualClock::new(1_700_000_000_000);
+        let store = in_memory(
+            "stopping.redb",
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .sweep_batch(10)
+                .retention(Duration::from_secs(1))
+                .clock(clock.clone()),
+        );
+        let fp = Fingerprint::of(b"p");
+        for i in 0..50 {
+            let key = Key::new("stop", format!("k{i}")).unwrap();
             let ClaimOutcome::Acquired(lease) =
                 store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
             else {
                 panic!("fresh key");
             };
             store.complete(&lease, b"r").unwrap();
-        };
-        (0..5).for_each(|i| finish(format!("a{i}")));
-        clock.advance(Duration::from_secs(10));
-        (0..3).for_each(|i| finish(format!("b{i}")));
-        let _held = store
-            .claim(&Key::new("due", "held").unwrap(), &fp, &ClaimOptions::new())
-            .unwrap();
-        embedded(&store).commit_index().unwrap();
-        let e = embedded(&store);
-        let (a, b) = (t0 + 1_000, t0 + 11_000);
-        assert_eq!(e.came_due(a - 1, a).unwrap(), 5);
-        assert_eq!(e.came_due(a, b - 1).unwrap(), 0);
-        assert_eq!(e.came_due(a, b).unwrap(), 3);
-        assert_eq!(e.came_due(0, u64::MAX).unwrap(), 8);
-        assert_eq!(e.came_due(b, a).unwrap(), 0);
+        }
+        clock.advance(Duration::from_secs(60));
+        let stop = std::sync::atomic::AtomicBool::new(true);
+        let evicted = crate::sweeper::sweep_paced(store.engine(), 10, &stop).unwrap();
+        // One slice: at most the batch (fewer if its 1-ms budget ran out).
+        assert!((1..=10).contains(&evicted), "{evicted}");
+        assert_eq!(store.sweep_due().unwrap(), 50 - evicted);
     }
 
     /// A slice of a paced sweep (the background sweeper's) is answered as
