@@ -50,6 +50,10 @@ struct Args {
     /// Bytes of each stored result.
     #[arg(long, default_value_t = 64)]
     result_bytes: usize,
+    /// The write-ahead log's size before a checkpoint, in MiB
+    /// (`Config::max_log_bytes`; the default when absent).
+    #[arg(long)]
+    max_log_mib: Option<u64>,
     /// Directory under which a fresh temporary directory holds the store
     /// (the system's temporary directory when absent).
     #[arg(long)]
@@ -70,6 +74,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         run_for: Duration::from_secs_f64(args.minutes.max(0.0) * 60.0),
         sample_every: Duration::from_secs(args.sample_secs.max(1)),
         result_bytes: args.result_bytes,
+        max_log_bytes: args.max_log_mib.map(|m| m.saturating_mul(1024 * 1024)),
         allocated: Some(|| driver::allocated_bytes(GLOBAL)),
     };
     println!("{soak:?}");

@@ -53,6 +53,7 @@ fn index_log_and_memory_reach_a_plateau_under_churn() {
         run_for: Duration::from_secs(36),
         sample_every: Duration::from_secs(2),
         result_bytes: 64,
+        max_log_bytes: None,
         allocated: Some(allocated),
     };
     let samples = driver::run(&dir.path().join("soak.redb"), &soak, |s| {
@@ -127,6 +128,7 @@ fn long_soak() {
         run_for,
         sample_every: Duration::from_secs(10),
         result_bytes: 64,
+        max_log_bytes: None,
         allocated: Some(allocated),
     };
     let samples = driver::run(&dir.path().join("soak.redb"), &soak, |s| {

@@ -29,6 +29,9 @@ pub struct Soak {
     pub sample_every: Duration,
     /// Bytes of each stored result.
     pub result_bytes: usize,
+    /// The write-ahead log's size before a checkpoint
+    /// (`Config::max_log_bytes`); `None`: the default.
+    pub max_log_bytes: Option<u64>,
     /// The bytes the process holds allocated, when its global allocator
     /// counts them (see [`allocated_bytes`]).
     pub allocated: Option<fn() -> u64>,
@@ -116,9 +119,12 @@ pub fn run(
     soak: &Soak,
     mut on_sample: impl FnMut(&Sample),
 ) -> Result<Vec<Sample>, Box<dyn std::error::Error>> {
-    let config = Config::new()
+    let mut config = Config::new()
         .retention(soak.retention)
         .sweep_interval(Some(soak.sweep_interval));
+    if let Some(bytes) = soak.max_log_bytes {
+        config = config.max_log_bytes(bytes);
+    }
     let store = Store::open_with(path, config)?;
     let log_path: PathBuf = store.log_path().to_path_buf();
     let fp = Fingerprint::of(b"payload");
