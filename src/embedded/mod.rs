@@ -1073,6 +1073,20 @@ mod tests {
         assert_eq!(e.came_due(b, a, all).unwrap(), 0);
     }
 
+    /// Claims and completes `n` fresh keys `k0`, `k1`, ... in `scope`.
+    fn finish_keys(store: &Store, scope: &str, n: usize) {
+        let fp = Fingerprint::of(b"p");
+        for i in 0..n {
+            let key = Key::new(scope, format!("k{i}")).unwrap();
+            let ClaimOutcome::Acquired(lease) =
+                store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
+            else {
+                panic!("fresh key");
+            };
+            store.complete(&lease, b"r").unwrap();
+        }
+    }
+
     /// A paced sweep told to stop (the store is being dropped) stops after
     /// its current slice, with what that slice evicted durable, instead of
     /// holding the drop until every due record is evicted.
@@ -1088,16 +1102,7 @@ mod tests {
                 .retention(Duration::from_secs(1))
                 .clock(clock.clone()),
         );
-        let fp = Fingerprint::of(b"p");
-        for i in 0..50 {
-            let key = Key::new("stop", format!("k{i}")).unwrap();
-            let ClaimOutcome::Acquired(lease) =
-                store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
-            else {
-                panic!("fresh key");
-            };
-            store.complete(&lease, b"r").unwrap();
-        }
+        finish_keys(&store, "stop", 50);
         clock.advance(Duration::from_secs(60));
         let stop = std::sync::atomic::AtomicBool::new(true);
         let evicted = crate::sweeper::sweep_paced(store.engine(), 10, &stop).unwrap();
@@ -1122,16 +1127,7 @@ mod tests {
                 .retention(Duration::from_secs(1))
                 .clock(clock.clone()),
         );
-        let fp = Fingerprint::of(b"p");
-        for i in 0..40 {
-            let key = Key::new("paced", format!("k{i}")).unwrap();
-            let ClaimOutcome::Acquired(lease) =
-                store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
-            else {
-                panic!("fresh key");
-            };
-            store.complete(&lease, b"r").unwrap();
-        }
+        finish_keys(&store, "paced", 40);
         clock.advance(Duration::from_secs(60));
         // Through the syncer, as under load (a lone caller syncs its own
         // batch, answer included).
