@@ -18,8 +18,10 @@
 //! until one returns fewer than the batch (what the background sweeper did
 //! before it was paced). Once per window the driving thread also times
 //! `Store::stats()` (which counts the expiry index entries of the records
-//! past retention that are not evicted yet). Prints one line per phase and
-//! the lifecycles per second of each window of the sweep phase.
+//! past retention that are not evicted yet). Prints one line per phase
+//! (with the checkpoints the writer made in it and how long each held it,
+//! from the store's `idemstore::checkpoint` events) and the lifecycles per
+//! second of each window of the sweep phase.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,6 +29,39 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Store};
+use tracing::field::{Field, Visit};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+/// The writer's pause (ms) of each checkpoint since the last phase began.
+static CHECKPOINTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+/// Collects the `took_ms` of the store's checkpoint events, and nothing
+/// else (every other event is disabled at its call site).
+struct Checkpoints;
+
+struct TookMs(Option<u64>);
+
+impl Visit for TookMs {
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        if field.name() == "took_ms" {
+            self.0 = Some(value);
+        }
+    }
+    fn record_debug(&mut self, _: &Field, _: &dyn std::fmt::Debug) {}
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Checkpoints {
+    fn enabled(&self, metadata: &tracing::Metadata<'_>, _: Context<'_, S>) -> bool {
+        metadata.target() == "idemstore::checkpoint"
+    }
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        let mut took = TookMs(None);
+        event.record(&mut took);
+        if let Some(ms) = took.0 {
+            CHECKPOINTS.lock().expect("checkpoints").push(ms);
+        }
+    }
+}
 
 #[derive(Parser)]
 struct Args {
@@ -103,6 +138,8 @@ struct Phase {
     windows: Vec<f64>,
     /// How long each `Store::stats()` call took (ms), one per window.
     stats_ms: Vec<u64>,
+    /// How long each checkpoint held the writer (ms), sorted.
+    checkpoint_ms: Vec<u64>,
 }
 
 /// Runs lifecycles on `threads` threads until `done` says so (checked
@@ -123,6 +160,7 @@ fn run_phase(
     let started = Instant::now();
     let mut windows = Vec::new();
     let mut stats_ms = Vec::new();
+    CHECKPOINTS.lock().expect("checkpoints").clear();
     std::thread::scope(|s| {
         for t in 0..threads {
             let (stop, count, latencies, fp, opts) = (&stop, &count, &latencies, &fp, &opts);
@@ -156,12 +194,15 @@ fn run_phase(
     });
     let mut latencies = latencies.into_inner().expect("latencies");
     latencies.sort_unstable();
+    let mut checkpoint_ms = std::mem::take(&mut *CHECKPOINTS.lock().expect("checkpoints"));
+    checkpoint_ms.sort_unstable();
     Phase {
         lifecycles: count.load(Ordering::Relaxed),
         elapsed: started.elapsed(),
         latencies,
         windows,
         stats_ms,
+        checkpoint_ms,
     }
 }
 
@@ -179,7 +220,7 @@ fn report(name: &str, phase: &Phase) {
     let mut stats_ms = phase.stats_ms.clone();
     stats_ms.sort_unstable();
     println!(
-        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0} stats_ms p50={} max={}",
+        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms p50={} max={}",
         percentile(&phase.latencies, 0.5),
         percentile(&phase.latencies, 0.99),
         phase.latencies.last().copied().unwrap_or(0),
@@ -187,11 +228,15 @@ fn report(name: &str, phase: &Phase) {
         lowest,
         percentile(&stats_ms, 0.5),
         stats_ms.last().copied().unwrap_or(0),
+        phase.checkpoint_ms.len(),
+        percentile(&phase.checkpoint_ms, 0.5),
+        phase.checkpoint_ms.last().copied().unwrap_or(0),
     );
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Checkpoints))?;
     let tmp = match &args.dir {
         Some(parent) => tempfile::tempdir_in(parent)?,
         None => tempfile::tempdir()?,

@@ -575,7 +575,12 @@ impl Visit for Fields<'_> {
 
 impl<S: tracing::Subscriber> Layer<S> for Capture {
     fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
-        if !["idemstore::audit", "idemstore::sweep"].contains(&event.metadata().target()) {
+        let targets = [
+            "idemstore::audit",
+            "idemstore::sweep",
+            "idemstore::checkpoint",
+        ];
+        if !targets.contains(&event.metadata().target()) {
             return;
         }
         let mut fields = BTreeMap::new();
@@ -587,7 +592,7 @@ impl<S: tracing::Subscriber> Layer<S> for Capture {
     }
 }
 
-/// The audit and sweep events of every test in this binary (the writer emits on its own
+/// The audit, sweep and checkpoint events of every test in this binary (the writer emits on its own
 /// thread, so the subscriber must be global); each test filters by scope.
 fn captured() -> Arc<Mutex<Vec<Captured>>> {
     static EVENTS: OnceLock<Arc<Mutex<Vec<Captured>>>> = OnceLock::new();
@@ -908,6 +913,53 @@ fn sweeps_of(path: &Path) -> Vec<(u64, u64)> {
         .filter(|e| e.fields.get("path") == Some(&path) && e.fields.contains_key("visited"))
         .map(|e| (field(e, "visited"), field(e, "evicted")))
         .collect()
+}
+
+/// The `epoch`, `seq` and `took_ms` fields of the checkpoint events of the
+/// store at `path`, in the order emitted.
+fn checkpoints_of(path: &Path) -> Vec<(u64, u64, u64)> {
+    let path = path.display().to_string();
+    let field = |e: &Captured, k: &str| e.fields[k].parse::<u64>().unwrap();
+    captured()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.fields.get("path") == Some(&path) && e.fields.contains_key("took_ms"))
+        .map(|e| (field(e, "epoch"), field(e, "seq"), field(e, "took_ms")))
+        .collect()
+}
+
+/// Each checkpoint emits one debug event (target `idemstore::checkpoint`)
+/// with the epoch it starts, the sequence number it covers and how long it
+/// held the writer (`took_ms`): what an operator correlates with a pause
+/// of every write (docs/operations.md).
+#[test]
+fn each_checkpoint_is_one_event_with_how_long_it_held_the_writer() {
+    let _events = captured();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let store = open(&path, &clock);
+    let before = checkpoints_of(&path).len();
+    for i in 0..3 {
+        let lease = acquire(
+            &store,
+            &key("ck/events", &format!("k{i}")),
+            &ClaimOptions::new(),
+        );
+        store.complete(&lease, b"ok").unwrap();
+        store.checkpoint().unwrap();
+    }
+    let got = checkpoints_of(&path);
+    let got = &got[before..];
+    assert_eq!(got.len(), 3, "{got:?}");
+    for pair in got.windows(2) {
+        let ((e0, s0, _), (e1, s1, _)) = (pair[0], pair[1]);
+        assert_eq!(e1, e0 + 1, "one epoch per checkpoint: {got:?}");
+        // Each covers the claim and completion written since the last.
+        assert!(s1 > s0, "{got:?}");
+    }
+    drop(store);
 }
 
 /// A sweep reads the expiry index entries that are due (up to its limit,

@@ -1533,6 +1533,7 @@ fn commit_checkpoint(
     let epoch = state.log.epoch() + 1;
     let token_reserved = wal::reserve_tokens(state.next_token);
     shared.cache.begin_write(&touched, Some(seq));
+    let paused = Instant::now();
     let mut open = open;
     let applied = open.apply_pending(&shared.path, &mut state.tally);
     let OpenTxn { mut txn, keys, .. } = open;
@@ -1588,7 +1589,17 @@ fn commit_checkpoint(
     if let Err(err) = state.log.wrap(epoch, full) {
         shared.poison(&err, false);
     }
-    tracing::debug!(seq, epoch, full, "checkpoint");
+    // The writer's whole pause: applying its buffered changes, the durable
+    // commit and its syncs of the index.
+    tracing::debug!(
+        target: "idemstore::checkpoint",
+        path = %shared.path.display(),
+        seq,
+        epoch,
+        full,
+        took_ms = u64::try_from(paused.elapsed().as_millis()).unwrap_or(u64::MAX),
+        "checkpoint"
+    );
 }
 
 /// The closing checkpoint, when the queue is drained: the index then holds
