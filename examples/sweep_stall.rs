@@ -220,7 +220,7 @@ fn report(name: &str, phase: &Phase) {
     let mut stats_ms = phase.stats_ms.clone();
     stats_ms.sort_unstable();
     println!(
-        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms p50={} max={}",
+        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms min={} p50={} max={}",
         percentile(&phase.latencies, 0.5),
         percentile(&phase.latencies, 0.99),
         phase.latencies.last().copied().unwrap_or(0),
@@ -229,6 +229,7 @@ fn report(name: &str, phase: &Phase) {
         percentile(&stats_ms, 0.5),
         stats_ms.last().copied().unwrap_or(0),
         phase.checkpoint_ms.len(),
+        phase.checkpoint_ms.first().copied().unwrap_or(0),
         percentile(&phase.checkpoint_ms, 0.5),
         phase.checkpoint_ms.last().copied().unwrap_or(0),
     );

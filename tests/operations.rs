@@ -950,6 +950,9 @@ fn each_checkpoint_is_one_event_with_how_long_it_held_the_writer() {
         store.complete(&lease, b"ok").unwrap();
         store.checkpoint().unwrap();
     }
+    // The event follows the answer on the writer's thread: the drop joins
+    // it (its closing checkpoint emits none).
+    drop(store);
     let got = checkpoints_of(&path);
     let got = &got[before..];
     assert_eq!(got.len(), 3, "{got:?}");
@@ -959,7 +962,6 @@ fn each_checkpoint_is_one_event_with_how_long_it_held_the_writer() {
         // Each covers the claim and completion written since the last.
         assert!(s1 > s0, "{got:?}");
     }
-    drop(store);
 }
 
 /// A sweep reads the expiry index entries that are due (up to its limit,

@@ -1590,7 +1590,8 @@ fn commit_checkpoint(
         shared.poison(&err, false);
     }
     // The writer's whole pause: applying its buffered changes, the durable
-    // commit and its syncs of the index.
+    // commit with its syncs of the index, answering the batch's callers and
+    // starting the log over (growing it when it was full).
     tracing::debug!(
         target: "idemstore::checkpoint",
         path = %shared.path.display(),
