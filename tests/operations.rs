@@ -902,30 +902,19 @@ fn stats_from_stored_counts_match_a_count_of_every_record() {
 
 // ----------------------------------------------------------------- sweep cost
 
-/// The `visited` and `evicted` fields of the sweeps of the store at `path`.
-fn sweeps_of(path: &Path) -> Vec<(u64, u64)> {
+/// The named numeric fields of the captured events of the store at `path`
+/// that carry every one of them, in the order emitted: a sweep's
+/// `["visited", "evicted"]`, a checkpoint's `["epoch", "seq", "took_ms"]`.
+fn u64_fields<const N: usize>(path: &Path, keys: [&str; N]) -> Vec<[u64; N]> {
     let path = path.display().to_string();
-    let field = |e: &Captured, k: &str| e.fields[k].parse::<u64>().unwrap();
     captured()
         .lock()
         .unwrap()
         .iter()
-        .filter(|e| e.fields.get("path") == Some(&path) && e.fields.contains_key("visited"))
-        .map(|e| (field(e, "visited"), field(e, "evicted")))
-        .collect()
-}
-
-/// The `epoch`, `seq` and `took_ms` fields of the checkpoint events of the
-/// store at `path`, in the order emitted.
-fn checkpoints_of(path: &Path) -> Vec<(u64, u64, u64)> {
-    let path = path.display().to_string();
-    let field = |e: &Captured, k: &str| e.fields[k].parse::<u64>().unwrap();
-    captured()
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|e| e.fields.get("path") == Some(&path) && e.fields.contains_key("took_ms"))
-        .map(|e| (field(e, "epoch"), field(e, "seq"), field(e, "took_ms")))
+        .filter(|e| {
+            e.fields.get("path") == Some(&path) && keys.iter().all(|k| e.fields.contains_key(*k))
+        })
+        .map(|e| keys.map(|k| e.fields[k].parse::<u64>().unwrap()))
         .collect()
 }
 
@@ -940,7 +929,7 @@ fn each_checkpoint_is_one_event_with_how_long_it_held_the_writer() {
     let path = dir.path().join("s.redb");
     let clock = ManualClock::new(T0);
     let store = open(&path, &clock);
-    let before = checkpoints_of(&path).len();
+    let before = u64_fields(&path, ["epoch", "seq", "took_ms"]).len();
     for i in 0..3 {
         let lease = acquire(
             &store,
@@ -953,11 +942,11 @@ fn each_checkpoint_is_one_event_with_how_long_it_held_the_writer() {
     // The event follows the answer on the writer's thread: the drop joins
     // it (its closing checkpoint emits none).
     drop(store);
-    let got = checkpoints_of(&path);
+    let got = u64_fields(&path, ["epoch", "seq", "took_ms"]);
     let got = &got[before..];
     assert_eq!(got.len(), 3, "{got:?}");
     for pair in got.windows(2) {
-        let ((e0, s0, _), (e1, s1, _)) = (pair[0], pair[1]);
+        let ([e0, s0, _], [e1, s1, _]) = (pair[0], pair[1]);
         assert_eq!(e1, e0 + 1, "one epoch per checkpoint: {got:?}");
         // Each covers the claim and completion written since the last.
         assert!(s1 > s0, "{got:?}");
@@ -1002,10 +991,10 @@ fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
         // And a sweep with nothing due reads one entry per range.
         assert_eq!(store.sweep(usize::MAX).unwrap(), 0);
         drop(store);
-        let sweeps = sweeps_of(&path);
+        let sweeps = u64_fields(&path, ["visited", "evicted"]);
         assert_eq!(
             sweeps,
-            vec![(7 + 1 + 1, 3), (4 + 2, 4), (2, 0)],
+            vec![[7 + 1 + 1, 3], [4 + 2, 4], [2, 0]],
             "store of {size} records"
         );
         seen.push(sweeps);
@@ -1084,13 +1073,13 @@ fn sweep_due_evicts_everything_due_in_bounded_slices() {
     assert_eq!(store.sweep(usize::MAX).unwrap(), 0);
     assert_eq!(store.len().unwrap(), 5);
     drop(store);
-    let slices = sweeps_of(&path);
+    let slices = u64_fields(&path, ["visited", "evicted"]);
     assert!(slices.len() >= 300 / 7, "{slices:?}");
     assert!(
-        slices.iter().all(|(_, evicted)| *evicted <= 7),
+        slices.iter().all(|[_, evicted]| *evicted <= 7),
         "{slices:?}"
     );
-    assert_eq!(slices.iter().map(|(_, e)| e).sum::<u64>(), 300);
+    assert_eq!(slices.iter().map(|[_, e]| e).sum::<u64>(), 300);
 }
 
 // ---------------------------------------------------------------- compaction
