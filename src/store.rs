@@ -726,10 +726,12 @@ impl Store {
     /// records and 1 ms of the writer's time each (plus one eviction, 6 to
     /// 40 µs measured; both doubled after the sweep's first second and
     /// again after its second), and leaves the writer to other writes for
-    /// three times as long as each slice took: its slices start at a
-    /// quarter of the writer's time however many records are due. Each
-    /// second it evicts less than one and a half times what came due
-    /// meanwhile, it is falling behind and takes one share more (a third,
+    /// three times as long as each slice took, counting what earlier
+    /// slices' evictions cost the writer since (the commits that apply
+    /// them and write their index pages, a checkpoint's sync included): it
+    /// starts at a quarter of the writer's time however many records are
+    /// due. Each second it evicts less than one and a half times what came
+    /// due meanwhile, it is falling behind and takes one share more (a third,
     /// half, then at most two thirds), one less once it evicts three times
     /// that. It returns when none is due (records that fall due meanwhile
     /// are evicted too) and every eviction is durable.

@@ -65,7 +65,7 @@ use std::sync::mpsc::{
 };
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::expiry::Swept;
 
@@ -109,6 +109,8 @@ pub(crate) enum Command {
     /// durable: a paced sweep times its next slice from this one's writer
     /// time, not from the fsync of the writes beside it (a slice the log
     /// then fails to write evicted nothing, and the store is poisoned).
+    /// The answer's `spent` also carries what earlier slices' evictions
+    /// cost the writer's commits since ([`evictions_share`]).
     Sweep {
         max: usize,
         budget: Option<std::time::Duration>,
@@ -248,9 +250,28 @@ pub(crate) struct Shared {
     /// Raised when the writer stops on a poisoned store, so that redb's
     /// close cannot make a non-durable commit durable (see `fence.rs`).
     pub fence: Fence,
+    /// The writer's time (ns) owed by sweep slices for what their evictions
+    /// cost it outside them (see [`evictions_share`]): added to the next
+    /// slice's `spent`, which paces the sweep. Only the writer changes it.
+    pub sweep_debt_ns: AtomicU64,
 }
 
 impl Shared {
+    /// Adds `owed` to what sweep slices owe the writer.
+    fn owe_sweep(&self, owed: Duration) {
+        let ns = u64::try_from(owed.as_nanos()).unwrap_or(u64::MAX);
+        let _ = self
+            .sweep_debt_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |was| {
+                Some(was.saturating_add(ns))
+            });
+    }
+
+    /// What sweep slices owe the writer, cleared.
+    fn take_sweep_debt(&self) -> Duration {
+        Duration::from_nanos(self.sweep_debt_ns.swap(0, Ordering::Relaxed))
+    }
+
     /// Marks the store poisoned after a failed durable write, and fails
     /// every batch still waiting for durability.
     fn poison(&self, err: &Error, index: bool) {
@@ -582,6 +603,39 @@ pub(crate) struct WriterState {
     /// The index transaction batches are being applied to, not yet
     /// committed.
     open: Option<OpenTxn>,
+    /// The record changes committed since the last checkpoint, and how many
+    /// of them were evictions: what a checkpoint's share owed by
+    /// evictions is reckoned from (its sync writes the pages they changed).
+    since_checkpoint: Changes,
+}
+
+/// Record changes an index commit applied, and the evictions among them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Changes {
+    /// Record puts and removals applied.
+    all: u64,
+    /// Records evicted by sweep steps (at most `all` counts).
+    evicted: u64,
+}
+
+impl Changes {
+    /// The changes `open` applied: its buffer's taken puts and removals,
+    /// and its sweeps' evictions (a removal is an eviction only if a sweep
+    /// made it: a released claim removes its record too).
+    fn of(open: &OpenTxn) -> Changes {
+        let (puts, removals) = open.pending.taken();
+        Changes {
+            all: puts.saturating_add(removals),
+            evicted: open.evicted.min(removals),
+        }
+    }
+
+    fn add(self, other: Changes) -> Changes {
+        Changes {
+            all: self.all.saturating_add(other.all),
+            evicted: self.evicted.saturating_add(other.evicted),
+        }
+    }
 }
 
 impl WriterState {
@@ -601,6 +655,7 @@ impl WriterState {
             tally: None,
             last_batch: 0,
             open: None,
+            since_checkpoint: Changes::default(),
         }
     }
 }
@@ -635,6 +690,8 @@ struct OpenTxn {
     /// written once, before `txn` commits, instead of at every batch (a
     /// lone caller's batch then opens no metadata table).
     counters: Option<Counters>,
+    /// Records evicted by sweep steps decided into it.
+    evicted: u64,
 }
 
 /// The counters the index holds beside its tables (`schema::Tables::set_counters`).
@@ -1199,8 +1256,10 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
         return; // Nothing changed: dropping it aborts nothing of value.
     }
     let path = &shared.path;
+    let started = Instant::now();
     let mut open = open;
     let applied = open.apply_pending(path, &mut state.tally);
+    let changes = Changes::of(&open);
     let OpenTxn { txn, keys, .. } = open;
     let tally = state.tally;
     let committed = applied.and_then(|()| {
@@ -1214,6 +1273,8 @@ fn commit_open(shared: &Shared, state: &mut WriterState) {
         shared.poison(&err, true);
         return;
     }
+    shared.owe_sweep(evictions_share(started.elapsed(), changes));
+    state.since_checkpoint = state.since_checkpoint.add(changes);
     shared
         .progress
         .committed
@@ -1268,6 +1329,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 keys: Vec::new(),
                 pending: Pending::default(),
                 counters: None,
+                evicted: 0,
             })
         }),
     };
@@ -1291,6 +1353,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     // disk was free: then the writer syncs it itself (one thread hop fewer
     // for a lone caller).
     let mut alone = false;
+    let mut evicted = 0u64;
     let decided = guard(path, || {
         let mut tables =
             Tables::buffered(path, &open.txn, &mut open.pending).with_tally(state.tally);
@@ -1305,7 +1368,13 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 checkpoint |= matches!(cmd, Command::Checkpoint);
                 commit |= matches!(cmd, Command::Commit);
                 let early = matches!(cmd, Command::Sweep { early: true, .. });
-                let answer = decide(shared, &mut tables, cmd, now, &mut token, &mut events)?;
+                let mut answer = decide(shared, &mut tables, cmd, now, &mut token, &mut events)?;
+                if let Ok(Answer::Evicted(swept)) = &mut answer {
+                    evicted =
+                        evicted.saturating_add(u64::try_from(swept.evicted).unwrap_or(u64::MAX));
+                    // What earlier slices' evictions cost the writer since.
+                    swept.spent = swept.spent.saturating_add(shared.take_sweep_debt());
+                }
                 if let (true, Ok(Answer::Evicted(swept))) = (early, &answer) {
                     answer_early(&mut batch[answers.len()], Answer::Evicted(*swept));
                 }
@@ -1378,6 +1447,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         });
         Ok((tables.finish(), counters))
     });
+    open.evicted = open.evicted.saturating_add(evicted);
     let (body, touched) = match decided {
         Ok((finished, counters)) => {
             state.tally = finished.tally;
@@ -1517,6 +1587,25 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     closing
 }
 
+/// The part of `took`, the writer's time applying and committing an index
+/// transaction (or checkpointing: the changes since the last checkpoint),
+/// that its evictions caused: in proportion to the evictions among the
+/// record changes it applied, each a change to a leaf of the records
+/// table. A slice is charged for its own time; this is what its evictions
+/// cost the writer afterwards (their pages copied, written and, at a
+/// checkpoint, synced), which would otherwise fall on the writes beside
+/// the sweep. Charged to the next slice (`Shared::sweep_debt_ns`).
+fn evictions_share(took: Duration, changes: Changes) -> Duration {
+    let (all, removals) = (u128::from(changes.all), changes.evicted.min(changes.all));
+    if all == 0 || removals == 0 {
+        return Duration::ZERO;
+    }
+    // At most 2^64 - 1 ns (584 years) each: the product fits in a u128.
+    let took = u128::from(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
+    let nanos = took.saturating_mul(u128::from(removals)) / all;
+    Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+}
+
 /// Commits `open` (with the batch of sequence number `seq`, possibly empty)
 /// durably as a checkpoint, answers the batch's callers and starts the log
 /// over.
@@ -1536,6 +1625,7 @@ fn commit_checkpoint(
     let paused = Instant::now();
     let mut open = open;
     let applied = open.apply_pending(&shared.path, &mut state.tally);
+    let changes = state.since_checkpoint.add(Changes::of(&open));
     let OpenTxn { mut txn, keys, .. } = open;
     let started = Instant::now();
     let committed = applied.and_then(|()| {
@@ -1568,6 +1658,8 @@ fn commit_checkpoint(
     }
     state.last_seq = seq;
     state.token_reserved = token_reserved;
+    shared.owe_sweep(evictions_share(paused.elapsed(), changes));
+    state.since_checkpoint = Changes::default();
     shared.progress.committed.store(seq, Ordering::SeqCst);
     shared.progress.checkpointed(seq, shared);
     shared.cache.end_write(&keys, seq);
@@ -1965,5 +2057,37 @@ fn sync_loop(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changes(all: u64, evicted: u64) -> Changes {
+        Changes { all, evicted }
+    }
+
+    /// A commit's time is owed by its evictions in proportion to the
+    /// evictions among its record changes; none when it evicted nothing,
+    /// all of it when it only evicted; never more than all of it, never
+    /// overflowing.
+    #[test]
+    fn evictions_owe_their_share_of_a_commit() {
+        let ms = Duration::from_millis;
+        assert_eq!(evictions_share(ms(100), changes(0, 0)), Duration::ZERO);
+        assert_eq!(evictions_share(ms(100), changes(7, 0)), Duration::ZERO);
+        assert_eq!(evictions_share(ms(100), changes(7, 7)), ms(100));
+        assert_eq!(evictions_share(ms(100), changes(4, 1)), ms(25));
+        assert_eq!(evictions_share(ms(100), changes(4, 9)), ms(100));
+        assert_eq!(evictions_share(ms(100), changes(0, 9)), Duration::ZERO);
+        assert_eq!(
+            evictions_share(Duration::ZERO, changes(4, 1)),
+            Duration::ZERO
+        );
+        assert_eq!(
+            evictions_share(Duration::MAX, changes(u64::MAX, u64::MAX / 2)),
+            Duration::from_nanos(u64::MAX / 2)
+        );
     }
 }

@@ -26,7 +26,9 @@ pub(crate) struct Swept {
     /// Whether the step stopped before it ran out of due records (at its
     /// `max` or its time budget): more may be due.
     pub more: bool,
-    /// The writer's time the step took (reading the due entries included).
+    /// The writer's time the step took (reading the due entries included);
+    /// the writer adds, on its answer, what earlier steps' evictions cost
+    /// it since their own steps (`commit::evictions_share`).
     pub spent: Duration,
 }
 

@@ -202,6 +202,7 @@ impl Embedded {
             cache: ReadCache::new(config.read_cache_bytes),
             sync_inline: AtomicBool::new(true),
             fence,
+            sweep_debt_ns: AtomicU64::new(0),
         });
         let state = WriterState::new(
             opened.next_token,
@@ -1109,6 +1110,42 @@ mod tests {
         // One slice: at most the batch (fewer if its 1-ms budget ran out).
         assert!((1..=10).contains(&evicted), "{evicted}");
         assert_eq!(store.sweep_due().unwrap(), 50 - evicted);
+    }
+
+    /// What evictions cost the writer after their slice (their changes
+    /// applied and their pages committed, here by a checkpoint) is owed by
+    /// the sweep: the next slice's `spent`, which paces the sweep, includes
+    /// it, and the debt is then cleared.
+    #[test]
+    fn the_next_sweep_slice_is_charged_for_what_evictions_cost_the_commit() {
+        let clock = crate::clock::ManualClock::new(1_700_000_000_000);
+        let store = in_memory(
+            "debt.redb",
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .retention(Duration::from_secs(1))
+                .clock(clock.clone()),
+        );
+        finish_keys(&store, "debt", 200);
+        store.checkpoint().unwrap();
+        let e = embedded(&store);
+        // Commits of puts alone owe nothing.
+        assert_eq!(e.shared.sweep_debt_ns.load(Ordering::SeqCst), 0);
+        clock.advance(Duration::from_secs(60));
+        let swept = e.sweep_step(usize::MAX, None, false).unwrap();
+        assert_eq!(swept.evicted, 200);
+        // The removals wait in the writer's buffer; the checkpoint applies
+        // and commits them.
+        store.checkpoint().unwrap();
+        let owed = Duration::from_nanos(e.shared.sweep_debt_ns.load(Ordering::SeqCst));
+        assert!(owed > Duration::ZERO);
+        let next = e
+            .sweep_step(10, Some(Duration::from_millis(1)), false)
+            .unwrap();
+        assert_eq!(next.evicted, 0);
+        assert!(next.spent >= owed, "{next:?} {owed:?}");
+        assert_eq!(e.shared.sweep_debt_ns.load(Ordering::SeqCst), 0);
     }
 
     /// A slice of a paced sweep (the background sweeper's) is answered as

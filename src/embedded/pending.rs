@@ -89,6 +89,8 @@ pub(crate) struct Pending {
     /// change made (not per entry held, so it over-counts a key changed
     /// twice), less what was taken out; saturating.
     bytes: usize,
+    /// Record changes taken out so far (to be applied): puts, removals.
+    taken: (u64, u64),
 }
 
 impl Pending {
@@ -127,13 +129,33 @@ impl Pending {
         self.expiry.insert((deadline, key.to_vec()), change);
     }
 
+    /// The record changes taken out since the buffer was made, as (puts,
+    /// removals): each key's last change counts once per take.
+    pub(crate) fn taken(&self) -> (u64, u64) {
+        self.taken
+    }
+
+    /// Counts taken record changes by kind (see [`Pending::taken`]).
+    fn count_taken(&mut self, records: &[RecordChange]) {
+        for (_, envelope) in records {
+            let slot = if envelope.is_some() {
+                &mut self.taken.0
+            } else {
+                &mut self.taken.1
+            };
+            *slot = slot.saturating_add(1);
+        }
+    }
+
     /// Takes up to `max` changes in key order (records first, then expiry
     /// entries), leaving the rest buffered (`usize::MAX`: all of them).
     pub(crate) fn take_some(&mut self, max: usize) -> (Vec<RecordChange>, Vec<ExpiryChange>) {
         if max >= self.records.len().saturating_add(self.expiry.len()) {
             self.bytes = 0;
-            let records = std::mem::take(&mut self.records).into_iter().collect();
+            let records: Vec<RecordChange> =
+                std::mem::take(&mut self.records).into_iter().collect();
             let expiry = std::mem::take(&mut self.expiry).into_iter().collect();
+            self.count_taken(&records);
             return (records, expiry);
         }
         let mut records = Vec::new();
@@ -157,6 +179,7 @@ impl Pending {
         if self.is_empty() {
             self.bytes = 0;
         }
+        self.count_taken(&records);
         (records, expiry)
     }
 }
@@ -244,6 +267,26 @@ mod tests {
         assert_eq!(expiry, vec![((7, b"a".to_vec()), EntryChange::Insert)]);
         assert!(p.is_empty());
         assert_eq!(p.take_some(3), (Vec::new(), Vec::new()));
+    }
+
+    /// Each take counts the record changes it hands out, by kind, once per
+    /// key: what a commit's share owed by evictions is reckoned from.
+    #[test]
+    fn counts_the_record_changes_taken_by_kind() {
+        let mut p = Pending::default();
+        p.set_record(b"a", Some(b"1"));
+        p.set_record(b"a", None);
+        p.set_record(b"b", Some(b"2"));
+        p.set_record(b"c", None);
+        p.set_expiry(1, b"c", EntryChange::Remove);
+        assert_eq!(p.taken(), (0, 0));
+        let _ = p.take_some(1);
+        assert_eq!(p.taken(), (0, 1));
+        let _ = p.take_some(usize::MAX);
+        assert_eq!(p.taken(), (1, 2));
+        p.set_record(b"a", Some(b"3"));
+        let _ = p.take_some(usize::MAX);
+        assert_eq!(p.taken(), (2, 2));
     }
 
     #[test]
