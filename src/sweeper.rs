@@ -47,7 +47,7 @@ pub(crate) const SWEEP_SLICE_RECORDS: usize = 256;
 /// the slices' own and what their evictions cost it afterwards (charged to
 /// the next slice): counted in the slices alone, a quarter took about half
 /// of the write rate where the writer's CPU bounds it (16 threads, 1 M
-/// due, a store in memory: 0.44× and 0.56× against 0.94× and 0.68× with
+/// due, a store in memory: 0.45× and 0.50× against 0.80× and 0.79× with
 /// the later cost counted).
 pub(crate) const SWEEP_SHARES: [(u32, u32); 4] = [(4, 1), (3, 1), (2, 1), (3, 2)];
 
