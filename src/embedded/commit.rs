@@ -109,8 +109,9 @@ pub(crate) enum Command {
     /// durable: a paced sweep times its next slice from this one's writer
     /// time, not from the fsync of the writes beside it (a slice the log
     /// then fails to write evicted nothing, and the store is poisoned).
-    /// The answer's `spent` also carries what earlier slices' evictions
-    /// cost the writer's commits since ([`evictions_share`]).
+    /// With `early`, the answer's `spent` also carries what earlier such
+    /// slices' evictions cost the writer's commits since
+    /// ([`evictions_share`]).
     Sweep {
         max: usize,
         budget: Option<std::time::Duration>,
@@ -250,9 +251,12 @@ pub(crate) struct Shared {
     /// Raised when the writer stops on a poisoned store, so that redb's
     /// close cannot make a non-durable commit durable (see `fence.rs`).
     pub fence: Fence,
-    /// The writer's time (ns) owed by sweep slices for what their evictions
-    /// cost it outside them (see [`evictions_share`]): added to the next
-    /// slice's `spent`, which paces the sweep. Only the writer changes it.
+    /// The writer's time (ns) owed by paced sweep slices for what their
+    /// evictions cost it outside them (see [`evictions_share`]): added to
+    /// the next paced slice's `spent`, which paces the sweep. Changed only
+    /// by whoever holds the writer's state. A debt left when a sweep ends
+    /// (its last commits' share, a checkpoint's after them) is paid by the
+    /// next sweep's first slice.
     pub sweep_debt_ns: AtomicU64,
 }
 
@@ -614,7 +618,9 @@ pub(crate) struct WriterState {
 struct Changes {
     /// Record puts and removals applied.
     all: u64,
-    /// Records evicted by sweep steps (at most `all` counts).
+    /// Records evicted by paced sweep slices (at most `all` counts; an
+    /// evicted key claimed again before the buffer is applied is a put, so
+    /// this is an estimate).
     evicted: u64,
 }
 
@@ -690,7 +696,7 @@ struct OpenTxn {
     /// written once, before `txn` commits, instead of at every batch (a
     /// lone caller's batch then opens no metadata table).
     counters: Option<Counters>,
-    /// Records evicted by sweep steps decided into it.
+    /// Records evicted by paced sweep slices decided into it.
     evicted: u64,
 }
 
@@ -1369,10 +1375,12 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 commit |= matches!(cmd, Command::Commit);
                 let early = matches!(cmd, Command::Sweep { early: true, .. });
                 let mut answer = decide(shared, &mut tables, cmd, now, &mut token, &mut events)?;
-                if let Ok(Answer::Evicted(swept)) = &mut answer {
+                // A paced slice's evictions are owed for, and it pays what
+                // earlier ones cost the writer since; a one-off
+                // `Store::sweep` neither owes nor pays.
+                if early && let Ok(Answer::Evicted(swept)) = &mut answer {
                     evicted =
                         evicted.saturating_add(u64::try_from(swept.evicted).unwrap_or(u64::MAX));
-                    // What earlier slices' evictions cost the writer since.
                     swept.spent = swept.spent.saturating_add(shared.take_sweep_debt());
                 }
                 if let (true, Ok(Answer::Evicted(swept))) = (early, &answer) {

@@ -1112,10 +1112,11 @@ mod tests {
         assert_eq!(store.sweep_due().unwrap(), 50 - evicted);
     }
 
-    /// What evictions cost the writer after their slice (their changes
-    /// applied and their pages committed, here by a checkpoint) is owed by
-    /// the sweep: the next slice's `spent`, which paces the sweep, includes
-    /// it, and the debt is then cleared.
+    /// What a paced slice's evictions cost the writer after it (their
+    /// changes applied and their pages committed, here by a checkpoint) is
+    /// owed by the sweep: the next paced slice's `spent`, which paces the
+    /// sweep, includes the debt, which is then cleared. A one-off
+    /// `Store::sweep` neither owes nor pays.
     #[test]
     fn the_next_sweep_slice_is_charged_for_what_evictions_cost_the_commit() {
         let clock = crate::clock::ManualClock::new(1_700_000_000_000);
@@ -1133,18 +1134,34 @@ mod tests {
         // Commits of puts alone owe nothing.
         assert_eq!(e.shared.sweep_debt_ns.load(Ordering::SeqCst), 0);
         clock.advance(Duration::from_secs(60));
-        let swept = e.sweep_step(usize::MAX, None, false).unwrap();
-        assert_eq!(swept.evicted, 200);
+        // A one-off sweep's evictions owe nothing.
+        assert_eq!(store.sweep(100).unwrap(), 100);
+        store.checkpoint().unwrap();
+        assert_eq!(e.shared.sweep_debt_ns.load(Ordering::SeqCst), 0);
+        let swept = e.sweep_step(usize::MAX, None, true).unwrap();
+        assert_eq!(swept.evicted, 100);
         // The removals wait in the writer's buffer; the checkpoint applies
         // and commits them.
         store.checkpoint().unwrap();
         let owed = Duration::from_nanos(e.shared.sweep_debt_ns.load(Ordering::SeqCst));
         assert!(owed > Duration::ZERO);
-        let next = e
-            .sweep_step(10, Some(Duration::from_millis(1)), false)
-            .unwrap();
+        // A one-off sweep does not take it; the next paced slice does.
+        assert_eq!(store.sweep(10).unwrap(), 0);
+        assert_eq!(
+            Duration::from_nanos(e.shared.sweep_debt_ns.load(Ordering::SeqCst)),
+            owed
+        );
+        let slice = Some(Duration::from_millis(1));
+        let next = e.sweep_step(10, slice, true).unwrap();
         assert_eq!(next.evicted, 0);
         assert!(next.spent >= owed, "{next:?} {owed:?}");
+        assert_eq!(e.shared.sweep_debt_ns.load(Ordering::SeqCst), 0);
+        // Whatever the debt, the slice's spent carries all of it.
+        e.shared
+            .sweep_debt_ns
+            .store(3_600_000_000_000, Ordering::SeqCst);
+        let next = e.sweep_step(10, slice, true).unwrap();
+        assert!(next.spent >= Duration::from_secs(3_600), "{next:?}");
         assert_eq!(e.shared.sweep_debt_ns.load(Ordering::SeqCst), 0);
     }
 
