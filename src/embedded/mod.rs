@@ -1036,11 +1036,7 @@ mod tests {
         let clock = crate::clock::ManualClock::new(t0);
         let store = in_memory(
             "came-due.redb",
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
-                .retention(Duration::from_secs(1))
-                .clock(clock.clone()),
+            manual_time(&clock).retention(Duration::from_secs(1)),
         );
         let fp = Fingerprint::of(b"p");
         let claim = |id: &str| {
@@ -1096,12 +1092,9 @@ mod tests {
         let clock = crate::clock::ManualClock::new(1_700_000_000_000);
         let store = in_memory(
             "stopping.redb",
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
+            manual_time(&clock)
                 .sweep_batch(10)
-                .retention(Duration::from_secs(1))
-                .clock(clock.clone()),
+                .retention(Duration::from_secs(1)),
         );
         finish_keys(&store, "stop", 50);
         clock.advance(Duration::from_secs(60));
@@ -1122,11 +1115,7 @@ mod tests {
         let clock = crate::clock::ManualClock::new(1_700_000_000_000);
         let store = in_memory(
             "debt.redb",
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
-                .retention(Duration::from_secs(1))
-                .clock(clock.clone()),
+            manual_time(&clock).retention(Duration::from_secs(1)),
         );
         finish_keys(&store, "debt", 200);
         store.checkpoint().unwrap();
@@ -1175,11 +1164,7 @@ mod tests {
         let log = HeldSync::default();
         let store = log.open_with(
             "paced.redb",
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
-                .retention(Duration::from_secs(1))
-                .clock(clock.clone()),
+            manual_time(&clock).retention(Duration::from_secs(1)),
         );
         finish_keys(&store, "paced", 40);
         clock.advance(Duration::from_secs(60));
@@ -1501,6 +1486,15 @@ mod tests {
         );
     }
 
+    /// A configuration whose store time is `clock`'s, moved by the test,
+    /// with no background thread (no sweeper, no scrub).
+    fn manual_time(clock: &crate::clock::ManualClock) -> Config {
+        Config::new()
+            .sweep_interval(None)
+            .scrub_rate(None)
+            .clock(clock.clone())
+    }
+
     /// A store on in-memory storage (index and log).
     fn in_memory(name: &str, config: Config) -> Store {
         Store::open_with_backend(
@@ -1638,13 +1632,7 @@ mod tests {
     #[test]
     fn the_write_buffer_repairs_and_removes_as_direct_application_does() {
         let clock = crate::clock::ManualClock::new(1_700_000_000_000);
-        let store = in_memory(
-            "inconsistent.redb",
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
-                .clock(clock.clone()),
-        );
+        let store = in_memory("inconsistent.redb", manual_time(&clock));
         let key = |id: &str| Key::new("buffer", id).unwrap();
         let fp = Fingerprint::of(b"p");
         let claim = |k: &Key| match store.claim(k, &fp, &ClaimOptions::new()).unwrap() {
@@ -1694,11 +1682,7 @@ mod tests {
         let clock = crate::clock::ManualClock::new(1_700_000_000_000);
         let store = in_memory(
             "backlog.redb",
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
-                .retention(std::time::Duration::from_secs(60))
-                .clock(clock.clone()),
+            manual_time(&clock).retention(std::time::Duration::from_secs(60)),
         );
         let fp = Fingerprint::of(b"p");
         let claim = |k: &Key| match store.claim(k, &fp, &ClaimOptions::new()).unwrap() {
