@@ -178,7 +178,9 @@ pub struct PostgresLimits {
     /// [`Config::postgres_connections`]) and closes each after this much
     /// idle time, so that the count follows the load: a lone sequential
     /// caller keeps one open, a burst opens more, which close once it has
-    /// passed. Default 60 s.
+    /// passed. A sync caller's direct connection (see
+    /// [`Config::postgres_connections`]) is closed after this much idle
+    /// time too, and opened again by the next call. Default 60 s.
     pub connection_idle_timeout: Duration,
 }
 
@@ -586,7 +588,7 @@ impl Config {
     /// open one is busy, and each is closed after
     /// [`PostgresLimits::connection_idle_timeout`] unused (default 60 s);
     /// a sync caller's statements may also take one direct connection of
-    /// the store's besides these. Concurrent requests are batched into one
+    /// the store's besides these (closed the same way). Concurrent requests are batched into one
     /// transaction per connection (group commit over the wire). On the
     /// embedded engine, opening fails with [`Error::InvalidArgument`]
     /// naming `postgres_connections`.

@@ -16,7 +16,9 @@
 //!   `pg_stat_activity` by an application name of the test's own): none
 //!   before the first call, one for a lone sequential caller, more (never
 //!   above `postgres_connections`) for concurrent callers, and none again
-//!   once `connection_idle_timeout` has passed unused.
+//!   once `connection_idle_timeout` has passed unused; a sync caller's
+//!   direct connection closes after that time unused too, and its next
+//!   call opens it again.
 //!
 //! The hang guards are generous bounds that only a hang reaches.
 //! `IDEMSTORE_SKIP_POSTGRES=1` skips these tests.
@@ -446,4 +448,46 @@ fn concurrent_callers_open_connections_up_to_the_max_and_idle_ones_close() {
     sessions.wait_for("after the load", |n| n == 0);
     // And the next call opens one again (none was open).
     lifecycle_async(&store, "after");
+}
+
+/// A sync caller's direct connection (its claims and completions run on
+/// its own thread) is closed once `connection_idle_timeout` has passed
+/// unused, as a worker's is, although no call drives it meanwhile; the
+/// next call opens it again.
+#[test]
+fn a_sync_callers_direct_connection_closes_when_idle_too() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_direct");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let app = schema.clone();
+    let sessions = Sessions::new(&url, &app);
+    let mut limits = PostgresLimits::default();
+    limits.connection_idle_timeout = Duration::from_millis(300);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Store::connect(&with_app(&url, &app), config).expect("connect");
+    sessions.wait_for("after connecting", |n| n == 0);
+    let lifecycle = |id: &str| {
+        let k = key(id);
+        let lease = match store.claim(&k, &fp(), &ClaimOptions::new()) {
+            Ok(ClaimOutcome::Acquired(lease)) => lease,
+            other => panic!("claim {id}: {other:?}"),
+        };
+        store.complete(&lease, b"done").expect("complete");
+    };
+    for i in 0..10 {
+        lifecycle(&format!("direct-{i}"));
+    }
+    // Claims and completions only: the direct connection alone.
+    assert_eq!(sessions.count(), 1);
+    sessions.wait_for("the direct connection unused", |n| n == 0);
+    // The next call opens it again, and the record written before is there.
+    lifecycle("direct-after");
+    assert_eq!(sessions.count(), 1);
+    match store.claim(&key("direct-0"), &fp(), &ClaimOptions::new()) {
+        Ok(ClaimOutcome::Replay(record)) => assert_eq!(record.state(), State::Succeeded),
+        other => panic!("{other:?}"),
+    }
 }

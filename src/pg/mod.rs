@@ -19,7 +19,9 @@
 //!   and every worker is busy, up to `PgOptions::connections`. A worker
 //!   left unused for `PostgresLimits::connection_idle_timeout` ends and
 //!   closes its connection. A lone sequential caller is served by one
-//!   connection; a burst opens more, which close once it has passed.
+//!   connection; a burst opens more, which close once it has passed. A
+//!   sync caller's direct connection (`Postgres::apply_direct`) is closed
+//!   by the driver thread after the same time unused.
 //! - **Group commit over the wire.** A free worker is handed everything
 //!   queued (up to `MAX_BATCH` requests, never waiting for more to
 //!   arrive, so a lone caller is never held back)
@@ -418,8 +420,9 @@ pub(crate) struct Postgres {
     /// The driver thread.
     thread: Option<JoinHandle<()>>,
     /// Connections a sync caller drives on its own thread for the hot
-    /// path ([`Postgres::apply_direct`]).
-    direct: Vec<parking_lot::Mutex<DirectConn>>,
+    /// path ([`Postgres::apply_direct`]); the driver thread closes one left
+    /// unused for `connection_idle_timeout` ([`close_idle_direct`]).
+    direct: Arc<[parking_lot::Mutex<DirectConn>]>,
 }
 
 /// How many direct connections a store keeps (besides its workers').
@@ -429,19 +432,74 @@ const DIRECT_CONNECTIONS: usize = 1;
 /// runtime (whose I/O the caller polls in `block_on`) and the connection,
 /// opened on first use.
 struct DirectConn {
-    /// The runtime (`None` only while dropping).
+    /// The runtime (`None` once closed: the next call builds another).
     runtime: Option<tokio::runtime::Runtime>,
     /// The connection.
     conn: Option<Conn>,
+    /// When a call last used it (`None`: never since it was closed).
+    used: Option<Instant>,
+}
+
+impl DirectConn {
+    fn new() -> DirectConn {
+        DirectConn {
+            runtime: None,
+            conn: None,
+            used: None,
+        }
+    }
+
+    /// Closes the connection, never blocking (a store may be dropped
+    /// inside an async runtime, and the driver thread closes idle ones
+    /// from its own): the connection's task lives in the runtime, which
+    /// no caller drives while it is idle, so dropping the client alone
+    /// would leave the session open until the next call; shutting the
+    /// runtime down drops the task and its socket, which ends the session.
+    fn close(&mut self) {
+        self.conn = None;
+        self.used = None;
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl Drop for DirectConn {
     fn drop(&mut self) {
-        // Never blocks (a store may be dropped inside an async runtime).
-        self.conn = None;
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
+        self.close();
+    }
+}
+
+/// Closes each direct connection left unused for `idle` (as the pool
+/// retires an idle worker's), checking when the least recently used one
+/// comes due; one in use is skipped (its call marks it used). Runs on the
+/// driver thread until the store is dropped.
+async fn close_idle_direct(
+    direct: std::sync::Weak<[parking_lot::Mutex<DirectConn>]>,
+    idle: Duration,
+) {
+    let mut wait = idle;
+    loop {
+        tokio::time::sleep(wait).await;
+        let Some(direct) = direct.upgrade() else {
+            return;
+        };
+        wait = idle;
+        let now = Instant::now();
+        for d in direct.iter() {
+            let Some(mut d) = d.try_lock() else {
+                continue;
+            };
+            let Some(due) = d.used.and_then(|used| used.checked_add(idle)) else {
+                continue;
+            };
+            match due.checked_duration_since(now) {
+                Some(left) if !left.is_zero() => wait = wait.min(left),
+                _ => d.close(),
+            }
         }
+        // A timer of at least a millisecond, whatever the clock did.
+        wait = wait.max(Duration::from_millis(1));
     }
 }
 
@@ -2594,18 +2652,14 @@ impl Postgres {
             store_id: 0,
             found: Found::Current,
             thread: Some(thread),
-            direct: Vec::new(),
+            direct: (0..DIRECT_CONNECTIONS)
+                .map(|_| parking_lot::Mutex::new(DirectConn::new()))
+                .collect(),
         };
-        for _ in 0..DIRECT_CONNECTIONS {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .map_err(Error::storage)?;
-            pg.direct.push(parking_lot::Mutex::new(DirectConn {
-                runtime: Some(runtime),
-                conn: None,
-            }));
-        }
+        pg.handle.spawn(close_idle_direct(
+            Arc::downgrade(&pg.direct),
+            limits.connection_idle_timeout,
+        ));
         let (tx, rx) = oneshot::channel();
         let due = tokio::time::Instant::now() + limits.call_timeout;
         pg.handle.spawn(async move {
@@ -2724,7 +2778,21 @@ impl Postgres {
         let Some(mut guard) = self.direct.iter().find_map(|d| d.try_lock()) else {
             return Direct::Busy;
         };
-        let DirectConn { runtime, conn } = &mut *guard;
+        let DirectConn {
+            runtime,
+            conn,
+            used,
+        } = &mut *guard;
+        if runtime.is_none() {
+            // Built here, on the caller's thread, outside any runtime.
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => *runtime = Some(rt),
+                Err(_) => return Direct::Busy,
+            }
+        }
         let Some(runtime) = runtime.as_ref() else {
             return Direct::Busy;
         };
@@ -2750,6 +2818,7 @@ impl Postgres {
                 Err(_) => Some(Err(expire(conn).error())),
             }
         });
+        *used = Some(Instant::now());
         match answer {
             Some(answer) => Direct::Answered(answer),
             None => Direct::Undecided,
