@@ -588,10 +588,10 @@ impl Config {
     /// open one is busy, and each is closed after
     /// [`PostgresLimits::connection_idle_timeout`] unused (default 60 s);
     /// a sync caller's statements may also take one direct connection of
-    /// the store's besides these (closed the same way). Concurrent requests are batched into one
-    /// transaction per connection (group commit over the wire). On the
-    /// embedded engine, opening fails with [`Error::InvalidArgument`]
-    /// naming `postgres_connections`.
+    /// the store's besides these (closed the same way). Concurrent
+    /// requests are batched into one transaction per connection (group
+    /// commit over the wire). On the embedded engine, opening fails with
+    /// [`Error::InvalidArgument`] naming `postgres_connections`.
     pub fn postgres_connections(mut self, connections: usize) -> Config {
         self.postgres_connections = Some(connections);
         self

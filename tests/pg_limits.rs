@@ -17,8 +17,9 @@
 //!   before the first call, one for a lone sequential caller, more (never
 //!   above `postgres_connections`) for concurrent callers, and none again
 //!   once `connection_idle_timeout` has passed unused; a sync caller's
-//!   direct connection closes after that time unused too, and its next
-//!   call opens it again.
+//!   direct connection closes after that time unused too (as a client
+//!   should: not counted abandoned by the server), and its next call
+//!   opens it again.
 //!
 //! The hang guards are generous bounds that only a hang reaches.
 //! `IDEMSTORE_SKIP_POSTGRES=1` skips these tests.
@@ -450,24 +451,76 @@ fn concurrent_callers_open_connections_up_to_the_max_and_idle_ones_close() {
     lifecycle_async(&store, "after");
 }
 
+/// `url` with its database replaced by `db` (a URL's path, or a
+/// key=value string's `dbname`).
+fn with_db(url: &str, db: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, query) = match rest.find(['/', '?']) {
+                Some(at) => {
+                    let (authority, tail) = rest.split_at(at);
+                    (authority, tail.find('?').map_or("", |q| &tail[q..]))
+                }
+                None => (rest, ""),
+            };
+            format!("{scheme}://{authority}/{db}{query}")
+        }
+        None => format!("{url} dbname={db}"),
+    }
+}
+
 /// A sync caller's direct connection (its claims and completions run on
 /// its own thread) is closed once `connection_idle_timeout` has passed
-/// unused, as a worker's is, although no call drives it meanwhile; the
-/// next call opens it again.
+/// unused, as a worker's is, although no call drives it meanwhile, and
+/// closed as a client should close it (a `Terminate` message, not a
+/// dropped socket: the database's `sessions_abandoned` does not grow; a
+/// database of the test's own, so that no other test's sessions count);
+/// the next call opens it again, and dropping the store closes it so too.
 #[test]
 fn a_sync_callers_direct_connection_closes_when_idle_too() {
     let Some(url) = pg::url() else { return };
     let schema = pg::schema("limits_direct");
-    idemstore::postgres::migrate(&url, &schema).expect("migrate");
     let app = schema.clone();
+    let admin = Sessions::new(&url, &app);
+    admin.rt.block_on(async {
+        admin
+            .client
+            .batch_execute(&format!("CREATE DATABASE \"{app}\""))
+            .await
+            .expect("create the test's database");
+    });
+    let db_url = with_db(&url, &app);
+    idemstore::postgres::migrate(&db_url, &schema).expect("migrate");
     let sessions = Sessions::new(&url, &app);
+    // Sessions to the test's database: all, and those ended by a lost
+    // client (pg_stat_database, PostgreSQL 14 and later).
+    let ended = || {
+        sessions.rt.block_on(async {
+            sessions
+                .client
+                .batch_execute("SELECT pg_stat_clear_snapshot()")
+                .await
+                .expect("clear snapshot");
+            let row = sessions
+                .client
+                .query_one(
+                    "SELECT sessions, sessions_abandoned FROM pg_stat_database WHERE datname = $1",
+                    &[&app],
+                )
+                .await
+                .expect("database stats");
+            (row.get::<_, i64>(0), row.get::<_, i64>(1))
+        })
+    };
     let mut limits = PostgresLimits::default();
-    limits.connection_idle_timeout = Duration::from_millis(300);
+    // Long enough that the counts right after the calls below see the
+    // connection still open on a loaded machine.
+    limits.connection_idle_timeout = Duration::from_secs(2);
     let config = Config::new()
         .postgres_schema(&schema)
         .postgres_limits(limits)
         .sweep_interval(None);
-    let store = Store::connect(&with_app(&url, &app), config).expect("connect");
+    let store = Store::connect(&with_app(&db_url, &app), config).expect("connect");
     sessions.wait_for("after connecting", |n| n == 0);
     let lifecycle = |id: &str| {
         let k = key(id);
@@ -477,17 +530,51 @@ fn a_sync_callers_direct_connection_closes_when_idle_too() {
         };
         store.complete(&lease, b"done").expect("complete");
     };
+    // Polls until the database has counted `n` more ended sessions than
+    // `before`, and returns how many of them were abandoned.
+    let abandoned_since = |before: (i64, i64), n: i64| {
+        let start = std::time::Instant::now();
+        loop {
+            let now = ended();
+            if now.0 >= before.0 + n {
+                return now.1 - before.1;
+            }
+            assert!(start.elapsed() < HANG_GUARD, "{before:?} -> {now:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let before = ended();
     for i in 0..10 {
         lifecycle(&format!("direct-{i}"));
     }
     // Claims and completions only: the direct connection alone.
     assert_eq!(sessions.count(), 1);
     sessions.wait_for("the direct connection unused", |n| n == 0);
+    assert_eq!(
+        abandoned_since(before, 1),
+        0,
+        "closed by dropping its socket"
+    );
     // The next call opens it again, and the record written before is there.
+    let before = ended();
     lifecycle("direct-after");
     assert_eq!(sessions.count(), 1);
     match store.claim(&key("direct-0"), &fp(), &ClaimOptions::new()) {
         Ok(ClaimOutcome::Replay(record)) => assert_eq!(record.state(), State::Succeeded),
         other => panic!("{other:?}"),
     }
+    drop(store);
+    sessions.wait_for("the store dropped", |n| n == 0);
+    assert_eq!(
+        abandoned_since(before, 1),
+        0,
+        "dropped by dropping its socket"
+    );
+    admin.rt.block_on(async {
+        // Leaves nothing behind on a server given by IDEMSTORE_PG_URL.
+        let _ = admin
+            .client
+            .batch_execute(&format!("DROP DATABASE \"{app}\" WITH (FORCE)"))
+            .await;
+    });
 }

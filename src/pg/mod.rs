@@ -423,6 +423,9 @@ pub(crate) struct Postgres {
     /// path ([`Postgres::apply_direct`]); the driver thread closes one left
     /// unused for `connection_idle_timeout` ([`close_idle_direct`]).
     direct: Arc<[parking_lot::Mutex<DirectConn>]>,
+    /// Wakes [`close_idle_direct`] when a call opened a direct connection
+    /// (it sleeps while none is open).
+    direct_opened: Arc<tokio::sync::Notify>,
 }
 
 /// How many direct connections a store keeps (besides its workers').
@@ -432,12 +435,33 @@ const DIRECT_CONNECTIONS: usize = 1;
 /// runtime (whose I/O the caller polls in `block_on`) and the connection,
 /// opened on first use.
 struct DirectConn {
-    /// The runtime (`None` once closed: the next call builds another).
+    /// The runtime (`None` before the first call and once closed: the
+    /// next call builds one).
     runtime: Option<tokio::runtime::Runtime>,
     /// The connection.
     conn: Option<Conn>,
-    /// When a call last used it (`None`: never since it was closed).
+    /// When a call last used it (`None` before the first call and once
+    /// closed).
     used: Option<Instant>,
+}
+
+/// How long a closed direct connection's runtime is still driven, on a
+/// short-lived thread of its own, so that the connection's task sees its
+/// client gone and ends the session as a client should (a `Terminate`
+/// message, and TLS's close_notify) before the runtime is shut down:
+/// writes to a local socket buffer, so well under this on any network.
+const DIRECT_CLOSE_GRACE: Duration = Duration::from_millis(100);
+
+/// A runtime shut down without blocking when dropped (`shutdown_background`:
+/// dropping a runtime inside another's context would panic).
+struct Background(Option<tokio::runtime::Runtime>);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl DirectConn {
@@ -451,16 +475,29 @@ impl DirectConn {
 
     /// Closes the connection, never blocking (a store may be dropped
     /// inside an async runtime, and the driver thread closes idle ones
-    /// from its own): the connection's task lives in the runtime, which
+    /// from its own). The connection's task lives in the runtime, which
     /// no caller drives while it is idle, so dropping the client alone
-    /// would leave the session open until the next call; shutting the
-    /// runtime down drops the task and its socket, which ends the session.
+    /// would leave the session open until the next call: the runtime is
+    /// driven for [`DIRECT_CLOSE_GRACE`] on a thread of its own, where the
+    /// task ends the session, then shut down (at once, dropping the task
+    /// and its socket, if no thread can be started).
     fn close(&mut self) {
-        self.conn = None;
+        let conn = self.conn.take();
         self.used = None;
-        if let Some(rt) = self.runtime.take() {
-            rt.shutdown_background();
+        let runtime = Background(self.runtime.take());
+        if conn.is_none() || runtime.0.is_none() {
+            return;
         }
+        drop(conn);
+        // On failure the closure, and with it the runtime, is dropped.
+        let _ = std::thread::Builder::new()
+            .name("idemstore-postgres-close".into())
+            .spawn(move || {
+                if let Some(rt) = &runtime.0 {
+                    // The timer is made inside the runtime's context.
+                    rt.block_on(async { tokio::time::sleep(DIRECT_CLOSE_GRACE).await });
+                }
+            });
     }
 }
 
@@ -471,35 +508,41 @@ impl Drop for DirectConn {
 }
 
 /// Closes each direct connection left unused for `idle` (as the pool
-/// retires an idle worker's), checking when the least recently used one
-/// comes due; one in use is skipped (its call marks it used). Runs on the
-/// driver thread until the store is dropped.
+/// retires an idle worker's): sleeps until the least recently used open
+/// one comes due, or, while none is open, until a call opens one
+/// (`opened`); one in use is looked at again `idle` later (its call marks
+/// it used). Runs on the driver thread until the store is dropped.
 async fn close_idle_direct(
     direct: std::sync::Weak<[parking_lot::Mutex<DirectConn>]>,
+    opened: Arc<tokio::sync::Notify>,
     idle: Duration,
 ) {
-    let mut wait = idle;
+    let mut wait: Option<Duration> = None;
     loop {
-        tokio::time::sleep(wait).await;
+        match wait {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => opened.notified().await,
+        }
         let Some(direct) = direct.upgrade() else {
             return;
         };
-        wait = idle;
+        wait = None;
         let now = Instant::now();
         for d in direct.iter() {
             let Some(mut d) = d.try_lock() else {
+                wait = Some(wait.map_or(idle, |w| w.min(idle)));
                 continue;
             };
             let Some(due) = d.used.and_then(|used| used.checked_add(idle)) else {
                 continue;
             };
             match due.checked_duration_since(now) {
-                Some(left) if !left.is_zero() => wait = wait.min(left),
+                Some(left) if !left.is_zero() => wait = Some(wait.map_or(left, |w| w.min(left))),
                 _ => d.close(),
             }
         }
         // A timer of at least a millisecond, whatever the clock did.
-        wait = wait.max(Duration::from_millis(1));
+        wait = wait.map(|w| w.max(Duration::from_millis(1)));
     }
 }
 
@@ -509,8 +552,9 @@ enum Direct {
     Answered(Result<Reply>),
     /// The hot path sent nothing it could decide: the general path.
     Undecided,
-    /// Not tried (no free direct connection, not a hot request, or called
-    /// inside a runtime): the queue, where the hot path may still take it.
+    /// Not tried (no free direct connection, not a hot request, called
+    /// inside a runtime, or no runtime could be built for a closed
+    /// connection): the queue, where the hot path may still take it.
     Busy,
 }
 
@@ -2655,9 +2699,11 @@ impl Postgres {
             direct: (0..DIRECT_CONNECTIONS)
                 .map(|_| parking_lot::Mutex::new(DirectConn::new()))
                 .collect(),
+            direct_opened: Arc::new(tokio::sync::Notify::new()),
         };
         pg.handle.spawn(close_idle_direct(
             Arc::downgrade(&pg.direct),
+            Arc::clone(&pg.direct_opened),
             limits.connection_idle_timeout,
         ));
         let (tx, rx) = oneshot::channel();
@@ -2818,7 +2864,12 @@ impl Postgres {
                 Err(_) => Some(Err(expire(conn).error())),
             }
         });
-        *used = Some(Instant::now());
+        let first = used.replace(Instant::now()).is_none();
+        // Unlocked first, so that the closer finds it free.
+        drop(guard);
+        if first {
+            self.direct_opened.notify_one();
+        }
         match answer {
             Some(answer) => Direct::Answered(answer),
             None => Direct::Undecided,
