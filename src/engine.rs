@@ -28,8 +28,6 @@ use crate::pg::Postgres;
 use crate::record::{ImportResult, Op, Record, Reply};
 use crate::report::Progress;
 use crate::report::{CheckReport, ScrubReport};
-#[cfg(feature = "postgres")]
-use crate::stats;
 use crate::stats::{LiveCounters, StateCounts};
 
 /// The storage of one open store.
@@ -354,12 +352,13 @@ impl Snapshot<'_> {
     /// record's `created_ms`: on the file engine from its state counts and
     /// the expiry index's range of records in flight (work that grows with
     /// the records in flight and those due for eviction); on PostgreSQL by
-    /// reading every record of [`Snapshot::entries`].
+    /// one aggregate statement over the rows' columns (the server reads
+    /// every row; no record is sent or decoded).
     pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
         match self {
             Snapshot::Embedded(s) => s.state_counts(now_ms),
             #[cfg(feature = "postgres")]
-            Snapshot::Postgres(pg) => stats::count_states(pg.entries(all_keys())?, now_ms),
+            Snapshot::Postgres(pg) => pg.state_counts(now_ms),
             #[cfg(not(feature = "postgres"))]
             Snapshot::Never(never, _) => match *never {},
         }

@@ -5,12 +5,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::audit::{self, Cause, Event};
-#[cfg(feature = "postgres")]
-use crate::{
-    codec::{self, Entries},
-    error::Result,
-    record::State,
-};
 
 /// Counters since the store was opened, as seen by
 /// [`Store::stats`](crate::Store::stats). They are kept in memory (atomics)
@@ -231,8 +225,10 @@ pub struct StateCounts {
     /// Records whose state cannot be read. On the file engine, `stats` does
     /// not read every record: a record damaged elsewhere in its envelope is
     /// counted in its state, and only `verify` / `idemstore check` names
-    /// every damaged record. On PostgreSQL: rows that fail their checksum or
-    /// do not decode.
+    /// every damaged record. On PostgreSQL: rows whose `state` column is
+    /// none of the four (`stats` reads no record there either; a row
+    /// damaged otherwise is counted in its state, and reads and `check`
+    /// find it).
     pub corrupt: u64,
 }
 
@@ -272,38 +268,4 @@ pub struct Stats {
     pub file_bytes: Option<u64>,
     /// Counters since the store was opened.
     pub counters: Counters,
-}
-
-/// Counts records by state with one pass over a snapshot's `entries`:
-/// reads and decodes every stored record. Returns the counts and the oldest
-/// live Processing record's `created_ms`. Used by the PostgreSQL engine;
-/// the file engine keeps its counts (see `embedded::Snapshot::state_counts`).
-#[cfg(feature = "postgres")]
-pub(crate) fn count_states(entries: Entries, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
-    let mut counts = StateCounts::default();
-    let mut oldest: Option<u64> = None;
-    for entry in entries {
-        let (k, v) = entry?;
-        let Ok(record) = codec::decode_record(&k, &v) else {
-            counts.corrupt += 1;
-            continue;
-        };
-        if record.is_expired_at(now_ms) {
-            counts.expired += 1;
-            continue;
-        }
-        match record.state {
-            State::Processing => {
-                counts.processing += 1;
-                if !record.lease_valid_at(now_ms) {
-                    counts.lapsed += 1;
-                }
-                oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
-            }
-            State::Succeeded => counts.succeeded += 1,
-            State::Failed { retryable: false } => counts.failed += 1,
-            State::Failed { retryable: true } => counts.failed_retryable += 1,
-        }
-    }
-    Ok((counts, oldest))
 }

@@ -123,7 +123,7 @@ use crate::config::{PostgresLimits, PostgresPooler};
 use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
 use crate::record::{Op, Record, Reply};
-use crate::stats::LiveCounters;
+use crate::stats::{LiveCounters, StateCounts};
 
 use decide::{Base, Pass, RowColumns, Slot};
 pub(crate) use schema::SCHEMA_VERSION;
@@ -247,6 +247,11 @@ enum Job {
     NextToken { reply: oneshot::Sender<Result<u64>> },
     /// Counts the stored rows.
     Len { reply: oneshot::Sender<Result<u64>> },
+    /// Counts the stored rows by state at a store time (ms).
+    Counts {
+        now_ms: u64,
+        reply: oneshot::Sender<Result<(StateCounts, Option<u64>)>>,
+    },
 }
 
 impl Job {
@@ -267,6 +272,9 @@ impl Job {
                 let _ = reply.send(Err(error));
             }
             Job::Now { reply } | Job::NextToken { reply } | Job::Len { reply } => {
+                let _ = reply.send(Err(error));
+            }
+            Job::Counts { reply, .. } => {
                 let _ = reply.send(Err(error));
             }
         }
@@ -2110,6 +2118,61 @@ async fn read_len(_: &Shared, conn: &Conn) -> Result<u64, Fail> {
     to_u64("the row count", n)
 }
 
+/// The rows by state at `now_ms` and the oldest live Processing row's
+/// creation time, from one aggregate statement over the records' columns
+/// ([`Sql::state_counts`]): the server reads every row, the client none.
+/// A row whose `state` is none of the four is counted corrupt; one damaged
+/// elsewhere is counted in its state (reads and `check` find it).
+async fn read_counts(
+    shared: &Shared,
+    conn: &Conn,
+    now_ms: u64,
+) -> Result<(StateCounts, Option<u64>), Fail> {
+    let now = to_i64("the store's time", now_ms)?;
+    let row = conn
+        .client
+        .query_one(shared.sql.state_counts.as_str(), &[&now])
+        .await
+        .map_err(|e| fail(&e))?;
+    let count = |i: usize, what: &str| -> Result<u64, Fail> {
+        let n: i64 = row
+            .try_get(i)
+            .map_err(|e| storage("reading the counts by state", e))?;
+        to_u64(what, n)
+    };
+    let all = count(0, "the row count")?;
+    let corrupt = count(1, "the corrupt row count")?;
+    let counts = StateCounts {
+        processing: count(2, "the Processing count")?,
+        lapsed: count(3, "the lapsed count")?,
+        succeeded: count(4, "the Succeeded count")?,
+        failed: count(5, "the Failed count")?,
+        failed_retryable: count(6, "the retryably Failed count")?,
+        expired: 0,
+        corrupt,
+    };
+    let counted = [
+        counts.processing,
+        counts.succeeded,
+        counts.failed,
+        counts.failed_retryable,
+        corrupt,
+    ]
+    .iter()
+    .try_fold(0u64, |sum, n| sum.checked_add(*n))
+    .ok_or_else(|| Fail::Storage("the counts by state overflow".into()))?;
+    let expired = all
+        .checked_sub(counted)
+        .ok_or_else(|| Fail::Storage("the counts by state exceed the row count".into()))?;
+    let oldest: Option<i64> = row
+        .try_get(7)
+        .map_err(|e| storage("reading the oldest Processing row", e))?;
+    let oldest = oldest
+        .map(|ms| to_u64("the oldest Processing row's creation time", ms))
+        .transpose()?;
+    Ok((StateCounts { expired, ..counts }, oldest))
+}
+
 /// Answers a batch's callers (and publishes its events) or hands each the
 /// batch's error.
 fn answer_batch(
@@ -2572,6 +2635,13 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
             let read = until(due, conn, async |c| Ok(run_read(shared, c, read_len).await)).await;
             let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
         }
+        Job::Counts { now_ms, reply } => {
+            let read = until(due, conn, async |c| {
+                Ok(run_read(shared, c, async |s, c| read_counts(s, c, now_ms).await).await)
+            })
+            .await;
+            let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
+        }
     }
     drop(permit);
 }
@@ -2967,6 +3037,14 @@ impl Postgres {
     /// How many rows are stored (live, past retention or corrupt).
     pub(crate) fn len(&self) -> Result<u64> {
         self.ask(|reply| Job::Len { reply })
+    }
+
+    /// The rows by state at `now_ms` (store time, ms) and the oldest live
+    /// Processing row's `created_ms`, counted by the server from the rows'
+    /// columns in one statement (see [`read_counts`]): O(rows) on the
+    /// server, nothing per row on the wire.
+    pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
+        self.ask(|reply| Job::Counts { now_ms, reply })
     }
 
     /// The counters since this engine was connected.

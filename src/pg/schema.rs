@@ -141,6 +141,14 @@ pub(crate) struct Sql {
     pub hot_finish: String,
     /// Number of stored rows.
     pub count: String,
+    /// The rows by state at the store's time `$1` (ms), from their columns
+    /// alone (no envelope is read or sent): every row, rows whose `state`
+    /// is none of the four, live rows in each state (Processing, of them
+    /// those whose lease has lapsed, Succeeded, Failed, Failed
+    /// retryably), and the oldest live Processing row's `created_ms`
+    /// (NULL when none). One pass over the table; a row past retention
+    /// is one that is none of these.
+    pub state_counts: String,
     /// Rows in `[$1, $2)` in key order (every column: a row in the hot
     /// form is completed before a scan hands it out).
     pub range: String,
@@ -295,6 +303,19 @@ impl Sql {
                  AND r.expires_ms > u.at RETURNING r.key, u.at"
             ),
             count: format!("SELECT count(*) FROM {s}.records"),
+            // Each aggregate's filter is a comparison or two: cheaper than
+            // grouping (a generic plan sorts the whole table to group it).
+            state_counts: format!(
+                "SELECT count(*),
+                    count(*) FILTER (WHERE state NOT IN (0, 1, 2, 3)),
+                    count(*) FILTER (WHERE state = 0 AND expires_ms > $1),
+                    count(*) FILTER (WHERE state = 0 AND expires_ms > $1 AND lease_until_ms <= $1),
+                    count(*) FILTER (WHERE state = 1 AND expires_ms > $1),
+                    count(*) FILTER (WHERE state = 2 AND expires_ms > $1),
+                    count(*) FILTER (WHERE state = 3 AND expires_ms > $1),
+                    min(created_ms) FILTER (WHERE state = 0 AND expires_ms > $1)
+                 FROM {s}.records"
+            ),
             range: format!(
                 "SELECT {cols} FROM {s}.records WHERE key >= $1 AND key < $2 ORDER BY key"
             ),

@@ -12,6 +12,7 @@ use crate::clock::ManualClock;
 use crate::error::{ConfigFault, Error};
 use crate::key::{Fingerprint, Key};
 use crate::record::{ClaimOutcome, ImportResult, Lease, Op, Record, Reply, State};
+use crate::stats::StateCounts;
 
 const T0: u64 = 1_700_000_000_000;
 const RETENTION: u64 = 60_000;
@@ -1468,6 +1469,82 @@ fn corrupt_rows_do_not_hold_a_sweep_back() {
     assert_eq!(pg.sweep(2).unwrap(), 2, "the two sound rows behind them");
     assert_eq!(pg.sweep(2).unwrap(), 0);
     assert_eq!(pg.len().unwrap(), 2, "the damaged rows stay for check");
+}
+
+/// `stats` counts the rows by state from their columns in one statement
+/// (no envelope is read): live rows by state and lapsed leases, rows past
+/// retention, a row whose `state` column is none of the four as corrupt,
+/// and a row damaged only in its envelope in its state; and the oldest
+/// live Processing row's creation time.
+#[test]
+fn state_counts_come_from_the_rows_columns() {
+    if skipped() {
+        return;
+    }
+    let (pg, clock) = open("state_counts");
+    let finish = |id: &str, op: &dyn Fn(u64) -> Op| {
+        let k = key(id);
+        let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+        pg.apply(&k, op(l.token())).unwrap();
+    };
+    let complete = |token| Op::Complete {
+        token,
+        result: b"r".to_vec(),
+    };
+    assert_eq!(pg.state_counts(T0).unwrap(), (StateCounts::default(), None));
+    finish("old", &complete);
+    clock.advance(Duration::from_secs(10));
+    finish("done", &complete);
+    finish("bad-state", &complete);
+    finish("bad-envelope", &complete);
+    finish("failed", &|token| Op::Fail {
+        token,
+        failure: b"no".to_vec(),
+        retryable: false,
+    });
+    finish("retry", &|token| Op::Fail {
+        token,
+        failure: b"later".to_vec(),
+        retryable: true,
+    });
+    acquired(pg.apply(&key("held"), claim(b"a")).unwrap());
+    let hex = |id: &str| -> String {
+        key(id)
+            .to_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    let table = format!("\"{}\".records", pg.shared.sql.schema);
+    raw_sql(&format!(
+        "UPDATE {table} SET state = 9 WHERE key = '\\x{}'::bytea",
+        hex("bad-state")
+    ));
+    raw_sql(&format!(
+        "UPDATE {table} SET record = '\\x00'::bytea WHERE key = '\\x{}'::bytea",
+        hex("bad-envelope")
+    ));
+    // Past the first record's retention and the held lease, before the
+    // others' retention.
+    clock.advance(Duration::from_millis(RETENTION - 9_000));
+    let now = T0 + RETENTION + 1_000;
+    let (counts, oldest) = pg.state_counts(now).unwrap();
+    let expected = StateCounts {
+        processing: 1,
+        lapsed: 1,
+        succeeded: 2,
+        failed: 1,
+        failed_retryable: 1,
+        expired: 1,
+        corrupt: 1,
+    };
+    assert_eq!(counts, expected);
+    assert_eq!(counts.total(), pg.len().unwrap());
+    assert_eq!(oldest, Some(T0 + 10_000));
+    // Before the held lease lapsed, nothing lapsed; before the first
+    // record's retention ended, nothing expired.
+    let (earlier, _) = pg.state_counts(T0 + 10_500).unwrap();
+    assert_eq!((earlier.lapsed, earlier.expired), (0, 0));
 }
 
 /// `url` (its host and port) as a key=value connection string for `user`

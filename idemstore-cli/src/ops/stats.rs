@@ -15,8 +15,8 @@ use crate::ops::{self, StoreArg};
     after_help = "On a store file, counts by state come from the store's metadata (kept in \
 the same transaction as the records), less the records past retention that eviction has not \
 removed yet and plus the records in flight, which are read from the expiry index: the cost \
-grows with those, not with the store's size. On PostgreSQL, counts come from a scan of every \
-row. Counters of answers (claims, replays, takeovers, ...) live in the process that holds the \
+grows with those, not with the store's size. On PostgreSQL, counts come from one aggregate \
+statement over the rows' state and time columns: the server reads every row, none is sent. Counters of answers (claims, replays, takeovers, ...) live in the process that holds the \
 store: a service reads them from Store::stats()."
 )]
 pub struct Args {
