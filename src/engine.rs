@@ -49,8 +49,8 @@ pub(crate) enum Engine {
 pub(crate) enum Snapshot<'a> {
     /// A redb read transaction of the embedded engine.
     Embedded(embedded::Snapshot),
-    /// The PostgreSQL engine: each read of it opens a REPEATABLE READ
-    /// snapshot of its own.
+    /// The PostgreSQL engine: each scan of it opens a REPEATABLE READ
+    /// snapshot of its own; its counts by state are one statement.
     #[cfg(feature = "postgres")]
     Postgres(&'a Postgres),
     /// Holds the lifetime when no engine borrows it.

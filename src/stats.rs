@@ -226,9 +226,11 @@ pub struct StateCounts {
     /// not read every record: a record damaged elsewhere in its envelope is
     /// counted in its state, and only `verify` / `idemstore check` names
     /// every damaged record. On PostgreSQL: rows whose `state` column is
-    /// none of the four (`stats` reads no record there either; a row
-    /// damaged otherwise is counted in its state, and reads and `check`
-    /// find it).
+    /// none of the four (`stats` reads no record there either: a row
+    /// damaged otherwise is counted in its state, or in `expired` past its
+    /// expiry, where it stays, since a sweep leaves damaged rows to
+    /// `check`; reads answer [`Error::CorruptRecord`](crate::Error::CorruptRecord)
+    /// for it).
     pub corrupt: u64,
 }
 
@@ -257,7 +259,8 @@ pub struct Stats {
     /// The store's time when the snapshot was taken (ms since the epoch).
     pub now_ms: u64,
     /// Records by state in one read snapshot (kept counts on the file
-    /// engine, a scan on PostgreSQL: see [`Store::stats`](crate::Store::stats)).
+    /// engine, one aggregate statement on PostgreSQL: see
+    /// [`Store::stats`](crate::Store::stats)).
     pub records: StateCounts,
     /// Age of the oldest live Processing record, `now − created_ms`
     /// (milliseconds since its key was first acquired); `None` when nothing

@@ -907,19 +907,24 @@ impl Store {
     /// be read; a record damaged otherwise is counted in its state, and
     /// [`Store::verify`] (or `idemstore check`), which reads every record,
     /// names every damaged one. On PostgreSQL the counts come from one
-    /// aggregate statement over the rows' state and time columns: the
-    /// server reads every row, O(records), and sends none (170–220 ms at
-    /// 400,000–600,000 rows on an idle 2-core machine, 0.2–0.9 s there
-    /// beside 16 writing threads); `records.corrupt` counts the rows whose
-    /// state column is none of the four, and a row damaged otherwise is
-    /// counted in its state. It does not block the writer. Poll it at
-    /// dashboard rates (seconds), not per request.
+    /// aggregate statement over the rows' state and time columns, run on
+    /// one of the engine's connections: the server reads every row,
+    /// O(records), and sends none (170–220 ms at 500,000–630,000 rows on
+    /// an idle 2-core machine, 0.2–0.9 s there beside 16 writing threads;
+    /// tens of millions of rows would reach `call_timeout`);
+    /// `records.corrupt` counts the rows whose state column is none of the
+    /// four, and a row damaged otherwise is counted in its state (or in
+    /// `expired` past its expiry). It does not block the writer. Poll it
+    /// at dashboard rates (seconds), not per request.
     ///
     /// # Errors
     /// [`Error::Poisoned`] after a failed durable write (the index may hold
     /// changes that never became durable; reopen the store);
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
-    /// read (or its stored counts are malformed).
+    /// read (or its stored counts are malformed). On PostgreSQL,
+    /// [`Error::Unavailable`] when the server cannot be reached or the
+    /// statement outlasts `PostgresLimits::call_timeout` or
+    /// `statement_timeout`.
     pub fn stats(&self) -> Result<Stats> {
         let _span = tracing::debug_span!("idemstore.stats").entered();
         // A poisoned store's index may hold changes that never became

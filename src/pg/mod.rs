@@ -2122,7 +2122,10 @@ async fn read_len(_: &Shared, conn: &Conn) -> Result<u64, Fail> {
 /// creation time, from one aggregate statement over the records' columns
 /// ([`Sql::state_counts`]): the server reads every row, the client none.
 /// A row whose `state` is none of the four is counted corrupt; one damaged
-/// elsewhere is counted in its state (reads and `check` find it).
+/// elsewhere is counted in its state, or as expired past its
+/// `expires_ms` (reads answer `CorruptRecord` for it; `check` names a
+/// damaged record). The statement runs on a worker under the call's
+/// deadline (`call_timeout`) and `statement_timeout`.
 async fn read_counts(
     shared: &Shared,
     conn: &Conn,

@@ -146,8 +146,8 @@ pub(crate) struct Sql {
     /// is none of the four, live rows in each state (Processing, of them
     /// those whose lease has lapsed, Succeeded, Failed, Failed
     /// retryably), and the oldest live Processing row's `created_ms`
-    /// (NULL when none). One pass over the table; a row past retention
-    /// is one that is none of these.
+    /// (NULL when none; a negative one, damage, is left out). One pass
+    /// over the table; a row past retention is one that is none of these.
     pub state_counts: String,
     /// Rows in `[$1, $2)` in key order (every column: a row in the hot
     /// form is completed before a scan hands it out).
@@ -313,7 +313,7 @@ impl Sql {
                     count(*) FILTER (WHERE state = 1 AND expires_ms > $1),
                     count(*) FILTER (WHERE state = 2 AND expires_ms > $1),
                     count(*) FILTER (WHERE state = 3 AND expires_ms > $1),
-                    min(created_ms) FILTER (WHERE state = 0 AND expires_ms > $1)
+                    min(created_ms) FILTER (WHERE state = 0 AND expires_ms > $1 AND created_ms >= 0)
                  FROM {s}.records"
             ),
             range: format!(

@@ -1472,10 +1472,12 @@ fn corrupt_rows_do_not_hold_a_sweep_back() {
 }
 
 /// `stats` counts the rows by state from their columns in one statement
-/// (no envelope is read): live rows by state and lapsed leases, rows past
-/// retention, a row whose `state` column is none of the four as corrupt,
-/// and a row damaged only in its envelope in its state; and the oldest
-/// live Processing row's creation time.
+/// (no envelope is read): live rows by state and lapsed leases (from the
+/// lease's end on), rows past retention (from their expiry on), a row
+/// whose `state` column is none of the four as corrupt whether or not it
+/// is past retention, a row damaged only in its envelope in its state;
+/// and the oldest live Processing row's creation time (a negative one,
+/// damage, left out rather than failing the call).
 #[test]
 fn state_counts_come_from_the_rows_columns() {
     if skipped() {
@@ -1491,9 +1493,12 @@ fn state_counts_come_from_the_rows_columns() {
         token,
         result: b"r".to_vec(),
     };
-    assert_eq!(pg.state_counts(T0).unwrap(), (StateCounts::default(), None));
+    let at = |now: u64| pg.state_counts(now).unwrap();
+    assert_eq!(at(T0), (StateCounts::default(), None));
+    // Expires at T0 + RETENTION.
     finish("old", &complete);
     clock.advance(Duration::from_secs(10));
+    // These expire at T0 + 10 s + RETENTION.
     finish("done", &complete);
     finish("bad-state", &complete);
     finish("bad-envelope", &complete);
@@ -1507,7 +1512,11 @@ fn state_counts_come_from_the_rows_columns() {
         failure: b"later".to_vec(),
         retryable: true,
     });
+    // In flight: leases of 1 s, each record expiring retention after its
+    // claim (T0 + 10 s + RETENTION, and 500 ms later).
     acquired(pg.apply(&key("held"), claim(b"a")).unwrap());
+    clock.advance(Duration::from_millis(500));
+    acquired(pg.apply(&key("held-later"), claim(b"a")).unwrap());
     let hex = |id: &str| -> String {
         key(id)
             .to_bytes()
@@ -1516,35 +1525,51 @@ fn state_counts_come_from_the_rows_columns() {
             .collect()
     };
     let table = format!("\"{}\".records", pg.shared.sql.schema);
-    raw_sql(&format!(
-        "UPDATE {table} SET state = 9 WHERE key = '\\x{}'::bytea",
-        hex("bad-state")
-    ));
-    raw_sql(&format!(
-        "UPDATE {table} SET record = '\\x00'::bytea WHERE key = '\\x{}'::bytea",
-        hex("bad-envelope")
-    ));
-    // Past the first record's retention and the held lease, before the
-    // others' retention.
-    clock.advance(Duration::from_millis(RETENTION - 9_000));
-    let now = T0 + RETENTION + 1_000;
-    let (counts, oldest) = pg.state_counts(now).unwrap();
+    let damage = |set: &str, id: &str| {
+        raw_sql(&format!(
+            "UPDATE {table} SET {set} WHERE key = '\\x{}'::bytea",
+            hex(id)
+        ));
+    };
+    damage("state = 9", "bad-state");
+    damage("record = '\\x00'::bytea", "bad-envelope");
+    let live = StateCounts {
+        processing: 2,
+        lapsed: 0,
+        succeeded: 3,
+        failed: 1,
+        failed_retryable: 1,
+        expired: 0,
+        corrupt: 1,
+    };
+    let (before, oldest) = at(T0 + 10_999);
+    assert_eq!(before, live);
+    assert_eq!(before.total(), pg.len().unwrap());
+    assert_eq!(oldest, Some(T0 + 10_000), "the oldest, not the latest");
+    // A lease lapses at its end.
+    assert_eq!(at(T0 + 11_000).0.lapsed, 1);
+    assert_eq!(at(T0 + 11_500).0.lapsed, 2);
+    // A record is past retention from its expiry on.
+    assert_eq!(at(T0 + RETENTION - 1).0.expired, 0);
+    assert_eq!(at(T0 + RETENTION).0.expired, 1);
+    // Past the 10-s records' retention, the first Processing row's
+    // included (exactly at its expiry): the damaged state stays corrupt;
+    // the expired Processing row is no longer the oldest.
+    let (after, oldest) = at(T0 + 10_000 + RETENTION);
     let expected = StateCounts {
         processing: 1,
         lapsed: 1,
-        succeeded: 2,
-        failed: 1,
-        failed_retryable: 1,
-        expired: 1,
+        succeeded: 0,
+        failed: 0,
+        failed_retryable: 0,
+        expired: 6,
         corrupt: 1,
     };
-    assert_eq!(counts, expected);
-    assert_eq!(counts.total(), pg.len().unwrap());
-    assert_eq!(oldest, Some(T0 + 10_000));
-    // Before the held lease lapsed, nothing lapsed; before the first
-    // record's retention ended, nothing expired.
-    let (earlier, _) = pg.state_counts(T0 + 10_500).unwrap();
-    assert_eq!((earlier.lapsed, earlier.expired), (0, 0));
+    assert_eq!(after, expected);
+    assert_eq!(oldest, Some(T0 + 10_500));
+    // A negative creation time is left out of the oldest, not an error.
+    damage("created_ms = -1", "held-later");
+    assert_eq!(at(T0 + 10_000 + RETENTION), (expected, None));
 }
 
 /// `url` (its host and port) as a key=value connection string for `user`
