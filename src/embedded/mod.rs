@@ -18,6 +18,8 @@ pub(crate) mod pending;
 pub(crate) mod schema;
 pub(crate) mod scrub;
 pub(crate) mod wal;
+#[cfg(target_os = "linux")]
+pub(crate) mod writeback;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

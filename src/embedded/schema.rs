@@ -369,8 +369,16 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     .write(true)
                     .open(path)
                     .map_err(redb::DatabaseError::from)
-                    .and_then(redb::backends::FileBackend::new)
-                    .and_then(|file| builder.create_with_backend(Fenced::new(file, fence.clone())))
+                    .and_then(|file| {
+                        // A second handle on the same open file, to ask for
+                        // early writeback of what redb writes (`writeback.rs`).
+                        #[cfg(target_os = "linux")]
+                        let early = file.try_clone()?;
+                        let file = redb::backends::FileBackend::new(file)?;
+                        #[cfg(target_os = "linux")]
+                        let file = super::writeback::Writeback::new(file, early)?;
+                        builder.create_with_backend(Fenced::new(file, fence.clone()))
+                    })
             }
         };
         let mut db = opened.map_err(|e| open_error(path, e))?;
