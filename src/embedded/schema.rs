@@ -373,10 +373,10 @@ pub(crate) fn open<B: redb::StorageBackend>(
                         // A second handle on the same open file, to ask for
                         // early writeback of what redb writes (`writeback.rs`).
                         #[cfg(target_os = "linux")]
-                        let early = file.try_clone()?;
+                        let early = file.try_clone();
                         let file = redb::backends::FileBackend::new(file)?;
                         #[cfg(target_os = "linux")]
-                        let file = super::writeback::Writeback::new(file, early)?;
+                        let file = super::writeback::Writeback::new(file, early);
                         builder.create_with_backend(Fenced::new(file, fence.clone()))
                     })
             }

@@ -8,7 +8,7 @@
 //! Linux's defaults (`vm.dirty_background_ratio` 10 %,
 //! `vm.dirty_expire_centisecs` 30 s), writes none of them back before the
 //! checkpoint's `fdatasync` asks for all of them at once, with the writer
-//! held (300–480 ms at 1 M records on the machine of BENCHMARKS.md).
+//! held (172–482 ms at 1 M records on the machine of BENCHMARKS.md).
 //! PostgreSQL meets the same stall with `checkpoint_flush_after` and
 //! `backend_flush_after` (`pg_flush_data`: `sync_file_range`, or
 //! `posix_fadvise(POSIX_FADV_DONTNEED)` where that is missing), RocksDB
@@ -25,7 +25,12 @@
 //! that writes the pages: redb's pages are scattered, so it is about one
 //! request per page. At most [`QUEUE`] lists of ranges wait for that
 //! thread; past that a list is dropped and its pages are written by the
-//! next sync, as they would be without this module.
+//! next sync, as they would be without this module. A list handed over
+//! before a sync began is skipped (that sync writes its pages, and the
+//! advice would only drop them, clean by then, from the page cache), and
+//! so are those still queued when the store closes. Pages of a range that
+//! are already clean when the advice comes are dropped from the page
+//! cache; a later read of one that redb does not cache reads the disk.
 //!
 //! Nothing durable depends on it: only `fdatasync` makes a write durable,
 //! and the store's guarantees rest on that alone. The advice is best
@@ -37,6 +42,8 @@
 use std::fs::File;
 use std::io;
 use std::ops::Bound;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
@@ -88,6 +95,10 @@ impl Written {
 /// sync, as without this module).
 const QUEUE: usize = 8;
 
+/// A list of ranges for the writeback thread, with the count of syncs
+/// when it was handed over.
+type Request = (u64, Vec<(u64, u64)>);
+
 /// A redb backend that asks the kernel to write back what it wrote, every
 /// [`FLUSH_AFTER`] bytes, on a thread of its own (see the module
 /// documentation).
@@ -95,41 +106,48 @@ const QUEUE: usize = 8;
 pub(crate) struct Writeback<B> {
     inner: B,
     written: Mutex<Written>,
-    /// To the writeback thread; dropping it ends the thread.
-    to_thread: Option<SyncSender<Vec<(u64, u64)>>>,
-    /// Joined on drop: the thread's handle on the file (a clone, sharing
-    /// the open file and so redb's lock on it) is closed before the
-    /// backend is gone, so that the store can be opened again at once.
+    /// How many syncs began (and whether the backend is being dropped):
+    /// the thread skips a list handed over before the last of them, whose
+    /// pages that sync writes (and whose advice would then only drop them,
+    /// clean, from the page cache).
+    syncs: Arc<AtomicU64>,
+    /// To the writeback thread (`None`: it could not be started, and
+    /// nothing is asked); dropping it ends the thread.
+    to_thread: Option<SyncSender<Request>>,
+    /// Joined on drop, so that the thread's handle on the file is closed
+    /// before the backend is gone.
     thread: Option<JoinHandle<u64>>,
 }
 
 impl<B> Writeback<B> {
-    /// Wraps `inner`; `file` is a handle on the same open file (a clone),
-    /// on which the writeback thread makes its requests.
-    ///
-    /// # Errors
-    /// The thread could not be started.
-    pub(crate) fn new(inner: B, file: File) -> io::Result<Writeback<B>> {
-        let (to_thread, from_writer) = sync_channel::<Vec<(u64, u64)>>(QUEUE);
-        let thread = std::thread::Builder::new()
-            .name("idemstore-writeback".into())
-            .spawn(move || {
-                let mut advised = 0u64;
-                for ranges in from_writer {
-                    advised = advised.saturating_add(start_writeback(&file, &ranges));
-                }
-                advised
-            })?;
-        Ok(Writeback {
+    /// Wraps `inner`; `file` is a second handle on the same file (a
+    /// clone), on which the writeback thread makes its requests. When the
+    /// clone failed or the thread cannot be started, the backend asks for
+    /// nothing (logged at debug, target `idemstore::writeback`): the
+    /// advice is an optimisation, and its absence leaves every write to the
+    /// next sync, as redb's own backend does.
+    pub(crate) fn new(inner: B, file: io::Result<File>) -> Writeback<B> {
+        let syncs = Arc::new(AtomicU64::new(0));
+        let (to_thread, thread) = match file.and_then(|file| start_thread(file, syncs.clone())) {
+            Ok((to_thread, thread)) => (Some(to_thread), Some(thread)),
+            Err(err) => {
+                tracing::debug!(
+                    target: "idemstore::writeback",
+                    error = %err,
+                    "no early writeback of the index: its thread could not be started"
+                );
+                (None, None)
+            }
+        };
+        Writeback {
             inner,
             written: Mutex::new(Written::default()),
-            to_thread: Some(to_thread),
-            thread: Some(thread),
-        })
+            syncs,
+            to_thread,
+            thread,
+        }
     }
-}
 
-impl<B> Writeback<B> {
     /// Ends the thread once it has made the requests queued, and returns
     /// the bytes the kernel took the advice for.
     #[cfg(test)]
@@ -142,10 +160,31 @@ impl<B> Writeback<B> {
     }
 }
 
+/// Starts the writeback thread on `file`.
+fn start_thread(
+    file: File,
+    syncs: Arc<AtomicU64>,
+) -> io::Result<(SyncSender<Request>, JoinHandle<u64>)> {
+    let (to_thread, from_writer) = sync_channel::<Request>(QUEUE);
+    let thread = std::thread::Builder::new()
+        .name("idemstore-writeback".into())
+        .spawn(move || {
+            let mut advised = 0u64;
+            for (handed_at, ranges) in from_writer {
+                if handed_at == syncs.load(Ordering::Acquire) {
+                    advised = advised.saturating_add(start_writeback(&file, &ranges));
+                }
+            }
+            advised
+        })?;
+    Ok((to_thread, thread))
+}
+
 impl<B> Drop for Writeback<B> {
     fn drop(&mut self) {
-        // The thread ends once the requests already queued are made (at
-        // most `QUEUE` lists, a few milliseconds).
+        // The lists still queued are skipped: the thread ends at once
+        // (after the request it is making, if any).
+        self.syncs.fetch_add(1, Ordering::AcqRel);
         drop(self.to_thread.take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -186,18 +225,21 @@ impl<B: StorageBackend> StorageBackend for Writeback<B> {
         self.inner.set_len(len)
     }
     fn sync_data(&self) -> Result<(), io::Error> {
-        // Everything written is about to be synced: nothing to ask for.
+        // Everything written is about to be synced: nothing to ask for,
+        // and the lists handed over are skipped.
         *self.written.lock() = Written::default();
+        self.syncs.fetch_add(1, Ordering::AcqRel);
         self.inner.sync_data()
     }
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
         self.inner.write(offset, data)?;
         let due = self.written.lock().note(offset, data.len() as u64);
         if let Some(ranges) = due {
+            let handed_at = self.syncs.load(Ordering::Acquire);
             // A full queue or a stopped thread drops the request: the
             // next sync writes these pages, as it would without it.
             if let Some(to_thread) = &self.to_thread {
-                let _ = to_thread.try_send(ranges);
+                let _ = to_thread.try_send((handed_at, ranges));
             }
         }
         Ok(())
@@ -263,7 +305,7 @@ mod tests {
     }
 
     #[test]
-    fn what_is_written_reads_back_across_the_advice_and_a_sync() {
+    fn what_is_written_reads_back_across_the_advice() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("index");
         let file = std::fs::OpenOptions::new()
@@ -272,12 +314,11 @@ mod tests {
             .create_new(true)
             .open(&path)
             .expect("create");
-        let early = file.try_clone().expect("clone");
+        let early = file.try_clone();
         let backend = Writeback::new(
             redb::backends::FileBackend::new(file).expect("backend"),
             early,
-        )
-        .expect("writeback thread");
+        );
         // Three times the threshold in pages, in a scattered order, so that
         // the advice is asked for ranges with gaps between them.
         let page = 4096u64;
@@ -298,11 +339,10 @@ mod tests {
                 assert!(out.iter().all(|&b| b == fill), "page {i} {when}");
             }
         };
-        check("before the sync");
-        backend.sync_data().expect("sync");
-        check("after the sync");
+        check("after the advice was asked for");
         // Every full 1 MiB went to the kernel (none dropped: the queue
-        // holds more than the three lists), and it took the advice.
+        // holds more than the three lists, and no sync came between), and
+        // it took the advice.
         let advised = backend.finish();
         assert_eq!(advised, 3 * FLUSH_AFTER, "bytes handed for writeback");
         let bytes = std::fs::read(&path).expect("read the file");
@@ -311,5 +351,34 @@ mod tests {
             let fill = u8::try_from(i % 251).expect("small");
             assert!(chunk.iter().all(|&b| b == fill), "page {i} on reopen");
         }
+    }
+
+    #[test]
+    fn a_sync_starts_the_count_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("index");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .expect("create");
+        let early = file.try_clone();
+        let backend = Writeback::new(
+            redb::backends::FileBackend::new(file).expect("backend"),
+            early,
+        );
+        // Half the threshold, a sync, half again: the sync wrote the first
+        // half, so nothing adds up to a request.
+        let half = usize::try_from(FLUSH_AFTER / 2).expect("small");
+        backend.write(0, &vec![1u8; half]).expect("write");
+        backend.sync_data().expect("sync");
+        backend.write(FLUSH_AFTER, &vec![2u8; half]).expect("write");
+        let mut out = vec![0u8; half];
+        backend.read(0, &mut out).expect("read");
+        assert!(out.iter().all(|&b| b == 1), "the first half after the sync");
+        backend.read(FLUSH_AFTER, &mut out).expect("read");
+        assert!(out.iter().all(|&b| b == 2), "the second half");
+        assert_eq!(backend.finish(), 0, "nothing was handed over");
     }
 }
