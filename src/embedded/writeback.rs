@@ -52,7 +52,8 @@ use redb::{BackendError, StorageBackend};
 
 /// Written bytes that make the backend ask for their writeback (1 MiB).
 /// PostgreSQL's `checkpoint_flush_after` is 256 kB on Linux; a larger
-/// amount here means fewer calls for redb's scattered pages.
+/// amount here means fewer lists handed to the thread (the requests
+/// themselves are one per range, whatever the amount).
 pub(crate) const FLUSH_AFTER: u64 = 1024 * 1024;
 
 /// The ranges written since the last writeback request: sorted, merged
