@@ -13,7 +13,8 @@
 //! on fresh random keys: `--seconds` with no sweep, then until the sweep
 //! ends (and at least `--seconds`), while one thread sweeps: as the
 //! background sweeper does (`Store::sweep_due`: slices bounded in records
-//! and writer time, paced to a share of the writer's time),
+//! and writer time, paced to a share of the writer's time, a smaller one
+//! while the disk under the log is congested),
 //! or with `--mode steps` in back-to-back `Store::sweep(--batch)` calls
 //! until one returns fewer than the batch (what the background sweeper did
 //! before it was paced). Once per window the driving thread also times
@@ -21,7 +22,11 @@
 //! past retention that are not evicted yet). Prints one line per phase
 //! (with the checkpoints the writer made in it and how long each held it,
 //! from the store's `idemstore::checkpoint` events) and the lifecycles per
-//! second of each window of the sweep phase.
+//! second of each window of both phases; `below_half` counts a phase's
+//! windows below half the no-sweep rate. With `--device` (Linux) each
+//! window also gets the disk's traffic and the CPU time the hypervisor
+//! stole, to tell a slow window of the disk or the machine from one of the
+//! store; with `--filled` rounds of runs share one filled store.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -88,6 +93,112 @@ struct Args {
     /// (the system's temporary directory when absent).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// A block device (as named in Linux's `/proc/diskstats`, e.g. `vda`)
+    /// whose traffic is printed for each window of both phases (MiB
+    /// written and read, write requests, flushes, the mean time of a flush
+    /// and of a write, and the share of CPU time the hypervisor stole), so
+    /// that a slow window can be told apart as the disk's, the machine's or
+    /// the store's.
+    #[arg(long)]
+    device: Option<String>,
+    /// A copy of the filled store: when the file exists it (and its
+    /// `-wal` beside it) is copied in instead of filling the store again,
+    /// which at 1 M records takes 40-90 s; when it does not, the store is
+    /// filled and then copied there. For rounds of runs of two builds of
+    /// one store format with the same `--due`.
+    #[arg(long)]
+    filled: Option<std::path::PathBuf>,
+}
+
+/// `from` and its write-ahead log (`<from>-wal`) copied to `to`, and
+/// synced: otherwise the kernel writes the copy back while the run
+/// measures (30 s later, with Linux's default `vm.dirty_expire_centisecs`).
+fn copy_store(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+    let wal = |p: &std::path::Path| {
+        let mut s = p.as_os_str().to_owned();
+        s.push("-wal");
+        std::path::PathBuf::from(s)
+    };
+    for (from, to) in [(from.to_path_buf(), to.to_path_buf()), (wal(from), wal(to))] {
+        std::fs::copy(&from, &to)?;
+        std::fs::File::open(&to)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// One device's counters in `/proc/diskstats` and the machine's CPU time
+/// in `/proc/stat` (Linux, `Documentation/admin-guide/iostats.rst` and
+/// `proc(5)`): what a window of the run asked of the disk and the CPUs.
+#[derive(Clone, Copy, Default)]
+struct MachineSample {
+    sectors_read: u64,
+    writes: u64,
+    sectors_written: u64,
+    write_ms: u64,
+    flushes: u64,
+    flush_ms: u64,
+    /// CPU time in clock ticks: all of it, and the part stolen by the
+    /// hypervisor (the `steal` column).
+    cpu_ticks: u64,
+    steal_ticks: u64,
+}
+
+impl MachineSample {
+    /// The counters of `device` now; `None` when a file cannot be read or
+    /// has no line for it, or a field is missing or not a number (kernels
+    /// before 5.5 have no flush fields).
+    fn read(device: &str) -> Option<MachineSample> {
+        let disks = std::fs::read_to_string("/proc/diskstats").ok()?;
+        let line = disks
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.get(2) == Some(&device))?;
+        let field = |i: usize| line.get(i)?.parse::<u64>().ok();
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()?
+            .split_whitespace()
+            .skip(1)
+            .map(|f| f.parse::<u64>().ok())
+            .collect::<Option<_>>()?;
+        // user nice system idle iowait irq softirq steal (guest time is
+        // counted in user already).
+        let cpu_ticks = cpu.iter().take(8).fold(0u64, |a, &b| a.saturating_add(b));
+        Some(MachineSample {
+            sectors_read: field(5)?,
+            writes: field(7)?,
+            sectors_written: field(9)?,
+            write_ms: field(10)?,
+            flushes: field(18)?,
+            flush_ms: field(19)?,
+            cpu_ticks,
+            steal_ticks: *cpu.get(7)?,
+        })
+    }
+
+    /// What happened between `earlier` and `self`, as printed for a window:
+    /// `MiB written/MiB read/writes/flushes/flush ms/write ms/steal %` (the
+    /// two times are means per request).
+    fn since(&self, earlier: &MachineSample) -> String {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        let per = |x: u64, n: u64| if n == 0 { 0.0 } else { x as f64 / n as f64 };
+        let mib = |sectors: u64| sectors as f64 * 512.0 / (1024.0 * 1024.0);
+        let writes = d(self.writes, earlier.writes);
+        let flushes = d(self.flushes, earlier.flushes);
+        format!(
+            "{:.0}/{:.1}/{writes}/{flushes}/{:.2}/{:.2}/{:.0}",
+            mib(d(self.sectors_written, earlier.sectors_written)),
+            mib(d(self.sectors_read, earlier.sectors_read)),
+            per(d(self.flush_ms, earlier.flush_ms), flushes),
+            per(d(self.write_ms, earlier.write_ms), writes),
+            100.0
+                * per(
+                    d(self.steal_ticks, earlier.steal_ticks),
+                    d(self.cpu_ticks, earlier.cpu_ticks)
+                ),
+        )
+    }
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -140,6 +251,12 @@ struct Phase {
     stats_ms: Vec<u64>,
     /// How long each checkpoint held the writer (ms), sorted.
     checkpoint_ms: Vec<u64>,
+    /// Records awaiting eviction and the index file's size (MiB) at the
+    /// start of each window, from its `stats()` call.
+    backlog: Vec<(u64, u64)>,
+    /// The device's writes in each window (see `MachineSample::since`), when
+    /// `--device` names one.
+    disk: Vec<String>,
 }
 
 /// Runs lifecycles on `threads` threads until `done` says so (checked
@@ -150,6 +267,7 @@ fn run_phase(
     tag: u64,
     least: Duration,
     window: Duration,
+    device: Option<&str>,
     done: &(dyn Fn() -> bool + Sync),
 ) -> Phase {
     let fp = Fingerprint::of(b"payload");
@@ -160,6 +278,9 @@ fn run_phase(
     let started = Instant::now();
     let mut windows = Vec::new();
     let mut stats_ms = Vec::new();
+    let mut disk = Vec::new();
+    let mut backlog = Vec::new();
+    let mut disk_last = device.and_then(MachineSample::read);
     CHECKPOINTS.lock().expect("checkpoints").clear();
     std::thread::scope(|s| {
         for t in 0..threads {
@@ -179,13 +300,19 @@ fn run_phase(
         loop {
             let opened = Instant::now();
             let asked = Instant::now();
-            store.stats().expect("stats");
+            let stats = store.stats().expect("stats");
             let took = asked.elapsed();
+            backlog.push((stats.records.expired, stats.file_bytes.unwrap_or(0) >> 20));
             stats_ms.push(u64::try_from(took.as_millis()).unwrap_or(u64::MAX));
             std::thread::sleep(window.saturating_sub(took));
             let now = count.load(Ordering::Relaxed);
             windows.push((now - last) as f64 / opened.elapsed().as_secs_f64());
             last = now;
+            if let (Some(device), Some(before)) = (device, disk_last) {
+                let after = MachineSample::read(device).unwrap_or(before);
+                disk.push(after.since(&before));
+                disk_last = Some(after);
+            }
             if started.elapsed() >= least && done() {
                 break;
             }
@@ -203,6 +330,8 @@ fn run_phase(
         windows,
         stats_ms,
         checkpoint_ms,
+        backlog,
+        disk,
     }
 }
 
@@ -214,13 +343,14 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[at.min(sorted.len() - 1)]
 }
 
-fn report(name: &str, phase: &Phase) {
+fn report(name: &str, phase: &Phase, half_of: f64) {
     let rate = phase.lifecycles as f64 / phase.elapsed.as_secs_f64();
+    let below = phase.windows.iter().filter(|&&w| w < half_of / 2.0).count();
     let lowest = phase.windows.iter().copied().fold(f64::INFINITY, f64::min);
     let mut stats_ms = phase.stats_ms.clone();
     stats_ms.sort_unstable();
     println!(
-        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms min={} p50={} max={}",
+        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} below_half={below} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms min={} p50={} max={}",
         percentile(&phase.latencies, 0.5),
         percentile(&phase.latencies, 0.99),
         phase.latencies.last().copied().unwrap_or(0),
@@ -245,36 +375,50 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = tmp.path().join("sweep-stall.redb");
     let quiet = Config::new().sweep_interval(None).scrub_rate(None);
     let window = Duration::from_millis(args.window_ms.max(1));
-    {
-        let store = Store::open_with(&path, quiet.clone().retention(Duration::from_millis(1)))?;
-        let fp = Fingerprint::of(b"payload");
-        let opts = ClaimOptions::new();
-        let next = AtomicU64::new(0);
-        let started = Instant::now();
-        std::thread::scope(|s| {
-            for t in 0..64u64 {
-                let (store, fp, opts, next) = (&store, &fp, &opts, &next);
-                s.spawn(move || {
-                    loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= args.due {
-                            return;
-                        }
-                        lifecycle(store, fp, opts, 0, t, i);
+    match &args.filled {
+        Some(filled) if filled.exists() => {
+            copy_store(filled, &path)?;
+            println!("filled: due={} copied from {}", args.due, filled.display());
+        }
+        _ => {
+            {
+                let store =
+                    Store::open_with(&path, quiet.clone().retention(Duration::from_millis(1)))?;
+                let fp = Fingerprint::of(b"payload");
+                let opts = ClaimOptions::new();
+                let next = AtomicU64::new(0);
+                let started = Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..64u64 {
+                        let (store, fp, opts, next) = (&store, &fp, &opts, &next);
+                        s.spawn(move || {
+                            loop {
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                if i >= args.due {
+                                    return;
+                                }
+                                lifecycle(store, fp, opts, 0, t, i);
+                            }
+                        });
                     }
                 });
+                println!(
+                    "filled: due={} seconds={:.1}",
+                    args.due,
+                    started.elapsed().as_secs_f64()
+                );
             }
-        });
-        println!(
-            "filled: due={} seconds={:.1}",
-            args.due,
-            started.elapsed().as_secs_f64()
-        );
+            if let Some(filled) = &args.filled {
+                copy_store(&path, filled)?;
+            }
+        }
     }
     let store = Store::open_with(&path, quiet.sweep_batch(args.batch))?;
     let least = Duration::from_secs_f64(args.seconds);
-    let quiet_phase = run_phase(&store, args.threads, 1, least, window, &|| true);
-    report("no sweep", &quiet_phase);
+    let device = args.device.as_deref();
+    let quiet_phase = run_phase(&store, args.threads, 1, least, window, device, &|| true);
+    let quiet_rate = quiet_phase.lifecycles as f64 / quiet_phase.elapsed.as_secs_f64();
+    report("no sweep", &quiet_phase, quiet_rate);
     let swept = AtomicBool::new(false);
     let evicted = AtomicU64::new(0);
     let sweep_time = Mutex::new(Duration::ZERO);
@@ -297,11 +441,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             *sweep_time.lock().expect("sweep time") = started.elapsed();
             swept.store(true, Ordering::SeqCst);
         });
-        run_phase(&store, args.threads, 2, least, window, &|| {
+        run_phase(&store, args.threads, 2, least, window, device, &|| {
             swept.load(Ordering::SeqCst)
         })
     });
-    report("sweeping", &sweeping);
+    report("sweeping", &sweeping, quiet_rate);
     let sweep_time = *sweep_time.lock().expect("sweep time");
     println!(
         "sweep: mode={} evicted={} seconds={:.2} evicted_per_s={:.0} batch={}",
@@ -314,7 +458,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         evicted.load(Ordering::Relaxed) as f64 / sweep_time.as_secs_f64().max(1e-9),
         args.batch,
     );
-    let windows: Vec<String> = sweeping.windows.iter().map(|r| format!("{r:.0}")).collect();
-    println!("sweeping windows_per_s: {}", windows.join(" "));
+    for (name, phase) in [("no sweep", &quiet_phase), ("sweeping", &sweeping)] {
+        let windows: Vec<String> = phase.windows.iter().map(|r| format!("{r:.0}")).collect();
+        println!("{name} windows_per_s: {}", windows.join(" "));
+        let backlog: Vec<String> = phase
+            .backlog
+            .iter()
+            .map(|(due, mib)| format!("{due}/{mib}"))
+            .collect();
+        println!("{name} awaiting_eviction/index_MiB: {}", backlog.join(" "));
+        if !phase.disk.is_empty() {
+            println!(
+                "{name} disk MiB_written/MiB_read/writes/flushes/flush_ms/write_ms/steal_pct: {}",
+                phase.disk.join(" ")
+            );
+        }
+    }
     Ok(())
 }

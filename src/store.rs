@@ -733,8 +733,14 @@ impl Store {
     /// due. Each second it evicts less than one and a half times what came
     /// due meanwhile, it is falling behind and takes one share more (a third,
     /// half, then at most two thirds), one less once it evicts three times
-    /// that. It returns when none is due (records that fall due meanwhile
-    /// are evicted too) and every eviction is durable.
+    /// that. On the file engine it also yields to a congested disk: while
+    /// the log's fsync of the last quarter second takes one and a half
+    /// times its best quarter-second mean of the last minute (and 250 µs
+    /// more), it steps one share down (from a quarter to an eighth), at
+    /// twice (and 500 µs more) two (a sixteenth), as LEDBAT (RFC 6817)
+    /// yields to other traffic when the delay rises above its base. It
+    /// returns when none is due (records that fall due meanwhile are
+    /// evicted too) and every eviction is durable.
     ///
     /// # Errors
     /// Storage errors as for [`Store::claim`]. Slices are answered before

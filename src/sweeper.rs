@@ -29,8 +29,9 @@ const SCRUB_TICK: Duration = Duration::from_secs(1);
 /// and write, at a checkpoint also sync, the index pages they changed:
 /// `embedded::commit::evictions_share`), so a sweep takes about a quarter
 /// of the writer's time (more while it falls behind the records coming
-/// due: [`SWEEP_SHARES`]). A sweep that lasts more than a second scales
-/// its slices up (see `slice_scale`), to at most 4 ms each.
+/// due: [`SWEEP_SHARES`]; less while the disk under the log is congested:
+/// [`YIELD_SHARES`]). A sweep that lasts more than a second scales its
+/// slices up (see `slice_scale`), to at most 4 ms each.
 pub(crate) const SWEEP_SLICE_BUDGET: Duration = Duration::from_millis(1);
 
 /// The most records one background sweep slice reads from the expiry
@@ -127,7 +128,8 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
 /// further [`SWEEP_CATCH_UP`] the sweep has lasted, up to
 /// [`SWEEP_SLICE_MAX_SCALE`] times), each followed by writes for three
 /// times its writer time (its own and what earlier slices' evictions cost
-/// the writer since; less while the sweep falls behind: see `next_share`),
+/// the writer since; less while the sweep falls behind: see `next_share`;
+/// more while the disk is congested: see [`yield_steps`]),
 /// until none is due or `stop` is set (looked at every [`PACING_STEP`]
 /// while it waits); how many were
 /// evicted. Each slice is answered before it is durable; on the file
@@ -182,8 +184,11 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
             second = (Instant::now(), Some(now_ms), total);
         }
         // The wait for the writer counts as the writes' time: they ran
-        // meanwhile.
-        let (whole, part) = SWEEP_SHARES[share.min(SWEEP_SHARES.len() - 1)];
+        // meanwhile. A congested disk lowers the share (see `yield_steps`).
+        let down = engine
+            .log_latency()
+            .map_or(0, |(current, base)| yield_steps(current, base));
+        let (whole, part) = paced_share(share, down);
         let next = submitted
             .checked_add(slice.spent.saturating_mul(whole) / part.max(1))
             .unwrap_or(submitted);
@@ -196,6 +201,46 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
             }
             std::thread::sleep(left.min(PACING_STEP));
         }
+    }
+}
+
+/// The shares below a quarter that a sweep yields to while the disk under
+/// the log is congested: an eighth, a sixteenth (see [`yield_steps`]).
+pub(crate) const YIELD_SHARES: [(u32, u32); 2] = [(8, 1), (16, 1)];
+
+/// How many shares a sweep steps down from the one its arrivals call for
+/// (see [`paced_share`]), from the log's fsync time of the last quarter
+/// second (`current`) and its lowest quarter-second mean of the last minute
+/// (`base`), as LEDBAT (RFC 6817) yields to other traffic when the delay
+/// rises above its base: two at twice the base and 500 µs above it, one at
+/// one and a half times and 250 µs above, else none. On a disk where the
+/// log's fsync bounds the write rate (callers wait for it), a sweep's
+/// evictions dirty index pages whose writeback the fsync then waits
+/// behind, and a disk that slows for reasons of its own (a virtual disk's
+/// neighbours) halves the rate with no sweep at all; at a quarter the
+/// sweep would push such a stretch further down. The absolute margins keep
+/// a store in memory, whose fsync takes microseconds, from yielding to
+/// noise.
+pub(crate) fn yield_steps(current: Duration, base: Duration) -> usize {
+    let above = current.saturating_sub(base);
+    if current >= base.saturating_mul(2) && above >= Duration::from_micros(500) {
+        2
+    } else if current >= base.saturating_mul(3) / 2 && above >= Duration::from_micros(250) {
+        1
+    } else {
+        0
+    }
+}
+
+/// The share of the writer a paced sweep takes, as (parts of the writer's
+/// time from one slice to the next, parts the slice may take): its
+/// arrivals' `share` (an index in [`SWEEP_SHARES`]) stepped `down` through
+/// the shares below it, the [`YIELD_SHARES`] included.
+fn paced_share(share: usize, down: usize) -> (u32, u32) {
+    let share = share.min(SWEEP_SHARES.len() - 1);
+    match (share + YIELD_SHARES.len()).saturating_sub(down.min(YIELD_SHARES.len())) {
+        i if i >= YIELD_SHARES.len() => SWEEP_SHARES[i - YIELD_SHARES.len()],
+        i => YIELD_SHARES[YIELD_SHARES.len() - 1 - i],
     }
 }
 
@@ -321,6 +366,46 @@ mod tests {
             .map(|t| slice_scale(ms(t)))
             .collect();
         assert_eq!(scales, [1, 1, 2, 2, 4, 4, 4]);
+    }
+
+    /// A congested disk steps the sweep down: one share at one and a half
+    /// times the base fsync time (and 250 µs above it), two at twice (and
+    /// 500 µs above); microseconds of difference never count.
+    #[test]
+    fn a_sweep_yields_to_a_congested_disk() {
+        let us = Duration::from_micros;
+        assert_eq!(yield_steps(us(1_000), us(1_000)), 0);
+        assert_eq!(yield_steps(us(1_499), us(1_000)), 0);
+        assert_eq!(yield_steps(us(1_500), us(1_000)), 1);
+        assert_eq!(yield_steps(us(1_999), us(1_000)), 1);
+        assert_eq!(yield_steps(us(2_000), us(1_000)), 2);
+        assert_eq!(yield_steps(us(9_000), us(1_000)), 2);
+        // Faster than the base (a step mean can be the base itself only).
+        assert_eq!(yield_steps(us(500), us(1_000)), 0);
+        // In memory: ten times the base, but microseconds.
+        assert_eq!(yield_steps(us(40), us(4)), 0);
+        assert_eq!(yield_steps(us(300), us(40)), 1);
+        assert_eq!(yield_steps(us(540), us(40)), 2);
+        // The margins alone are not enough.
+        assert_eq!(yield_steps(us(10_400), us(10_000)), 0);
+        assert_eq!(yield_steps(Duration::MAX, Duration::MAX), 0);
+        assert_eq!(yield_steps(Duration::MAX, us(1)), 2);
+    }
+
+    /// The shares a sweep steps down through: from a quarter to an eighth
+    /// and a sixteenth; from a higher share as far, and never past a
+    /// sixteenth.
+    #[test]
+    fn congestion_steps_the_share_down_to_a_sixteenth() {
+        assert_eq!(paced_share(0, 0), (4, 1));
+        assert_eq!(paced_share(0, 1), (8, 1));
+        assert_eq!(paced_share(0, 2), (16, 1));
+        assert_eq!(paced_share(0, 9), (16, 1));
+        assert_eq!(paced_share(1, 1), (4, 1));
+        assert_eq!(paced_share(1, 2), (8, 1));
+        assert_eq!(paced_share(3, 0), (3, 2));
+        assert_eq!(paced_share(3, 2), (3, 1));
+        assert_eq!(paced_share(9, 0), (3, 2));
     }
 
     /// A sweep takes a quarter of the writer while it drains what is due,

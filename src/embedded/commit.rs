@@ -73,6 +73,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use redb::{Database, WriteTransaction};
 
 use super::cache::ReadCache;
+use super::congestion::LogLatency;
 use super::expiry;
 use super::fence::Fence;
 use super::pending::Pending;
@@ -258,9 +259,22 @@ pub(crate) struct Shared {
     /// (its last commits' share, a checkpoint's after them) is paid by the
     /// next sweep's first slice.
     pub sweep_debt_ns: AtomicU64,
+    /// The log's fsync times of the batches callers waited for, against
+    /// their recent best: how congested the disk is, for a sweep's pacing
+    /// (see [`super::congestion`]).
+    pub log_latency: Mutex<LogLatency>,
 }
 
 impl Shared {
+    /// Notes one fsync of the log that ended now after `took` and made
+    /// `callers` callers' writes durable (none: not counted).
+    fn synced(&self, took: Duration, callers: usize) {
+        self.counters.group_commit(took, callers);
+        if callers > 0 {
+            self.log_latency.lock().observe(Instant::now(), took);
+        }
+    }
+
     /// Adds `owed` to what sweep slices owe the writer.
     fn owe_sweep(&self, owed: Duration) {
         let ns = u64::try_from(owed.as_nanos()).unwrap_or(u64::MAX);
@@ -1578,7 +1592,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 let mut ready = shared.progress.inline_synced(seq);
                 ready.push(parked);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
-                shared.counters.group_commit(started.elapsed(), callers);
+                shared.synced(started.elapsed(), callers);
                 answer(shared, ready);
             }
             Err(err) => {
@@ -2049,7 +2063,7 @@ fn sync_loop(
                 // free; if the queue is full it has work anyway.
                 let _ = nudge.try_send(Msg::Nudge);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
-                shared.counters.group_commit(started.elapsed(), callers);
+                shared.synced(started.elapsed(), callers);
                 if callers <= WAKE_INLINE {
                     answer(shared, ready);
                 } else if let Err(unsent) = waker.send(ready) {

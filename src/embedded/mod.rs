@@ -11,6 +11,7 @@ pub(crate) mod cache;
 pub(crate) mod check;
 pub(crate) mod commit;
 pub(crate) mod compact;
+pub(crate) mod congestion;
 pub(crate) mod create;
 pub(crate) mod expiry;
 pub(crate) mod fence;
@@ -205,6 +206,7 @@ impl Embedded {
             sync_inline: AtomicBool::new(true),
             fence,
             sweep_debt_ns: AtomicU64::new(0),
+            log_latency: parking_lot::Mutex::new(congestion::LogLatency::default()),
         });
         let state = WriterState::new(
             opened.next_token,
@@ -416,6 +418,19 @@ impl Embedded {
                 "writer answered a sweep with another answer".into(),
             )),
         }
+    }
+
+    /// The log's fsync time of the last closed step (a quarter second)
+    /// and its lowest step mean of the last minute, as `(current, base)`,
+    /// counting only the fsyncs callers waited for; `None` when no step
+    /// with enough of them closed lately (see [`congestion`]).
+    pub(crate) fn log_latency(&self) -> Option<(std::time::Duration, std::time::Duration)> {
+        let latency = self
+            .shared
+            .log_latency
+            .lock()
+            .now(std::time::Instant::now())?;
+        Some((latency.current, latency.base))
     }
 
     /// How many records still awaiting eviction had their retention end in
@@ -1084,6 +1099,88 @@ mod tests {
             };
             store.complete(&lease, b"r").unwrap();
         }
+    }
+
+    /// A log whose fsync takes at least a set time longer (µs): a disk
+    /// that slows.
+    #[derive(Clone, Default)]
+    struct SlowSync {
+        log: MemoryLog,
+        delay_us: Arc<AtomicU64>,
+    }
+
+    impl LogFile for SlowSync {
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.log.read_at(offset, buf)
+        }
+        fn write_at(&self, offset: u64, data: &[u8]) -> std::io::Result<()> {
+            self.log.write_at(offset, data)
+        }
+        fn sync_data(&self) -> std::io::Result<()> {
+            let us = self.delay_us.load(Ordering::SeqCst);
+            if us > 0 {
+                std::thread::sleep(Duration::from_micros(us));
+            }
+            self.log.sync_data()
+        }
+        fn len(&self) -> std::io::Result<u64> {
+            self.log.len()
+        }
+    }
+
+    /// The fsyncs callers wait for are timed, and a log whose fsync becomes
+    /// much slower than it was is reported against its earlier best, so
+    /// that a sweep yields to it by two shares (`sweeper::yield_steps`).
+    /// Fails if the syncs went unrecorded or the base forgot the fast ones.
+    #[test]
+    fn a_log_that_slows_is_reported_against_its_best() {
+        let log = SlowSync::default();
+        let store = Store::open_with_backend(
+            "slow-log.redb",
+            redb::backends::InMemoryBackend::new(),
+            log.clone(),
+            Config::new().sweep_interval(None).scrub_rate(None),
+        )
+        .unwrap();
+        let e = embedded(&store);
+        assert_eq!(e.log_latency(), None, "no write waited yet");
+        let fp = Fingerprint::of(b"p");
+        let mut i = 0u64;
+        let mut lifecycle = || {
+            i += 1;
+            let key = Key::new("slow", format!("k{i}")).unwrap();
+            let ClaimOutcome::Acquired(lease) =
+                store.claim(&key, &fp, &ClaimOptions::new()).unwrap()
+            else {
+                panic!("fresh key");
+            };
+            store.complete(&lease, b"r").unwrap();
+        };
+        // Hang guards: each loop ends once the figure is there.
+        for _ in 0..1_000_000 {
+            if e.log_latency().is_some() {
+                break;
+            }
+            lifecycle();
+        }
+        let (fast, _) = e.log_latency().expect("a step of fast fsyncs");
+        log.delay_us.store(15_000, Ordering::SeqCst);
+        let mut slow = None;
+        for _ in 0..400 {
+            lifecycle();
+            if let Some((current, base)) = e.log_latency()
+                && current >= Duration::from_millis(15)
+            {
+                slow = Some((current, base));
+                break;
+            }
+        }
+        let (current, base) = slow.expect("a step of slow fsyncs reported");
+        assert!(
+            base <= fast,
+            "the base is the best step: {base:?} > {fast:?}"
+        );
+        assert_eq!(crate::sweeper::yield_steps(current, base), 2);
     }
 
     /// A paced sweep told to stop (the store is being dropped) stops after
