@@ -254,7 +254,7 @@ struct Phase {
     /// Records awaiting eviction and the index file's size (MiB) at the
     /// start of each window, from its `stats()` call.
     backlog: Vec<(u64, u64)>,
-    /// The device's writes in each window (see `MachineSample::since`), when
+    /// The device's traffic and the stolen CPU of each window (see `MachineSample::since`), when
     /// `--device` names one.
     disk: Vec<String>,
 }

@@ -180,11 +180,11 @@ impl Engine {
         }
     }
 
-    /// The file engine's log fsync time of the last quarter second and its
+    /// The file engine's log fsync time of the last closed quarter second and its
     /// lowest quarter-second mean of the last minute, as `(current, base)`:
     /// how congested the disk under the log is, for a sweep's pacing (see
     /// `embedded::congestion`). `None` when too few writes waited on the
-    /// log lately to say, and on PostgreSQL, whose sweeps share no writer.
+    /// log in the last three quarter seconds to say, and on PostgreSQL, whose sweeps share no writer.
     pub(crate) fn log_latency(&self) -> Option<(Duration, Duration)> {
         match self {
             Engine::Embedded(e) => e.log_latency(),

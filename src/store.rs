@@ -734,7 +734,7 @@ impl Store {
     /// due meanwhile, it is falling behind and takes one share more (a third,
     /// half, then at most two thirds), one less once it evicts three times
     /// that. On the file engine it also yields to a congested disk: while
-    /// the log's fsync of the last quarter second takes one and a half
+    /// the log's fsync of the last closed quarter second takes one and a half
     /// times its best quarter-second mean of the last minute (and 250 µs
     /// more), it steps one share down (from a quarter to an eighth), at
     /// twice (and 500 µs more) two (a sixteenth), as LEDBAT (RFC 6817)

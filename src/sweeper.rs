@@ -385,6 +385,8 @@ mod tests {
         // In memory: ten times the base, but microseconds.
         assert_eq!(yield_steps(us(40), us(4)), 0);
         assert_eq!(yield_steps(us(300), us(40)), 1);
+        assert_eq!(yield_steps(us(290), us(40)), 1);
+        assert_eq!(yield_steps(us(289), us(40)), 0);
         assert_eq!(yield_steps(us(540), us(40)), 2);
         // The margins alone are not enough.
         assert_eq!(yield_steps(us(10_400), us(10_000)), 0);

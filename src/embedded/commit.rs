@@ -266,12 +266,13 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Notes one fsync of the log that ended now after `took` and made
-    /// `callers` callers' writes durable (none: not counted).
-    fn synced(&self, took: Duration, callers: usize) {
+    /// Notes one group commit that made `callers` callers' writes durable
+    /// in `took`, of which its `fdatasync` of the log took `fsync` (a
+    /// commit that woke no caller is not counted as the disk's).
+    fn synced(&self, took: Duration, fsync: Duration, callers: usize) {
         self.counters.group_commit(took, callers);
         if callers > 0 {
-            self.log_latency.lock().observe(Instant::now(), took);
+            self.log_latency.lock().observe(Instant::now(), fsync);
         }
     }
 
@@ -1587,12 +1588,14 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
     };
     if inline {
         let started = Instant::now();
-        match state.log.sync() {
+        let synced = state.log.sync();
+        let fsync = started.elapsed();
+        match synced {
             Ok(()) => {
                 let mut ready = shared.progress.inline_synced(seq);
                 ready.push(parked);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
-                shared.synced(started.elapsed(), callers);
+                shared.synced(started.elapsed(), fsync, callers);
                 answer(shared, ready);
             }
             Err(err) => {
@@ -2050,6 +2053,7 @@ fn sync_loop(
         };
         let started = Instant::now();
         let result = log.sync_data();
+        let fsync = started.elapsed();
 
         match result {
             Ok(()) => {
@@ -2063,7 +2067,7 @@ fn sync_loop(
                 // free; if the queue is full it has work anyway.
                 let _ = nudge.try_send(Msg::Nudge);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
-                shared.synced(started.elapsed(), callers);
+                shared.synced(started.elapsed(), fsync, callers);
                 if callers <= WAKE_INLINE {
                     answer(shared, ready);
                 } else if let Err(unsent) = waker.send(ready) {

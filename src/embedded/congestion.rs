@@ -9,8 +9,9 @@
 //! the delay-based "scavenger" congestion control of background transfers)
 //! uses the queueing delay above its base delay: it takes a smaller share
 //! of the writer while the fsync takes much longer than its base, whatever
-//! the cause, so that it is never what pushes the rate down further
-//! (`crate::sweeper::yield_steps`).
+//! the cause, so that it adds less to a slow stretch
+//! (`crate::sweeper::yield_steps`; a sweep falling behind the records
+//! coming due still steps up from where it is).
 //!
 //! Only fsyncs that made some caller's write durable are counted: a store
 //! with no callers waiting has nothing to protect, and a sweep's own
@@ -29,8 +30,10 @@ pub(crate) const STEP: Duration = Duration::from_millis(250);
 /// good).
 pub(crate) const BASE_SPAN: Duration = Duration::from_secs(60);
 
-/// The fewest fsyncs a step needs for its mean to count: fewer say little
-/// about the disk (an idle store, a lone caller).
+/// The fewest fsyncs a step needs for its mean to count, unless they took
+/// half of the step or more: fewer, shorter ones say little about the
+/// disk (an idle store, a lone caller), while a disk so slow that few
+/// fsyncs fit in a step (more than 31 ms each) is the most congested.
 pub(crate) const MIN_SYNCS: u32 = 8;
 
 /// The log's fsync times, averaged per [`STEP`], with the step means of
@@ -74,14 +77,16 @@ impl LogLatency {
     }
 
     fn close(&mut self, began: Instant, n: u32, sum: Duration) {
-        if n >= MIN_SYNCS {
+        if n > 0 && (n >= MIN_SYNCS || sum >= STEP / 2) {
             self.steps.push_back((began, sum / n));
         }
     }
 
     /// The last closed step's mean against the base, as of `now`; `None`
-    /// when no step with enough fsyncs closed within the last two steps
-    /// (the store is not busy enough for the figure to mean anything).
+    /// when no counted step began within the last three steps (callers
+    /// have not waited on the log enough lately for the figure to mean
+    /// anything). A step closes at the first fsync after it, so the last
+    /// closed step is up to three quarter seconds old.
     pub(crate) fn now(&self, now: Instant) -> Option<Latency> {
         let &(began, current) = self.steps.back()?;
         // The last step closed when a later fsync came; it is current only
@@ -141,13 +146,14 @@ mod tests {
         );
     }
 
-    /// A step with fewer than `MIN_SYNCS` fsyncs is not counted, and a
-    /// figure older than three steps is not reported.
+    /// A step with fewer than `MIN_SYNCS` short fsyncs is not counted (it
+    /// would be the base here), and a figure older than three steps is not
+    /// reported.
     #[test]
     fn few_fsyncs_and_old_figures_say_nothing() {
         let t0 = Instant::now();
         let mut l = LogLatency::default();
-        step(&mut l, t0, MIN_SYNCS - 1, 5 * MS);
+        step(&mut l, t0, MIN_SYNCS - 1, MS);
         step(&mut l, t0 + STEP, MIN_SYNCS, 2 * MS);
         step(&mut l, t0 + STEP * 2, 1, MS);
         let got = l.now(t0 + STEP * 2).unwrap();
@@ -160,6 +166,29 @@ mod tests {
         );
         assert_eq!(l.now(t0 + STEP * 4), Some(got));
         assert_eq!(l.now(t0 + STEP * 4 + MS), None);
+    }
+
+    /// A disk so slow that few fsyncs fit in a step still reports: fsyncs
+    /// that took half of the step count however few they are.
+    #[test]
+    fn a_few_long_fsyncs_count() {
+        let t0 = Instant::now();
+        let mut l = LogLatency::default();
+        step(&mut l, t0, 10, MS);
+        // Three fsyncs of 50 ms: 150 ms of a 250-ms step.
+        step(&mut l, t0 + STEP, 3, 50 * MS);
+        step(&mut l, t0 + STEP * 2, 1, MS);
+        assert_eq!(
+            l.now(t0 + STEP * 2),
+            Some(Latency {
+                current: 50 * MS,
+                base: MS
+            })
+        );
+        // Two of 60 ms (120 ms, less than half) do not.
+        step(&mut l, t0 + STEP * 3, 2, 60 * MS);
+        step(&mut l, t0 + STEP * 4, 1, MS);
+        assert_eq!(l.now(t0 + STEP * 4).map(|x| x.current), Some(50 * MS));
     }
 
     /// The base forgets steps older than `BASE_SPAN`: a disk that became
