@@ -802,17 +802,19 @@ async fn a_crashed_request_is_taken_over_after_its_lease_lapses() {
 
 #[tokio::test]
 async fn a_slow_handler_keeps_its_key_while_the_lease_is_extended() {
-    // Real time: the lease is 900 ms and the handler runs for several
-    // leases; the layer extends it every 300 ms.
+    // Real time: the lease is 2 s and the handler runs for three leases;
+    // the layer extends it every 667 ms, so an extension may come 1.3 s
+    // late (a loaded 2-core machine, a disk in a slow stretch) before the
+    // lease lapses.
     let (_d, store) = store_with(Config::new());
-    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(900));
+    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_secs(2));
     let (svc, runs, gate, started) = held_handler(layer);
     let first = tokio::spawn({
         let svc = svc.clone();
         async move { send(&svc, post(Some("k"), "x")).await }
     });
     started.notified().await;
-    tokio::time::sleep(Duration::from_millis(2_700)).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
 
     assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 409);
     let key = Key::new("POST /tickets", "k").unwrap();
