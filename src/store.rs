@@ -726,19 +726,24 @@ impl Store {
     /// records and 1 ms of the writer's time each (plus one eviction, 6 to
     /// 40 µs measured; both doubled after the sweep's first second and
     /// again after its second), and leaves the writer to other writes for
-    /// three times as long as each slice took, counting what earlier
+    /// seven times as long as each slice took, counting what earlier
     /// slices' evictions cost the writer since (the commits that apply
     /// them and write their index pages, a checkpoint's sync included): it
-    /// starts at a quarter of the writer's time however many records are
-    /// due. Each second it evicts less than one and a half times what came
-    /// due meanwhile, it is falling behind and takes one share more (a third,
-    /// half, then at most two thirds), one less once it evicts three times
-    /// that. On the file engine it also yields to a congested disk: while
-    /// the log's fsync of the last closed quarter second takes one and a half
-    /// times its best quarter-second mean of the last minute (and 250 µs
-    /// more), it steps one share down (from a quarter to an eighth), at
-    /// twice (and 500 µs more) two (a sixteenth), as LEDBAT (RFC 6817)
-    /// yields to other traffic when the delay rises above its base. It
+    /// starts at an eighth of the writer's time however many records are
+    /// due (at a quarter, a backlog's sweep took the write rate of 16
+    /// threads on the disk to 0.69× of no sweep, and a slow 1-s window to
+    /// below half). Each second it evicts less than one and a half times
+    /// what came due meanwhile, it is falling behind and takes one share
+    /// more (a quarter, a third, half, then at most two thirds), one less
+    /// once it evicts three times that. On the file engine it also yields
+    /// to a congested disk: while the log's fsync of the last closed
+    /// quarter second takes one and a half times its best quarter-second
+    /// mean of the last minute (and 250 µs more), it steps one share down
+    /// (from an eighth to a sixteenth), at twice (and 500 µs more) two (a
+    /// thirty-second), as LEDBAT (RFC 6817) yields to other traffic when
+    /// the delay rises above its base; not while it is falling behind
+    /// what comes due (a sweep that yielded then kept about a million
+    /// records awaiting eviction under 64 threads of fresh keys). It
     /// returns when none is due (records that fall due meanwhile are
     /// evicted too) and every eviction is durable.
     ///

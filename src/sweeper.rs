@@ -27,7 +27,7 @@ const SCRUB_TICK: Duration = Duration::from_secs(1);
 /// four times its writer time after it, that time including what earlier
 /// slices' evictions cost the writer since (the commits that apply them
 /// and write, at a checkpoint also sync, the index pages they changed:
-/// `embedded::commit::evictions_share`), so a sweep takes about a quarter
+/// `embedded::commit::evictions_share`), so a sweep takes about an eighth
 /// of the writer's time (more while it falls behind the records coming
 /// due: [`SWEEP_SHARES`]; less while the disk under the log is congested:
 /// [`YIELD_SHARES`]). A sweep that lasts more than a second scales its
@@ -42,15 +42,26 @@ pub(crate) const SWEEP_SLICE_RECORDS: usize = 256;
 
 /// The shares of the writer's time a sweep may take, as (parts of the
 /// writer's time from one slice to the next, parts the slice may take):
-/// a quarter, a third, half, two thirds. A slice is followed by writes for
-/// the rest. A sweep starts at a quarter and moves up while it falls
-/// behind the records coming due (see `next_share`). The writer's time is
-/// the slices' own and what their evictions cost it afterwards (charged to
-/// the next slice): counted in the slices alone, a quarter took about half
-/// of the write rate where the writer's CPU bounds it (16 threads, 1 M
-/// due, a store in memory: 0.45× and 0.50× against 0.80× and 0.79× with
-/// the later cost counted).
-pub(crate) const SWEEP_SHARES: [(u32, u32); 4] = [(4, 1), (3, 1), (2, 1), (3, 2)];
+/// an eighth, a quarter, a third, half, two thirds. A slice is followed by
+/// writes for the rest. A sweep starts at an eighth and moves up while it
+/// falls behind the records coming due (see `next_share`). The writer's
+/// time is the slices' own and what their evictions cost it afterwards
+/// (charged to the next slice): counted in the slices alone, a quarter
+/// took about half of the write rate where the writer's CPU bounds it (16
+/// threads, 1 M due, a store in memory: 0.45× and 0.50× against 0.80× and
+/// 0.79× with the later cost counted).
+///
+/// Why a backlog is worked off at an eighth, not a quarter: the write rate
+/// of a 1-s window swings on its own (16 threads on the disk with no sweep:
+/// windows from 0.66× to 1.23× of the mean), and a share costs the writes
+/// more than itself (a quarter: 0.69× of the rate with no sweep, the
+/// lowest window 0.49×), so at a quarter a window where the machine is
+/// slow anyway falls below half the rate; an eighth leaves the margin
+/// (measured in BENCHMARKS.md, "Sweep under load"). Records past retention
+/// read as absent whether or not they are evicted, so a backlog drained at
+/// half the speed costs only the disk it holds a little longer; records
+/// coming due faster than that step the share up.
+pub(crate) const SWEEP_SHARES: [(u32, u32); 5] = [(8, 1), (4, 1), (3, 1), (2, 1), (3, 2)];
 
 /// How soon the next sweep runs after one that evicted records, when the
 /// interval is longer: a store that churns has records coming due all the
@@ -126,7 +137,7 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
 /// records (file engine: also at most [`SWEEP_SLICE_RECORDS`] and
 /// [`SWEEP_SLICE_BUDGET`] of the writer's time, both doubled for each
 /// further [`SWEEP_CATCH_UP`] the sweep has lasted, up to
-/// [`SWEEP_SLICE_MAX_SCALE`] times), each followed by writes for three
+/// [`SWEEP_SLICE_MAX_SCALE`] times), each followed by writes for seven
 /// times its writer time (its own and what earlier slices' evictions cost
 /// the writer since; less while the sweep falls behind: see `next_share`;
 /// more while the disk is congested: see [`yield_steps`]),
@@ -141,6 +152,9 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
     let mut total = 0usize;
     let started = Instant::now();
     let mut share = 0;
+    // Whether the last second's evictions fell behind what came due: a
+    // sweep that falls behind does not yield to a congested disk.
+    let mut behind = false;
     let paced = matches!(engine, Engine::Embedded(_));
     // The current second of the sweep: when it began (wall clock and
     // store time) and how many had been evicted by then.
@@ -176,7 +190,10 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
                 .unwrap_or(u64::MAX)
                 .saturating_add(1);
             match engine.came_due(from_ms, now_ms, enough) {
-                Ok(Some(arrived)) => share = next_share(share, evicted, arrived),
+                Ok(Some(arrived)) => {
+                    share = next_share(share, evicted, arrived);
+                    behind = falling_behind(evicted, arrived);
+                }
                 Ok(None) => {}
                 // A pacing hint only: the sweep goes on at its share.
                 Err(err) => tracing::debug!(error = %err, "sweep pacing: count failed"),
@@ -184,11 +201,9 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
             second = (Instant::now(), Some(now_ms), total);
         }
         // The wait for the writer counts as the writes' time: they ran
-        // meanwhile. A congested disk lowers the share (see `yield_steps`).
-        let down = engine
-            .log_latency()
-            .map_or(0, |(current, base)| yield_steps(current, base));
-        let (whole, part) = paced_share(share, down);
+        // meanwhile. A congested disk lowers the share (see `yield_steps`),
+        // unless the sweep is falling behind what comes due.
+        let (whole, part) = slice_share(share, behind, engine.log_latency());
         let next = submitted
             .checked_add(slice.spent.saturating_mul(whole) / part.max(1))
             .unwrap_or(submitted);
@@ -204,9 +219,10 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
     }
 }
 
-/// The shares below a quarter that a sweep yields to while the disk under
-/// the log is congested: an eighth, a sixteenth (see [`yield_steps`]).
-pub(crate) const YIELD_SHARES: [(u32, u32); 2] = [(8, 1), (16, 1)];
+/// The shares below an eighth that a sweep yields to while the disk under
+/// the log is congested: a sixteenth, a thirty-second (see
+/// [`yield_steps`]).
+pub(crate) const YIELD_SHARES: [(u32, u32); 2] = [(16, 1), (32, 1)];
 
 /// How many shares a sweep steps down from the one its arrivals call for
 /// (see [`paced_share`]), from the log's fsync time of the last quarter
@@ -217,8 +233,8 @@ pub(crate) const YIELD_SHARES: [(u32, u32); 2] = [(8, 1), (16, 1)];
 /// log's fsync bounds the write rate (callers wait for it), a sweep's
 /// evictions dirty index pages whose writeback the fsync then waits
 /// behind, and a disk that slows for reasons of its own (a virtual disk's
-/// neighbours) halves the rate with no sweep at all; at a quarter the
-/// sweep would push such a stretch further down. The absolute margins keep
+/// neighbours) halves the rate with no sweep at all; at its full share
+/// the sweep would push such a stretch further down. The absolute margins keep
 /// a store in memory, whose fsync takes microseconds, from yielding to
 /// noise.
 pub(crate) fn yield_steps(current: Duration, base: Duration) -> usize {
@@ -230,6 +246,20 @@ pub(crate) fn yield_steps(current: Duration, base: Duration) -> usize {
     } else {
         0
     }
+}
+
+/// The share of the writer a paced sweep's next slice takes (see
+/// [`paced_share`]): its arrivals' `share` (an index in [`SWEEP_SHARES`]),
+/// stepped down as [`yield_steps`] says for the log's fsync time
+/// (`latency`: the last closed quarter second's and the base, when the
+/// engine has them), unless the sweep is falling `behind` the records
+/// coming due (see [`falling_behind`]).
+fn slice_share(share: usize, behind: bool, latency: Option<(Duration, Duration)>) -> (u32, u32) {
+    let down = match latency {
+        Some((current, base)) if !behind => yield_steps(current, base),
+        _ => 0,
+    };
+    paced_share(share, down)
 }
 
 /// The share of the writer a paced sweep takes, as (parts of the writer's
@@ -257,16 +287,31 @@ const PACING_STEP: Duration = Duration::from_millis(50);
 /// does, so at a third of the writer a store written at full speed evicts
 /// about half of what arrives); one down once it evicts three times what
 /// comes due. A backlog with few new arrivals (a store reopened after a
-/// while, a burst of expiries) is worked off at a quarter.
+/// while, a burst of expiries) is worked off at an eighth.
 fn next_share(share: usize, evicted: usize, arrived: u64) -> usize {
-    let evicted = u64::try_from(evicted).unwrap_or(u64::MAX).saturating_mul(2);
-    if evicted < arrived.saturating_mul(3) {
+    if falling_behind(evicted, arrived) {
         share.saturating_add(1).min(SWEEP_SHARES.len() - 1)
-    } else if evicted >= arrived.saturating_mul(6) {
+    } else if u64::try_from(evicted).unwrap_or(u64::MAX).saturating_mul(2)
+        >= arrived.saturating_mul(6)
+    {
         share.saturating_sub(1)
     } else {
         share
     }
+}
+
+/// Whether a sweep that `evicted` records in a second while `arrived`
+/// others came due is falling behind: it evicted less than one and a half
+/// times that. Such a sweep steps its share up (see [`next_share`]) and
+/// does not yield to a congested disk (see [`yield_steps`]): the yielding
+/// is a scavenger's (LEDBAT, RFC 6817), for working off a backlog, and a
+/// sweep that yields while records come due faster than it evicts never
+/// catches up (measured: 64 threads of fresh keys with a retention of
+/// 30 s, about a million records awaiting eviction from the second minute
+/// to the end of a 4-minute run, where a sweep that did not yield kept a
+/// few tens of thousands).
+fn falling_behind(evicted: usize, arrived: u64) -> bool {
+    u64::try_from(evicted).unwrap_or(u64::MAX).saturating_mul(2) < arrived.saturating_mul(3)
 }
 
 /// The largest factor by which a long sweep's slices grow: a slice then
@@ -394,23 +439,53 @@ mod tests {
         assert_eq!(yield_steps(Duration::MAX, us(1)), 2);
     }
 
-    /// The shares a sweep steps down through: from a quarter to an eighth
-    /// and a sixteenth; from a higher share as far, and never past a
-    /// sixteenth.
+    /// The shares a sweep steps down through: from an eighth to a
+    /// sixteenth and a thirty-second; from a higher share as far, and
+    /// never past a thirty-second.
     #[test]
-    fn congestion_steps_the_share_down_to_a_sixteenth() {
-        assert_eq!(paced_share(0, 0), (4, 1));
-        assert_eq!(paced_share(0, 1), (8, 1));
-        assert_eq!(paced_share(0, 2), (16, 1));
-        assert_eq!(paced_share(0, 9), (16, 1));
-        assert_eq!(paced_share(1, 1), (4, 1));
-        assert_eq!(paced_share(1, 2), (8, 1));
-        assert_eq!(paced_share(3, 0), (3, 2));
-        assert_eq!(paced_share(3, 2), (3, 1));
+    fn congestion_steps_the_share_down_to_a_thirty_second() {
+        assert_eq!(paced_share(0, 0), (8, 1));
+        assert_eq!(paced_share(0, 1), (16, 1));
+        assert_eq!(paced_share(0, 2), (32, 1));
+        assert_eq!(paced_share(0, 9), (32, 1));
+        assert_eq!(paced_share(1, 0), (4, 1));
+        assert_eq!(paced_share(1, 1), (8, 1));
+        assert_eq!(paced_share(1, 2), (16, 1));
+        assert_eq!(paced_share(2, 2), (8, 1));
+        assert_eq!(paced_share(4, 0), (3, 2));
+        assert_eq!(paced_share(4, 2), (3, 1));
         assert_eq!(paced_share(9, 0), (3, 2));
     }
 
-    /// A sweep takes a quarter of the writer while it drains what is due,
+    /// A sweep that falls behind the records coming due keeps the share
+    /// its arrivals call for on a congested disk; one that keeps up, or
+    /// works off a backlog, yields.
+    #[test]
+    fn a_sweep_falling_behind_does_not_yield() {
+        let us = Duration::from_micros;
+        let congested = Some((us(3_000), us(1_000)));
+        let slowed = Some((us(1_600), us(1_000)));
+        // Keeping up, or a backlog with nothing coming due: yields.
+        assert!(!falling_behind(10_000, 0));
+        assert!(!falling_behind(15_000, 10_000));
+        assert_eq!(slice_share(0, false, congested), (32, 1));
+        assert_eq!(slice_share(4, false, congested), (3, 1));
+        assert_eq!(slice_share(4, false, slowed), (2, 1));
+        // Falling behind: evicted less than one and a half times what
+        // came due.
+        assert!(falling_behind(14_999, 10_000));
+        assert!(falling_behind(0, 1));
+        assert_eq!(slice_share(0, true, congested), (8, 1));
+        assert_eq!(slice_share(4, true, congested), (3, 2));
+        assert_eq!(slice_share(4, true, slowed), (3, 2));
+        // No figure (PostgreSQL, no busy step lately): the arrivals' share.
+        assert_eq!(slice_share(2, false, None), (3, 1));
+        assert_eq!(slice_share(2, true, None), (3, 1));
+        // Not congested: the arrivals' share either way.
+        assert_eq!(slice_share(1, false, Some((us(1_000), us(1_000)))), (4, 1));
+    }
+
+    /// A sweep takes an eighth of the writer while it drains what is due,
     /// one share more each second it evicts less than one and a half times
     /// what comes due, and one less once it evicts three times that.
     #[test]
@@ -422,16 +497,18 @@ mod tests {
         assert_eq!(next_share(0, 7_000, 16_000), 1);
         assert_eq!(next_share(1, 7_000, 16_000), 2);
         assert_eq!(next_share(2, 16_000, 16_000), 3);
-        assert_eq!(next_share(3, 16_000, 16_000), 3);
-        assert_eq!(SWEEP_SHARES[0], (4, 1));
-        assert_eq!(SWEEP_SHARES[3], (3, 2));
+        assert_eq!(next_share(3, 16_000, 16_000), 4);
+        assert_eq!(next_share(4, 16_000, 16_000), 4);
+        assert_eq!(SWEEP_SHARES[0], (8, 1));
+        assert_eq!(SWEEP_SHARES[1], (4, 1));
+        assert_eq!(SWEEP_SHARES[4], (3, 2));
         // Draining, but not three times as fast: the share stays.
         assert_eq!(next_share(1, 24_000, 16_000), 1);
         assert_eq!(next_share(1, 23_999, 16_000), 2);
         assert_eq!(next_share(1, 47_999, 16_000), 1);
-        assert_eq!(next_share(3, 24_000, 16_000), 3);
+        assert_eq!(next_share(4, 24_000, 16_000), 4);
         // Well ahead again: one share down.
-        assert_eq!(next_share(3, 48_000, 16_000), 2);
+        assert_eq!(next_share(4, 48_000, 16_000), 3);
         assert_eq!(next_share(0, 48_000, 16_000), 0);
     }
 }

@@ -10,8 +10,10 @@
 //! uses the queueing delay above its base delay: it takes a smaller share
 //! of the writer while the fsync takes much longer than its base, whatever
 //! the cause, so that it adds less to a slow stretch
-//! (`crate::sweeper::yield_steps`; a sweep falling behind the records
-//! coming due still steps up from where it is).
+//! (`crate::sweeper::yield_steps`). Like LEDBAT's, the yielding is a
+//! scavenger's: a sweep that falls behind the records coming due does not
+//! yield (`crate::sweeper::falling_behind`), or a store written at full
+//! speed would never work off what awaits eviction.
 //!
 //! Only fsyncs that made some caller's write durable are counted: a store
 //! with no callers waiting has nothing to protect, and a sweep's own
