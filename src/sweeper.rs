@@ -24,13 +24,13 @@ const SCRUB_TICK: Duration = Duration::from_secs(1);
 /// this plus one eviction (6 to 40 µs measured) and the read of its due
 /// entries. A slice is answered as soon as the writer decided it (not once
 /// its batch is durable), and the next one is submitted no sooner than
-/// four times its writer time after it, that time including what earlier
+/// eight times its writer time after it, that time including what earlier
 /// slices' evictions cost the writer since (the commits that apply them
 /// and write, at a checkpoint also sync, the index pages they changed:
 /// `embedded::commit::evictions_share`), so a sweep takes about an eighth
 /// of the writer's time (more while it falls behind the records coming
-/// due: [`SWEEP_SHARES`]; less while the disk under the log is congested:
-/// [`YIELD_SHARES`]). A sweep that lasts more than a second scales its
+/// due: [`SWEEP_SHARES`]; less while the disk under the log is congested
+/// and it does not fall behind: [`YIELD_SHARES`]). A sweep that lasts more than a second scales its
 /// slices up (see `slice_scale`), to at most 4 ms each.
 pub(crate) const SWEEP_SLICE_BUDGET: Duration = Duration::from_millis(1);
 
@@ -53,11 +53,12 @@ pub(crate) const SWEEP_SLICE_RECORDS: usize = 256;
 ///
 /// Why a backlog is worked off at an eighth, not a quarter: the write rate
 /// of a 1-s window swings on its own (16 threads on the disk with no sweep:
-/// windows from 0.66× to 1.23× of the mean), and a share costs the writes
-/// more than itself (a quarter: 0.69× of the rate with no sweep, the
-/// lowest window 0.49×), so at a quarter a window where the machine is
-/// slow anyway falls below half the rate; an eighth leaves the margin
-/// (measured in BENCHMARKS.md, "Sweep under load"). Records past retention
+/// windows from 0.57× to 1.23× of the mean), and a share costs the writes
+/// more than itself (a quarter: 0.69–0.79× of the rate with no sweep, the
+/// lowest windows 0.49–0.64×; an eighth: 0.81–0.87×), so at a quarter a
+/// window where the machine is slow anyway falls below half the rate; an
+/// eighth leaves more margin, though a stall of the disk still takes a
+/// window below half (BENCHMARKS.md, "Sweep under load"). Records past retention
 /// read as absent whether or not they are evicted, so a backlog drained at
 /// half the speed costs only the disk it holds a little longer; records
 /// coming due faster than that step the share up.
@@ -184,12 +185,7 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
         {
             let evicted = total.saturating_sub(second.2);
             let now_ms = engine.now_ms();
-            // Enough to decide (see `next_share`): more than two thirds of
-            // what it evicted means "up".
-            let enough = u64::try_from(evicted / 3 * 2)
-                .unwrap_or(u64::MAX)
-                .saturating_add(1);
-            match engine.came_due(from_ms, now_ms, enough) {
+            match engine.came_due(from_ms, now_ms, enough_to_decide(evicted)) {
                 Ok(Some(arrived)) => {
                     share = next_share(share, evicted, arrived);
                     behind = falling_behind(evicted, arrived);
@@ -308,10 +304,20 @@ fn next_share(share: usize, evicted: usize, arrived: u64) -> usize {
 /// sweep that yields while records come due faster than it evicts never
 /// catches up (measured: 64 threads of fresh keys with a retention of
 /// 30 s, about a million records awaiting eviction from the second minute
-/// to the end of a 4-minute run, where a sweep that did not yield kept a
-/// few tens of thousands).
+/// to the end of a 4-minute run, where a sweep that does not yield while
+/// behind went from 798,000 at 90 s to 160,000 at 240 s).
 fn falling_behind(evicted: usize, arrived: u64) -> bool {
     u64::try_from(evicted).unwrap_or(u64::MAX).saturating_mul(2) < arrived.saturating_mul(3)
+}
+
+/// How many of the records that came due in a second a sweep that
+/// `evicted` records in it needs counted to decide (`Engine::came_due`
+/// stops there): the fewest with which it is falling behind (more than
+/// two thirds of `evicted`; see [`falling_behind`]). A count below it is
+/// exact, so [`next_share`]'s step down (at a third or less) is decided
+/// too.
+fn enough_to_decide(evicted: usize) -> u64 {
+    (u64::try_from(evicted).unwrap_or(u64::MAX).saturating_mul(2) / 3).saturating_add(1)
 }
 
 /// The largest factor by which a long sweep's slices grow: a slice then
@@ -482,7 +488,23 @@ mod tests {
         assert_eq!(slice_share(2, false, None), (3, 1));
         assert_eq!(slice_share(2, true, None), (3, 1));
         // Not congested: the arrivals' share either way.
-        assert_eq!(slice_share(1, false, Some((us(1_000), us(1_000)))), (4, 1));
+        let calm = Some((us(1_000), us(1_000)));
+        assert_eq!(slice_share(1, false, calm), (4, 1));
+        assert_eq!(slice_share(1, true, calm), (4, 1));
+    }
+
+    /// The count of what came due stops at the fewest records that make a
+    /// sweep fall behind, and one fewer does not.
+    #[test]
+    fn the_count_of_arrivals_stops_where_it_decides() {
+        for evicted in (0..3_000).chain([10_000, 1_000_000_007]) {
+            let enough = enough_to_decide(evicted);
+            assert!(falling_behind(evicted, enough), "{evicted}: {enough}");
+            assert!(!falling_behind(evicted, enough - 1), "{evicted}: {enough}");
+        }
+        // Two thirds of 5 is 3.3: four arrivals mean behind, three do not.
+        assert_eq!(enough_to_decide(5), 4);
+        assert_eq!(enough_to_decide(0), 1);
     }
 
     /// A sweep takes an eighth of the writer while it drains what is due,
