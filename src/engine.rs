@@ -180,6 +180,19 @@ impl Engine {
         }
     }
 
+    /// Whether a record awaiting eviction is due now, by the file engine's
+    /// expiry index as last committed (at most one entry read per range:
+    /// finished records, claims in flight): what makes its background
+    /// sweeper sweep before the end of its interval. `None` on PostgreSQL,
+    /// whose sweeps share no writer and run every interval.
+    pub(crate) fn any_due(&self) -> Result<Option<bool>> {
+        match self {
+            Engine::Embedded(e) => e.came_due(0, e.time(), 1).map(|n| Some(n > 0)),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => Ok(None),
+        }
+    }
+
     /// The file engine's log fsync time of the last closed quarter second and its
     /// lowest quarter-second mean of the last minute, as `(current, base)`:
     /// how congested the disk under the log is, for a sweep's pacing (see

@@ -1006,7 +1006,7 @@ fn a_sweep_visits_the_due_entries_whatever_the_store_size() {
 /// a store reopened with records that came due meanwhile is swept about a
 /// second later, although the interval is an hour (a store that churns is
 /// then swept every second while sweeps find records due; an idle one
-/// once per interval).
+/// as soon as a record comes due: the next test).
 #[test]
 fn the_background_sweeper_catches_up_after_open_without_waiting_its_interval() {
     let dir = tempfile::tempdir().unwrap();
@@ -1029,6 +1029,48 @@ fn the_background_sweeper_catches_up_after_open_without_waiting_its_interval() {
     // A hang guard, not a timing assertion: the hourly interval would
     // leave them far longer.
     let guard = std::time::Instant::now() + secs(120);
+    while store.stats().unwrap().records.expired > 0 {
+        assert!(std::time::Instant::now() < guard, "not swept");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let stats = store.stats().unwrap();
+    assert_eq!(stats.counters.evictions, 20);
+    assert_eq!(stats.records.total(), 0);
+}
+
+/// The background sweeper of a store whose last sweep found nothing due
+/// reads the first deadline of its expiry index at every tick (each
+/// second) and sweeps as soon as a record has come due, not at the end of
+/// its interval (an hour here): a store that starts to churn after an idle
+/// sweep has its records evicted as they come due, instead of all at once
+/// an interval later.
+#[test]
+fn an_idle_sweeper_sweeps_as_soon_as_a_record_comes_due() {
+    let _events = captured();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let store = Store::open_with(&path, config(&clock).sweep_interval(Some(secs(3600)))).unwrap();
+    // Hang guards, not timing assertions: the hourly interval would leave
+    // the records far longer.
+    let guard = std::time::Instant::now() + secs(120);
+    // The first sweep, about a second after open, finds an empty store.
+    while u64_fields(&path, ["evicted"]).is_empty() {
+        assert!(std::time::Instant::now() < guard, "no first sweep");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(u64_fields(&path, ["evicted"]).iter().all(|[n]| *n == 0));
+    for i in 0..20 {
+        let lease = acquire(
+            &store,
+            &key("sweep/idle", &format!("due-{i}")),
+            &ClaimOptions::new(),
+        );
+        store.complete(&lease, b"ok").unwrap();
+    }
+    // Past the retention (60 s), far short of the interval.
+    clock.advance(secs(61));
+    assert_eq!(store.stats().unwrap().records.expired, 20);
     while store.stats().unwrap().records.expired > 0 {
         assert!(std::time::Instant::now() < guard, "not swept");
         std::thread::sleep(Duration::from_millis(50));
