@@ -1028,13 +1028,20 @@ fn the_background_sweeper_catches_up_after_open_without_waiting_its_interval() {
     assert_eq!(store.stats().unwrap().records.expired, 20);
     // A hang guard, not a timing assertion: the hourly interval would
     // leave them far longer.
-    let guard = std::time::Instant::now() + secs(120);
+    all_swept_by_the_sweeper(&store, 20, std::time::Instant::now() + secs(120));
+}
+
+/// Waits until the background sweeper evicted every record past
+/// retention, which are `due` in all and the store's only records; fails
+/// at `guard` (a hang guard: the tests' hourly interval would leave them
+/// far longer).
+fn all_swept_by_the_sweeper(store: &Store, due: u64, guard: std::time::Instant) {
     while store.stats().unwrap().records.expired > 0 {
         assert!(std::time::Instant::now() < guard, "not swept");
         std::thread::sleep(Duration::from_millis(50));
     }
     let stats = store.stats().unwrap();
-    assert_eq!(stats.counters.evictions, 20);
+    assert_eq!(stats.counters.evictions, due);
     assert_eq!(stats.records.total(), 0);
 }
 
@@ -1071,13 +1078,7 @@ fn an_idle_sweeper_sweeps_as_soon_as_a_record_comes_due() {
     // Past the retention (60 s), far short of the interval.
     clock.advance(secs(61));
     assert_eq!(store.stats().unwrap().records.expired, 20);
-    while store.stats().unwrap().records.expired > 0 {
-        assert!(std::time::Instant::now() < guard, "not swept");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let stats = store.stats().unwrap();
-    assert_eq!(stats.counters.evictions, 20);
-    assert_eq!(stats.records.total(), 0);
+    all_swept_by_the_sweeper(&store, 20, guard);
 }
 
 /// `sweep_due` (the background sweeper's paced sweep) evicts every due
