@@ -79,8 +79,10 @@ pub enum Durability {
 pub enum PostgresPooler {
     /// No pooler (the default): the store's connections are server
     /// sessions of their own. Its session settings (`statement_timeout`,
-    /// `lock_timeout`, `idle_in_transaction_session_timeout`) travel as the
-    /// startup parameter `options`.
+    /// `lock_timeout`, `idle_in_transaction_session_timeout`, and the
+    /// planner's `plan_cache_mode = force_generic_plan` and `enable_seqscan
+    /// = off`, so that every statement finds its rows by index) travel as
+    /// the startup parameter `options`.
     #[default]
     Direct,
     /// A pooler that gives each of the store's connections one server
@@ -88,8 +90,9 @@ pub enum PostgresPooler {
     /// session` (set for the store's database entry alone, if the rest of
     /// the service uses transaction pooling). PgBouncer refuses the startup
     /// parameter `options` ("unsupported startup parameter"), so the store
-    /// sends its session settings with `SET` once each connection is open
-    /// instead, one round trip per connection opened.
+    /// sends the same session settings as [`PostgresPooler::Direct`] with
+    /// `SET` once each connection is open instead, one round trip per
+    /// connection opened.
     Session,
     /// A pooler that may move a connection to another server session
     /// between transactions: PgBouncer with `pool_mode = transaction`.

@@ -83,8 +83,10 @@
 //!   `COMMIT` was not sent yet and [`Error::OutcomeUnknown`] if it was.
 //!   The engine's sessions carry `statement_timeout`, `lock_timeout` and
 //!   `idle_in_transaction_session_timeout` (so the server ends a session
-//!   left half-open inside a transaction, releasing its row locks), and
-//!   TCP keepalives. `Drop` waits for the jobs in flight, so for at most
+//!   left half-open inside a transaction, releasing its row locks), the
+//!   planner settings `plan_cache_mode = force_generic_plan` and
+//!   `enable_seqscan = off` (see `session_settings`; the same through a
+//!   pooler in session mode), and TCP keepalives. `Drop` waits for the jobs in flight, so for at most
 //!   one `call_timeout`.
 //! - **Durability** is the server's: an answer is given only after the
 //!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
@@ -2649,6 +2651,35 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
     drop(permit);
 }
 
+/// The settings of every session the engine opens, as (name, value), given
+/// as startup `options` on a direct connection and as `SET` statements
+/// after connecting through a pooler in session mode (PgBouncer refuses
+/// `options`), from this one list so that the two cannot differ:
+/// - `statement_timeout`, `lock_timeout`, `idle_in_transaction_session_timeout`
+///   (ms): the limits (see `PostgresLimits`), so that the server ends what a
+///   caller gave up on.
+/// - `plan_cache_mode = force_generic_plan`: the statements' array
+///   parameters would otherwise be planned again on every call (a custom
+///   plan looks cheaper for a one-element array than the generic plan's
+///   estimate).
+/// - `enable_seqscan = off`: every statement of the engine finds its rows
+///   through an index (the key, a binding, the expiry); a generic plan made
+///   while a table is new and small would otherwise scan it in full for as
+///   long as the connection lives.
+fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 5] {
+    let ms = |d: Duration| d.as_millis().to_string();
+    [
+        ("statement_timeout", ms(limits.statement_timeout)),
+        ("lock_timeout", ms(limits.lock_timeout)),
+        (
+            "idle_in_transaction_session_timeout",
+            ms(limits.idle_in_transaction_timeout),
+        ),
+        ("plan_cache_mode", "force_generic_plan".to_owned()),
+        ("enable_seqscan", "off".to_owned()),
+    ]
+}
+
 impl Postgres {
     /// Connects to the database at `url` (a `postgresql://` URL or a
     /// `key=value` connection string), checks the schema's version with one
@@ -2693,23 +2724,14 @@ impl Postgres {
             config.keepalives_interval(KEEPALIVE_INTERVAL);
             config.keepalives_retries(KEEPALIVE_RETRIES);
         }
-        let ms = |d: Duration| d.as_millis();
-        // Generic plans: the statements' array parameters would otherwise
-        // be planned again on every call (a custom plan looks cheaper for
-        // a one-element array than the generic plan's estimate). Every
-        // statement of the engine finds its rows through an index (the
-        // key, a binding, the expiry); a generic plan made while a table
-        // is new and small would otherwise scan it in full for as long as
-        // the connection lives, so sequential scans are ruled out.
-        let session = format!(
-            "-c statement_timeout={} -c lock_timeout={} -c idle_in_transaction_session_timeout={} \
-             -c plan_cache_mode=force_generic_plan -c enable_seqscan=off",
-            ms(limits.statement_timeout),
-            ms(limits.lock_timeout),
-            ms(limits.idle_in_transaction_timeout),
-        );
+        let settings = session_settings(&limits);
         let session_set = match options.pooler {
             PostgresPooler::Direct => {
+                let session = settings
+                    .iter()
+                    .map(|(name, value)| format!("-c {name}={value}"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 let options_text = match config.get_options() {
                     Some(given) => format!("{session} {given}"),
                     None => session,
@@ -2718,13 +2740,13 @@ impl Postgres {
                 None
             }
             // PgBouncer refuses the startup parameter `options`.
-            PostgresPooler::Session => Some(format!(
-                "SET statement_timeout = {}; SET lock_timeout = {}; \
-                 SET idle_in_transaction_session_timeout = {}",
-                ms(limits.statement_timeout),
-                ms(limits.lock_timeout),
-                ms(limits.idle_in_transaction_timeout),
-            )),
+            PostgresPooler::Session => Some(
+                settings
+                    .iter()
+                    .map(|(name, value)| format!("SET {name} = {value}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            ),
             PostgresPooler::Transaction => {
                 return Err(Error::invalid(
                     "postgres_pooler",

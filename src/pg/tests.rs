@@ -1859,3 +1859,91 @@ fn imports_and_hot_claims_never_share_a_token() {
     assert_eq!(all.len(), n, "a token was handed out twice");
     assert!(pg.next_token().unwrap() > *all.last().unwrap());
 }
+
+/// Through a pooler in session mode (settings as `SET` statements, since
+/// PgBouncer refuses startup `options`) the engine's sessions carry every
+/// setting a direct connection gets as startup options, the planner's
+/// included (`session_settings`): on a records table of one page, which a
+/// planner left to itself reads in full, the engine's claims, completions
+/// and reads find their rows by index only. The server counts each
+/// session's scans in `pg_stat_user_tables` as the session ends; the
+/// schema is made by a first engine, whose index builds count as scans.
+#[test]
+fn a_session_pooler_connection_scans_the_records_by_index_only() {
+    if skipped() {
+        return;
+    }
+    let name = schema("session_set");
+    let url = format!("{}?application_name={name}", server().url());
+    let options = |pooler| PgOptions {
+        schema: name.clone(),
+        clock: None,
+        retention_ms: RETENTION,
+        connections: 2,
+        must_exist: false,
+        migrate: false,
+        limits: crate::config::PostgresLimits::default(),
+        pooler,
+    };
+    // A hang guard, not a timing assertion: sessions end as their engine
+    // is dropped, and report their counts as they do.
+    let guard = std::time::Instant::now() + Duration::from_secs(60);
+    let ended = || {
+        let sessions =
+            format!("SELECT count(*) FROM pg_stat_activity WHERE application_name = '{name}'");
+        while raw_sql(&sessions)[0].get::<_, i64>(0) > 0 {
+            assert!(
+                std::time::Instant::now() < guard,
+                "the sessions did not end"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let scans = |least_by_index: i64| loop {
+        let sql = format!(
+            "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0) FROM pg_stat_user_tables \
+             WHERE schemaname = '{name}' AND relname = 'records'"
+        );
+        let row = &raw_sql(&sql)[0];
+        let counts: (i64, i64) = (row.get(0), row.get(1));
+        if counts.1 >= least_by_index {
+            return counts;
+        }
+        assert!(std::time::Instant::now() < guard, "no scans reported");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    drop(Postgres::connect(&url, options(crate::config::PostgresPooler::Direct)).unwrap());
+    ended();
+    let (seq_before, idx_before) = scans(0);
+    let pg = Postgres::connect(&url, options(crate::config::PostgresPooler::Session)).unwrap();
+    for i in 0..20 {
+        if i == 5 {
+            // Statistics of a table of one page, on which a sequential
+            // scan is the cheapest plan (plans cached before are made
+            // again).
+            raw_sql(&format!("ANALYZE \"{name}\".records"));
+        }
+        let k = key(&format!("k{i}"));
+        let lease = acquired(pg.apply(&k, claim(b"a")).unwrap());
+        record(
+            pg.apply(
+                &k,
+                Op::Complete {
+                    token: lease.token(),
+                    result: b"done".to_vec(),
+                },
+            )
+            .unwrap(),
+        );
+        assert!(pg.get(&k).unwrap().is_some());
+    }
+    drop(pg);
+    ended();
+    let (seq, idx) = scans(idx_before + 1);
+    assert_eq!(
+        seq - seq_before,
+        0,
+        "sequential scans of the records table ({} by index)",
+        idx - idx_before
+    );
+}
