@@ -187,7 +187,11 @@ impl Engine {
     /// whose sweeps share no writer and run every interval.
     pub(crate) fn any_due(&self) -> Result<Option<bool>> {
         match self {
-            Engine::Embedded(e) => e.came_due(0, e.time(), 1).map(|n| Some(n > 0)),
+            // The clock without a reservation: reserving time writes and
+            // syncs a log frame once a reservation runs out, which on an
+            // idle store would be every tick. The sweep itself decides at
+            // the writer's time.
+            Engine::Embedded(e) => e.came_due(0, e.clock_ms(), 1).map(|n| Some(n > 0)),
             #[cfg(feature = "postgres")]
             Engine::Postgres { .. } => Ok(None),
         }
@@ -418,22 +422,27 @@ fn import_results(replies: Vec<Result<Reply>>) -> Result<Vec<Result<ImportResult
 }
 
 /// Verifies every record of an engine that keeps nothing beside its
-/// records but a token counter: each decodes under its key, and each
-/// token is below the counter.
+/// records but a token counter: each decodes under its key, its query
+/// columns agree with it (the scan reports a row whose do not as
+/// [`crate::Error::CorruptRecord`]), and each token is below the counter.
 #[cfg(feature = "postgres")]
-fn verify_entries(pg: &Postgres, mut progress: impl FnMut(Progress)) -> Result<CheckReport> {
+pub(crate) fn verify_entries(
+    pg: &Postgres,
+    mut progress: impl FnMut(Progress),
+) -> Result<CheckReport> {
     use crate::report::{Integrity, Problem};
     let entries = pg.entries(vec![(Vec::new(), None)])?;
     let next_token = pg.next_token()?;
     let mut report = CheckReport::new(Integrity::NotRun);
     for entry in entries {
-        let (key, envelope) = entry?;
         report.records = report.records.saturating_add(1);
         progress(Progress {
             records: report.records,
             bytes: 0,
         });
-        match crate::codec::decode_record(&key, &envelope) {
+        let decoded =
+            entry.and_then(|(key, envelope)| crate::codec::decode_record(&key, &envelope));
+        match decoded {
             Ok(record) if record.token() >= next_token => report.found(Problem {
                 key: record.key().to_string(),
                 detail: format!(

@@ -1100,6 +1100,11 @@ impl Store {
     /// Verifies every stored record: its checksum and decoding, that its
     /// fencing token is below the store's token counter, that it has its
     /// expiry index entry, and that business-key bindings and records agree.
+    /// On PostgreSQL: every row's checksum and decoding, that its query
+    /// columns (token, state, creation, lease and expiry times, which
+    /// eviction, `stats` and the compare-and-set read) agree with its
+    /// record, as a request on that key checks, and that its token is
+    /// below the token sequence.
     /// Reads one snapshot while the store keeps serving. redb's own page
     /// integrity check needs the file to itself: see [`check_file`](crate::check_file).
     ///

@@ -86,8 +86,8 @@
 //!   left half-open inside a transaction, releasing its row locks), the
 //!   planner settings `plan_cache_mode = force_generic_plan` and
 //!   `enable_seqscan = off` (see `session_settings`; the same through a
-//!   pooler in session mode), and TCP keepalives. `Drop` waits for the jobs in flight, so for at most
-//!   one `call_timeout`.
+//!   pooler in session mode), and TCP keepalives. `Drop` waits for the
+//!   jobs in flight, so for at most one `call_timeout`.
 //! - **Durability** is the server's: an answer is given only after the
 //!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
 //!   a crash of the server loses acknowledged claims, and a lost claim lets
@@ -3185,8 +3185,10 @@ fn merge_ranges(mut ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Vec<(Vec<u8>, Op
 /// in key order.
 pub(crate) type EntryIter = crate::codec::Entries;
 
+/// A scanned row as (key bytes, envelope), or why it is corrupt.
+type ScannedRow = Result<(Vec<u8>, Vec<u8>)>;
 /// A page of a scan, or its error.
-type Page = Result<Vec<(Vec<u8>, Vec<u8>)>>;
+type Page = Result<Vec<ScannedRow>>;
 /// A request for the next page.
 type PageRequest = oneshot::Sender<Page>;
 
@@ -3270,21 +3272,25 @@ async fn scan_task(
     }
 }
 
-/// A scanned row as (key bytes, envelope): a row in the hot form is
-/// completed and handed out as the completed record's envelope; any other
-/// row as stored (whoever reads it checks it).
-fn scanned(row: &Row) -> Result<(Vec<u8>, Vec<u8>), Fail> {
+/// A scanned row as (key bytes, envelope), checked as a request would
+/// check it (`decide::slot_of`): a row in the hot form is completed and
+/// handed out as the completed record's envelope, any other row as stored;
+/// a row whose envelope does not decode, or whose columns (token, state,
+/// times: what eviction, `stats` and the compare-and-set read) disagree
+/// with its envelope, is [`Error::CorruptRecord`] naming its key, an
+/// answer for that row alone (the scan goes on). `Fail` when the row's
+/// columns cannot be read at all.
+fn scanned(row: &Row) -> Result<ScannedRow, Fail> {
     let rc = row_columns(row)?;
-    if rc.record.first() != Some(&hot::FORM) {
-        return Ok((rc.key, rc.record));
-    }
-    match decide::slot_of(&rc) {
+    Ok(match decide::slot_of(&rc) {
+        Slot::Present(_) if rc.record.first() != Some(&hot::FORM) => Ok((rc.key, rc.record)),
         Slot::Present(rec) => {
             let envelope = crate::codec::encode_record(&rc.key, &rec);
             Ok((rc.key, envelope))
         }
-        _ => Ok((rc.key, rc.record)),
-    }
+        Slot::Corrupt(key, detail) => Err(Error::CorruptRecord { key, detail }),
+        Slot::Absent => Err(Error::Storage("a scanned row read as absent".into())),
+    })
 }
 
 /// The iterator of [`Postgres::entries`].
@@ -3292,7 +3298,7 @@ struct Entries {
     /// Page requests to the scan's task.
     requests: UnboundedSender<PageRequest>,
     /// The rest of the last page.
-    buffered: VecDeque<(Vec<u8>, Vec<u8>)>,
+    buffered: VecDeque<ScannedRow>,
     /// Whether the scan ended (an empty page or an error).
     done: bool,
     /// How long one page may take.
@@ -3350,7 +3356,7 @@ impl Iterator for Entries {
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             if let Some(entry) = self.buffered.pop_front() {
-                return Some(Ok(entry));
+                return Some(entry);
             }
             if self.done {
                 return None;
