@@ -270,7 +270,7 @@ impl Engine {
         match self {
             Engine::Embedded(e) => e.verify(progress),
             #[cfg(feature = "postgres")]
-            Engine::Postgres { engine, .. } => verify_entries(engine, progress),
+            Engine::Postgres { engine, .. } => engine.verify(progress),
         }
     }
 
@@ -419,45 +419,6 @@ fn import_results(replies: Vec<Result<Reply>>) -> Result<Vec<Result<ImportResult
             )),
         })
         .collect())
-}
-
-/// Verifies every record of an engine that keeps nothing beside its
-/// records but a token counter: each decodes under its key, its query
-/// columns agree with it (the scan reports a row whose do not as
-/// [`crate::Error::CorruptRecord`]), and each token is below the counter.
-#[cfg(feature = "postgres")]
-pub(crate) fn verify_entries(
-    pg: &Postgres,
-    mut progress: impl FnMut(Progress),
-) -> Result<CheckReport> {
-    use crate::report::{Integrity, Problem};
-    let entries = pg.entries(vec![(Vec::new(), None)])?;
-    let next_token = pg.next_token()?;
-    let mut report = CheckReport::new(Integrity::NotRun);
-    for entry in entries {
-        report.records = report.records.saturating_add(1);
-        progress(Progress {
-            records: report.records,
-            bytes: 0,
-        });
-        let decoded =
-            entry.and_then(|(key, envelope)| crate::codec::decode_record(&key, &envelope));
-        match decoded {
-            Ok(record) if record.token() >= next_token => report.found(Problem {
-                key: record.key().to_string(),
-                detail: format!(
-                    "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
-                    record.token()
-                ),
-            }),
-            Ok(_) => {}
-            Err(crate::error::Error::CorruptRecord { key, detail }) => {
-                report.found(Problem { key, detail });
-            }
-            Err(other) => return Err(other),
-        }
-    }
-    Ok(report)
 }
 
 /// Every key: one range from the first key on.

@@ -386,7 +386,9 @@ impl Embedded {
         self.shared.clock.wall_ms()
     }
 
-    /// The store's time without a reservation (an import's reference time).
+    /// The store's time without a reservation: an import's reference time,
+    /// and the idle sweeper's look for a due record (`Engine::any_due`),
+    /// which must not write.
     pub(crate) fn clock_ms(&self) -> u64 {
         self.shared.clock.now_ms()
     }
