@@ -81,9 +81,10 @@ pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 /// The background thread `config` asks for over `engine`, if any: sweeps
 /// every `sweep_interval`, or [`SWEEP_CATCH_UP`] after open and after a
 /// sweep that evicted records, or (file engine, after a sweep that found
-/// nothing due) at the first tick where a record has come due (slices
-/// of at most `sweep_batch` records and, on the file engine, [`SWEEP_SLICE_BUDGET`] of the writer's time, paced as
-/// [`sweep_paced`] says, until none is due or the store is dropped) and,
+/// nothing due) at the first tick where a record has come due (slices of
+/// at most `sweep_batch` records and, on the file engine,
+/// [`SWEEP_SLICE_BUDGET`] of the writer's time, paced as [`sweep_paced`]
+/// says, until none is due or the store is dropped) and,
 /// on the embedded engine, a scrub step of `scrub_rate` records every
 /// second (at most; a slow step delays the next), until the store refuses
 /// writes. Failures are logged (warn); a failed scrub step is retried at
