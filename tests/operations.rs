@@ -1031,6 +1031,16 @@ fn the_background_sweeper_catches_up_after_open_without_waiting_its_interval() {
     all_swept_by_the_sweeper(&store, 20, std::time::Instant::now() + secs(120));
 }
 
+/// Waits until the background sweeper of the store at `path` emitted its
+/// first sweep event (a store opened with `captured()` events); fails at
+/// `guard` (a hang guard).
+fn first_sweep_seen(path: &Path, guard: std::time::Instant) {
+    while u64_fields(path, ["evicted"]).is_empty() {
+        assert!(std::time::Instant::now() < guard, "no first sweep");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Waits until the background sweeper evicted every record past
 /// retention, which are `due` in all and the store's only records; fails
 /// at `guard` (a hang guard: the tests' hourly interval would leave them
@@ -1062,10 +1072,7 @@ fn an_idle_sweeper_sweeps_as_soon_as_a_record_comes_due() {
     // the records far longer.
     let guard = std::time::Instant::now() + secs(120);
     // The first sweep, about a second after open, finds an empty store.
-    while u64_fields(&path, ["evicted"]).is_empty() {
-        assert!(std::time::Instant::now() < guard, "no first sweep");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    first_sweep_seen(&path, guard);
     assert!(u64_fields(&path, ["evicted"]).iter().all(|[n]| *n == 0));
     for i in 0..20 {
         let lease = acquire(
@@ -1100,10 +1107,7 @@ fn an_idle_sweeper_writes_nothing() {
     .unwrap();
     // A hang guard, not a timing assertion.
     let guard = std::time::Instant::now() + secs(120);
-    while u64_fields(&path, ["evicted"]).is_empty() {
-        assert!(std::time::Instant::now() < guard, "no first sweep");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    first_sweep_seen(&path, guard);
     let mut log = path.clone().into_os_string();
     log.push("-wal");
     let written = || std::fs::metadata(&log).unwrap().modified().unwrap();
