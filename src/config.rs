@@ -403,11 +403,12 @@ impl Config {
     /// sweeps every 2 s), except that on the file engine, after a sweep
     /// that found nothing due, the sweeper reads the first deadline of the
     /// expiry index at each tick (one entry per range, finished and in
-    /// flight) and sweeps at the first tick after one has passed: a sweep
-    /// starts within about a second of a record coming due whatever the
-    /// interval, and a store that starts to churn after an idle sweep does
-    /// not collect an interval's worth of due records for one sweep. On
-    /// PostgreSQL an idle store is swept once per interval. The sweeper
+    /// flight) and sweeps at the first tick after one has passed, and not
+    /// before: a sweep starts within about a second of a record coming due
+    /// whatever the interval, a store that starts to churn after an idle
+    /// sweep does not collect an interval's worth of due records for one
+    /// sweep, and an idle file store is not swept (nor its log written).
+    /// On PostgreSQL an idle store is swept once per interval. The sweeper
     /// stops when the store is dropped, or when the store refuses writes. Its thread also runs the online
     /// scrub ([`Config::scrub_rate`]), and a sweep waits for a scrub step
     /// in progress.

@@ -72,9 +72,10 @@ pub(crate) const SWEEP_SHARES: [(u32, u32); 5] = [(8, 1), (4, 1), (3, 1), (2, 1)
 /// too. After a sweep that evicted nothing the next waits the full
 /// interval, unless a record comes due first: on the file engine the
 /// sweeper reads the first deadline of the expiry index at each tick
-/// meanwhile and sweeps once one has passed (`due_since_idle`), so a store
-/// that starts to churn is swept as its records come due, not all at once
-/// an interval later; on PostgreSQL an idle store is swept once per
+/// meanwhile and sweeps once one has passed, and only then
+/// (`due_since_idle`), so a store that starts to churn is swept as its
+/// records come due, not all at once an interval later, and an idle store
+/// is not swept at all; on PostgreSQL an idle store is swept once per
 /// interval.
 pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 
@@ -127,8 +128,15 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         if engine.refuses_writes() {
             return;
         }
-        if last_sweep.elapsed() < wait && !(idle && due_since_idle(engine)) {
-            return;
+        match idle.then(|| due_since_idle(engine)).flatten() {
+            // A record came due since the idle sweep: sweep now.
+            Some(true) => {}
+            // Nothing is due (the file engine's index says so): a sweep
+            // would evict nothing and write the store's time reservation,
+            // so an idle store would write its log once per interval.
+            Some(false) => return,
+            None if last_sweep.elapsed() < wait => return,
+            None => {}
         }
         last_sweep = Instant::now();
         wait = every;
@@ -153,15 +161,17 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
 /// comes due within the interval (60 s by default) and its next sweep
 /// finds them all at once: under 64 threads with a retention of 30 s,
 /// 0.6 M due at 61 s, whose sweep, falling behind from its first second,
-/// took the writes to 1,660 lifecycles/s for 15 s. `false` on PostgreSQL,
-/// whose sweeps share no writer, and when the index cannot be read (the
-/// interval's sweep then finds out).
-fn due_since_idle(engine: &Engine) -> bool {
+/// took the writes to 1,660 lifecycles/s for 15 s. While it answers
+/// `Some(false)` the sweeper does not sweep at all, so an idle file store
+/// writes nothing. `None` on PostgreSQL, whose sweeps share no writer,
+/// and when the index cannot be read: the sweeper then sweeps once per
+/// interval (and the sweep finds out).
+fn due_since_idle(engine: &Engine) -> Option<bool> {
     match engine.any_due() {
-        Ok(due) => due.unwrap_or(false),
+        Ok(due) => due,
         Err(err) => {
             tracing::debug!(error = %err, "sweeper: reading the first deadline failed");
-            false
+            None
         }
     }
 }
