@@ -249,7 +249,8 @@ pub fn recovery_points(h: &dyn Harness) {
 }
 
 /// A business key held by a live record of another key refuses the claim
-/// (HTTP 409) and is free again once that record is released.
+/// (HTTP 409) and is free again once that record is released; `verify`
+/// finds the one binding, and it agrees with its record.
 pub fn business_keys(h: &dyn Harness) {
     let clock = ManualClock::new(START_MS);
     let store = h.open("business_keys", config(&clock));
@@ -269,6 +270,9 @@ pub fn business_keys(h: &dyn Harness) {
         store.claim(&key("bk-2"), &f, &with_bk),
         Ok(ClaimOutcome::Acquired(_))
     ));
+    let report = store.verify(|_| {}).expect("verify");
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.bindings, 1, "the business key's binding is read");
 }
 
 /// A sweep evicts exactly the records past retention.

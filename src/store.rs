@@ -1103,8 +1103,9 @@ impl Store {
     /// On PostgreSQL: every row's checksum and decoding, that its query
     /// columns (token, state, creation, lease and expiry times, which
     /// eviction, `stats` and the compare-and-set read) agree with its
-    /// record, as a request on that key checks, and that its token is
-    /// below the token sequence.
+    /// record, as a request on that key checks, that its token is below
+    /// the token sequence, and that business-key bindings and records
+    /// agree. [`CheckReport::bindings`] counts the bindings read.
     /// Reads one snapshot while the store keeps serving. redb's own page
     /// integrity check needs the file to itself: see [`check_file`](crate::check_file).
     ///

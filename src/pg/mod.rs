@@ -1103,15 +1103,21 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
 
 /// Reads the columns of a records row.
 fn row_columns(row: &Row) -> Result<RowColumns, Fail> {
+    row_columns_at(row, 0)
+}
+
+/// Reads the columns of a records row that start at column `first` of
+/// `row` (a join's).
+fn row_columns_at(row: &Row, first: usize) -> Result<RowColumns, Fail> {
     let get = |e: tokio_postgres::Error| storage("reading a records row", e);
     Ok(RowColumns {
-        key: row.try_get(0).map_err(get)?,
-        record: row.try_get(1).map_err(get)?,
-        token: row.try_get(2).map_err(get)?,
-        state: row.try_get(3).map_err(get)?,
-        created_ms: row.try_get(4).map_err(get)?,
-        lease_until_ms: row.try_get(5).map_err(get)?,
-        expires_ms: row.try_get(6).map_err(get)?,
+        key: row.try_get(first).map_err(get)?,
+        record: row.try_get(first + 1).map_err(get)?,
+        token: row.try_get(first + 2).map_err(get)?,
+        state: row.try_get(first + 3).map_err(get)?,
+        created_ms: row.try_get(first + 4).map_err(get)?,
+        lease_until_ms: row.try_get(first + 5).map_err(get)?,
+        expires_ms: row.try_get(first + 6).map_err(get)?,
     })
 }
 
@@ -3034,50 +3040,71 @@ impl Postgres {
     /// The iterator ends with an error if the connection breaks or the
     /// store is dropped.
     pub(crate) fn entries(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Result<EntryIter> {
-        self.scan(ranges, false)
+        let scan = self.scan(ranges, false)?;
+        // An unchecked scan hands out rows alone.
+        Ok(Box::new(scan.filter_map(|item| match item {
+            Ok(Scanned::Row(key, envelope)) => Some(Ok((key, envelope))),
+            Ok(Scanned::Problem(_) | Scanned::Binding) => None,
+            Err(e) => Some(Err(e)),
+        })))
     }
 
     /// Every stored row as [`Postgres::entries`] reads them, each checked
-    /// as a request on its key would check it: a row whose record does not
-    /// decode, or whose query columns disagree with it, is an
-    /// `Err(`[`Error::CorruptRecord`]`)` naming its key, and the iteration
-    /// goes on with the next row (any other error ends it).
-    fn checked_entries(&self) -> Result<EntryIter> {
+    /// as a request on its key would check it, then every business-key
+    /// binding, all from one snapshot (see [`Scanned`]): a row whose
+    /// record does not decode, or whose query columns disagree with it, is
+    /// an `Err(`[`Error::CorruptRecord`]`)` naming its key, and the
+    /// iteration goes on with the next row (any other error ends it).
+    fn checked_entries(&self) -> Result<Entries> {
         self.scan(vec![(Vec::new(), None)], true)
     }
 
-    /// Verifies every row of one snapshot: each record decodes under its
-    /// key and its query columns agree with it (as a request on its key
-    /// checks), and each token is below the token sequence; `progress` is
-    /// called once per row. The bindings table is not checked against the
-    /// records, nor pages (the server's `data_checksums`).
+    /// Verifies every row and business-key binding of one snapshot: each
+    /// record decodes under its key and its query columns agree with it
+    /// (as a request on its key checks), each token is below the token
+    /// sequence, each live record's business key is bound to it, and each
+    /// binding names a record that carries it (as the file engine's check
+    /// does); `progress` is called once per row. Pages are not checked
+    /// (the server's `data_checksums`).
     ///
     /// # Errors
     /// As a scan's: [`Error::Unavailable`] when the connection breaks or
-    /// a page takes longer than `call_timeout`; damaged rows are reported
-    /// in the [`CheckReport`], not as errors.
+    /// a page takes longer than `call_timeout`; damaged rows and bindings
+    /// are reported in the [`CheckReport`], not as errors.
     pub(crate) fn verify(&self, mut progress: impl FnMut(Progress)) -> Result<CheckReport> {
         let entries = self.checked_entries()?;
         let next_token = self.next_token()?;
         let mut report = CheckReport::new(Integrity::NotRun);
-        for entry in entries {
+        let mut row = |report: &mut CheckReport| {
             report.records = report.records.saturating_add(1);
             progress(Progress {
                 records: report.records,
                 bytes: 0,
             });
-            let decoded =
-                entry.and_then(|(key, envelope)| crate::codec::decode_record(&key, &envelope));
-            match decoded {
-                Ok(record) if record.token() >= next_token => report.found(Problem {
-                    key: record.key().to_string(),
-                    detail: format!(
-                        "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
-                        record.token()
-                    ),
-                }),
-                Ok(_) => {}
+        };
+        for item in entries {
+            match item {
+                Ok(Scanned::Row(key, envelope)) => {
+                    row(&mut report);
+                    match crate::codec::decode_record(&key, &envelope) {
+                        Ok(record) if record.token() >= next_token => report.found(Problem {
+                            key: record.key().to_string(),
+                            detail: format!(
+                                "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
+                                record.token()
+                            ),
+                        }),
+                        Ok(_) => {}
+                        Err(Error::CorruptRecord { key, detail }) => {
+                            report.found(Problem { key, detail });
+                        }
+                        Err(other) => return Err(other),
+                    }
+                }
+                Ok(Scanned::Problem(problem)) => report.found(problem),
+                Ok(Scanned::Binding) => report.bindings = report.bindings.saturating_add(1),
                 Err(Error::CorruptRecord { key, detail }) => {
+                    row(&mut report);
                     report.found(Problem { key, detail });
                 }
                 Err(other) => return Err(other),
@@ -3088,7 +3115,7 @@ impl Postgres {
 
     /// The scan behind [`Postgres::entries`] and
     /// [`Postgres::checked_entries`].
-    fn scan(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>, checked: bool) -> Result<EntryIter> {
+    fn scan(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>, checked: bool) -> Result<Entries> {
         let ranges = merge_ranges(ranges);
         let (req_tx, req_rx) = unbounded_channel::<PageRequest>();
         let shared = Arc::clone(&self.shared);
@@ -3102,7 +3129,7 @@ impl Postgres {
         };
         // The snapshot is taken with the first page, before returning.
         entries.fill()?;
-        Ok(Box::new(entries))
+        Ok(entries)
     }
 
     /// The store's random identity, fixed when the schema was created.
@@ -3241,16 +3268,40 @@ fn merge_ranges(mut ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>) -> Vec<(Vec<u8>, Op
 /// in key order.
 pub(crate) type EntryIter = crate::codec::Entries;
 
-/// A scanned row as (key bytes, envelope), or why it is corrupt.
-type ScannedRow = Result<(Vec<u8>, Vec<u8>)>;
+/// One item of a scan.
+enum Scanned {
+    /// A records row: (key bytes, codec envelope).
+    Row(Vec<u8>, Vec<u8>),
+    /// What a checked scan found besides a row's own damage: a live
+    /// record's business key without its binding, or bound to another key
+    /// (after that record's row), or a binding whose record is missing or
+    /// does not carry it.
+    Problem(Problem),
+    /// A business-key binding a checked scan read (after every row).
+    Binding,
+}
+
+/// A scanned item, or why a row is corrupt.
+type ScanItem = Result<Scanned>;
 /// A page of a scan, or its error.
-type Page = Result<Vec<ScannedRow>>;
+type Page = Result<Vec<ScanItem>>;
 /// A request for the next page.
 type PageRequest = oneshot::Sender<Page>;
 
+/// What a scan reads, one portal each: the records in a key range, or
+/// (a checked scan, last) the bindings.
+enum Source<'a> {
+    /// Records in `[start, end)` (`end` `None` = unbounded).
+    Records(&'a [u8], Option<&'a [u8]>),
+    /// Every business-key binding, with the row it names.
+    Bindings,
+}
+
 /// The scan's side on the driver thread: one connection, one REPEATABLE
-/// READ transaction, one portal per range; a page per request; each row
-/// as [`scanned`] hands it out (`checked` or not).
+/// READ transaction, one portal per range (and, when `checked`, one for
+/// the bindings); a page per request; each row as [`scanned`] hands it
+/// out (`checked` or not), and when `checked` the business-key bindings
+/// checked as [`checked_bindings`] and [`binding_checked`] do.
 async fn scan_task(
     shared: &Shared,
     ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
@@ -3274,18 +3325,41 @@ async fn scan_task(
             .start()
             .await
             .map_err(|e| fail(&e))?;
-        // Take the snapshot now.
-        txn.query_one("SELECT 1", &[]).await.map_err(|e| fail(&e))?;
+        // Take the snapshot now, with the store's time for the check (a
+        // record past retention needs no binding).
+        let clock = txn
+            .query(&shared.sql.clock, &[])
+            .await
+            .map_err(|e| fail(&e))?;
+        let now = if checked {
+            time_from(shared, Some(&clock))?
+        } else {
+            0
+        };
         let bounded = txn.prepare(&shared.sql.range).await.map_err(|e| fail(&e))?;
         let open = txn
             .prepare(&shared.sql.range_open)
             .await
             .map_err(|e| fail(&e))?;
+        let mut sources: Vec<Source<'_>> = ranges
+            .iter()
+            .map(|(start, end)| Source::Records(start, end.as_deref()))
+            .collect();
+        let mut read_bindings = None;
+        if checked {
+            sources.push(Source::Bindings);
+            read_bindings = Some(
+                txn.prepare(&shared.sql.read_bindings)
+                    .await
+                    .map_err(|e| fail(&e))?,
+            );
+        }
         let mut pending: Option<PageRequest> = None;
-        for (start, end) in &ranges {
-            let portal = match end {
-                Some(end) => txn.bind(&bounded, &[start, end]).await,
-                None => txn.bind(&open, &[start]).await,
+        for source in &sources {
+            let portal = match source {
+                Source::Records(start, Some(end)) => txn.bind(&bounded, &[start, end]).await,
+                Source::Records(start, None) => txn.bind(&open, &[start]).await,
+                Source::Bindings => txn.bind(&shared.sql.check_bindings, &[]).await,
             }
             .map_err(|e| fail(&e))?;
             loop {
@@ -3304,14 +3378,29 @@ async fn scan_task(
                     pending = Some(tx);
                     break;
                 }
-                let mut page = Vec::with_capacity(rows.len());
-                for row in &rows {
-                    page.push(scanned(row, checked)?);
-                }
+                let page = match (source, &read_bindings) {
+                    (Source::Records(..), Some(read)) => {
+                        checked_bindings(&txn, read, &rows, now).await?
+                    }
+                    (Source::Records(..), None) => rows
+                        .iter()
+                        .map(|row| scanned(row, false).map(|item| item.map(|(row, _)| row)))
+                        .collect::<Result<_, Fail>>()?,
+                    (Source::Bindings, _) => {
+                        let mut page = Vec::with_capacity(rows.len().saturating_mul(2));
+                        for row in &rows {
+                            page.push(Ok(Scanned::Binding));
+                            if let Some(problem) = binding_checked(row)? {
+                                page.push(Ok(Scanned::Problem(problem)));
+                            }
+                        }
+                        page
+                    }
+                };
                 let _ = tx.send(Ok(page));
             }
         }
-        // Every range is done: answer with an empty page from now on.
+        // Every source is done: answer with an empty page from now on.
         if let Some(tx) = pending {
             let _ = tx.send(Ok(Vec::new()));
         }
@@ -3330,32 +3419,146 @@ async fn scan_task(
     }
 }
 
-/// A scanned row as (key bytes, envelope): a row in the hot form is
-/// completed and handed out as the completed record's envelope, any other
-/// row as stored (whoever reads it checks it). With `checked`, every row
-/// is first checked as a request would check it (`decide::slot_of`): a
-/// row whose record does not decode, or whose columns (token, state,
-/// times: what eviction, `stats` and the compare-and-set read) disagree
-/// with it, is [`Error::CorruptRecord`] naming its key, an answer for that
-/// row alone (the scan goes on). `Fail` when the row's columns cannot be
-/// read at all.
-fn scanned(row: &Row, checked: bool) -> Result<ScannedRow, Fail> {
+/// A scanned row as [`Scanned::Row`] (key bytes, envelope), with its
+/// record when `checked` found one: a row in the hot form is completed
+/// and handed out as the completed record's envelope, any other row as
+/// stored (whoever reads it checks it). With `checked`, every row is
+/// first checked as a request would check it (`decide::slot_of`): a row
+/// whose record does not decode, or whose columns (token, state, times:
+/// what eviction, `stats` and the compare-and-set read) disagree with it,
+/// is [`Error::CorruptRecord`] naming its key, an answer for that row
+/// alone (the scan goes on). `Fail` when the row's columns cannot be read
+/// at all.
+fn scanned(row: &Row, checked: bool) -> Result<Result<(Scanned, Option<Record>)>, Fail> {
     let rc = row_columns(row)?;
     let hot = rc.record.first() == Some(&hot::FORM);
     if !hot && !checked {
-        return Ok(Ok((rc.key, rc.record)));
+        return Ok(Ok((Scanned::Row(rc.key, rc.record), None)));
     }
     Ok(match decide::slot_of(&rc) {
-        Slot::Present(_) if !hot => Ok((rc.key, rc.record)),
+        Slot::Present(rec) if !hot => Ok((Scanned::Row(rc.key, rc.record), Some(rec))),
         Slot::Present(rec) => {
             let envelope = crate::codec::encode_record(&rc.key, &rec);
-            Ok((rc.key, envelope))
+            Ok((Scanned::Row(rc.key, envelope), Some(rec)))
         }
         Slot::Corrupt(key, detail) if checked => Err(Error::CorruptRecord { key, detail }),
         // A hot row that does not complete (a reader finds that its bytes
         // do not decode); `slot_of` gives no `Absent` for a row.
-        Slot::Corrupt(..) | Slot::Absent => Ok((rc.key, rc.record)),
+        Slot::Corrupt(..) | Slot::Absent => Ok((Scanned::Row(rc.key, rc.record), None)),
     })
+}
+
+/// A live record with a business key, and the binding it needs.
+struct NeedsBinding {
+    /// The binding's bytes (`Key::business_binding`).
+    binding: Vec<u8>,
+    /// The business key.
+    business_key: String,
+    /// The record.
+    record: Record,
+}
+
+/// A page of records rows checked as [`scanned`] checks them, each live
+/// record with a business key followed by what is wrong with its binding
+/// (none, or bound to another key), read for the whole page in one
+/// statement (`read`, [`Sql::read_bindings`]) of the scan's snapshot
+/// `txn`, at the store's time `now_ms` (a record past retention needs no
+/// binding: its business key is free).
+async fn checked_bindings(
+    txn: &tokio_postgres::Transaction<'_>,
+    read: &Statement,
+    rows: &[Row],
+    now_ms: u64,
+) -> Result<Vec<ScanItem>, Fail> {
+    // Each row, and the binding its live record's business key needs.
+    let mut checked: Vec<(ScanItem, Option<NeedsBinding>)> = Vec::with_capacity(rows.len());
+    for row in rows {
+        checked.push(match scanned(row, true)? {
+            Ok((Scanned::Row(key, envelope), Some(rec))) => {
+                let needs = match rec.business_key.clone() {
+                    Some(bk) if !rec.is_expired_at(now_ms) => Some(NeedsBinding {
+                        binding: rec.key.business_binding(&bk),
+                        business_key: bk,
+                        record: rec,
+                    }),
+                    _ => None,
+                };
+                (Ok(Scanned::Row(key, envelope)), needs)
+            }
+            Ok((item, _)) => (Ok(item), None),
+            Err(e) => (Err(e), None),
+        });
+    }
+    let wanted: Vec<&[u8]> = checked
+        .iter()
+        .filter_map(|(_, needs)| needs.as_ref().map(|n| n.binding.as_slice()))
+        .collect();
+    let mut bound: HashMap<Vec<u8>, Vec<u8>> = HashMap::with_capacity(wanted.len());
+    if !wanted.is_empty() {
+        for row in txn.query(read, &[&wanted]).await.map_err(|e| fail(&e))? {
+            let get = |e: tokio_postgres::Error| storage("reading a bindings row", e);
+            bound.insert(row.try_get(0).map_err(get)?, row.try_get(1).map_err(get)?);
+        }
+    }
+    let mut page = Vec::with_capacity(checked.len());
+    for (item, needs) in checked {
+        page.push(item);
+        let Some(NeedsBinding {
+            binding,
+            business_key: bk,
+            record: rec,
+        }) = needs
+        else {
+            continue;
+        };
+        let detail = match bound.get(&binding) {
+            Some(holder) if *holder == rec.key.to_bytes() => continue,
+            Some(holder) => format!(
+                "business key {bk:?} is bound to another key, {}",
+                Key::describe_bytes(holder)
+            ),
+            None => format!("business key {bk:?} has no binding"),
+        };
+        page.push(Ok(Scanned::Problem(Problem {
+            key: rec.key.to_string(),
+            detail,
+        })));
+    }
+    Ok(page)
+}
+
+/// What is wrong with a row of [`Sql::check_bindings`] (a binding and the
+/// row of the key it names), as the file engine's check words it: the key
+/// has no record, the binding does not parse as a key, or the record does
+/// not carry the business key. A record that does not decode is reported
+/// with its row, not here.
+fn binding_checked(row: &Row) -> Result<Option<Problem>, Fail> {
+    let get = |e: tokio_postgres::Error| storage("reading a bindings row", e);
+    let binding: Vec<u8> = row.try_get(0).map_err(get)?;
+    let target: Vec<u8> = row.try_get(1).map_err(get)?;
+    let found: Option<Vec<u8>> = row.try_get(2).map_err(get)?;
+    let parsed = Key::from_bytes(&binding);
+    let name = match &parsed {
+        Ok(k) => format!("business key {:?} in scope {}", k.id(), k.scope()),
+        Err(_) => format!("business key binding {}", binding.escape_ascii()),
+    };
+    let detail = match (found, &parsed) {
+        (None, _) => Some(format!(
+            "names {}, which has no record",
+            Key::describe_bytes(&target)
+        )),
+        (_, Err(e)) => Some(format!("binding key does not parse: {e}")),
+        (Some(_), Ok(bk)) => match decide::slot_of(&row_columns_at(row, 2)?) {
+            Slot::Present(rec)
+                if rec.key.scope() != bk.scope()
+                    || rec.business_key.as_deref() != Some(bk.id()) =>
+            {
+                Some(format!("names {}, whose record does not carry it", rec.key))
+            }
+            Slot::Present(_) | Slot::Corrupt(..) | Slot::Absent => None,
+        },
+    };
+    Ok(detail.map(|detail| Problem { key: name, detail }))
 }
 
 /// The iterator of [`Postgres::entries`].
@@ -3363,7 +3566,7 @@ struct Entries {
     /// Page requests to the scan's task.
     requests: UnboundedSender<PageRequest>,
     /// The rest of the last page.
-    buffered: VecDeque<ScannedRow>,
+    buffered: VecDeque<ScanItem>,
     /// Whether the scan ended (an empty page or an error).
     done: bool,
     /// How long one page may take.
@@ -3416,7 +3619,7 @@ impl Entries {
 }
 
 impl Iterator for Entries {
-    type Item = Result<(Vec<u8>, Vec<u8>)>;
+    type Item = ScanItem;
 
     fn next(&mut self) -> Option<Self::Item> {
         loop {

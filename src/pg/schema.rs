@@ -154,6 +154,13 @@ pub(crate) struct Sql {
     pub range: String,
     /// Rows from `$1` on in key order (every column).
     pub range_open: String,
+    /// Reads business-key bindings (`binding = ANY($1)`) without locking
+    /// them: the check of a snapshot (`verify`).
+    pub read_bindings: String,
+    /// Every business-key binding in binding order, with the row of the
+    /// key it names (every column, NULL when there is none): the check of
+    /// a snapshot (`verify`).
+    pub check_bindings: String,
 }
 
 impl Sql {
@@ -320,6 +327,12 @@ impl Sql {
                 "SELECT {cols} FROM {s}.records WHERE key >= $1 AND key < $2 ORDER BY key"
             ),
             range_open: format!("SELECT {cols} FROM {s}.records WHERE key >= $1 ORDER BY key"),
+            read_bindings: format!("SELECT binding, key FROM {s}.bindings WHERE binding = ANY($1)"),
+            check_bindings: format!(
+                "SELECT b.binding, b.key, r.key, r.record, r.token, r.state, r.created_ms, \
+                 r.lease_until_ms, r.expires_ms FROM {s}.bindings b \
+                 LEFT JOIN {s}.records r ON r.key = b.key ORDER BY b.binding"
+            ),
         })
     }
 

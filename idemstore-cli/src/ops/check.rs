@@ -29,8 +29,8 @@ verified. Exits 0 when all is sound, 1 when damage was found (damaged pages incl
 when the file no longer opens), 2 on error. For damage, the next step is to restore the \
 latest export into a new store: idemstore import --create NEW_STORE EXPORT. On a \
 PostgreSQL store (STORE a postgresql:// URL) there is no redb file: integrity is reported \
-as not run, and every row is verified (its record, its query columns against it, its token) \
-while the store keeps serving."
+as not run, and every row is verified (its record, its query columns against it, its token, \
+its business-key binding), and every binding against its record, while the store keeps serving."
 )]
 pub struct Args {
     #[command(flatten)]
