@@ -25,7 +25,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
-use idemstore::{ClaimOutcome, Config, Error, Key, Record, State, Store};
+use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Key, Record, State, Store};
 
 /// The result stored under [`victim`]: a byte string found nowhere else in
 /// the file.
@@ -557,4 +557,134 @@ fn verify_lists_at_most_max_listed_problems_and_counts_them_all() {
     let checked_file = idemstore::check_file(&t.path, |_| {}).unwrap();
     assert_eq!(checked_file.problems_found, total as u64);
     assert_eq!(checked_file.problems.len(), MAX_LISTED_PROBLEMS);
+}
+
+/// A key's stored form (`[scope length] scope id`), and the stored form of
+/// its scope's business key `bk` (`[scope length] scope bk`), as
+/// `docs/design.md` lays them out.
+fn stored_key(k: &Key) -> Vec<u8> {
+    [
+        &[k.scope().len() as u8][..],
+        k.scope().as_bytes(),
+        k.id().as_bytes(),
+    ]
+    .concat()
+}
+
+fn stored_binding(k: &Key, bk: &str) -> Vec<u8> {
+    [
+        &[k.scope().len() as u8][..],
+        k.scope().as_bytes(),
+        bk.as_bytes(),
+    ]
+    .concat()
+}
+
+/// Edits the business-key table of the closed store file through redb
+/// directly: each `(binding, Some(key))` is written, each `(binding,
+/// None)` removed.
+fn edit_bindings(path: &Path, edits: &[(Vec<u8>, Option<Vec<u8>>)]) {
+    let table: redb::TableDefinition<&[u8], &[u8]> = redb::TableDefinition::new("business_keys");
+    let db = redb::Database::open(path).unwrap();
+    let txn = db.begin_write().unwrap();
+    {
+        let mut table = txn.open_table(table).unwrap();
+        for (binding, key) in edits {
+            match key {
+                Some(key) => {
+                    table.insert(binding.as_slice(), key.as_slice()).unwrap();
+                }
+                None => assert!(
+                    table.remove(binding.as_slice()).unwrap().is_some(),
+                    "the binding was where verify looks for it"
+                ),
+            }
+        }
+    }
+    txn.commit().unwrap();
+}
+
+/// `verify` checks the business-key bindings against the records: a live
+/// record whose business key has no binding, or whose binding names
+/// another key, is reported by its key; a binding that names a key with no
+/// record, a record that does not carry it, or that does not parse, is
+/// reported by its business key; a record past retention needs no
+/// binding; each binding is counted. (PostgreSQL's check is held to the
+/// same cases in `pg::tests`.)
+#[test]
+fn verify_reports_bindings_that_disagree_with_the_records() {
+    let t = TestDir::new();
+    let config = || checked(&t).retention(secs(60));
+    let bk = |id: &str| format!("bk-{id}");
+    {
+        let store = Store::open_with(&t.path, config()).unwrap();
+        let claim = |id: &str| {
+            let options = ClaimOptions::new().business_key(bk(id));
+            acquired(store.claim(&key(id), &fp("a"), &options).unwrap())
+        };
+        // Past retention before the others are made: its binding may go.
+        store.complete(&claim("gone"), b"r").unwrap();
+        t.clock.advance(secs(61));
+        for id in ["held", "done", "unbound", "moved", "other"] {
+            let lease = claim(id);
+            if id == "done" {
+                store.complete(&lease, b"r").unwrap();
+            }
+        }
+        let report = store.verify(|_| {}).unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!((report.records, report.bindings), (6, 6));
+    }
+    let binding = |id: &str| stored_binding(&key(id), &bk(id));
+    edit_bindings(
+        &t.path,
+        &[
+            (binding("gone"), None),
+            (binding("unbound"), None),
+            (binding("moved"), Some(stored_key(&key("other")))),
+            (binding("orphan"), Some(stored_key(&key("orphan")))),
+            (b"\x00\xff".to_vec(), Some(stored_key(&key("held")))),
+        ],
+    );
+    let store = Store::open_with(&t.path, config()).unwrap();
+    let report = store.verify(|_| {}).unwrap();
+    assert_eq!((report.records, report.bindings), (6, 6), "{report:?}");
+    let mut found: Vec<(String, String)> = report
+        .problems
+        .iter()
+        .map(|p| (p.key.clone(), p.detail.clone()))
+        .collect();
+    found.sort();
+    let scope = key("x").scope().to_string();
+    let mut expected = vec![
+        (
+            key("unbound").to_string(),
+            "business key \"bk-unbound\" has no binding".to_string(),
+        ),
+        (
+            key("moved").to_string(),
+            format!(
+                "business key \"bk-moved\" is bound to another key, {}",
+                key("other")
+            ),
+        ),
+        (
+            format!("business key \"bk-moved\" in scope {scope}"),
+            format!("names {}, whose record does not carry it", key("other")),
+        ),
+        (
+            format!("business key \"bk-orphan\" in scope {scope}"),
+            format!("names {}, which has no record", key("orphan")),
+        ),
+    ];
+    expected.sort();
+    let (unparsed, rest): (Vec<_>, Vec<_>) = found
+        .into_iter()
+        .partition(|(k, _)| k.starts_with("business key binding"));
+    assert_eq!(rest, expected);
+    assert_eq!(unparsed.len(), 1, "{unparsed:?}");
+    assert!(
+        unparsed[0].1.starts_with("binding key does not parse"),
+        "{unparsed:?}"
+    );
 }
