@@ -1,6 +1,9 @@
 //! What the operator's long operations report: how far an export, import
 //! or check has come, and what a check found. Shared by every engine.
 
+#[cfg(all(test, feature = "postgres"))]
+pub(crate) mod binding_damage;
+
 /// How far an export, import or check has come, for a progress display.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
