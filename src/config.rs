@@ -392,8 +392,13 @@ impl Config {
         self
     }
 
-    /// How often the background sweeper evicts expired records; `None`
-    /// runs no sweeper (call [`Store::sweep`](crate::Store::sweep) yourself).
+    /// Whether a background sweeper evicts expired records, and how long
+    /// it waits after a sweep that found nothing due (or failed) on
+    /// PostgreSQL; `None` runs no sweeper (call
+    /// [`Store::sweep`](crate::Store::sweep) yourself). On the file engine
+    /// an idle sweeper sweeps when its expiry index has a record due, so
+    /// the interval matters there only after a failed sweep or when the
+    /// index cannot be read.
     /// The sweeper's thread ticks at least every second. The first sweep
     /// runs at the first tick after open, and after a sweep that evicted
     /// records the next one runs at the next tick, so that under steady

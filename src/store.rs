@@ -1111,8 +1111,11 @@ impl Store {
     ///
     /// # Errors
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
-    /// read; damaged records are reported in the [`CheckReport`], not as
-    /// errors.
+    /// read; on PostgreSQL [`Error::Unavailable`] when the connection
+    /// breaks or a page of the scan takes longer than
+    /// [`PostgresLimits::call_timeout`](crate::PostgresLimits::call_timeout).
+    /// Damaged records and bindings are reported in the [`CheckReport`],
+    /// not as errors.
     pub fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {
         let _span = tracing::debug_span!("idemstore.verify").entered();
         self.engine.verify(progress)

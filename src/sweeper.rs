@@ -1,6 +1,7 @@
-//! The background sweeper: a thread that evicts records past retention
-//! every interval, for any engine, and runs the embedded engine's online
-//! scrub on the same thread.
+//! The background sweeper: a thread that evicts records past retention,
+//! for any engine (as they come due, and on PostgreSQL also once per
+//! interval), and runs the embedded engine's online scrub on the same
+//! thread.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
@@ -80,9 +81,11 @@ pub(crate) const SWEEP_SHARES: [(u32, u32); 5] = [(8, 1), (4, 1), (3, 1), (2, 1)
 pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 
 /// The background thread `config` asks for over `engine`, if any: sweeps
-/// every `sweep_interval`, or [`SWEEP_CATCH_UP`] after open and after a
-/// sweep that evicted records, or (file engine, after a sweep that found
-/// nothing due) at the first tick where a record has come due (slices of
+/// [`SWEEP_CATCH_UP`] after open and after a sweep that evicted records;
+/// after a sweep that found nothing due, on the file engine at the first
+/// tick where a record has come due (and not before), on PostgreSQL (and
+/// when the file engine's index cannot be read, or after a failed sweep)
+/// once `sweep_interval` has passed (slices of
 /// at most `sweep_batch` records and, on the file engine,
 /// [`SWEEP_SLICE_BUDGET`] of the writer's time, paced as [`sweep_paced`]
 /// says, until none is due or the store is dropped) and,

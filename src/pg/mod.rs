@@ -1103,21 +1103,15 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
 
 /// Reads the columns of a records row.
 fn row_columns(row: &Row) -> Result<RowColumns, Fail> {
-    row_columns_at(row, 0)
-}
-
-/// Reads the columns of a records row that start at column `first` of
-/// `row` (a join's).
-fn row_columns_at(row: &Row, first: usize) -> Result<RowColumns, Fail> {
     let get = |e: tokio_postgres::Error| storage("reading a records row", e);
     Ok(RowColumns {
-        key: row.try_get(first).map_err(get)?,
-        record: row.try_get(first + 1).map_err(get)?,
-        token: row.try_get(first + 2).map_err(get)?,
-        state: row.try_get(first + 3).map_err(get)?,
-        created_ms: row.try_get(first + 4).map_err(get)?,
-        lease_until_ms: row.try_get(first + 5).map_err(get)?,
-        expires_ms: row.try_get(first + 6).map_err(get)?,
+        key: row.try_get(0).map_err(get)?,
+        record: row.try_get(1).map_err(get)?,
+        token: row.try_get(2).map_err(get)?,
+        state: row.try_get(3).map_err(get)?,
+        created_ms: row.try_get(4).map_err(get)?,
+        lease_until_ms: row.try_get(5).map_err(get)?,
+        expires_ms: row.try_get(6).map_err(get)?,
     })
 }
 
@@ -3288,20 +3282,12 @@ type Page = Result<Vec<ScanItem>>;
 /// A request for the next page.
 type PageRequest = oneshot::Sender<Page>;
 
-/// What a scan reads, one portal each: the records in a key range, or
-/// (a checked scan, last) the bindings.
-enum Source<'a> {
-    /// Records in `[start, end)` (`end` `None` = unbounded).
-    Records(&'a [u8], Option<&'a [u8]>),
-    /// Every business-key binding, with the row it names.
-    Bindings,
-}
-
 /// The scan's side on the driver thread: one connection, one REPEATABLE
-/// READ transaction, one portal per range (and, when `checked`, one for
-/// the bindings); a page per request; each row as [`scanned`] hands it
-/// out (`checked` or not), and when `checked` the business-key bindings
-/// checked as [`checked_bindings`] and [`binding_checked`] do.
+/// READ transaction, one portal per range; a page per request; each row
+/// as [`scanned`] hands it out (`checked` or not). When `checked`, each
+/// page of rows is followed by what [`checked_bindings`] finds, and the
+/// rows by the business-key bindings in keyset pages, as
+/// [`bindings_checked`] checks them.
 async fn scan_task(
     shared: &Shared,
     ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
@@ -3341,25 +3327,19 @@ async fn scan_task(
             .prepare(&shared.sql.range_open)
             .await
             .map_err(|e| fail(&e))?;
-        let mut sources: Vec<Source<'_>> = ranges
-            .iter()
-            .map(|(start, end)| Source::Records(start, end.as_deref()))
-            .collect();
-        let mut read_bindings = None;
-        if checked {
-            sources.push(Source::Bindings);
-            read_bindings = Some(
+        let read_bindings = match checked {
+            true => Some(
                 txn.prepare(&shared.sql.read_bindings)
                     .await
                     .map_err(|e| fail(&e))?,
-            );
-        }
+            ),
+            false => None,
+        };
         let mut pending: Option<PageRequest> = None;
-        for source in &sources {
-            let portal = match source {
-                Source::Records(start, Some(end)) => txn.bind(&bounded, &[start, end]).await,
-                Source::Records(start, None) => txn.bind(&open, &[start]).await,
-                Source::Bindings => txn.bind(&shared.sql.check_bindings, &[]).await,
+        for (start, end) in &ranges {
+            let portal = match end {
+                Some(end) => txn.bind(&bounded, &[start, end]).await,
+                None => txn.bind(&open, &[start]).await,
             }
             .map_err(|e| fail(&e))?;
             loop {
@@ -3378,25 +3358,48 @@ async fn scan_task(
                     pending = Some(tx);
                     break;
                 }
-                let page = match (source, &read_bindings) {
-                    (Source::Records(..), Some(read)) => {
-                        checked_bindings(&txn, read, &rows, now).await?
-                    }
-                    (Source::Records(..), None) => rows
+                let page = match &read_bindings {
+                    Some(read) => checked_bindings(&txn, read, &rows, now).await?,
+                    None => rows
                         .iter()
                         .map(|row| scanned(row, false).map(|item| item.map(|(row, _)| row)))
                         .collect::<Result<_, Fail>>()?,
-                    (Source::Bindings, _) => {
-                        let mut page = Vec::with_capacity(rows.len().saturating_mul(2));
-                        for row in &rows {
-                            page.push(Ok(Scanned::Binding));
-                            if let Some(problem) = binding_checked(row)? {
-                                page.push(Ok(Scanned::Problem(problem)));
-                            }
-                        }
-                        page
-                    }
                 };
+                let _ = tx.send(Ok(page));
+            }
+        }
+        if checked {
+            // Then the bindings, a keyset page at a time, each with the
+            // row of the key it names.
+            let page_of = txn
+                .prepare(&shared.sql.check_bindings)
+                .await
+                .map_err(|e| fail(&e))?;
+            let read = txn
+                .prepare(&shared.sql.read_records)
+                .await
+                .map_err(|e| fail(&e))?;
+            let mut from: Vec<u8> = Vec::new();
+            loop {
+                let tx = match pending.take() {
+                    Some(tx) => tx,
+                    None => match requests.recv().await {
+                        Some(tx) => tx,
+                        None => return Ok(()),
+                    },
+                };
+                let rows = txn
+                    .query(&page_of, &[&from, &i64::from(PAGE_ROWS)])
+                    .await
+                    .map_err(|e| fail(&e))?;
+                if rows.is_empty() {
+                    pending = Some(tx);
+                    break;
+                }
+                let (page, last) = bindings_checked(&txn, &read, &rows).await?;
+                // The least binding after the last one read.
+                from = last;
+                from.push(0);
                 let _ = tx.send(Ok(page));
             }
         }
@@ -3527,38 +3530,63 @@ async fn checked_bindings(
     Ok(page)
 }
 
-/// What is wrong with a row of [`Sql::check_bindings`] (a binding and the
-/// row of the key it names), as the file engine's check words it: the key
-/// has no record, the binding does not parse as a key, or the record does
-/// not carry the business key. A record that does not decode is reported
-/// with its row, not here.
-fn binding_checked(row: &Row) -> Result<Option<Problem>, Fail> {
+/// A page of [`Sql::check_bindings`] rows (binding, key), each checked
+/// against the row of the key it names, read for the whole page in one
+/// statement (`read`, [`Sql::read_records`]) of the scan's snapshot `txn`:
+/// a [`Scanned::Binding`] for each, followed by what is wrong with it, as
+/// the file engine's check words it: the key has no record, the binding
+/// does not parse as a key, or the record does not carry the business
+/// key (a record that does not decode is reported with its row, not
+/// here). Also answers the page's last binding.
+async fn bindings_checked(
+    txn: &tokio_postgres::Transaction<'_>,
+    read: &Statement,
+    rows: &[Row],
+) -> Result<(Vec<ScanItem>, Vec<u8>), Fail> {
     let get = |e: tokio_postgres::Error| storage("reading a bindings row", e);
-    let binding: Vec<u8> = row.try_get(0).map_err(get)?;
-    let target: Vec<u8> = row.try_get(1).map_err(get)?;
-    let found: Option<Vec<u8>> = row.try_get(2).map_err(get)?;
-    let parsed = Key::from_bytes(&binding);
-    let name = match &parsed {
-        Ok(k) => format!("business key {:?} in scope {}", k.id(), k.scope()),
-        Err(_) => format!("business key binding {}", binding.escape_ascii()),
-    };
-    let detail = match (found, &parsed) {
-        (None, _) => Some(format!(
-            "names {}, which has no record",
-            Key::describe_bytes(&target)
-        )),
-        (_, Err(e)) => Some(format!("binding key does not parse: {e}")),
-        (Some(_), Ok(bk)) => match decide::slot_of(&row_columns_at(row, 2)?) {
-            Slot::Present(rec)
-                if rec.key.scope() != bk.scope()
-                    || rec.business_key.as_deref() != Some(bk.id()) =>
-            {
-                Some(format!("names {}, whose record does not carry it", rec.key))
-            }
-            Slot::Present(_) | Slot::Corrupt(..) | Slot::Absent => None,
-        },
-    };
-    Ok(detail.map(|detail| Problem { key: name, detail }))
+    let mut bindings: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(rows.len());
+    for row in rows {
+        bindings.push((row.try_get(0).map_err(get)?, row.try_get(1).map_err(get)?));
+    }
+    let mut targets: Vec<&[u8]> = bindings.iter().map(|(_, k)| k.as_slice()).collect();
+    targets.sort_unstable();
+    targets.dedup();
+    let mut records: HashMap<Vec<u8>, RowColumns> = HashMap::with_capacity(targets.len());
+    for row in txn.query(read, &[&targets]).await.map_err(|e| fail(&e))? {
+        let rc = row_columns(&row)?;
+        records.insert(rc.key.clone(), rc);
+    }
+    let mut page = Vec::with_capacity(bindings.len().saturating_mul(2));
+    let mut last = Vec::new();
+    for (binding, target) in bindings {
+        page.push(Ok(Scanned::Binding));
+        let parsed = Key::from_bytes(&binding);
+        let name = match &parsed {
+            Ok(k) => format!("business key {:?} in scope {}", k.id(), k.scope()),
+            Err(_) => format!("business key binding {}", binding.escape_ascii()),
+        };
+        let detail = match (records.get(&target), &parsed) {
+            (None, _) => Some(format!(
+                "names {}, which has no record",
+                Key::describe_bytes(&target)
+            )),
+            (_, Err(e)) => Some(format!("binding key does not parse: {e}")),
+            (Some(rc), Ok(bk)) => match decide::slot_of(rc) {
+                Slot::Present(rec)
+                    if rec.key.scope() != bk.scope()
+                        || rec.business_key.as_deref() != Some(bk.id()) =>
+                {
+                    Some(format!("names {}, whose record does not carry it", rec.key))
+                }
+                Slot::Present(_) | Slot::Corrupt(..) | Slot::Absent => None,
+            },
+        };
+        if let Some(detail) = detail {
+            page.push(Ok(Scanned::Problem(Problem { key: name, detail })));
+        }
+        last = binding;
+    }
+    Ok((page, last))
 }
 
 /// The iterator of [`Postgres::entries`].

@@ -157,9 +157,10 @@ pub(crate) struct Sql {
     /// Reads business-key bindings (`binding = ANY($1)`) without locking
     /// them: the check of a snapshot (`verify`).
     pub read_bindings: String,
-    /// Every business-key binding in binding order, with the row of the
-    /// key it names (every column, NULL when there is none): the check of
-    /// a snapshot (`verify`).
+    /// A page of business-key bindings (binding, key) in binding order:
+    /// those from `$1` on, at most `$2` (a keyset page: an index range
+    /// scan whatever the table's statistics); the check of a snapshot
+    /// (`verify`).
     pub check_bindings: String,
 }
 
@@ -329,9 +330,8 @@ impl Sql {
             range_open: format!("SELECT {cols} FROM {s}.records WHERE key >= $1 ORDER BY key"),
             read_bindings: format!("SELECT binding, key FROM {s}.bindings WHERE binding = ANY($1)"),
             check_bindings: format!(
-                "SELECT b.binding, b.key, r.key, r.record, r.token, r.state, r.created_ms, \
-                 r.lease_until_ms, r.expires_ms FROM {s}.bindings b \
-                 LEFT JOIN {s}.records r ON r.key = b.key ORDER BY b.binding"
+                "SELECT binding, key FROM {s}.bindings WHERE binding >= $1 \
+                 ORDER BY binding LIMIT $2"
             ),
         })
     }

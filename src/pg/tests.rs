@@ -2074,7 +2074,14 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
     )
     .unwrap();
     clock.advance(Duration::from_millis(RETENTION + 1));
-    for id in ["held", "done", "unbound", "moved", "other"] {
+    // More rows and bindings than a page holds (`PAGE_ROWS`), before the
+    // damaged ones in key and binding order: both checks span pages.
+    let bulk: Vec<String> = (0..600).map(|i| format!("bulk-{i:03}")).collect();
+    for id in bulk
+        .iter()
+        .map(String::as_str)
+        .chain(["held", "done", "unbound", "moved", "other"])
+    {
         let k = key(id);
         let l = acquired(pg.apply(&k, claim_bk(b"a", &format!("bk-{id}"))).unwrap());
         if id == "done" {
@@ -2091,7 +2098,7 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
     }
     let report = pg.verify(|_| {}).unwrap();
     assert!(report.is_clean(), "{report:?}");
-    assert_eq!((report.records, report.bindings), (6, 6));
+    assert_eq!((report.records, report.bindings), (606, 606));
 
     let s = &pg.shared.sql.schema;
     let hex = |b: &[u8]| -> String { b.iter().map(|b| format!("{b:02x}")).collect() };
@@ -2117,7 +2124,7 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
         hex(&key("held").to_bytes())
     ));
     let report = pg.verify(|_| {}).unwrap();
-    assert_eq!((report.records, report.bindings), (6, 6), "{report:?}");
+    assert_eq!((report.records, report.bindings), (606, 606), "{report:?}");
     let found = report
         .problems
         .iter()
