@@ -1,6 +1,8 @@
 //! What the operator's long operations report: how far an export, import
 //! or check has come, and what a check found. Shared by every engine.
 
+use std::hash::{BuildHasher, Hasher, RandomState};
+
 #[cfg(all(test, feature = "postgres"))]
 pub(crate) mod binding_damage;
 
@@ -129,5 +131,48 @@ impl CheckReport {
     /// neither failed nor had to repair the file.
     pub fn is_clean(&self) -> bool {
         self.problems_found == 0 && matches!(self.integrity, Integrity::NotRun | Integrity::Clean)
+    }
+}
+
+/// An order-independent digest of a set of pairs of byte strings: two sums
+/// of keyed SipHashes, with keys drawn at random per check (so that stored
+/// data cannot be crafted to make two different sets agree), and a count.
+/// A check compares what one table says another holds (the expiry index
+/// entries the records call for, the business-key bindings the records
+/// found bound to them) with what that table holds, reading each once in
+/// its own order instead of a lookup per entry in random order.
+pub(crate) struct PairDigest {
+    hashers: [RandomState; 2],
+    sums: [u64; 2],
+    count: u64,
+}
+
+impl PairDigest {
+    /// An empty digest under `hashers` (the same for the digests compared).
+    pub(crate) fn new(hashers: &[RandomState; 2]) -> PairDigest {
+        PairDigest {
+            hashers: hashers.clone(),
+            sums: [0; 2],
+            count: 0,
+        }
+    }
+
+    /// Adds the pair `(a, b)` (`a`'s length is hashed too, so that no two
+    /// pairs of the same bytes split differently agree).
+    pub(crate) fn add(&mut self, a: &[u8], b: &[u8]) {
+        for (sum, hasher) in self.sums.iter_mut().zip(&self.hashers) {
+            let mut h = hasher.build_hasher();
+            h.write_usize(a.len());
+            h.write(a);
+            h.write(b);
+            *sum = sum.wrapping_add(h.finish());
+        }
+        self.count = self.count.saturating_add(1);
+    }
+
+    /// Whether both digests hold the same pairs (up to a collision of two
+    /// keyed 64-bit sums).
+    pub(crate) fn matches(&self, other: &PairDigest) -> bool {
+        self.sums == other.sums && self.count == other.count
     }
 }

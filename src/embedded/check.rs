@@ -2,7 +2,7 @@
 //! and the verification of every record, expiry entry and business-key
 //! binding of a snapshot.
 
-use std::hash::{BuildHasher, Hasher, RandomState};
+use std::hash::RandomState;
 use std::path::Path;
 
 use redb::{Database, ReadableTable};
@@ -14,7 +14,7 @@ use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::report::Progress;
-use crate::report::{CheckReport, Integrity, Problem};
+use crate::report::{CheckReport, Integrity, PairDigest, Problem};
 
 /// redb's page cache during the integrity check (bytes): the store's
 /// default `cache_bytes`. The check reads every page once, so a larger
@@ -49,42 +49,6 @@ pub(crate) fn integrity_of(db: &mut Database) -> Integrity {
     }
 }
 
-/// An order-independent digest of a set of expiry entries `(deadline,
-/// stored key)`: two sums of keyed SipHashes, with keys drawn at random per
-/// check, so that a file cannot be crafted to make two different sets
-/// agree. Comparing the digest of what the records say with that of the
-/// expiry index takes one pass over each table in its own order, instead of
-/// a lookup per record in random order.
-struct EntryDigest {
-    hashers: [RandomState; 2],
-    sums: [u64; 2],
-    count: u64,
-}
-
-impl EntryDigest {
-    fn new(hashers: &[RandomState; 2]) -> EntryDigest {
-        EntryDigest {
-            hashers: hashers.clone(),
-            sums: [0; 2],
-            count: 0,
-        }
-    }
-
-    fn add(&mut self, deadline: u64, key: &[u8]) {
-        for (sum, hasher) in self.sums.iter_mut().zip(&self.hashers) {
-            let mut h = hasher.build_hasher();
-            h.write_u64(deadline);
-            h.write(key);
-            *sum = sum.wrapping_add(h.finish());
-        }
-        self.count = self.count.saturating_add(1);
-    }
-
-    fn matches(&self, other: &EntryDigest) -> bool {
-        self.sums == other.sums && self.count == other.count
-    }
-}
-
 /// Verifies every record and binding of the read snapshot `txn`.
 ///
 /// Time is linear in the number of records and index entries: the records
@@ -113,7 +77,7 @@ pub(crate) fn verify(
         let mut report = CheckReport::new(Integrity::NotRun);
         let hashers = [RandomState::new(), RandomState::new()];
         // What the decoded records say the expiry index holds.
-        let mut wanted = EntryDigest::new(&hashers);
+        let mut wanted = PairDigest::new(&hashers);
         // What the records say the state counts hold.
         let mut tally = Tally::default();
         for entry in records.iter().map_err(|e| map_err(path, e))? {
@@ -158,7 +122,10 @@ pub(crate) fn verify(
                     record.token, meta.next_token
                 ));
             }
-            wanted.add(expiry_slot(record.state, record.expires_ms), kb);
+            wanted.add(
+                &expiry_slot(record.state, record.expires_ms).to_be_bytes(),
+                kb,
+            );
             if let Some(bk) = record.business_key.as_deref()
                 && !record.is_expired_at(now_ms)
             {
@@ -180,11 +147,11 @@ pub(crate) fn verify(
         // a problem; an entry without its record (of a damaged record, or
         // left behind: eviction checks the record) is harmless, but makes
         // the digests differ too, so the slow pass below tells them apart.
-        let mut indexed = EntryDigest::new(&hashers);
+        let mut indexed = PairDigest::new(&hashers);
         for entry in expiry.iter().map_err(|e| map_err(path, e))? {
             let (k, _) = entry.map_err(|e| map_err(path, e))?;
             let (deadline, kb) = k.value();
-            indexed.add(deadline, kb);
+            indexed.add(&deadline.to_be_bytes(), kb);
         }
         if !wanted.matches(&indexed) {
             missing_expiry_entries(path, &records, &expiry, &mut report)?;

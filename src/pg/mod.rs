@@ -125,7 +125,7 @@ use crate::config::{PostgresLimits, PostgresPooler};
 use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
 use crate::record::{Op, Record, Reply};
-use crate::report::{CheckReport, Integrity, Problem, Progress};
+use crate::report::{CheckReport, Integrity, PairDigest, Problem, Progress};
 use crate::stats::{LiveCounters, StateCounts};
 
 use decide::{Base, Pass, RowColumns, Slot};
@@ -3335,6 +3335,10 @@ async fn scan_task(
             ),
             false => None,
         };
+        // The bindings the rows found naming them, against the bindings
+        // table's own (see `PairDigest`).
+        let hashers = [std::hash::RandomState::new(), std::hash::RandomState::new()];
+        let mut confirmed = PairDigest::new(&hashers);
         let mut pending: Option<PageRequest> = None;
         for (start, end) in &ranges {
             let portal = match end {
@@ -3359,7 +3363,7 @@ async fn scan_task(
                     break;
                 }
                 let page = match &read_bindings {
-                    Some(read) => checked_bindings(&txn, read, &rows, now).await?,
+                    Some(read) => checked_bindings(&txn, read, &rows, now, &mut confirmed).await?,
                     None => rows
                         .iter()
                         .map(|row| scanned(row, false).map(|item| item.map(|(row, _)| row)))
@@ -3369,8 +3373,9 @@ async fn scan_task(
             }
         }
         if checked {
-            // Then the bindings, a keyset page at a time, each with the
-            // row of the key it names.
+            // Then the bindings, a keyset page at a time: each counted
+            // and digested; when the digest differs from what the rows
+            // confirmed, again, each checked against the row it names.
             let page_of = txn
                 .prepare(&shared.sql.check_bindings)
                 .await
@@ -3379,28 +3384,49 @@ async fn scan_task(
                 .prepare(&shared.sql.read_records)
                 .await
                 .map_err(|e| fail(&e))?;
-            let mut from: Vec<u8> = Vec::new();
-            loop {
-                let tx = match pending.take() {
-                    Some(tx) => tx,
-                    None => match requests.recv().await {
-                        Some(tx) => tx,
-                        None => return Ok(()),
-                    },
-                };
-                let rows = txn
-                    .query(&page_of, &[&from, &i64::from(PAGE_ROWS)])
-                    .await
-                    .map_err(|e| fail(&e))?;
-                if rows.is_empty() {
-                    pending = Some(tx);
+            let mut stored = PairDigest::new(&hashers);
+            for pass in [BindingPass::Count, BindingPass::Check] {
+                if pass == BindingPass::Check && confirmed.matches(&stored) {
                     break;
                 }
-                let (page, last) = bindings_checked(&txn, &read, &rows).await?;
-                // The least binding after the last one read.
-                from = last;
-                from.push(0);
-                let _ = tx.send(Ok(page));
+                let mut from: Vec<u8> = Vec::new();
+                let mut done = false;
+                while !done {
+                    let tx = match pending.take() {
+                        Some(tx) => tx,
+                        None => match requests.recv().await {
+                            Some(tx) => tx,
+                            None => return Ok(()),
+                        },
+                    };
+                    // A page sent is never empty (that ends the scan): the
+                    // checking pass reads on until it finds a problem.
+                    let mut page = Vec::new();
+                    while page.is_empty() {
+                        let rows = txn
+                            .query(&page_of, &[&from, &i64::from(PAGE_ROWS)])
+                            .await
+                            .map_err(|e| fail(&e))?;
+                        let Some(last) = rows.last() else {
+                            done = true;
+                            break;
+                        };
+                        // The least binding after the last one read.
+                        from = last
+                            .try_get(0)
+                            .map_err(|e| storage("reading a bindings row", e))?;
+                        from.push(0);
+                        page = match pass {
+                            BindingPass::Count => bindings_counted(&rows, &mut stored)?,
+                            BindingPass::Check => bindings_checked(&txn, &read, &rows).await?,
+                        };
+                    }
+                    if page.is_empty() {
+                        pending = Some(tx);
+                    } else {
+                        let _ = tx.send(Ok(page));
+                    }
+                }
             }
         }
         // Every source is done: answer with an empty page from now on.
@@ -3451,12 +3477,15 @@ fn scanned(row: &Row, checked: bool) -> Result<Result<(Scanned, Option<Record>)>
     })
 }
 
-/// A live record with a business key, and the binding it needs.
+/// A record with a business key, and the binding it calls for.
 struct NeedsBinding {
     /// The binding's bytes (`Key::business_binding`).
     binding: Vec<u8>,
     /// The business key.
     business_key: String,
+    /// Whether the record is live (not past retention at the check's
+    /// time): only a live record needs its binding.
+    live: bool,
     /// The record.
     record: Record,
 }
@@ -3466,26 +3495,26 @@ struct NeedsBinding {
 /// (none, or bound to another key), read for the whole page in one
 /// statement (`read`, [`Sql::read_bindings`]) of the scan's snapshot
 /// `txn`, at the store's time `now_ms` (a record past retention needs no
-/// binding: its business key is free).
+/// binding: its business key is free). Each binding found naming the
+/// record that calls for it, live or not, is added to `confirmed`.
 async fn checked_bindings(
     txn: &tokio_postgres::Transaction<'_>,
     read: &Statement,
     rows: &[Row],
     now_ms: u64,
+    confirmed: &mut PairDigest,
 ) -> Result<Vec<ScanItem>, Fail> {
-    // Each row, and the binding its live record's business key needs.
+    // Each row, and the binding its record's business key calls for.
     let mut checked: Vec<(ScanItem, Option<NeedsBinding>)> = Vec::with_capacity(rows.len());
     for row in rows {
         checked.push(match scanned(row, true)? {
             Ok((Scanned::Row(key, envelope), Some(rec))) => {
-                let needs = match rec.business_key.clone() {
-                    Some(bk) if !rec.is_expired_at(now_ms) => Some(NeedsBinding {
-                        binding: rec.key.business_binding(&bk),
-                        business_key: bk,
-                        record: rec,
-                    }),
-                    _ => None,
-                };
+                let needs = rec.business_key.clone().map(|bk| NeedsBinding {
+                    binding: rec.key.business_binding(&bk),
+                    business_key: bk,
+                    live: !rec.is_expired_at(now_ms),
+                    record: rec,
+                });
                 (Ok(Scanned::Row(key, envelope)), needs)
             }
             Ok((item, _)) => (Ok(item), None),
@@ -3509,13 +3538,21 @@ async fn checked_bindings(
         let Some(NeedsBinding {
             binding,
             business_key: bk,
+            live,
             record: rec,
         }) = needs
         else {
             continue;
         };
+        let kb = rec.key.to_bytes();
         let detail = match bound.get(&binding) {
-            Some(holder) if *holder == rec.key.to_bytes() => continue,
+            Some(holder) if *holder == kb => {
+                confirmed.add(&binding, &kb);
+                continue;
+            }
+            // Past retention its business key is free: a binding
+            // elsewhere, or none, is as it should be.
+            _ if !live => continue,
             Some(holder) => format!(
                 "business key {bk:?} is bound to another key, {}",
                 Key::describe_bytes(holder)
@@ -3533,16 +3570,16 @@ async fn checked_bindings(
 /// A page of [`Sql::check_bindings`] rows (binding, key), each checked
 /// against the row of the key it names, read for the whole page in one
 /// statement (`read`, [`Sql::read_records`]) of the scan's snapshot `txn`:
-/// a [`Scanned::Binding`] for each, followed by what is wrong with it, as
-/// the file engine's check words it: the key has no record, the binding
-/// does not parse as a key, or the record does not carry the business
-/// key (a record that does not decode is reported with its row, not
-/// here). Also answers the page's last binding.
+/// what is wrong with each, as the file engine's check words it: the key
+/// has no record, the binding does not parse as a key, or the record does
+/// not carry the business key (a record that does not decode is reported
+/// with its row, not here). Run only when the bindings' digest differs
+/// from what the rows confirmed.
 async fn bindings_checked(
     txn: &tokio_postgres::Transaction<'_>,
     read: &Statement,
     rows: &[Row],
-) -> Result<(Vec<ScanItem>, Vec<u8>), Fail> {
+) -> Result<Vec<ScanItem>, Fail> {
     let get = |e: tokio_postgres::Error| storage("reading a bindings row", e);
     let mut bindings: Vec<(Vec<u8>, Vec<u8>)> = Vec::with_capacity(rows.len());
     for row in rows {
@@ -3556,10 +3593,8 @@ async fn bindings_checked(
         let rc = row_columns(&row)?;
         records.insert(rc.key.clone(), rc);
     }
-    let mut page = Vec::with_capacity(bindings.len().saturating_mul(2));
-    let mut last = Vec::new();
+    let mut page = Vec::new();
     for (binding, target) in bindings {
-        page.push(Ok(Scanned::Binding));
         let parsed = Key::from_bytes(&binding);
         let name = match &parsed {
             Ok(k) => format!("business key {:?} in scope {}", k.id(), k.scope()),
@@ -3584,9 +3619,32 @@ async fn bindings_checked(
         if let Some(detail) = detail {
             page.push(Ok(Scanned::Problem(Problem { key: name, detail })));
         }
-        last = binding;
     }
-    Ok((page, last))
+    Ok(page)
+}
+
+/// The two passes over the bindings of a checked scan.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum BindingPass {
+    /// Each binding counted ([`Scanned::Binding`]) and digested.
+    Count,
+    /// Each binding checked against the row of the key it names
+    /// ([`bindings_checked`]).
+    Check,
+}
+
+/// A page of [`Sql::check_bindings`] rows (binding, key): a
+/// [`Scanned::Binding`] for each, each pair added to `stored`.
+fn bindings_counted(rows: &[Row], stored: &mut PairDigest) -> Result<Vec<ScanItem>, Fail> {
+    let get = |e: tokio_postgres::Error| storage("reading a bindings row", e);
+    let mut page = Vec::with_capacity(rows.len());
+    for row in rows {
+        let binding: Vec<u8> = row.try_get(0).map_err(get)?;
+        let key: Vec<u8> = row.try_get(1).map_err(get)?;
+        stored.add(&binding, &key);
+        page.push(Ok(Scanned::Binding));
+    }
+    Ok(page)
 }
 
 /// The iterator of [`Postgres::entries`].

@@ -2074,9 +2074,11 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
     )
     .unwrap();
     clock.advance(Duration::from_millis(RETENTION + 1));
-    // More rows and bindings than a page holds (`PAGE_ROWS`), before the
-    // damaged ones in key and binding order: both checks span pages.
-    let bulk: Vec<String> = (0..600).map(|i| format!("bulk-{i:03}")).collect();
+    // More rows and bindings than two pages hold (`PAGE_ROWS`), before
+    // the damaged ones in key and binding order (the unparsable binding
+    // sorts first): both checks span pages, and the bindings' has one
+    // with no problem between two with problems.
+    let bulk: Vec<String> = (0..1100).map(|i| format!("bulk-{i:04}")).collect();
     for id in bulk
         .iter()
         .map(String::as_str)
@@ -2098,7 +2100,7 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
     }
     let report = pg.verify(|_| {}).unwrap();
     assert!(report.is_clean(), "{report:?}");
-    assert_eq!((report.records, report.bindings), (606, 606));
+    assert_eq!((report.records, report.bindings), (1106, 1106));
 
     let s = &pg.shared.sql.schema;
     let hex = |b: &[u8]| -> String { b.iter().map(|b| format!("{b:02x}")).collect() };
@@ -2124,7 +2126,11 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
         hex(&key("held").to_bytes())
     ));
     let report = pg.verify(|_| {}).unwrap();
-    assert_eq!((report.records, report.bindings), (606, 606), "{report:?}");
+    assert_eq!(
+        (report.records, report.bindings),
+        (1106, 1106),
+        "{report:?}"
+    );
     let found = report
         .problems
         .iter()
