@@ -671,6 +671,19 @@ fn the_async_api_needs_no_runtime() {
     assert_eq!(record(done).state, State::Succeeded);
 }
 
+/// A claim whose lease (a minute) outlasts any stall of a loaded test
+/// machine between an acquisition and its holder's answer: `race` checks
+/// fencing among holders, and a lease that lapsed before its holder's
+/// failure landed would make that failure stale (the server's clock runs
+/// on).
+fn long_claim() -> Op {
+    Op::Claim {
+        fingerprint: Fingerprint::of(b"a"),
+        lease_ms: 60_000,
+        business_key: None,
+    }
+}
+
 /// Threads claim the same keys: exactly one acquisition per key at a time,
 /// tokens strictly increasing per key.
 fn race(stores: &[Arc<Postgres>], threads: usize, keys: usize, rounds: usize) {
@@ -686,7 +699,7 @@ fn race(stores: &[Arc<Postgres>], threads: usize, keys: usize, rounds: usize) {
                 barrier.wait();
                 for i in 0..keys.len() {
                     let k = &keys[(i + t * 7) % keys.len()];
-                    match pg.apply(k, claim(b"a")).unwrap() {
+                    match pg.apply(k, long_claim()).unwrap() {
                         Reply::Claim(ClaimOutcome::Acquired(l)) => {
                             *first.lock().unwrap().entry(k.clone()).or_default() += 1;
                             pg.apply(
@@ -725,7 +738,7 @@ fn race(stores: &[Arc<Postgres>], threads: usize, keys: usize, rounds: usize) {
                     for i in 0..keys.len() {
                         let k = &keys[(i + t * 13 + r) % keys.len()];
                         if let Reply::Claim(ClaimOutcome::Acquired(l)) =
-                            pg.apply(k, claim(b"a")).unwrap()
+                            pg.apply(k, long_claim()).unwrap()
                         {
                             let n = l.record().unwrap().acquisitions;
                             acq.lock()
