@@ -3347,12 +3347,8 @@ async fn scan_task(
             }
             .map_err(|e| fail(&e))?;
             loop {
-                let tx = match pending.take() {
-                    Some(tx) => tx,
-                    None => match requests.recv().await {
-                        Some(tx) => tx,
-                        None => return Ok(()),
-                    },
+                let Some(tx) = next_request(&mut pending, &mut requests).await else {
+                    return Ok(());
                 };
                 let rows = txn
                     .query_portal(&portal, PAGE_ROWS)
@@ -3373,61 +3369,15 @@ async fn scan_task(
             }
         }
         if checked {
-            // Then the bindings, a keyset page at a time: each counted
-            // and digested; when the digest differs from what the rows
-            // confirmed, again, each checked against the row it names.
-            let page_of = txn
-                .prepare(&shared.sql.check_bindings)
-                .await
-                .map_err(|e| fail(&e))?;
-            let read = txn
-                .prepare(&shared.sql.read_records)
-                .await
-                .map_err(|e| fail(&e))?;
-            let mut stored = PairDigest::new(&hashers);
-            for pass in [BindingPass::Count, BindingPass::Check] {
-                if pass == BindingPass::Check && confirmed.matches(&stored) {
-                    break;
-                }
-                let mut from: Vec<u8> = Vec::new();
-                let mut done = false;
-                while !done {
-                    let tx = match pending.take() {
-                        Some(tx) => tx,
-                        None => match requests.recv().await {
-                            Some(tx) => tx,
-                            None => return Ok(()),
-                        },
-                    };
-                    // A page sent is never empty (that ends the scan): the
-                    // checking pass reads on until it finds a problem.
-                    let mut page = Vec::new();
-                    while page.is_empty() {
-                        let rows = txn
-                            .query(&page_of, &[&from, &i64::from(PAGE_ROWS)])
-                            .await
-                            .map_err(|e| fail(&e))?;
-                        let Some(last) = rows.last() else {
-                            done = true;
-                            break;
-                        };
-                        // The least binding after the last one read.
-                        from = last
-                            .try_get(0)
-                            .map_err(|e| storage("reading a bindings row", e))?;
-                        from.push(0);
-                        page = match pass {
-                            BindingPass::Count => bindings_counted(&rows, &mut stored)?,
-                            BindingPass::Check => bindings_checked(&txn, &read, &rows).await?,
-                        };
-                    }
-                    if page.is_empty() {
-                        pending = Some(tx);
-                    } else {
-                        let _ = tx.send(Ok(page));
-                    }
-                }
-            }
+            binding_pages(
+                shared,
+                &txn,
+                &hashers,
+                &confirmed,
+                &mut pending,
+                &mut requests,
+            )
+            .await?;
         }
         // Every source is done: answer with an empty page from now on.
         if let Some(tx) = pending {
@@ -3446,6 +3396,82 @@ async fn scan_task(
             let _ = tx.send(Err(f.error()));
         }
     }
+}
+
+/// The page request to answer next: the one held back, or the next one
+/// to arrive (`None` once the iterator is gone).
+async fn next_request(
+    pending: &mut Option<PageRequest>,
+    requests: &mut UnboundedReceiver<PageRequest>,
+) -> Option<PageRequest> {
+    match pending.take() {
+        Some(tx) => Some(tx),
+        None => requests.recv().await,
+    }
+}
+
+/// The bindings of a checked scan, after its rows, a keyset page per
+/// request: each counted and digested; when that digest differs from
+/// what the rows `confirmed`, again, each checked against the row it
+/// names. A request left unanswered when they are done stays in
+/// `pending`; returns early once the iterator is gone.
+async fn binding_pages(
+    shared: &Shared,
+    txn: &tokio_postgres::Transaction<'_>,
+    hashers: &[std::hash::RandomState; 2],
+    confirmed: &PairDigest,
+    pending: &mut Option<PageRequest>,
+    requests: &mut UnboundedReceiver<PageRequest>,
+) -> Result<(), Fail> {
+    let page_of = txn
+        .prepare(&shared.sql.check_bindings)
+        .await
+        .map_err(|e| fail(&e))?;
+    let read = txn
+        .prepare(&shared.sql.read_records)
+        .await
+        .map_err(|e| fail(&e))?;
+    let mut stored = PairDigest::new(hashers);
+    for pass in [BindingPass::Count, BindingPass::Check] {
+        if pass == BindingPass::Check && confirmed.matches(&stored) {
+            return Ok(());
+        }
+        let mut from: Vec<u8> = Vec::new();
+        let mut done = false;
+        while !done {
+            let Some(tx) = next_request(pending, requests).await else {
+                return Ok(());
+            };
+            // A page sent is never empty (that ends the scan): the
+            // checking pass reads on until it finds a problem.
+            let mut page = Vec::new();
+            while page.is_empty() {
+                let rows = txn
+                    .query(&page_of, &[&from, &i64::from(PAGE_ROWS)])
+                    .await
+                    .map_err(|e| fail(&e))?;
+                let Some(last) = rows.last() else {
+                    done = true;
+                    break;
+                };
+                // The least binding after the last one read.
+                from = last
+                    .try_get(0)
+                    .map_err(|e| storage("reading a bindings row", e))?;
+                from.push(0);
+                page = match pass {
+                    BindingPass::Count => bindings_counted(&rows, &mut stored)?,
+                    BindingPass::Check => bindings_checked(txn, &read, &rows).await?,
+                };
+            }
+            if page.is_empty() {
+                *pending = Some(tx);
+            } else {
+                let _ = tx.send(Ok(page));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A scanned row as [`Scanned::Row`] (key bytes, envelope), with its

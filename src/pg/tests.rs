@@ -88,6 +88,18 @@ fn claim_bk(fp: &[u8], bk: &str) -> Op {
     }
 }
 
+/// Completes `lease` on `k` with `result`; panics unless it lands.
+fn complete(pg: &Postgres, k: &Key, lease: &Lease, result: &[u8]) -> Reply {
+    pg.apply(
+        k,
+        Op::Complete {
+            token: lease.token(),
+            result: result.to_vec(),
+        },
+    )
+    .unwrap()
+}
+
 fn acquired(reply: Reply) -> Lease {
     match reply {
         Reply::Claim(ClaimOutcome::Acquired(lease)) => lease,
@@ -217,16 +229,7 @@ fn claim_complete_replay_and_fingerprints() {
     let err = pg.apply(&k, claim(b"b")).unwrap_err();
     assert!(matches!(err, Error::FingerprintMismatch { .. }), "{err}");
     clock.advance(Duration::from_millis(10));
-    let done = record(
-        pg.apply(
-            &k,
-            Op::Complete {
-                token: lease.token(),
-                result: b"ticket-1".to_vec(),
-            },
-        )
-        .unwrap(),
-    );
+    let done = record(complete(&pg, &k, &lease, b"ticket-1"));
     assert_eq!(done.state, State::Succeeded);
     assert_eq!(done.expires_ms, T0 + 10 + RETENTION);
     match pg.apply(&k, claim(b"a")).unwrap() {
@@ -407,14 +410,7 @@ fn retention_and_sweep() {
     for i in 0..5 {
         let k = key(&format!("k{i}"));
         let l = acquired(pg.apply(&k, claim_bk(b"a", &format!("bk{i}"))).unwrap());
-        pg.apply(
-            &k,
-            Op::Complete {
-                token: l.token(),
-                result: b"r".to_vec(),
-            },
-        )
-        .unwrap();
+        complete(&pg, &k, &l, b"r");
         leases.push((k, l));
     }
     clock.advance(Duration::from_millis(RETENTION - 1));
@@ -944,16 +940,7 @@ fn a_killed_connection_is_a_typed_error_and_the_engine_recovers() {
     rt.block_on(client.batch_execute("ROLLBACK")).unwrap();
     // Not applied; the engine reconnects and the same request lands.
     assert_eq!(pg.get(&k).unwrap().unwrap().state, State::Processing);
-    let done = record(
-        pg.apply(
-            &k,
-            Op::Complete {
-                token: lease.token(),
-                result: b"r".to_vec(),
-            },
-        )
-        .unwrap(),
-    );
+    let done = record(complete(&pg, &k, &lease, b"r"));
     assert_eq!(done.state, State::Succeeded);
 }
 
@@ -1211,16 +1198,7 @@ fn a_record_is_never_judged_before_its_own_time() {
         }
         other => panic!("{other:?}"),
     }
-    let done = record(
-        b.apply(
-            &k,
-            Op::Complete {
-                token: lease.token(),
-                result: b"r".to_vec(),
-            },
-        )
-        .unwrap(),
-    );
+    let done = record(complete(&b, &k, &lease, b"r"));
     assert_eq!(done.updated_ms, T0 + 10_000);
     assert_eq!(done.expires_ms, T0 + 10_000 + RETENTION);
 }
@@ -1265,14 +1243,7 @@ fn lifecycles_per_second() {
                         let k = key(&format!("t{t}-{i}"));
                         i += 1;
                         let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
-                        pg.apply(
-                            &k,
-                            Op::Complete {
-                                token: l.token(),
-                                result: b"r".to_vec(),
-                            },
-                        )
-                        .unwrap();
+                        complete(&pg, &k, &l, b"r");
                         done.fetch_add(1, Ordering::Relaxed);
                     }
                 })
@@ -1456,14 +1427,7 @@ fn corrupt_rows_do_not_hold_a_sweep_back() {
     for i in 0..4 {
         let k = key(&format!("k{i}"));
         let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
-        pg.apply(
-            &k,
-            Op::Complete {
-                token: l.token(),
-                result: b"r".to_vec(),
-            },
-        )
-        .unwrap();
+        complete(&pg, &k, &l, b"r");
         clock.advance(Duration::from_millis(10));
     }
     // The two rows due first are damaged (their envelopes no longer match).
@@ -1778,16 +1742,7 @@ fn a_runtime_role_without_create_runs_a_migrated_store() {
     let first = pg.next_token().unwrap();
     let lease = acquired(pg.apply(&key("rt-1"), claim_bk(b"a", "T-1")).unwrap());
     assert_eq!(lease.token(), first);
-    let done = record(
-        pg.apply(
-            &key("rt-1"),
-            Op::Complete {
-                token: lease.token(),
-                result: b"r".to_vec(),
-            },
-        )
-        .unwrap(),
-    );
+    let done = record(complete(&pg, &key("rt-1"), &lease, b"r"));
     assert_eq!(done.state, State::Succeeded);
     assert!(matches!(
         pg.apply(&key("rt-1"), claim_bk(b"a", "T-1")).unwrap(),
@@ -1945,16 +1900,7 @@ fn a_session_pooler_connection_scans_the_records_by_index_only() {
         }
         let k = key(&format!("k{i}"));
         let lease = acquired(pg.apply(&k, claim(b"a")).unwrap());
-        record(
-            pg.apply(
-                &k,
-                Op::Complete {
-                    token: lease.token(),
-                    result: b"done".to_vec(),
-                },
-            )
-            .unwrap(),
-        );
+        record(complete(&pg, &k, &lease, b"done"));
         assert!(pg.get(&k).unwrap().is_some());
     }
     drop(pg);
@@ -2002,14 +1948,7 @@ fn verify_reports_rows_whose_columns_disagree_with_their_envelope() {
             };
             let l = acquired(pg.apply(&k, op).unwrap());
             if form == "hot" && what != "lease" {
-                pg.apply(
-                    &k,
-                    Op::Complete {
-                        token: l.token(),
-                        result: b"r".to_vec(),
-                    },
-                )
-                .unwrap();
+                complete(&pg, &k, &l, b"r");
             }
         }
     }
@@ -2078,14 +2017,7 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
     // Past retention before the others are made: its binding may go.
     let gone = key("gone");
     let l = acquired(pg.apply(&gone, claim_bk(b"a", "bk-gone")).unwrap());
-    pg.apply(
-        &gone,
-        Op::Complete {
-            token: l.token(),
-            result: b"r".to_vec(),
-        },
-    )
-    .unwrap();
+    complete(&pg, &gone, &l, b"r");
     clock.advance(Duration::from_millis(RETENTION + 1));
     // More rows and bindings than two pages hold (`PAGE_ROWS`), before
     // the damaged ones in key and binding order (the unparsable binding
@@ -2101,14 +2033,7 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
         let l = acquired(pg.apply(&k, claim_bk(b"a", &format!("bk-{id}"))).unwrap());
         if id == "done" {
             // A completion writes the hot form.
-            pg.apply(
-                &k,
-                Op::Complete {
-                    token: l.token(),
-                    result: b"r".to_vec(),
-                },
-            )
-            .unwrap();
+            complete(&pg, &k, &l, b"r");
         }
     }
     let report = pg.verify(|_| {}).unwrap();
