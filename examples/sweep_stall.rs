@@ -1,6 +1,7 @@
 //! What a sweep of many due records does to the writes beside it: claim
 //! latency (p50, p99, max) and lifecycles per window, first with no sweep,
-//! then while a sweep evicts `--due` records, in one run on one store.
+//! then while a sweep evicts `--due` records, then with no sweep again, in
+//! one run on one store.
 //!
 //! ```text
 //! cargo run --release --example sweep_stall -- --due 1000000 --threads 16 --seconds 20
@@ -11,7 +12,9 @@
 //! 1 ms, so that all are due; it is then reopened with the default
 //! retention and `--threads` client threads run claim + complete lifecycles
 //! on fresh random keys: `--seconds` with no sweep, then until the sweep
-//! ends (and at least `--seconds`), while one thread sweeps: as the
+//! ends (and at least `--seconds`), while one thread sweeps, then
+//! `--seconds` with no sweep again (the store has grown meanwhile: the
+//! writes add more records than the sweep evicts). The sweep runs as the
 //! background sweeper does (`Store::sweep_due`: slices bounded in records
 //! and writer time, paced to a share of the writer's time, a smaller one
 //! while the disk under the log is congested),
@@ -21,9 +24,12 @@
 //! `Store::stats()` (which counts the expiry index entries of the records
 //! past retention that are not evicted yet). Prints one line per phase
 //! (with the checkpoints the writer made in it and how long each held it,
-//! from the store's `idemstore::checkpoint` events) and the lifecycles per
-//! second of each window of both phases; `below_half` counts a phase's
-//! windows below half the no-sweep rate. With `--device` (Linux) each
+//! from the store's `idemstore::checkpoint` events), the lifecycles per
+//! second of each window of every phase, and the checkpoint time that
+//! ended in each window; `below_half` counts a phase's windows below half
+//! the first no-sweep phase's rate, and how many of them had a checkpoint
+//! end in them; the sweeping phase's windows are also counted against
+//! half the rate of the no-sweep phase after it. With `--device` (Linux) each
 //! window also gets the disk's traffic and the CPU time the hypervisor
 //! stole, to tell a slow window of the disk or the machine from one of the
 //! store; with `--filled` rounds of runs share one filled store.
@@ -37,8 +43,9 @@ use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Store};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
-/// The writer's pause (ms) of each checkpoint since the last phase began.
-static CHECKPOINTS: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+/// When each checkpoint since the last phase began was reported (as it
+/// ended), and the writer's pause (ms).
+static CHECKPOINTS: Mutex<Vec<(Instant, u64)>> = Mutex::new(Vec::new());
 
 /// Collects the `took_ms` of the store's checkpoint events, and nothing
 /// else (every other event is disabled at its call site).
@@ -63,7 +70,10 @@ impl<S: tracing::Subscriber> Layer<S> for Checkpoints {
         let mut took = TookMs(None);
         event.record(&mut took);
         if let Some(ms) = took.0 {
-            CHECKPOINTS.lock().expect("checkpoints").push(ms);
+            CHECKPOINTS
+                .lock()
+                .expect("checkpoints")
+                .push((Instant::now(), ms));
         }
     }
 }
@@ -108,6 +118,10 @@ struct Args {
     /// one store format with the same `--due`.
     #[arg(long)]
     filled: Option<std::path::PathBuf>,
+    /// redb's page cache for the runs, in MiB (`Config::cache_bytes`; the
+    /// default when absent).
+    #[arg(long)]
+    cache_mib: Option<usize>,
 }
 
 /// `from` and its write-ahead log (`<from>-wal`) copied to `to`, and
@@ -251,6 +265,8 @@ struct Phase {
     stats_ms: Vec<u64>,
     /// How long each checkpoint held the writer (ms), sorted.
     checkpoint_ms: Vec<u64>,
+    /// The checkpoint time (ms) that ended in each window.
+    window_checkpoint_ms: Vec<u64>,
     /// Records awaiting eviction and the index file's size (MiB) at the
     /// start of each window, from its `stats()` call.
     backlog: Vec<(u64, u64)>,
@@ -277,6 +293,7 @@ fn run_phase(
     let latencies = Mutex::new(Vec::new());
     let started = Instant::now();
     let mut windows = Vec::new();
+    let mut window_spans = Vec::new();
     let mut stats_ms = Vec::new();
     let mut disk = Vec::new();
     let mut backlog = Vec::new();
@@ -307,6 +324,7 @@ fn run_phase(
             std::thread::sleep(window.saturating_sub(took));
             let now = count.load(Ordering::Relaxed);
             windows.push((now - last) as f64 / opened.elapsed().as_secs_f64());
+            window_spans.push((opened, Instant::now()));
             last = now;
             if let (Some(device), Some(before)) = (device, disk_last) {
                 let after = MachineSample::read(device).unwrap_or(before);
@@ -321,7 +339,18 @@ fn run_phase(
     });
     let mut latencies = latencies.into_inner().expect("latencies");
     latencies.sort_unstable();
-    let mut checkpoint_ms = std::mem::take(&mut *CHECKPOINTS.lock().expect("checkpoints"));
+    let checkpoints = std::mem::take(&mut *CHECKPOINTS.lock().expect("checkpoints"));
+    let window_checkpoint_ms = window_spans
+        .iter()
+        .map(|&(from, to)| {
+            checkpoints
+                .iter()
+                .filter(|&&(at, _)| at >= from && at < to)
+                .map(|&(_, ms)| ms)
+                .sum()
+        })
+        .collect();
+    let mut checkpoint_ms: Vec<u64> = checkpoints.iter().map(|&(_, ms)| ms).collect();
     checkpoint_ms.sort_unstable();
     Phase {
         lifecycles: count.load(Ordering::Relaxed),
@@ -330,6 +359,7 @@ fn run_phase(
         windows,
         stats_ms,
         checkpoint_ms,
+        window_checkpoint_ms,
         backlog,
         disk,
     }
@@ -343,14 +373,34 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[at.min(sorted.len() - 1)]
 }
 
+fn rate(phase: &Phase) -> f64 {
+    phase.lifecycles as f64 / phase.elapsed.as_secs_f64()
+}
+
+/// The windows of `phase` below half of `rate`, and how many of them had a
+/// checkpoint end in them.
+fn below_half(phase: &Phase, rate: f64) -> (usize, usize) {
+    let below = |w: &f64| *w < rate / 2.0;
+    let with_checkpoint = phase
+        .windows
+        .iter()
+        .zip(&phase.window_checkpoint_ms)
+        .filter(|&(w, &ms)| below(w) && ms > 0)
+        .count();
+    (
+        phase.windows.iter().filter(|w| below(w)).count(),
+        with_checkpoint,
+    )
+}
+
 fn report(name: &str, phase: &Phase, half_of: f64) {
-    let rate = phase.lifecycles as f64 / phase.elapsed.as_secs_f64();
-    let below = phase.windows.iter().filter(|&&w| w < half_of / 2.0).count();
+    let rate = rate(phase);
+    let (below, with_checkpoint) = below_half(phase, half_of);
     let lowest = phase.windows.iter().copied().fold(f64::INFINITY, f64::min);
     let mut stats_ms = phase.stats_ms.clone();
     stats_ms.sort_unstable();
     println!(
-        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} below_half={below} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms min={} p50={} max={}",
+        "{name}: lifecycles_per_s={rate:.0} claim_us p50={} p99={} max={} windows={} below_half={below} below_half_with_checkpoint={with_checkpoint} lowest_window_per_s={:.0} stats_ms p50={} max={} checkpoints={} checkpoint_ms min={} p50={} max={}",
         percentile(&phase.latencies, 0.5),
         percentile(&phase.latencies, 0.99),
         phase.latencies.last().copied().unwrap_or(0),
@@ -413,11 +463,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    let store = Store::open_with(&path, quiet.sweep_batch(args.batch))?;
+    let mut config = quiet.sweep_batch(args.batch);
+    if let Some(mib) = args.cache_mib {
+        config = config.cache_bytes(mib.saturating_mul(1 << 20));
+    }
+    let store = Store::open_with(&path, config)?;
     let least = Duration::from_secs_f64(args.seconds);
     let device = args.device.as_deref();
     let quiet_phase = run_phase(&store, args.threads, 1, least, window, device, &|| true);
-    let quiet_rate = quiet_phase.lifecycles as f64 / quiet_phase.elapsed.as_secs_f64();
+    let quiet_rate = rate(&quiet_phase);
     report("no sweep", &quiet_phase, quiet_rate);
     let swept = AtomicBool::new(false);
     let evicted = AtomicU64::new(0);
@@ -458,9 +512,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         evicted.load(Ordering::Relaxed) as f64 / sweep_time.as_secs_f64().max(1e-9),
         args.batch,
     );
-    for (name, phase) in [("no sweep", &quiet_phase), ("sweeping", &sweeping)] {
+    let after = run_phase(&store, args.threads, 3, least, window, device, &|| true);
+    report("no sweep after", &after, quiet_rate);
+    let (below_after, with_checkpoint) = below_half(&sweeping, rate(&after));
+    println!(
+        "sweeping against no sweep after: during_over_after={:.2} below_half={below_after} below_half_with_checkpoint={with_checkpoint}",
+        rate(&sweeping) / rate(&after)
+    );
+    for (name, phase) in [
+        ("no sweep", &quiet_phase),
+        ("sweeping", &sweeping),
+        ("no sweep after", &after),
+    ] {
         let windows: Vec<String> = phase.windows.iter().map(|r| format!("{r:.0}")).collect();
         println!("{name} windows_per_s: {}", windows.join(" "));
+        let checkpoints: Vec<String> = phase
+            .window_checkpoint_ms
+            .iter()
+            .map(u64::to_string)
+            .collect();
+        println!("{name} checkpoint_ms: {}", checkpoints.join(" "));
         let backlog: Vec<String> = phase
             .backlog
             .iter()
