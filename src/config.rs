@@ -445,7 +445,30 @@ impl Config {
         self
     }
 
-    /// The size of redb's page cache (in bytes).
+    /// The size of redb's page cache, in bytes (default 64 MiB). Any value
+    /// is accepted (0 caches nothing; the cache takes memory as it fills,
+    /// up to this). The file engine's setting: [`Store::connect`](crate::Store)
+    /// refuses anything but the default.
+    ///
+    /// The cache holds the index pages read and, in at most half of it,
+    /// pages redb wrote and has not yet written out to the file; each
+    /// checkpoint (a durable commit of the index: every 15–20 s under load
+    /// with the default `max_log_bytes`) writes those out and syncs them
+    /// with the writer held, and writes submitted meanwhile wait. So a
+    /// larger cache answers more of the writer's lookups from memory and
+    /// makes each checkpoint's pause longer. Measured with
+    /// `examples/sweep_stall.rs` (16 threads of claim + complete on fresh
+    /// random keys, a store of 1 M records, the project's 2-core machine,
+    /// two 60-s runs of each size, docs/benchmarks-history.md):
+    ///
+    /// | `cache_bytes` | lifecycles/s | claim p99 | checkpoint pause, median |
+    /// |---|---|---|---|
+    /// | 16 MiB | 9,140–9,152 | 18.4–19.6 ms | 52–70 ms |
+    /// | 64 MiB (default) | 10,569–10,745 | 11.0–12.6 ms | 109–186 ms |
+    /// | 256 MiB | 12,681–13,049 | 10.5–10.6 ms | 569–574 ms |
+    ///
+    /// A checkpoint's pause is the longest a write waits under load; take
+    /// a larger cache for throughput where that pause is acceptable.
     pub fn cache_bytes(mut self, bytes: usize) -> Config {
         self.cache_bytes = bytes;
         self
