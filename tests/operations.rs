@@ -1058,16 +1058,26 @@ fn all_swept_by_the_sweeper(store: &Store, due: u64, guard: std::time::Instant) 
 /// The background sweeper of a store whose last sweep found nothing due
 /// reads the first deadline of its expiry index at every tick (each
 /// second) and sweeps as soon as a record has come due, not at the end of
-/// its interval (an hour here): a store that starts to churn after an idle
+/// its interval (an hour): a store that starts to churn after an idle
 /// sweep has its records evicted as they come due, instead of all at once
-/// an interval later.
+/// an interval later. With an interval of a second, where the sweeper
+/// skips the interval's sweep while nothing is due, a record coming due is
+/// swept all the same.
 #[test]
 fn an_idle_sweeper_sweeps_as_soon_as_a_record_comes_due() {
+    for interval in [secs(3600), secs(1)] {
+        idle_store_swept_once_due(interval);
+    }
+}
+
+/// A store swept every `interval` whose first sweep finds nothing due,
+/// then holds 20 records that come due: all are evicted by the sweeper.
+fn idle_store_swept_once_due(interval: Duration) {
     let _events = captured();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("s.redb");
     let clock = ManualClock::new(T0);
-    let store = Store::open_with(&path, config(&clock).sweep_interval(Some(secs(3600)))).unwrap();
+    let store = Store::open_with(&path, config(&clock).sweep_interval(Some(interval))).unwrap();
     // Hang guards, not timing assertions: the hourly interval would leave
     // the records far longer.
     let guard = std::time::Instant::now() + secs(120);
