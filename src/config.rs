@@ -467,8 +467,9 @@ impl Config {
     /// | 64 MiB (default) | 10,569–10,745 | 11.0–12.6 ms | 109–186 ms |
     /// | 256 MiB | 12,681–13,049 | 10.5–10.6 ms | 569–574 ms |
     ///
-    /// A checkpoint's pause is the longest a write waits under load; take
-    /// a larger cache for throughput where that pause is acceptable.
+    /// Every write submitted during a checkpoint waits out the rest of its
+    /// pause; take a larger cache for throughput where that wait is
+    /// acceptable.
     pub fn cache_bytes(mut self, bytes: usize) -> Config {
         self.cache_bytes = bytes;
         self
