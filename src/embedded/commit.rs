@@ -263,6 +263,9 @@ pub(crate) struct Shared {
     /// their recent best: how congested the disk is, for a sweep's pacing
     /// (see [`super::congestion`]).
     pub log_latency: Mutex<LogLatency>,
+    /// Asked at the start of each checkpoint to sync the index file off
+    /// the writer (the store's own file on Linux; see `writeback.rs`).
+    pub early_sync: Option<schema::EarlySync>,
 }
 
 impl Shared {
@@ -1648,6 +1651,12 @@ fn commit_checkpoint(
     let token_reserved = wal::reserve_tokens(state.next_token);
     shared.cache.begin_write(&touched, Some(seq));
     let paused = Instant::now();
+    // What is written to the index file so far is synced on another
+    // thread while this one applies its buffer and redb prepares the
+    // commit; redb's own sync then finds less to write.
+    if let Some(early_sync) = &shared.early_sync {
+        early_sync();
+    }
     let mut open = open;
     let applied = open.apply_pending(&shared.path, &mut state.tally);
     let changes = state.since_checkpoint.add(Changes::of(&open));

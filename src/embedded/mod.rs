@@ -148,7 +148,8 @@ impl Embedded {
             None => false,
         };
         let fence = Fence::default();
-        let (db, meta) = schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
+        let (db, meta, early_sync) =
+            schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
         let log = match log {
@@ -207,6 +208,7 @@ impl Embedded {
             fence,
             sweep_debt_ns: AtomicU64::new(0),
             log_latency: parking_lot::Mutex::new(congestion::LogLatency::default()),
+            early_sync,
         });
         let state = WriterState::new(
             opened.next_token,

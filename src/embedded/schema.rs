@@ -322,18 +322,24 @@ fn u64_of(path: &Path, name: &str, bytes: &[u8]) -> Result<u64> {
     Ok(u64::from_le_bytes(arr))
 }
 
+/// Asks for the index file to be synced off the writer, ahead of a
+/// checkpoint's own sync (see `writeback.rs`); best effort, never blocks.
+pub(crate) type EarlySync = Box<dyn Fn() + Send + Sync>;
+
 /// Opens (or creates) the redb file, or a database on `backend` when one is
 /// given (`path` then only names it in errors), runs redb's full integrity
 /// check when `policy` says so (see [`check_reason`]), and checks or
-/// initialises the metadata.
+/// initialises the metadata. With the store's own file on Linux, also the
+/// [`EarlySync`] for its checkpoints.
 pub(crate) fn open<B: redb::StorageBackend>(
     path: &Path,
     backend: Option<B>,
     cache_bytes: usize,
     fence: &Fence,
     policy: IntegrityPolicy,
-) -> Result<(Database, Meta)> {
-    guard(path, || {
+) -> Result<(Database, Meta, Option<EarlySync>)> {
+    let mut early_sync: Option<EarlySync> = None;
+    let (db, meta) = guard(path, || {
         let mut builder = Database::builder();
         // redb's own repair after a crash is skipped when the last durable
         // commit recorded its allocator state (quick-repair, which every
@@ -370,13 +376,21 @@ pub(crate) fn open<B: redb::StorageBackend>(
                     .open(path)
                     .map_err(redb::DatabaseError::from)
                     .and_then(|file| {
-                        // A second handle on the same open file, to ask for
-                        // early writeback of what redb writes (`writeback.rs`).
+                        // The same file opened again, to ask for early
+                        // writeback of what redb writes and an early sync
+                        // at checkpoints (`writeback.rs`).
                         #[cfg(target_os = "linux")]
-                        let early = file.try_clone();
+                        let early = super::writeback::reopen(&file);
                         let file = redb::backends::FileBackend::new(file)?;
                         #[cfg(target_os = "linux")]
-                        let file = super::writeback::Writeback::new(file, early);
+                        let file = {
+                            let file = super::writeback::Writeback::new(file, early);
+                            let handle = file.early_sync();
+                            early_sync = Some(Box::new(move || {
+                                handle.start();
+                            }));
+                            file
+                        };
                         builder.create_with_backend(Fenced::new(file, fence.clone()))
                     })
             }
@@ -404,7 +418,8 @@ pub(crate) fn open<B: redb::StorageBackend>(
             super::create::remove_leftovers(path);
         }
         Ok((db, meta))
-    })
+    })?;
+    Ok((db, meta, early_sync))
 }
 
 /// redb's integrity check: every page checksum of the committed trees and

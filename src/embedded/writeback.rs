@@ -1,42 +1,53 @@
 //! Early writeback of the index file: pages redb writes between
-//! checkpoints are handed to the kernel for writing as they accumulate, so
-//! that a checkpoint's `fdatasync` finds most of them on the disk already.
+//! checkpoints are synced on a thread of their own as they accumulate, so
+//! that the kernel writes them in steady batches instead of holding them
+//! dirty until a checkpoint's `fdatasync` asks for all of them at once,
+//! with the writer held.
 //!
 //! Between checkpoints redb writes the pages of its non-durable commits to
 //! the file (from its write buffer, when the cache it shares with reads is
-//! full) without syncing; the kernel holds them as dirty pages and, with
-//! Linux's defaults (`vm.dirty_background_ratio` 10 %,
-//! `vm.dirty_expire_centisecs` 30 s), writes none of them back before the
-//! checkpoint's `fdatasync` asks for all of them at once, with the writer
-//! held (172–482 ms at 1 M records on the machine of BENCHMARKS.md).
-//! PostgreSQL meets the same stall with `checkpoint_flush_after` and
-//! `backend_flush_after` (`pg_flush_data`: `sync_file_range`, or
-//! `posix_fadvise(POSIX_FADV_DONTNEED)` where that is missing), RocksDB
-//! with `bytes_per_sync`: ask the kernel to start writing a range soon
-//! after it was written, without waiting for it and without a sync.
+//! full) without syncing; with Linux's defaults
+//! (`vm.dirty_background_ratio` 10 %, `vm.dirty_expire_centisecs` 30 s)
+//! the kernel writes none of them back before the checkpoint's
+//! `fdatasync` (172–482 ms at 1 M records on the machine of
+//! BENCHMARKS.md). PostgreSQL meets the same stall with
+//! `checkpoint_flush_after` and `backend_flush_after`, RocksDB with
+//! `bytes_per_sync`: have the kernel write a range soon after it was
+//! written.
 //!
-//! Here the request is `posix_fadvise(POSIX_FADV_DONTNEED)` on each range
-//! written since the last request, once they add up to [`FLUSH_AFTER`]
-//! bytes (`sync_file_range` has no binding without `unsafe`). On Linux it
-//! starts writeback of the dirty pages in the range (`WB_SYNC_NONE`, not
-//! waited for) and then drops the range's pages that are clean, which
-//! pages just written are not (dirty, or being written). The requests are
-//! made on a thread of their own, `idemstore-writeback`, not by the writer
-//! that writes the pages: redb's pages are scattered, so it is about one
-//! request per page. At most [`QUEUE`] lists of ranges wait for that
-//! thread; past that a list is dropped and its pages are written by the
-//! next sync, as they would be without this module. A list handed over
-//! before a sync began is skipped (that sync writes its pages, and the
-//! advice would only drop them, clean by then, from the page cache), and
-//! so are those still queued when the store closes. Pages of a range that
-//! are already clean when the advice comes are dropped from the page
-//! cache; a later read of one that redb does not cache reads the disk.
+//! Here, once the bytes redb wrote since the last request add up to
+//! [`SYNC_AFTER`], the thread `idemstore-writeback` is asked to
+//! `fdatasync` the file; the writer that wrote them does not wait for it.
+//! A checkpoint also asks for one as it begins ([`EarlySync`]), made while
+//! the writer applies its buffered changes and redb prepares the durable
+//! commit. One sync writes every dirty page of the file in one pass, where
+//! the advice this module gave before (`posix_fadvise(POSIX_FADV_DONTNEED)`
+//! per range written, about one system call per 4-KiB page, since redb's
+//! pages are scattered) cost the thread CPU beside a CPU-bound writer:
+//! against it, claim p99 was 0.77–0.92× in seven paired runs (16 threads,
+//! a 1 M-record store, 60 s each), the lowest 1-s window 0.98–1.32×, the
+//! rate the same and the checkpoints' pauses no shorter
+//! (docs/benchmarks-history.md). At most [`QUEUE`] requests wait
+//! for the thread; past that a request is dropped (the next one, or the
+//! checkpoint's own sync, writes the same pages). A request handed over
+//! before one of redb's syncs began is skipped (that sync wrote its
+//! pages), and so are those still queued when the store closes.
 //!
-//! Nothing durable depends on it: only `fdatasync` makes a write durable,
-//! and the store's guarantees rest on that alone. The advice is best
-//! effort: an error is logged (debug, target `idemstore::writeback`) and
-//! the rest of that list is skipped. Only the store's own file gets this
-//! (a file descriptor is needed); a backend given to
+//! The thread works on an open file description of its own (the file
+//! reopened through `/proc/self/fd`, see [`reopen`]), not a duplicate of
+//! redb's descriptor: Linux reports a failed writeback to the next `fsync`
+//! of each open file description that existed when it failed (`errseq_t`,
+//! since 4.13), so an error the thread's sync meets, and only logs, is
+//! still reported to redb's own sync of the next checkpoint, which then
+//! fails and poisons the store. Over a duplicated descriptor the thread's
+//! sync would consume the error and the checkpoint would be taken as
+//! durable.
+//!
+//! Nothing durable depends on it: only redb's `fdatasync` at a checkpoint
+//! makes the index durable, and the store's guarantees rest on that (and
+//! on the log) alone. The thread's syncs are best effort: an error is
+//! logged (debug, target `idemstore::writeback`). Only the store's own
+//! file gets this (a file descriptor is needed); a backend given to
 //! `Store::open_with_backend` is used as it is.
 
 use std::fs::File;
@@ -50,83 +61,73 @@ use std::thread::JoinHandle;
 use parking_lot::Mutex;
 use redb::{BackendError, StorageBackend};
 
-/// Written bytes that make the backend ask for their writeback (1 MiB).
-/// PostgreSQL's `checkpoint_flush_after` is 256 kB on Linux; a larger
-/// amount here means fewer lists handed to the thread (the requests
-/// themselves are one per range, whatever the amount).
-pub(crate) const FLUSH_AFTER: u64 = 1024 * 1024;
+/// Written bytes that make the backend ask the thread for a sync (8 MiB):
+/// at the 60 MiB/s a churning 1 M-record store writes, a handful of syncs
+/// a second, each writing what accumulated since the last.
+pub(crate) const SYNC_AFTER: u64 = 8 * 1024 * 1024;
 
-/// The ranges written since the last writeback request: sorted, merged
-/// where they touch, with their total length.
-#[derive(Debug, Default)]
-pub(crate) struct Written {
-    ranges: Vec<(u64, u64)>,
-    bytes: u64,
+/// How many requests may wait for the writeback thread; past that a
+/// request is dropped (its pages are written by the next sync, as without
+/// this module).
+const QUEUE: usize = 8;
+
+/// A sync request for the writeback thread: the count of redb's syncs when
+/// it was handed over (skipped if one began since), `None` for a
+/// checkpoint's early sync (never skipped).
+type Request = Option<u64>;
+
+/// The sending side of the writeback thread's queue, shared by the backend
+/// and every [`EarlySync`]: `None` once the backend is dropped (or when
+/// the thread could not be started), which ends the thread.
+type ToThread = Arc<Mutex<Option<SyncSender<Request>>>>;
+
+/// Asks the writeback thread to sync the index file now, off the writer
+/// (see the module documentation): a checkpoint calls it as it begins.
+/// Does nothing once the store's backend is dropped, when the thread could
+/// not be started, or when its queue is full.
+#[derive(Debug, Clone)]
+pub(crate) struct EarlySync {
+    to_thread: ToThread,
 }
 
-impl Written {
-    /// Notes that `[offset, offset + len)` was written. Returns the merged
-    /// ranges to hand to the kernel when they add up to [`FLUSH_AFTER`]
-    /// bytes or more (and starts over), else `None`.
-    pub(crate) fn note(&mut self, offset: u64, len: u64) -> Option<Vec<(u64, u64)>> {
-        let end = offset.saturating_add(len);
-        if len > 0 {
-            self.ranges.push((offset, end));
-            self.bytes = self.bytes.saturating_add(len);
+impl EarlySync {
+    /// Queues an early sync; `false` when it was not queued (no thread, or
+    /// a full queue: the checkpoint's own sync then writes everything, as
+    /// without it).
+    pub(crate) fn start(&self) -> bool {
+        match self.to_thread.lock().as_ref() {
+            Some(to_thread) => to_thread.try_send(None).is_ok(),
+            None => false,
         }
-        if self.bytes < FLUSH_AFTER {
-            return None;
-        }
-        let mut ranges = std::mem::take(&mut self.ranges);
-        self.bytes = 0;
-        ranges.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
-        for (start, end) in ranges {
-            match merged.last_mut() {
-                Some(last) if start <= last.1 => last.1 = last.1.max(end),
-                _ => merged.push((start, end)),
-            }
-        }
-        Some(merged)
     }
 }
 
-/// How many handed-over lists of ranges may wait for the writeback thread;
-/// past that a list is dropped (its pages are then written by the next
-/// sync, as without this module).
-const QUEUE: usize = 8;
-
-/// A list of ranges for the writeback thread, with the count of syncs
-/// when it was handed over.
-type Request = (u64, Vec<(u64, u64)>);
-
-/// A redb backend that asks the kernel to write back what it wrote, every
-/// [`FLUSH_AFTER`] bytes, on a thread of its own (see the module
-/// documentation).
+/// A redb backend that asks for the file to be synced on a thread of its
+/// own every [`SYNC_AFTER`] bytes written (see the module documentation).
 #[derive(Debug)]
 pub(crate) struct Writeback<B> {
     inner: B,
-    written: Mutex<Written>,
-    /// How many syncs began (and whether the backend is being dropped):
-    /// the thread skips a list handed over before the last of them, whose
-    /// pages that sync writes (and whose advice would then only drop them,
-    /// clean, from the page cache).
+    /// Bytes written since the last request (or redb's last sync).
+    written: AtomicU64,
+    /// How many of redb's syncs began (and whether the backend is being
+    /// dropped): the thread skips a request handed over before the last
+    /// of them, whose pages that sync wrote.
     syncs: Arc<AtomicU64>,
     /// To the writeback thread (`None`: it could not be started, and
-    /// nothing is asked); dropping it ends the thread.
-    to_thread: Option<SyncSender<Request>>,
+    /// nothing is asked); emptied on drop, which ends the thread.
+    to_thread: ToThread,
     /// Joined on drop, so that the thread's handle on the file is closed
     /// before the backend is gone.
     thread: Option<JoinHandle<u64>>,
 }
 
 impl<B> Writeback<B> {
-    /// Wraps `inner`; `file` is a second handle on the same file (a
-    /// clone), on which the writeback thread makes its requests. When the
-    /// clone failed or the thread cannot be started, the backend asks for
-    /// nothing (logged at debug, target `idemstore::writeback`): the
-    /// advice is an optimisation, and its absence leaves every write to the
-    /// next sync, as redb's own backend does.
+    /// Wraps `inner`; `file` is the same file opened again ([`reopen`]),
+    /// which the writeback thread syncs. When the reopen failed or the
+    /// thread cannot be started, the backend asks for nothing (logged at
+    /// debug, target `idemstore::writeback`): the early writeback is an
+    /// optimisation, and its absence leaves every write to the next
+    /// checkpoint's sync, as redb's own backend does.
     pub(crate) fn new(inner: B, file: io::Result<File>) -> Writeback<B> {
         let syncs = Arc::new(AtomicU64::new(0));
         let (to_thread, thread) = match file.and_then(|file| start_thread(file, syncs.clone())) {
@@ -142,18 +143,25 @@ impl<B> Writeback<B> {
         };
         Writeback {
             inner,
-            written: Mutex::new(Written::default()),
+            written: AtomicU64::new(0),
             syncs,
-            to_thread,
+            to_thread: Arc::new(Mutex::new(to_thread)),
             thread,
         }
     }
 
-    /// Ends the thread once it has made the requests queued, and returns
-    /// the bytes the kernel took the advice for.
+    /// The handle a checkpoint asks for an early sync through.
+    pub(crate) fn early_sync(&self) -> EarlySync {
+        EarlySync {
+            to_thread: self.to_thread.clone(),
+        }
+    }
+
+    /// Ends the thread once it has made the syncs queued, and returns how
+    /// many it made.
     #[cfg(test)]
     fn finish(mut self) -> u64 {
-        drop(self.to_thread.take());
+        drop(self.to_thread.lock().take());
         self.thread
             .take()
             .and_then(|thread| thread.join().ok())
@@ -161,7 +169,24 @@ impl<B> Writeback<B> {
     }
 }
 
-/// Starts the writeback thread on `file`.
+/// `file`'s file opened again, read-only, as a new open file description
+/// (through `/proc/self/fd`, which names the open file itself, whatever
+/// its path has become): the writeback thread's own, so that an error its
+/// sync meets is still reported to redb's (see the module documentation).
+/// An error when `/proc` is not mounted, or when what it opened is not the
+/// same file (device and inode).
+pub(crate) fn reopen(file: &File) -> io::Result<File> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let reopened = File::open(format!("/proc/self/fd/{}", file.as_raw_fd()))?;
+    let (a, b) = (file.metadata()?, reopened.metadata()?);
+    if (a.dev(), a.ino()) != (b.dev(), b.ino()) {
+        return Err(io::Error::other("/proc/self/fd opened another file"));
+    }
+    Ok(reopened)
+}
+
+/// Starts the writeback thread on `file`; it returns the syncs it made.
 fn start_thread(
     file: File,
     syncs: Arc<AtomicU64>,
@@ -170,49 +195,38 @@ fn start_thread(
     let thread = std::thread::Builder::new()
         .name("idemstore-writeback".into())
         .spawn(move || {
-            let mut advised = 0u64;
-            for (handed_at, ranges) in from_writer {
-                if handed_at == syncs.load(Ordering::Acquire) {
-                    advised = advised.saturating_add(start_writeback(&file, &ranges));
+            let mut made = 0u64;
+            for handed_at in from_writer {
+                if handed_at.is_some_and(|at| at != syncs.load(Ordering::Acquire)) {
+                    continue;
                 }
+                // Logged only: redb's own sync of the next checkpoint, on
+                // its own open file description, is told of the same
+                // failure and fails the checkpoint.
+                if let Err(err) = file.sync_data() {
+                    tracing::debug!(
+                        target: "idemstore::writeback",
+                        error = %err,
+                        "the early sync of the index failed"
+                    );
+                }
+                made = made.saturating_add(1);
             }
-            advised
+            made
         })?;
     Ok((to_thread, thread))
 }
 
 impl<B> Drop for Writeback<B> {
     fn drop(&mut self) {
-        // The lists still queued are skipped: the thread ends at once
-        // (after the request it is making, if any).
+        // The requests still queued are skipped: the thread ends at once
+        // (after the sync it is making, if any).
         self.syncs.fetch_add(1, Ordering::AcqRel);
-        drop(self.to_thread.take());
+        drop(self.to_thread.lock().take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
-}
-
-/// Asks the kernel to start writing back each range of `file`; the bytes
-/// it took the advice for.
-fn start_writeback(file: &File, ranges: &[(u64, u64)]) -> u64 {
-    let mut advised = 0u64;
-    for &(start, end) in ranges {
-        let Some(len) = std::num::NonZeroU64::new(end.saturating_sub(start)) else {
-            continue;
-        };
-        if let Err(err) = rustix::fs::fadvise(file, start, Some(len), rustix::fs::Advice::DontNeed)
-        {
-            tracing::debug!(
-                target: "idemstore::writeback",
-                error = %err,
-                "the kernel refused the advice to write back a range of the index"
-            );
-            break;
-        }
-        advised = advised.saturating_add(len.get());
-    }
-    advised
 }
 
 impl<B: StorageBackend> StorageBackend for Writeback<B> {
@@ -226,21 +240,24 @@ impl<B: StorageBackend> StorageBackend for Writeback<B> {
         self.inner.set_len(len)
     }
     fn sync_data(&self) -> Result<(), io::Error> {
-        // Everything written is about to be synced: nothing to ask for,
-        // and the lists handed over are skipped.
-        *self.written.lock() = Written::default();
+        // Everything written is about to be synced: the count starts
+        // over, and the requests handed over are skipped.
+        self.written.store(0, Ordering::Release);
         self.syncs.fetch_add(1, Ordering::AcqRel);
         self.inner.sync_data()
     }
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
         self.inner.write(offset, data)?;
-        let due = self.written.lock().note(offset, data.len() as u64);
-        if let Some(ranges) = due {
+        let len = u64::try_from(data.len()).unwrap_or(u64::MAX);
+        let before = self.written.fetch_add(len, Ordering::AcqRel);
+        if before.saturating_add(len) >= SYNC_AFTER {
+            // Whoever reaches the threshold asks, once: the count starts
+            // over. A full queue or a stopped thread drops the request:
+            // the next one, or the checkpoint's sync, writes these pages.
+            self.written.store(0, Ordering::Release);
             let handed_at = self.syncs.load(Ordering::Acquire);
-            // A full queue or a stopped thread drops the request: the
-            // next sync writes these pages, as it would without it.
-            if let Some(to_thread) = &self.to_thread {
-                let _ = to_thread.try_send((handed_at, ranges));
+            if let Some(to_thread) = self.to_thread.lock().as_ref() {
+                let _ = to_thread.try_send(Some(handed_at));
             }
         }
         Ok(())
@@ -276,38 +293,10 @@ impl<B: StorageBackend> StorageBackend for Writeback<B> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn asks_once_the_writes_add_up_and_merges_what_touches() {
-        let mut w = Written::default();
-        let page = 4096;
-        // Below the threshold: nothing asked, whatever the order.
-        assert_eq!(w.note(10 * page, page), None);
-        assert_eq!(w.note(2 * page, page), None);
-        assert_eq!(w.note(3 * page, page), None);
-        assert_eq!(w.note(0, 0), None, "an empty write counts nothing");
-        // The write that reaches it hands every range over, sorted, with
-        // adjacent and overlapping ones merged.
-        let rest = FLUSH_AFTER - 3 * page;
-        let due = w.note(2 * page + 100, rest).expect("reached the threshold");
-        assert_eq!(due, vec![(2 * page, 2 * page + 100 + rest)]);
-        // ... which starts the count over.
-        assert_eq!(w.note(0, page), None);
-        let due = w.note(100 * page, FLUSH_AFTER).expect("reached it again");
-        assert_eq!(due, vec![(0, page), (100 * page, 100 * page + FLUSH_AFTER)]);
-    }
-
-    #[test]
-    fn ranges_near_the_end_of_the_address_space_do_not_overflow() {
-        let mut w = Written::default();
-        let due = w
-            .note(u64::MAX - 10, FLUSH_AFTER)
-            .expect("one write is enough");
-        assert_eq!(due, vec![(u64::MAX - 10, u64::MAX)]);
-    }
-
-    #[test]
-    fn what_is_written_reads_back_across_the_advice() {
-        let dir = tempfile::tempdir().expect("tempdir");
+    /// A fresh file in `dir` behind a `Writeback`.
+    fn backend(
+        dir: &tempfile::TempDir,
+    ) -> (std::path::PathBuf, Writeback<redb::backends::FileBackend>) {
         let path = dir.path().join("index");
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -315,37 +304,37 @@ mod tests {
             .create_new(true)
             .open(&path)
             .expect("create");
-        let early = file.try_clone();
+        let early = reopen(&file);
         let backend = Writeback::new(
             redb::backends::FileBackend::new(file).expect("backend"),
             early,
         );
-        // Three times the threshold in pages, in a scattered order, so that
-        // the advice is asked for ranges with gaps between them.
+        (path, backend)
+    }
+
+    #[test]
+    fn asks_for_a_sync_once_the_writes_add_up_and_what_is_written_reads_back() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, backend) = backend(&dir);
+        // Three times the threshold in pages, in a scattered order.
         let page = 4096u64;
-        let pages = 3 * FLUSH_AFTER / page;
+        let pages = 3 * SYNC_AFTER / page;
         backend.set_len(pages * page).expect("set_len");
-        let order: Vec<u64> = (0..pages).map(|i| (i * 7) % pages).collect();
-        for &i in &order {
+        for i in (0..pages).map(|i| (i * 7) % pages) {
             let fill = u8::try_from(i % 251).expect("small");
             backend
                 .write(i * page, &vec![fill; page as usize])
                 .expect("write");
         }
-        let check = |when: &str| {
-            for i in 0..pages {
-                let mut out = vec![0u8; page as usize];
-                backend.read(i * page, &mut out).expect("read");
-                let fill = u8::try_from(i % 251).expect("small");
-                assert!(out.iter().all(|&b| b == fill), "page {i} {when}");
-            }
-        };
-        check("after the advice was asked for");
-        // Every full 1 MiB went to the kernel (none dropped: the queue
-        // holds more than the three lists, and no sync came between), and
-        // it took the advice.
-        let advised = backend.finish();
-        assert_eq!(advised, 3 * FLUSH_AFTER, "bytes handed for writeback");
+        for i in 0..pages {
+            let mut out = vec![0u8; page as usize];
+            backend.read(i * page, &mut out).expect("read");
+            let fill = u8::try_from(i % 251).expect("small");
+            assert!(out.iter().all(|&b| b == fill), "page {i}");
+        }
+        // Each full 8 MiB asked for one sync (none dropped: the queue
+        // holds more than three, and no sync of redb's came between).
+        assert_eq!(backend.finish(), 3, "syncs made");
         let bytes = std::fs::read(&path).expect("read the file");
         assert_eq!(bytes.len() as u64, pages * page);
         for (i, chunk) in bytes.chunks(page as usize).enumerate() {
@@ -355,31 +344,67 @@ mod tests {
     }
 
     #[test]
-    fn a_sync_starts_the_count_over() {
+    fn a_sync_of_redb_starts_the_count_over() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_, backend) = backend(&dir);
+        // Half the threshold, a sync, half again: nothing adds up.
+        let half = usize::try_from(SYNC_AFTER / 2).expect("small");
+        backend.write(0, &vec![1u8; half]).expect("write");
+        backend.sync_data().expect("sync");
+        backend.write(SYNC_AFTER, &vec![2u8; half]).expect("write");
+        let mut out = vec![0u8; half];
+        backend.read(0, &mut out).expect("read");
+        assert!(out.iter().all(|&b| b == 1), "the first half after the sync");
+        backend.read(SYNC_AFTER, &mut out).expect("read");
+        assert!(out.iter().all(|&b| b == 2), "the second half");
+        assert_eq!(backend.finish(), 0, "nothing was asked for");
+    }
+
+    #[test]
+    fn an_early_sync_is_made_on_the_thread_and_ends_with_the_backend() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (path, backend) = backend(&dir);
+        let sync = backend.early_sync();
+        let page = vec![7u8; 4096];
+        backend.write(0, &page).expect("write");
+        // Even after a sync of redb's: an early sync is never skipped.
+        backend.sync_data().expect("sync");
+        assert!(sync.start(), "queued");
+        assert_eq!(backend.finish(), 1, "the thread made the early sync");
+        assert_eq!(
+            std::fs::read(&path).expect("read").get(..4096),
+            Some(&page[..]),
+            "what was written is in the file"
+        );
+        // The backend is gone: its thread with it, and the handle asks
+        // for nothing.
+        assert!(!sync.start(), "no thread to ask");
+    }
+
+    #[test]
+    fn the_thread_opens_the_same_file_as_a_description_of_its_own() {
+        use std::io::{Seek, Write};
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("index");
-        let file = std::fs::OpenOptions::new()
+        let mut file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
             .open(&path)
             .expect("create");
-        let early = file.try_clone();
-        let backend = Writeback::new(
-            redb::backends::FileBackend::new(file).expect("backend"),
-            early,
-        );
-        // Half the threshold, a sync, half again: the sync wrote the first
-        // half, so nothing adds up to a request.
-        let half = usize::try_from(FLUSH_AFTER / 2).expect("small");
-        backend.write(0, &vec![1u8; half]).expect("write");
-        backend.sync_data().expect("sync");
-        backend.write(FLUSH_AFTER, &vec![2u8; half]).expect("write");
-        let mut out = vec![0u8; half];
-        backend.read(0, &mut out).expect("read");
-        assert!(out.iter().all(|&b| b == 1), "the first half after the sync");
-        backend.read(FLUSH_AFTER, &mut out).expect("read");
-        assert!(out.iter().all(|&b| b == 2), "the second half");
-        assert_eq!(backend.finish(), 0, "nothing was handed over");
+        file.write_all(b"one").expect("write");
+        // Renamed away and replaced at its path: the reopen still finds
+        // the open file, not what the path names now.
+        std::fs::rename(&path, dir.path().join("moved")).expect("rename");
+        std::fs::write(&path, b"another file").expect("write another");
+        let mut reopened = reopen(&file).expect("reopen");
+        let mut read = String::new();
+        std::io::Read::read_to_string(&mut reopened, &mut read).expect("read");
+        assert_eq!(read, "one");
+        // Its own description: its offset is not the original's (a
+        // duplicated descriptor shares one).
+        file.seek(std::io::SeekFrom::Start(1)).expect("seek");
+        assert_eq!(reopened.stream_position().expect("position"), 3);
+        assert_eq!(file.stream_position().expect("position"), 1);
     }
 }
