@@ -1653,7 +1653,7 @@ fn commit_checkpoint(
     let paused = Instant::now();
     // What is written to the index file so far is synced on another
     // thread while this one applies its buffer and redb prepares the
-    // commit; redb's own sync then finds less to write.
+    // commit (part of the early writeback measured in `writeback.rs`).
     if let Some(early_sync) = &shared.early_sync {
         early_sync();
     }

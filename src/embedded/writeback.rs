@@ -26,28 +26,30 @@
 //! pages are scattered) cost the thread CPU beside a CPU-bound writer:
 //! against it, claim p99 was 0.77–0.92× in seven paired runs (16 threads,
 //! a 1 M-record store, 60 s each), the lowest 1-s window 0.98–1.32×, the
-//! rate the same and the checkpoints' pauses no shorter
-//! (docs/benchmarks-history.md). At most [`QUEUE`] requests wait
-//! for the thread; past that a request is dropped (the next one, or the
-//! checkpoint's own sync, writes the same pages). A request handed over
-//! before one of redb's syncs began is skipped (that sync wrote its
-//! pages), and so are those still queued when the store closes.
+//! rate the same, and no consistent change in the checkpoints' pauses
+//! (docs/benchmarks-history.md). The early sync alone changed nothing
+//! measurable; it is kept as part of what was measured. At most [`QUEUE`]
+//! requests wait for the thread; past that a request is dropped (the next
+//! one, or the checkpoint's own sync, writes the same pages). A request
+//! handed over before one of redb's syncs began is skipped (that sync
+//! wrote its pages), and so are those still queued when the store closes.
 //!
-//! The thread works on an open file description of its own (the file
-//! reopened through `/proc/self/fd`, see [`reopen`]), not a duplicate of
-//! redb's descriptor: Linux reports a failed writeback to the next `fsync`
-//! of each open file description that existed when it failed (`errseq_t`,
-//! since 4.13), so an error the thread's sync meets, and only logs, is
-//! still reported to redb's own sync of the next checkpoint, which then
-//! fails and poisons the store. Over a duplicated descriptor the thread's
-//! sync would consume the error and the checkpoint would be taken as
-//! durable.
+//! **A failed sync is never lost.** The thread works on an open file
+//! description of its own (the file reopened through `/proc/self/fd`, see
+//! [`reopen`]), not a duplicate of redb's descriptor: Linux (4.13 on,
+//! `errseq_t`) reports a failed writeback to the next `fsync` of each open
+//! file description, so redb's own sync is told of an error the thread's
+//! met. And whatever the kernel or file system does, an error of the
+//! thread's sync is latched: every later `sync_data` of redb's fails with
+//! it, so the next checkpoint (or redb's sync when it grows the file)
+//! fails and the store is poisoned, never taken as durable over pages
+//! that were lost. The error is logged at warn (target
+//! `idemstore::writeback`).
 //!
-//! Nothing durable depends on it: only redb's `fdatasync` at a checkpoint
-//! makes the index durable, and the store's guarantees rest on that (and
-//! on the log) alone. The thread's syncs are best effort: an error is
-//! logged (debug, target `idemstore::writeback`). Only the store's own
-//! file gets this (a file descriptor is needed); a backend given to
+//! Nothing durable depends on the thread: only redb's own `fdatasync` (at
+//! checkpoints, and when it grows the file) makes the index durable, and
+//! the store's guarantees rest on that and on the log. Only the store's
+//! own file gets this (a file descriptor is needed); a backend given to
 //! `Store::open_with_backend` is used as it is.
 
 use std::fs::File;
@@ -72,14 +74,17 @@ pub(crate) const SYNC_AFTER: u64 = 8 * 1024 * 1024;
 const QUEUE: usize = 8;
 
 /// A sync request for the writeback thread: the count of redb's syncs when
-/// it was handed over (skipped if one began since), `None` for a
-/// checkpoint's early sync (never skipped).
-type Request = Option<u64>;
+/// it was handed over (skipped if one began since, or the backend is being
+/// dropped).
+type Request = u64;
 
 /// The sending side of the writeback thread's queue, shared by the backend
 /// and every [`EarlySync`]: `None` once the backend is dropped (or when
 /// the thread could not be started), which ends the thread.
 type ToThread = Arc<Mutex<Option<SyncSender<Request>>>>;
+
+/// The first error a sync of the writeback thread met: its kind and text.
+type Failed = Arc<Mutex<Option<(io::ErrorKind, String)>>>;
 
 /// Asks the writeback thread to sync the index file now, off the writer
 /// (see the module documentation): a checkpoint calls it as it begins.
@@ -88,15 +93,19 @@ type ToThread = Arc<Mutex<Option<SyncSender<Request>>>>;
 #[derive(Debug, Clone)]
 pub(crate) struct EarlySync {
     to_thread: ToThread,
+    syncs: Arc<AtomicU64>,
 }
 
 impl EarlySync {
     /// Queues an early sync; `false` when it was not queued (no thread, or
     /// a full queue: the checkpoint's own sync then writes everything, as
-    /// without it).
+    /// without it). Skipped, like any request, if redb's own sync begins
+    /// before the thread reaches it.
     pub(crate) fn start(&self) -> bool {
         match self.to_thread.lock().as_ref() {
-            Some(to_thread) => to_thread.try_send(None).is_ok(),
+            Some(to_thread) => to_thread
+                .try_send(self.syncs.load(Ordering::Acquire))
+                .is_ok(),
             None => false,
         }
     }
@@ -113,6 +122,9 @@ pub(crate) struct Writeback<B> {
     /// dropped): the thread skips a request handed over before the last
     /// of them, whose pages that sync wrote.
     syncs: Arc<AtomicU64>,
+    /// The first error a sync of the thread's met, latched: every later
+    /// `sync_data` fails with it (see the module documentation).
+    failed: Failed,
     /// To the writeback thread (`None`: it could not be started, and
     /// nothing is asked); emptied on drop, which ends the thread.
     to_thread: ToThread,
@@ -130,7 +142,9 @@ impl<B> Writeback<B> {
     /// checkpoint's sync, as redb's own backend does.
     pub(crate) fn new(inner: B, file: io::Result<File>) -> Writeback<B> {
         let syncs = Arc::new(AtomicU64::new(0));
-        let (to_thread, thread) = match file.and_then(|file| start_thread(file, syncs.clone())) {
+        let failed = Failed::default();
+        let started = file.and_then(|file| start_thread(file, syncs.clone(), failed.clone()));
+        let (to_thread, thread) = match started {
             Ok((to_thread, thread)) => (Some(to_thread), Some(thread)),
             Err(err) => {
                 tracing::debug!(
@@ -145,6 +159,7 @@ impl<B> Writeback<B> {
             inner,
             written: AtomicU64::new(0),
             syncs,
+            failed,
             to_thread: Arc::new(Mutex::new(to_thread)),
             thread,
         }
@@ -154,6 +169,7 @@ impl<B> Writeback<B> {
     pub(crate) fn early_sync(&self) -> EarlySync {
         EarlySync {
             to_thread: self.to_thread.clone(),
+            syncs: self.syncs.clone(),
         }
     }
 
@@ -186,10 +202,12 @@ pub(crate) fn reopen(file: &File) -> io::Result<File> {
     Ok(reopened)
 }
 
-/// Starts the writeback thread on `file`; it returns the syncs it made.
+/// Starts the writeback thread on `file`; it returns the syncs it made. A
+/// failed sync is latched in `failed`.
 fn start_thread(
     file: File,
     syncs: Arc<AtomicU64>,
+    failed: Failed,
 ) -> io::Result<(SyncSender<Request>, JoinHandle<u64>)> {
     let (to_thread, from_writer) = sync_channel::<Request>(QUEUE);
     let thread = std::thread::Builder::new()
@@ -197,18 +215,18 @@ fn start_thread(
         .spawn(move || {
             let mut made = 0u64;
             for handed_at in from_writer {
-                if handed_at.is_some_and(|at| at != syncs.load(Ordering::Acquire)) {
+                if handed_at != syncs.load(Ordering::Acquire) {
                     continue;
                 }
-                // Logged only: redb's own sync of the next checkpoint, on
-                // its own open file description, is told of the same
-                // failure and fails the checkpoint.
                 if let Err(err) = file.sync_data() {
-                    tracing::debug!(
+                    tracing::warn!(
                         target: "idemstore::writeback",
                         error = %err,
-                        "the early sync of the index failed"
+                        "a sync of the index failed: the next checkpoint fails with it"
                     );
+                    failed
+                        .lock()
+                        .get_or_insert_with(|| (err.kind(), err.to_string()));
                 }
                 made = made.saturating_add(1);
             }
@@ -219,8 +237,8 @@ fn start_thread(
 
 impl<B> Drop for Writeback<B> {
     fn drop(&mut self) {
-        // The requests still queued are skipped: the thread ends at once
-        // (after the sync it is making, if any).
+        // The requests still queued are skipped (early syncs too): the
+        // thread ends at once, after the sync it is making, if any.
         self.syncs.fetch_add(1, Ordering::AcqRel);
         drop(self.to_thread.lock().take());
         if let Some(thread) = self.thread.take() {
@@ -244,7 +262,16 @@ impl<B: StorageBackend> StorageBackend for Writeback<B> {
         // over, and the requests handed over are skipped.
         self.written.store(0, Ordering::Release);
         self.syncs.fetch_add(1, Ordering::AcqRel);
-        self.inner.sync_data()
+        let synced = self.inner.sync_data();
+        // Checked after redb's own sync, so that a failure of a sync of
+        // the thread's made meanwhile is not missed.
+        if let Some((kind, detail)) = self.failed.lock().clone() {
+            return Err(io::Error::new(
+                kind,
+                format!("an early sync of the index failed: {detail}"),
+            ));
+        }
+        synced
     }
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), io::Error> {
         self.inner.write(offset, data)?;
@@ -257,7 +284,7 @@ impl<B: StorageBackend> StorageBackend for Writeback<B> {
             self.written.store(0, Ordering::Release);
             let handed_at = self.syncs.load(Ordering::Acquire);
             if let Some(to_thread) = self.to_thread.lock().as_ref() {
-                let _ = to_thread.try_send(Some(handed_at));
+                let _ = to_thread.try_send(handed_at);
             }
         }
         Ok(())
@@ -357,7 +384,24 @@ mod tests {
         assert!(out.iter().all(|&b| b == 1), "the first half after the sync");
         backend.read(SYNC_AFTER, &mut out).expect("read");
         assert!(out.iter().all(|&b| b == 2), "the second half");
-        assert_eq!(backend.finish(), 0, "nothing was asked for");
+        // The thread runs (an early sync is made), and was asked for
+        // nothing else.
+        assert!(backend.early_sync().start(), "queued");
+        assert_eq!(backend.finish(), 1, "only the early sync was made");
+    }
+
+    #[test]
+    fn a_failed_sync_of_the_threads_fails_every_later_sync_of_redbs() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (_, backend) = backend(&dir);
+        backend.sync_data().expect("no failure yet");
+        // What the thread latches when its `fdatasync` fails (a real one
+        // cannot be made to fail here).
+        *backend.failed.lock() = Some((io::ErrorKind::Other, "Input/output error".into()));
+        for _ in 0..2 {
+            let err = backend.sync_data().expect_err("the failure is reported");
+            assert!(err.to_string().contains("Input/output error"), "{err}");
+        }
     }
 
     #[test]
@@ -367,7 +411,6 @@ mod tests {
         let sync = backend.early_sync();
         let page = vec![7u8; 4096];
         backend.write(0, &page).expect("write");
-        // Even after a sync of redb's: an early sync is never skipped.
         backend.sync_data().expect("sync");
         assert!(sync.start(), "queued");
         assert_eq!(backend.finish(), 1, "the thread made the early sync");
