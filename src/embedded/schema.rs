@@ -338,6 +338,8 @@ pub(crate) fn open<B: redb::StorageBackend>(
     fence: &Fence,
     policy: IntegrityPolicy,
 ) -> Result<(Database, Meta, Option<EarlySync>)> {
+    // Set only where the early writeback exists (Linux).
+    #[cfg_attr(not(target_os = "linux"), allow(unused_mut))]
     let mut early_sync: Option<EarlySync> = None;
     let (db, meta) = guard(path, || {
         let mut builder = Database::builder();
