@@ -4,7 +4,8 @@
 //!
 //! The `v1-*` fixtures were written by this program built at commit
 //! 6794c7c (store format 1, log format 1, before the reserved time bound),
-//! the `v2-*` ones built at 0d5ac10 (store format 2, log format 1):
+//! the `v2-*` ones built at 0d5ac10 (store format 2, log format 1), the
+//! `v3-*` ones built at 0016e50 (store format 3):
 //!
 //! ```text
 //! git worktree add /tmp/base 6794c7c

@@ -90,7 +90,8 @@ pub struct CheckReport {
     /// The first [`MAX_LISTED_PROBLEMS`] problems found, in the order the
     /// check reads them (records in the store's key order, sorted by their
     /// printed `scope/id` when records without an expiry entry were looked
-    /// for; then the state counts; then business-key bindings), and the
+    /// for; then the state counts and, on a store file, the expiry counts;
+    /// then business-key bindings), and the
     /// damage marker's line when the online scrub marked the store
     /// ([`check_file`](crate::check_file)).
     pub problems: Vec<Problem>,

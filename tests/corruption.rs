@@ -419,12 +419,36 @@ fn flipped_bytes_anywhere_never_give_a_wrong_answer() {
     eprintln!("seed {seed}: {} flips: {tally:?}", offsets.len());
 }
 
+/// Moves the expiry count of the second and state code of a finished
+/// entry's `slot` by `delta`, as `docs/design.md` (1.7) lays the
+/// `expiry_counts` table out: what the store's writer does with each entry
+/// it inserts or removes (an entry in flight is not counted).
+fn move_expiry_count(txn: &redb::WriteTransaction, slot: u64, delta: i64) {
+    use redb::ReadableTable;
+    let counts: redb::TableDefinition<u64, &[u8]> = redb::TableDefinition::new("expiry_counts");
+    if slot >> 63 == 1 {
+        return;
+    }
+    let (second, code) = (((slot & !(1 << 63)) >> 2) / 1000, (slot & 3) as usize);
+    let mut table = txn.open_table(counts).unwrap();
+    let mut row = table
+        .get(second)
+        .unwrap()
+        .map_or(vec![0u8; 32], |v| v.value().to_vec());
+    let field = &mut row[code * 8..code * 8 + 8];
+    let n = u64::from_le_bytes(field.try_into().unwrap());
+    field.copy_from_slice(&n.checked_add_signed(delta).unwrap().to_le_bytes());
+    table.insert(second, row.as_slice()).unwrap();
+}
+
 /// Edits the expiry index of the closed store file through redb directly:
-/// removes the entry `(deadline, key)` of `remove`, inserts `orphan`.
+/// removes the entry `(deadline, key)` of `remove`, inserts `orphan`, and
+/// moves the expiry counts with them, as the store's writer would.
 fn edit_expiry_index(path: &Path, remove: Option<&Record>, orphan: Option<(u64, &[u8])>) {
     let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
     let db = redb::Database::open(path).unwrap();
     let txn = db.begin_write().unwrap();
+    let mut moved = Vec::new();
     {
         let mut table = txn.open_table(expiry).unwrap();
         if let Some(rec) = remove {
@@ -445,10 +469,15 @@ fn edit_expiry_index(path: &Path, remove: Option<&Record>, orphan: Option<(u64, 
                     .is_some(),
                 "the record's expiry entry was where verify looks for it"
             );
+            moved.push((deadline, -1));
         }
         if let Some(entry) = orphan {
             table.insert(entry, ()).unwrap();
+            moved.push((entry.0, 1));
         }
+    }
+    for (slot, delta) in moved {
+        move_expiry_count(&txn, slot, delta);
     }
     txn.commit().unwrap();
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 
 use redb::{Database, ReadableTable};
 
+use super::expiry_counts;
 use super::schema::{
     self, BUSINESS, EXPIRY, META, RECORDS, Tally, expiry_slot, guard, map_err, open_error,
 };
@@ -53,7 +54,7 @@ pub(crate) fn integrity_of(db: &mut Database) -> Integrity {
 ///
 /// Time is linear in the number of records and index entries: the records
 /// and the expiry index are each read once in key order and compared by
-/// digest (each record is also looked up by its key, which finds a damaged
+/// digest (the expiry counts are recounted on the way, second by second) (each record is also looked up by its key, which finds a damaged
 /// branch page that hides it from lookups); only when the digests differ is each record's expiry entry
 /// looked up, to name the records that lack one. Each business-key binding
 /// is looked up from its record and back. Memory is bounded, not by the
@@ -147,12 +148,20 @@ pub(crate) fn verify(
         // a problem; an entry without its record (of a damaged record, or
         // left behind: eviction checks the record) is harmless, but makes
         // the digests differ too, so the slow pass below tells them apart.
+        // The expiry counts (format 4 on) are recounted on the way, in the
+        // index's order, against the stored rows.
         let mut indexed = PairDigest::new(&hashers);
+        let seconds = txn
+            .open_table(expiry_counts::EXPIRY_COUNTS)
+            .map_err(|e| map_err(path, e))?;
+        let mut recount = expiry_counts::Recount::new(expiry_counts::rows(path, &seconds)?);
         for entry in expiry.iter().map_err(|e| map_err(path, e))? {
             let (k, _) = entry.map_err(|e| map_err(path, e))?;
             let (deadline, kb) = k.value();
             indexed.add(&deadline.to_be_bytes(), kb);
+            recount.entry(deadline)?;
         }
+        let recount = recount.finish()?;
         if !wanted.matches(&indexed) {
             missing_expiry_entries(path, &records, &expiry, &mut report)?;
             // The records' problems stay in key order.
@@ -167,6 +176,17 @@ pub(crate) fn verify(
                 detail: format!(
                     "the stored state counts {:?} differ from the records' {:?} (processing, succeeded, failed, retryably failed, unreadable): stats would report wrong counts",
                     stored.slots, tally.slots
+                ),
+            });
+        }
+        // The expiry counts (format 4 on): `stats` reads them too.
+        if let Some((second, stored, recounted)) = recount.first {
+            report.found(Problem {
+                key: "(expiry counts)".into(),
+                detail: format!(
+                    "the expiry counts of {} second(s) differ from the expiry index, first at {} ms: stored {stored:?}, index {recounted:?} (succeeded, failed, retryably failed, other): stats would report wrong counts of records awaiting eviction",
+                    recount.differ,
+                    second.saturating_mul(expiry_counts::SECOND_MS)
                 ),
             });
         }

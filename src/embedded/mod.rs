@@ -14,6 +14,7 @@ pub(crate) mod compact;
 pub(crate) mod congestion;
 pub(crate) mod create;
 pub(crate) mod expiry;
+pub(crate) mod expiry_counts;
 pub(crate) mod fence;
 pub(crate) mod pending;
 pub(crate) mod schema;
@@ -805,13 +806,16 @@ impl Snapshot {
 
     /// Records by state at `now_ms`, and the oldest live Processing
     /// record's `created_ms`, without reading every record: the stored
-    /// state counts, less the entries the expiry index has due at `now_ms`
-    /// (counted by the state their slot names, `schema::expiry_slot`: no
-    /// record is read), and the live records in flight (the index's tagged
-    /// range, `schema::IN_FLIGHT_TAG`; read and decoded: lapsed, oldest).
-    /// Time grows with the records in flight and the index entries due for
-    /// eviction (a few bytes each, read in order), never with the store's
-    /// size; memory is constant. `corrupt` counts envelopes whose state
+    /// state counts, less the finished records due at `now_ms` (from the
+    /// expiry counts: a row per second past that has any, and the index
+    /// entries of `now_ms`'s own second, `expiry_counts::due`; no record
+    /// is read), and the records in flight (the index's tagged range,
+    /// `schema::IN_FLIGHT_TAG`; each entry read, the live ones' records
+    /// decoded: lapsed, oldest). Time grows with the records in flight,
+    /// the finished records of one second and the seconds past with
+    /// records awaiting eviction (one 40-byte row each), never with how
+    /// many await eviction or with the store's size; memory is constant.
+    /// `corrupt` counts envelopes whose state
     /// cannot be read; a damaged record that still names its state is
     /// counted in it (`verify` finds every damaged record, and every record
     /// without its entry). The due entries are trusted as the index holds
@@ -826,6 +830,16 @@ impl Snapshot {
         &self,
         now_ms: u64,
     ) -> Result<(crate::stats::StateCounts, Option<u64>)> {
+        self.state_counts_read(now_ms)
+            .map(|(counts, oldest, _)| (counts, oldest))
+    }
+
+    /// [`Snapshot::state_counts`], and what it read of the finished
+    /// records' expiry counts and entries.
+    pub(crate) fn state_counts_read(
+        &self,
+        now_ms: u64,
+    ) -> Result<(crate::stats::StateCounts, Option<u64>, expiry_counts::Due)> {
         use schema::{IN_FLIGHT_TAG, Tally, slot_expiry, slot_state};
         let path = &self.path;
         guard(path, || {
@@ -842,29 +856,33 @@ impl Snapshot {
                 .txn
                 .open_table(schema::EXPIRY)
                 .map_err(|e| map_err(path, e))?;
+            let seconds = self
+                .txn
+                .open_table(expiry_counts::EXPIRY_COUNTS)
+                .map_err(|e| map_err(path, e))?;
             let mut counts = crate::stats::StateCounts::default();
             let mut oldest: Option<u64> = None;
             let empty: &[u8] = &[];
-            let finished = expiry
-                .range(..(IN_FLIGHT_TAG, empty))
-                .map_err(|e| map_err(path, e))?;
-            let in_flight = expiry
-                .range((IN_FLIGHT_TAG, empty)..)
-                .map_err(|e| map_err(path, e))?;
-            // Finished records: the due entries only, by their slots' state.
+            // Finished records: the due ones from the expiry counts, by
+            // the state their slots name.
+            let due = expiry_counts::due(path, &seconds, &expiry, now_ms)?;
+            for (code, n) in (0u64..).zip(due.counts) {
+                tally.sub_n(slot_state(code), n);
+                counts.expired = counts.expired.saturating_add(n);
+            }
             // Records in flight: every entry (the expired ones by their
             // slot; the live ones read for their lease and age).
-            for (range, all) in [(finished, false), (in_flight, true)] {
-                for entry in range {
+            {
+                for entry in expiry
+                    .range((IN_FLIGHT_TAG, empty)..)
+                    .map_err(|e| map_err(path, e))?
+                {
                     let (k, _) = entry.map_err(|e| map_err(path, e))?;
                     let (slot, kb) = k.value();
                     if crate::record::is_expired(slot_expiry(slot), now_ms) {
                         tally.sub(slot_state(slot));
                         counts.expired = counts.expired.saturating_add(1);
                         continue;
-                    }
-                    if !all {
-                        break;
                     }
                     let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
                         continue;
@@ -890,7 +908,7 @@ impl Snapshot {
             counts.failed = slots[Tally::FAILED];
             counts.failed_retryable = slots[Tally::FAILED_RETRYABLE];
             counts.corrupt = slots[Tally::UNREADABLE];
-            Ok((counts, oldest))
+            Ok((counts, oldest, due))
         })
     }
 
@@ -1828,6 +1846,92 @@ mod tests {
             ),
             (6, 1, 0, 0, 1),
             "{after:?}"
+        );
+    }
+
+    /// `stats` reads no backlog: with a thousand finished records due,
+    /// spread over fifty seconds of expiry, it reads one row of expiry
+    /// counts per second past and only the index entries of the current
+    /// second (its 20 due ones and the first past them), and counts them
+    /// all. A row made wrong by hand is what `verify` then reports, and
+    /// what `stats` then counts.
+    #[test]
+    fn stats_reads_a_row_per_second_past_not_the_records_due() {
+        const T0: u64 = 1_700_000_000_000;
+        let clock = crate::clock::ManualClock::new(T0);
+        let store = in_memory(
+            "seconds.redb",
+            manual_time(&clock).retention(std::time::Duration::from_secs(60)),
+        );
+        let fp = Fingerprint::of(b"p");
+        let finish = |id: String, n: u32| {
+            let k = Key::new("seconds", id).unwrap();
+            let ClaimOutcome::Acquired(lease) = store.claim(&k, &fp, &ClaimOptions::new()).unwrap()
+            else {
+                panic!("not acquired");
+            };
+            match n % 3 {
+                0 => store.complete(&lease, b"ok").unwrap(),
+                1 => store.fail(&lease, b"no", false).unwrap(),
+                _ => store.fail(&lease, b"later", true).unwrap(),
+            };
+        };
+        for second in 0..50 {
+            for n in 0..20 {
+                finish(format!("s{second}-{n}"), n);
+            }
+            clock.advance(std::time::Duration::from_secs(1));
+        }
+        // Half a second into the second the last records expire in.
+        clock.set_ms(T0 + 49_500 + 60_000);
+        for n in 0..3 {
+            finish(format!("live-{n}"), 0);
+        }
+        let snapshot = embedded(&store).snapshot().unwrap();
+        let (counts, _, due) = snapshot.state_counts_read(store.now_ms()).unwrap();
+        assert_eq!((due.rows, due.entries), (49, 21), "{due:?}");
+        assert_eq!(due.counts.iter().sum::<u64>(), 1000, "{due:?}");
+        // Of each second's 20: 7 succeeded, 7 failed, 6 retryably failed.
+        assert_eq!(due.counts, [350, 350, 300, 0], "{due:?}");
+        assert_eq!(
+            (
+                counts.expired,
+                counts.succeeded,
+                counts.failed,
+                counts.failed_retryable
+            ),
+            (1000, 3, 0, 0),
+            "{counts:?}"
+        );
+        drop(snapshot);
+        assert!(store.verify(|_| {}).unwrap().is_clean());
+
+        // One second's row made wrong: `verify` names it.
+        let second = (T0 + 60_000) / expiry_counts::SECOND_MS;
+        let txn = embedded(&store).shared.db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(expiry_counts::EXPIRY_COUNTS).unwrap();
+            let mut row = [0u8; 32];
+            row[..8].copy_from_slice(&9u64.to_le_bytes());
+            table.insert(second, &row[..]).unwrap();
+        }
+        txn.commit().unwrap();
+        let report = store.verify(|_| {}).unwrap();
+        let problem = report
+            .problems
+            .iter()
+            .find(|p| p.key == "(expiry counts)")
+            .unwrap_or_else(|| panic!("{report:?}"));
+        assert!(
+            problem
+                .detail
+                .contains(&format!("first at {} ms", T0 + 60_000)),
+            "{problem:?}"
+        );
+        assert_eq!(
+            store.stats().unwrap().records.expired,
+            1000 - 20 + 9,
+            "the counts are what stats reads"
         );
     }
 }

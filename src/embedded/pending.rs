@@ -52,6 +52,8 @@
 
 use std::collections::BTreeMap;
 
+use super::expiry_counts::Delta;
+
 /// Applied as soon as the buffer's estimate reaches this many bytes
 /// (8 MiB), whatever the commit schedule: checked after each request, so
 /// the buffer holds at most this plus one request's changes (recovery's
@@ -91,12 +93,29 @@ pub(crate) struct Pending {
     bytes: usize,
     /// Record changes taken out so far (to be applied): puts, removals.
     taken: (u64, u64),
+    /// The expiry counts that the entries applied from the buffer moved,
+    /// not yet written: `schema::Tables::apply_pending` writes them, as
+    /// the transaction is about to commit or to be scanned (see
+    /// `expiry_counts.rs`).
+    counts: Delta,
 }
 
 impl Pending {
-    /// Whether nothing is buffered.
+    /// Whether nothing is buffered: no change to apply, and no expiry
+    /// count to write.
     pub(crate) fn is_empty(&self) -> bool {
+        self.has_no_changes() && self.counts.is_empty()
+    }
+
+    /// Whether no change is left to apply (expiry counts may still be
+    /// waiting to be written).
+    pub(crate) fn has_no_changes(&self) -> bool {
         self.records.is_empty() && self.expiry.is_empty()
+    }
+
+    /// The expiry counts moved by applied entries and not yet written.
+    pub(crate) fn counts_mut(&mut self) -> &mut Delta {
+        &mut self.counts
     }
 
     /// Whether the buffer should be applied now (see [`MAX_PENDING_BYTES`]).
@@ -176,7 +195,7 @@ impl Pending {
             self.bytes = self.bytes.saturating_sub(entry_len(&(change.0).1));
             expiry.push(change);
         }
-        if self.is_empty() {
+        if self.has_no_changes() {
             self.bytes = 0;
         }
         self.count_taken(&records);

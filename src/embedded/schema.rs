@@ -10,6 +10,7 @@ use redb::{
     TableHandle, WriteTransaction,
 };
 
+use super::expiry_counts::{self, EXPIRY_COUNTS};
 use super::fence::{Fence, Fenced};
 use super::pending::{EntryChange, Pending};
 use super::wal::{BodyWriter, Change, LogTable};
@@ -67,9 +68,16 @@ pub(crate) fn slot_expiry(slot: u64) -> u64 {
     (slot & !IN_FLIGHT_TAG) >> STATE_BITS
 }
 
-/// The [`Tally`] slot of the state an index entry's slot names.
+/// The state code of an index entry's slot (0 to 3, see [`expiry_slot`]).
+pub(crate) fn slot_code(slot: u64) -> usize {
+    // Two bits: 0 to 3.
+    usize::from(u8::try_from(slot & ((1 << STATE_BITS) - 1)).unwrap_or(3))
+}
+
+/// The [`Tally`] slot of the state an index entry's slot names (the slot
+/// itself, or its state code alone).
 pub(crate) fn slot_state(slot: u64) -> usize {
-    match slot & ((1 << STATE_BITS) - 1) {
+    match slot_code(slot) {
         0 => Tally::SUCCEEDED,
         1 => Tally::FAILED,
         2 => Tally::FAILED_RETRYABLE,
@@ -81,11 +89,11 @@ pub(crate) fn slot_state(slot: u64) -> usize {
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
 
 /// The store format this build writes and reads. Format 1 (no
-/// [`META_STATE_COUNTS`], untagged expiry entries of records in flight)
-/// and format 2 (expiry slots without the state) are migrated to 3 at
-/// open, once the log is replayed ([`migrate`]; see `docs/design.md`,
-/// "Format versions").
-pub(crate) const FORMAT_VERSION: u64 = 3;
+/// [`META_STATE_COUNTS`], untagged expiry entries of records in flight),
+/// format 2 (expiry slots without the state) and format 3 (no
+/// [`EXPIRY_COUNTS`]) are migrated to 4 at open, once the log is replayed
+/// ([`migrate`]; see `docs/design.md`, "Format versions").
+pub(crate) const FORMAT_VERSION: u64 = 4;
 
 pub(crate) const META_FORMAT: &str = "format_version";
 pub(crate) const META_STORE_ID: &str = "store_id";
@@ -517,6 +525,8 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
     // Create every table so that readers never meet a missing one.
     txn.open_table(RECORDS).map_err(|e| map_err(path, e))?;
     txn.open_table(EXPIRY).map_err(|e| map_err(path, e))?;
+    txn.open_table(EXPIRY_COUNTS)
+        .map_err(|e| map_err(path, e))?;
     txn.open_table(BUSINESS).map_err(|e| map_err(path, e))?;
     txn.commit().map_err(|e| map_err(path, e))?;
     Ok(meta)
@@ -532,7 +542,13 @@ fn read_existing(path: &Path, db: &Database) -> Result<Option<Meta>> {
         .map_err(|e| map_err(path, e))?
         .map(|t| t.name().to_string())
         .collect();
-    let tables = [META.name(), RECORDS.name(), EXPIRY.name(), BUSINESS.name()];
+    let tables = [
+        META.name(),
+        RECORDS.name(),
+        EXPIRY.name(),
+        EXPIRY_COUNTS.name(),
+        BUSINESS.name(),
+    ];
     if !tables.iter().all(|t| existing.iter().any(|e| e == t)) {
         return Ok(None);
     }
@@ -570,21 +586,41 @@ fn stored_format(
 /// bounded by one record). No record is changed or lost; a record that
 /// does not decode gets no entry (`verify` names it as damaged, and as
 /// without an entry).
+///
+/// Any older format → 4: the expiry counts ([`EXPIRY_COUNTS`]) are built
+/// from the expiry index, one pass over its finished entries
+/// ([`expiry_counts::rebuild`]; what the log's replay counted into
+/// the table before is dropped).
 pub(crate) fn migrate(path: &Path, db: &Database, from: u64) -> Result<()> {
     guard(path, || {
         let mut txn = db.begin_write().map_err(|e| map_err(path, e))?;
         txn.set_quick_repair(true);
-        let tally = migrate_in(path, &txn, from)?;
+        let tally = if from < 3 {
+            Some(migrate_in(path, &txn, from)?)
+        } else {
+            None
+        };
+        let seconds = expiry_counts::rebuild(path, &txn)?;
         {
             let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-            table
-                .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
-                .map_err(|e| map_err(path, e))?;
+            if let Some(tally) = tally {
+                table
+                    .insert(META_STATE_COUNTS, &tally.to_bytes()[..])
+                    .map_err(|e| map_err(path, e))?;
+            }
             table
                 .insert(META_FORMAT, &FORMAT_VERSION.to_le_bytes()[..])
                 .map_err(|e| map_err(path, e))?;
         }
-        txn.commit().map_err(|e| map_err(path, e))
+        txn.commit().map_err(|e| map_err(path, e))?;
+        tracing::info!(
+            path = %path.display(),
+            from,
+            to = FORMAT_VERSION,
+            seconds,
+            "store format migrated"
+        );
+        Ok(())
     })
 }
 
@@ -611,10 +647,9 @@ fn migrate_in(path: &Path, txn: &WriteTransaction, from: u64) -> Result<Tally> {
     tracing::info!(
         path = %path.display(),
         from,
-        to = FORMAT_VERSION,
         records = tally.total(),
         in_flight = tally.slots[Tally::PROCESSING],
-        "store format migrated"
+        "expiry index rebuilt from the records"
     );
     Ok(tally)
 }
@@ -658,6 +693,13 @@ impl Tally {
     pub fn sub(&mut self, slot: usize) {
         if let Some(n) = self.slots.get_mut(slot) {
             *n = n.saturating_sub(1);
+        }
+    }
+
+    /// Takes `n` from `slot`, stopping at zero.
+    pub fn sub_n(&mut self, slot: usize, n: u64) {
+        if let Some(c) = self.slots.get_mut(slot) {
+            *c = c.saturating_sub(n);
         }
     }
 
@@ -889,6 +931,7 @@ pub(crate) struct Tables<'t> {
     // batches have no business key).
     records: LazyTable<'t, &'static [u8], &'static [u8]>,
     expiry: LazyTable<'t, (u64, &'static [u8]), ()>,
+    expiry_counts: LazyTable<'t, u64, &'static [u8]>,
     business: LazyTable<'t, &'static [u8], &'static [u8]>,
     meta: LazyTable<'t, &'static str, &'static [u8]>,
     log: Option<BodyWriter>,
@@ -916,6 +959,7 @@ impl<'t> Tables<'t> {
             txn,
             records: LazyTable::new(RECORDS),
             expiry: LazyTable::new(EXPIRY),
+            expiry_counts: LazyTable::new(EXPIRY_COUNTS),
             business: LazyTable::new(BUSINESS),
             meta: LazyTable::new(META),
             log: logged.then(BodyWriter::new),
@@ -950,19 +994,31 @@ impl<'t> Tables<'t> {
     }
 
     /// Applies the buffered changes to the redb tables, in key order
-    /// (records, then expiry entries), and counts the records' states.
-    /// Before the transaction commits and before a scan of a table.
+    /// (records, then expiry entries), counts the records' states, and
+    /// writes the expiry counts that the entries applied since the last
+    /// such call moved (`expiry_counts.rs`), once per second moved.
+    /// Before the transaction commits and before a scan of a table, so
+    /// that every commit holds the counts in step with the index.
     pub(crate) fn apply_pending(&mut self) -> Result<()> {
-        self.apply_pending_some(usize::MAX).map(|_| ())
+        self.apply_pending_some(usize::MAX)?;
+        let (path, txn) = (self.path, self.txn);
+        if let Some(pending) = self.pending.as_deref_mut()
+            && !pending.counts_mut().is_empty()
+        {
+            let table = self.expiry_counts.get_mut(path, txn)?;
+            pending.counts_mut().write(path, table)?;
+        }
+        Ok(())
     }
 
     /// Applies up to `max` buffered changes (the first in key order);
-    /// whether any was applied.
+    /// whether any was applied. The expiry counts they move wait in the
+    /// buffer for [`Tables::apply_pending`].
     pub(crate) fn apply_pending_some(&mut self, max: usize) -> Result<bool> {
         let Some(pending) = self.pending.as_mut() else {
             return Ok(false);
         };
-        if pending.is_empty() {
+        if pending.has_no_changes() {
             return Ok(false);
         }
         let (records, expiry) = pending.take_some(max);
@@ -979,13 +1035,31 @@ impl<'t> Tables<'t> {
         }
         for ((deadline, key), change) in expiry {
             let table = self.expiry.get_mut(path, txn)?;
-            match change {
-                EntryChange::Insert => table.insert((deadline, &key[..]), ()).map(|_| ()),
-                EntryChange::Remove => table.remove((deadline, &key[..])).map(|_| ()),
+            // Whether redb's entry came or went (counted only then).
+            let moved = match change {
+                EntryChange::Insert => table.insert((deadline, &key[..]), ()).map(|o| o.is_none()),
+                EntryChange::Remove => table.remove((deadline, &key[..])).map(|o| o.is_some()),
             }
             .map_err(|e| map_err(path, e))?;
+            if moved && let Some(pending) = self.pending.as_deref_mut() {
+                pending
+                    .counts_mut()
+                    .note(deadline, change == EntryChange::Insert);
+            }
         }
         Ok(true)
+    }
+
+    /// Writes at once the expiry count that an entry of `deadline` moved
+    /// (`inserted` or removed) in a table written without a buffer.
+    fn count_now(&mut self, deadline: u64, inserted: bool) -> Result<()> {
+        let mut delta = expiry_counts::Delta::default();
+        delta.note(deadline, inserted);
+        if delta.is_empty() {
+            return Ok(());
+        }
+        let table = self.expiry_counts.get_mut(self.path, self.txn)?;
+        delta.write(self.path, table)
     }
 
     /// Hands in the state counts as of this transaction (`None`: not read
@@ -1084,10 +1158,15 @@ impl<'t> Tables<'t> {
         if let Some(pending) = self.pending.as_mut() {
             pending.set_expiry(deadline, key, EntryChange::Insert);
         } else {
-            self.expiry
+            let inserted = self
+                .expiry
                 .get_mut(self.path, self.txn)?
                 .insert((deadline, key), ())
-                .map_err(|e| map_err(self.path, e))?;
+                .map_err(|e| map_err(self.path, e))?
+                .is_none();
+            if inserted {
+                self.count_now(deadline, true)?;
+            }
         }
         if let Some(log) = &mut self.log {
             log.insert(LogTable::Expiry, &[&deadline.to_le_bytes(), key], &[]);
@@ -1100,10 +1179,15 @@ impl<'t> Tables<'t> {
         if let Some(pending) = self.pending.as_mut() {
             pending.set_expiry(deadline, key, EntryChange::Remove);
         } else {
-            self.expiry
+            let removed = self
+                .expiry
                 .get_mut(self.path, self.txn)?
                 .remove((deadline, key))
-                .map_err(|e| map_err(self.path, e))?;
+                .map_err(|e| map_err(self.path, e))?
+                .is_some();
+            if removed {
+                self.count_now(deadline, false)?;
+            }
         }
         if let Some(log) = &mut self.log {
             log.remove(LogTable::Expiry, &[&deadline.to_le_bytes(), key]);
@@ -1385,8 +1469,39 @@ mod tests {
             .unwrap()
     }
 
-    /// Everything the records table and the expiry index hold.
-    type Contents = (Vec<(Vec<u8>, Vec<u8>)>, Vec<(u64, Vec<u8>)>);
+    /// Everything the records table, the expiry index and the expiry
+    /// counts hold.
+    type Contents = (
+        Vec<(Vec<u8>, Vec<u8>)>,
+        Vec<(u64, Vec<u8>)>,
+        Vec<(u64, expiry_counts::Counts)>,
+    );
+
+    /// Asserts that the expiry counts hold what a recount of the index
+    /// finds.
+    fn assert_counts_in_step(db: &Database) {
+        let path = Path::new("counts");
+        let txn = db.begin_read().unwrap();
+        let expiry = txn.open_table(EXPIRY).unwrap();
+        let seconds = txn.open_table(EXPIRY_COUNTS).unwrap();
+        let mut recount = expiry_counts::Recount::new(expiry_counts::rows(path, &seconds).unwrap());
+        for entry in expiry.iter().unwrap() {
+            recount.entry(entry.unwrap().0.value().0).unwrap();
+        }
+        let recount = recount.finish().unwrap();
+        assert_eq!(recount.differ, 0, "{:?}", recount.first);
+    }
+
+    /// A slot from random bits: few values (so that changes meet), over
+    /// three seconds, each state code, in flight or not.
+    fn some_slot(r: u64) -> u64 {
+        let tag = if r.is_multiple_of(5) {
+            IN_FLIGHT_TAG
+        } else {
+            0
+        };
+        tag | (((r >> 2) % 3 * expiry_counts::SECOND_MS) << STATE_BITS) | (r % 4)
+    }
 
     fn contents(db: &Database) -> Contents {
         let txn = db.begin_read().unwrap();
@@ -1409,7 +1524,12 @@ mod tests {
                 (d, key.to_vec())
             })
             .collect();
-        (r, x)
+        let seconds = txn.open_table(EXPIRY_COUNTS).unwrap();
+        let c = expiry_counts::rows(Path::new("contents"), &seconds)
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        (r, x, c)
     }
 
     /// A xorshift64 generator: the tests' reproducible stream of changes.
@@ -1439,7 +1559,7 @@ mod tests {
             for _ in 0..2000 {
                 let r = next();
                 let key = [b'k', u8::try_from(r % 16).unwrap()];
-                let deadline = (r >> 8) % 4;
+                let deadline = some_slot(r >> 8);
                 // An envelope whose state byte varies, so that the state
                 // counts move (most are unreadable: counted as such).
                 let envelope = [u8::try_from((r >> 16) % 7).unwrap(); 12];
@@ -1468,6 +1588,9 @@ mod tests {
         direct_txn.commit().unwrap();
         buffered_txn.commit().unwrap();
         assert_eq!(contents(&direct_db), contents(&buffered_db));
+        assert!(!contents(&direct_db).2.is_empty());
+        assert_counts_in_step(&direct_db);
+        assert_counts_in_step(&buffered_db);
     }
 
     /// Recovery's replay: the frame a logged writer's tables wrote, decoded
@@ -1488,7 +1611,8 @@ mod tests {
                 let mut t = Tables::open(path, &txn, false);
                 for k in 0..8u8 {
                     t.put_record(&[b'k', k], &[k % 7; 12]).unwrap();
-                    t.insert_expiry(u64::from(k % 4), &[b'k', k]).unwrap();
+                    t.insert_expiry(some_slot(u64::from(k)), &[b'k', k])
+                        .unwrap();
                 }
                 let tally = t.finish().tally;
                 write_tally(path, &txn, tally).unwrap();
@@ -1502,7 +1626,7 @@ mod tests {
             for _ in 0..3000 {
                 let r = next();
                 let key = [b'k', u8::try_from(r % 16).unwrap()];
-                let deadline = (r >> 8) % 4;
+                let deadline = some_slot(r >> 8);
                 let envelope = [u8::try_from((r >> 16) % 7).unwrap(); 12];
                 let binding = [b'b', u8::try_from((r >> 40) % 4).unwrap()];
                 match (r >> 24) % 7 {
@@ -1546,6 +1670,8 @@ mod tests {
         txn.commit().unwrap();
         assert_eq!(written_tally, replayed_tally);
         assert_eq!(contents(&written_db), contents(&replayed_db));
+        assert_counts_in_step(&written_db);
+        assert_counts_in_step(&replayed_db);
         let business = |db: &Database| -> Vec<(Vec<u8>, Vec<u8>)> {
             let txn = db.begin_read().unwrap();
             let table = txn.open_table(BUSINESS).unwrap();
