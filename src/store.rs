@@ -910,10 +910,11 @@ impl Store {
     /// awaiting eviction, the expiry index's entries of the current second
     /// (each names its record's state, so no record is read), and the
     /// records in flight (the expiry index holds them in a range of their
-    /// own): its work grows with the records in flight and with one
-    /// second of finished records, never with how many await eviction or
-    /// with the store's size (`idemstore stats`, whole process, 5 ms with
-    /// 1,000,000 records awaiting eviction). It first asks the writer to
+    /// own): its work grows with the records in flight, one second of
+    /// finished records and the seconds of backlog (at most a row per
+    /// record awaiting eviction), not with how many records each of those
+    /// seconds holds or with the store's size (`idemstore stats`, whole
+    /// process, 5 ms with 1,000,000 records awaiting eviction). It first asks the writer to
     /// commit its open index transaction (milliseconds). Every field is exact for the read
     /// snapshot. `records.corrupt` counts only envelopes whose state cannot
     /// be read; a record damaged otherwise is counted in its state, and

@@ -54,9 +54,10 @@ pub(crate) fn integrity_of(db: &mut Database) -> Integrity {
 ///
 /// Time is linear in the number of records and index entries: the records
 /// and the expiry index are each read once in key order and compared by
-/// digest (the expiry counts are recounted on the way, second by second) (each record is also looked up by its key, which finds a damaged
-/// branch page that hides it from lookups); only when the digests differ is each record's expiry entry
-/// looked up, to name the records that lack one. Each business-key binding
+/// digest (each record is also looked up by its key, which finds a damaged
+/// branch page that hides it from lookups; the expiry counts are recounted
+/// on the way through the index, second by second); only when the digests
+/// differ is each record's expiry entry looked up, to name the records that lack one. Each business-key binding
 /// is looked up from its record and back. Memory is bounded, not by the
 /// store's size: two digests, and at most
 /// [`MAX_LISTED_PROBLEMS`](crate::MAX_LISTED_PROBLEMS) listed
@@ -184,9 +185,10 @@ pub(crate) fn verify(
             report.found(Problem {
                 key: "(expiry counts)".into(),
                 detail: format!(
-                    "the expiry counts of {} second(s) differ from the expiry index, first at {} ms: stored {stored:?}, index {recounted:?} (succeeded, failed, retryably failed, other): stats would report wrong counts of records awaiting eviction",
+                    "the expiry counts of {} second(s) differ from the expiry index, first at {} ms: stored {}, index {recounted:?} (succeeded, failed, retryably failed, other): stats would report wrong counts of records awaiting eviction (repair: export, then import into a new store)",
                     recount.differ,
-                    second.saturating_mul(expiry_counts::SECOND_MS)
+                    second.saturating_mul(expiry_counts::SECOND_MS),
+                    stored.map_or_else(|| "a malformed row".to_string(), |c| format!("{c:?}"))
                 ),
             });
         }

@@ -2,8 +2,9 @@
 //! fall in each second of expiry, by the state their slot names (format 4
 //! on). `stats` sums the rows of the seconds already past to count the
 //! records awaiting eviction, and reads the index entries of the current
-//! second only, so its time does not grow with the backlog of due records
-//! (a sweep that lags a million records behind reads as fast as none).
+//! second only: its time grows with the seconds of backlog (a row each,
+//! never more rows than records due), not with how many records each
+//! second holds (a million due records of the last minute are 60 rows).
 //!
 //! Stored in the table [`EXPIRY_COUNTS`]: second of expiry (the slot's
 //! expiry in ms ÷ [`SECOND_MS`]) → four little-endian u64s, the entries
@@ -128,20 +129,37 @@ impl Delta {
 
     /// Writes the moved counts into `table`, one read and one write (or
     /// removal, for a second left with no entry) per second moved, and
-    /// empties the delta.
+    /// empties the delta. A stored row of the wrong length (damage) is
+    /// taken as zero and overwritten, with a warning: the counts are
+    /// derived, so damage to them must not stop the writer or a recovery
+    /// (the records are intact); `verify` then names the second whose count
+    /// is wrong, and `stats` may count wrong until it is repaired (export
+    /// and import into a new store).
     ///
     /// # Errors
-    /// Those of redb, and [`Error::CorruptFile`] for a stored row of the
-    /// wrong length.
+    /// Those of redb.
     pub(crate) fn write(
         &mut self,
         path: &Path,
         table: &mut Table<'_, u64, &'static [u8]>,
     ) -> Result<()> {
         for (second, moved) in std::mem::take(&mut self.seconds) {
-            let mut counts = match table.get(second).map_err(|e| map_err(path, e))? {
-                Some(v) => decode(path, second, v.value())?,
+            let stored = table
+                .get(second)
+                .map_err(|e| map_err(path, e))?
+                .map(|v| decode(path, second, v.value()));
+            let mut counts = match stored {
                 None => Counts::default(),
+                Some(Ok(counts)) => counts,
+                Some(Err(e)) => {
+                    tracing::warn!(
+                        path = %path.display(),
+                        second,
+                        error = %e,
+                        "expiry counts row malformed: rewritten from this change alone; run idemstore check"
+                    );
+                    Counts::default()
+                }
             };
             for (n, d) in counts.iter_mut().zip(moved) {
                 *n = if d >= 0 {
@@ -177,8 +195,9 @@ pub(crate) struct Due {
 /// The finished records' entries due at `now_ms` (expiry at or before it,
 /// [`crate::record::is_expired`]), by state code: the rows of every second
 /// before `now_ms`'s, and the index entries of its own second up to
-/// `now_ms`. Time grows with the seconds past that still have entries and
-/// with the entries of one second; never with how many are due.
+/// `now_ms`. Time grows with the seconds past that still have entries (at
+/// most one row per entry due) and with the entries of one second; not
+/// with how many entries each second past holds.
 ///
 /// # Errors
 /// Those of redb, and [`Error::CorruptFile`] for a row of the wrong length.
@@ -206,7 +225,12 @@ pub(crate) fn due(
         let (k, _) = entry.map_err(|e| map_err(path, e))?;
         out.entries = out.entries.saturating_add(1);
         let (slot, _) = k.value();
-        if !crate::record::is_expired(slot_expiry(slot), now_ms) {
+        // Past the current second, or (once `now_ms` is past the latest
+        // expiry a slot holds) an entry held at that latest expiry, whose
+        // second the rows above already counted.
+        if !crate::record::is_expired(slot_expiry(slot), now_ms)
+            || slot_expiry(slot) / SECOND_MS != current
+        {
             break;
         }
         if let Some(n) = out.counts.get_mut(slot_code(slot)) {
@@ -264,36 +288,41 @@ pub(crate) fn rebuild(path: &Path, txn: &WriteTransaction) -> Result<u64> {
     Ok(rows)
 }
 
+/// A stored row as [`rows`] reads it: its second, and its counts (`None`:
+/// a row of the wrong length).
+pub(crate) type Row = (u64, Option<Counts>);
+
 /// A recount of the expiry index, fed its entries in index order, compared
 /// second by second with the stored rows as it goes (`verify`): memory is
 /// one row, whatever the store's size.
-pub(crate) struct Recount<I: Iterator<Item = Result<(u64, Counts)>>> {
+pub(crate) struct Recount<I: Iterator<Item = Result<Row>>> {
     stored: Peekable<I>,
     current: Option<(u64, Counts)>,
-    /// Seconds whose stored row differs from the recount.
+    /// Seconds whose stored row differs from the recount (a malformed row
+    /// always does).
     pub differ: u64,
-    /// The first of them: (second, stored, recounted).
-    pub first: Option<(u64, Counts, Counts)>,
+    /// The first of them: (second, stored (`None`: malformed), recounted).
+    pub first: Option<(u64, Option<Counts>, Counts)>,
 }
 
-/// The rows of `table` in order, decoded (a row of the wrong length is an
-/// [`Error::CorruptFile`] item).
+/// The rows of `table` in order, each decoded (`None` for a row of the
+/// wrong length).
 ///
 /// # Errors
-/// Those of redb, when the table cannot be read.
+/// Those of redb, when the table cannot be read (also as items).
 pub(crate) fn rows<'a>(
     path: &'a Path,
     table: &'a impl ReadableTable<u64, &'static [u8]>,
-) -> Result<impl Iterator<Item = Result<(u64, Counts)>> + 'a> {
+) -> Result<impl Iterator<Item = Result<Row>> + 'a> {
     let range = table.range::<u64>(..).map_err(|e| map_err(path, e))?;
     Ok(range.map(move |row| {
         let (second, value) = row.map_err(|e| map_err(path, e))?;
         let second = second.value();
-        Ok((second, decode(path, second, value.value())?))
+        Ok((second, decode(path, second, value.value()).ok()))
     }))
 }
 
-impl<I: Iterator<Item = Result<(u64, Counts)>>> Recount<I> {
+impl<I: Iterator<Item = Result<Row>>> Recount<I> {
     /// A recount against the stored rows `stored` (see [`rows`]).
     pub(crate) fn new(stored: I) -> Self {
         Recount {
@@ -307,7 +336,7 @@ impl<I: Iterator<Item = Result<(u64, Counts)>>> Recount<I> {
     /// Counts one entry of the index (`slot`, in index order).
     ///
     /// # Errors
-    /// A stored row's error.
+    /// redb's, reading the stored rows.
     pub(crate) fn entry(&mut self, slot: u64) -> Result<()> {
         let Some((second, code)) = second_of(slot) else {
             return Ok(());
@@ -327,7 +356,7 @@ impl<I: Iterator<Item = Result<(u64, Counts)>>> Recount<I> {
     /// Compares the last second recounted, and the stored rows left.
     ///
     /// # Errors
-    /// A stored row's error.
+    /// redb's, reading the stored rows.
     pub(crate) fn finish(mut self) -> Result<Self> {
         let last = self.current.take();
         self.compare(last)?;
@@ -355,16 +384,16 @@ impl<I: Iterator<Item = Result<(u64, Counts)>>> Recount<I> {
         {
             let (second, stored) = row?;
             let recounted = done.map_or(Counts::default(), |(_, c)| c);
-            if stored != recounted {
+            if stored != Some(recounted) {
                 self.differs(second, stored, recounted);
             }
         } else if let Some((second, recounted)) = done {
-            self.differs(second, Counts::default(), recounted);
+            self.differs(second, Some(Counts::default()), recounted);
         }
         Ok(())
     }
 
-    fn differs(&mut self, second: u64, stored: Counts, recounted: Counts) {
+    fn differs(&mut self, second: u64, stored: Option<Counts>, recounted: Counts) {
         self.differ = self.differ.saturating_add(1);
         self.first.get_or_insert((second, stored, recounted));
     }
@@ -374,17 +403,20 @@ impl<I: Iterator<Item = Result<(u64, Counts)>>> Recount<I> {
 mod tests {
     use super::*;
 
-    fn ok_rows(rows: &[(u64, Counts)]) -> impl Iterator<Item = Result<(u64, Counts)>> + '_ {
-        rows.iter().map(|r| Ok(*r))
-    }
+    type First = Option<(u64, Option<Counts>, Counts)>;
 
-    fn recount(stored: &[(u64, Counts)], slots: &[u64]) -> (u64, Option<(u64, Counts, Counts)>) {
-        let mut r = Recount::new(ok_rows(stored));
+    fn recount_rows(stored: &[Row], slots: &[u64]) -> (u64, First) {
+        let mut r = Recount::new(stored.iter().map(|r| Ok(*r)));
         for slot in slots {
             r.entry(*slot).unwrap();
         }
         let r = r.finish().unwrap();
         (r.differ, r.first)
+    }
+
+    fn recount(stored: &[(u64, Counts)], slots: &[u64]) -> (u64, First) {
+        let rows: Vec<Row> = stored.iter().map(|(s, c)| (*s, Some(*c))).collect();
+        recount_rows(&rows, slots)
     }
 
     #[test]
@@ -407,10 +439,47 @@ mod tests {
         let wrong = [(0, [5, 0, 0, 0]), (1, [1, 1, 0, 0]), (3, [1, 0, 0, 0])];
         assert_eq!(
             recount(&wrong, &slots),
-            (3, Some((0, [5, 0, 0, 0], [0; 4])))
+            (3, Some((0, Some([5, 0, 0, 0]), [0; 4])))
         );
         assert_eq!(recount(&[], &slots).0, 3);
         assert_eq!(recount(&right, &[]).0, 3);
+        // A malformed row differs, whatever the index holds there.
+        let malformed = [(1, Some([1, 1, 0, 0])), (3, None), (7, Some([1, 0, 0, 0]))];
+        assert_eq!(
+            recount_rows(&malformed, &slots),
+            (1, Some((3, None, [2, 0, 0, 0])))
+        );
+    }
+
+    /// Once `now_ms` is past the latest expiry a slot holds, the entries
+    /// held at it are counted once, from their row.
+    #[test]
+    fn entries_held_at_the_latest_expiry_are_counted_once() {
+        let db = redb::Database::builder()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .unwrap();
+        let path = Path::new("clamp-test");
+        let txn = db.begin_write().unwrap();
+        {
+            let mut expiry = txn.open_table(EXPIRY).unwrap();
+            let mut table = txn.open_table(EXPIRY_COUNTS).unwrap();
+            let mut delta = Delta::default();
+            for (ms, key) in [(5_000, &b"a"[..]), (u64::MAX, b"b"), (u64::MAX, b"c")] {
+                let slot = expiry_slot(State::Succeeded, ms);
+                expiry.insert((slot, key), ()).unwrap();
+                delta.note(slot, true);
+            }
+            delta.write(path, &mut table).unwrap();
+            for now in [u64::MAX / 2, u64::MAX] {
+                let due = due(path, &table, &expiry, now).unwrap();
+                assert_eq!(due.counts, [3, 0, 0, 0], "at {now}: {due:?}");
+            }
+            assert_eq!(
+                due(path, &table, &expiry, 5_000).unwrap().counts,
+                [1, 0, 0, 0]
+            );
+            assert_eq!(due(path, &table, &expiry, 4_999).unwrap().counts, [0; 4]);
+        }
     }
 
     #[test]
@@ -434,7 +503,7 @@ mod tests {
                     .unwrap()
                     .map(Result::unwrap)
                     .collect::<Vec<_>>(),
-                vec![(2, [2, 0, 0, 0])]
+                vec![(2, Some([2, 0, 0, 0]))]
             );
             delta.note(slot, false);
             delta.note(slot, false);
@@ -442,13 +511,22 @@ mod tests {
             delta.note(slot, false);
             delta.write(path, &mut table).unwrap();
             assert_eq!(rows(path, &table).unwrap().count(), 0);
-            // A damaged row is refused, not overwritten.
+            // A damaged row does not stop the write: it is rewritten from
+            // what the delta moved (and `stats` refuses it until then).
             table.insert(4, &[1u8; 7][..]).unwrap();
-            delta.note(expiry_slot(State::Succeeded, 4_000), true);
             assert!(matches!(
-                delta.write(path, &mut table),
+                due(path, &table, &txn.open_table(EXPIRY).unwrap(), 9_000),
                 Err(Error::CorruptFile { .. })
             ));
+            delta.note(expiry_slot(State::Succeeded, 4_000), true);
+            delta.write(path, &mut table).unwrap();
+            assert_eq!(
+                rows(path, &table)
+                    .unwrap()
+                    .map(Result::unwrap)
+                    .collect::<Vec<_>>(),
+                vec![(4, Some([1, 0, 0, 0]))]
+            );
         }
     }
 }

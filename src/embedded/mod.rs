@@ -813,8 +813,9 @@ impl Snapshot {
     /// `schema::IN_FLIGHT_TAG`; each entry read, the live ones' records
     /// decoded: lapsed, oldest). Time grows with the records in flight,
     /// the finished records of one second and the seconds past with
-    /// records awaiting eviction (one 40-byte row each), never with how
-    /// many await eviction or with the store's size; memory is constant.
+    /// records awaiting eviction (one 40-byte row each, never more rows
+    /// than such records), not with how many records each of those seconds
+    /// holds or with the store's size; memory is constant.
     /// `corrupt` counts envelopes whose state
     /// cannot be read; a damaged record that still names its state is
     /// counted in it (`verify` finds every damaged record, and every record
@@ -1933,5 +1934,27 @@ mod tests {
             1000 - 20 + 9,
             "the counts are what stats reads"
         );
+
+        // The row made malformed: `stats` refuses it, `verify` names it,
+        // and the writer goes on (the counts are derived): the sweep that
+        // evicts that second's records rewrites it, and all is in step.
+        let txn = embedded(&store).shared.db.begin_write().unwrap();
+        txn.open_table(expiry_counts::EXPIRY_COUNTS)
+            .unwrap()
+            .insert(second, &[7u8; 5][..])
+            .unwrap();
+        txn.commit().unwrap();
+        assert!(matches!(store.stats(), Err(Error::CorruptFile { .. })));
+        let report = store.verify(|_| {}).unwrap();
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.key == "(expiry counts)" && p.detail.contains("a malformed row")),
+            "{report:?}"
+        );
+        assert_eq!(store.sweep(10_000).unwrap(), 1000);
+        assert_eq!(store.stats().unwrap().records.expired, 0);
+        assert!(store.verify(|_| {}).unwrap().is_clean());
     }
 }

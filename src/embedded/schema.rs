@@ -913,7 +913,9 @@ impl<'t, K: redb::Key + 'static, V: redb::Value + 'static> LazyTable<'t, K, V> {
 /// logged, appends the same change to the batch's log frame. A table written
 /// around them would be lost in a crash (its redb commit is not durable;
 /// only the log is). To add a table: add a `LogTable` code, methods here, and
-/// an arm in [`Tables::apply`].
+/// an arm in [`Tables::apply`]. A table derived from the others, as the
+/// expiry counts are from the expiry index (`expiry_counts.rs`), needs no
+/// code: these methods keep it, and a replay of the log derives it again.
 ///
 /// Opened with [`Tables::buffered`], changes to the records table and the
 /// expiry index wait in the writer's [`Pending`] buffer and reach redb at
@@ -1474,7 +1476,7 @@ mod tests {
     type Contents = (
         Vec<(Vec<u8>, Vec<u8>)>,
         Vec<(u64, Vec<u8>)>,
-        Vec<(u64, expiry_counts::Counts)>,
+        Vec<expiry_counts::Row>,
     );
 
     /// Asserts that the expiry counts hold what a recount of the index

@@ -16,7 +16,7 @@ use crate::ops::{self, StoreArg};
 the same transaction as the records), less the records past retention that eviction has not \
 removed yet (counted per second of expiry in a table of their own: a row per second past) and \
 plus the records in flight, which are read from the expiry index: the cost grows with the \
-records in flight, not with those awaiting eviction or the store's size. On PostgreSQL, counts come from one aggregate \
+records in flight and the seconds of backlog, not with the store's size. On PostgreSQL, counts come from one aggregate \
 statement over the rows' state and time columns: the server reads every row, none is sent. Counters of answers (claims, replays, takeovers, ...) live in the process that holds the \
 store: a service reads them from Store::stats()."
 )]
