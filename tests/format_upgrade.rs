@@ -171,18 +171,26 @@ fn a_format_3_store_counts_its_due_records_from_the_counts_built_at_open() {
         let path = copy_fixture(dir.dir.path(), name);
         let clock = ManualClock::new(T0_MS + 60_000);
         let store = Store::open_with(&path, config(&clock)).expect("open");
-        clock.advance(Duration::from_secs(400 * 24 * 3600));
-        let records = store.stats().expect("stats").records;
-        assert_eq!(
-            (records.expired, records.live()),
-            (13, 0),
-            "{name}: {records:?}"
-        );
-        assert_eq!(store.sweep(1_000).expect("sweep"), 13, "{name}");
-        assert_eq!(store.stats().expect("stats").records.total(), 0, "{name}");
-        let report = store.verify(|_| {}).expect("verify");
-        assert!(report.is_clean(), "{name}: {report:?}");
+        all_due_then_swept(&store, &clock, name);
     }
+}
+
+/// Past retention (400 days on), every record of the fixture `name`'s
+/// store awaits eviction, a sweep evicts them all, and the counts and
+/// `verify` follow it down to nothing.
+fn all_due_then_swept(store: &Store, clock: &ManualClock, name: &str) {
+    clock.advance(Duration::from_secs(400 * 24 * 3600));
+    let records = store.stats().expect("stats").records;
+    assert_eq!(
+        (records.expired, records.live()),
+        (13, 0),
+        "{name}: {records:?}"
+    );
+    assert_eq!(store.sweep(1_000).expect("sweep"), 13, "{name}");
+    assert_eq!(store.len().expect("len"), 0, "{name}");
+    assert_eq!(store.stats().expect("stats").records.total(), 0, "{name}");
+    let report = store.verify(|_| {}).expect("verify");
+    assert!(report.is_clean(), "{name}: {report:?}");
 }
 
 /// A migrated store has no entry left under its old format's slot (which
@@ -217,15 +225,6 @@ fn a_migrated_store_counts_and_evicts_by_its_new_slots() {
             (0, 13),
             "{name}: {records:?}"
         );
-        clock.advance(Duration::from_secs(400 * 24 * 3600));
-        let records = store.stats().expect("stats").records;
-        assert_eq!(
-            (records.expired, records.live()),
-            (13, 0),
-            "{name}: {records:?}"
-        );
-        assert_eq!(store.sweep(1_000).expect("sweep"), 13, "{name}");
-        assert_eq!(store.len().expect("len"), 0, "{name}");
-        assert_eq!(store.stats().expect("stats").records.total(), 0, "{name}");
+        all_due_then_swept(&store, &clock, name);
     }
 }

@@ -405,6 +405,16 @@ mod tests {
 
     type First = Option<(u64, Option<Counts>, Counts)>;
 
+    fn memory_db() -> redb::Database {
+        redb::Database::builder()
+            .create_with_backend(redb::backends::InMemoryBackend::new())
+            .unwrap()
+    }
+
+    fn stored(path: &Path, table: &Table<'_, u64, &'static [u8]>) -> Vec<Row> {
+        rows(path, table).unwrap().map(Result::unwrap).collect()
+    }
+
     fn recount_rows(stored: &[Row], slots: &[u64]) -> (u64, First) {
         let mut r = Recount::new(stored.iter().map(|r| Ok(*r)));
         for slot in slots {
@@ -455,9 +465,7 @@ mod tests {
     /// held at it are counted once, from their row.
     #[test]
     fn entries_held_at_the_latest_expiry_are_counted_once() {
-        let db = redb::Database::builder()
-            .create_with_backend(redb::backends::InMemoryBackend::new())
-            .unwrap();
+        let db = memory_db();
         let path = Path::new("clamp-test");
         let txn = db.begin_write().unwrap();
         {
@@ -484,9 +492,7 @@ mod tests {
 
     #[test]
     fn a_delta_written_twice_nets_out_and_removes_empty_seconds() {
-        let db = redb::Database::builder()
-            .create_with_backend(redb::backends::InMemoryBackend::new())
-            .unwrap();
+        let db = memory_db();
         let path = Path::new("counts-test");
         let txn = db.begin_write().unwrap();
         {
@@ -498,13 +504,7 @@ mod tests {
             delta.note(expiry_slot(State::Processing, 2_500), true);
             delta.write(path, &mut table).unwrap();
             assert!(delta.is_empty());
-            assert_eq!(
-                rows(path, &table)
-                    .unwrap()
-                    .map(Result::unwrap)
-                    .collect::<Vec<_>>(),
-                vec![(2, Some([2, 0, 0, 0]))]
-            );
+            assert_eq!(stored(path, &table), vec![(2, Some([2, 0, 0, 0]))]);
             delta.note(slot, false);
             delta.note(slot, false);
             // A removal the count cannot cover stops at zero.
@@ -520,13 +520,7 @@ mod tests {
             ));
             delta.note(expiry_slot(State::Succeeded, 4_000), true);
             delta.write(path, &mut table).unwrap();
-            assert_eq!(
-                rows(path, &table)
-                    .unwrap()
-                    .map(Result::unwrap)
-                    .collect::<Vec<_>>(),
-                vec![(4, Some([1, 0, 0, 0]))]
-            );
+            assert_eq!(stored(path, &table), vec![(4, Some([1, 0, 0, 0]))]);
         }
     }
 }
