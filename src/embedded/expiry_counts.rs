@@ -261,31 +261,50 @@ pub(crate) fn rebuild(path: &Path, txn: &WriteTransaction) -> Result<u64> {
             .map(|_| ())
             .map_err(|e| map_err(path, e))
     };
-    let mut current: Option<(u64, Counts)> = None;
+    let mut current = BySecond::default();
     let empty: &[u8] = &[];
     for entry in expiry
         .range(..(IN_FLIGHT_TAG, empty))
         .map_err(|e| map_err(path, e))?
     {
         let (k, _) = entry.map_err(|e| map_err(path, e))?;
-        let (slot, _) = k.value();
-        let Some((second, code)) = second_of(slot) else {
-            continue;
-        };
-        if current.as_ref().is_some_and(|(s, _)| *s != second)
-            && let Some(done) = current.take()
-        {
+        if let Some(done) = current.count(k.value().0) {
             write(done)?;
         }
-        let (_, counts) = current.get_or_insert((second, Counts::default()));
-        if let Some(n) = counts.get_mut(code) {
-            *n = n.saturating_add(1);
-        }
     }
-    if let Some(done) = current {
+    if let Some(done) = current.finish() {
         write(done)?;
     }
     Ok(rows)
+}
+
+/// Counts entries fed in index order by second, one second at a time
+/// (memory: one row): what [`rebuild`] writes and [`Recount`] compares.
+#[derive(Debug, Default)]
+struct BySecond {
+    current: Option<(u64, Counts)>,
+}
+
+impl BySecond {
+    /// Counts the entry of `slot` (an entry in flight is not counted);
+    /// the second before it, done, when `slot` starts a new one.
+    fn count(&mut self, slot: u64) -> Option<(u64, Counts)> {
+        let (second, code) = second_of(slot)?;
+        let done = match &self.current {
+            Some((s, _)) if *s != second => self.current.take(),
+            _ => None,
+        };
+        let (_, counts) = self.current.get_or_insert((second, Counts::default()));
+        if let Some(n) = counts.get_mut(code) {
+            *n = n.saturating_add(1);
+        }
+        done
+    }
+
+    /// The last second counted, if any.
+    fn finish(self) -> Option<(u64, Counts)> {
+        self.current
+    }
 }
 
 /// A stored row as [`rows`] reads it: its second, and its counts (`None`:
@@ -297,7 +316,7 @@ pub(crate) type Row = (u64, Option<Counts>);
 /// one row, whatever the store's size.
 pub(crate) struct Recount<I: Iterator<Item = Result<Row>>> {
     stored: Peekable<I>,
-    current: Option<(u64, Counts)>,
+    current: BySecond,
     /// Seconds whose stored row differs from the recount (a malformed row
     /// always does).
     pub differ: u64,
@@ -327,7 +346,7 @@ impl<I: Iterator<Item = Result<Row>>> Recount<I> {
     pub(crate) fn new(stored: I) -> Self {
         Recount {
             stored: stored.peekable(),
-            current: None,
+            current: BySecond::default(),
             differ: 0,
             first: None,
         }
@@ -338,19 +357,10 @@ impl<I: Iterator<Item = Result<Row>>> Recount<I> {
     /// # Errors
     /// redb's, reading the stored rows.
     pub(crate) fn entry(&mut self, slot: u64) -> Result<()> {
-        let Some((second, code)) = second_of(slot) else {
-            return Ok(());
-        };
-        if self.current.as_ref().is_some_and(|(s, _)| *s != second)
-            && let Some(done) = self.current.take()
-        {
-            self.compare(Some(done))?;
+        match self.current.count(slot) {
+            Some(done) => self.compare(Some(done)),
+            None => Ok(()),
         }
-        let (_, counts) = self.current.get_or_insert((second, Counts::default()));
-        if let Some(n) = counts.get_mut(code) {
-            *n = n.saturating_add(1);
-        }
-        Ok(())
     }
 
     /// Compares the last second recounted, and the stored rows left.
@@ -358,7 +368,7 @@ impl<I: Iterator<Item = Result<Row>>> Recount<I> {
     /// # Errors
     /// redb's, reading the stored rows.
     pub(crate) fn finish(mut self) -> Result<Self> {
-        let last = self.current.take();
+        let last = std::mem::take(&mut self.current).finish();
         self.compare(last)?;
         self.compare(None)?;
         Ok(self)

@@ -873,35 +873,33 @@ impl Snapshot {
             }
             // Records in flight: every entry (the expired ones by their
             // slot; the live ones read for their lease and age).
+            for entry in expiry
+                .range((IN_FLIGHT_TAG, empty)..)
+                .map_err(|e| map_err(path, e))?
             {
-                for entry in expiry
-                    .range((IN_FLIGHT_TAG, empty)..)
-                    .map_err(|e| map_err(path, e))?
-                {
-                    let (k, _) = entry.map_err(|e| map_err(path, e))?;
-                    let (slot, kb) = k.value();
-                    if crate::record::is_expired(slot_expiry(slot), now_ms) {
-                        tally.sub(slot_state(slot));
-                        counts.expired = counts.expired.saturating_add(1);
-                        continue;
-                    }
-                    let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
-                        continue;
-                    };
-                    // A damaged record is counted in its state; `verify`
-                    // names it. An entry its record does not name is a
-                    // leftover, not work in flight.
-                    let Ok(record) = codec::decode_record(kb, v.value()) else {
-                        continue;
-                    };
-                    if schema::expiry_slot(record.state, record.expires_ms) != slot {
-                        continue;
-                    }
-                    if !record.lease_valid_at(now_ms) {
-                        counts.lapsed = counts.lapsed.saturating_add(1);
-                    }
-                    oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
+                let (k, _) = entry.map_err(|e| map_err(path, e))?;
+                let (slot, kb) = k.value();
+                if crate::record::is_expired(slot_expiry(slot), now_ms) {
+                    tally.sub(slot_state(slot));
+                    counts.expired = counts.expired.saturating_add(1);
+                    continue;
                 }
+                let Some(v) = records.get(kb).map_err(|e| map_err(path, e))? else {
+                    continue;
+                };
+                // A damaged record is counted in its state; `verify`
+                // names it. An entry its record does not name is a
+                // leftover, not work in flight.
+                let Ok(record) = codec::decode_record(kb, v.value()) else {
+                    continue;
+                };
+                if schema::expiry_slot(record.state, record.expires_ms) != slot {
+                    continue;
+                }
+                if !record.lease_valid_at(now_ms) {
+                    counts.lapsed = counts.lapsed.saturating_add(1);
+                }
+                oldest = Some(oldest.map_or(record.created_ms, |o| o.min(record.created_ms)));
             }
             let slots = tally.slots;
             counts.processing = slots[Tally::PROCESSING];
