@@ -20,9 +20,12 @@
 //! while the disk under the log is congested),
 //! or with `--mode steps` in back-to-back `Store::sweep(--batch)` calls
 //! until one returns fewer than the batch (what the background sweeper did
-//! before it was paced). Once per window the driving thread also times
-//! `Store::stats()` (which counts the expiry index entries of the records
-//! past retention that are not evicted yet). Prints one line per phase
+//! before it was paced), or with `--mode none` not at all: the middle phase
+//! then lasts `--control-seconds` with the records left due, a control for
+//! the windows the disk and the machine take below half on their own. Once
+//! per window the driving thread also times `Store::stats()` (which reads
+//! a kept count per second of the records past retention that are not
+//! evicted yet). Prints one line per phase
 //! (with the checkpoints the writer made in it and how long each held it,
 //! from the store's `idemstore::checkpoint` events), the lifecycles per
 //! second of each window of every phase, and the checkpoint time that
@@ -122,6 +125,11 @@ struct Args {
     /// default when absent).
     #[arg(long)]
     cache_mib: Option<usize>,
+    /// How long the middle phase of `--mode none` lasts, in seconds: about
+    /// as long as the sweep of the same `--due` takes (211-223 s at 1 M
+    /// due under 16 threads on the machine of BENCHMARKS.md).
+    #[arg(long, default_value_t = 215.0)]
+    control_seconds: f64,
 }
 
 /// `from` and its write-ahead log (`<from>-wal`) copied to `to`, and
@@ -221,6 +229,11 @@ enum Mode {
     Paced,
     /// Back-to-back `Store::sweep(--batch)` steps.
     Steps,
+    /// No sweep at all: the middle phase runs `--control-seconds` on the
+    /// same store with nothing evicted, a control that shows how many
+    /// windows the disk and the machine take below half on their own over
+    /// as long as a sweep lasts.
+    None,
 }
 
 /// A stateless random number of (thread, step): splitmix64.
@@ -417,6 +430,8 @@ fn report(name: &str, phase: &Phase, half_of: f64) {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    // Negative, infinite or not a number: refused before anything runs.
+    let control = Duration::try_from_secs_f64(args.control_seconds)?;
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Checkpoints))?;
     let tmp = match &args.dir {
         Some(parent) => tempfile::tempdir_in(parent)?,
@@ -468,7 +483,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         config = config.cache_bytes(mib.saturating_mul(1 << 20));
     }
     let store = Store::open_with(&path, config)?;
-    let least = Duration::from_secs_f64(args.seconds);
+    let least = Duration::try_from_secs_f64(args.seconds)?;
     let device = args.device.as_deref();
     let quiet_phase = run_phase(&store, args.threads, 1, least, window, device, &|| true);
     let quiet_rate = rate(&quiet_phase);
@@ -491,6 +506,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         break;
                     }
                 },
+                Mode::None => std::thread::sleep(control),
             }
             *sweep_time.lock().expect("sweep time") = started.elapsed();
             swept.store(true, Ordering::SeqCst);
@@ -499,13 +515,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             swept.load(Ordering::SeqCst)
         })
     });
-    report("sweeping", &sweeping, quiet_rate);
+    // The middle phase's name: "control" when nothing sweeps in it.
+    let middle = match args.mode {
+        Mode::None => "control",
+        Mode::Paced | Mode::Steps => "sweeping",
+    };
+    report(middle, &sweeping, quiet_rate);
     let sweep_time = *sweep_time.lock().expect("sweep time");
     println!(
         "sweep: mode={} evicted={} seconds={:.2} evicted_per_s={:.0} batch={}",
         match args.mode {
             Mode::Paced => "paced",
             Mode::Steps => "steps",
+            Mode::None => "none",
         },
         evicted.load(Ordering::Relaxed),
         sweep_time.as_secs_f64(),
@@ -516,12 +538,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     report("no sweep after", &after, quiet_rate);
     let (below_after, with_checkpoint) = below_half(&sweeping, rate(&after));
     println!(
-        "sweeping against no sweep after: during_over_after={:.2} below_half={below_after} below_half_with_checkpoint={with_checkpoint}",
+        "{middle} against no sweep after: during_over_after={:.2} below_half={below_after} below_half_with_checkpoint={with_checkpoint}",
         rate(&sweeping) / rate(&after)
     );
     for (name, phase) in [
         ("no sweep", &quiet_phase),
-        ("sweeping", &sweeping),
+        (middle, &sweeping),
         ("no sweep after", &after),
     ] {
         let windows: Vec<String> = phase.windows.iter().map(|r| format!("{r:.0}")).collect();
