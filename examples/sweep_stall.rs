@@ -21,17 +21,18 @@
 //! or with `--mode steps` in back-to-back `Store::sweep(--batch)` calls
 //! until one returns fewer than the batch (what the background sweeper did
 //! before it was paced), or with `--mode none` not at all: the middle phase
-//! then lasts `--control-seconds` with the records left due, a control for
-//! the windows the disk and the machine take below half on their own. Once
-//! per window the driving thread also times `Store::stats()` (which reads
-//! a kept count per second of the records past retention that are not
-//! evicted yet). Prints one line per phase
+//! then lasts `--control-seconds` (and at least `--seconds`) with the
+//! records left due, a control for the windows the disk and the machine
+//! take below half on their own. Once per window the driving thread also
+//! times `Store::stats()` (which reads a kept count per second of the
+//! records past retention that are not evicted yet, and the index entries
+//! of the current second). Prints one line per phase
 //! (with the checkpoints the writer made in it and how long each held it,
 //! from the store's `idemstore::checkpoint` events), the lifecycles per
 //! second of each window of every phase, and the checkpoint time that
 //! ended in each window; `below_half` counts a phase's windows below half
 //! the first no-sweep phase's rate, and how many of them had a checkpoint
-//! end in them; the sweeping phase's windows are also counted against
+//! end in them; the middle phase's windows are also counted against
 //! half the rate of the no-sweep phase after it. With `--device` (Linux) each
 //! window also gets the disk's traffic and the CPU time the hypervisor
 //! stole, to tell a slow window of the disk or the machine from one of the
@@ -125,9 +126,10 @@ struct Args {
     /// default when absent).
     #[arg(long)]
     cache_mib: Option<usize>,
-    /// How long the middle phase of `--mode none` lasts, in seconds: about
-    /// as long as the sweep of the same `--due` takes (211-223 s at 1 M
-    /// due under 16 threads on the machine of BENCHMARKS.md).
+    /// How long the middle phase of `--mode none` lasts, in seconds (and at
+    /// least `--seconds`): about as long as the sweep of the same `--due`
+    /// takes (211-268 s at 1 M due under 16 threads on the machine of
+    /// BENCHMARKS.md). Checked in every mode, used only by `none`.
     #[arg(long, default_value_t = 215.0)]
     control_seconds: f64,
 }
@@ -229,8 +231,8 @@ enum Mode {
     Paced,
     /// Back-to-back `Store::sweep(--batch)` steps.
     Steps,
-    /// No sweep at all: the middle phase runs `--control-seconds` on the
-    /// same store with nothing evicted, a control that shows how many
+    /// No sweep at all: the middle phase runs `--control-seconds` (and at
+    /// least `--seconds`) on the same store with nothing evicted, a control that shows how many
     /// windows the disk and the machine take below half on their own over
     /// as long as a sweep lasts.
     None,
@@ -431,7 +433,12 @@ fn report(name: &str, phase: &Phase, half_of: f64) {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     // Negative, infinite or not a number: refused before anything runs.
+    let least = Duration::try_from_secs_f64(args.seconds)?;
     let control = Duration::try_from_secs_f64(args.control_seconds)?;
+    if args.batch == 0 {
+        // `--mode steps` stops at the first step short of the batch.
+        return Err("--batch must be at least 1".into());
+    }
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Checkpoints))?;
     let tmp = match &args.dir {
         Some(parent) => tempfile::tempdir_in(parent)?,
@@ -483,7 +490,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         config = config.cache_bytes(mib.saturating_mul(1 << 20));
     }
     let store = Store::open_with(&path, config)?;
-    let least = Duration::try_from_secs_f64(args.seconds)?;
     let device = args.device.as_deref();
     let quiet_phase = run_phase(&store, args.threads, 1, least, window, device, &|| true);
     let quiet_rate = rate(&quiet_phase);
