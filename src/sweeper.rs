@@ -58,8 +58,9 @@ pub(crate) const SWEEP_SLICE_RECORDS: usize = 256;
 /// more than itself (a quarter: 0.69–0.79× of the rate with no sweep, the
 /// lowest windows 0.49–0.64×; an eighth: 0.81–0.87×), so at a quarter a
 /// window where the machine is slow anyway falls below half the rate; an
-/// eighth leaves more margin, though a stall of the disk still takes a
-/// window below half (BENCHMARKS.md, "Sweep under load"). Records past retention
+/// eighth leaves more margin, though a half-second stall of the disk's
+/// flush still takes a window below half, as it does with no sweep
+/// (BENCHMARKS.md, "Sweep under load"). Records past retention
 /// read as absent whether or not they are evicted, so a backlog drained at
 /// half the speed costs only the disk it holds a little longer; records
 /// coming due faster than that step the share up.
