@@ -56,10 +56,10 @@ pub(crate) const SWEEP_SLICE_RECORDS: usize = 256;
 /// of a 1-s window swings on its own (16 threads on the disk with no sweep:
 /// windows from 0.57× to 1.23× of the mean), and a share costs the writes
 /// more than itself (a quarter: 0.69–0.79× of the rate with no sweep, the
-/// lowest windows 0.49–0.64×; an eighth: 0.81–0.87×), so at a quarter a
+/// lowest windows 0.49–0.64×; an eighth: 0.71–0.87×), so at a quarter a
 /// window where the machine is slow anyway falls below half the rate; an
 /// eighth leaves more margin, though a half-second stall of the disk's
-/// flush still takes a window below half, as it does with no sweep
+/// flush can still take a window below half, as one did with no sweep
 /// (BENCHMARKS.md, "Sweep under load"). Records past retention
 /// read as absent whether or not they are evicted, so a backlog drained at
 /// half the speed costs only the disk it holds a little longer; records
