@@ -2,8 +2,10 @@
 //! of claim + complete lifecycles on fresh random keys, a retention, the
 //! background sweeper, and one line every `--sample-secs` with the index
 //! file's size, the log's, resident memory, heap bytes allocated, live
-//! records, records awaiting
-//! eviction and how long `Store::stats()` took; at the end, what an
+//! records, records awaiting eviction, how long `Store::stats()` took,
+//! and the latency of the claims since the sample before (p50, p99, max:
+//! the samples while the sweeper works off a backlog against those
+//! before anything came due); at the end, what an
 //! offline compaction (`idemstore::compact_file`) gives back. What to
 //! provision from these figures: docs/operations.md, "Sizing".
 //!
@@ -62,6 +64,9 @@ struct Args {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    // Refused before anything runs: a negative, NaN or infinite length.
+    let run_for = Duration::try_from_secs_f64(args.minutes * 60.0)
+        .map_err(|e| format!("--minutes {}: {e}", args.minutes))?;
     let tmp = match &args.dir {
         Some(parent) => tempfile::tempdir_in(parent)?,
         None => tempfile::tempdir()?,
@@ -71,7 +76,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         rate_per_s: args.rate,
         retention: Duration::from_secs(args.retention_secs),
         sweep_interval: Duration::from_secs(args.sweep_secs.max(1)),
-        run_for: Duration::from_secs_f64(args.minutes.max(0.0) * 60.0),
+        run_for,
         sample_every: Duration::from_secs(args.sample_secs.max(1)),
         result_bytes: args.result_bytes,
         max_log_bytes: args.max_log_mib.map(|m| m.saturating_mul(1024 * 1024)),
@@ -86,11 +91,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let peak_live = samples.iter().map(|s| s.live).max().unwrap_or(0);
         let peak_index = samples.iter().map(|s| s.index_bytes).max().unwrap_or(0);
         println!(
-            "summary: lifecycles_per_s={:.0} peak_live={peak_live} peak_index_mib={:.1} index_bytes_per_peak_live={:.0} stats_ms_max={:.1}",
+            "summary: lifecycles_per_s={:.0} peak_live={peak_live} peak_index_mib={:.1} index_bytes_per_peak_live={:.0} stats_ms_max={:.1} claim_us_max={}",
             last.lifecycles as f64 / last.at_s,
             peak_index as f64 / (1024.0 * 1024.0),
             peak_index as f64 / peak_live.max(1) as f64,
             samples.iter().map(|s| s.stats_us).max().unwrap_or(0) as f64 / 1000.0,
+            samples.iter().map(|s| s.claim_us.max).max().unwrap_or(0),
         );
         // What an offline compaction gives back once the load stops.
         let took = std::time::Instant::now();

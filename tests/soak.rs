@@ -6,7 +6,8 @@
 //! plus 2 MiB, for redb's allocation steps; resident memory: 32 MiB, for
 //! caches still filling; heap bytes allocated: half of that peak plus
 //! 4 MiB, which a leak of 500 bytes per lifecycle would pass). The write-ahead log stays within its configured
-//! size. Sizes are asserted, never times.
+//! size, and every claim is timed in one sample. Sizes and counts are
+//! asserted, never times.
 //!
 //! The long form (`--ignored`, `IDEMSTORE_SOAK_MINUTES`, default 30) runs
 //! 16 threads as fast as the store goes with a retention of 30 s and the
@@ -97,6 +98,20 @@ fn index_log_and_memory_reach_a_plateau_under_churn() {
             "resident memory kept growing: peak {rss_mid} B, then {rss_late} B"
         );
     }
+    // Every claim is timed once, in the sample after it was made (a
+    // worker may time a claim after the sampler read the times and count
+    // its lifecycle before the sampler reads the count: at most one per
+    // worker).
+    let timed: u64 = samples.iter().map(|s| s.claim_us.count).sum();
+    assert!(
+        timed.abs_diff(last.lifecycles) <= soak.threads as u64,
+        "{timed} claims timed for {} lifecycles",
+        last.lifecycles
+    );
+    for s in samples.iter().filter(|s| s.claim_us.count > 0) {
+        let l = s.claim_us;
+        assert!(l.p50 <= l.p99 && l.p99 <= l.max, "at {} s: {l:?}", s.at_s);
+    }
     // The sweeper keeps up: what awaits eviction is at most a few seconds
     // of arrivals, never the whole history.
     assert!(
@@ -119,7 +134,8 @@ fn long_soak() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(30.0);
     let dir = tempfile::tempdir().unwrap();
-    let run_for = Duration::from_secs_f64(minutes * 60.0);
+    let run_for = Duration::try_from_secs_f64(minutes * 60.0)
+        .expect("IDEMSTORE_SOAK_MINUTES: a finite number of minutes, not negative");
     let soak = Soak {
         threads: 16,
         rate_per_s: None,

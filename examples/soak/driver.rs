@@ -2,11 +2,14 @@
 //! steady arrival of claim + complete lifecycles on fresh random keys, with
 //! a retention and the background sweeper, sampling what an operator
 //! provisions for: the index file's size, the log's, the process's
-//! resident memory and allocated bytes, and how long `Store::stats()`
-//! takes.
+//! resident memory and allocated bytes, how long `Store::stats()` takes,
+//! and the latency of the claims made since the sample before (p50, p99,
+//! max), so that a sample taken while the sweeper works off a backlog
+//! shows what the sweep costs the writes beside it.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use idemstore::{ClaimOptions, ClaimOutcome, Config, Fingerprint, Key, Store};
@@ -66,13 +69,52 @@ pub struct Sample {
     pub expired: u64,
     /// How long the `Store::stats()` call took (µs).
     pub stats_us: u64,
+    /// The latency of each `Store::claim` made since the sample before,
+    /// as the client saw it (µs): p50, p99 and max by nearest rank; all 0
+    /// when none was made.
+    pub claim_us: Latency,
+}
+
+/// Claim latency over one sample's period (µs).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Latency {
+    /// Claims timed.
+    pub count: u64,
+    /// Median.
+    pub p50: u64,
+    /// 99th percentile.
+    pub p99: u64,
+    /// The slowest.
+    pub max: u64,
+}
+
+impl Latency {
+    /// The latency of `times` (µs, in any order; sorted here).
+    fn of(times: &mut [u32]) -> Latency {
+        times.sort_unstable();
+        let rank = |p: f64| -> u64 {
+            if times.is_empty() {
+                return 0;
+            }
+            // Nearest rank: the smallest value with at least p of the
+            // timings at or below it.
+            let i = ((p * times.len() as f64).ceil() as usize).clamp(1, times.len()) - 1;
+            u64::from(times[i])
+        };
+        Latency {
+            count: times.len() as u64,
+            p50: rank(0.50),
+            p99: rank(0.99),
+            max: times.last().map_or(0, |&t| u64::from(t)),
+        }
+    }
 }
 
 impl Sample {
     /// One line for a person.
     pub fn line(&self) -> String {
         format!(
-            "t={:>7.1}s lifecycles={:>10} index_mib={:>8.1} log_mib={:>6.1} rss_mib={:>7.1} allocated_mib={:>7.1} live={:>9} awaiting_eviction={:>8} stats_ms={:>8.1}",
+            "t={:>7.1}s lifecycles={:>10} index_mib={:>8.1} log_mib={:>6.1} rss_mib={:>7.1} allocated_mib={:>7.1} live={:>9} awaiting_eviction={:>8} stats_ms={:>8.1} claims={:>8} claim_us p50={:>6} p99={:>7} max={:>8}",
             self.at_s,
             self.lifecycles,
             mib(self.index_bytes),
@@ -82,6 +124,10 @@ impl Sample {
             self.live,
             self.expired,
             self.stats_us as f64 / 1000.0,
+            self.claim_us.count,
+            self.claim_us.p50,
+            self.claim_us.p99,
+            self.claim_us.max,
         )
     }
 }
@@ -113,7 +159,9 @@ fn mix(t: u64, i: u64) -> u64 {
 }
 
 /// Runs `soak` on a new store at `path`, calling `on_sample` with each
-/// sample as it is taken; returns every sample.
+/// sample as it is taken; returns every sample. Each claim's time is kept
+/// (4 bytes) until the next sample reads it: up to a sample period of
+/// claims, counted in the samples' allocated and resident bytes.
 pub fn run(
     path: &Path,
     soak: &Soak,
@@ -138,16 +186,28 @@ pub fn run(
         Duration::from_secs_f64(1.0 / share)
     });
     let mut samples = Vec::new();
+    // Each worker's claim times (µs) since the last sample: a lock per
+    // worker, taken by the sampler once a period.
+    let timings: Vec<Mutex<Vec<u32>>> = (0..soak.threads).map(|_| Mutex::default()).collect();
     std::thread::scope(|s| -> Result<(), Box<dyn std::error::Error>> {
-        let workers: Vec<_> = (0..soak.threads as u64)
-            .map(|t| {
+        let workers: Vec<_> = timings
+            .iter()
+            .zip(0u64..)
+            .map(|(times, t)| {
                 let (store, fp, opts, result, stop, done) =
                     (&store, &fp, &opts, &result, &stop, &done);
                 s.spawn(move || -> Result<(), idemstore::Error> {
                     let mut i = 0u64;
                     while !stop.load(Ordering::Relaxed) {
                         let key = Key::new("soak", format!("{:016x}", mix(t, i)))?;
-                        if let ClaimOutcome::Acquired(lease) = store.claim(&key, fp, opts)? {
+                        let asked = Instant::now();
+                        let outcome = store.claim(&key, fp, opts)?;
+                        let took = u32::try_from(asked.elapsed().as_micros()).unwrap_or(u32::MAX);
+                        times
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .push(took);
+                        if let ClaimOutcome::Acquired(lease) = outcome {
                             store.complete(&lease, result)?;
                         }
                         i += 1;
@@ -173,6 +233,12 @@ pub fn run(
                 Ok(stats) => stats,
                 Err(e) => break Err(e),
             };
+            let mut times: Vec<u32> = Vec::new();
+            for worker in &timings {
+                times.append(&mut std::mem::take(
+                    &mut *worker.lock().unwrap_or_else(PoisonError::into_inner),
+                ));
+            }
             let sample = Sample {
                 at_s: started.elapsed().as_secs_f64(),
                 lifecycles: done.load(Ordering::Relaxed),
@@ -183,6 +249,7 @@ pub fn run(
                 allocated_bytes: soak.allocated.map(|f| f()),
                 live: stats.records.live(),
                 expired: stats.records.expired,
+                claim_us: Latency::of(&mut times),
             };
             on_sample(&sample);
             samples.push(sample);
