@@ -3,9 +3,9 @@
 //! background sweeper, and one line every `--sample-secs` with the index
 //! file's size, the log's, resident memory, heap bytes allocated, live
 //! records, records awaiting eviction, how long `Store::stats()` took,
-//! and the latency of the claims since the sample before (p50, p99, max:
-//! the samples while the sweeper works off a backlog against those
-//! before anything came due); at the end, what an
+//! and the latency of the claims since the sample before (p50, p99, max;
+//! only `Store::claim` is timed, so a stall of the writer shows in `max`
+//! more than in p99); at the end, what an
 //! offline compaction (`idemstore::compact_file`) gives back. What to
 //! provision from these figures: docs/operations.md, "Sizing".
 //!
@@ -30,9 +30,9 @@ static GLOBAL: &StatsAlloc<std::alloc::System> = &INSTRUMENTED_SYSTEM;
 
 #[derive(Parser)]
 struct Args {
-    /// Client threads.
-    #[arg(long, default_value_t = 16)]
-    threads: usize,
+    /// Client threads (1-1024).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    threads: u64,
     /// Lifecycles per second across all threads (as fast as the store goes
     /// when absent).
     #[arg(long)]
@@ -49,9 +49,10 @@ struct Args {
     /// Seconds between samples.
     #[arg(long, default_value_t = 10)]
     sample_secs: u64,
-    /// Bytes of each stored result.
-    #[arg(long, default_value_t = 64)]
-    result_bytes: usize,
+    /// Bytes of each stored result (at most 1 MiB, the store's default
+    /// `Config::max_result_bytes`).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
+    result_bytes: u64,
     /// The write-ahead log's size before a checkpoint, in MiB
     /// (`Config::max_log_bytes`; the default when absent).
     #[arg(long)]
@@ -72,13 +73,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None => tempfile::tempdir()?,
     };
     let soak = driver::Soak {
-        threads: args.threads,
+        threads: usize::try_from(args.threads)?,
         rate_per_s: args.rate,
         retention: Duration::from_secs(args.retention_secs),
         sweep_interval: Duration::from_secs(args.sweep_secs.max(1)),
         run_for,
         sample_every: Duration::from_secs(args.sample_secs.max(1)),
-        result_bytes: args.result_bytes,
+        result_bytes: usize::try_from(args.result_bytes)?,
         max_log_bytes: args.max_log_mib.map(|m| m.saturating_mul(1024 * 1024)),
         allocated: Some(|| driver::allocated_bytes(GLOBAL)),
     };
