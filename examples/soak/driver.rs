@@ -91,15 +91,6 @@ pub struct Latency {
     pub max: u64,
 }
 
-/// What one worker did since the sampler last looked: its claims' times
-/// (µs) and its lifecycles in all, under one lock so that a sample reads
-/// both at one point of the worker's loop.
-#[derive(Default)]
-struct Worker {
-    times: Vec<u32>,
-    lifecycles: u64,
-}
-
 impl Latency {
     /// The latency of `times` (µs, in any order; sorted here).
     fn of(times: &mut [u32]) -> Latency {
@@ -120,6 +111,15 @@ impl Latency {
             max: times.last().map_or(0, |&t| u64::from(t)),
         }
     }
+}
+
+/// What one worker did since the sampler last looked: its claims' times
+/// (µs) and its lifecycles in all, under one lock so that a sample reads
+/// both at one point of the worker's loop.
+#[derive(Default)]
+struct Tally {
+    times: Vec<u32>,
+    lifecycles: u64,
 }
 
 impl Sample {
@@ -206,10 +206,10 @@ pub fn run(
     let mut samples = Vec::new();
     // A lock per worker, taken by the worker once a lifecycle and by the
     // sampler once a period.
-    let counts: Vec<Mutex<Worker>> = (0..soak.threads).map(|_| Mutex::default()).collect();
+    let tallies: Vec<Mutex<Tally>> = (0..soak.threads).map(|_| Mutex::default()).collect();
     std::thread::scope(|s| -> Result<(), Box<dyn std::error::Error>> {
-        let mut workers = Vec::with_capacity(counts.len());
-        for (count, t) in counts.iter().zip(0u64..) {
+        let mut workers = Vec::with_capacity(tallies.len());
+        for (tally, t) in tallies.iter().zip(0u64..) {
             let (store, fp, opts, result, stop) = (&store, &fp, &opts, &result, &stop);
             let spawned = std::thread::Builder::new()
                 .name(format!("soak-{t}"))
@@ -224,9 +224,9 @@ pub fn run(
                             store.complete(&lease, result)?;
                         }
                         {
-                            let mut count = count.lock().unwrap_or_else(PoisonError::into_inner);
-                            count.times.push(took);
-                            count.lifecycles = count.lifecycles.saturating_add(1);
+                            let mut tally = tally.lock().unwrap_or_else(PoisonError::into_inner);
+                            tally.times.push(took);
+                            tally.lifecycles = tally.lifecycles.saturating_add(1);
                         }
                         i += 1;
                         if let Some(every) = per_thread {
@@ -259,11 +259,11 @@ pub fn run(
             };
             let stats_us = u64::try_from(asked.elapsed().as_micros()).unwrap_or(u64::MAX);
             let (mut times, mut lifecycles) = (Vec::<u32>::new(), 0u64);
-            for count in &counts {
+            for tally in &tallies {
                 let mut taken = {
-                    let mut count = count.lock().unwrap_or_else(PoisonError::into_inner);
-                    lifecycles = lifecycles.saturating_add(count.lifecycles);
-                    std::mem::take(&mut count.times)
+                    let mut tally = tally.lock().unwrap_or_else(PoisonError::into_inner);
+                    lifecycles = lifecycles.saturating_add(tally.lifecycles);
+                    std::mem::take(&mut tally.times)
                 };
                 times.append(&mut taken);
             }
