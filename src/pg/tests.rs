@@ -2081,19 +2081,22 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
 
 /// `verify` reads the bindings in the snapshot it reads the rows from,
 /// while the store keeps serving: a record evicted after the check began,
-/// and its business key then claimed by another key, is what the
-/// snapshot holds, live and bound to its binding, in that check (no
-/// problem); the next check finds the new holder and its binding. Read
-/// outside the snapshot, the binding would name a key the snapshot has no
-/// row for, and the record would read as bound to another key.
+/// its business key then claimed by another key, is checked as the
+/// snapshot holds it: live and bound (no problem); the next check finds
+/// the new holder and its binding. Read outside the snapshot, the record
+/// would read as bound to another key; were only the bindings pages read
+/// outside it, a binding would name a key the snapshot has no row for.
 #[test]
 fn verify_reads_the_bindings_in_the_snapshot_of_its_rows() {
     if skipped() {
         return;
     }
     let (pg, clock) = open("verify_snapshot");
-    // The record that moves is made first, so that it is due first, and
-    // read in the third page (`PAGE_ROWS`), after the check has begun.
+    // The record that moves is made first, so that it is due first; its
+    // key sorts last, so it is read in the third page (`PAGE_ROWS`), after
+    // the check has begun: the scan reads a page only when the iterator
+    // asks for it (a read-ahead past the second page would make this test
+    // pass whatever the snapshot).
     let ids: Vec<String> = (0..1100).map(|i| format!("bulk-{i:04}")).collect();
     let mover = key("bulk-1099");
     let l = acquired(pg.apply(&mover, claim_bk(b"a", "bk-bulk-1099")).unwrap());
@@ -2105,6 +2108,10 @@ fn verify_reads_the_bindings_in_the_snapshot_of_its_rows() {
         complete(&pg, &k, &l, b"r");
     }
 
+    // Live at the check's time, so it needs its binding: a record past
+    // retention is not checked against one.
+    let held = pg.get(&mover).unwrap().expect("the mover is stored");
+    assert!(held.expires_ms > T0 + RETENTION / 2, "{held:?}");
     let mut moved = false;
     let during = pg
         .verify(|progress| {
