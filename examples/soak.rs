@@ -57,6 +57,10 @@ struct Args {
     /// (`Config::max_log_bytes`; the default when absent).
     #[arg(long)]
     max_log_mib: Option<u64>,
+    /// redb's page cache, in MiB, 1 to 16384 (`Config::cache_bytes`; the
+    /// default, 64 MiB, when absent).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=16384))]
+    cache_mib: Option<u64>,
     /// Directory under which a fresh temporary directory holds the store
     /// (the system's temporary directory when absent).
     #[arg(long)]
@@ -81,6 +85,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         sample_every: Duration::from_secs(args.sample_secs.max(1)),
         result_bytes: usize::try_from(args.result_bytes)?,
         max_log_bytes: args.max_log_mib.map(|m| m.saturating_mul(1024 * 1024)),
+        cache_bytes: args
+            .cache_mib
+            .map(|m| usize::try_from(m.saturating_mul(1024 * 1024)))
+            .transpose()?,
         allocated: Some(|| driver::allocated_bytes(GLOBAL)),
     };
     println!("{soak:?}");

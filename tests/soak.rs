@@ -55,6 +55,7 @@ fn index_log_and_memory_reach_a_plateau_under_churn() {
         sample_every: Duration::from_secs(2),
         result_bytes: 64,
         max_log_bytes: None,
+        cache_bytes: None,
         allocated: Some(allocated),
     };
     let samples = driver::run(&dir.path().join("soak.redb"), &soak, |s| {
@@ -144,6 +145,7 @@ fn long_soak() {
         sample_every: Duration::from_secs(10),
         result_bytes: 64,
         max_log_bytes: None,
+        cache_bytes: None,
         allocated: Some(allocated),
     };
     let samples = driver::run(&dir.path().join("soak.redb"), &soak, |s| {

@@ -36,6 +36,9 @@ pub struct Soak {
     /// The write-ahead log's size before a checkpoint
     /// (`Config::max_log_bytes`); `None`: the default.
     pub max_log_bytes: Option<u64>,
+    /// redb's page cache, in bytes (`Config::cache_bytes`); `None`: the
+    /// default.
+    pub cache_bytes: Option<usize>,
     /// The bytes the process holds allocated, when its global allocator
     /// counts them (see [`allocated_bytes`]).
     pub allocated: Option<fn() -> u64>,
@@ -191,6 +194,9 @@ pub fn run(
         .sweep_interval(Some(soak.sweep_interval));
     if let Some(bytes) = soak.max_log_bytes {
         config = config.max_log_bytes(bytes);
+    }
+    if let Some(bytes) = soak.cache_bytes {
+        config = config.cache_bytes(bytes);
     }
     let store = Store::open_with(path, config)?;
     let log_path: PathBuf = store.log_path().to_path_buf();
