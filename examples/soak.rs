@@ -7,7 +7,7 @@
 //! only `Store::claim` is timed, so a stall of the writer shows in `max`
 //! more than in p99); at the end, what an
 //! offline compaction (`idemstore::compact_file`) gives back. What to
-//! provision from these figures: docs/operations.md, "Sizing".
+//! provision from these figures: docs/operations.md, "Sizing a file store".
 //!
 //! ```text
 //! cargo run --release --example soak -- --threads 16 --minutes 30 --retention-secs 30

@@ -380,12 +380,15 @@ fn run_phase(
     }
 }
 
+/// The `p` quantile (0 to 1) of `sorted` by nearest rank, as the soak
+/// driver (`examples/soak/driver.rs`) takes it: the smallest value with at
+/// least `p` of the values at or below it; 0 when there is none.
 fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }
-    let at = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[at.min(sorted.len() - 1)]
+    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
 }
 
 fn rate(phase: &Phase) -> f64 {

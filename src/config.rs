@@ -472,12 +472,14 @@ impl Config {
     /// acceptable.
     ///
     /// The cache also sets where claim p99 rises under steady writes: once
-    /// the index outgrows it, its pages go to the disk beside the
-    /// write-ahead log and the log's syncs wait behind them. Paced runs of
-    /// 16 threads on this project's machine: p99 0.5–2.4 ms before, mostly
-    /// 3–6 ms after; the rise began at about 180,000 records with 64 MiB
-    /// (at 3,000 and 6,000 lifecycles/s) and at about 600,000 with 256 MiB
-    /// (one run; docs/operations.md, "Sizing a file store").
+    /// the index outgrows it, the disk takes writes beside the write-ahead
+    /// log's (most likely the index's pages) and the log's syncs wait
+    /// behind them. Paced runs of 16 threads on this project's machine:
+    /// p99 0.5–2.4 ms before, mostly 3–6 ms after (up to 8.2 ms); the rise
+    /// began at about 180,000 records with 64 MiB (at 3,000 and 6,000
+    /// lifecycles/s) and at 570,000–600,000 with 256 MiB (one run): about
+    /// 0.5 KB of cache per record held, with 64-byte results
+    /// (docs/operations.md, "Sizing a file store").
     pub fn cache_bytes(mut self, bytes: usize) -> Config {
         self.cache_bytes = bytes;
         self

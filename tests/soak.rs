@@ -117,6 +117,34 @@ fn index_log_and_memory_reach_a_plateau_under_churn() {
     );
 }
 
+/// A worker whose write fails ends the run with that error before the
+/// first sample: the other workers are stopped, not left to run out the
+/// two minutes (each lifecycle's result is a byte over the store's
+/// default `max_result_bytes`, so the first completion fails).
+#[test]
+fn a_failing_worker_ends_the_run_with_its_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let soak = Soak {
+        threads: 4,
+        rate_per_s: None,
+        retention: Duration::from_secs(3),
+        sweep_interval: Duration::from_secs(1),
+        run_for: Duration::from_secs(120),
+        sample_every: Duration::from_secs(10),
+        result_bytes: (1 << 20) + 1,
+        max_log_bytes: None,
+        cache_bytes: None,
+        allocated: None,
+    };
+    let mut sampled = 0u32;
+    let err = driver::run(&dir.path().join("soak.redb"), &soak, |_| sampled += 1).unwrap_err();
+    assert!(
+        err.to_string().contains("over its limit"),
+        "not the worker's error: {err}"
+    );
+    assert_eq!(sampled, 0, "the run went on after a worker failed");
+}
+
 /// The long form: `IDEMSTORE_SOAK_MINUTES` (default 30, at least 0.5) of
 /// 16 threads as fast as the store goes, a retention of 30 s, the default
 /// sweep interval (60 s); prints every sample and asserts that the index

@@ -182,8 +182,10 @@ fn mix(t: u64, i: u64) -> u64 {
 ///
 /// # Errors
 /// The store's, when it cannot be opened, a worker's claim or completion
-/// fails, or `stats` fails; the operating system's when it refuses a
-/// worker thread (the workers already running are stopped first).
+/// fails (the other workers are stopped within about 50 ms, not left to
+/// run to the end), or `stats` fails; the operating system's when it
+/// refuses a worker thread (the workers already running are stopped
+/// first).
 pub fn run(
     path: &Path,
     soak: &Soak,
@@ -220,14 +222,21 @@ pub fn run(
             let spawned = std::thread::Builder::new()
                 .name(format!("soak-{t}"))
                 .spawn_scoped(s, move || -> Result<(), idemstore::Error> {
+                    // A worker that fails stops the run: the sampler ends at
+                    // its next look at `stop` and the join returns the error.
+                    let stopping = |e: idemstore::Error| {
+                        stop.store(true, Ordering::Relaxed);
+                        e
+                    };
                     let mut i = 0u64;
                     while !stop.load(Ordering::Relaxed) {
-                        let key = Key::new("soak", format!("{:016x}", mix(t, i)))?;
+                        let key =
+                            Key::new("soak", format!("{:016x}", mix(t, i))).map_err(stopping)?;
                         let asked = Instant::now();
-                        let outcome = store.claim(&key, fp, opts)?;
+                        let outcome = store.claim(&key, fp, opts).map_err(stopping)?;
                         let took = u32::try_from(asked.elapsed().as_micros()).unwrap_or(u32::MAX);
                         if let ClaimOutcome::Acquired(lease) = outcome {
-                            store.complete(&lease, result)?;
+                            store.complete(&lease, result).map_err(stopping)?;
                         }
                         {
                             let mut tally = tally.lock().unwrap_or_else(PoisonError::into_inner);
@@ -255,8 +264,16 @@ pub fn run(
         }
         let mut next = soak.sample_every;
         let sampled = loop {
-            if let Some(wait) = next.checked_sub(started.elapsed()) {
-                std::thread::sleep(wait);
+            // Waits for the next sample in steps of at most 50 ms, so that
+            // a failed worker ends the run within one step.
+            while let Some(wait) = next.checked_sub(started.elapsed()) {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                std::thread::sleep(wait.min(Duration::from_millis(50)));
+            }
+            if stop.load(Ordering::Relaxed) {
+                break Ok(());
             }
             let asked = Instant::now();
             let stats = match store.stats() {
