@@ -475,14 +475,14 @@ impl Config {
     /// the index outgrows it, the disk takes writes beside the write-ahead
     /// log's (most likely the index's pages) and the log's syncs wait
     /// behind them. Paced runs of 16 threads on this project's machine:
-    /// p99 mostly 0.5–3 ms before (4.2–6.6 ms in three 5-s samples of
-    /// one run at 256 MiB, after a 350-ms pause), about 3–6 ms after (the
-    /// disk's speed sets which); the rise began at about 180,000 records with 64 MiB (at
-    /// 3,000 and 6,000 lifecycles/s), at 360,000–390,000 with 128 MiB and
-    /// at 570,000–630,000 with 256 MiB: size it at about 0.5 KB per record
-    /// held, with 64-byte results (docs/operations.md, "Sizing a file
-    /// store"). A larger cache puts the rise off; it does not make it
-    /// smaller.
+    /// p99 per 5-s sample mostly 0.5–3 ms before (4.2–6.6 ms in three
+    /// samples of one run at 256 MiB, the first holding a 350-ms pause),
+    /// medians of 2.8–6 ms after (single samples up to 13 ms). The rise
+    /// began at about 180,000 records with 64 MiB (at 3,000 and 6,000
+    /// lifecycles/s), at about 390,000 with 128 MiB and at 570,000–630,000
+    /// with 256 MiB: size it at about 0.5 KB per record held, with 64-byte
+    /// results (docs/operations.md, "Sizing a file store"). In those runs
+    /// a larger cache put the rise off without making it smaller.
     pub fn cache_bytes(mut self, bytes: usize) -> Config {
         self.cache_bytes = bytes;
         self
