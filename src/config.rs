@@ -473,11 +473,13 @@ impl Config {
     ///
     /// The cache also sets where claim p99 rises under steady writes: once
     /// the index outgrows it, the disk takes writes beside the write-ahead
-    /// log's (most likely the index's pages) and the log's syncs wait
-    /// behind them. Paced runs of 16 threads on this project's machine:
-    /// p99 per 5-s sample mostly 0.5–3 ms before (4.2–6.6 ms in three
-    /// samples of one run at 256 MiB, the first holding a 350-ms pause),
-    /// medians of 2.8–6 ms after (single samples up to 13 ms). The rise
+    /// log's (most likely the index's pages) and every write request,
+    /// the log's among them, takes longer. Paced runs of 16 threads on
+    /// this project's machine: p99 per 5-s sample mostly 0.5–3 ms before
+    /// (4.2–6.6 ms in three samples of one run at 256 MiB, the first with
+    /// a 350-ms maximum); after, medians of 2.8–3.9 ms per run in one
+    /// session and samples of 5.0–6.4 ms in another, on a slower disk
+    /// (single samples up to 13 ms). The rise
     /// began at about 180,000 records with 64 MiB (at 3,000 and 6,000
     /// lifecycles/s), at about 390,000 with 128 MiB and at 570,000–630,000
     /// with 256 MiB: size it at about 0.5 KB per record held, with 64-byte
