@@ -479,12 +479,12 @@ impl Config {
     /// (4.2–6.6 ms in three samples of one run at 256 MiB, the first with
     /// a 350-ms maximum); after, medians of 2.8–3.9 ms per run in one
     /// session and samples of 5.0–6.4 ms in another, on a slower disk
-    /// (single samples up to 13 ms). The rise
-    /// began at about 180,000 records with 64 MiB (at 3,000 and 6,000
-    /// lifecycles/s), at about 390,000 with 128 MiB and at 570,000–630,000
-    /// with 256 MiB: size it at about 0.5 KB per record held, with 64-byte
-    /// results (docs/operations.md, "Sizing a file store"). In those runs
-    /// a larger cache put the rise off without making it smaller.
+    /// (single samples up to 13 ms). The rise began at about 180,000
+    /// records with 64 MiB (at 3,000 and 6,000 lifecycles/s), at about
+    /// 390,000 with 128 MiB and at 570,000–630,000 with 256 MiB: size it
+    /// at about 0.5 KB per record held, with 64-byte results
+    /// (docs/operations.md, "Sizing a file store"). In those runs a larger
+    /// cache put the rise off without making it smaller.
     pub fn cache_bytes(mut self, bytes: usize) -> Config {
         self.cache_bytes = bytes;
         self
