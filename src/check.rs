@@ -47,15 +47,7 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
     let marker = crate::embedded::scrub::marker_of_store(path);
     // Reported in every outcome: the store opens read-only while it exists.
     let marked: Vec<Problem> = crate::embedded::scrub::is_marked(&marker)
-        .then(|| Problem {
-            key: "(damage marker)".into(),
-            detail: format!(
-                "the online scrub marked this store damaged ({}): it opens read-only while \
-                 that file exists; restore from an export, or remove the file once the store \
-                 is known sound",
-                marker.display()
-            ),
-        })
+        .then(|| marker_problem(&marker))
         .into_iter()
         .collect();
     let damaged = |integrity| {
@@ -89,5 +81,25 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
     let mut report = store.verify(progress)?;
     report.integrity = integrity;
     marked.into_iter().for_each(|p| report.found_listed(p));
+    // The marker the store names, when the file was opened by a name it is
+    // not beside (a hard link).
+    if let Some(named) = store.engine().damage_marker()
+        && named != marker
+    {
+        report.found_listed(marker_problem(named));
+    }
     Ok(report)
+}
+
+/// What `check_file` reports for the damage marker at `marker`.
+fn marker_problem(marker: &Path) -> Problem {
+    Problem {
+        key: "(damage marker)".into(),
+        detail: format!(
+            "the online scrub marked this store damaged ({}): it opens read-only while \
+             that file exists; restore from an export, or remove the file once the store \
+             is known sound",
+            marker.display()
+        ),
+    }
 }

@@ -288,6 +288,17 @@ impl Engine {
         }
     }
 
+    /// The damage marker that keeps the store read-only (the embedded
+    /// engine, when its scrub found the index damaged in this process or
+    /// before this open); `None` otherwise.
+    pub(crate) fn damage_marker(&self) -> Option<&Path> {
+        match self {
+            Engine::Embedded(e) => e.damage_marker(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => None,
+        }
+    }
+
     /// Whether the store refuses writes (the embedded engine after a failed
     /// durable write or damage found by its scrub): the background sweep
     /// then stops.

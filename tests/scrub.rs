@@ -458,6 +458,49 @@ fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
     assert!(matches!(claim_fresh(&store, 10), Err(Error::Poisoned)));
 }
 
+/// A hard link is another name of the same file, from which no canonical
+/// path leads to the marker: the store names its marker itself, so a store
+/// found damaged (with page checksums that pass, so that only the marker
+/// keeps it read-only) opens read-only through a hard link in another
+/// directory too, and `check_file` reports the marker there. Once the
+/// marker is removed, the store takes claims again by every name.
+#[test]
+fn the_damage_marker_is_found_through_a_hard_link() {
+    let t = TestDir::new();
+    drop({
+        let store = t.open();
+        populate(&store, 30, Some(17));
+        store
+    });
+    damage_record(&t.path, &key(&id(17)));
+    let store = t.open();
+    assert!(store.scrub(1000).unwrap().damaged);
+    drop(store);
+    let other = tempfile::tempdir().unwrap();
+    let link = other.path().join("hard.redb");
+    std::fs::hard_link(&t.path, &link).unwrap();
+    let store = Store::open_with(&link, t.config()).unwrap();
+    assert!(matches!(claim_fresh(&store, 11), Err(Error::Poisoned)));
+    assert!(store.get(&key(&id(0))).unwrap().is_some());
+    drop(store);
+    let checked = check_file(&link, |_| {}).unwrap();
+    let marker = marker_of(&std::fs::canonicalize(&t.path).unwrap());
+    assert!(
+        checked
+            .problems
+            .iter()
+            .any(|p| p.key == "(damage marker)" && p.detail.contains(&*marker.to_string_lossy())),
+        "{:?}",
+        checked.problems
+    );
+    std::fs::remove_file(&marker).unwrap();
+    let store = Store::open_with(&link, t.config()).unwrap();
+    assert!(matches!(
+        claim_fresh(&store, 12),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+}
+
 /// With `scrub_rate` set, the store's background thread finds damage
 /// without being asked (no background sweeper configured): the store is
 /// poisoned within a few passes.

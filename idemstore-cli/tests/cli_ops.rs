@@ -766,6 +766,42 @@ fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
     assert_eq!(stdout(&out).lines().count(), 4);
 }
 
+/// An export never replaces the store it reads: an output that is the
+/// store file or its log, by its own name, a hard link or the temporary
+/// name the export writes first, is refused even with --force, and the
+/// store keeps every record.
+#[test]
+fn export_refuses_the_store_files_as_its_output() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    populate(&path);
+    let log = dir.path().join("s.redb-wal");
+    let link = dir.path().join("other-name.redb");
+    std::fs::hard_link(&path, &link).unwrap();
+    // The export is written as `<output>.partial` first.
+    let partial_link = dir.path().join("x.partial");
+    std::fs::hard_link(&path, &partial_link).unwrap();
+    for (output, what) in [
+        (path.clone(), "store file"),
+        (log.clone(), "write-ahead log"),
+        (link.clone(), "store file"),
+        (dir.path().join("x"), "store file"),
+    ] {
+        let out = idemstore(&["export", p(&path), "--output", p(&output), "--force"]);
+        assert_eq!(code(&out), 2, "{}: {}", output.display(), stdout(&out));
+        assert!(
+            stderr(&out).contains(&format!("is the {what} of the store being exported")),
+            "{}",
+            stderr(&out)
+        );
+    }
+    // The store still opens with every record.
+    let backup = dir.path().join("backup.idem");
+    let out = idemstore(&["export", p(&path), "--output", p(&backup), "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["records"], 4);
+}
+
 #[test]
 fn export_then_import_restores_and_a_second_import_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -1072,6 +1108,60 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert!(stdout(&out).contains("amended"), "{}", stdout(&out));
     assert_eq!(execute_again(&path, "task-1:call_3").unwrap(), "T-call_3");
+    // An id a shell would split (a space, a quote): the repair the error
+    // names is quoted, and runs as printed.
+    let id = "task 1:call_'5'";
+    let t = in_doubt_tool_call(&path, id).to_string();
+    let raw = [
+        "resolve",
+        p(&path),
+        "acme/tools",
+        id,
+        "--token",
+        &t,
+        "--raw",
+        "--succeeded",
+        "T-5",
+    ];
+    assert_eq!(code(&idemstore(&raw)), 0);
+    let err = execute_again(&path, id).unwrap_err();
+    let at = err.find("idemstore resolve STORE").expect(&err);
+    let words = shlex::split(&err[at..]).expect(&err);
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    assert_eq!(
+        &words[..6],
+        ["idemstore", "resolve", "STORE", "acme/tools", id, "--token"]
+    );
+    assert_eq!(words[6], t);
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        words[3],
+        words[4],
+        "--token",
+        words[6],
+        words[7],
+        "--succeeded",
+        r#""T-5""#,
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(execute_again(&path, id).unwrap(), "T-5");
+    // --retryable belongs to --failed: with --succeeded it is refused.
+    let t = in_doubt_tool_call(&path, "task-1:call_6").to_string();
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "acme/tools",
+        "task-1:call_6",
+        "--token",
+        &t,
+        "--retryable",
+        "--succeeded",
+        r#""T-6""#,
+    ]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_6", "--json"]);
+    assert_eq!(json(&out)["state"], "processing");
     // --amend never finishes a record in progress.
     let token = in_doubt_tool_call(&path, "task-1:call_4");
     let out = idemstore(&[

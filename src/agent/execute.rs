@@ -810,6 +810,12 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
     }
 }
 
+/// `word` quoted for a POSIX shell when it needs quoting (a key holds no
+/// NUL byte, which no quoting could carry; it is then given as is).
+fn shell_word(word: &str) -> std::borrow::Cow<'_, str> {
+    shlex::try_quote(word).unwrap_or(std::borrow::Cow::Borrowed(word))
+}
+
 /// The stored outcome of a replayed record, decoded.
 fn replay<T: DeserializeOwned, E: DeserializeOwned>(
     record: &Record,
@@ -826,8 +832,10 @@ fn replay<T: DeserializeOwned, E: DeserializeOwned>(
             "{detail}; the stored outcome is not the JSON this call reads. If it was recorded \
              by hand, correct it: idemstore resolve STORE {scope} {id} --token {token} --amend \
              (--succeeded JSON | --failed JSON)",
-            scope = key.scope(),
-            id = key.id(),
+            // Quoted for a POSIX shell where needed (a scope or id may
+            // hold spaces or quotes), so that the command pastes as one.
+            scope = shell_word(key.scope()),
+            id = shell_word(key.id()),
             token = record.token(),
         ),
     };

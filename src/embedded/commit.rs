@@ -235,9 +235,15 @@ pub(crate) struct Shared {
     pub poisoned: AtomicBool,
     /// Raised when the online scrub found the index damaged (or the store
     /// was opened with its damage marker): the writer refuses every change
-    /// (`Poisoned`) and still commits what is acknowledged and renews the
-    /// time reservation, so that reads keep their answers.
+    /// (`Poisoned`) and still commits what is acknowledged, renews the
+    /// time reservation and takes checkpoints, so that reads keep their
+    /// answers.
     pub damaged: AtomicBool,
+    /// The damage marker of this store file (absolute): beside the path it
+    /// was opened by, or the one the store names when that one is in place
+    /// (see `schema::META_DAMAGE_MARKER`); `None` on a custom backend.
+    /// Recorded in the store at every checkpoint and close while `damaged`.
+    pub damage_marker: Option<PathBuf>,
     /// Set when the failure was the index's (redb latched an error): no
     /// closing checkpoint is attempted.
     pub index_failed: AtomicBool,
@@ -1681,6 +1687,7 @@ fn commit_checkpoint(
                 shared.clock.high_water_ms().max(state.time_reserved),
             )?;
             schema::write_tally(path, &txn, state.tally)?;
+            record_damage(shared, &txn)?;
             txn.commit().map_err(|e| map_err(path, e))
         })
     });
@@ -1727,6 +1734,17 @@ fn commit_checkpoint(
         took_ms = u64::try_from(paused.elapsed().as_millis()).unwrap_or(u64::MAX),
         "checkpoint"
     );
+}
+
+/// Records the damage marker in `txn` while the store is damaged (see
+/// `schema::META_DAMAGE_MARKER`).
+fn record_damage(shared: &Shared, txn: &redb::WriteTransaction) -> Result<()> {
+    match &shared.damage_marker {
+        Some(marker) if shared.damaged.load(Ordering::SeqCst) => {
+            schema::record_damage_marker(&shared.path, txn, marker)
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The closing checkpoint, when the queue is drained: the index then holds
@@ -1779,6 +1797,7 @@ fn close(shared: &Shared, state: &mut WriterState) {
         if shared.damaged.load(Ordering::SeqCst) {
             schema::forget_verification(path, &txn)?;
         }
+        record_damage(shared, &txn)?;
         // Every time an answer was based on is at most the high-water mark
         // (reads reserve time through the writer, so it is within the last
         // bound); the floor-based time tells the next open which part of
@@ -1818,8 +1837,15 @@ fn decide(
 ) -> Result<Result<Answer>> {
     // Checked here too, not only when a request is submitted: requests
     // already queued (or waiting for room) when the scrub found the damage
-    // are refused as well.
-    if shared.damaged.load(Ordering::SeqCst) && !matches!(cmd, Command::Commit | Command::Reserve) {
+    // are refused as well. A checkpoint changes no record and runs: the
+    // scrub asks for one to record the damage marker in the store
+    // (`Store::checkpoint` is refused when it is submitted).
+    if shared.damaged.load(Ordering::SeqCst)
+        && !matches!(
+            cmd,
+            Command::Commit | Command::Reserve | Command::Checkpoint
+        )
+    {
         return Ok(Err(Error::Poisoned));
     }
     match cmd {

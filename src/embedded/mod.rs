@@ -61,9 +61,6 @@ pub(crate) struct Embedded {
     writer: Writer,
     /// Where the online scrub stands (see [`scrub`]).
     scrub: Mutex<scrub::Cursor>,
-    /// The damage marker beside the store file (absolute); `None` on a
-    /// custom backend.
-    marker: Option<PathBuf>,
 }
 
 /// What a read outside the writer found.
@@ -151,6 +148,17 @@ impl Embedded {
         let fence = Fence::default();
         let (db, meta, early_sync) =
             schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
+        // The marker the store itself names, found by whatever path the
+        // file was opened (a hard link too): see `schema::META_DAMAGE_MARKER`.
+        let (marker, marked) = match schema::recorded_damage_marker(&path, &db)? {
+            _ if marked => (marker, true),
+            Ok(Some(recorded)) if scrub::is_marked(&recorded) => (Some(recorded), true),
+            Ok(_) => (marker, false),
+            Err(malformed) => {
+                tracing::error!(path = %path.display(), "{malformed}: the store opens read-only");
+                (marker, true)
+            }
+        };
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
         let log = match log {
@@ -210,6 +218,7 @@ impl Embedded {
             sweep_debt_ns: AtomicU64::new(0),
             log_latency: parking_lot::Mutex::new(congestion::LogLatency::default()),
             early_sync,
+            damage_marker: marker,
         });
         let state = WriterState::new(
             opened.next_token,
@@ -222,7 +231,7 @@ impl Embedded {
         if marked {
             tracing::error!(
                 path = %shared.path.display(),
-                marker = ?marker,
+                marker = ?shared.damage_marker,
                 "the online scrub marked this store damaged: it opens read-only (writes get Poisoned) while the marker exists"
             );
         }
@@ -230,7 +239,6 @@ impl Embedded {
             shared,
             writer,
             scrub: Mutex::default(),
-            marker,
         })
     }
 
@@ -713,7 +721,7 @@ impl Embedded {
             Err(other) => return Err(other),
         };
         if report.damaged && !shared.damaged.swap(true, Ordering::SeqCst) {
-            let marked = match &self.marker {
+            let marked = match &shared.damage_marker {
                 Some(marker) => scrub::mark_damaged(
                     marker,
                     &shared.path,
@@ -729,11 +737,24 @@ impl Embedded {
                 None => Err("a store on a custom backend has no damage marker".to_string()),
             };
             match marked {
-                Ok(()) => tracing::error!(
-                    path = %shared.path.display(),
-                    marker = ?self.marker,
-                    "the scrub found damage in the index; the store refuses writes, now and at every open while the marker exists"
-                ),
+                Ok(()) => {
+                    tracing::error!(
+                        path = %shared.path.display(),
+                        marker = ?shared.damage_marker,
+                        "the scrub found damage in the index; the store refuses writes, now and at every open while the marker exists"
+                    );
+                    // A durable checkpoint records the marker in the store
+                    // itself, for an open by a name the marker is not
+                    // beside (a hard link): the writer still takes it.
+                    match self.writer.submit(Command::Checkpoint).wait() {
+                        Ok(_) => {}
+                        Err(e) => tracing::error!(
+                            path = %shared.path.display(),
+                            error = %e,
+                            "the checkpoint that records the damage marker in the store failed"
+                        ),
+                    }
+                }
                 Err(why) => {
                     shared.poisoned.store(true, Ordering::SeqCst);
                     tracing::error!(
@@ -744,6 +765,16 @@ impl Embedded {
             }
         }
         Ok(report)
+    }
+
+    /// The damage marker that keeps this store read-only: `None` unless the
+    /// scrub found it damaged, in this process or before this open.
+    pub(crate) fn damage_marker(&self) -> Option<&Path> {
+        if self.shared.damaged.load(Ordering::SeqCst) {
+            self.shared.damage_marker.as_deref()
+        } else {
+            None
+        }
     }
 
     /// Whether the store refuses writes: a failed durable write, or damage

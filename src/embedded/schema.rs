@@ -2,7 +2,7 @@
 //! checks, and the boundary that turns redb errors and panics into ours.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use redb::{
@@ -131,6 +131,21 @@ pub(crate) const META_STATE_COUNTS: &str = "state_counts";
 /// their first open: such a store counts as never verified. Read only to
 /// decide whether a clean open may skip the check (see [`check_reason`]).
 pub(crate) const META_VERIFIED: &str = "integrity_verified_ms";
+
+/// The damage marker the online scrub wrote beside this file (its
+/// canonical path, the bytes of the path on Unix, UTF-8 elsewhere), written
+/// at every durable checkpoint and at the close of a store the scrub found
+/// damaged (the scrub asks for a checkpoint as soon as it has written the
+/// marker). An open that finds the named marker in place opens the store
+/// read-only, by whatever path it names the file: a hard link to it is
+/// another name for the same file, which the marker beside the canonical
+/// path cannot be found from. Absent in stores never found damaged. Added
+/// without a format version change: an older build ignores it.
+pub(crate) const META_DAMAGE_MARKER: &str = "scrub_damage_marker";
+
+/// The longest [`META_DAMAGE_MARKER`] value read (in bytes): Linux's
+/// `PATH_MAX`.
+const MAX_MARKER_PATH_BYTES: usize = 4096;
 
 /// How far ahead of the wall clock a recorded verification may be and
 /// still count: one minute. The time was a wall reading too, so a time
@@ -841,6 +856,96 @@ pub(crate) fn forget_verification(path: &Path, txn: &WriteTransaction) -> Result
     let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
     table.remove(META_VERIFIED).map_err(|e| map_err(path, e))?;
     Ok(())
+}
+
+/// Records in `txn` that the scrub found this store damaged and left
+/// `marker` ([`META_DAMAGE_MARKER`]).
+pub(crate) fn record_damage_marker(
+    path: &Path,
+    txn: &WriteTransaction,
+    marker: &Path,
+) -> Result<()> {
+    let Some(bytes) = path_bytes(marker) else {
+        // Not UTF-8 on a platform whose paths are not bytes: the marker
+        // beside the canonical path is still found by every spelling that
+        // resolves to it.
+        return Ok(());
+    };
+    let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    table
+        .insert(META_DAMAGE_MARKER, bytes.as_slice())
+        .map_err(|e| map_err(path, e))?;
+    Ok(())
+}
+
+/// The damage marker recorded in the store ([`META_DAMAGE_MARKER`]):
+/// `Ok(None)` when none is recorded; `Err` with what is wrong when the
+/// recorded value is not an absolute path of at most
+/// [`MAX_MARKER_PATH_BYTES`] whose file name ends in `-damaged` (a file
+/// that cannot be trusted about it: the caller opens it read-only).
+pub(crate) fn recorded_damage_marker(
+    path: &Path,
+    db: &Database,
+) -> Result<std::result::Result<Option<PathBuf>, String>> {
+    let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+    let table = match txn.open_table(META) {
+        Ok(table) => table,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Ok(None)),
+        Err(e) => return Err(map_err(path, e)),
+    };
+    let Some(value) = table
+        .get(META_DAMAGE_MARKER)
+        .map_err(|e| map_err(path, e))?
+    else {
+        return Ok(Ok(None));
+    };
+    let bytes = value.value();
+    if bytes.len() > MAX_MARKER_PATH_BYTES {
+        return Ok(Err(format!(
+            "the recorded damage marker is {} bytes long (at most {MAX_MARKER_PATH_BYTES})",
+            bytes.len()
+        )));
+    }
+    let Some(marker) = path_of_bytes(bytes) else {
+        return Ok(Err("the recorded damage marker is not a path".into()));
+    };
+    let named = marker
+        .file_name()
+        .is_some_and(|n| n.to_string_lossy().ends_with("-damaged"));
+    if !marker.is_absolute() || !named {
+        return Ok(Err(format!(
+            "the recorded damage marker {} is not an absolute path ending in -damaged",
+            marker.display()
+        )));
+    }
+    Ok(Ok(Some(marker)))
+}
+
+/// A path as stored: its bytes on Unix, its UTF-8 elsewhere (`None` when
+/// it has none).
+fn path_bytes(p: &Path) -> Option<Vec<u8>> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        Some(p.as_os_str().as_bytes().to_vec())
+    }
+    #[cfg(not(unix))]
+    {
+        p.to_str().map(|s| s.as_bytes().to_vec())
+    }
+}
+
+/// The path [`path_bytes`] stored (`None`: not UTF-8 where it must be).
+fn path_of_bytes(bytes: &[u8]) -> Option<PathBuf> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        Some(PathBuf::from(std::ffi::OsStr::from_bytes(bytes)))
+    }
+    #[cfg(not(unix))]
+    {
+        std::str::from_utf8(bytes).ok().map(PathBuf::from)
+    }
 }
 
 /// Records a checkpoint in `txn`, which the caller commits durably.

@@ -308,10 +308,13 @@ pub(crate) fn marker_path_of(path: &Path) -> std::path::PathBuf {
 /// the same file (a relative path from another directory, a symlink to it
 /// or to a directory on its path) finds the same marker. A file that does
 /// not exist yet is named by its canonical directory and its file name; a
-/// path that cannot be resolved at all, by its absolute spelling. (A hard
-/// link is another path to the same inode and is not resolved; the store
-/// also records a damaged store's close as unclean, so every open of it
-/// runs the full integrity check whatever the marker.)
+/// path that cannot be resolved at all, by its absolute spelling. A hard
+/// link is another name of the same file that no canonical path leads back
+/// from: the store names its marker itself (`schema::META_DAMAGE_MARKER`,
+/// recorded by the checkpoint the scrub asks for once the marker is
+/// written, and at every later checkpoint and close), and an open by any
+/// name finds it there. A damaged store's close also forgets its last
+/// verification, so every later open runs the full integrity check.
 pub(crate) fn marker_of_store(path: &Path) -> std::path::PathBuf {
     marker_path_of(&identity_of(path))
 }

@@ -52,6 +52,9 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         )));
     }
     let store = ops::open(&args.store, None)?;
+    if let Some(target) = &args.output {
+        refuse_store_files(&store, target)?;
+    }
     let total = store
         .len()
         .map_err(|e| CliError::store("cannot read the store", e))?;
@@ -95,14 +98,42 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Refuses an output that is (or whose temporary name is) the store file
+/// or its write-ahead log, by whatever name (a symlink, a hard link, another
+/// spelling): the export would replace the store it reads.
+fn refuse_store_files(store: &idemstore::Store, target: &Path) -> Result<(), CliError> {
+    for written in [target.to_path_buf(), partial_of(target)] {
+        for (what, file) in [
+            ("store file", store.path()),
+            ("write-ahead log", store.log_path()),
+        ] {
+            // A name that does not exist (or cannot be compared) is no
+            // file of the store's.
+            if same_file::is_same_file(&written, file).unwrap_or(false) {
+                return Err(CliError::Usage(format!(
+                    "{} is the {what} of the store being exported; nothing was written: \
+                     give --output another file",
+                    written.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The temporary name an export to `target` is written under.
+fn partial_of(target: &Path) -> PathBuf {
+    let mut partial = target.as_os_str().to_owned();
+    partial.push(".partial");
+    PathBuf::from(partial)
+}
+
 fn export_to_file(
     store: &idemstore::Store,
     target: &Path,
     tick: impl FnMut(idemstore::Progress),
 ) -> Result<ExportSummary, CliError> {
-    let mut partial = target.as_os_str().to_owned();
-    partial.push(".partial");
-    let partial = PathBuf::from(partial);
+    let partial = partial_of(target);
     let write = || -> Result<ExportSummary, CliError> {
         let file = File::create(&partial)
             .map_err(|e| CliError::io(format!("cannot create {}", partial.display()), e))?;

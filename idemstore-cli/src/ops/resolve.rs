@@ -44,7 +44,7 @@ pub struct Args {
     #[arg(long, value_name = "VALUE", group = "outcome")]
     failed: Option<String>,
     /// With --failed: let the next claim run the work again.
-    #[arg(long, requires = "failed")]
+    #[arg(long, requires = "failed", conflicts_with = "succeeded")]
     retryable: bool,
     /// Store the outcome's bytes as given, not checked as JSON.
     #[arg(long)]
