@@ -2,11 +2,12 @@
 //! server they run on, and a schema of its own for every store.
 //!
 //! The server is a throwaway one started once per test binary
-//! (`idemstore::postgres::server::TestServer::shared`, PostgreSQL 15
-//! binaries needed: `apt-get install postgresql-15`), or the one named by
-//! `IDEMSTORE_PG_URL`. `IDEMSTORE_SKIP_POSTGRES=1` skips the PostgreSQL
-//! tests: they print why and pass. Without binaries, URL or skip, they fail
-//! with a message saying how to install the binaries. CI never skips.
+//! (`idemstore::postgres::server::TestServer::shared`, PostgreSQL 15, 16
+//! or 17 binaries needed: `apt-get install postgresql-15`), or the one
+//! named by `IDEMSTORE_PG_URL`. `IDEMSTORE_SKIP_POSTGRES=1` skips the
+//! PostgreSQL tests: they print why and pass. Without binaries, URL or
+//! skip, they fail with a message saying how to install the binaries. CI
+//! never skips.
 #![allow(dead_code)] // Each test crate uses a different part of this module.
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -257,8 +257,13 @@ const LEGEND: [(&str, &str); 12] = [
 ];
 
 /// Why the two phases' attempt counts differ, a few lines of at most 92
-/// characters: every "busy" answer is an attempt that did no work and is
-/// retried, and each attempt draws its own fate, so later fates shift.
+/// characters. More attempts: every "busy" answer is an attempt that did
+/// no work and is retried, and each attempt draws its own fate, so later
+/// fates shift. Fewer attempts: only the causes the two phases' figures
+/// show: more naive intents that gave up after `--max-attempts`, more
+/// naive worker crashes (a replayed or busy answer creates no ticket, so
+/// it cannot crash); when neither, fewer timeouts, or else the shifted
+/// fates.
 fn attempts_note(naive: &Phase, idem: &Phase) -> String {
     let text = match idem.attempts.cmp(&naive.attempts) {
         std::cmp::Ordering::Greater => format!(
@@ -270,18 +275,62 @@ fn attempts_note(naive: &Phase, idem: &Phase) -> String {
         ),
         std::cmp::Ordering::Equal => format!("Both phases made {} attempts.", idem.attempts),
         std::cmp::Ordering::Less => {
-            let mut text = format!(
-                "Why idemstore needs fewer attempts ({} vs {}): a worker dies only after \
-                 creating a ticket, and a replayed or busy answer creates none, so attempts \
-                 the seed meant to crash were answered.",
-                idem.attempts, naive.attempts
-            );
+            // Each cause the figures show, first letter lowercase; the
+            // first follows the colon, the others are capitalized.
+            let mut causes = Vec::new();
+            let gave_up = naive.gave_up > idem.gave_up;
+            let crashed = naive.crashes > idem.crashes;
+            if gave_up {
+                causes.push(format!(
+                    "intents that got no answer within --max-attempts attempts gave up, each \
+                     after using all of them (gave up: {} naive, {} idemstore).",
+                    naive.gave_up, idem.gave_up
+                ));
+            }
+            if crashed {
+                causes.push(format!(
+                    "each worker crash leaves an attempt unanswered and retried (worker \
+                     crashes: {} naive, {} idemstore); with idemstore only an acquired claim \
+                     creates a ticket and can crash, so a replayed or busy attempt the seed \
+                     meant to crash was answered instead.",
+                    naive.crashes, idem.crashes
+                ));
+            }
+            if !gave_up && !crashed {
+                causes.push(if idem.timeouts < naive.timeouts {
+                    format!(
+                        "an agent retries after every timeout, and idemstore's attempts met \
+                         fewer (timeouts: {} naive, {} idemstore).",
+                        naive.timeouts, idem.timeouts
+                    )
+                } else {
+                    "each agent draws every attempt's fate in turn from the seeded link, so \
+                     once its attempts differ between the phases, its later attempts meet \
+                     other fates."
+                        .to_owned()
+                });
+            }
             if idem.in_progress > 0 {
-                text.push_str(&format!(
-                    " Its {} in-progress answers were retried, and each retry draws its own \
+                causes.push(format!(
+                    "its {} in-progress answers were retried, and each retry draws its own \
                      fate from the seeded link.",
                     idem.in_progress
                 ));
+            }
+            let mut text = format!(
+                "Why idemstore needs fewer attempts ({} vs {}):",
+                idem.attempts, naive.attempts
+            );
+            for (i, cause) in causes.iter().enumerate() {
+                text.push(' ');
+                let mut chars = cause.chars();
+                match chars.next() {
+                    Some(first) if i > 0 => {
+                        text.extend(first.to_uppercase());
+                        text.push_str(chars.as_str());
+                    }
+                    _ => text.push_str(cause),
+                }
             }
             text
         }
@@ -312,4 +361,141 @@ fn wrap(text: &str, width: usize) -> String {
 /// `0.2` as `20%`.
 fn percent(rate: f64) -> String {
     format!("{}%", (rate * 100.0 * 100.0).round() / 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A phase of 512 intents, every one answered at its first attempt.
+    fn phase() -> Phase {
+        Phase {
+            intents: 512,
+            attempts: 512,
+            timeouts: 0,
+            gave_up: 0,
+            replayed_intents: 0,
+            tickets: 512,
+            duplicates: 0,
+            replays: 0,
+            in_progress: 0,
+            takeovers: 0,
+            found_by_lookup: 0,
+            crashes: 0,
+            stale_completions: 0,
+            wall: Duration::from_secs(1),
+        }
+    }
+
+    fn assert_lines_fit(note: &str) {
+        for line in note.lines() {
+            assert!(line.chars().count() <= 92, "{line:?} in {note}");
+        }
+    }
+
+    /// Every naive attempt timed out and every naive intent gave up; no
+    /// worker crashed (`--crash-rate 0`): the note names the intents that
+    /// gave up and says nothing of crashes.
+    #[test]
+    fn fewer_attempts_with_no_crash_names_the_intents_that_gave_up() {
+        let naive = Phase {
+            attempts: 25_600,
+            timeouts: 25_600,
+            gave_up: 512,
+            ..phase()
+        };
+        let idem = Phase {
+            attempts: 4_274,
+            timeouts: 3_760,
+            in_progress: 18,
+            ..phase()
+        };
+        let note = attempts_note(&naive, &idem);
+        assert_lines_fit(&note);
+        let text = note.replace('\n', " ");
+        assert!(
+            text.starts_with("Why idemstore needs fewer attempts (4274 vs 25600):"),
+            "{text}"
+        );
+        assert!(text.contains("gave up: 512 naive, 0 idemstore"), "{text}");
+        assert!(!text.contains("crash"), "{text}");
+        assert!(text.contains("Its 18 in-progress answers"), "{text}");
+        assert!(
+            text.contains("(4274 vs 25600): intents that got no answer"),
+            "{text}"
+        );
+    }
+
+    /// Every attempt replayed (a second run with the same keys): the naive
+    /// workers' crashes explain the difference; nothing gave up.
+    #[test]
+    fn fewer_attempts_with_crashes_names_the_crashes_only() {
+        let naive = Phase {
+            attempts: 755,
+            timeouts: 243,
+            crashes: 14,
+            ..phase()
+        };
+        let idem = Phase {
+            attempts: 738,
+            timeouts: 226,
+            replays: 738,
+            ..phase()
+        };
+        let note = attempts_note(&naive, &idem);
+        assert_lines_fit(&note);
+        let text = note.replace('\n', " ");
+        assert!(
+            text.contains("worker crashes: 14 naive, 0 idemstore"),
+            "{text}"
+        );
+        assert!(!text.contains("gave up"), "{text}");
+        assert!(!text.contains("in-progress"), "{text}");
+    }
+
+    /// Neither more naive intents gave up nor more naive workers crashed:
+    /// the note falls back on the timeouts each phase met.
+    #[test]
+    fn fewer_attempts_otherwise_names_the_timeouts() {
+        let naive = Phase {
+            attempts: 600,
+            timeouts: 88,
+            crashes: 3,
+            ..phase()
+        };
+        let idem = Phase {
+            attempts: 590,
+            timeouts: 78,
+            crashes: 3,
+            ..phase()
+        };
+        let text = attempts_note(&naive, &idem).replace('\n', " ");
+        assert!(text.contains("timeouts: 88 naive, 78 idemstore"), "{text}");
+        assert!(!text.contains("crash"), "{text}");
+        assert!(!text.contains("gave up"), "{text}");
+    }
+
+    #[test]
+    fn more_or_equal_attempts_keep_their_notes() {
+        let naive = Phase {
+            attempts: 755,
+            ..phase()
+        };
+        let more = Phase {
+            attempts: 770,
+            in_progress: 32,
+            ..phase()
+        };
+        let note = attempts_note(&naive, &more);
+        assert_lines_fit(&note);
+        assert!(
+            note.replace('\n', " ")
+                .starts_with("Why idemstore needs more attempts (770 vs 755): its 32"),
+            "{note}"
+        );
+        assert_eq!(
+            attempts_note(&naive, &naive.clone()),
+            "Both phases made 755 attempts."
+        );
+    }
 }
