@@ -600,7 +600,9 @@ impl Config {
     /// restore). The scrub also leaves a file `<path>-damaged` beside the
     /// store file, naming what it found, and every later open opens the
     /// store read-only in the same way while that file (or its temporary
-    /// `-damaged.tmp`) exists: a damaged page that a later write rewrote
+    /// `-damaged.tmp`) exists, by whatever name it opens the file (the
+    /// marker is found beside the file's canonical path, and the store
+    /// records where it is, for a hard link): a damaged page that a later write rewrote
     /// carries a valid checksum again, and the open's integrity check alone
     /// would not see it. Export, restore into a new file, and move the
     /// marker away with the damaged file; [`check_file`](crate::check_file)
@@ -612,7 +614,8 @@ impl Config {
     /// guarantees", point 5.
     ///
     /// The thread is the background sweeper's (one thread for both, started
-    /// when either is on). A step never waits for the writer; it reads
+    /// when either is on). A step waits for the writer only once, for the
+    /// checkpoint that records the marker when it finds damage; it reads
     /// through redb's page cache. An I/O error is logged (warn) and the
     /// step retried at the next tick; ten failures in a row at one place
     /// count as damage there. The rate is an upper bound: a step

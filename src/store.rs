@@ -775,8 +775,10 @@ impl Store {
     /// Damage found (anything but a missing expiry entry) makes the store
     /// refuse writes ([`Error::Poisoned`]) while reads, scans and exports
     /// still answer, and leaves the file `<path>-damaged` beside the store
-    /// file, which makes every later open read-only too (see
-    /// [`Config::scrub_rate`] for the restore). A step of `max_records`
+    /// file, which makes every later open read-only too, by any name of
+    /// the file (the step then asks the writer for a checkpoint, which
+    /// records the marker in the store; see [`Config::scrub_rate`] for the
+    /// restore). A step of `max_records`
     /// holds its snapshot, and the position the background scrub shares,
     /// for about 1.3 µs per record with the file cached.
     ///
