@@ -408,8 +408,10 @@ impl Store {
     ///   never received; they lapse after the lease duration. A later claim
     ///   of each key finds out: [`ClaimOutcome::InProgress`] while such a
     ///   lease is valid, [`ClaimOutcome::Acquired`] when the batch was not
-    ///   applied or its lease lapsed. Retrying the same batch does exactly
-    ///   that. After a storage error the embedded store refuses writes
+    ///   applied or its lease lapsed. A key the batch did not acquire
+    ///   answers as it did inside the batch (a replay, in progress under
+    ///   another holder, a fingerprint mismatch), unless it changed since.
+    ///   Retrying the same batch does exactly that. After a storage error the embedded store refuses writes
     ///   ([`Error::Poisoned`]) until it is reopened.
     /// - [`Error::Unavailable`] (PostgreSQL): nothing was sent for commit;
     ///   nothing was applied.
