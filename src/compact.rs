@@ -62,7 +62,10 @@ pub fn compact_file(path: impl AsRef<Path>, config: Config) -> Result<Compaction
     let path = path.as_ref();
     crate::embedded::check_existing(path)?;
     // Refused before anything is written: the open would migrate and
-    // checkpoint a store the scrub marked damaged.
+    // checkpoint a store the scrub marked damaged. (Opened by a name the
+    // marker is not beside, a hard link, the open finds the marker the
+    // store records and opens it read-only: it writes its own checkpoint
+    // and time, and the checkpoint below is refused.)
     if crate::embedded::scrub::is_marked(&crate::embedded::scrub::marker_of_store(path)) {
         return Err(crate::error::Error::Poisoned);
     }

@@ -1096,7 +1096,8 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     let err = execute_again(&path, "task-1:call_3").unwrap_err();
     assert!(
         err.contains(&format!(
-            "idemstore resolve STORE acme/tools task-1:call_3 --token {token} --amend"
+            "idemstore resolve STORE --token {token} --amend (--succeeded JSON | --failed JSON) \
+             -- acme/tools task-1:call_3"
         )),
         "{err}"
     );
@@ -1108,20 +1109,22 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert!(stdout(&out).contains("amended"), "{}", stdout(&out));
     assert_eq!(execute_again(&path, "task-1:call_3").unwrap(), "T-call_3");
-    // An id a shell would split (a space, a quote): the repair the error
-    // names is quoted, and runs as printed.
-    let id = "task 1:call_'5'";
+    // An id a shell would split (a space, a quote) and that starts with
+    // `-`: the repair the error names is quoted and placed after `--`, and
+    // runs as printed.
+    let id = "-task 1:call_'5'";
     let t = in_doubt_tool_call(&path, id).to_string();
     let raw = [
         "resolve",
         p(&path),
-        "acme/tools",
-        id,
         "--token",
         &t,
         "--raw",
         "--succeeded",
         "T-5",
+        "--",
+        "acme/tools",
+        id,
     ];
     assert_eq!(code(&idemstore(&raw)), 0);
     let err = execute_again(&path, id).unwrap_err();
@@ -1130,20 +1133,16 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     let words: Vec<&str> = words.iter().map(String::as_str).collect();
     assert_eq!(
         &words[..6],
-        ["idemstore", "resolve", "STORE", "acme/tools", id, "--token"]
+        ["idemstore", "resolve", "STORE", "--token", &t, "--amend"]
     );
-    assert_eq!(words[6], t);
-    let out = idemstore(&[
-        "resolve",
-        p(&path),
-        words[3],
-        words[4],
-        "--token",
-        words[6],
-        words[7],
-        "--succeeded",
-        r#""T-5""#,
-    ]);
+    let dashes = words.iter().position(|w| *w == "--").expect(&err);
+    assert_eq!(&words[dashes + 1..dashes + 3], ["acme/tools", id]);
+    // The command as printed, with the store and an outcome filled in.
+    let mut args = vec!["resolve", p(&path)];
+    args.extend_from_slice(&words[3..6]);
+    args.extend_from_slice(&["--succeeded", r#""T-5""#]);
+    args.extend_from_slice(&words[dashes..dashes + 3]);
+    let out = idemstore(&args);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     assert_eq!(execute_again(&path, id).unwrap(), "T-5");
     // --retryable belongs to --failed: with --succeeded it is refused.
@@ -1160,6 +1159,11 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
         r#""T-6""#,
     ]);
     assert_eq!(code(&out), 2, "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("cannot be used with"),
+        "{}",
+        stderr(&out)
+    );
     let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_6", "--json"]);
     assert_eq!(json(&out)["state"], "processing");
     // --amend never finishes a record in progress.

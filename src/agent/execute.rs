@@ -830,10 +830,11 @@ fn replay<T: DeserializeOwned, E: DeserializeOwned>(
         action: "replay",
         detail: format!(
             "{detail}; the stored outcome is not the JSON this call reads. If it was recorded \
-             by hand, correct it: idemstore resolve STORE {scope} {id} --token {token} --amend \
-             (--succeeded JSON | --failed JSON)",
+             by hand, correct it: idemstore resolve STORE --token {token} --amend \
+             (--succeeded JSON | --failed JSON) -- {scope} {id}",
             // Quoted for a POSIX shell where needed (a scope or id may
-            // hold spaces or quotes), so that the command pastes as one.
+            // hold spaces or quotes), and after `--`, so that one starting
+            // with `-` is not read as an option.
             scope = shell_word(key.scope()),
             id = shell_word(key.id()),
             token = record.token(),

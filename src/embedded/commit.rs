@@ -1835,11 +1835,12 @@ fn decide(
     token: &mut u64,
     events: &mut Vec<Event>,
 ) -> Result<Result<Answer>> {
-    // Checked here too, not only when a request is submitted: requests
+    // Checked here too, not only when a request is submitted: changes
     // already queued (or waiting for room) when the scrub found the damage
-    // are refused as well. A checkpoint changes no record and runs: the
-    // scrub asks for one to record the damage marker in the store
-    // (`Store::checkpoint` is refused when it is submitted).
+    // are refused as well. A checkpoint changes no record and runs, one
+    // queued before the damage too: the scrub asks for one to record the
+    // damage marker in the store (`Store::checkpoint` submitted after the
+    // damage is refused at submission).
     if shared.damaged.load(Ordering::SeqCst)
         && !matches!(
             cmd,

@@ -152,11 +152,11 @@ impl Embedded {
         // file was opened (a hard link too): see `schema::META_DAMAGE_MARKER`.
         let (marker, marked) = match schema::recorded_damage_marker(&path, &db)? {
             _ if marked => (marker, true),
-            Ok(Some(recorded)) if scrub::is_marked(&recorded) => (Some(recorded), true),
+            Ok(Some(recorded)) if scrub::is_present(&recorded) => (Some(recorded), true),
             Ok(_) => (marker, false),
             Err(malformed) => {
-                tracing::error!(path = %path.display(), "{malformed}: the store opens read-only");
-                (marker, true)
+                tracing::warn!(path = %path.display(), "{malformed}: ignored");
+                (marker, false)
             }
         };
         // The log file is opened (or created) only once the index is known
@@ -1759,6 +1759,50 @@ mod tests {
         assert_eq!(checked, 6);
         let report = store.verify(|_| {}).unwrap();
         assert!(report.is_clean(), "{:?}", report.problems);
+    }
+
+    /// The scrub records the marker in the store by a checkpoint of its
+    /// own as soon as it finds damage, not only at the close: a crash
+    /// after the scrub still leaves the store naming its marker, for an
+    /// open by a name the marker is not beside (a hard link).
+    #[test]
+    fn the_scrub_records_the_damage_marker_in_the_store_before_the_close() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("damaged.redb");
+        let store =
+            Store::open_with(&path, Config::new().sweep_interval(None).scrub_rate(None)).unwrap();
+        let k = Key::new("scrub", "victim").unwrap();
+        match store
+            .claim(&k, &Fingerprint::of(b"p"), &ClaimOptions::new())
+            .unwrap()
+        {
+            ClaimOutcome::Acquired(lease) => {
+                store.complete(&lease, b"the result").unwrap();
+            }
+            other => panic!("{other:?}"),
+        }
+        store.checkpoint().unwrap();
+        let db = &embedded(&store).shared.db;
+        // A byte of the stored record flipped, as damage would (the writer
+        // holds no open transaction right after a checkpoint).
+        let txn = db.begin_write().unwrap();
+        {
+            let mut table = txn.open_table(RECORDS).unwrap();
+            let kb = k.to_bytes();
+            let mut bytes = table.get(kb.as_slice()).unwrap().unwrap().value().to_vec();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 0x55;
+            table.insert(kb.as_slice(), bytes.as_slice()).unwrap();
+        }
+        txn.commit().unwrap();
+        assert_eq!(schema::recorded_damage_marker(&path, db).unwrap(), Ok(None));
+        assert!(store.scrub(100).unwrap().damaged);
+        let marker = scrub::marker_of_store(&path);
+        assert!(marker.exists());
+        assert_eq!(
+            schema::recorded_damage_marker(&path, db).unwrap(),
+            Ok(Some(marker))
+        );
     }
 
     /// Changes the committed expiry index directly, as damage would (the

@@ -880,10 +880,22 @@ pub(crate) fn record_damage_marker(
 
 /// The damage marker recorded in the store ([`META_DAMAGE_MARKER`]):
 /// `Ok(None)` when none is recorded; `Err` with what is wrong when the
-/// recorded value is not an absolute path of at most
-/// [`MAX_MARKER_PATH_BYTES`] whose file name ends in `-damaged` (a file
-/// that cannot be trusted about it: the caller opens it read-only).
+/// recorded value (from a file that may be hostile) is not a plain absolute
+/// path of at most [`MAX_MARKER_PATH_BYTES`] whose file name ends in
+/// `-damaged`: no NUL byte, no `.` or `..` component, and on Windows a
+/// drive letter, not a UNC or device prefix (looking one up could reach
+/// the network). The caller ignores such a value (the marker beside the
+/// file's canonical path still counts). A panic inside redb on a damaged
+/// page is [`Error::CorruptFile`].
 pub(crate) fn recorded_damage_marker(
+    path: &Path,
+    db: &Database,
+) -> Result<std::result::Result<Option<PathBuf>, String>> {
+    guard(path, || read_damage_marker(path, db))
+}
+
+/// [`recorded_damage_marker`] outside its guard.
+fn read_damage_marker(
     path: &Path,
     db: &Database,
 ) -> Result<std::result::Result<Option<PathBuf>, String>> {
@@ -906,15 +918,20 @@ pub(crate) fn recorded_damage_marker(
             bytes.len()
         )));
     }
-    let Some(marker) = path_of_bytes(bytes) else {
+    let Some(marker) = path_of_bytes(bytes).filter(|_| !bytes.contains(&0)) else {
         return Ok(Err("the recorded damage marker is not a path".into()));
     };
     let named = marker
         .file_name()
         .is_some_and(|n| n.to_string_lossy().ends_with("-damaged"));
-    if !marker.is_absolute() || !named {
+    let plain = marker.components().all(|c| match c {
+        std::path::Component::Prefix(p) => matches!(p.kind(), std::path::Prefix::Disk(_)),
+        std::path::Component::RootDir | std::path::Component::Normal(_) => true,
+        std::path::Component::CurDir | std::path::Component::ParentDir => false,
+    });
+    if !marker.is_absolute() || !named || !plain {
         return Ok(Err(format!(
-            "the recorded damage marker {} is not an absolute path ending in -damaged",
+            "the recorded damage marker {} is not a plain absolute path ending in -damaged",
             marker.display()
         )));
     }
@@ -1574,6 +1591,47 @@ mod tests {
         Database::builder()
             .create_with_backend(redb::backends::InMemoryBackend::new())
             .unwrap()
+    }
+
+    /// The damage marker a file records is hostile input: only a plain
+    /// absolute path ending in `-damaged`, of at most 4,096 bytes, is
+    /// taken; anything else is named as malformed (the open ignores it).
+    #[test]
+    fn a_recorded_damage_marker_is_taken_only_when_plain() {
+        let db = memory_db();
+        let path = Path::new("memory.redb");
+        assert_eq!(recorded_damage_marker(path, &db).unwrap(), Ok(None));
+        let set = |value: &[u8]| {
+            let txn = db.begin_write().unwrap();
+            {
+                let mut table = txn.open_table(META).unwrap();
+                table.insert(META_DAMAGE_MARKER, value).unwrap();
+            }
+            txn.commit().unwrap();
+        };
+        let txn = db.begin_write().unwrap();
+        record_damage_marker(path, &txn, Path::new("/srv/s.redb-damaged")).unwrap();
+        txn.commit().unwrap();
+        assert_eq!(
+            recorded_damage_marker(path, &db).unwrap(),
+            Ok(Some(PathBuf::from("/srv/s.redb-damaged")))
+        );
+        let long = [b"/".as_slice(), &[b'a'; 4100], b"-damaged"].concat();
+        for bad in [
+            b"s.redb-damaged".as_slice(),
+            b"/srv/s.redb",
+            b"/srv/../s.redb-damaged",
+            b"/srv/s\0.redb-damaged",
+            b"",
+            &long,
+        ] {
+            set(bad);
+            assert!(
+                recorded_damage_marker(path, &db).unwrap().is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     /// Everything the records table, the expiry index and the expiry

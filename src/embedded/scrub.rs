@@ -380,6 +380,25 @@ pub(crate) fn is_marked(marker: &Path) -> bool {
     present(marker) || present(&marker_temp_of(marker))
 }
 
+/// Whether the marker a store records (`schema::META_DAMAGE_MARKER`), or
+/// its temporary name, exists. Unlike [`is_marked`], a name that cannot be
+/// looked up counts as absent (logged, warn): the path came from the file,
+/// and a lookup that fails for it (a component that is not a directory, a
+/// directory this process may not read) must not leave the store read-only
+/// with no marker the operator could remove. The marker beside the file's
+/// own canonical path keeps [`is_marked`]'s safe side.
+pub(crate) fn is_present(marker: &Path) -> bool {
+    let present = |p: &Path| match std::fs::symlink_metadata(p) {
+        Ok(_) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => {
+            tracing::warn!(marker = %p.display(), error = %e, "the recorded damage marker cannot be looked up: taken as absent");
+            false
+        }
+    };
+    present(marker) || present(&marker_temp_of(marker))
+}
+
 /// Renames a marker (and its temporary name) left beside a store file that
 /// no longer exists to `<marker>.before-<wall_ms>`, so that the new store
 /// created at the path is not taken for the damaged one; logged (warn).
