@@ -83,7 +83,7 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
     marked.into_iter().for_each(|p| report.found_listed(p));
     // The marker the store names, when the file was opened by a name it is
     // not beside (a hard link).
-    if let Some(named) = store.engine().damage_marker()
+    if let Some(named) = store.damage_marker()
         && named != marker
     {
         report.found_listed(marker_problem(named));

@@ -1248,6 +1248,13 @@ fn check_len(what: &'static str, len: usize, limit: usize) -> Result<()> {
 }
 
 impl Store {
+    /// The damage marker that keeps this store read-only (see
+    /// [`Config::scrub_rate`]): `None` unless the scrub found the store
+    /// damaged, in this process or before this open (for `check_file`).
+    pub(crate) fn damage_marker(&self) -> Option<&Path> {
+        self.engine.damage_marker()
+    }
+
     /// The engine underneath (for the crate's own tests, and for
     /// `idemstore::postgres::complete_in`).
     #[cfg(any(test, feature = "postgres"))]
