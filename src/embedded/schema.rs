@@ -882,7 +882,7 @@ pub(crate) fn record_damage_marker(
 /// `Ok(None)` when none is recorded; `Err` with what is wrong when the
 /// recorded value (from a file that may be hostile) is not a plain absolute
 /// path of at most [`MAX_MARKER_PATH_BYTES`] whose file name ends in
-/// `-damaged`: no NUL byte, no `.` or `..` component, and on Windows a
+/// `-damaged`: no NUL byte, no `..` component, and on Windows a
 /// drive letter, not a UNC or device prefix (looking one up could reach
 /// the network). The caller ignores such a value (the marker beside the
 /// file's canonical path still counts). A panic inside redb on a damaged
