@@ -416,12 +416,10 @@ fn a_store_found_damaged_is_checked_at_every_later_open_by_any_path() {
     refused(&t.path);
 }
 
-/// The damage marker belongs to the file, not to the spelling of its path:
-/// a store found damaged (with page checksums that pass, so that only the
-/// marker keeps it read-only) opens read-only through a symlink and through
-/// a path relative to another directory.
-#[test]
-fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
+/// A store of 30 records whose record 17 was damaged on disk with page
+/// checksums that pass (so that only the marker keeps it read-only), open,
+/// and found damaged by a scrub step.
+fn found_damaged_with_valid_checksums() -> (TestDir, Store) {
     let t = TestDir::new();
     drop({
         let store = t.open();
@@ -431,6 +429,16 @@ fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
     damage_record(&t.path, &key(&id(17)));
     let store = t.open();
     assert!(store.scrub(1000).unwrap().damaged);
+    (t, store)
+}
+
+/// The damage marker belongs to the file, not to the spelling of its path:
+/// a store found damaged (with page checksums that pass, so that only the
+/// marker keeps it read-only) opens read-only through a symlink and through
+/// a path relative to another directory.
+#[test]
+fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
+    let (t, store) = found_damaged_with_valid_checksums();
     drop(store);
     let other = tempfile::tempdir().unwrap();
     let link = other.path().join("link.redb");
@@ -466,15 +474,7 @@ fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
 /// marker is removed, the store takes claims again by every name.
 #[test]
 fn the_damage_marker_is_found_through_a_hard_link() {
-    let t = TestDir::new();
-    drop({
-        let store = t.open();
-        populate(&store, 30, Some(17));
-        store
-    });
-    damage_record(&t.path, &key(&id(17)));
-    let store = t.open();
-    assert!(store.scrub(1000).unwrap().damaged);
+    let (t, store) = found_damaged_with_valid_checksums();
     // The scrub's own checkpoint runs; one asked by the caller is refused.
     assert!(matches!(store.checkpoint(), Err(Error::Poisoned)));
     drop(store);

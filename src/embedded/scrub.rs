@@ -373,11 +373,7 @@ pub(crate) fn mark_damaged(
 /// write) exists. A name that cannot be looked up for another reason
 /// (permissions) counts as marked: the safe side.
 pub(crate) fn is_marked(marker: &Path) -> bool {
-    let present = |p: &Path| match std::fs::symlink_metadata(p) {
-        Ok(_) => true,
-        Err(e) => e.kind() != std::io::ErrorKind::NotFound,
-    };
-    present(marker) || present(&marker_temp_of(marker))
+    marker_exists(marker, |_, _| true)
 }
 
 /// Whether the marker a store records (`schema::META_DAMAGE_MARKER`), or
@@ -388,15 +384,21 @@ pub(crate) fn is_marked(marker: &Path) -> bool {
 /// with no marker the operator could remove. The marker beside the file's
 /// own canonical path keeps [`is_marked`]'s safe side.
 pub(crate) fn is_present(marker: &Path) -> bool {
-    let present = |p: &Path| match std::fs::symlink_metadata(p) {
+    marker_exists(marker, |p, e| {
+        tracing::warn!(marker = %p.display(), error = %e, "the recorded damage marker cannot be looked up: taken as absent");
+        false
+    })
+}
+
+/// Whether `marker` or its temporary name exists; a lookup that fails
+/// other than as absent answers what `failed` says.
+fn marker_exists(marker: &Path, failed: impl Fn(&Path, std::io::Error) -> bool) -> bool {
+    let exists = |p: &Path| match std::fs::symlink_metadata(p) {
         Ok(_) => true,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-        Err(e) => {
-            tracing::warn!(marker = %p.display(), error = %e, "the recorded damage marker cannot be looked up: taken as absent");
-            false
-        }
+        Err(e) => failed(p, e),
     };
-    present(marker) || present(&marker_temp_of(marker))
+    exists(marker) || exists(&marker_temp_of(marker))
 }
 
 /// Renames a marker (and its temporary name) left beside a store file that
