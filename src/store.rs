@@ -411,10 +411,21 @@ impl Store {
     ///   applied or its lease lapsed. A key the batch did not acquire
     ///   answers as it did inside the batch (a replay, in progress under
     ///   another holder, a fingerprint mismatch), unless it changed since.
-    ///   Retrying the same batch does exactly that. After a storage error the embedded store refuses writes
-    ///   ([`Error::Poisoned`]) until it is reopened.
+    ///   On the file engine, a storage error first makes the store refuse
+    ///   writes ([`Error::Poisoned`]) until it is reopened: reopen it, then
+    ///   retry the same batch, which finds out as above (on PostgreSQL,
+    ///   retry at once). A key taken over after such a lease lapsed is
+    ///   acquired as a takeover ([`Lease::is_takeover`](crate::Lease::is_takeover)
+    ///   is true, since the lost batch acquired it once) though no work ran
+    ///   under the lost lease: the caller that knows the batch failed may
+    ///   treat it as a first attempt; `Store::execute` (feature `agent`)
+    ///   treats it as in doubt.
     /// - [`Error::Unavailable`] (PostgreSQL): nothing was sent for commit;
     ///   nothing was applied.
+    /// - [`Error::Misconfigured`] (PostgreSQL): the store cannot work as
+    ///   configured (a refused role, a missing privilege, a schema from a
+    ///   newer build: see the variant); nothing was applied, and a retry as
+    ///   is gets the same answer.
     ///
     /// Each inner `Err` is that claim's own refusal, as [`Store::claim`]
     /// gives it ([`Error::FingerprintMismatch`], [`Error::CorruptRecord`],

@@ -514,6 +514,107 @@ async fn no_effect_releases_the_key_for_any_payload() {
     assert_eq!(runs.takeovers.load(Ordering::SeqCst), 0);
 }
 
+/// A takeover's answer is never a release, whether by status or by
+/// `NoEffect`: an earlier attempt may have acted, and releasing would
+/// delete the acquisitions and the recovery point that tell the next
+/// attempt to look its effect up. It is kept as a retryable failure, with
+/// the payload still bound to the key.
+#[tokio::test]
+async fn a_takeover_is_never_released() {
+    for mark in [None, Some(IdempotencyOutcome::NoEffect)] {
+        let (_d, store, _c) = manual_store();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |req: Req| {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let ctx = req
+                    .extensions()
+                    .get::<IdempotencyContext>()
+                    .cloned()
+                    .unwrap();
+                match n {
+                    0 => {
+                        // Acted, saved how far it got, then failed.
+                        ctx.store()
+                            .set_recovery_point_async(ctx.lease(), b"step-1-done")
+                            .await
+                            .unwrap();
+                        status(500)
+                    }
+                    1 => {
+                        let mut r = status(429);
+                        if let Some(mark) = mark {
+                            r.extensions_mut().insert(mark);
+                        }
+                        r
+                    }
+                    _ => {
+                        assert_eq!(ctx.recovery_point(), Some(&b"step-1-done"[..]));
+                        created("{}")
+                    }
+                }
+            }
+        });
+        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 500);
+        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 429);
+        let key = Key::new("POST /tickets", "k").unwrap();
+        let record = store.get(&key).unwrap().expect("the 429 kept the record");
+        assert_eq!(record.state(), State::Failed { retryable: true });
+        assert_eq!(record.recovery_point(), Some(&b"step-1-done"[..]));
+        // Still bound to its payload.
+        assert_eq!(send(&svc, post(Some("k"), "other")).await.0, 422);
+        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+        assert_eq!(runs.count(), 3, "{mark:?}");
+        assert_eq!(runs.takeovers.load(Ordering::SeqCst), 2, "{mark:?}");
+        assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 3);
+    }
+}
+
+/// `content-type` is compared as a media type: a retry that spells it
+/// otherwise (case, a `charset` JSON ignores) is the same payload and gets
+/// the replay, not a 422; another media type is another payload.
+#[tokio::test]
+async fn a_retry_that_spells_the_media_type_otherwise_is_replayed() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { created("{}") });
+    let with = |ct: &'static str| {
+        Request::post("/tickets")
+            .header("idempotency-key", "k")
+            .header("content-type", ct)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    assert_eq!(send(&svc, with("application/json")).await.0, 201);
+    for same in ["application/json; charset=utf-8", "APPLICATION/JSON"] {
+        let (code, headers, _) = send(&svc, with(same)).await;
+        assert_eq!(
+            (code, replayed(&headers)),
+            (StatusCode::CREATED, true),
+            "{same}"
+        );
+    }
+    assert_eq!(send(&svc, with("text/plain")).await.0, 422);
+    assert_eq!(runs.count(), 1);
+}
+
+/// A success among the release statuses is ignored: releasing it would run
+/// the handler again on every retry.
+#[tokio::test]
+async fn only_refusals_can_be_release_statuses() {
+    let (_d, store, _c) = manual_store();
+    let layer =
+        IdempotencyLayer::new(store).release_statuses([StatusCode::OK, StatusCode::CONFLICT]);
+    let (svc, runs) = service(layer.clone(), |_| async { status(200) });
+    assert_eq!(send(&svc, post(Some("a"), "x")).await.0, 200);
+    assert!(replayed(&send(&svc, post(Some("a"), "x")).await.1));
+    assert_eq!(runs.count(), 1);
+    let (svc, runs) = service(layer, |_| async { status(409) });
+    send(&svc, post(Some("b"), "x")).await;
+    send(&svc, post(Some("b"), "x")).await;
+    assert_eq!(runs.count(), 2, "409 is released");
+}
+
 /// The answer to a retry of a response that was too large to keep.
 async fn assert_not_kept<S, B>(svc: &S, original: u16, location: Option<&str>)
 where

@@ -76,27 +76,40 @@ impl StoreArg {
     /// `postgresql://` or `postgres://`, else a file. `--schema` on a file
     /// is refused.
     pub fn target(&self) -> Result<Target, CliError> {
-        let url = self.store.to_str().filter(|s| {
-            URL_PREFIXES.iter().any(|p| s.starts_with(p))
-                || (is_key_value(s) && std::fs::symlink_metadata(&self.store).is_err())
+        let text = self.store.to_str();
+        let absent = || std::fs::symlink_metadata(&self.store).is_err();
+        let url = text.and_then(|s| match url_scheme(s) {
+            // A URL's scheme is case-insensitive (RFC 3986 §3.1); the
+            // engine takes it in lower case.
+            Some(scheme) => Some(format!(
+                "{}{}",
+                scheme.to_ascii_lowercase(),
+                &s[scheme.len()..]
+            )),
+            None if is_key_value(s) && absent() => Some(s.to_owned()),
+            None => None,
         });
         match url {
             Some(url) => {
                 let schema = self.schema.as_deref().unwrap_or(DEFAULT_SCHEMA).to_owned();
-                let name = if is_key_value(url) {
-                    redacted_key_value(url, &schema)
+                let name = if is_key_value(&url) {
+                    redacted_key_value(&url, &schema)
                 } else {
-                    redacted(url, &schema)
+                    redacted(&url, &schema)
                 };
-                Ok(Target::Postgres {
-                    url: url.to_owned(),
-                    schema,
-                    name,
-                })
+                Ok(Target::Postgres { url, schema, name })
             }
+            // Not a store file, and it may hold a password: not echoed.
+            None if text.is_some_and(may_be_connection_string) && absent() => Err(CliError::Usage(
+                "STORE is not a store file, and not a connection string this command \
+                     reads (its value is not shown: it may hold a password): give a \
+                     postgresql:// URL, or key=value pairs that start with a libpq keyword \
+                     (`host=db1 port=5432 dbname=app user=svc`)"
+                    .into(),
+            )),
             None if self.schema.is_some() => Err(CliError::Usage(format!(
-                "--schema is for a PostgreSQL store (a postgresql:// or postgres:// URL), \
-                 and {} is a file (see --help)",
+                "--schema is for a PostgreSQL store (a postgresql:// or postgres:// URL, or a \
+                 key=value connection string), and {} is a file (see --help)",
                 self.store.display()
             ))),
             None => Ok(Target::File(self.store.clone())),
@@ -104,11 +117,87 @@ impl StoreArg {
     }
 }
 
-/// The libpq keywords that start a key=value connection string
-/// (`host=db1 dbname=app user=svc`), which `Store::connect` takes as well as
-/// a URL.
-const KEY_VALUE_KEYWORDS: [&str; 8] = [
-    "host", "hostaddr", "port", "dbname", "user", "password", "sslmode", "options",
+/// The scheme and `://` that start `s` when it is a PostgreSQL URL, in any
+/// case (`postgresql://`, `postgres://`, `PostgreSQL://`).
+fn url_scheme(s: &str) -> Option<&str> {
+    URL_PREFIXES
+        .iter()
+        .find_map(|p| s.get(..p.len()).filter(|head| head.eq_ignore_ascii_case(p)))
+}
+
+/// Whether `s`, which names no file, reads like a connection string this
+/// command did not take (a URL of another scheme, a key=value string with
+/// an unknown first keyword, or anything with a password in it), so that
+/// messages must not show it.
+fn may_be_connection_string(s: &str) -> bool {
+    // The keyword of a `keyword=value` word.
+    fn keyword(word: &str) -> Option<&str> {
+        word.split_once('=').map(|(key, _)| key).filter(|key| {
+            !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_')
+        })
+    }
+    // `scheme://` at the start (RFC 3986 §3.1), so that a path such as
+    // `./postgresql://x` stays a path.
+    let url = s.split_once("://").is_some_and(|(scheme, _)| {
+        scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+            && scheme
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
+    });
+    let words: Vec<&str> = s.split_whitespace().collect();
+    url || words
+        .iter()
+        .filter_map(|w| keyword(w))
+        .any(|key| key.to_ascii_lowercase().contains("password"))
+        || (words.len() >= 2 && words.iter().all(|w| keyword(w).is_some()))
+}
+
+/// The libpq connection keywords (PostgreSQL 17, "Parameter Key Words"):
+/// a key=value connection string (`host=db1 dbname=app user=svc`), which
+/// `Store::connect` takes as well as a URL, starts with one of them.
+const KEY_VALUE_KEYWORDS: [&str; 42] = [
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "passfile",
+    "require_auth",
+    "channel_binding",
+    "connect_timeout",
+    "client_encoding",
+    "options",
+    "application_name",
+    "fallback_application_name",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+    "replication",
+    "gssencmode",
+    "sslmode",
+    "requiressl",
+    "sslcompression",
+    "sslcert",
+    "sslkey",
+    "sslpassword",
+    "sslcertmode",
+    "sslrootcert",
+    "sslcrl",
+    "sslcrldir",
+    "sslsni",
+    "requirepeer",
+    "ssl_min_protocol_version",
+    "ssl_max_protocol_version",
+    "krbsrvname",
+    "gsslib",
+    "gssdelegation",
+    "service",
+    "target_session_attrs",
+    "load_balance_hosts",
+    "sslnegotiation",
 ];
 
 /// Whether `s` reads as a key=value connection string: its first word is
@@ -144,13 +233,24 @@ fn redacted_key_value(conn: &str, schema: &str) -> String {
 /// `url` without its user, password and parameters, plus `?schema=NAME`:
 /// what messages show of a connection URL (the store's own
 /// [`Store::path`] is the same form once connected).
+///
+/// The authority ends at the first `/`, `?` or `#`; the user and password
+/// are what it holds up to its last `@` (a password may hold an `@` of its
+/// own). When the authority holds no `@` but the rest of the URL does, a
+/// password with an unescaped `/`, `?` or `#` may have cut the authority
+/// short, so neither host nor database is shown.
 fn redacted(url: &str, schema: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("postgresql", url));
-    let rest = rest.split(['?', '#']).next().unwrap_or("");
-    // Everything up to the last `@` is the user and password, even when a
-    // password holds a `/` or an `@` of its own.
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
-    let (host, db) = rest.split_once('/').unwrap_or((rest, ""));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, after) = rest.split_at(end);
+    let host = match authority.rsplit_once('@') {
+        Some((_, host)) => host,
+        None if after.contains('@') => return format!("{scheme}://?schema={schema}"),
+        None => authority,
+    };
+    let db = after
+        .strip_prefix('/')
+        .map_or("", |path| path.split(['?', '#']).next().unwrap_or(""));
     format!("{scheme}://{host}/{db}?schema={schema}")
 }
 
@@ -266,9 +366,12 @@ pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliEr
         .collect();
     let mut found = Vec::new();
     for key in &splits {
-        let record = store
-            .get(key)
-            .map_err(|e| CliError::store(format!("cannot read {key}"), e))?;
+        let record = store.get(key).map_err(|e| {
+            CliError::store(
+                format!("cannot read {}", key_text(key.scope(), key.id())),
+                e,
+            )
+        })?;
         if record.is_some() {
             found.push(key.clone());
         }
@@ -276,10 +379,13 @@ pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliEr
     if let [key] = found.as_slice() {
         return Ok(key.clone());
     }
+    // Each split as a shell takes it: after `--` (a scope may start with
+    // `-`), each part quoted for a POSIX shell where it needs it.
     let listed = |keys: &[Key]| {
         keys.iter()
-            .map(|k| format!("\n  {:?} {:?}", k.scope(), k.id()))
-            .collect::<String>()
+            .map(|k| format!("-- {} {}", shell_word(k.scope()), shell_word(k.id())))
+            .collect::<Vec<_>>()
+            .join("; ")
     };
     Err(CliError::Usage(match (splits.len(), found.len()) {
         (0, _) => format!(
@@ -289,15 +395,21 @@ pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliEr
         (_, 0) => format!(
             "{joined:?} is one argument and no way of splitting it at a `/` names a record \
              (absent or past retention). A key is SCOPE ID, two arguments; it splits as one \
-             of:{}",
+             of (each pasted after STORE): {}",
             listed(&splits)
         ),
         _ => format!(
             "{joined:?} is one argument and names more than one record; give SCOPE ID as two \
-             arguments, one of:{}",
+             arguments, one of (each pasted after STORE): {}",
             listed(&found)
         ),
     }))
+}
+
+/// `word` quoted for a POSIX shell when it needs quoting (as is when it
+/// holds a NUL byte, which no quoting carries and no key holds).
+fn shell_word(word: &str) -> std::borrow::Cow<'_, str> {
+    shlex::try_quote(word).unwrap_or(std::borrow::Cow::Borrowed(word))
 }
 
 /// A writer that remembers whether a write failed because the reader went
@@ -508,6 +620,82 @@ impl From<StateArg> for State {
             StateArg::Succeeded => State::Succeeded,
             StateArg::Failed => State::Failed { retryable: false },
             StateArg::FailedRetryable => State::Failed { retryable: true },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(store: &str) -> Result<Target, CliError> {
+        StoreArg {
+            store: PathBuf::from(store),
+            schema: None,
+        }
+        .target()
+    }
+
+    #[test]
+    fn messages_never_show_a_urls_credentials() {
+        let cases = [
+            (
+                "postgresql://svc:pw@db1:5432/app?sslmode=disable",
+                "postgresql://db1:5432/app",
+            ),
+            ("postgres://svc:p@ss@db1/app", "postgres://db1/app"),
+            ("postgresql://db1/app?password=p@ss", "postgresql://"),
+            (
+                "postgresql://svc:Sekr3tPW?x@127.0.0.1:5488/app",
+                "postgresql://",
+            ),
+            (
+                "postgresql://svc:Sekr3tPW#x@127.0.0.1:5488/app",
+                "postgresql://",
+            ),
+            (
+                "postgresql://svc:Sekr/3tPW@127.0.0.1:5488/app",
+                "postgresql://",
+            ),
+            ("postgresql:///app?host=/run/pg", "postgresql:///app"),
+        ];
+        for (url, shown) in cases {
+            let name = redacted(url, "s");
+            assert_eq!(name, format!("{shown}?schema=s"), "{url}");
+            assert!(!name.contains("pw") && !name.contains("Sekr") && !name.contains("ss@"));
+        }
+    }
+
+    #[test]
+    fn connection_strings_are_told_from_files() {
+        let postgres = |s: &str| match target(s) {
+            Ok(Target::Postgres { url, name, .. }) => Some((url, name)),
+            _ => None,
+        };
+        let (url, name) = postgres("PostgreSQL://svc:pw@db1/app").unwrap();
+        assert_eq!(url, "postgresql://svc:pw@db1/app");
+        assert_eq!(name, "postgresql://db1/app?schema=idemstore");
+        let (_, name) =
+            postgres("connect_timeout=5 host=db1 port=5433 user=svc password=pw dbname=app")
+                .unwrap();
+        assert_eq!(name, "postgresql://db1:5433/app?schema=idemstore");
+        assert!(matches!(target("/nonexistent/a.redb"), Ok(Target::File(_))));
+        assert!(matches!(
+            target("/nonexistent/passwords.redb"),
+            Ok(Target::File(_))
+        ));
+        assert!(matches!(target("./postgresql://x"), Ok(Target::File(_))));
+        // Not a store and not a string this command reads: refused, and
+        // not echoed.
+        for s in [
+            "mysql://svc:Sekr3t@db1/app",
+            "/nonexistent/x password=Sekr3t",
+            "bogus=1 also=2",
+        ] {
+            match target(s) {
+                Err(CliError::Usage(msg)) => assert!(!msg.contains("Sekr3t"), "{msg}"),
+                other => panic!("{s}: {:?}", other.is_ok()),
+            }
         }
     }
 }

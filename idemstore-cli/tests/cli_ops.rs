@@ -695,6 +695,39 @@ fn check_reports_a_damaged_page_as_damage_with_exit_1_and_json() {
     }
 }
 
+/// A damaged page that makes the storage engine (redb) panic is answered
+/// with the library's typed error as one line: the caught panic is not
+/// printed, and nothing else is. Each 4 KiB page of a small store in turn
+/// has its first 64 bytes garbled; at least one of them must reach redb's
+/// panic for the test to count.
+#[test]
+fn a_storage_engine_panic_on_a_damaged_file_is_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = dir.path().join("clean.redb");
+    populate(&clean);
+    let bytes = std::fs::read(&clean).unwrap();
+    let path = dir.path().join("s.redb");
+    let mut engine_panics = 0;
+    for page in (4096..bytes.len()).step_by(4096) {
+        let mut damaged = bytes.clone();
+        for b in &mut damaged[page..(page + 64).min(bytes.len())] {
+            *b ^= 0xA5;
+        }
+        std::fs::write(&path, &damaged).unwrap();
+        for args in [vec!["stats", p(&path)], vec!["list", p(&path)]] {
+            let out = idemstore(&args);
+            let err = stderr(&out);
+            assert!(!err.contains("panicked at"), "page {page} {args:?}: {err}");
+            assert!(err.lines().count() <= 1, "page {page} {args:?}: {err}");
+            if err.contains("storage engine panicked") {
+                assert_eq!(code(&out), 2, "page {page} {args:?}: {err}");
+                engine_panics += 1;
+            }
+        }
+    }
+    assert!(engine_panics > 0, "no damaged page reached redb's panic");
+}
+
 /// An export from a host whose clock ran an hour ahead is refused (the
 /// error names the frame's offset and the rule); `--accept-clock-ahead`
 /// imports it.
@@ -878,6 +911,26 @@ fn usage_errors_are_one_line_naming_what_is_missing() {
     assert!(err.contains("<STORE> <SCOPE>"), "{err}");
     let err = stderr(&idemstore(&["list", "x.redb", "--state", "bogus"]));
     assert!(err.contains("possible values: processing"), "{err}");
+    // A retention the store would refuse is the flag's error, not the
+    // store's.
+    let out = idemstore(&[
+        "resolve",
+        "x.redb",
+        "a",
+        "b",
+        "--token",
+        "1",
+        "--succeeded",
+        "1",
+        "--retention",
+        "0s",
+    ]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains("--retention") && err.contains("1ms to"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -1071,6 +1124,17 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
         stderr(&out)
     );
     assert!(stderr(&out).contains(r#"'"T-call_2"'"#), "{}", stderr(&out));
+    // The suggested flag pastes into a shell as one JSON word, a quote in
+    // the value included.
+    let out = resolve("task-1:call_2", &["--succeeded", "it's"]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    let (_, after) = err.split_once("quote a string as JSON (").expect(&err);
+    let (suggested, _) = after.split_once("), or give").expect(&err);
+    assert_eq!(
+        shlex::split(suggested).expect(&err),
+        ["--succeeded", r#""it's""#]
+    );
     let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_2", "--json"]);
     assert_eq!(json(&out)["state"], "processing");
     let out = resolve("task-1:call_2", &["--succeeded", r#""T-call_2""#]);
@@ -1096,8 +1160,8 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     let err = execute_again(&path, "task-1:call_3").unwrap_err();
     assert!(
         err.contains(&format!(
-            "idemstore resolve STORE --token {token} --amend (--succeeded JSON | --failed JSON) \
-             -- acme/tools task-1:call_3"
+            "idemstore resolve STORE --token {token} --amend --succeeded JSON \
+             -- acme/tools task-1:call_3 (STORE and JSON filled in;"
         )),
         "{err}"
     );
@@ -1213,13 +1277,33 @@ fn a_key_as_the_library_prints_it_pastes_into_get_and_resolve() {
     let out = idemstore(&["get", p(&path), "acme/tools/task/9:call_9"]);
     assert_eq!(code(&out), 2);
     let err = stderr(&out);
+    // Each split as a shell takes it, after `--`.
     for split in [
-        r#""acme" "tools/task/9:call_9""#,
-        r#""acme/tools" "task/9:call_9""#,
-        r#""acme/tools/task" "9:call_9""#,
+        "-- acme tools/task/9:call_9",
+        "-- acme/tools task/9:call_9",
+        "-- acme/tools/task 9:call_9",
     ] {
         assert!(err.contains(split), "{split} not in: {err}");
     }
+    // A part a shell would expand or split is quoted, and pastes as is.
+    let out = idemstore(&["get", p(&path), "acme $x/tools/-t 1"]);
+    let err = stderr(&out);
+    let (_, listed) = err.split_once("(each pasted after STORE): ").expect(&err);
+    let line = listed
+        .split("; ")
+        .find(|l| l.starts_with("-- 'acme $x/tools'"))
+        .unwrap_or_else(|| panic!("{err}"));
+    let words = shlex::split(line.trim()).unwrap();
+    assert_eq!(words, ["--", "acme $x/tools", "-t 1"]);
+    let mut args = vec!["get", p(&path)];
+    args.extend(words.iter().map(String::as_str));
+    let out = idemstore(&args);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains(r#"scope "acme $x/tools" id "-t 1""#),
+        "{}",
+        stdout(&out)
+    );
     let out = idemstore(&["get", p(&path), "no-slash-at-all"]);
     assert_eq!(code(&out), 2);
     assert!(

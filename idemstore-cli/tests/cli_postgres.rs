@@ -378,6 +378,17 @@ fn unreachable_server_and_bad_url_never_show_the_password() {
         ),
         ("postgresql://admin:s3cret-pw@127.0.0.1:notaport/x", "url"),
         ("postgresql://admin:s3cret/pw@127.0.0.1:1/x", "s3cret"),
+        // A password with an unescaped `?` or `#` cuts the authority short.
+        ("postgresql://admin:s3cret?pw@127.0.0.1:1/x", "s3cret"),
+        ("postgresql://admin:s3cret#pw@127.0.0.1:1/x", "s3cret"),
+        // Any case of the scheme; any libpq keyword first.
+        ("PostgreSQL://admin:s3cret-pw@127.0.0.1:1/x", "unavailable"),
+        (
+            "connect_timeout=5 host=127.0.0.1 port=1 user=admin password=s3cret-pw dbname=x",
+            "unavailable",
+        ),
+        // Not a string this command reads: refused, not echoed.
+        ("mysql://admin:s3cret-pw@127.0.0.1:1/x", "connection string"),
     ];
     for (url, cause) in cases {
         for args in [

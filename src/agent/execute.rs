@@ -831,7 +831,9 @@ fn replay<T: DeserializeOwned, E: DeserializeOwned>(
         detail: format!(
             "{detail}; the stored outcome is not the JSON this call reads. If it was recorded \
              by hand, correct it: idemstore resolve STORE --token {token} --amend \
-             (--succeeded JSON | --failed JSON) -- {scope} {id}",
+             --succeeded JSON -- {scope} {id} (STORE and JSON filled in; --failed JSON in \
+             place of --succeeded JSON for a failure; --schema NAME after STORE for a \
+             PostgreSQL schema other than idemstore)",
             // Quoted for a POSIX shell where needed (a scope or id may
             // hold spaces or quotes), and after `--`, so that one starting
             // with `-` is not read as an option.

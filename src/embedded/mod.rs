@@ -635,8 +635,11 @@ impl Embedded {
 
     /// Applies `ops` in one durable write, each decided on its own and in
     /// order, after raising the token counter to at least `token_floor`.
-    /// The outer `Err` is a failure of the whole write (nothing applied);
-    /// the inner ones are each op's own refusal.
+    /// The outer `Err` is a failure of the whole write: refused before the
+    /// write (nothing applied), or a failed log write or fsync after the
+    /// batch's frame was written (applied or not, as a whole; see
+    /// [`Store::claim_many`](crate::Store::claim_many)). The inner ones are
+    /// each op's own refusal.
     pub(crate) fn apply_many(
         &self,
         ops: Vec<(Key, Op)>,

@@ -210,12 +210,12 @@ where
                         Ok(response) => {
                             let (mut parts, body) = response.into_parts();
                             let outcome = parts.extensions.remove::<IdempotencyOutcome>();
-                            let release = match outcome {
-                                Some(IdempotencyOutcome::NoEffect) => true,
-                                Some(IdempotencyOutcome::Final) => false,
-                                None => held.settings.release_statuses.contains(&parts.status),
-                            };
-                            if release {
+                            // A takeover is never released: an earlier
+                            // attempt may have acted, and a release would
+                            // delete the record that says so (its
+                            // acquisitions and recovery point). `finish`
+                            // records a retryable failure instead.
+                            if held.releases(outcome, parts.status) && !held.lease.is_takeover() {
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
                                         held.release().await;
@@ -289,6 +289,17 @@ impl Held {
         }
     }
 
+    /// Whether the handler's answer says nothing was done: marked
+    /// [`IdempotencyOutcome::NoEffect`], or unmarked with one of the
+    /// release statuses.
+    fn releases(&self, outcome: Option<IdempotencyOutcome>, status: http::StatusCode) -> bool {
+        match outcome {
+            Some(IdempotencyOutcome::NoEffect) => true,
+            Some(IdempotencyOutcome::Final) => false,
+            None => self.settings.release_statuses.contains(&status),
+        }
+    }
+
     /// Queues a retryable failure without waiting for it.
     fn abandon(mut self, reason: &str) {
         self.finished = true;
@@ -320,7 +331,8 @@ impl Held {
     }
 
     /// Records the response the client got: a retryable failure for a 5xx
-    /// (unless stored by the settings or marked `Final`), else stored as a
+    /// (unless stored by the settings or marked `Final`) and for a
+    /// takeover's releasing answer, else stored as a
     /// completion (1xx–3xx) or a permanent failure (4xx, 5xx). A response
     /// that is over `max_response_bytes` (`kept` false) or the store's
     /// limit is stored as the not-kept marker, so that the key is finished
@@ -332,8 +344,12 @@ impl Held {
         kept: bool,
     ) {
         let status = stored.status;
-        let retryable =
-            outcome.is_none() && status.is_server_error() && !self.settings.store_server_errors;
+        // Only a takeover reaches here with a releasing answer (see the
+        // `Run` state): it keeps its record, as a retryable failure.
+        let retryable = self.releases(outcome, status)
+            || (outcome.is_none()
+                && status.is_server_error()
+                && !self.settings.store_server_errors);
         if retryable {
             let reason = format!("the handler answered {status}; a retry runs it again");
             let bytes = stored.encode().filter(|_| kept);

@@ -105,8 +105,14 @@ pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 11] = [
 
 /// The request headers the fingerprint covers by default: `content-type`,
 /// so that the same bytes sent with another media type are another
-/// payload (a request refused for its media type, then sent again with the
-/// right one, is a first attempt, not a replay of the refusal).
+/// payload, never answered with the response stored for the first (a 422
+/// instead). `content-type` is compared as a media type (RFC 9110 §8.3.1):
+/// type, subtype and parameter names in any case, `charset` in any case,
+/// no `charset` for JSON types (RFC 8259 §11), spaces around `;` ignored;
+/// `APPLICATION/JSON` and `application/json; charset=utf-8` are the same
+/// payload as `application/json`. (What makes a request refused for its
+/// media type, then sent again with the right one, a first attempt is that
+/// 415 is among the [`DEFAULT_RELEASE_STATUSES`].)
 pub const DEFAULT_FINGERPRINT_HEADERS: [HeaderName; 1] = [header::CONTENT_TYPE];
 
 /// Which response headers are stored for a replay.
@@ -364,11 +370,27 @@ impl IdempotencyLayer {
     /// before doing any work). Use it only for statuses that mean "nothing
     /// was done": a released key protects nothing. A handler's
     /// `IdempotencyOutcome::Final` overrules it for one response.
+    ///
+    /// Only 4xx and 5xx statuses are taken; a status below 400 in
+    /// `statuses` is ignored (with a `tracing` warning), since a success
+    /// released would run the handler again on every retry. A takeover
+    /// (an earlier attempt may have acted) is never released: its answer
+    /// is recorded as a retryable failure, so that the next retry is a
+    /// takeover too and can look the earlier effect up.
     pub fn release_statuses(
         mut self,
         statuses: impl IntoIterator<Item = StatusCode>,
     ) -> IdempotencyLayer {
-        self.settings.release_statuses = statuses.into_iter().collect();
+        self.settings.release_statuses = statuses
+            .into_iter()
+            .filter(|status| {
+                let refusal = status.is_client_error() || status.is_server_error();
+                if !refusal {
+                    tracing::warn!(%status, "ignored in release_statuses: only 4xx and 5xx release a key");
+                }
+                refusal
+            })
+            .collect();
         self
     }
 

@@ -73,7 +73,8 @@
 //! by `tenant/` when [`tenant`](IdempotencyLayer::tenant) finds one; the id
 //! is the header's value. The fingerprint is SHA-256 over the method, the
 //! path and query, the [chosen request headers](IdempotencyLayer::fingerprint_headers)
-//! (`content-type` by default) and the body.
+//! (`content-type` by default, compared as a media type: see
+//! [`DEFAULT_FINGERPRINT_HEADERS`]) and the body.
 //!
 //! The handler's response is stored as its status, its headers (all but
 //! [`REPLAY_DENY_LIST`], unless [`replay_headers`](IdempotencyLayer::replay_headers)
@@ -83,11 +84,12 @@
 //! | handler's answer | the key | a retry |
 //! |---|---|---|
 //! | 1xx–3xx | completed, response stored | replayed until retention ends (24 h by default) |
-//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 408, 413, 415, 422, 425, 429) | released: nothing was done | runs the handler as a first attempt |
+//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 408, 413, 415, 422, 425, 429), on a first attempt | released: nothing was done | runs the handler as a first attempt |
 //! | other 4xx | permanent failure, response stored | replayed |
 //! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |
 //! | marked [`IdempotencyOutcome::Final`] | stored whatever the status | replayed |
-//! | marked [`IdempotencyOutcome::NoEffect`] | released | first attempt |
+//! | marked [`IdempotencyOutcome::NoEffect`], on a first attempt | released | first attempt |
+//! | a release status or `NoEffect` on a takeover ([`IdempotencyContext::is_takeover`]) | retryable failure: an earlier attempt may have acted | runs the handler again, as a takeover |
 //! | stored form over [`max_response_bytes`](IdempotencyLayer::max_response_bytes) or the store's limit | finished with a marker: the effect happened | `410 Gone` naming the original status and `location` |
 //! | body fails halfway, or the client goes away | retryable failure | takeover: the handler looks its effect up |
 //!

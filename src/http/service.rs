@@ -98,7 +98,11 @@ pub enum IdempotencyOutcome {
     Final,
     /// Nothing happened: release the key, so that a retry runs the handler
     /// as a first attempt, with any payload. Use it for a refusal before
-    /// any effect (rate limited, a dependency down before the write).
+    /// any effect (rate limited, a dependency down before the write). On a
+    /// takeover ([`IdempotencyContext::is_takeover`]) it means only that
+    /// this attempt did nothing: an earlier one may have acted, so the key
+    /// is kept as a retryable failure (acquisitions, recovery point and
+    /// payload with it) and the next retry is a takeover too.
     NoEffect,
 }
 

@@ -25,8 +25,10 @@
 //! Decoding checks every length and that nothing follows the body, so a
 //! damaged blob is reported, never replayed as a wrong response.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 
 use crate::key::Fingerprint;
 
@@ -251,16 +253,75 @@ pub(crate) fn fingerprint(
         let values: Vec<&HeaderValue> = headers.get_all(name).iter().collect();
         enc.extend_from_slice(&(values.len() as u64).to_be_bytes());
         for v in values {
-            field(&mut enc, v.as_bytes());
+            if name == header::CONTENT_TYPE {
+                field(&mut enc, &media_type(v));
+            } else {
+                field(&mut enc, v.as_bytes());
+            }
         }
     }
     field(&mut enc, body);
     Fingerprint::of(&enc)
 }
 
+/// A `content-type` value in one spelling per media type (RFC 9110
+/// §8.3.1): type, subtype and parameter names lowercased (and `charset`'s
+/// value, which `mime` lowercases), no spaces, and no `charset` on a JSON
+/// type, where it has no effect (RFC 8259 §11; `application/json` and any
+/// `+json` type, RFC 6839). The common spelling is unchanged
+/// (`application/json` stays `application/json`). A value that does not
+/// parse as a media type is kept as its bytes.
+fn media_type(value: &HeaderValue) -> Cow<'_, [u8]> {
+    let Some(parsed) = value
+        .to_str()
+        .ok()
+        .and_then(|text| text.parse::<mime::Mime>().ok())
+    else {
+        return Cow::Borrowed(value.as_bytes());
+    };
+    let json = parsed.subtype() == mime::JSON || parsed.suffix() == Some(mime::JSON);
+    let mut out = parsed.essence_str().to_owned();
+    for (name, param) in parsed.params() {
+        if json && name == mime::CHARSET {
+            continue;
+        }
+        out.push(';');
+        out.push_str(name.as_str());
+        out.push('=');
+        out.push_str(param.as_str());
+    }
+    Cow::Owned(out.into_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn content_type_is_compared_as_a_media_type() {
+        let spelled = |v: &'static str| media_type(&HeaderValue::from_static(v)).into_owned();
+        let json = b"application/json".to_vec();
+        for same in [
+            "application/json",
+            "APPLICATION/Json",
+            "application/json; charset=utf-8",
+            "application/json;charset=UTF-8",
+        ] {
+            assert_eq!(spelled(same), json, "{same}");
+        }
+        assert_eq!(
+            spelled("application/problem+json; charset=utf-8"),
+            b"application/problem+json"
+        );
+        assert_eq!(
+            spelled("Text/Plain; Charset=UTF-8"),
+            b"text/plain;charset=utf-8"
+        );
+        assert_ne!(spelled("text/plain; charset=latin1"), spelled("text/plain"));
+        assert_ne!(spelled("application/xml"), json);
+        // Not a media type: its bytes, as before.
+        assert_eq!(spelled("not a type"), b"not a type");
+    }
 
     fn sample() -> StoredResponse {
         StoredResponse {

@@ -25,9 +25,10 @@ is shown). Find candidates with `idemstore list STORE --compensation`."
 pub struct Args {
     #[command(flatten)]
     store: StoreArg,
-    /// The key's scope (the part before the last `/` of a key as printed,
-    /// `acme/tickets.create/task-1:call-1` being scope `acme/tickets.create`
-    /// and id `task-1:call-1`).
+    /// The key's scope (tenant and operation), e.g. acme/tickets.create; or,
+    /// with no ID, a whole key as the library prints it
+    /// (acme/tickets.create/task-1:call-1), split at the `/` after which a
+    /// record exists.
     scope: String,
     /// The idempotency key within the scope. Without it, SCOPE is a whole
     /// key as the library prints it, split as `get` splits it.
@@ -54,13 +55,28 @@ pub struct Args {
     /// repair for an outcome recorded wrongly.
     #[arg(long)]
     amend: bool,
-    /// How long the finished record is kept for replays, e.g. `24h`. Use the
-    /// service's configured retention.
-    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    /// How long the finished record is kept for replays, e.g. `24h` (at
+    /// least 1 ms; a retry after it runs the work again). Use the service's
+    /// configured retention.
+    #[arg(long, default_value = "24h", value_parser = retention)]
     retention: Duration,
     /// Print the resolved record as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// `--retention`: a human duration of at least 1 ms and at most
+/// [`idemstore::MAX_RETENTION`], refused as the flag's error (not as the
+/// store's at open).
+fn retention(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(1) || d > idemstore::MAX_RETENTION {
+        return Err(format!(
+            "a retention is 1ms to {} days",
+            idemstore::MAX_RETENTION.as_secs() / 86_400
+        ));
+    }
+    Ok(d)
 }
 
 /// The outcome's bytes: `text` itself, checked to be one JSON value unless
@@ -70,9 +86,11 @@ fn outcome_bytes(flag: &str, text: &str, raw: bool) -> Result<Vec<u8>, CliError>
         return Err(CliError::Usage(format!(
             "--{flag} {text:?} is not a JSON value ({e}); nothing changed. A record made by \
              Store::execute replays its outcome as JSON, so other bytes would make every \
-             retry of the key fail: quote a string as JSON (--{flag} '{quoted}'), or give \
+             retry of the key fail: quote a string as JSON (--{flag} {quoted}), or give \
              --raw if this key's service reads its outcome as plain bytes",
-            quoted = serde_json::Value::String(text.to_string()),
+            // As JSON, then for a POSIX shell: pasted, it is one word.
+            quoted = shlex::try_quote(&serde_json::Value::String(text.to_string()).to_string())
+                .map_or_else(|_| "JSON".into(), |q| q.into_owned()),
         )));
     }
     Ok(text.as_bytes().to_vec())
