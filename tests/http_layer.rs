@@ -571,6 +571,44 @@ async fn a_takeover_is_never_released() {
     }
 }
 
+/// A first attempt that saved a recovery point and then answered a
+/// release status acted: the key is kept as a retryable failure, and the
+/// next attempt is a takeover that sees the recovery point.
+#[tokio::test]
+async fn an_attempt_that_saved_a_recovery_point_is_not_released() {
+    let (_d, store, _c) = manual_store();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |req: Req| {
+        let n = c.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let ctx = req
+                .extensions()
+                .get::<IdempotencyContext>()
+                .cloned()
+                .unwrap();
+            if n == 0 {
+                ctx.store()
+                    .set_recovery_point_async(ctx.lease(), b"step-1-done")
+                    .await
+                    .unwrap();
+                // A downstream rate limit passed on after step 1.
+                status(429)
+            } else {
+                assert_eq!(ctx.recovery_point(), Some(&b"step-1-done"[..]));
+                created("{}")
+            }
+        }
+    });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 429);
+    let key = Key::new("POST /tickets", "k").unwrap();
+    let record = store.get(&key).unwrap().expect("kept");
+    assert_eq!(record.state(), State::Failed { retryable: true });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+}
+
 /// `content-type` is compared as a media type: a retry that spells it
 /// otherwise (case, a `charset` JSON ignores) is the same payload and gets
 /// the replay, not a 422; another media type is another payload.

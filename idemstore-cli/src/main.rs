@@ -3,8 +3,9 @@
 //! `main` calls [`run`], which returns the exit code or an error. A closed
 //! pipe (`idemstore demo | head`) ends the program quietly; any other error
 //! is printed as one line, `idemstore: <what failed>: <cause>: ...`, and
-//! the exit code is 2. Panics print nothing when they happen (see
-//! [`quiet_panics`]); one that nothing catches is one line, exit 101. Subcommands choose their own success codes (`demo`
+//! the exit code is 2. A panic is one line (exit 101 when it ends the
+//! program), and a panic inside redb that the library catches prints
+//! nothing (see [`quiet_storage_panics`]). Subcommands choose their own success codes (`demo`
 //! exits 1 when the idemstore phase created a duplicate, `check` when it
 //! found damage, `get` when there is no record).
 #![forbid(unsafe_code)]
@@ -66,41 +67,51 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let last_panic = quiet_panics();
+    let caught = quiet_storage_panics();
     match std::panic::catch_unwind(run) {
         Ok(Ok(code)) => code,
         Ok(Err(err)) => report(&err),
         Err(_) => {
-            let last = last_panic.lock().ok().and_then(|mut p| p.take());
-            let (what, backtrace) = last.unwrap_or_else(|| ("a panic".into(), None));
-            let mut stderr = io::stderr().lock();
-            let _ = writeln!(
-                stderr,
-                "idemstore: internal error: {what} (a bug; RUST_BACKTRACE=1 shows where)"
-            );
-            if let Some(backtrace) = backtrace {
-                let _ = writeln!(stderr, "{backtrace}");
+            // A panic the hook printed needs nothing more; one in redb that
+            // nothing caught is printed now.
+            if let Some(panic) = caught.lock().ok().and_then(|mut p| p.take()) {
+                print_panic(&panic);
             }
             ExitCode::from(101)
         }
     }
 }
 
-/// The last panic's message with its location, and its backtrace when
+/// A panic as the hook saw it: message with location, and a backtrace when
 /// `RUST_BACKTRACE` asks for one.
-type LastPanic =
-    std::sync::Arc<std::sync::Mutex<Option<(String, Option<std::backtrace::Backtrace>)>>>;
+struct Panic {
+    what: String,
+    backtrace: Option<std::backtrace::Backtrace>,
+}
 
-/// Installs a panic hook that prints nothing and keeps the last panic. A
-/// damaged store file can make the storage engine (redb) panic; the
-/// library catches that panic and answers a typed error (`corrupt store
-/// file …: storage engine panicked: …`), which `report` prints as the one
-/// line, but the default hook would first print the panic, as if the
-/// command had crashed. A panic nothing catches is printed by `main`, as
-/// one line (and its backtrace with `RUST_BACKTRACE=1`), exit 101.
-fn quiet_panics() -> LastPanic {
-    let last = LastPanic::default();
-    let keep = last.clone();
+/// Prints `panic` as one line (and its backtrace, when captured).
+fn print_panic(panic: &Panic) {
+    let mut stderr = io::stderr().lock();
+    let _ = writeln!(
+        stderr,
+        "idemstore: internal error: {} (a bug; RUST_BACKTRACE=1 shows where)",
+        panic.what
+    );
+    if let Some(backtrace) = &panic.backtrace {
+        let _ = writeln!(stderr, "{backtrace}");
+    }
+}
+
+/// Installs a panic hook that prints every panic as one line, except a
+/// panic inside redb, the storage engine, which it keeps quiet and
+/// returns: a damaged store file can make redb panic, and the library
+/// catches that panic and answers a typed error (`corrupt store file …:
+/// storage engine panicked: …`), which `report` prints as the one line;
+/// the default hook would first print the panic, as if the command had
+/// crashed. `main` prints a redb panic that reaches it.
+fn quiet_storage_panics() -> std::sync::Arc<std::sync::Mutex<Option<Panic>>> {
+    let caught = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let keep = caught.clone();
     std::panic::set_hook(Box::new(move |info| {
         let message = info
             .payload()
@@ -108,18 +119,26 @@ fn quiet_panics() -> LastPanic {
             .map(|s| (*s).to_owned())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "a panic".into());
+        let file = info.location().map_or("", |l| l.file());
         let at = info
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
             .unwrap_or_default();
         let backtrace = std::backtrace::Backtrace::capture();
-        let backtrace =
-            (backtrace.status() == std::backtrace::BacktraceStatus::Captured).then_some(backtrace);
-        if let Ok(mut slot) = keep.lock() {
-            *slot = Some((format!("{message}{at}"), backtrace));
+        let panic = Panic {
+            what: format!("{message}{at}"),
+            backtrace: (backtrace.status() == std::backtrace::BacktraceStatus::Captured)
+                .then_some(backtrace),
+        };
+        // The registry's `redb-4.6.0/src/…`, or a vendored `redb/src/…`.
+        let in_redb = file.contains("redb-") || file.contains("/redb/");
+        if !in_redb {
+            print_panic(&panic);
+        } else if let Ok(mut slot) = keep.lock() {
+            *slot = Some(panic);
         }
     }));
-    last
+    caught
 }
 
 /// Parses the command line and runs the subcommand.

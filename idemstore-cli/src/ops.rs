@@ -126,9 +126,10 @@ fn url_scheme(s: &str) -> Option<&str> {
 }
 
 /// Whether `s`, which names no file, reads like a connection string this
-/// command did not take (a URL of another scheme, a key=value string with
-/// an unknown first keyword, or anything with a password in it), so that
-/// messages must not show it.
+/// command did not take, so that messages must not show it: a password
+/// (`password=…`, spaces around `=` too), a URL of any scheme (`x://`, or
+/// `x:/` mistyped) or a user and host (`:` and `@`), or two or more
+/// `keyword=value` words.
 fn may_be_connection_string(s: &str) -> bool {
     // The keyword of a `keyword=value` word.
     fn keyword(word: &str) -> Option<&str> {
@@ -136,19 +137,24 @@ fn may_be_connection_string(s: &str) -> bool {
             !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_')
         })
     }
-    // `scheme://` at the start (RFC 3986 §3.1), so that a path such as
-    // `./postgresql://x` stays a path.
-    let url = s.split_once("://").is_some_and(|(scheme, _)| {
-        scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+    let lower = s.trim_start().to_ascii_lowercase();
+    let password = lower
+        .match_indices("password")
+        .any(|(at, word)| lower[at + word.len()..].trim_start().starts_with('='));
+    // A scheme of two characters or more (RFC 3986 §3.1; one would be a
+    // Windows drive), so that `./postgresql://x` stays a path.
+    let url = lower.split_once(":/").is_some_and(|(scheme, _)| {
+        scheme.len() >= 2
+            && scheme.starts_with(|c: char| c.is_ascii_alphabetic())
             && scheme
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
     });
+    let user_and_host = s.contains('@') && s.contains(':');
     let words: Vec<&str> = s.split_whitespace().collect();
-    url || words
-        .iter()
-        .filter_map(|w| keyword(w))
-        .any(|key| key.to_ascii_lowercase().contains("password"))
+    password
+        || url
+        || user_and_host
         || (words.len() >= 2 && words.iter().all(|w| keyword(w).is_some()))
 }
 
@@ -210,14 +216,23 @@ fn is_key_value(s: &str) -> bool {
 }
 
 /// A key=value connection string as messages show it: host, port and
-/// database only (never the user or a password), plus `?schema=NAME`.
+/// database only (never the user or a password), plus `?schema=NAME`. A
+/// string with a quoted value shows none of them (a quoted value may hold
+/// spaces and `=`, so splitting it at spaces could show part of a
+/// password), nor does a value that could hold credentials (see
+/// [`shown_part`]).
 fn redacted_key_value(conn: &str, schema: &str) -> String {
+    if conn.contains('\'') {
+        return format!("postgresql://?schema={schema}");
+    }
+    // `key = value` as `key=value`.
+    let pairs = conn.split('=').map(str::trim).collect::<Vec<_>>().join("=");
     let value = |key: &str| {
-        conn.split_whitespace()
+        pairs
+            .split_whitespace()
             .filter_map(|pair| pair.split_once('='))
             .find(|(k, _)| *k == key)
-            .map(|(_, v)| v.trim_matches('\''))
-            .unwrap_or("")
+            .map_or("", |(_, v)| shown_part(v))
     };
     let port = match value("port") {
         "" => String::new(),
@@ -228,6 +243,18 @@ fn redacted_key_value(conn: &str, schema: &str) -> String {
         value("host"),
         value("dbname")
     )
+}
+
+/// A host, port or database name as messages show it: itself when it
+/// holds only letters, digits and `.-_:/[]%,` with no `://` (libpq reads a
+/// `dbname` that is itself a connection string, with its password), else
+/// `…`.
+fn shown_part(v: &str) -> &str {
+    let plain = v
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b".-_:/[]%,".contains(&b))
+        && !v.contains("://");
+    if plain { v } else { "…" }
 }
 
 /// `url` without its user, password and parameters, plus `?schema=NAME`:
@@ -395,12 +422,12 @@ pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliEr
         (_, 0) => format!(
             "{joined:?} is one argument and no way of splitting it at a `/` names a record \
              (absent or past retention). A key is SCOPE ID, two arguments; it splits as one \
-             of (each pasted after STORE): {}",
+             of (each pasted at the end of the command, after its options): {}",
             listed(&splits)
         ),
         _ => format!(
             "{joined:?} is one argument and names more than one record; give SCOPE ID as two \
-             arguments, one of (each pasted after STORE): {}",
+             arguments, one of (each pasted at the end of the command, after its options): {}",
             listed(&found)
         ),
     }))
@@ -667,6 +694,26 @@ mod tests {
     }
 
     #[test]
+    fn messages_never_show_a_key_value_strings_credentials() {
+        let cases = [
+            (
+                "host = db1 port = 5433 dbname = app password = pw",
+                "postgresql://db1:5433/app",
+            ),
+            (
+                "dbname=postgresql://svc:Sekr3t@db1/app host=db1",
+                "postgresql://db1/…",
+            ),
+            ("password='x dbname=Sekr3t' host=db1", "postgresql://"),
+            ("host=svc:Sekr3t@db1 dbname=app", "postgresql://…/app"),
+        ];
+        for (conn, shown) in cases {
+            let name = redacted_key_value(conn, "s");
+            assert_eq!(name, format!("{shown}?schema=s"), "{conn}");
+        }
+    }
+
+    #[test]
     fn connection_strings_are_told_from_files() {
         let postgres = |s: &str| match target(s) {
             Ok(Target::Postgres { url, name, .. }) => Some((url, name)),
@@ -691,6 +738,10 @@ mod tests {
             "mysql://svc:Sekr3t@db1/app",
             "/nonexistent/x password=Sekr3t",
             "bogus=1 also=2",
+            "Host = db1 password = Sekr3t",
+            "bogus=1 password =Sekr3t",
+            " postgresql://svc:Sekr3t@db1/app",
+            "postgresql:/svc:Sekr3t@db1/app",
         ] {
             match target(s) {
                 Err(CliError::Usage(msg)) => assert!(!msg.contains("Sekr3t"), "{msg}"),

@@ -1288,7 +1288,9 @@ fn a_key_as_the_library_prints_it_pastes_into_get_and_resolve() {
     // A part a shell would expand or split is quoted, and pastes as is.
     let out = idemstore(&["get", p(&path), "acme $x/tools/-t 1"]);
     let err = stderr(&out);
-    let (_, listed) = err.split_once("(each pasted after STORE): ").expect(&err);
+    let (_, listed) = err
+        .split_once("(each pasted at the end of the command, after its options): ")
+        .expect(&err);
     let line = listed
         .split("; ")
         .find(|l| l.starts_with("-- 'acme $x/tools'"))

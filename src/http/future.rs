@@ -309,11 +309,34 @@ impl Held {
             .fail_detached(&self.lease, reason.as_bytes());
     }
 
-    /// Releases the key, waiting for it to be durable.
-    async fn release(mut self) {
-        let result = self.settings.store.release_async(self.lease.clone()).await;
-        self.finished = true;
-        self.report(result);
+    /// Releases the key, waiting for it to be durable; unless this attempt
+    /// saved a recovery point, which says it acted: the key is then kept
+    /// as a retryable failure, as for a takeover, so that the next attempt
+    /// sees the recovery point.
+    async fn release(self) {
+        let store = &self.settings.store;
+        // Only this lease can have set it: the record is still ours.
+        let saved = match store.get_async(self.lease.key()).await {
+            Ok(Some(record)) => {
+                record.token() == self.lease.token() && record.recovery_point().is_some()
+            }
+            Ok(None) => false,
+            // Unreadable: keep the record rather than risk forgetting.
+            Err(_) => true,
+        };
+        if saved {
+            return self
+                .fail_retryable(
+                    "the handler answered a releasing status after saving a recovery point; \
+                     a retry runs it again as a takeover"
+                        .into(),
+                )
+                .await;
+        }
+        let mut this = self;
+        let result = this.settings.store.release_async(this.lease.clone()).await;
+        this.finished = true;
+        this.report(result);
     }
 
     /// Records a retryable failure, waiting for it to be durable.

@@ -108,9 +108,13 @@ pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 11] = [
 /// payload, never answered with the response stored for the first (a 422
 /// instead). `content-type` is compared as a media type (RFC 9110 §8.3.1):
 /// type, subtype and parameter names in any case, `charset` in any case,
-/// no `charset` for JSON types (RFC 8259 §11), spaces around `;` ignored;
+/// no `charset` for JSON types (RFC 8259 §11), a space after `;` ignored;
 /// `APPLICATION/JSON` and `application/json; charset=utf-8` are the same
-/// payload as `application/json`. (What makes a request refused for its
+/// payload as `application/json`. (A value that does not parse as a media
+/// type, such as one with a space before `;`, is compared as its bytes.
+/// The common spelling `application/json` has the fingerprint it had
+/// before this rule; a request first sent with another spelling by an
+/// older build and retried after an upgrade is answered 422.) (What makes a request refused for its
 /// media type, then sent again with the right one, a first attempt is that
 /// 415 is among the [`DEFAULT_RELEASE_STATUSES`].)
 pub const DEFAULT_FINGERPRINT_HEADERS: [HeaderName; 1] = [header::CONTENT_TYPE];
@@ -374,9 +378,10 @@ impl IdempotencyLayer {
     /// Only 4xx and 5xx statuses are taken; a status below 400 in
     /// `statuses` is ignored (with a `tracing` warning), since a success
     /// released would run the handler again on every retry. A takeover
-    /// (an earlier attempt may have acted) is never released: its answer
-    /// is recorded as a retryable failure, so that the next retry is a
-    /// takeover too and can look the earlier effect up.
+    /// (an earlier attempt may have acted), or an attempt that saved a
+    /// recovery point, is never released: its answer is recorded as a
+    /// retryable failure, so that the next retry is a takeover and can look
+    /// the earlier effect up.
     pub fn release_statuses(
         mut self,
         statuses: impl IntoIterator<Item = StatusCode>,

@@ -89,7 +89,7 @@
 //! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |
 //! | marked [`IdempotencyOutcome::Final`] | stored whatever the status | replayed |
 //! | marked [`IdempotencyOutcome::NoEffect`], on a first attempt | released | first attempt |
-//! | a release status or `NoEffect` on a takeover ([`IdempotencyContext::is_takeover`]) | retryable failure: an earlier attempt may have acted | runs the handler again, as a takeover |
+//! | a release status or `NoEffect` on a takeover ([`IdempotencyContext::is_takeover`]), or after this attempt saved a recovery point | retryable failure: an attempt acted, or may have | runs the handler again, as a takeover |
 //! | stored form over [`max_response_bytes`](IdempotencyLayer::max_response_bytes) or the store's limit | finished with a marker: the effect happened | `410 Gone` naming the original status and `location` |
 //! | body fails halfway, or the client goes away | retryable failure | takeover: the handler looks its effect up |
 //!

@@ -102,7 +102,8 @@ pub enum IdempotencyOutcome {
     /// takeover ([`IdempotencyContext::is_takeover`]) it means only that
     /// this attempt did nothing: an earlier one may have acted, so the key
     /// is kept as a retryable failure (acquisitions, recovery point and
-    /// payload with it) and the next retry is a takeover too.
+    /// payload with it) and the next retry is a takeover too. So it is
+    /// after this attempt saved a recovery point.
     NoEffect,
 }
 

@@ -288,9 +288,28 @@ fn media_type(value: &HeaderValue) -> Cow<'_, [u8]> {
         out.push(';');
         out.push_str(name.as_str());
         out.push('=');
-        out.push_str(param.as_str());
+        // `mime` gives a quoted value unquoted: quote it again unless it
+        // is a token, so that `a="x;y=z"` and `a=x;y=z` stay apart.
+        let value = param.as_str();
+        if !value.is_empty() && value.bytes().all(is_tchar) {
+            out.push_str(value);
+        } else {
+            out.push('"');
+            for c in value.chars() {
+                if matches!(c, '"' | '\\') {
+                    out.push('\\');
+                }
+                out.push(c);
+            }
+            out.push('"');
+        }
     }
     Cow::Owned(out.into_bytes())
+}
+
+/// A token character (RFC 9110 §5.6.2).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 #[cfg(test)]
@@ -319,6 +338,15 @@ mod tests {
         );
         assert_ne!(spelled("text/plain; charset=latin1"), spelled("text/plain"));
         assert_ne!(spelled("application/xml"), json);
+        // A quoted value is not confused with two parameters.
+        assert_ne!(
+            spelled(r#"multipart/mixed; boundary="a;b=c""#),
+            spelled("multipart/mixed; boundary=a; b=c")
+        );
+        assert_eq!(
+            spelled(r#"multipart/mixed; boundary="a;b=c""#),
+            br#"multipart/mixed;boundary="a;b=c""#
+        );
         // Not a media type: its bytes, as before.
         assert_eq!(spelled("not a type"), b"not a type");
     }

@@ -3208,9 +3208,11 @@ pub(crate) fn store_name(url: &str, schema: &str) -> std::path::PathBuf {
         .enumerate()
         .map(|(i, host)| {
             let host = match host {
-                tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                tokio_postgres::config::Host::Tcp(name) => shown_part(name).to_owned(),
                 #[cfg(unix)]
-                tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+                tokio_postgres::config::Host::Unix(path) => {
+                    shown_part(&path.display().to_string()).to_owned()
+                }
             };
             match ports.get(i).or(ports.first()) {
                 Some(port) => format!("{host}:{port}"),
@@ -3218,11 +3220,23 @@ pub(crate) fn store_name(url: &str, schema: &str) -> std::path::PathBuf {
             }
         })
         .collect();
-    let db = config.get_dbname().unwrap_or("");
+    let db = shown_part(config.get_dbname().unwrap_or(""));
     std::path::PathBuf::from(format!(
         "postgresql://{}/{db}?schema={schema}",
         hosts.join(",")
     ))
+}
+
+/// A host or database name as [`store_name`] shows it: itself when it
+/// holds only letters, digits and `.-_:/[]%,` with no `://` (a database
+/// name can be given as a whole connection string, password included),
+/// else `…`.
+fn shown_part(v: &str) -> &str {
+    let plain = v
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b".-_:/[]%,".contains(&b))
+        && !v.contains("://");
+    if plain { v } else { "…" }
 }
 
 impl Drop for Postgres {

@@ -1414,6 +1414,10 @@ fn a_store_is_named_without_credentials_or_tls_options() {
         name("host=db user=app password=secret dbname=orders sslmode=require"),
         "postgresql://db/orders?schema=s"
     );
+    // A database name that is itself a connection string is not shown.
+    let shown = name("host=db dbname='postgresql://app:secret@db2/orders'");
+    assert!(!shown.contains("secret"), "{shown}");
+    assert_eq!(shown, "postgresql://db/…?schema=s");
 }
 
 /// Found by review: rows a sweep cannot evict (corrupt ones, reported and
