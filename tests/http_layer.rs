@@ -514,14 +514,26 @@ async fn no_effect_releases_the_key_for_any_payload() {
     assert_eq!(runs.takeovers.load(Ordering::SeqCst), 0);
 }
 
-/// A takeover's answer is never a release, whether by status or by
-/// `NoEffect`: an earlier attempt may have acted, and releasing would
-/// delete the acquisitions and the recovery point that tell the next
-/// attempt to look its effect up. It is kept as a retryable failure, with
-/// the payload still bound to the key.
+/// An attempt that may have acted is never released, whether by status or
+/// by `NoEffect`: a takeover (an earlier attempt may have acted), or an
+/// attempt that saved a recovery point. Releasing would delete the
+/// acquisitions and the recovery point that tell the next attempt to look
+/// its effect up. The key is kept as a retryable failure, with the payload
+/// still bound to it. Each case: the first attempt saves a recovery point
+/// and answers `first`; a second answers `then`, if any; the last one
+/// succeeds and sees the recovery point.
 #[tokio::test]
-async fn a_takeover_is_never_released() {
-    for mark in [None, Some(IdempotencyOutcome::NoEffect)] {
+async fn an_attempt_that_may_have_acted_is_never_released() {
+    /// A second attempt's status, and how its response is marked.
+    type Then = Option<(u16, Option<IdempotencyOutcome>)>;
+    let cases: [(u16, Then); 3] = [
+        // A takeover answered with a release status, or marked NoEffect.
+        (500, Some((429, None))),
+        (500, Some((429, Some(IdempotencyOutcome::NoEffect)))),
+        // A first attempt that passed on a downstream 429 after step 1.
+        (429, None),
+    ];
+    for (first, then) in cases {
         let (_d, store, _c) = manual_store();
         let calls = Arc::new(AtomicUsize::new(0));
         let c = calls.clone();
@@ -533,17 +545,16 @@ async fn a_takeover_is_never_released() {
                     .get::<IdempotencyContext>()
                     .cloned()
                     .unwrap();
-                match n {
-                    0 => {
-                        // Acted, saved how far it got, then failed.
+                match (n, then) {
+                    (0, _) => {
                         ctx.store()
                             .set_recovery_point_async(ctx.lease(), b"step-1-done")
                             .await
                             .unwrap();
-                        status(500)
+                        status(first)
                     }
-                    1 => {
-                        let mut r = status(429);
+                    (1, Some((code, mark))) => {
+                        let mut r = status(code);
                         if let Some(mark) = mark {
                             r.extensions_mut().insert(mark);
                         }
@@ -556,57 +567,21 @@ async fn a_takeover_is_never_released() {
                 }
             }
         });
-        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 500);
-        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 429);
-        let key = Key::new("POST /tickets", "k").unwrap();
-        let record = store.get(&key).unwrap().expect("the 429 kept the record");
-        assert_eq!(record.state(), State::Failed { retryable: true });
-        assert_eq!(record.recovery_point(), Some(&b"step-1-done"[..]));
-        // Still bound to its payload.
-        assert_eq!(send(&svc, post(Some("k"), "other")).await.0, 422);
-        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
-        assert_eq!(runs.count(), 3, "{mark:?}");
-        assert_eq!(runs.takeovers.load(Ordering::SeqCst), 2, "{mark:?}");
-        assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 3);
-    }
-}
-
-/// A first attempt that saved a recovery point and then answered a
-/// release status acted: the key is kept as a retryable failure, and the
-/// next attempt is a takeover that sees the recovery point.
-#[tokio::test]
-async fn an_attempt_that_saved_a_recovery_point_is_not_released() {
-    let (_d, store, _c) = manual_store();
-    let calls = Arc::new(AtomicUsize::new(0));
-    let c = calls.clone();
-    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |req: Req| {
-        let n = c.fetch_add(1, Ordering::SeqCst);
-        async move {
-            let ctx = req
-                .extensions()
-                .get::<IdempotencyContext>()
-                .cloned()
-                .unwrap();
-            if n == 0 {
-                ctx.store()
-                    .set_recovery_point_async(ctx.lease(), b"step-1-done")
-                    .await
-                    .unwrap();
-                // A downstream rate limit passed on after step 1.
-                status(429)
-            } else {
-                assert_eq!(ctx.recovery_point(), Some(&b"step-1-done"[..]));
-                created("{}")
-            }
+        let case = format!("{first} then {then:?}");
+        let attempts = 1 + usize::from(then.is_some());
+        for _ in 0..attempts {
+            send(&svc, post(Some("k"), "x")).await;
         }
-    });
-    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 429);
-    let key = Key::new("POST /tickets", "k").unwrap();
-    let record = store.get(&key).unwrap().expect("kept");
-    assert_eq!(record.state(), State::Failed { retryable: true });
-    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
-    assert_eq!(runs.count(), 2);
-    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
+        let key = Key::new("POST /tickets", "k").unwrap();
+        let record = store.get(&key).unwrap().expect(&case);
+        assert_eq!(record.state(), State::Failed { retryable: true }, "{case}");
+        assert_eq!(record.recovery_point(), Some(&b"step-1-done"[..]), "{case}");
+        // Still bound to its payload.
+        assert_eq!(send(&svc, post(Some("k"), "other")).await.0, 422, "{case}");
+        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201, "{case}");
+        assert_eq!(runs.count(), attempts + 1, "{case}");
+        assert_eq!(runs.takeovers.load(Ordering::SeqCst), attempts, "{case}");
+    }
 }
 
 /// A success among the release statuses is ignored: releasing it would run
