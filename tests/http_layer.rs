@@ -581,6 +581,11 @@ async fn an_attempt_that_may_have_acted_is_never_released() {
         assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201, "{case}");
         assert_eq!(runs.count(), attempts + 1, "{case}");
         assert_eq!(runs.takeovers.load(Ordering::SeqCst), attempts, "{case}");
+        assert_eq!(
+            runs.last_acquisitions.load(Ordering::SeqCst),
+            attempts + 1,
+            "{case}"
+        );
     }
 }
 

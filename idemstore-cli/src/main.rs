@@ -132,10 +132,19 @@ fn quiet_storage_panics() -> std::sync::Arc<std::sync::Mutex<Option<Panic>>> {
         };
         // The registry's `redb-4.6.0/src/…`, or a vendored `redb/src/…`.
         let in_redb = file.contains("redb-") || file.contains("/redb/");
-        if !in_redb {
+        // The slot holds the last panic only if it was in redb: one that
+        // the library caught and a later one that ends the program must
+        // not both be printed.
+        let mut slot = keep.lock().ok();
+        if in_redb {
+            if let Some(slot) = slot.as_mut() {
+                **slot = Some(panic);
+            }
+        } else {
+            if let Some(slot) = slot.as_mut() {
+                **slot = None;
+            }
             print_panic(&panic);
-        } else if let Ok(mut slot) = keep.lock() {
-            *slot = Some(panic);
         }
     }));
     caught

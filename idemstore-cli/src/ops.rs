@@ -128,8 +128,7 @@ fn url_scheme(s: &str) -> Option<&str> {
 /// Whether `s`, which names no file, reads like a connection string this
 /// command did not take, so that messages must not show it: a password
 /// (`password=…`, spaces around `=` too), a URL of any scheme (`x://`, or
-/// `x:/` mistyped) or a user and host (`:` and `@`), or two or more
-/// `keyword=value` words.
+/// `x:/` mistyped), or two or more `keyword=value` words.
 fn may_be_connection_string(s: &str) -> bool {
     // The keyword of a `keyword=value` word.
     fn keyword(word: &str) -> Option<&str> {
@@ -150,12 +149,8 @@ fn may_be_connection_string(s: &str) -> bool {
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'-' | b'.'))
     });
-    let user_and_host = s.contains('@') && s.contains(':');
     let words: Vec<&str> = s.split_whitespace().collect();
-    password
-        || url
-        || user_and_host
-        || (words.len() >= 2 && words.iter().all(|w| keyword(w).is_some()))
+    password || url || (words.len() >= 2 && words.iter().all(|w| keyword(w).is_some()))
 }
 
 /// The libpq connection keywords (PostgreSQL 17, "Parameter Key Words"):
@@ -217,12 +212,14 @@ fn is_key_value(s: &str) -> bool {
 
 /// A key=value connection string as messages show it: host, port and
 /// database only (never the user or a password), plus `?schema=NAME`. A
-/// string with a quoted value shows none of them (a quoted value may hold
-/// spaces and `=`, so splitting it at spaces could show part of a
+/// string with a quoted or escaped value shows none of them (such a value
+/// may hold spaces and `=`, so splitting it at spaces could show part of a
 /// password), nor does a value that could hold credentials (see
 /// [`shown_part`]).
 fn redacted_key_value(conn: &str, schema: &str) -> String {
-    if conn.contains('\'') {
+    // A quote or a backslash escape (`x\ y`) lets a value hold spaces and
+    // `=`: splitting at spaces could then show part of a password.
+    if conn.contains(['\'', '\\']) {
         return format!("postgresql://?schema={schema}");
     }
     // `key = value` as `key=value`.
@@ -278,6 +275,14 @@ fn redacted(url: &str, schema: &str) -> String {
     let db = after
         .strip_prefix('/')
         .map_or("", |path| path.split(['?', '#']).next().unwrap_or(""));
+    // A percent-encoded database name may encode a connection string
+    // (the library decodes it, and hides it then): shown as `…` too.
+    let db = if db.contains('%') {
+        "…"
+    } else {
+        shown_part(db)
+    };
+    let host = shown_part(host);
     format!("{scheme}://{host}/{db}?schema={schema}")
 }
 
@@ -685,6 +690,10 @@ mod tests {
                 "postgresql://",
             ),
             ("postgresql:///app?host=/run/pg", "postgresql:///app"),
+            (
+                "postgresql://db1/x%3A%2F%2Fsvc%3ASekr3t%40db2",
+                "postgresql://db1/…",
+            ),
         ];
         for (url, shown) in cases {
             let name = redacted(url, "s");
@@ -706,6 +715,7 @@ mod tests {
             ),
             ("password='x dbname=Sekr3t' host=db1", "postgresql://"),
             ("host=svc:Sekr3t@db1 dbname=app", "postgresql://…/app"),
+            (r"host=db1 password=x\ dbname=Sekr3t", "postgresql://"),
         ];
         for (conn, shown) in cases {
             let name = redacted_key_value(conn, "s");
@@ -732,6 +742,11 @@ mod tests {
             Ok(Target::File(_))
         ));
         assert!(matches!(target("./postgresql://x"), Ok(Target::File(_))));
+        // A new store file's name may hold `@` and `:`.
+        assert!(matches!(
+            target("/nonexistent/idem@2024-05-01T12:00.redb"),
+            Ok(Target::File(_))
+        ));
         // Not a store and not a string this command reads: refused, and
         // not echoed.
         for s in [

@@ -266,7 +266,8 @@ pub(crate) fn fingerprint(
 
 /// A `content-type` value in one spelling per media type (RFC 9110
 /// §8.3.1): type, subtype and parameter names lowercased (and `charset`'s
-/// value, which `mime` lowercases), no spaces, and no `charset` on a JSON
+/// value, which `mime` lowercases), no spaces outside a quoted value, a
+/// value quoted only when it is not a token, and no `charset` on a JSON
 /// type, where it has no effect (RFC 8259 §11; `application/json` and any
 /// `+json` type, RFC 6839). The common spelling is unchanged
 /// (`application/json` stays `application/json`). A value that does not
