@@ -93,13 +93,13 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
 
 /// What `check_file` reports for the damage marker at `marker`.
 fn marker_problem(marker: &Path) -> Problem {
-    Problem {
-        key: "(damage marker)".into(),
-        detail: format!(
+    Problem::other(
+        "(damage marker)".into(),
+        format!(
             "the online scrub marked this store damaged ({}): it opens read-only while \
              that file exists; restore from an export, or remove the file once the store \
              is known sound",
             marker.display()
         ),
-    }
+    )
 }

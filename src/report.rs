@@ -41,10 +41,46 @@ pub enum Integrity {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Problem {
     /// The key concerned, as `scope/id` (escaped bytes when the key itself
-    /// is damaged), or a business-key binding.
+    /// is damaged), or a business-key binding, or what else is wrong (such
+    /// as `(state counts)`). For people: `scope/id` is ambiguous when the
+    /// scope or the id holds `/`.
     pub key: String,
+    /// The idempotency key concerned, scope and id apart, when the problem
+    /// is one record's and its stored key decodes; `None` for a binding, a
+    /// damaged key or a problem of the store as a whole.
+    pub idempotency_key: Option<crate::Key>,
     /// What is wrong.
     pub detail: String,
+}
+
+impl Problem {
+    /// A problem of the record stored under `key_bytes`, named `key`.
+    pub(crate) fn of_record(key_bytes: &[u8], key: String, detail: String) -> Problem {
+        Problem {
+            key,
+            idempotency_key: crate::Key::from_bytes(key_bytes).ok(),
+            detail,
+        }
+    }
+
+    /// A problem of the record whose key is `key`.
+    pub(crate) fn of_key(key: &crate::Key, detail: String) -> Problem {
+        Problem {
+            key: key.to_string(),
+            idempotency_key: Some(key.clone()),
+            detail,
+        }
+    }
+
+    /// A problem with no decodable key: a binding, the store's counts,
+    /// the file, or a record whose stored key is not known.
+    pub(crate) fn other(what: String, detail: String) -> Problem {
+        Problem {
+            key: what,
+            idempotency_key: None,
+            detail,
+        }
+    }
 }
 
 /// What one step of the online scrub found: see

@@ -728,6 +728,38 @@ fn a_storage_engine_panic_on_a_damaged_file_is_one_line() {
     assert!(engine_panics > 0, "no damaged page reached redb's panic");
 }
 
+/// Two keys that print the same joined (`a/b/c`): `check` names the
+/// damaged one as scope and id apart, and that name pastes into `get`.
+#[test]
+fn check_names_a_damaged_record_that_a_joined_key_leaves_ambiguous() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    {
+        let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        for (scope, id) in [("a", "b/c"), ("a/b", "c")] {
+            let k = Key::new(scope, id).unwrap();
+            let l = acquire(&store, &k, &ClaimOptions::new());
+            store.complete(&l, b"\"done\"").unwrap();
+        }
+    }
+    damage_record(&path, &Key::new("a", "b/c").unwrap());
+    let out = idemstore(&["check", p(&path)]);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains(r#"  scope "a" id "b/c": "#), "{text}");
+    assert!(!text.contains(r#"scope "a/b""#), "{text}");
+    let v = json(&idemstore(&["check", p(&path), "--json"]));
+    assert_eq!(
+        (&v["problems"][0]["scope"], &v["problems"][0]["id"]),
+        (&"a".into(), &"b/c".into())
+    );
+    // As printed, scope then id: `get` reads that record (and finds it
+    // damaged).
+    let out = idemstore(&["get", p(&path), "a", "b/c"]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("corrupt record"), "{}", stderr(&out));
+}
+
 /// An export from a host whose clock ran an hour ahead is refused (the
 /// error names the frame's offset and the rule); `--accept-clock-ahead`
 /// imports it.
@@ -786,11 +818,20 @@ fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
     assert_eq!(v["clean"], false);
     assert_eq!(v["problems_found"], 1);
     assert_eq!(v["problems"][0]["key"], "acme/tickets/done");
+    assert_eq!(v["problems"][0]["scope"], "acme/tickets");
+    assert_eq!(v["problems"][0]["id"], "done");
     assert!(
         v["problems"][0]["detail"]
             .as_str()
             .unwrap()
             .contains("checksum")
+    );
+    // The text names the key as scope and id apart.
+    let out = idemstore(&["check", p(&path)]);
+    assert!(
+        stdout(&out).contains(r#"  scope "acme/tickets" id "done": "#),
+        "{}",
+        stdout(&out)
     );
     // list reports it on stderr, goes on, and exits 1.
     let out = idemstore(&["list", p(&path)]);

@@ -96,27 +96,25 @@ pub(crate) fn verify(
             // `super::scrub`).
             let found = records.get(kb).map_err(|e| map_err(path, e))?;
             if found.as_ref().map(|g| g.value()) != Some(v.value()) {
-                report.found(Problem {
-                    key: Key::describe_bytes(kb),
-                    detail: "a lookup of this stored key does not find its record: a damaged \
-                             branch page (the key would read as absent, and a claim of it would \
-                             run the work again)"
+                report.found(Problem::of_record(
+                    kb,
+                    Key::describe_bytes(kb),
+                    "a lookup of this stored key does not find its record: a damaged branch \
+                     page (the key would read as absent, and a claim of it would run the work \
+                     again)"
                         .into(),
-                });
+                ));
             }
             let record = match codec::decode_record(kb, v.value()) {
                 Ok(r) => r,
                 Err(Error::CorruptRecord { key, detail }) => {
-                    report.found(Problem { key, detail });
+                    report.found(Problem::of_record(kb, key, detail));
                     continue;
                 }
                 Err(other) => return Err(other),
             };
             let mut problem = |detail: String| {
-                report.found(Problem {
-                    key: record.key.to_string(),
-                    detail,
-                });
+                report.found(Problem::of_key(&record.key, detail));
             };
             if record.token >= meta.next_token {
                 problem(format!(
@@ -172,25 +170,25 @@ pub(crate) fn verify(
         if let Some(stored) = stored_tally
             && stored != tally
         {
-            report.found(Problem {
-                key: "(state counts)".into(),
-                detail: format!(
+            report.found(Problem::other(
+                "(state counts)".into(),
+                format!(
                     "the stored state counts {:?} differ from the records' {:?} (processing, succeeded, failed, retryably failed, unreadable): stats would report wrong counts",
                     stored.slots, tally.slots
                 ),
-            });
+            ));
         }
         // The expiry counts (format 4 on): `stats` reads them too.
         if let Some((second, stored, recounted)) = recount.first {
-            report.found(Problem {
-                key: "(expiry counts)".into(),
-                detail: format!(
+            report.found(Problem::other(
+                "(expiry counts)".into(),
+                format!(
                     "the expiry counts of {} second(s) differ from the expiry index, first at {} ms: stored {}, index {recounted:?} (succeeded, failed, retryably failed, other): stats would report wrong counts of records awaiting eviction (repair: export, then import into a new store)",
                     recount.differ,
                     second.saturating_mul(expiry_counts::SECOND_MS),
                     stored.map_or_else(|| "a malformed row".to_string(), |c| format!("{c:?}"))
                 ),
-            });
+            ));
         }
         for entry in business.iter().map_err(|e| map_err(path, e))? {
             let (b, target) = entry.map_err(|e| map_err(path, e))?;
@@ -224,7 +222,7 @@ pub(crate) fn verify(
                 },
             };
             if let Some(detail) = detail {
-                report.found(Problem { key: name, detail });
+                report.found(Problem::other(name, detail));
             }
         }
         Ok(report)
@@ -251,13 +249,13 @@ fn missing_expiry_entries(
             .map_err(|e| map_err(path, e))?
             .is_some();
         if !found {
-            report.found(Problem {
-                key: record.key.to_string(),
-                detail: format!(
+            report.found(Problem::of_key(
+                &record.key,
+                format!(
                     "no expiry index entry for its expiry {} ms: eviction would never remove it",
                     record.expires_ms
                 ),
-            });
+            ));
         }
     }
     Ok(())

@@ -65,11 +65,11 @@ struct Walk {
 }
 
 impl Walk {
-    fn problem(&mut self, key: String, detail: String, damage: bool) {
+    fn problem(&mut self, problem: Problem, damage: bool) {
         self.found = self.found.saturating_add(1);
         self.damaged |= damage;
         if self.problems.len() < MAX_PROBLEMS_PER_STEP {
-            self.problems.push(Problem { key, detail });
+            self.problems.push(problem);
             self.damage.push(damage);
         }
     }
@@ -108,7 +108,8 @@ pub(crate) fn step(
         // key.
         Err(Error::CorruptFile { detail, .. }) => {
             let at = place(walk.last.as_deref());
-            walk.problem(at, format!("the walk cannot read on: {detail}"), true);
+            let detail = format!("the walk cannot read on: {detail}");
+            walk.problem(Problem::other(at, detail), true);
             true
         }
         Err(other) => {
@@ -121,7 +122,7 @@ pub(crate) fn step(
                 "the walk failed to read {} times in a row here: {other}",
                 cursor.failures
             );
-            walk.problem(at, detail, true);
+            walk.problem(Problem::other(at, detail), true);
             true
         }
     };
@@ -195,10 +196,10 @@ fn place(after: Option<&[u8]>) -> String {
 /// The report of a step that could not even open its snapshot (redb
 /// reports the file corrupted): damage, and the pass ends.
 pub(crate) fn unreadable(path: &Path, cursor: &mut Cursor, detail: &str) -> ScrubReport {
-    let problem = Problem {
-        key: place(None),
-        detail: format!("the scrub's snapshot cannot be read: {detail}"),
-    };
+    let problem = Problem::other(
+        place(None),
+        format!("the scrub's snapshot cannot be read: {detail}"),
+    );
     log_problem(path, &problem, true);
     *cursor = Cursor::default();
     ScrubReport {
@@ -248,17 +249,14 @@ fn walk_records(
                 "the walk of the index went back, after {}: a damaged branch page",
                 Key::describe_bytes(last)
             );
-            walk.problem(name(), detail, true);
+            walk.problem(Problem::of_record(kb, name(), detail), true);
         }
         let found = records.get(kb).map_err(|e| map_err(path, e))?;
         if found.as_ref().map(|g| g.value()) != Some(vb) {
-            walk.problem(
-                name(),
-                "a lookup of this stored key does not find its record: a damaged branch page \
-                 (the key would read as absent, and a claim of it would run the work again)"
-                    .into(),
-                true,
-            );
+            let detail = "a lookup of this stored key does not find its record: a damaged \
+                          branch page (the key would read as absent, and a claim of it would \
+                          run the work again)";
+            walk.problem(Problem::of_record(kb, name(), detail.into()), true);
         }
         match codec::decode_record(kb, vb) {
             Ok(record) => {
@@ -272,13 +270,15 @@ fn walk_records(
                         "no expiry index entry for its expiry {} ms: eviction would never remove it",
                         record.expires_ms
                     );
-                    walk.problem(record.key.to_string(), detail, false);
+                    walk.problem(Problem::of_key(&record.key, detail), false);
                 }
             }
             // A damaged key byte moves the record under another key, and
             // the key it was written for reads as absent: damage, whatever
             // part of the record the checksum failed on.
-            Err(Error::CorruptRecord { detail, .. }) => walk.problem(name(), detail, true),
+            Err(Error::CorruptRecord { detail, .. }) => {
+                walk.problem(Problem::of_record(kb, name(), detail), true);
+            }
             Err(other) => return Err(other),
         }
         walk.last = Some(kb.to_vec());

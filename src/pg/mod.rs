@@ -3081,16 +3081,18 @@ impl Postgres {
                 Ok(Scanned::Row(key, envelope)) => {
                     row(&mut report);
                     match crate::codec::decode_record(&key, &envelope) {
-                        Ok(record) if record.token() >= next_token => report.found(Problem {
-                            key: record.key().to_string(),
-                            detail: format!(
-                                "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
-                                record.token()
-                            ),
-                        }),
+                        Ok(record) if record.token() >= next_token => {
+                            report.found(Problem::of_key(
+                                record.key(),
+                                format!(
+                                    "fencing token {} is not below the store's token counter {next_token}: it could be handed out again",
+                                    record.token()
+                                ),
+                            ));
+                        }
                         Ok(_) => {}
-                        Err(Error::CorruptRecord { key, detail }) => {
-                            report.found(Problem { key, detail });
+                        Err(Error::CorruptRecord { key: name, detail }) => {
+                            report.found(Problem::of_record(&key, name, detail));
                         }
                         Err(other) => return Err(other),
                     }
@@ -3099,7 +3101,7 @@ impl Postgres {
                 Ok(Scanned::Binding) => report.bindings = report.bindings.saturating_add(1),
                 Err(Error::CorruptRecord { key, detail }) => {
                     row(&mut report);
-                    report.found(Problem { key, detail });
+                    report.found(Problem::other(key, detail));
                 }
                 Err(other) => return Err(other),
             }
@@ -3599,10 +3601,7 @@ async fn checked_bindings(
             ),
             None => format!("business key {bk:?} has no binding"),
         };
-        page.push(Ok(Scanned::Problem(Problem {
-            key: rec.key.to_string(),
-            detail,
-        })));
+        page.push(Ok(Scanned::Problem(Problem::of_key(&rec.key, detail))));
     }
     Ok(page)
 }
@@ -3657,7 +3656,7 @@ async fn bindings_checked(
             },
         };
         if let Some(detail) = detail {
-            page.push(Ok(Scanned::Problem(Problem { key: name, detail })));
+            page.push(Ok(Scanned::Problem(Problem::other(name, detail))));
         }
     }
     Ok(page)

@@ -66,7 +66,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         let problems: Vec<_> = report
             .problems
             .iter()
-            .map(|p| json!({ "key": p.key, "detail": p.detail }))
+            .map(|p| {
+                let key = p.idempotency_key.as_ref();
+                json!({
+                    "key": p.key,
+                    "scope": key.map(idemstore::Key::scope),
+                    "id": key.map(idemstore::Key::id),
+                    "detail": p.detail,
+                })
+            })
             .collect();
         ops::write_json(
             out,
@@ -87,8 +95,14 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         writeln!(out, "{:<16} {} checked", "records", report.records)?;
         writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
         writeln!(out, "{:<16} {}", "problems", report.problems_found)?;
+        // A record's key as `scope "…" id "…"`, which pastes into `get`
+        // whatever `/` the scope or the id holds.
         for p in &report.problems {
-            writeln!(out, "  {}: {}", p.key, p.detail)?;
+            let key = match &p.idempotency_key {
+                Some(k) => ops::key_text(k.scope(), k.id()),
+                None => p.key.clone(),
+            };
+            writeln!(out, "  {key}: {}", p.detail)?;
         }
         let listed = u64::try_from(report.problems.len()).unwrap_or(u64::MAX);
         let more = report.problems_found.saturating_sub(listed);
