@@ -46,8 +46,11 @@ pub struct Problem {
     /// scope or the id holds `/`.
     pub key: String,
     /// The idempotency key concerned, scope and id apart, when the problem
-    /// is one record's and its stored key decodes; `None` for a binding, a
-    /// damaged key or a problem of the store as a whole.
+    /// is one record's and its stored key bytes decode as a key; `None` for
+    /// a binding, key bytes that do not decode, or a problem of the store
+    /// as a whole. (A record's checksum covers key and body: a damaged key
+    /// byte that still decodes names the key a read of those bytes would
+    /// find, as `key` does.)
     pub idempotency_key: Option<crate::Key>,
     /// What is wrong.
     pub detail: String,

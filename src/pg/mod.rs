@@ -3038,7 +3038,7 @@ impl Postgres {
         // An unchecked scan hands out rows alone.
         Ok(Box::new(scan.filter_map(|item| match item {
             Ok(Scanned::Row(key, envelope)) => Some(Ok((key, envelope))),
-            Ok(Scanned::Problem(_) | Scanned::Binding) => None,
+            Ok(Scanned::Problem(_) | Scanned::Damaged(_) | Scanned::Binding) => None,
             Err(e) => Some(Err(e)),
         })))
     }
@@ -3098,6 +3098,10 @@ impl Postgres {
                     }
                 }
                 Ok(Scanned::Problem(problem)) => report.found(problem),
+                Ok(Scanned::Damaged(problem)) => {
+                    row(&mut report);
+                    report.found(problem);
+                }
                 Ok(Scanned::Binding) => report.bindings = report.bindings.saturating_add(1),
                 Err(Error::CorruptRecord { key, detail }) => {
                     row(&mut report);
@@ -3287,6 +3291,9 @@ enum Scanned {
     /// (after that record's row), or a binding whose record is missing or
     /// does not carry it.
     Problem(Problem),
+    /// A row of a checked scan whose record is damaged: it counts as a
+    /// row, and the problem names it (by its key bytes, when they decode).
+    Damaged(Problem),
     /// A business-key binding a checked scan read (after every row).
     Binding,
 }
@@ -3497,8 +3504,8 @@ async fn binding_pages(
 /// first checked as a request would check it (`decide::slot_of`): a row
 /// whose record does not decode, or whose columns (token, state, times:
 /// what eviction, `stats` and the compare-and-set read) disagree with it,
-/// is [`Error::CorruptRecord`] naming its key, an answer for that row
-/// alone (the scan goes on). `Fail` when the row's columns cannot be read
+/// is [`Scanned::Damaged`] naming its key, an answer for that row alone
+/// (the scan goes on). `Fail` when the row's columns cannot be read
 /// at all.
 fn scanned(row: &Row, checked: bool) -> Result<Result<(Scanned, Option<Record>)>, Fail> {
     let rc = row_columns(row)?;
@@ -3512,7 +3519,10 @@ fn scanned(row: &Row, checked: bool) -> Result<Result<(Scanned, Option<Record>)>
             let envelope = crate::codec::encode_record(&rc.key, &rec);
             Ok((Scanned::Row(rc.key, envelope), Some(rec)))
         }
-        Slot::Corrupt(key, detail) if checked => Err(Error::CorruptRecord { key, detail }),
+        Slot::Corrupt(name, detail) if checked => Ok((
+            Scanned::Damaged(Problem::of_record(&rc.key, name, detail)),
+            None,
+        )),
         // A hot row that does not complete (a reader finds that its bytes
         // do not decode); `slot_of` gives no `Absent` for a row.
         Slot::Corrupt(..) | Slot::Absent => Ok((Scanned::Row(rc.key, rc.record), None)),

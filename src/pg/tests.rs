@@ -1988,6 +1988,11 @@ fn verify_reports_rows_whose_columns_disagree_with_their_envelope() {
     named.sort();
     damaged.sort();
     assert_eq!(named, damaged, "{:?}", report.problems);
+    // Each names its key with scope and id apart too.
+    for p in &report.problems {
+        let k = p.idempotency_key.as_ref().expect(&p.key);
+        assert_eq!(k.to_string(), p.key);
+    }
     // Each says what is wrong with it: a row in the hot form carries a
     // digest of its token and expiry columns.
     for p in &report.problems {
