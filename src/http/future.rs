@@ -313,7 +313,7 @@ impl Held {
     /// saved a recovery point, which says it acted: the key is then kept
     /// as a retryable failure, as for a takeover, so that the next attempt
     /// sees the recovery point.
-    async fn release(self) {
+    async fn release(mut self) {
         let store = &self.settings.store;
         // Only this lease can have set it: the record is still ours.
         let saved = match store.get_async(self.lease.key()).await {
@@ -333,10 +333,9 @@ impl Held {
                 )
                 .await;
         }
-        let mut this = self;
-        let result = this.settings.store.release_async(this.lease.clone()).await;
-        this.finished = true;
-        this.report(result);
+        let result = self.settings.store.release_async(self.lease.clone()).await;
+        self.finished = true;
+        self.report(result);
     }
 
     /// Records a retryable failure, waiting for it to be durable.
