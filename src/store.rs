@@ -89,7 +89,9 @@ impl Store {
     ///   holds the file (the second open fails at once, it does not wait).
     /// - [`Error::IncompatibleFile`]: not an idemstore file, or a newer
     ///   format; or a log that belongs to another store, is of another
-    ///   format version, or is not a log (naming the log).
+    ///   format version, or is not a log (naming the log); or a store or
+    ///   log path that is not a regular file (a directory, a fifo, a
+    ///   device), refused before anything is created.
     /// - [`Error::CorruptFile`]: the file is damaged. (A file the online
     ///   scrub marked damaged, `<path>-damaged`, opens read-only instead:
     ///   see [`Config::scrub_rate`].)
@@ -108,7 +110,8 @@ impl Store {
     /// # Errors
     /// [`Error::Missing`] when there is no file at `path`;
     /// [`Error::IncompatibleFile`] for an empty file (which [`Store::open`]
-    /// would turn into a new store); otherwise as [`Store::open_with`].
+    /// would turn into a new store) or one that is not a regular file;
+    /// otherwise as [`Store::open_with`].
     pub fn open_existing(path: impl AsRef<Path>, config: Config) -> Result<Store> {
         let path = path.as_ref();
         embedded::check_existing(path)?;

@@ -488,3 +488,71 @@ fn bad_config_is_refused_and_changes_nothing() {
     };
     assert_eq!(before, after);
 }
+
+/// A path that names something other than a regular file (a directory, a
+/// fifo, a device), as the store or as its log, is refused at open with
+/// `IncompatibleFile` naming it, before anything is created or written: no
+/// open blocks on a fifo, and nothing appears beside the path.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_path_that_is_not_a_regular_file_is_refused_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let subdir = dir.path().join("subdir");
+    std::fs::create_dir(&subdir).unwrap();
+    // A store whose log path is a directory.
+    let store_with_bad_log = dir.path().join("s.redb");
+    std::fs::create_dir(dir.path().join("s.redb-wal")).unwrap();
+    let listing = || {
+        let mut names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    let before = listing();
+    for (path, named) in [
+        (&fifo, &fifo),
+        (&subdir, &subdir),
+        (&store_with_bad_log, &dir.path().join("s.redb-wal")),
+    ] {
+        // `open_existing` of the store whose log is a directory answers
+        // `Missing`: there is no store file.
+        let existing_too = path != &store_with_bad_log;
+        for existing in [false, true] {
+            if existing && !existing_too {
+                continue;
+            }
+            // Hang guard: an open that blocks on the fifo fails the test
+            // instead of hanging it.
+            let p = path.clone();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let opened = if existing {
+                    Store::open_existing(&p, Config::new())
+                } else {
+                    Store::open(&p)
+                };
+                let _ = tx.send(opened.map(|_| ()));
+            });
+            let err = rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("opening {} blocked", path.display()))
+                .expect_err("opened");
+            match &err {
+                Error::IncompatibleFile { path: p, detail } => {
+                    assert_eq!(p, named, "{err}");
+                    assert!(detail.contains("not a regular file"), "{err}");
+                }
+                other => panic!("{}: {other:?}", path.display()),
+            }
+        }
+    }
+    assert_eq!(listing(), before, "nothing is created beside the paths");
+}

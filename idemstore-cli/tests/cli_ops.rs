@@ -1292,6 +1292,62 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     );
 }
 
+/// `execute` refusing a key in doubt names the `resolve` that records what
+/// happened, with the token of the lease it acquired, quoted for a shell;
+/// run as printed (STORE and JSON filled in), the next `execute` replays
+/// the recorded result, and `--failed JSON --retryable` lets it run again.
+#[test]
+fn an_in_doubt_execute_names_the_resolve_that_records_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let id = "-task 1:call_'7'";
+    in_doubt_tool_call(&path, id);
+    let err = execute_again(&path, id).unwrap_err();
+    assert!(err.contains("is in doubt"), "{err}");
+    let at = err.find("idemstore resolve STORE").expect(&err);
+    let words = shlex::split(&err[at..]).expect(&err);
+    let words: Vec<&str> = words.iter().map(String::as_str).collect();
+    assert_eq!(&words[..4], ["idemstore", "resolve", "STORE", "--token"]);
+    assert_eq!(&words[5..7], ["--succeeded", "JSON"], "{err}");
+    let dashes = words.iter().position(|w| *w == "--").expect(&err);
+    assert_eq!(&words[dashes + 1..dashes + 3], ["acme/tools", id]);
+    // The token is the one the refusing call holds: the record's.
+    let out = idemstore(&["get", p(&path), "--json", "--", "acme/tools", id]);
+    assert_eq!(json(&out)["state"], "processing");
+    assert_eq!(json(&out)["token"].to_string(), words[4]);
+    let mut args = vec!["resolve", p(&path), "--token", words[4]];
+    args.extend_from_slice(&["--succeeded", r#""T-7""#]);
+    args.extend_from_slice(&words[dashes..dashes + 3]);
+    let out = idemstore(&args);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(execute_again(&path, id).unwrap(), "T-7");
+
+    // "It did not take effect": a retryable failure lets the next call run.
+    in_doubt_tool_call(&path, "task-1:call_8");
+    let err = execute_again(&path, "task-1:call_8").unwrap_err();
+    let at = err.find("idemstore resolve STORE").expect(&err);
+    let words = shlex::split(&err[at..]).expect(&err);
+    assert!(
+        err.contains("with --retryable to let the next call run it"),
+        "{err}"
+    );
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "--token",
+        &words[4],
+        "--failed",
+        r#""not sent""#,
+        "--retryable",
+        "--",
+        "acme/tools",
+        "task-1:call_8",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_8", "--json"]);
+    assert_eq!(json(&out)["state"], "failed-retryable", "{}", stdout(&out));
+}
+
 /// A key as the library prints it (`scope/id`, one argument) pastes into
 /// `get` and `resolve`: split at the `/` after which a record exists. When
 /// no split names a record, the message lists each way to split it.

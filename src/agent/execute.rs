@@ -368,12 +368,15 @@ pub enum ExecuteError<E> {
     /// [`InDoubt::Refuse`]. Nothing ran. The record stays in progress under
     /// `lease` (which is not extended): a person who has found out what
     /// happened records it with [`Store::complete`], [`Store::fail`] or
-    /// [`Store::release`] ("nothing happened"); until then every call
-    /// finds the key in progress and, once the lease lapses, in doubt again.
+    /// [`Store::release`] ("nothing happened"), or an operator with
+    /// `idemstore resolve`, which the message names with this lease's
+    /// token; until then every call finds the key in progress and, once the
+    /// lease lapses, in doubt again (under a new token).
     #[error(
         "{} is in doubt: an earlier holder's lease lapsed without an outcome; \
-         find out what happened before acting again",
-        lease.key()
+         find out what happened before acting again, then record it: {}",
+        lease.key(),
+        repair_command(lease.key(), lease.token(), false)
     )]
     InDoubt {
         /// The lease this call acquired; use it to record what happened.
@@ -810,6 +813,33 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
     }
 }
 
+/// The `idemstore resolve` command that records (or, with `amend`,
+/// corrects) the outcome of `key` held under `token`, as one line a shell
+/// runs once STORE and JSON are filled in. The scope and id are quoted for
+/// a POSIX shell where needed (they may hold spaces or quotes) and come
+/// after `--`, so that one starting with `-` is not read as an option.
+fn repair_command(key: &Key, token: u64, amend: bool) -> String {
+    let (amend, failed) = if amend {
+        (
+            " --amend",
+            "--failed JSON in place of --succeeded JSON for a failure",
+        )
+    } else {
+        (
+            "",
+            "--failed JSON in place of --succeeded JSON if it did not take effect, with \
+             --retryable to let the next call run it",
+        )
+    };
+    format!(
+        "idemstore resolve STORE --token {token}{amend} --succeeded JSON -- {scope} {id} \
+         (STORE and JSON filled in; {failed}; --schema NAME after STORE for a PostgreSQL \
+         schema other than idemstore)",
+        scope = shell_word(key.scope()),
+        id = shell_word(key.id()),
+    )
+}
+
 /// `word` quoted for a POSIX shell when it needs quoting (a key holds no
 /// NUL byte, which no quoting could carry; it is then given as is).
 fn shell_word(word: &str) -> std::borrow::Cow<'_, str> {
@@ -830,16 +860,8 @@ fn replay<T: DeserializeOwned, E: DeserializeOwned>(
         action: "replay",
         detail: format!(
             "{detail}; the stored outcome is not the JSON this call reads. If it was recorded \
-             by hand, correct it: idemstore resolve STORE --token {token} --amend \
-             --succeeded JSON -- {scope} {id} (STORE and JSON filled in; --failed JSON in \
-             place of --succeeded JSON for a failure; --schema NAME after STORE for a \
-             PostgreSQL schema other than idemstore)",
-            // Quoted for a POSIX shell where needed (a scope or id may
-            // hold spaces or quotes), and after `--`, so that one starting
-            // with `-` is not read as an option.
-            scope = shell_word(key.scope()),
-            id = shell_word(key.id()),
-            token = record.token(),
+             by hand, correct it: {}",
+            repair_command(key, record.token(), true)
         ),
     };
     match record.state() {

@@ -87,18 +87,46 @@ pub(crate) fn log_path_of(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Refuses a missing or empty file (for tools that must not create a store).
+/// Refuses a missing or empty file, or one that is not a regular file
+/// (for tools that must not create a store).
 pub(crate) fn check_existing(path: &Path) -> Result<()> {
     match std::fs::metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Missing {
             path: path.to_path_buf(),
         }),
+        Ok(m) if !m.is_file() => Err(not_regular(path, "store", &m)),
         Ok(m) if m.len() == 0 => Err(Error::IncompatibleFile {
             path: path.to_path_buf(),
             detail: "the file is empty (not an idemstore file)".into(),
         }),
         // Other metadata errors (permissions) surface from the open itself.
         _ => Ok(()),
+    }
+}
+
+/// Refuses a `path` that exists and is not a regular file (after
+/// symlinks): a directory, a fifo, a socket or a device cannot hold a store
+/// or its log, and writing one (a fifo, `/dev/null`) would lose it. Checked
+/// before anything is created, so nothing appears beside it. A path that
+/// does not exist, or whose metadata cannot be read, is left to the open.
+fn require_regular(path: &Path, what: &str) -> Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() => Err(not_regular(path, what, &m)),
+        _ => Ok(()),
+    }
+}
+
+/// The error for a `what` (`store` or `write-ahead log`) at `path` that is
+/// not a regular file.
+fn not_regular(path: &Path, what: &str, meta: &std::fs::Metadata) -> Error {
+    let kind = if meta.is_dir() {
+        "a directory"
+    } else {
+        "a fifo, socket or device"
+    };
+    Error::IncompatibleFile {
+        path: path.to_path_buf(),
+        detail: format!("not a regular file ({kind}); a {what} file must be one"),
     }
 }
 
@@ -134,6 +162,12 @@ impl Embedded {
             wall_ms: config.clock.now_ms(),
         };
         let file_backed = backend.is_none();
+        if file_backed {
+            require_regular(&path, "store")?;
+        }
+        if log.is_none() {
+            require_regular(&log_path, "write-ahead log")?;
+        }
         // The marker applies to the file it was left beside: only to a
         // store file that exists (a new store at the path is not damaged).
         let marker = file_backed.then(|| scrub::marker_of_store(&path));
