@@ -163,7 +163,12 @@ impl Event {
             (Op::Resolve { .. } | Op::Amend { .. }, Effect::Put(new), _) => {
                 transition(new.token, Some(new.state), Cause::Resolve)
             }
-            (Op::Release { token }, Effect::Delete, _) => transition(*token, None, Cause::Release),
+            (Op::Release { token } | Op::ReleaseUnlessActed { token, .. }, Effect::Delete, _) => {
+                transition(*token, None, Cause::Release)
+            }
+            (Op::ReleaseUnlessActed { .. }, Effect::Put(new), _) => {
+                transition(new.token, Some(new.state), Cause::Fail)
+            }
             (Op::Import { .. }, Effect::Put(new), Reply::Imported(ImportResult::Written)) => {
                 transition(new.token, Some(new.state), Cause::Import)
             }

@@ -284,6 +284,14 @@ pub(crate) enum Op {
     Release {
         token: u64,
     },
+    /// A release, unless the holder saved a recovery point (it acted): the
+    /// record is then failed retryably with `failure`, keeping its
+    /// recovery point and acquisitions for the next attempt. One
+    /// transition, so that no recovery point saved meanwhile is deleted.
+    ReleaseUnlessActed {
+        token: u64,
+        failure: Vec<u8>,
+    },
     Extend {
         token: u64,
         lease_ms: u64,
@@ -394,6 +402,15 @@ pub(crate) fn transition(
         Op::Release { token } => {
             current_lease(key, current, *token)?;
             Ok((Effect::Delete, Reply::Released))
+        }
+        Op::ReleaseUnlessActed { token, failure } => {
+            let rec = current_lease(key, current, *token)?;
+            if rec.recovery_point.is_some() {
+                let state = State::Failed { retryable: true };
+                Ok(finish(rec, state, failure, ctx))
+            } else {
+                Ok((Effect::Delete, Reply::Released))
+            }
         }
         Op::Extend { token, lease_ms } => {
             let rec = current_lease(key, current, *token)?;
@@ -632,6 +649,46 @@ mod tests {
         assert!(matches!(r, Reply::Claim(ClaimOutcome::Replay(_))));
         let (_, r) = transition(&k, Some(&done), &claim_op(b"b", 1_000), &ctx(62_000, 2)).unwrap();
         assert!(matches!(r, Reply::Claim(ClaimOutcome::Acquired(_))));
+    }
+
+    /// `ReleaseUnlessActed` deletes a record its holder saved no recovery
+    /// point in, and fails retryably (keeping the recovery point and the
+    /// acquisitions) one that holds a recovery point; fenced by the token.
+    #[test]
+    fn release_unless_acted_keeps_a_record_with_a_recovery_point() {
+        let k = Key::new("s", "k").unwrap();
+        let rec = put(transition(&k, None, &claim_op(b"a", 1_000), &ctx(10, 5))
+            .unwrap()
+            .0);
+        let op = |token| Op::ReleaseUnlessActed {
+            token,
+            failure: b"refused".to_vec(),
+        };
+        let err = transition(&k, Some(&rec), &op(4), &ctx(20, 6)).unwrap_err();
+        assert!(matches!(err, Error::StaleLease { .. }), "{err}");
+        let (e, r) = transition(&k, Some(&rec), &op(5), &ctx(20, 6)).unwrap();
+        assert_eq!(e, Effect::Delete);
+        assert!(matches!(r, Reply::Released));
+
+        let saved = put(transition(
+            &k,
+            Some(&rec),
+            &Op::SetRecoveryPoint {
+                token: 5,
+                bytes: b"charged".to_vec(),
+            },
+            &ctx(20, 6),
+        )
+        .unwrap()
+        .0);
+        let (e, r) = transition(&k, Some(&saved), &op(5), &ctx(30, 6)).unwrap();
+        let kept = put(e);
+        assert!(matches!(r, Reply::Record(_)));
+        assert_eq!(kept.state, State::Failed { retryable: true });
+        assert_eq!(kept.failure(), Some(&b"refused"[..]));
+        assert_eq!(kept.recovery_point(), Some(&b"charged"[..]));
+        assert_eq!(kept.acquisitions, saved.acquisitions);
+        assert_eq!(kept.expires_ms, 60_030);
     }
 
     #[test]

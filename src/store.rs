@@ -606,6 +606,40 @@ impl Store {
         .await
     }
 
+    /// [`Store::release_async`], unless this lease saved a recovery point
+    /// (its holder acted): the record is then failed retryably with
+    /// `failure` (empty when over the store's failure limit), keeping the
+    /// recovery point and acquisitions for the next attempt. One
+    /// transition, so a recovery point saved by a clone of the lease just
+    /// before is never deleted. `Ok(true)` when released, `Ok(false)` when
+    /// kept.
+    ///
+    /// # Errors
+    /// As [`Store::release`].
+    #[cfg(feature = "http")]
+    pub(crate) async fn release_unless_acted_async(
+        &self,
+        lease: &Lease,
+        failure: &[u8],
+    ) -> Result<bool> {
+        let failure = if failure.len() > self.config.max_failure_bytes {
+            Vec::new()
+        } else {
+            failure.to_vec()
+        };
+        let op = Op::ReleaseUnlessActed {
+            token: lease.token(),
+            failure,
+        };
+        match self.engine.apply_async(lease.key(), op).await? {
+            Reply::Released => Ok(true),
+            Reply::Record(_) => Ok(false),
+            _ => Err(Error::Storage(
+                "the engine answered a release with another reply".into(),
+            )),
+        }
+    }
+
     /// Extends the lease to at least `now + lease` (whole milliseconds, 1 ms
     /// to [`MAX_LEASE`](crate::MAX_LEASE)); a lease is never shortened. Retention is pushed out
     /// so that it never ends before the lease. Returns the new lease

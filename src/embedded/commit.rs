@@ -1140,7 +1140,7 @@ fn payload_bytes(cmd: &Command) -> usize {
     256 + match cmd {
         Command::Op { op, .. } => match op {
             Op::Complete { result, .. } => result.len(),
-            Op::Fail { failure, .. } => failure.len(),
+            Op::Fail { failure, .. } | Op::ReleaseUnlessActed { failure, .. } => failure.len(),
             Op::SetRecoveryPoint { bytes, .. } => bytes.len(),
             _ => 0,
         },
@@ -1154,6 +1154,7 @@ fn payload_bytes(cmd: &Command) -> usize {
                 }
                 Op::Complete { result: b, .. }
                 | Op::Fail { failure: b, .. }
+                | Op::ReleaseUnlessActed { failure: b, .. }
                 | Op::SetRecoveryPoint { bytes: b, .. } => 512 + key.id().len() + b.len(),
                 _ => 512 + key.id().len(),
             })

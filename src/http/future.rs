@@ -312,30 +312,22 @@ impl Held {
     /// Releases the key, waiting for it to be durable; unless this attempt
     /// saved a recovery point, which says it acted: the key is then kept
     /// as a retryable failure, as for a takeover, so that the next attempt
-    /// sees the recovery point.
+    /// sees the recovery point. The store decides both in one transition,
+    /// so a recovery point saved by a task the handler spawned, up to the
+    /// release, is kept too.
     async fn release(mut self) {
-        let store = &self.settings.store;
-        // Only this lease can have set it: the record is still ours.
-        let saved = match store.get_async(self.lease.key()).await {
-            Ok(Some(record)) => {
-                record.token() == self.lease.token() && record.recovery_point().is_some()
-            }
-            Ok(None) => false,
-            // Unreadable: keep the record rather than risk forgetting.
-            Err(_) => true,
-        };
-        if saved {
-            return self
-                .fail_retryable(
-                    "the handler answered a releasing status after saving a recovery point; \
-                     a retry runs it again as a takeover"
-                        .into(),
-                )
-                .await;
+        let reason = "the handler answered a releasing status after saving a recovery point; \
+                      a retry runs it again as a takeover";
+        let result = self
+            .settings
+            .store
+            .release_unless_acted_async(&self.lease, reason.as_bytes())
+            .await;
+        if let Ok(false) = result {
+            tracing::warn!(key = %self.lease.key(), reason, "recorded a retryable failure");
         }
-        let result = self.settings.store.release_async(self.lease.clone()).await;
         self.finished = true;
-        self.report(result);
+        self.report(result.map(drop));
     }
 
     /// Records a retryable failure, waiting for it to be durable.

@@ -362,6 +362,47 @@ fn release_extend_and_retryable_failure() {
     assert_eq!(l3.record().unwrap().failure(), Some(&b"timeout"[..]));
 }
 
+/// `ReleaseUnlessActed` (the HTTP layer's release) deletes a row whose
+/// holder saved no recovery point, and keeps one that holds a recovery
+/// point as a retryable failure, which the next claim acquires with it.
+#[test]
+fn release_unless_acted_keeps_a_row_with_a_recovery_point() {
+    if skipped() {
+        return;
+    }
+    let (pg, _clock) = open("release_unless_acted");
+    let release = |token| Op::ReleaseUnlessActed {
+        token,
+        failure: b"refused".to_vec(),
+    };
+    let k = key("plain");
+    let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+    assert!(matches!(
+        pg.apply(&k, release(l.token())).unwrap(),
+        Reply::Released
+    ));
+    assert!(pg.get(&k).unwrap().is_none());
+
+    let k = key("acted");
+    let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+    let point = Op::SetRecoveryPoint {
+        token: l.token(),
+        bytes: b"charged".to_vec(),
+    };
+    record(pg.apply(&k, point).unwrap());
+    let kept = record(pg.apply(&k, release(l.token())).unwrap());
+    assert_eq!(kept.state, State::Failed { retryable: true });
+    assert_eq!(pg.get(&k).unwrap().unwrap(), kept);
+    let next = acquired(pg.apply(&k, claim(b"a")).unwrap());
+    assert_eq!(next.recovery_point(), Some(&b"charged"[..]));
+    assert_eq!(next.record().unwrap().failure(), Some(&b"refused"[..]));
+    // A stale token changes nothing.
+    assert!(matches!(
+        pg.apply(&k, release(l.token())),
+        Err(Error::StaleLease { .. })
+    ));
+}
+
 #[test]
 fn business_keys_conflict_until_released() {
     if skipped() {
