@@ -735,7 +735,9 @@ impl Store {
     /// # Errors
     /// [`Error::CorruptRecord`] when the stored record is damaged,
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
-    /// read.
+    /// read; [`Error::CorruptFile`] also for a key not found in a store the
+    /// online scrub found damaged (see [`Config::scrub_rate`]), where the
+    /// damage can hide a stored key, so absence is not an answer.
     pub fn get(&self, key: &Key) -> Result<Option<Record>> {
         let _span =
             tracing::debug_span!("idemstore.get", scope = key.scope(), id = key.id()).entered();

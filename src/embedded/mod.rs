@@ -598,6 +598,7 @@ impl Embedded {
         let now = self.time();
         loop {
             match self.read(key, now)? {
+                Read::Done(None) => return self.absent(),
                 Read::Done(r) => return Ok(r.map(Arc::unwrap_or_clone)),
                 Read::Pending(seq) if self.shared.progress.committed() < seq => {
                     self.commit_index()?;
@@ -607,11 +608,30 @@ impl Embedded {
         }
     }
 
+    /// A lookup that found no record: absent, unless the scrub found the
+    /// store damaged. Damage to a B-tree branch page can hide a stored key
+    /// from lookups, so on such a store an absence is not an answer: a
+    /// caller that took it would run the work again elsewhere.
+    fn absent(&self) -> Result<Option<Record>> {
+        match self.damage_marker() {
+            None if !self.shared.damaged.load(Ordering::SeqCst) => Ok(None),
+            marker => Err(Error::CorruptFile {
+                path: self.shared.path.clone(),
+                detail: format!(
+                    "the online scrub found this store damaged{}: a record it does not find \
+                     may be hidden by the damage, so it cannot answer that a key is absent",
+                    marker.map_or_else(String::new, |m| format!(" (see {})", m.display()))
+                ),
+            }),
+        }
+    }
+
     /// [`Embedded::get`] from async code.
     pub(crate) async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
         let now = self.time_async().await;
         loop {
             match self.read(key, now)? {
+                Read::Done(None) => return self.absent(),
                 Read::Done(r) => return Ok(r.map(Arc::unwrap_or_clone)),
                 // The writer answers a commit once everything decided before
                 // it is committed to the index and (when gated) durable.
