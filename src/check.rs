@@ -35,8 +35,9 @@ use crate::store::Store;
 ///
 /// # Errors
 /// - [`Error::Missing`]: no file at `path`.
-/// - [`Error::IncompatibleFile`]: the file is empty, not an idemstore
-///   file, or of a newer format.
+/// - [`Error::IncompatibleFile`]: the file is empty, not a regular file
+///   (a directory, a fifo, a device), not an idemstore file, or of a
+///   newer format.
 /// - [`Error::AlreadyOpen`]: a `Store` (a running service) holds the file.
 /// - [`Error::CorruptLog`]: the write-ahead log beside the file is damaged
 ///   where recovery needs it (see [`Store::open`]).

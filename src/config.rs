@@ -597,7 +597,9 @@ impl Config {
     /// other change get [`Error::Poisoned`](crate::Error::Poisoned), so
     /// that a key the index can no longer find is not claimed a second
     /// time, while reads, scans, stats and exports still answer (for the
-    /// restore). The scrub also leaves a file `<path>-damaged` beside the
+    /// restore; a [`Store::get`](crate::Store::get) of a key without a live
+    /// record answers [`Error::CorruptFile`](crate::Error::CorruptFile), not
+    /// absent, since the damage may hide it). The scrub also leaves a file `<path>-damaged` beside the
     /// store file, naming what it found, and every later open opens the
     /// store read-only in the same way while that file (or its temporary
     /// `-damaged.tmp`) exists, by whatever name it opens the file (the

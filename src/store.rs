@@ -735,7 +735,8 @@ impl Store {
     /// # Errors
     /// [`Error::CorruptRecord`] when the stored record is damaged,
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
-    /// read; [`Error::CorruptFile`] also for a key not found in a store the
+    /// read; [`Error::CorruptFile`] also for a key without a live record
+    /// (absent or past retention) in a store the
     /// online scrub found damaged (see [`Config::scrub_rate`]), where the
     /// damage can hide a stored key, so absence is not an answer.
     pub fn get(&self, key: &Key) -> Result<Option<Record>> {
@@ -826,7 +827,8 @@ impl Store {
     ///
     /// Damage found (anything but a missing expiry entry) makes the store
     /// refuse writes ([`Error::Poisoned`]) while reads, scans and exports
-    /// still answer, and leaves the file `<path>-damaged` beside the store
+    /// still answer (a [`Store::get`] of a key without a live record
+    /// answers [`Error::CorruptFile`]: the damage may hide it), and leaves the file `<path>-damaged` beside the store
     /// file, which makes every later open read-only too, by any name of
     /// the file (the step then asks the writer for a checkpoint, which
     /// records the marker in the store; see [`Config::scrub_rate`] for the

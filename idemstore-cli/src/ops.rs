@@ -396,21 +396,6 @@ pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliEr
         .match_indices('/')
         .filter_map(|(at, _)| Key::new(&joined[..at], &joined[at + 1..]).ok())
         .collect();
-    let mut found = Vec::new();
-    for key in &splits {
-        let record = store.get(key).map_err(|e| {
-            CliError::store(
-                format!("cannot read {}", key_text(key.scope(), key.id())),
-                e,
-            )
-        })?;
-        if record.is_some() {
-            found.push(key.clone());
-        }
-    }
-    if let [key] = found.as_slice() {
-        return Ok(key.clone());
-    }
     // Each split as a shell takes it: after `--` (a scope may start with
     // `-`), each part quoted for a POSIX shell where it needs it.
     let listed = |keys: &[Key]| {
@@ -419,6 +404,35 @@ pub fn key_of(store: &Store, scope: &str, id: Option<&str>) -> Result<Key, CliEr
             .collect::<Vec<_>>()
             .join("; ")
     };
+    let mut found = Vec::new();
+    // On a store the scrub found damaged, a split that is not found is not
+    // known to be absent (the damage can hide a record): such splits are
+    // unknown, and the key is taken only as two arguments.
+    let mut unknown = None;
+    for key in &splits {
+        match store.get(key) {
+            Ok(Some(_)) => found.push(key.clone()),
+            Ok(None) => {}
+            Err(e @ idemstore::Error::CorruptFile { .. }) => unknown = Some(e),
+            Err(e) => {
+                return Err(CliError::store(
+                    format!("cannot read {}", key_text(key.scope(), key.id())),
+                    e,
+                ));
+            }
+        }
+    }
+    if let Some(e) = unknown {
+        return Err(CliError::Usage(format!(
+            "{joined:?} is one argument, and this store cannot tell which way of splitting it \
+             names a record ({e}). A key is SCOPE ID, two arguments; it splits as one of \
+             (each pasted at the end of the command, after its options): {}",
+            listed(&splits)
+        )));
+    }
+    if let [key] = found.as_slice() {
+        return Ok(key.clone());
+    }
     Err(CliError::Usage(match (splits.len(), found.len()) {
         (0, _) => format!(
             "{joined:?} is one argument: a key is SCOPE ID, two arguments (a key printed as \

@@ -1201,8 +1201,8 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     let err = execute_again(&path, "task-1:call_3").unwrap_err();
     assert!(
         err.contains(&format!(
-            "idemstore resolve STORE --token {token} --amend --succeeded JSON \
-             -- acme/tools task-1:call_3 (STORE and JSON filled in;"
+            "idemstore resolve STORE --token {token} --retention 86400000ms --amend \
+             --succeeded JSON -- acme/tools task-1:call_3 (STORE and JSON filled in;"
         )),
         "{err}"
     );
@@ -1237,14 +1237,23 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
     let words = shlex::split(&err[at..]).expect(&err);
     let words: Vec<&str> = words.iter().map(String::as_str).collect();
     assert_eq!(
-        &words[..6],
-        ["idemstore", "resolve", "STORE", "--token", &t, "--amend"]
+        &words[..8],
+        [
+            "idemstore",
+            "resolve",
+            "STORE",
+            "--token",
+            &t,
+            "--retention",
+            "86400000ms",
+            "--amend"
+        ]
     );
     let dashes = words.iter().position(|w| *w == "--").expect(&err);
     assert_eq!(&words[dashes + 1..dashes + 3], ["acme/tools", id]);
     // The command as printed, with the store and an outcome filled in.
     let mut args = vec!["resolve", p(&path)];
-    args.extend_from_slice(&words[3..6]);
+    args.extend_from_slice(&words[3..8]);
     args.extend_from_slice(&["--succeeded", r#""T-5""#]);
     args.extend_from_slice(&words[dashes..dashes + 3]);
     let out = idemstore(&args);
@@ -1308,18 +1317,29 @@ fn an_in_doubt_execute_names_the_resolve_that_records_it() {
     let words = shlex::split(&err[at..]).expect(&err);
     let words: Vec<&str> = words.iter().map(String::as_str).collect();
     assert_eq!(&words[..4], ["idemstore", "resolve", "STORE", "--token"]);
-    assert_eq!(&words[5..7], ["--succeeded", "JSON"], "{err}");
+    // The store's retention (24 h here), so that the resolved record is
+    // kept as long as the service's own.
+    assert_eq!(
+        &words[5..9],
+        ["--retention", "86400000ms", "--succeeded", "JSON"],
+        "{err}"
+    );
     let dashes = words.iter().position(|w| *w == "--").expect(&err);
     assert_eq!(&words[dashes + 1..dashes + 3], ["acme/tools", id]);
     // The token is the one the refusing call holds: the record's.
     let out = idemstore(&["get", p(&path), "--json", "--", "acme/tools", id]);
     assert_eq!(json(&out)["state"], "processing");
     assert_eq!(json(&out)["token"].to_string(), words[4]);
-    let mut args = vec!["resolve", p(&path), "--token", words[4]];
+    let mut args = vec!["resolve", p(&path)];
+    args.extend_from_slice(&words[3..7]);
     args.extend_from_slice(&["--succeeded", r#""T-7""#]);
     args.extend_from_slice(&words[dashes..dashes + 3]);
     let out = idemstore(&args);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = idemstore(&["get", p(&path), "--json", "--", "acme/tools", id]);
+    let record = json(&out);
+    let kept = record["expires_ms"].as_u64().unwrap() - record["updated_ms"].as_u64().unwrap();
+    assert_eq!(kept, 86_400_000);
     assert_eq!(execute_again(&path, id).unwrap(), "T-7");
 
     // "It did not take effect": a retryable failure lets the next call run.
@@ -1346,11 +1366,54 @@ fn an_in_doubt_execute_names_the_resolve_that_records_it() {
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_8", "--json"]);
     assert_eq!(json(&out)["state"], "failed-retryable", "{}", stdout(&out));
+    // The next call runs the tool.
+    let store = Store::open(&path).unwrap();
+    let ran = store
+        .execute(
+            &Key::new("acme/tools", "task-1:call_8").unwrap(),
+            &tool_fingerprint(),
+            idemstore::agent::ExecuteOptions::new(),
+            |_lease| -> Result<String, idemstore::agent::Failure<String>> { Ok("T-8".into()) },
+        )
+        .unwrap();
+    assert_eq!(ran.value(), "T-8");
+    assert!(!ran.is_replayed(), "{ran:?}");
 }
 
 /// A key as the library prints it (`scope/id`, one argument) pastes into
 /// `get` and `resolve`: split at the `/` after which a record exists. When
 /// no split names a record, the message lists each way to split it.
+/// On a store the scrub found damaged (its marker beside it), `get` of a
+/// key it does not find is an error, not "absent", since the damage can
+/// hide a record; so a key given as one argument is not split by lookups
+/// there: the message says why and lists the two-argument forms, and the
+/// two-argument form reads the record.
+#[test]
+fn a_joined_key_on_a_damaged_store_lists_its_splits() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    in_doubt_tool_call(&path, "task-1:call_1");
+    let mut marker = std::fs::canonicalize(&path).unwrap().into_os_string();
+    marker.push("-damaged");
+    std::fs::write(&marker, "found by a test\n").unwrap();
+    let out = idemstore(&["get", p(&path), "acme/tools/task-1:call_1"]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("cannot tell which way of splitting"), "{err}");
+    assert!(err.contains("-- acme/tools task-1:call_1"), "{err}");
+    let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_1", "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    assert_eq!(json(&out)["state"], "processing");
+    // A key that is not found is not answered as absent.
+    let out = idemstore(&["get", p(&path), "acme/tools", "task-1:call_9"]);
+    assert_ne!(code(&out), 0, "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("cannot answer that a key is absent"),
+        "{}",
+        stderr(&out)
+    );
+}
+
 #[test]
 fn a_key_as_the_library_prints_it_pastes_into_get_and_resolve() {
     let dir = tempfile::tempdir().unwrap();

@@ -374,9 +374,11 @@ pub enum ExecuteError<E> {
     /// lease lapses, in doubt again (under a new token).
     #[error(
         "{} is in doubt: an earlier holder's lease lapsed without an outcome; \
-         find out what happened before acting again, then record it: {}",
+         find out what happened before acting again, then record it: {}; the token is the lease \
+         this call took, which is not extended: once it lapses, a later call takes the key \
+         over under a new token, which idemstore get shows",
         lease.key(),
-        repair_command(lease.key(), lease.token(), false)
+        repair_command(lease.key(), lease.token(), lease.record().map(kept_ms), false)
     )]
     InDoubt {
         /// The lease this call acquired; use it to record what happened.
@@ -495,7 +497,10 @@ impl Store {
     /// (a fingerprint mismatch above all), for poll delays with a zero
     /// minimum or a maximum below it ([`Error::InvalidArgument`]), and
     /// [`Error::Storage`] when the extender thread cannot be started (the
-    /// work does not run; the record stays in progress, as after a crash).
+    /// work does not run; the record stays in progress, as after a crash),
+    /// and what [`Store::get`] returns (it looks the key up first; on a
+    /// store the scrub found damaged, [`Error::CorruptFile`] for a key
+    /// without a live record).
     pub fn execute<T, E, P, F>(
         &self,
         key: &Key,
@@ -813,12 +818,23 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
     }
 }
 
+/// How long `record` is kept past its last change, in ms: the store's
+/// retention for a finished record, and at least the retention for one
+/// just acquired (its retention ends no earlier than its lease).
+fn kept_ms(record: &Record) -> u64 {
+    record.expires_ms().saturating_sub(record.updated_ms())
+}
+
 /// The `idemstore resolve` command that records (or, with `amend`,
 /// corrects) the outcome of `key` held under `token`, as one line a shell
-/// runs once STORE and JSON are filled in. The scope and id are quoted for
-/// a POSIX shell where needed (they may hold spaces or quotes) and come
-/// after `--`, so that one starting with `-` is not read as an option.
-fn repair_command(key: &Key, token: u64, amend: bool) -> String {
+/// runs once STORE and JSON are filled in, with `--retention` when known
+/// (`retention_ms`: the command's default is 24 h, and a resolved record
+/// kept for less than the store's retention would let a retry run the work
+/// again). The scope and id are quoted for a POSIX shell where needed
+/// (they may hold spaces or quotes) and come after `--`, so that one
+/// starting with `-` is not read as an option.
+fn repair_command(key: &Key, token: u64, retention_ms: Option<u64>, amend: bool) -> String {
+    let retention = retention_ms.map_or_else(String::new, |ms| format!(" --retention {ms}ms"));
     let (amend, failed) = if amend {
         (
             " --amend",
@@ -832,7 +848,8 @@ fn repair_command(key: &Key, token: u64, amend: bool) -> String {
         )
     };
     format!(
-        "idemstore resolve STORE --token {token}{amend} --succeeded JSON -- {scope} {id} \
+        "idemstore resolve STORE --token {token}{retention}{amend} --succeeded JSON -- {scope} \
+         {id} \
          (STORE and JSON filled in; {failed}; --schema NAME after STORE for a PostgreSQL \
          schema other than idemstore)",
         scope = shell_word(key.scope()),
@@ -861,7 +878,7 @@ fn replay<T: DeserializeOwned, E: DeserializeOwned>(
         detail: format!(
             "{detail}; the stored outcome is not the JSON this call reads. If it was recorded \
              by hand, correct it: {}",
-            repair_command(key, record.token(), true)
+            repair_command(key, record.token(), Some(kept_ms(record)), true)
         ),
     };
     match record.state() {

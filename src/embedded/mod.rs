@@ -756,7 +756,8 @@ impl Embedded {
     /// commit asked every second would make an idle store write).
     ///
     /// Damage makes the store refuse writes (reads, scans and exports are
-    /// still answered) and leaves the damage marker beside a store file, so
+    /// still answered; a lookup that finds no live record is an error, see
+    /// `absent`) and leaves the damage marker beside a store file, so
     /// that later opens do the same until the operator acts
     /// ([`scrub::marker_path_of`]). A store without a marker (a custom
     /// backend, or a marker that cannot be written) is poisoned instead:
