@@ -288,6 +288,8 @@ pub(crate) enum Op {
     /// record is then failed retryably with `failure`, keeping its
     /// recovery point and acquisitions for the next attempt. One
     /// transition, so that no recovery point saved meanwhile is deleted.
+    /// Sent by the HTTP layer only.
+    #[cfg_attr(not(feature = "http"), allow(dead_code))]
     ReleaseUnlessActed {
         token: u64,
         failure: Vec<u8>,

@@ -553,5 +553,99 @@ async fn the_sep_wire_form_over_stdio_framing() {
     assert_eq!(answers[0], answers[1]);
     assert_eq!(answers[0]["content"][0]["text"], "appended line 1");
     assert_eq!(h.tools.lines(), vec!["wire"]);
+    // `"_meta": null` (a serializer's absent field) beside the key: the
+    // key still counts, and the retry replays.
+    let mut answers = Vec::new();
+    for id in 3..=4 {
+        send(
+            json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "append", "arguments": {"line": "null meta"}, "idempotencyKey": "sep-2",
+            "_meta": null}}),
+        )
+        .await;
+        let answer: Value =
+            serde_json::from_str(&lines.next_line().await.unwrap().unwrap()).unwrap();
+        answers.push(answer["result"].clone());
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert_eq!(h.tools.lines(), vec!["wire", "null meta"]);
     serving.abort();
+}
+
+/// A server that never answers cannot hold `call_tool_once` past its
+/// policy's deadline: each request waits for its answer at most until
+/// then, and the call ends as `Exhausted`, in doubt (the tool did run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_helper_ends_at_its_deadline_when_no_answer_comes() {
+    let h = Arc::new(Harness::new(McpOptions::new()));
+    let (started, release) = h.hold_next();
+    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
+    let connect = {
+        let (h, servers) = (h.clone(), servers.clone());
+        move || {
+            let (h, servers) = (h.clone(), servers.clone());
+            async move {
+                let (client, server) = h.connect().await;
+                servers.lock().push(server);
+                Ok::<_, String>(client)
+            }
+        }
+    };
+    let key = Key::for_tool_call("acme/agent", "task-9", "call_1").unwrap();
+    let policy = RetryPolicy::new(3, Duration::from_millis(1), Duration::from_millis(5))
+        .unwrap()
+        .deadline(Duration::from_millis(300));
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "held"}).as_object().cloned().unwrap());
+    // Hang guard only: the call must end by itself at its deadline.
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        call_tool_once(&key, params, &policy, connect),
+    )
+    .await
+    .expect("call_tool_once outlived its deadline");
+    match ended {
+        Err(error @ CallError::Exhausted { .. }) => assert!(error.is_in_doubt(), "{error:?}"),
+        other => panic!("expected Exhausted, got {other:?}"),
+    }
+    started.await.unwrap();
+    assert_eq!(h.tools.lines(), vec!["held"]);
+    let _ = release.send(());
+}
+
+/// A failed `connect` sends nothing, so the next request is still the
+/// call's first: it goes to a server that does not announce run-once
+/// calls (a plain `rmcp` server here) instead of stopping as
+/// `NotAnnounced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_connect_does_not_count_as_a_request_sent() {
+    let h = Arc::new(Harness::new(McpOptions::new()));
+    let servers: Arc<Mutex<Vec<RunningService<RoleServer, AppendServer>>>> = Arc::default();
+    let connects = Arc::new(AtomicUsize::new(0));
+    let connect = {
+        let (h, servers, connects) = (h.clone(), servers.clone(), connects.clone());
+        move || {
+            let (h, servers, connects) = (h.clone(), servers.clone(), connects.clone());
+            async move {
+                if connects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    return Err("connection refused".to_string());
+                }
+                let (client_io, server_io) = tokio::io::duplex(1 << 16);
+                let plain = AppendServer(Arc::clone(&h.tools));
+                let (server, client) = tokio::join!(plain.serve(server_io), ().serve(client_io));
+                servers.lock().push(server.unwrap());
+                Ok::<_, String>(client.unwrap())
+            }
+        }
+    };
+    let key = Key::for_tool_call("acme/agent", "task-10", "call_1").unwrap();
+    let policy = RetryPolicy::new(5, Duration::from_millis(1), Duration::from_millis(5)).unwrap();
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "plain"}).as_object().cloned().unwrap());
+    let result = call_tool_once(&key, params, &policy, connect)
+        .await
+        .unwrap();
+    assert_eq!(text_of(&result), "appended line 1");
+    assert_eq!(connects.load(Ordering::SeqCst), 2);
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
 }

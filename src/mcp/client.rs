@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rmcp::model::{
@@ -75,16 +76,49 @@ pub enum ToolCallError {
     Unexpected(String),
 }
 
+/// One request of the call, waiting for its answer until `until`, the
+/// call's deadline: no answer by then is a lost answer (the connection is
+/// dropped), so a server that never answers cannot hold the call past its
+/// deadline.
+async fn bounded_attempt<S, C, F>(
+    connection: &Mutex<Option<RunningService<RoleClient, S>>>,
+    connect: &C,
+    params: &CallToolRequestParams,
+    sent: Sent<'_>,
+    until: Instant,
+) -> Result<CallToolResult, Sorted>
+where
+    S: Service<RoleClient>,
+    C: Fn() -> F,
+    F: Future<Output = Result<RunningService<RoleClient, S>, String>>,
+{
+    let timer = async {
+        futures_timer::Delay::new(until.saturating_duration_since(Instant::now())).await;
+        *connection.lock() = None;
+        Err(Sorted::Lost)
+    };
+    futures_lite::future::or(attempt(connection, connect, params, sent), timer).await
+}
+
+/// Whether a request of the call went out before this one: a request
+/// after one that was sent goes only to a server that announces the
+/// capability.
+#[derive(Clone, Copy)]
+enum Sent<'a> {
+    /// The call's query: a request was sent.
+    Before,
+    /// A send: `flag` says whether one went out before, and is set once
+    /// this one goes out (after `connect` succeeded).
+    Track(&'a AtomicBool),
+}
+
 /// One request of the call: sends `params` on the current connection
 /// (connecting first if there is none) and sorts the answer.
-///
-/// `later`: this is not the call's first request, so the server must
-/// announce the capability.
 async fn attempt<S, C, F>(
     connection: &Mutex<Option<RunningService<RoleClient, S>>>,
     connect: &C,
     params: &CallToolRequestParams,
-    later: bool,
+    sent: Sent<'_>,
 ) -> Result<CallToolResult, Sorted>
 where
     S: Service<RoleClient>,
@@ -102,6 +136,11 @@ where
             *connection.lock() = Some(service);
             peer
         }
+    };
+    // A failed `connect` sent nothing: only a request that goes out counts.
+    let later = match sent {
+        Sent::Before => true,
+        Sent::Track(flag) => flag.swap(true, Ordering::Relaxed),
     };
     if later {
         let announced = peer
@@ -161,7 +200,9 @@ fn sort_rpc(error: ErrorData) -> Sorted {
 /// Each request is sorted as [`call_async`] expects:
 ///
 /// - a result (`isError` or not) → returned;
-/// - the connection lost or the answer timed out → *in doubt*: the driver
+/// - the connection lost, or no answer by the policy's deadline (each
+///   request waits for its answer at most until then; the connection is
+///   then dropped) → *in doubt*: the driver
 ///   asks before it sends again. Over MCP the question is the same request
 ///   with the same key: a server that announces [`CAPABILITY`] answers it
 ///   with the recorded result, [`IN_PROGRESS`](super::IN_PROGRESS) (the
@@ -174,7 +215,8 @@ fn sort_rpc(error: ErrorData) -> Sorted {
 ///   Invalid params, Method not found, Invalid request → stop
 ///   ([`CallError::Rejected`]);
 /// - any other JSON-RPC error, or a failed `connect` → send again after a
-///   delay.
+///   delay (a failed `connect` sent nothing, so the next request is still
+///   the call's first).
 ///
 /// # Errors
 /// [`CallError::Exhausted`] when the policy's attempts or deadline run out
@@ -191,6 +233,9 @@ where
     C: Fn() -> F,
     F: Future<Output = Result<RunningService<RoleClient, S>, String>>,
 {
+    let until = Instant::now()
+        .checked_add(policy.total_deadline())
+        .unwrap_or_else(far_future);
     let params = attach_key(params, key);
     let connection = Mutex::new(None);
     let sent = AtomicBool::new(false);
@@ -199,8 +244,7 @@ where
         key,
         policy,
         async |_key: &Key| {
-            let later = sent.swap(true, Ordering::Relaxed);
-            attempt(connection, connect, params, later)
+            bounded_attempt(connection, connect, params, Sent::Track(sent), until)
                 .await
                 .map_err(|sorted| match sorted {
                     Sorted::Lost | Sorted::Busy => RemoteError::TimedOut,
@@ -208,7 +252,9 @@ where
                     Sorted::Stop(e) => RemoteError::Permanent(e),
                 })
         },
-        async |_key: &Key| match attempt(connection, connect, params, true).await {
+        async |_key: &Key| match bounded_attempt(connection, connect, params, Sent::Before, until)
+            .await
+        {
             Ok(result) => Ok(RemoteStatus::Done(result)),
             Err(Sorted::Busy) => Ok(RemoteStatus::InProgress),
             Err(Sorted::Lost) => Err(RemoteError::TimedOut),
@@ -217,4 +263,12 @@ where
         },
     )
     .await
+}
+
+/// An instant far enough ahead to stand for "no deadline" when the
+/// policy's deadline does not fit in an `Instant` (about 30 years).
+fn far_future() -> Instant {
+    let now = Instant::now();
+    now.checked_add(Duration::from_secs(30 * 365 * 86_400))
+        .unwrap_or(now)
 }

@@ -48,6 +48,12 @@ pub fn sep_key_to_meta(message: &mut Value) -> bool {
     let meta = params
         .entry("_meta")
         .or_insert_with(|| Value::Object(Map::new()));
+    // `"_meta": null` is how many serializers write an absent field, and
+    // rmcp reads it as absent: the key goes into a new object, else it
+    // would be dropped and the call run on every retry.
+    if meta.is_null() {
+        *meta = Value::Object(Map::new());
+    }
     match meta.as_object_mut() {
         Some(meta) => {
             if let Some(old) = meta.insert(META_KEY.to_string(), key)
@@ -244,6 +250,10 @@ mod tests {
             "_meta": {"idempotencyKey": "old"}, "idempotencyKey": "new"}});
         assert!(sep_key_to_meta(&mut both));
         assert_eq!(both["params"]["_meta"]["idempotencyKey"], "new");
+        let mut null_meta = json!({"method": "tools/call", "params": {"name": "t",
+            "_meta": null, "idempotencyKey": "k"}});
+        assert!(sep_key_to_meta(&mut null_meta));
+        assert_eq!(null_meta["params"]["_meta"], json!({"idempotencyKey": "k"}));
     }
 
     #[test]
