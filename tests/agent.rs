@@ -878,6 +878,12 @@ fn the_driver_gives_up_with_the_key() {
             ..
         }
     ));
+    // The message keeps the service's reason (text recorded from it, as a
+    // failure, would lose it otherwise).
+    assert!(
+        err.to_string().ends_with("was rejected: card declined"),
+        "{err}"
+    );
 
     // The deadline bounds the whole call: zero allows the first attempt only.
     let mut attempts = 0;
@@ -901,6 +907,7 @@ fn the_driver_gives_up_with_the_key() {
             ..
         }
     ));
+    assert!(err.to_string().ends_with("; last error: 503"), "{err}");
     assert_eq!(attempts, 1);
 }
 

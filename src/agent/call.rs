@@ -198,15 +198,14 @@ pub enum Limit {
 }
 
 /// Why [`call`] or [`call_async`] returned without a result. Both variants
-/// carry the key, so that a person can follow up with the service.
-#[derive(Debug, thiserror::Error)]
+/// carry the key, so that a person can follow up with the service. Its
+/// message includes the service's error (`Rejected`) or the last one
+/// (`Exhausted`), so that text recorded from it (for example as a
+/// [`Failure`](super::Failure)) keeps the reason.
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum CallError<E> {
     /// The policy's limit ran out before the service confirmed an outcome.
-    #[error(
-        "call with idempotency key {key} gave up after {attempts} attempts ({limit:?} limit); \
-         {}", if *in_doubt { "the service may have acted: follow up with this key" } else { "the service did not act" }
-    )]
     Exhausted {
         /// The idempotency key every attempt carried.
         key: Key,
@@ -221,7 +220,6 @@ pub enum CallError<E> {
         last_error: Option<E>,
     },
     /// The service refused the request (or the query) for good.
-    #[error("call with idempotency key {key} was rejected")]
     Rejected {
         /// The idempotency key every attempt carried.
         key: Key,
@@ -232,6 +230,40 @@ pub enum CallError<E> {
         error: E,
     },
 }
+
+impl<E: std::fmt::Display> std::fmt::Display for CallError<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CallError::Exhausted {
+                key,
+                attempts,
+                limit,
+                in_doubt,
+                last_error,
+            } => {
+                write!(
+                    f,
+                    "call with idempotency key {key} gave up after {attempts} attempts \
+                     ({limit:?} limit); {}",
+                    if *in_doubt {
+                        "the service may have acted: follow up with this key"
+                    } else {
+                        "the service did not act"
+                    }
+                )?;
+                match last_error {
+                    Some(error) => write!(f, "; last error: {error}"),
+                    None => Ok(()),
+                }
+            }
+            CallError::Rejected { key, error, .. } => {
+                write!(f, "call with idempotency key {key} was rejected: {error}")
+            }
+        }
+    }
+}
+
+impl<E: std::fmt::Debug + std::fmt::Display> std::error::Error for CallError<E> {}
 
 impl<E> CallError<E> {
     /// The idempotency key of the call, for a person to follow up.
