@@ -110,8 +110,8 @@ pub(crate) fn store_key(
 /// arguments count as `{}`.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when the arguments hold an integer beyond
-/// ±(2^53 − 1), which RFC 8785 cannot represent exactly.
+/// [`Error::InvalidArgument`] when the arguments hold a number beyond
+/// ±(2^53 − 1), however written, where RFC 8785 cannot tell integers apart.
 pub(crate) fn fingerprint(
     tool: &str,
     arguments: Option<&JsonObject>,
