@@ -65,9 +65,15 @@ fn json_type_name(value: &Value) -> &'static str {
 /// idempotency key as sent (1 to 255 bytes, no control characters, as
 /// Stripe and the IETF draft bound it).
 ///
+/// A call with no client named whose tool name starts as a client's part
+/// does (16 lowercase hex digits and `/`) is refused: its scope would be
+/// that client's, and an anonymous request could reach (and block) the
+/// keys of an identified one on a server with `client_identity`.
+///
 /// # Errors
 /// [`Error::InvalidKey`] when the key or the scope breaks the rules of
-/// [`Key::new`] (a tool name too long for the scope included).
+/// [`Key::new`] (a tool name too long for the scope included), or for a
+/// tool name that would pose as a client's scope, as above.
 pub(crate) fn store_key(
     prefix: &str,
     client: Option<&str>,
@@ -83,6 +89,14 @@ pub(crate) fn store_key(
         });
     }
     let scope = match client {
+        None if poses_as_client(tool) => {
+            return Err(Error::InvalidKey {
+                reason: format!(
+                    "the tool name {tool:?} starts as a client's part of a scope does (16 hex \
+                     digits and `/`): a keyed call to it needs a client identity"
+                ),
+            });
+        }
         None => format!("{prefix}{tool}"),
         Some(client) => {
             let digest = Sha256::digest(client.as_bytes());
@@ -102,6 +116,17 @@ pub(crate) fn store_key(
         });
     }
     Key::new(scope, idempotency_key)
+}
+
+/// Whether `tool` starts with what `store_key` puts before the tool name
+/// for a named client: 16 lowercase hex digits and `/`.
+fn poses_as_client(tool: &str) -> bool {
+    let bytes = tool.as_bytes();
+    bytes.len() > 16
+        && bytes[16] == b'/'
+        && bytes[..16]
+            .iter()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
 }
 
 /// The fingerprint of a call: the RFC 8785 canonical form of
@@ -140,6 +165,18 @@ mod tests {
         assert!(store_key("mcp/", None, "append", &"k".repeat(256)).is_err());
         assert!(store_key("mcp/", None, "append", "").is_err());
         assert!(store_key("mcp/", None, "append", "a\nb").is_err());
+        // A tool name that would make an anonymous call's scope a client's
+        // is refused; an identified client may call it (its scope is its
+        // own), and other names with a `/` are fine.
+        let posing = format!("{}/append", &b.scope()["mcp/".len().."mcp/".len() + 16]);
+        assert_eq!(format!("mcp/{posing}"), b.scope());
+        assert!(matches!(
+            store_key("mcp/", None, &posing, "k1"),
+            Err(Error::InvalidKey { .. })
+        ));
+        assert!(store_key("mcp/", Some("carol"), &posing, "k1").is_ok());
+        assert!(store_key("mcp/", None, "tickets/create", "k1").is_ok());
+        assert!(store_key("mcp/", None, "0123456789abcdeF/x", "k1").is_ok());
     }
 
     #[test]
