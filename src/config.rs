@@ -16,6 +16,15 @@ pub const MAX_VALUE_LIMIT: usize = 16 * 1024 * 1024;
 pub const MAX_CLAIM_MANY: usize = 1024;
 /// The longest lease a claim or extend accepts: 30 days.
 pub const MAX_LEASE: Duration = Duration::from_secs(30 * 24 * 3600);
+/// The shortest lease that [`Store::execute`](crate::Store::execute) (and
+/// so the MCP server) and the HTTP layer accept: 100 ms. They renew a lease
+/// every third of it while the work runs, and each renewal is a durable
+/// write that must land before the lease lapses; a lease of a few
+/// milliseconds lapses under a live holder whenever a write takes longer,
+/// and a retry then runs the work a second time. A plain
+/// [`Store::claim`](crate::Store::claim), whose holder extends its own
+/// lease, accepts 1 ms.
+pub const MIN_RENEWED_LEASE: Duration = Duration::from_millis(100);
 /// The longest retention [`Config::retention`] accepts, and the furthest
 /// an imported record's expiry may be after its last update: 100 years
 /// (36,500 days), room for the 10-year retention of the benchmarks.

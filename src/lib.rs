@@ -164,7 +164,7 @@ pub use compact::{Compaction, compact_file};
 pub use config::{
     ClaimOptions, Config, DEFAULT_INTEGRITY_CHECK_INTERVAL, DEFAULT_SCRUB_RATE,
     DEFAULT_SWEEP_BATCH, Durability, MAX_CLAIM_MANY, MAX_LEASE, MAX_RETENTION, MAX_SCRUB_RATE,
-    MAX_TOKEN, MAX_VALUE_LIMIT, PostgresLimits, PostgresPooler,
+    MAX_TOKEN, MAX_VALUE_LIMIT, MIN_RENEWED_LEASE, PostgresLimits, PostgresPooler,
 };
 pub use embedded::WRITER_QUEUE_BOUND;
 pub use embedded::wal::{FileLog, LogFile, MemoryLog};

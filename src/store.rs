@@ -1307,6 +1307,13 @@ impl Store {
         self.engine.damage_marker()
     }
 
+    /// The lease a claim takes when its options name none
+    /// ([`Config::lease`]).
+    #[cfg(any(feature = "agent", test))]
+    pub(crate) fn default_lease(&self) -> Duration {
+        self.config.lease
+    }
+
     /// The engine underneath (for the crate's own tests, and for
     /// `idemstore::postgres::complete_in`).
     #[cfg(any(test, feature = "postgres"))]

@@ -1059,3 +1059,56 @@ fn a_payment_whose_response_is_lost_is_charged_once() {
         }
     }
 }
+
+/// A lease under `MIN_RENEWED_LEASE` (100 ms), set on the call or taken
+/// from the store's configuration, is refused before anything is claimed
+/// or run: a renewal that lands after such a lease lapsed lets a retry run
+/// the work a second time under a live holder.
+#[test]
+fn execute_refuses_a_lease_too_short_to_renew() {
+    use idemstore::MIN_RENEWED_LEASE;
+    let dir = tempfile::tempdir().unwrap();
+    let key = Key::new("acme/tools", "short").unwrap();
+    let fp = Fingerprint::of_json(&json!({"n": 1})).unwrap();
+    let short = MIN_RENEWED_LEASE - Duration::from_millis(1);
+    let run = |store: &Store, options: ExecuteOptions| {
+        store.execute(
+            &key,
+            &fp,
+            options,
+            |_lease| -> Result<u32, Failure<String>> { panic!("the work ran") },
+        )
+    };
+    let store = Store::open(dir.path().join("a.redb")).unwrap();
+    let err = run(&store, ExecuteOptions::new().lease(short)).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ExecuteError::Store(Error::InvalidArgument { what: "lease", .. })
+        ),
+        "{err:?}"
+    );
+    assert!(store.get(&key).unwrap().is_none());
+    drop(store);
+    let config = Config::new().lease(short);
+    let store = Store::open_with(dir.path().join("b.redb"), config).unwrap();
+    let err = run(&store, ExecuteOptions::new()).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ExecuteError::Store(Error::InvalidArgument { what: "lease", .. })
+        ),
+        "{err:?}"
+    );
+    assert!(store.get(&key).unwrap().is_none());
+    // The bound itself is taken, from the call over the store's.
+    let out = store
+        .execute(
+            &key,
+            &fp,
+            ExecuteOptions::new().lease(MIN_RENEWED_LEASE),
+            |_lease| Ok::<u32, Failure<String>>(7),
+        )
+        .unwrap();
+    assert_eq!(*out.value(), 7);
+}

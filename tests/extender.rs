@@ -201,7 +201,7 @@ fn a_release_by_someone_else_reaches_the_call_as_a_stale_lease() {
     let out = store.execute(
         &key,
         &fingerprint,
-        ExecuteOptions::new().lease(Duration::from_millis(60)),
+        ExecuteOptions::new().lease(Duration::from_millis(100)),
         |held: &Lease| {
             // An operator who holds the token releases the key.
             store
@@ -233,7 +233,7 @@ fn a_takeover_reaches_the_call_as_a_stale_lease() {
     let out = store.execute(
         &key,
         &fingerprint,
-        ExecuteOptions::new().lease(Duration::from_millis(60)),
+        ExecuteOptions::new().lease(Duration::from_millis(100)),
         |_held: &Lease| {
             // The store's clock jumps past the lease; another caller takes
             // the key over (again, should a renewal land in between).
@@ -273,9 +273,9 @@ fn the_extender_starts_on_first_need_and_stops_with_the_store() {
             .execute(
                 &key,
                 &fingerprint,
-                ExecuteOptions::new().lease(Duration::from_millis(30)),
+                ExecuteOptions::new().lease(Duration::from_millis(100)),
                 |_held: &Lease| {
-                    std::thread::sleep(Duration::from_millis(50));
+                    std::thread::sleep(Duration::from_millis(150));
                     Ok::<_, Failure<String>>(7)
                 },
             )

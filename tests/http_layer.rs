@@ -426,6 +426,24 @@ async fn an_unavailable_store_is_503_and_the_handler_does_not_run() {
     assert_eq!(runs.count(), 1);
 }
 
+/// A lease under `MIN_RENEWED_LEASE` (too short for the layer to renew by
+/// durable writes) makes keyed requests 500 before anything is claimed or
+/// run; the bound itself serves.
+#[tokio::test]
+async fn a_lease_too_short_to_renew_is_500_and_claims_nothing() {
+    let (_d, store, _clock) = manual_store();
+    let short = idemstore::MIN_RENEWED_LEASE - Duration::from_millis(1);
+    let layer = IdempotencyLayer::new(store.clone()).lease(short);
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 500);
+    assert_eq!(runs.count(), 0);
+    assert_eq!(store.len().unwrap(), 0, "nothing was claimed");
+    let layer = IdempotencyLayer::new(store.clone()).lease(idemstore::MIN_RENEWED_LEASE);
+    let (svc, runs) = service(layer, |_| async { created("{}") });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+    assert_eq!(runs.count(), 1);
+}
+
 #[tokio::test]
 async fn a_5xx_is_a_retryable_failure_and_the_retry_is_a_takeover() {
     let (_d, store, _c) = manual_store();

@@ -74,8 +74,9 @@ pub struct Args {
     schema: Option<String>,
     /// How long a call holds its key before another may take it over
     /// (extended while the tool runs; after a crash of the proxy, a retry
-    /// answers "in progress" until it lapses) [default: the store's, 30s].
-    #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration)]
+    /// answers "in progress" until it lapses; at least 100ms) [default:
+    /// the store's, 30s].
+    #[arg(long, value_name = "DURATION", value_parser = renewed_lease)]
     lease: Option<Duration>,
     /// How long a call that finds its key in progress waits for the other
     /// call's outcome before it answers "in progress".
@@ -113,6 +114,20 @@ pub struct Args {
     /// The MCP server to run, and its arguments (after `--`).
     #[arg(required = true, last = true, value_name = "COMMAND")]
     command: Vec<OsString>,
+}
+
+/// `--lease`: a human duration from [`idemstore::MIN_RENEWED_LEASE`] to
+/// [`idemstore::MAX_LEASE`], refused as the flag's error.
+fn renewed_lease(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < idemstore::MIN_RENEWED_LEASE || d > idemstore::MAX_LEASE {
+        return Err(format!(
+            "a lease is {}ms to {} days: it is renewed every third of it by a durable write",
+            idemstore::MIN_RENEWED_LEASE.as_millis(),
+            idemstore::MAX_LEASE.as_secs() / 86_400
+        ));
+    }
+    Ok(d)
 }
 
 /// The child server, as a handler for the client's requests.

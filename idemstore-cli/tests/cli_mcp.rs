@@ -398,3 +398,19 @@ async fn over_streamable_http_a_retry_in_a_new_session_runs_the_tool_once() {
     assert!(term.success());
     assert!(proxy.wait().await.unwrap().success());
 }
+
+/// `--lease` under 100 ms (too short to renew by durable writes) is the
+/// flag's error, before the proxy starts its server or opens the store.
+#[tokio::test]
+async fn a_lease_too_short_to_renew_is_refused_at_the_flag() {
+    let s = Setup::new();
+    let out = s
+        .proxy_command("short.redb", &["--lease", "50ms"])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("a lease is 100ms to"), "{err}");
+    assert!(!s.path("short.redb").exists());
+}

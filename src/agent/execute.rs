@@ -155,11 +155,13 @@ impl ExecuteOptions<NoProbe> {
 }
 
 impl<P> ExecuteOptions<P> {
-    /// The lease of the claim (whole milliseconds, 1 ms to
-    /// [`MAX_LEASE`](crate::MAX_LEASE)). While the work runs, the lease is
-    /// extended by this much every third of it, so work may run longer than
-    /// the lease; the lease only bounds how long a crashed holder blocks the
-    /// key.
+    /// The lease of the claim (whole milliseconds,
+    /// [`MIN_RENEWED_LEASE`](crate::MIN_RENEWED_LEASE), 100 ms, to
+    /// [`MAX_LEASE`](crate::MAX_LEASE); without it, the store's
+    /// [`Config::lease`](crate::Config::lease), which must be as long). While
+    /// the work runs, the lease is extended by this much every third of it,
+    /// so work may run longer than the lease; the lease only bounds how long
+    /// a crashed holder blocks the key.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
@@ -220,7 +222,20 @@ impl<P> ExecuteOptions<P> {
         self
     }
 
-    fn check(&self) -> Result<ClaimOptions, Error> {
+    /// The claim options, once the options are checked; `default_lease`
+    /// is the store's, taken when no lease is set.
+    fn check(&self, default_lease: Duration) -> Result<ClaimOptions, Error> {
+        let lease = self.lease.unwrap_or(default_lease);
+        if lease < crate::config::MIN_RENEWED_LEASE {
+            return Err(Error::invalid(
+                "lease",
+                format!(
+                    "{lease:?} is under {:?}, the shortest lease execute renews safely: each \
+                     renewal is a durable write that must land within the lease",
+                    crate::config::MIN_RENEWED_LEASE
+                ),
+            ));
+        }
         if self.poll_min.is_zero() {
             return Err(Error::invalid(
                 "poll_delays",
@@ -516,7 +531,7 @@ impl Store {
     {
         use event_listener::Listener as _;
 
-        let claim_options = options.check()?;
+        let claim_options = options.check(self.default_lease())?;
         let mut wait = Wait::new(&options);
         let mut watch = None;
         let lease = loop {
@@ -611,7 +626,7 @@ impl Store {
         P: AsyncProbe<T, E>,
         F: AsyncFnOnce(&Lease) -> Result<T, Failure<E>>,
     {
-        let claim_options = options.check()?;
+        let claim_options = options.check(self.default_lease())?;
         let mut wait = Wait::new(&options);
         let mut watch = None;
         let lease = loop {

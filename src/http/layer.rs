@@ -420,7 +420,8 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The lease of each claim (whole milliseconds, 1 ms to
+    /// The lease of each claim (whole milliseconds,
+    /// [`MIN_RENEWED_LEASE`](crate::MIN_RENEWED_LEASE), 100 ms, to
     /// [`MAX_LEASE`](crate::MAX_LEASE); default 30 s): how long a request
     /// whose server died holds its key before a retry may take it over.
     /// While the handler runs, and then while its response body is sent,

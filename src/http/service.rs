@@ -247,6 +247,17 @@ where
         &settings.fingerprint_headers,
         &bytes,
     );
+    if settings.lease < crate::config::MIN_RENEWED_LEASE {
+        let error = Error::invalid(
+            "lease",
+            format!(
+                "{:?} is under {:?}, the shortest lease the layer renews safely",
+                settings.lease,
+                crate::config::MIN_RENEWED_LEASE
+            ),
+        );
+        return Err(claim_error(&key, &error));
+    }
     let mut options = ClaimOptions::new().lease(settings.lease);
     if let Some(business_key) = settings
         .business_key

@@ -82,8 +82,10 @@ impl McpOptions {
         self
     }
 
-    /// The lease of a call (whole milliseconds, 1 ms to
-    /// [`MAX_LEASE`](crate::MAX_LEASE)), extended every third of it while
+    /// The lease of a call (whole milliseconds,
+    /// [`MIN_RENEWED_LEASE`](crate::MIN_RENEWED_LEASE), 100 ms, to
+    /// [`MAX_LEASE`](crate::MAX_LEASE); out of that range every keyed call
+    /// fails with an internal error), extended every third of it while
     /// the tool runs. After a crash, the key answers
     /// [`IN_PROGRESS`](super::IN_PROGRESS) until the lease lapses, then the
     /// in-doubt policy.
