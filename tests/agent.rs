@@ -1112,3 +1112,54 @@ fn execute_refuses_a_lease_too_short_to_renew() {
         .unwrap();
     assert_eq!(*out.value(), 7);
 }
+
+/// A value over the store's result limit cannot be recorded after the work
+/// ran: the call says so (`TooLargeToRecord`, not a bare `TooLarge` that
+/// reads as "nothing happened"), the record stays in progress, and once
+/// its lease lapses the next call finds the key in doubt instead of
+/// running the work again.
+#[test]
+fn an_outcome_too_large_to_record_leaves_the_key_in_doubt() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::starting_now();
+    let config = Config::new()
+        .clock(clock.clone())
+        .lease(LEASE)
+        .max_result_bytes(64)
+        .sweep_interval(None);
+    let store = Store::open_with(dir.path().join("big.redb"), config).unwrap();
+    let key = Key::new("acme/tools", "big").unwrap();
+    let params = json!({"n": 1});
+    let runs = AtomicU32::new(0);
+    let big = "x".repeat(100);
+    let err = store
+        .execute(
+            &key,
+            &fp(&params),
+            ExecuteOptions::new(),
+            counted(&runs, &big),
+        )
+        .unwrap_err();
+    match &err {
+        ExecuteError::TooLargeToRecord {
+            key: k,
+            what: "result",
+            len: 102,
+            limit: 64,
+        } => assert_eq!(k, &key),
+        other => panic!("{other:?}"),
+    }
+    assert!(err.to_string().contains("ran"), "{err}");
+    assert_eq!(store.get(&key).unwrap().unwrap().state(), State::Processing);
+    clock.advance(LEASE + Duration::from_millis(1));
+    let again = store
+        .execute(
+            &key,
+            &fp(&params),
+            ExecuteOptions::new(),
+            counted(&runs, "small"),
+        )
+        .unwrap_err();
+    assert!(matches!(again, ExecuteError::InDoubt { .. }), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -424,6 +424,29 @@ pub enum ExecuteError<E> {
         detail: String,
     },
 
+    /// The work ran, but its value or failure, as JSON, is over the
+    /// store's limit ([`Config::max_result_bytes`](crate::Config::max_result_bytes)
+    /// or [`Config::max_failure_bytes`](crate::Config::max_failure_bytes),
+    /// 1 MiB each by default, at most 16 MiB): nothing was recorded. The
+    /// record stays in progress and is in doubt once its lease lapses, as
+    /// after a crash, because the work's effect happened. Raise the limit
+    /// or return less (a replay needs the whole value).
+    #[error(
+        "the work for {key} ran, but its {what} is {len} bytes as JSON, over the store's \
+         limit of {limit} bytes, so it was not recorded; the key is in doubt once its lease \
+         lapses (raise the store's limit or return less)"
+    )]
+    TooLargeToRecord {
+        /// The key.
+        key: Key,
+        /// `"result"` or `"failure"`.
+        what: &'static str,
+        /// The outcome's length as JSON, in bytes.
+        len: usize,
+        /// The store's limit, in bytes.
+        limit: usize,
+    },
+
     /// The store refused or failed: [`Error::FingerprintMismatch`] (the
     /// key was used with another payload), [`Error::InvalidArgument`],
     /// [`Error::StaleLease`] (the work outlived its lease and another caller
@@ -825,7 +848,18 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
 
     /// Wakes this process's waiters once the outcome is recorded.
     fn finish(self, store: &Store, done: Result<(), Error>) -> ExecResult<T, E> {
-        done?;
+        match done {
+            Ok(()) => {}
+            Err(Error::TooLarge { what, len, limit }) => {
+                return Err(ExecuteError::TooLargeToRecord {
+                    key: self.lease.key().clone(),
+                    what,
+                    len,
+                    limit,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        }
         if !matches!(self.write, Write::None) {
             store.waiters.notify(self.lease.key());
         }
