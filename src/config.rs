@@ -374,7 +374,9 @@ impl Config {
 
     /// The default lease duration of a claim (whole milliseconds, 1 ms to
     /// [`MAX_LEASE`]): how long an in-progress claim is honoured before
-    /// another caller may take it over.
+    /// another caller may take it over. `Store::execute` (and the MCP
+    /// server), which renew the lease themselves, refuse a lease under
+    /// [`MIN_RENEWED_LEASE`] (100 ms), this default included.
     pub fn lease(mut self, lease: Duration) -> Config {
         self.lease = lease;
         self

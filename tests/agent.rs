@@ -1163,3 +1163,45 @@ fn an_outcome_too_large_to_record_leaves_the_key_in_doubt() {
     assert!(matches!(again, ExecuteError::InDoubt { .. }), "{again:?}");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A retryable failure over the store's failure limit is kept as `null`:
+/// the call answers `Failed { retryable: true }`, and the next call runs
+/// the work again instead of finding the key in doubt.
+#[test]
+fn a_retryable_failure_too_large_to_keep_still_lets_the_next_call_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config::new().max_failure_bytes(64).sweep_interval(None);
+    let store = Store::open_with(dir.path().join("fail.redb"), config).unwrap();
+    let key = Key::new("acme/tools", "flaky").unwrap();
+    let params = json!({"n": 1});
+    let err = store
+        .execute(&key, &fp(&params), ExecuteOptions::new(), |_lease| {
+            Err::<String, _>(Failure::retryable("x".repeat(100)))
+        })
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ExecuteError::Failed {
+                retryable: true,
+                replayed: false,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let record = store.get(&key).unwrap().unwrap();
+    assert_eq!(record.state(), State::Failed { retryable: true });
+    assert_eq!(record.failure(), Some(&b"null"[..]));
+    let runs = AtomicU32::new(0);
+    let out = store
+        .execute(
+            &key,
+            &fp(&params),
+            ExecuteOptions::new(),
+            counted(&runs, "ok"),
+        )
+        .unwrap();
+    assert_eq!(out.value(), "ok");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -649,3 +649,29 @@ async fn a_failed_connect_does_not_count_as_a_request_sent() {
     assert_eq!(connects.load(Ordering::SeqCst), 2);
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
 }
+
+/// A `connect` that never finishes (a server that hangs before
+/// `initialize` is answered) ends the call at its deadline, and not in
+/// doubt: no `tools/call` went out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_never_opens_ends_at_the_deadline_not_in_doubt() {
+    let connect =
+        || async { std::future::pending::<Result<RunningService<RoleClient, ()>, String>>().await };
+    let key = Key::for_tool_call("acme/agent", "task-11", "call_1").unwrap();
+    let policy = RetryPolicy::new(3, Duration::from_millis(1), Duration::from_millis(5))
+        .unwrap()
+        .deadline(Duration::from_millis(200));
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "never"}).as_object().cloned().unwrap());
+    // Hang guard only.
+    let ended = tokio::time::timeout(
+        Duration::from_secs(60),
+        call_tool_once(&key, params, &policy, connect),
+    )
+    .await
+    .expect("call_tool_once outlived its deadline");
+    match ended {
+        Err(error @ CallError::Exhausted { .. }) => assert!(!error.is_in_doubt(), "{error:?}"),
+        other => panic!("expected Exhausted, got {other:?}"),
+    }
+}

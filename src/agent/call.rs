@@ -84,7 +84,11 @@ impl RetryPolicy {
 
     /// The total time budget of one call, attempts and delays included. No
     /// attempt starts after it, and no delay is slept that would end past
-    /// it. A zero deadline allows the first attempt only.
+    /// it. A zero deadline allows the first attempt only. An attempt itself
+    /// is bounded by the `send` it runs, except in
+    /// [`mcp::call_tool_once`](crate::mcp::call_tool_once) (feature `mcp`),
+    /// which waits for each answer only until the deadline: there it must
+    /// cover the tool's run time.
     #[must_use]
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.deadline = deadline;

@@ -424,13 +424,15 @@ pub enum ExecuteError<E> {
         detail: String,
     },
 
-    /// The work ran, but its value or failure, as JSON, is over the
-    /// store's limit ([`Config::max_result_bytes`](crate::Config::max_result_bytes)
+    /// The work ran, but its value or permanent failure, as JSON, is over
+    /// the store's limit ([`Config::max_result_bytes`](crate::Config::max_result_bytes)
     /// or [`Config::max_failure_bytes`](crate::Config::max_failure_bytes),
     /// 1 MiB each by default, at most 16 MiB): nothing was recorded. The
     /// record stays in progress and is in doubt once its lease lapses, as
-    /// after a crash, because the work's effect happened. Raise the limit
-    /// or return less (a replay needs the whole value).
+    /// after a crash, because the work may have acted. Raise the limit or
+    /// return less (a replay needs the whole value). A retryable failure
+    /// too large to keep is recorded as `null` instead (nothing replays
+    /// it), and the call returns [`ExecuteError::Failed`].
     #[error(
         "the work for {key} ran, but its {what} is {len} bytes as JSON, over the store's \
          limit of {limit} bytes, so it was not recorded; the key is in doubt once its lease \
@@ -530,10 +532,14 @@ impl Store {
     ///
     /// # Errors
     /// [`ExecuteError`]: `Failed`, `StillInProgress`, `InDoubt`,
-    /// `ProbeFailed`, `Codec`, and `Store` for everything
-    /// [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
+    /// `ProbeFailed`, `Codec`, `TooLargeToRecord` (an outcome over the
+    /// store's size limit after the work ran), and `Store` for everything
+    /// else [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
     /// (a fingerprint mismatch above all), for poll delays with a zero
-    /// minimum or a maximum below it ([`Error::InvalidArgument`]), and
+    /// minimum or a maximum below it, and for a lease (the call's, or the
+    /// store's [`Config::lease`](crate::Config::lease)) under
+    /// [`MIN_RENEWED_LEASE`](crate::MIN_RENEWED_LEASE), checked before the
+    /// key is looked up ([`Error::InvalidArgument`]), and
     /// [`Error::Storage`] when the extender thread cannot be started (the
     /// work does not run; the record stays in progress, as after a crash),
     /// and what [`Store::get`] returns (it looks the key up first; on a
@@ -600,7 +606,14 @@ impl Store {
         let record = Recorder::new(lease, in_doubt, stage)?;
         let done = match &record.write {
             Write::Complete(bytes) => self.complete(&record.lease, bytes).map(drop),
-            Write::Fail(bytes, retryable) => self.fail(&record.lease, bytes, *retryable).map(drop),
+            // A retryable failure too large to keep is kept as `null`:
+            // the next call runs the work again and reads no failure.
+            Write::Fail(bytes, true) => match self.fail(&record.lease, bytes, true) {
+                Err(Error::TooLarge { .. }) => self.fail(&record.lease, b"null", true),
+                other => other,
+            }
+            .map(drop),
+            Write::Fail(bytes, false) => self.fail(&record.lease, bytes, false).map(drop),
             Write::None => Ok(()),
         };
         record.finish(self, done)
@@ -710,10 +723,14 @@ impl Store {
         let record = Recorder::new(lease, in_doubt, stage)?;
         let done = match &record.write {
             Write::Complete(bytes) => self.complete_async(&record.lease, bytes).await.map(drop),
-            Write::Fail(bytes, retryable) => self
-                .fail_async(&record.lease, bytes, *retryable)
-                .await
-                .map(drop),
+            Write::Fail(bytes, true) => match self.fail_async(&record.lease, bytes, true).await {
+                Err(Error::TooLarge { .. }) => self.fail_async(&record.lease, b"null", true).await,
+                other => other,
+            }
+            .map(drop),
+            Write::Fail(bytes, false) => {
+                self.fail_async(&record.lease, bytes, false).await.map(drop)
+            }
             Write::None => Ok(()),
         };
         record.finish(self, done)

@@ -76,28 +76,37 @@ pub enum ToolCallError {
     Unexpected(String),
 }
 
-/// One request of the call, waiting for its answer until `until`, the
-/// call's deadline: no answer by then is a lost answer (the connection is
-/// dropped), so a server that never answers cannot hold the call past its
-/// deadline.
+/// One request of the call, waiting for its answer at most until `budget`
+/// has passed since `started` (the policy's deadline): no answer by then
+/// is a lost answer (the connection is dropped), so a server that never
+/// answers cannot hold the call past its deadline. A timeout before the
+/// request went out (still connecting, or in `initialize`) sent nothing:
+/// it is a failed connection, not a call in doubt.
 async fn bounded_attempt<S, C, F>(
     connection: &Mutex<Option<RunningService<RoleClient, S>>>,
     connect: &C,
     params: &CallToolRequestParams,
     sent: Sent<'_>,
-    until: Instant,
+    (started, budget): (Instant, Duration),
 ) -> Result<CallToolResult, Sorted>
 where
     S: Service<RoleClient>,
     C: Fn() -> F,
     F: Future<Output = Result<RunningService<RoleClient, S>, String>>,
 {
+    let sending = AtomicBool::new(false);
     let timer = async {
-        futures_timer::Delay::new(until.saturating_duration_since(Instant::now())).await;
+        futures_timer::Delay::new(budget.saturating_sub(started.elapsed())).await;
         *connection.lock() = None;
-        Err(Sorted::Lost)
+        if sending.load(Ordering::SeqCst) {
+            Err(Sorted::Lost)
+        } else {
+            Err(Sorted::Retry(ToolCallError::Connect(
+                "no connection before the call's deadline".into(),
+            )))
+        }
     };
-    futures_lite::future::or(attempt(connection, connect, params, sent), timer).await
+    futures_lite::future::or(attempt(connection, connect, params, sent, &sending), timer).await
 }
 
 /// Whether a request of the call went out before this one: a request
@@ -119,6 +128,7 @@ async fn attempt<S, C, F>(
     connect: &C,
     params: &CallToolRequestParams,
     sent: Sent<'_>,
+    sending: &AtomicBool,
 ) -> Result<CallToolResult, Sorted>
 where
     S: Service<RoleClient>,
@@ -150,6 +160,7 @@ where
             return Err(Sorted::Stop(ToolCallError::NotAnnounced));
         }
     }
+    sending.store(true, Ordering::SeqCst);
     match peer.call_tool(params.clone()).await {
         Ok(result) => Ok(result),
         Err(ServiceError::McpError(error)) => Err(sort_rpc(error)),
@@ -201,8 +212,9 @@ fn sort_rpc(error: ErrorData) -> Sorted {
 ///
 /// - a result (`isError` or not) → returned;
 /// - the connection lost, or no answer by the policy's deadline (each
-///   request waits for its answer at most until then; the connection is
-///   then dropped) → *in doubt*: the driver
+///   request waits for its answer at most until then, so the deadline must
+///   cover the tool's run time; a zero deadline waits for no answer; the
+///   connection is then dropped) → *in doubt*: the driver
 ///   asks before it sends again. Over MCP the question is the same request
 ///   with the same key: a server that announces [`CAPABILITY`] answers it
 ///   with the recorded result, [`IN_PROGRESS`](super::IN_PROGRESS) (the
@@ -233,9 +245,7 @@ where
     C: Fn() -> F,
     F: Future<Output = Result<RunningService<RoleClient, S>, String>>,
 {
-    let until = Instant::now()
-        .checked_add(policy.total_deadline())
-        .unwrap_or_else(far_future);
+    let budget = (Instant::now(), policy.total_deadline());
     let params = attach_key(params, key);
     let connection = Mutex::new(None);
     let sent = AtomicBool::new(false);
@@ -244,7 +254,7 @@ where
         key,
         policy,
         async |_key: &Key| {
-            bounded_attempt(connection, connect, params, Sent::Track(sent), until)
+            bounded_attempt(connection, connect, params, Sent::Track(sent), budget)
                 .await
                 .map_err(|sorted| match sorted {
                     Sorted::Lost | Sorted::Busy => RemoteError::TimedOut,
@@ -252,7 +262,7 @@ where
                     Sorted::Stop(e) => RemoteError::Permanent(e),
                 })
         },
-        async |_key: &Key| match bounded_attempt(connection, connect, params, Sent::Before, until)
+        async |_key: &Key| match bounded_attempt(connection, connect, params, Sent::Before, budget)
             .await
         {
             Ok(result) => Ok(RemoteStatus::Done(result)),
@@ -263,12 +273,4 @@ where
         },
     )
     .await
-}
-
-/// An instant far enough ahead to stand for "no deadline" when the
-/// policy's deadline does not fit in an `Instant` (about 30 years).
-fn far_future() -> Instant {
-    let now = Instant::now();
-    now.checked_add(Duration::from_secs(30 * 365 * 86_400))
-        .unwrap_or(now)
 }
