@@ -376,7 +376,9 @@ impl Config {
     /// [`MAX_LEASE`]): how long an in-progress claim is honoured before
     /// another caller may take it over. `Store::execute` (and the MCP
     /// server), which renew the lease themselves, refuse a lease under
-    /// [`MIN_RENEWED_LEASE`] (100 ms), this default included.
+    /// [`MIN_RENEWED_LEASE`] (100 ms), this default included; they check it
+    /// before the key is looked up, so with a shorter default even their
+    /// replays of finished keys are refused.
     pub fn lease(mut self, lease: Duration) -> Config {
         self.lease = lease;
         self

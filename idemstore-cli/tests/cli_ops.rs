@@ -1380,9 +1380,6 @@ fn an_in_doubt_execute_names_the_resolve_that_records_it() {
     assert!(!ran.is_replayed(), "{ran:?}");
 }
 
-/// A key as the library prints it (`scope/id`, one argument) pastes into
-/// `get` and `resolve`: split at the `/` after which a record exists. When
-/// no split names a record, the message lists each way to split it.
 /// On a store the scrub found damaged (its marker beside it), `get` of a
 /// key it does not find is an error, not "absent", since the damage can
 /// hide a record; so a key given as one argument is not split by lookups
@@ -1414,6 +1411,9 @@ fn a_joined_key_on_a_damaged_store_lists_its_splits() {
     );
 }
 
+/// A key as the library prints it (`scope/id`, one argument) pastes into
+/// `get` and `resolve`: split at the `/` after which a record exists. When
+/// no split names a record, the message lists each way to split it.
 #[test]
 fn a_key_as_the_library_prints_it_pastes_into_get_and_resolve() {
     let dir = tempfile::tempdir().unwrap();

@@ -613,17 +613,18 @@ impl Embedded {
     /// from lookups, so on such a store an absence is not an answer: a
     /// caller that took it would run the work again elsewhere.
     fn absent(&self) -> Result<Option<Record>> {
-        match self.damage_marker() {
-            None if !self.shared.damaged.load(Ordering::SeqCst) => Ok(None),
-            marker => Err(Error::CorruptFile {
-                path: self.shared.path.clone(),
-                detail: format!(
-                    "the online scrub found this store damaged{}: a record it does not find \
-                     may be hidden by the damage, so it cannot answer that a key is absent",
-                    marker.map_or_else(String::new, |m| format!(" (see {})", m.display()))
-                ),
-            }),
+        if !self.shared.damaged.load(Ordering::SeqCst) {
+            return Ok(None);
         }
+        let marker = self.shared.damage_marker.as_deref();
+        Err(Error::CorruptFile {
+            path: self.shared.path.clone(),
+            detail: format!(
+                "the online scrub found this store damaged{}: a record it does not find may be \
+                 hidden by the damage, so it cannot answer that a key is absent",
+                marker.map_or_else(String::new, |m| format!(" (see {})", m.display()))
+            ),
+        })
     }
 
     /// [`Embedded::get`] from async code.

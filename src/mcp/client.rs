@@ -213,8 +213,8 @@ fn sort_rpc(error: ErrorData) -> Sorted {
 /// - a result (`isError` or not) → returned;
 /// - the connection lost, or no answer by the policy's deadline (each
 ///   request waits for its answer at most until then, so the deadline must
-///   cover the tool's run time; a zero deadline waits for no answer; the
-///   connection is then dropped) → *in doubt*: the driver
+///   cover the tool's run time; the connection is then dropped) → *in
+///   doubt*: the driver
 ///   asks before it sends again. Over MCP the question is the same request
 ///   with the same key: a server that announces [`CAPABILITY`] answers it
 ///   with the recorded result, [`IN_PROGRESS`](super::IN_PROGRESS) (the
@@ -226,9 +226,11 @@ fn sort_rpc(error: ErrorData) -> Sorted {
 /// - [`KEY_CONFLICT`](super::KEY_CONFLICT), [`IN_DOUBT`](super::IN_DOUBT),
 ///   Invalid params, Method not found, Invalid request → stop
 ///   ([`CallError::Rejected`]);
-/// - any other JSON-RPC error, or a failed `connect` → send again after a
-///   delay (a failed `connect` sent nothing, so the next request is still
-///   the call's first).
+/// - any other JSON-RPC error, or a failed `connect` (or one still under
+///   way at the deadline, which a zero deadline always is) → send again
+///   after a delay, or end not in doubt at the deadline: a failed
+///   `connect` sent nothing, so the next request is still the call's
+///   first.
 ///
 /// # Errors
 /// [`CallError::Exhausted`] when the policy's attempts or deadline run out
