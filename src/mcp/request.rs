@@ -135,8 +135,8 @@ fn poses_as_client(tool: &str) -> bool {
 /// arguments count as `{}`.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] when the arguments hold a number beyond
-/// ±(2^53 − 1), however written, where RFC 8785 cannot tell integers apart.
+/// [`Error::InvalidArgument`] when the arguments hold an integer beyond
+/// ±(2^53 − 1), which RFC 8785 cannot represent exactly.
 pub(crate) fn fingerprint(
     tool: &str,
     arguments: Option<&JsonObject>,
