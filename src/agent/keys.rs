@@ -128,7 +128,12 @@ impl Fingerprint {
     /// [`Error::InvalidArgument`] when `value` holds an integer beyond
     /// ±(2^53 − 1). RFC 8785 reads every number as an IEEE 754 double, so two
     /// such integers that differ could share a fingerprint; pass large ids
-    /// as strings (I-JSON, RFC 7493 §2.2, says the same).
+    /// as strings (I-JSON, RFC 7493 §2.2, says the same). Only integers that
+    /// fit 64 bits are seen as integers: serde_json holds a longer one, or
+    /// one written with a fraction or an exponent, as a double, which is
+    /// taken like any float (RFC 8785's own examples hold `1E30`), so
+    /// `18446744073709551617` and `18446744073709551616` share a
+    /// fingerprint.
     pub fn of_json(value: &serde_json::Value) -> Result<Fingerprint> {
         Fingerprint::from_bytes(canonical_digest(value)?.to_vec())
     }
@@ -221,5 +226,13 @@ mod tests {
         assert!(Fingerprint::of_json(&json!({"id": 9_007_199_254_740_991_u64})).is_ok());
         assert!(Fingerprint::of_json(&json!({"id": 9_007_199_254_740_992_u64})).is_err());
         assert!(Fingerprint::of_json(&json!([-9_007_199_254_740_992_i64])).is_err());
+        // Beyond 64 bits serde_json holds a double: compared as one, as
+        // documented, like RFC 8785's `1E30`.
+        let parse = |text: &str| serde_json::from_str::<serde_json::Value>(text).unwrap();
+        assert_eq!(
+            Fingerprint::of_json(&parse(r#"{"id": 18446744073709551617}"#)).unwrap(),
+            Fingerprint::of_json(&parse(r#"{"id": 18446744073709551616}"#)).unwrap()
+        );
+        assert!(Fingerprint::of_json(&parse(r#"{"x": 1E30}"#)).is_ok());
     }
 }
