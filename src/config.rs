@@ -827,6 +827,22 @@ pub(crate) fn check_lease(what: &'static str, lease: Duration) -> Result<u64> {
     Ok(ms)
 }
 
+/// Refuses a lease that its holder renews (`Store::execute`, the HTTP
+/// layer) when it is under [`MIN_RENEWED_LEASE`].
+#[cfg(any(feature = "agent", feature = "http"))]
+pub(crate) fn check_renewed_lease(lease: Duration) -> Result<()> {
+    if lease < MIN_RENEWED_LEASE {
+        return Err(Error::invalid(
+            "lease",
+            format!(
+                "{lease:?} is under {MIN_RENEWED_LEASE:?}, the shortest lease renewed safely: \
+                 each renewal is a durable write that must land within the lease"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Options of one claim.
 #[derive(Debug, Clone, Default)]
 pub struct ClaimOptions {

@@ -225,17 +225,7 @@ impl<P> ExecuteOptions<P> {
     /// The claim options, once the options are checked; `default_lease`
     /// is the store's, taken when no lease is set.
     fn check(&self, default_lease: Duration) -> Result<ClaimOptions, Error> {
-        let lease = self.lease.unwrap_or(default_lease);
-        if lease < crate::config::MIN_RENEWED_LEASE {
-            return Err(Error::invalid(
-                "lease",
-                format!(
-                    "{lease:?} is under {:?}, the shortest lease execute renews safely: each \
-                     renewal is a durable write that must land within the lease",
-                    crate::config::MIN_RENEWED_LEASE
-                ),
-            ));
-        }
+        crate::config::check_renewed_lease(self.lease.unwrap_or(default_lease))?;
         if self.poll_min.is_zero() {
             return Err(Error::invalid(
                 "poll_delays",

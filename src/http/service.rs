@@ -247,15 +247,7 @@ where
         &settings.fingerprint_headers,
         &bytes,
     );
-    if settings.lease < crate::config::MIN_RENEWED_LEASE {
-        let error = Error::invalid(
-            "lease",
-            format!(
-                "{:?} is under {:?}, the shortest lease the layer renews safely",
-                settings.lease,
-                crate::config::MIN_RENEWED_LEASE
-            ),
-        );
+    if let Err(error) = crate::config::check_renewed_lease(settings.lease) {
         return Err(claim_error(&key, &error));
     }
     let mut options = ClaimOptions::new().lease(settings.lease);
