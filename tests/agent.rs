@@ -1164,6 +1164,72 @@ fn an_outcome_too_large_to_record_leaves_the_key_in_doubt() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// An outcome whose JSON does not decode as its own type (a NaN `f64`,
+/// which serde_json writes as `null`; a permanent failure with a field
+/// skipped when serialized) is not recorded: every replay would fail on it
+/// until retention ends. The call answers `Codec` ("record"), the record
+/// stays in progress, and the next call after the lease finds the key in
+/// doubt instead of failing to decode it; the work ran once.
+#[test]
+fn an_outcome_that_would_not_replay_is_not_recorded() {
+    #[derive(serde::Serialize, serde::Deserialize, Debug)]
+    struct Refusal {
+        #[serde(skip_serializing)]
+        #[allow(dead_code)]
+        code: u32,
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::starting_now();
+    let config = Config::new()
+        .clock(clock.clone())
+        .lease(LEASE)
+        .sweep_interval(None);
+    let store = Store::open_with(dir.path().join("nan.redb"), config).unwrap();
+    let params = json!({"n": 1});
+    let runs = AtomicU32::new(0);
+    let measure = |_lease: &Lease| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<f64, Failure<String>>(f64::NAN)
+    };
+    let refuse = |_lease: &Lease| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Err::<String, _>(Failure::permanent(Refusal { code: 7 }))
+    };
+    let nan = Key::new("acme/tools", "nan").unwrap();
+    let skipped = Key::new("acme/tools", "skipped").unwrap();
+    let errors = [
+        format!(
+            "{:?}",
+            store
+                .execute(&nan, &fp(&params), ExecuteOptions::new(), measure)
+                .unwrap_err()
+        ),
+        format!(
+            "{:?}",
+            store
+                .execute(&skipped, &fp(&params), ExecuteOptions::new(), refuse)
+                .unwrap_err()
+        ),
+    ];
+    for (key, err) in [&nan, &skipped].into_iter().zip(&errors) {
+        assert!(
+            err.starts_with("Codec") && err.contains("\"record\"") && err.contains("in doubt"),
+            "{err}"
+        );
+        assert_eq!(store.get(key).unwrap().unwrap().state(), State::Processing);
+    }
+    clock.advance(LEASE + Duration::from_millis(1));
+    let again = store
+        .execute(&nan, &fp(&params), ExecuteOptions::new(), measure)
+        .unwrap_err();
+    assert!(matches!(again, ExecuteError::InDoubt { .. }), "{again:?}");
+    let again = store
+        .execute(&skipped, &fp(&params), ExecuteOptions::new(), refuse)
+        .unwrap_err();
+    assert!(matches!(again, ExecuteError::InDoubt { .. }), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
 /// A retryable failure over the store's failure limit is kept as `null`:
 /// the call answers `Failed { retryable: true }`, and the next call runs
 /// the work again instead of finding the key in doubt.

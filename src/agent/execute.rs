@@ -401,9 +401,13 @@ pub enum ExecuteError<E> {
     },
 
     /// A value or failure could not be turned into JSON (to record it) or
-    /// back (to replay it). When recording failed, the work's effect may
-    /// have happened: the record stays in progress and is in doubt once its
-    /// lease lapses.
+    /// back (to replay it). Recording also fails for a value or permanent
+    /// failure whose JSON does not decode as its own type (a NaN or
+    /// infinite `f64`, which serde_json writes as `null`; a field skipped
+    /// when serialized but required when deserialized), since every replay
+    /// would fail on it until retention ends. When recording failed, the
+    /// work's effect may have happened: the record stays in progress and is
+    /// in doubt once its lease lapses.
     #[error("cannot {action} the outcome of {key} as JSON: {detail}")]
     Codec {
         /// The key.
@@ -522,8 +526,10 @@ impl Store {
     ///
     /// # Errors
     /// [`ExecuteError`]: `Failed`, `StillInProgress`, `InDoubt`,
-    /// `ProbeFailed`, `Codec`, `TooLargeToRecord` (an outcome over the
-    /// store's size limit after the work ran), and `Store` for everything
+    /// `ProbeFailed`, `Codec` (an outcome that cannot be written as JSON,
+    /// or whose JSON does not decode as its type, after the work ran; or a
+    /// stored one that does not decode), `TooLargeToRecord` (an outcome
+    /// over the store's size limit after the work ran), and `Store` for everything
     /// else [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
     /// (a fingerprint mismatch above all), for poll delays with a zero
     /// minimum or a maximum below it, and for a lease (the call's, or the
@@ -801,7 +807,7 @@ struct Recorder<T, E> {
     answer: ExecResult<T, E>,
 }
 
-impl<T: Serialize, E: Serialize> Recorder<T, E> {
+impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<T, E> {
     fn new(lease: Lease, in_doubt: bool, stage: Stage<T, E>) -> Result<Self, ExecuteError<E>> {
         let key = lease.key().clone();
         let encode = |bytes: serde_json::Result<Vec<u8>>| {
@@ -811,10 +817,35 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
                 detail: e.to_string(),
             })
         };
+        // What is recorded is what every replay decodes: an outcome whose
+        // JSON does not decode as its own type (a NaN or infinite `f64`,
+        // which serde_json writes as `null`; a field skipped when
+        // serialized but required when deserialized) would make every
+        // later call on the key fail until retention ends, so it is not
+        // recorded.
+        let replayable = |bytes: Vec<u8>, decodes: fn(&[u8]) -> serde_json::Result<()>| {
+            decodes(&bytes).map_err(|e| ExecuteError::Codec {
+                key: key.clone(),
+                action: "record",
+                detail: format!(
+                    "its JSON does not decode as its own type ({e}), so no replay could return \
+                     it, and it was not recorded (a NaN or infinite float is written as null); \
+                     the work ran: the key is in doubt once its lease lapses"
+                ),
+            })?;
+            Ok::<_, ExecuteError<E>>(bytes)
+        };
+        let value_decodes: fn(&[u8]) -> serde_json::Result<()> =
+            |bytes| serde_json::from_slice::<T>(bytes).map(drop);
+        let error_decodes: fn(&[u8]) -> serde_json::Result<()> =
+            |bytes| serde_json::from_slice::<E>(bytes).map(drop);
         let ran = if in_doubt { Origin::Reran } else { Origin::Ran };
         let (write, answer) = match stage {
             Stage::Recovered(value) => (
-                Write::Complete(encode(serde_json::to_vec(&value))?),
+                Write::Complete(replayable(
+                    encode(serde_json::to_vec(&value))?,
+                    value_decodes,
+                )?),
                 Ok(Executed {
                     value,
                     origin: Origin::Recovered,
@@ -822,7 +853,10 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
                 }),
             ),
             Stage::Ran(Ok(value)) => (
-                Write::Complete(encode(serde_json::to_vec(&value))?),
+                Write::Complete(replayable(
+                    encode(serde_json::to_vec(&value))?,
+                    value_decodes,
+                )?),
                 Ok(Executed {
                     value,
                     origin: ran,
@@ -830,7 +864,15 @@ impl<T: Serialize, E: Serialize> Recorder<T, E> {
                 }),
             ),
             Stage::Ran(Err(Failure { error, retryable })) => (
-                Write::Fail(encode(serde_json::to_vec(&error))?, retryable),
+                Write::Fail(
+                    if retryable {
+                        // Never replayed: the next call runs the work again.
+                        encode(serde_json::to_vec(&error))?
+                    } else {
+                        replayable(encode(serde_json::to_vec(&error))?, error_decodes)?
+                    },
+                    retryable,
+                ),
                 Err(ExecuteError::Failed {
                     key: key.clone(),
                     error,
