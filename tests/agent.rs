@@ -1164,12 +1164,13 @@ fn an_outcome_too_large_to_record_leaves_the_key_in_doubt() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
-/// An outcome whose JSON does not decode as its own type (a NaN `f64`,
-/// which serde_json writes as `null`; a permanent failure with a field
-/// skipped when serialized) is not recorded: every replay would fail on it
-/// until retention ends. The call answers `Codec` ("record"), the record
-/// stays in progress, and the next call after the lease finds the key in
-/// doubt instead of failing to decode it; the work ran once.
+/// An outcome that would not replay as itself is not recorded: a NaN or
+/// infinite float at any depth (serde_json writes it as `null`, so a bare
+/// `f64` would fail every replay until retention ends and a `Some(inf)`
+/// would replay as `None`), or a permanent failure whose JSON does not
+/// decode as its type (a field skipped when serialized). The call answers
+/// `Codec` ("record"), the record stays in progress, and the next call
+/// after the lease finds the key in doubt; the work ran once per key.
 #[test]
 fn an_outcome_that_would_not_replay_is_not_recorded() {
     #[derive(serde::Serialize, serde::Deserialize, Debug)]
@@ -1195,8 +1196,13 @@ fn an_outcome_that_would_not_replay_is_not_recorded() {
         runs.fetch_add(1, Ordering::SeqCst);
         Err::<String, _>(Failure::permanent(Refusal { code: 7 }))
     };
+    let optional = |_lease: &Lease| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, Failure<String>>(vec![Some(1.5), Some(f64::INFINITY)])
+    };
     let nan = Key::new("acme/tools", "nan").unwrap();
     let skipped = Key::new("acme/tools", "skipped").unwrap();
+    let inf = Key::new("acme/tools", "inf").unwrap();
     let errors = [
         format!(
             "{:?}",
@@ -1210,8 +1216,17 @@ fn an_outcome_that_would_not_replay_is_not_recorded() {
                 .execute(&skipped, &fp(&params), ExecuteOptions::new(), refuse)
                 .unwrap_err()
         ),
+        format!(
+            "{:?}",
+            store
+                .execute(&inf, &fp(&params), ExecuteOptions::new(), optional)
+                .unwrap_err()
+        ),
     ];
-    for (key, err) in [&nan, &skipped].into_iter().zip(&errors) {
+    assert!(errors[0].contains("no JSON form"), "{}", errors[0]);
+    assert!(errors[1].contains("missing field"), "{}", errors[1]);
+    assert!(errors[2].contains("no JSON form"), "{}", errors[2]);
+    for (key, err) in [&nan, &skipped, &inf].into_iter().zip(&errors) {
         assert!(
             err.starts_with("Codec") && err.contains("\"record\"") && err.contains("in doubt"),
             "{err}"
@@ -1227,7 +1242,11 @@ fn an_outcome_that_would_not_replay_is_not_recorded() {
         .execute(&skipped, &fp(&params), ExecuteOptions::new(), refuse)
         .unwrap_err();
     assert!(matches!(again, ExecuteError::InDoubt { .. }), "{again:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let again = store
+        .execute(&inf, &fp(&params), ExecuteOptions::new(), optional)
+        .unwrap_err();
+    assert!(matches!(again, ExecuteError::InDoubt { .. }), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
 
 /// A retryable failure over the store's failure limit is kept as `null`:

@@ -401,11 +401,11 @@ pub enum ExecuteError<E> {
     },
 
     /// A value or failure could not be turned into JSON (to record it) or
-    /// back (to replay it). Recording also fails for a value or permanent
-    /// failure whose JSON does not decode as its own type (a NaN or
-    /// infinite `f64`, which serde_json writes as `null`; a field skipped
-    /// when serialized but required when deserialized), since every replay
-    /// would fail on it until retention ends. When recording failed, the
+    /// back (to replay it). Recording also refuses a value or permanent
+    /// failure that would not replay as itself: a NaN or infinite float at
+    /// any depth (serde_json writes it as `null`), or JSON that does not
+    /// decode as its own type (a field skipped when serialized but required
+    /// when deserialized). When recording failed, the
     /// work's effect may have happened: the record stays in progress and is
     /// in doubt once its lease lapses.
     #[error("cannot {action} the outcome of {key} as JSON: {detail}")]
@@ -526,9 +526,9 @@ impl Store {
     ///
     /// # Errors
     /// [`ExecuteError`]: `Failed`, `StillInProgress`, `InDoubt`,
-    /// `ProbeFailed`, `Codec` (an outcome that cannot be written as JSON,
-    /// or whose JSON does not decode as its type, after the work ran; or a
-    /// stored one that does not decode), `TooLargeToRecord` (an outcome
+    /// `ProbeFailed`, `Codec` (after the work ran, an outcome that cannot
+    /// be written as JSON or would not replay as itself, such as a NaN; or
+    /// a stored one that does not decode), `TooLargeToRecord` (an outcome
     /// over the store's size limit after the work ran), and `Store` for everything
     /// else [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
     /// (a fingerprint mismatch above all), for poll delays with a zero
@@ -800,6 +800,27 @@ enum Write {
     None,
 }
 
+/// `value` as the JSON to record, when every replay can return it: what
+/// is recorded is what every later call decodes, so a value that would not
+/// come back as itself would answer those calls wrongly, or fail each of
+/// them until retention ends. Refused, with what to fix: a NaN or infinite
+/// float at any depth (serde_json writes it as `null`), and JSON that does
+/// not decode as `V` (a field skipped when serialized but required when
+/// deserialized); a serialization error as serde_json gives it.
+fn replayable<V: Serialize + DeserializeOwned>(value: &V) -> Result<Vec<u8>, String> {
+    const UNRECORDED: &str = "it was not recorded; the work ran: the key is in doubt once its \
+                              lease lapses";
+    super::finite::check(value).map_err(|e| format!("{e}; {UNRECORDED}"))?;
+    let bytes = serde_json::to_vec(value).map_err(|e| format!("{e}; {UNRECORDED}"))?;
+    serde_json::from_slice::<V>(&bytes).map_err(|e| {
+        format!(
+            "its JSON does not decode as its own type ({e}), so no replay could return it; \
+             {UNRECORDED}"
+        )
+    })?;
+    Ok(bytes)
+}
+
 /// The outcome of the work, encoded and ready to be recorded.
 struct Recorder<T, E> {
     lease: Lease,
@@ -810,42 +831,15 @@ struct Recorder<T, E> {
 impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<T, E> {
     fn new(lease: Lease, in_doubt: bool, stage: Stage<T, E>) -> Result<Self, ExecuteError<E>> {
         let key = lease.key().clone();
-        let encode = |bytes: serde_json::Result<Vec<u8>>| {
-            bytes.map_err(|e| ExecuteError::Codec {
-                key: key.clone(),
-                action: "record",
-                detail: e.to_string(),
-            })
+        let codec = |detail: String| ExecuteError::Codec {
+            key: key.clone(),
+            action: "record",
+            detail,
         };
-        // What is recorded is what every replay decodes: an outcome whose
-        // JSON does not decode as its own type (a NaN or infinite `f64`,
-        // which serde_json writes as `null`; a field skipped when
-        // serialized but required when deserialized) would make every
-        // later call on the key fail until retention ends, so it is not
-        // recorded.
-        let replayable = |bytes: Vec<u8>, decodes: fn(&[u8]) -> serde_json::Result<()>| {
-            decodes(&bytes).map_err(|e| ExecuteError::Codec {
-                key: key.clone(),
-                action: "record",
-                detail: format!(
-                    "its JSON does not decode as its own type ({e}), so no replay could return \
-                     it, and it was not recorded (a NaN or infinite float is written as null); \
-                     the work ran: the key is in doubt once its lease lapses"
-                ),
-            })?;
-            Ok::<_, ExecuteError<E>>(bytes)
-        };
-        let value_decodes: fn(&[u8]) -> serde_json::Result<()> =
-            |bytes| serde_json::from_slice::<T>(bytes).map(drop);
-        let error_decodes: fn(&[u8]) -> serde_json::Result<()> =
-            |bytes| serde_json::from_slice::<E>(bytes).map(drop);
         let ran = if in_doubt { Origin::Reran } else { Origin::Ran };
         let (write, answer) = match stage {
             Stage::Recovered(value) => (
-                Write::Complete(replayable(
-                    encode(serde_json::to_vec(&value))?,
-                    value_decodes,
-                )?),
+                Write::Complete(replayable(&value).map_err(codec)?),
                 Ok(Executed {
                     value,
                     origin: Origin::Recovered,
@@ -853,10 +847,7 @@ impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<
                 }),
             ),
             Stage::Ran(Ok(value)) => (
-                Write::Complete(replayable(
-                    encode(serde_json::to_vec(&value))?,
-                    value_decodes,
-                )?),
+                Write::Complete(replayable(&value).map_err(codec)?),
                 Ok(Executed {
                     value,
                     origin: ran,
@@ -867,9 +858,9 @@ impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<
                 Write::Fail(
                     if retryable {
                         // Never replayed: the next call runs the work again.
-                        encode(serde_json::to_vec(&error))?
+                        serde_json::to_vec(&error).map_err(|e| codec(e.to_string()))?
                     } else {
-                        replayable(encode(serde_json::to_vec(&error))?, error_decodes)?
+                        replayable(&error).map_err(codec)?
                     },
                     retryable,
                 ),

@@ -150,6 +150,7 @@
 mod call;
 mod execute;
 mod extender;
+mod finite;
 mod keys;
 mod notify;
 
