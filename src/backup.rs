@@ -360,6 +360,7 @@ pub(crate) fn export(
         progress(Progress {
             records,
             bytes: writer.bytes(),
+            total: None,
         });
     }
     let bytes = writer.end(records)?;
@@ -714,6 +715,7 @@ pub(crate) fn import(
                 progress(Progress {
                     records: summary.records,
                     bytes: reader.offset(),
+                    total: None,
                 });
             }
             Frame::End { records } => {

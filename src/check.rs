@@ -42,7 +42,10 @@ use crate::store::Store;
 /// - [`Error::CorruptLog`]: the write-ahead log beside the file is damaged
 ///   where recovery needs it (see [`Store::open`]).
 /// - [`Error::Storage`]: the file cannot be read.
-pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Result<CheckReport> {
+pub fn check_file(
+    path: impl AsRef<Path>,
+    mut progress: impl FnMut(Progress),
+) -> Result<CheckReport> {
     let path = path.as_ref();
     crate::embedded::check_existing(path)?;
     let marker = crate::embedded::scrub::marker_of_store(path);
@@ -79,7 +82,10 @@ pub fn check_file(path: impl AsRef<Path>, progress: impl FnMut(Progress)) -> Res
         }
         Err(e) => return Err(e),
     };
-    let mut report = store.verify(progress)?;
+    // Counted once the pages are known sound (the count reads the store's
+    // metadata), for a progress display's total.
+    let total = store.len().ok();
+    let mut report = store.verify(|p| progress(Progress { total, ..p }))?;
     report.integrity = integrity;
     marked.into_iter().for_each(|p| report.found_listed(p));
     // The marker the store names, when the file was opened by a name it is

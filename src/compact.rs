@@ -21,7 +21,9 @@ pub struct Compaction {
     pub passes: u32,
 }
 
-/// Compacts the store file at `path` offline: opens it with `config` (the
+/// Compacts the store file at `path` offline: checks every page with
+/// redb's integrity check (before the open, whose checkpoint would copy a
+/// damaged page under a fresh checksum), then opens it with `config` (the
 /// one the service uses: its clock above all, since an open moves the
 /// store's time to the clock's; the background sweeper and scrub are
 /// turned off), replaying its write-ahead log and migrating an older
@@ -76,6 +78,8 @@ pub fn compact_file(path: impl AsRef<Path>, config: Config) -> Result<Compaction
             .map_err(crate::error::Error::storage)
     };
     let bytes_before = size(path)?;
+    // Every page is checked before the open below writes a checkpoint.
+    crate::embedded::compact::check_pages(path)?;
     {
         let store = Store::open_existing(path, config)?;
         // Refused on a store the scrub marked damaged (Poisoned).

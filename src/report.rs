@@ -14,6 +14,11 @@ pub struct Progress {
     pub records: u64,
     /// Bytes of the stream written or read so far (0 for a check).
     pub bytes: u64,
+    /// Records expected in all, when known before the end: for
+    /// [`check_file`](crate::check_file), the store's record count, read
+    /// once redb's page check has passed (the records' check follows);
+    /// `None` otherwise.
+    pub total: Option<u64>,
 }
 
 /// The outcome of redb's own integrity check of the file's pages.

@@ -518,7 +518,29 @@ pub fn progress(len: Option<u64>, message: &'static str, unit: Unit) -> Progress
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
-    let template = match (len.is_some(), unit) {
+    let bar = match len {
+        Some(len) => ProgressBar::new(len),
+        None => ProgressBar::new_spinner(),
+    }
+    .with_style(style(len.is_some(), unit));
+    bar.set_draw_target(ProgressDrawTarget::stderr_with_hz(10));
+    bar.set_message(message);
+    bar
+}
+
+/// Gives a bar made without a length (a spinner) its length, once known,
+/// and the style of a bar with one.
+pub fn size_progress(bar: &ProgressBar, len: u64, unit: Unit) {
+    if bar.is_hidden() {
+        return;
+    }
+    bar.set_length(len);
+    bar.set_style(style(true, unit));
+}
+
+/// The style of a bar with a known length (`sized`) or a spinner.
+fn style(sized: bool, unit: Unit) -> ProgressStyle {
+    let template = match (sized, unit) {
         (true, Unit::Records) => "{msg} [{bar:32}] {human_pos}/{human_len} records (eta {eta})",
         (true, Unit::Bytes) => {
             "{msg} [{bar:32}] {binary_bytes}/{binary_total_bytes} ({binary_bytes_per_sec}, eta {eta})"
@@ -526,16 +548,7 @@ pub fn progress(len: Option<u64>, message: &'static str, unit: Unit) -> Progress
         (false, Unit::Records) => "{spinner} {msg} {human_pos} records ({elapsed})",
         (false, Unit::Bytes) => "{spinner} {msg} {binary_bytes} ({binary_bytes_per_sec})",
     };
-    let style =
-        ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar());
-    let bar = match len {
-        Some(len) => ProgressBar::new(len),
-        None => ProgressBar::new_spinner(),
-    }
-    .with_style(style);
-    bar.set_draw_target(ProgressDrawTarget::stderr_with_hz(10));
-    bar.set_message(message);
-    bar
+    ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar())
 }
 
 /// A duration in milliseconds for people: `3m 12s`, `850ms`.

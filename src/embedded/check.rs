@@ -90,6 +90,7 @@ pub(crate) fn verify(
             progress(Progress {
                 records: report.records,
                 bytes: 0,
+                total: None,
             });
             // The walk follows child pointers, a lookup separator keys: a
             // damaged separator hides a stored key from lookups (see

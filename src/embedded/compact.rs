@@ -17,6 +17,42 @@ use crate::report::Integrity;
 /// file that never settles from holding the command forever.
 const MAX_PASSES: u32 = 4;
 
+/// redb's integrity check of every page of the file at `path`, which no
+/// store may hold open, before anything opens it as a store: the open
+/// writes a checkpoint, which would copy a damaged page (the metadata's,
+/// with the token counter, say) under a fresh checksum, after which no
+/// check could find it.
+///
+/// # Errors
+/// As [`compact`], for the same findings.
+pub(crate) fn check_pages(path: &Path) -> Result<()> {
+    match super::check::integrity(path) {
+        Ok(integrity) => sound(path, integrity),
+        Err(Error::CorruptFile { detail, .. }) => sound(path, Integrity::Failed(detail)),
+        Err(e) => Err(e),
+    }
+}
+
+/// `Ok` for a file whose pages are sound; the error that refuses a
+/// compaction otherwise.
+fn sound(path: &Path, integrity: Integrity) -> Result<()> {
+    match integrity {
+        Integrity::Clean => Ok(()),
+        Integrity::Repaired => Err(Error::CorruptFile {
+            path: path.to_path_buf(),
+            detail: "redb repaired damaged pages: not compacted; run idemstore check".into(),
+        }),
+        Integrity::Failed(detail) => Err(Error::CorruptFile {
+            path: path.to_path_buf(),
+            detail: format!("damaged pages, not compacted: {detail}"),
+        }),
+        Integrity::NotRun => Err(Error::Storage(format!(
+            "{}: the integrity check did not run; not compacted",
+            path.display()
+        ))),
+    }
+}
+
 /// Compacts the redb file at `path`, which no store may hold open (redb
 /// locks the file) and whose store was closed cleanly (the caller opens
 /// and closes it first, so that the log holds nothing the index needs).
@@ -35,29 +71,7 @@ pub(crate) fn compact(path: &Path) -> Result<u32> {
             .open(path)
             .map_err(|e| open_error(path, e))?;
         // Never copy a damaged page under a fresh checksum.
-        // Never copy a damaged page under a fresh checksum.
-        match super::check::integrity_of(&mut db) {
-            Integrity::Clean => {}
-            Integrity::Repaired => {
-                return Err(Error::CorruptFile {
-                    path: path.to_path_buf(),
-                    detail: "redb repaired damaged pages: not compacted; run idemstore check"
-                        .into(),
-                });
-            }
-            Integrity::Failed(detail) => {
-                return Err(Error::CorruptFile {
-                    path: path.to_path_buf(),
-                    detail: format!("damaged pages, not compacted: {detail}"),
-                });
-            }
-            Integrity::NotRun => {
-                return Err(Error::Storage(format!(
-                    "{}: the integrity check did not run; not compacted",
-                    path.display()
-                )));
-            }
-        }
+        sound(path, super::check::integrity_of(&mut db))?;
         let mut passes = 0;
         while passes < MAX_PASSES && db.compact().map_err(|e| map_err(path, e))? {
             passes += 1;

@@ -3074,6 +3074,7 @@ impl Postgres {
             progress(Progress {
                 records: report.records,
                 bytes: 0,
+                total: None,
             });
         };
         for item in entries {

@@ -4,7 +4,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 
-use idemstore::{CheckReport, Config, Integrity, Store};
+use idemstore::{CheckReport, Integrity, Store};
 use serde_json::json;
 
 use crate::error::CliError;
@@ -127,23 +127,17 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
 
 /// Checks a store file: redb's page check, then every record.
 fn check_file(path: &std::path::Path) -> Result<CheckReport, CliError> {
-    // The record count sizes the progress bar; the store is closed again
-    // before the check, which needs the file to itself.
-    // A file whose pages are damaged may not open: the check reports that.
-    let total =
-        match Store::open_existing(path, Config::new().sweep_interval(None).scrub_rate(None)) {
-            Ok(store) => Some(
-                store
-                    .len()
-                    .map_err(|e| CliError::store("cannot read the store", e))?,
-            ),
-            Err(idemstore::Error::CorruptFile { .. }) => None,
-            Err(e) => return Err(ops::open_error(path, e)),
-        };
-    // redb's page check comes first and reports no progress of its own.
-    let bar = ops::progress(total, "checking pages (redb)", ops::Unit::Records);
+    // Nothing opens the store before redb's page check: an open writes a
+    // checkpoint, which would copy a damaged page (the metadata's, say)
+    // under a fresh checksum and hide it from the check. The page check
+    // reports no progress of its own; the record count, read after it,
+    // sizes the bar for the records' check.
+    let bar = ops::progress(None, "checking pages (redb)", ops::Unit::Records);
     let report = idemstore::check_file(path, |p| {
         if p.records == 1 {
+            if let Some(total) = p.total {
+                ops::size_progress(&bar, total, ops::Unit::Records);
+            }
             bar.set_message("checking records");
         }
         bar.set_position(p.records);
