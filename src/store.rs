@@ -80,9 +80,12 @@ impl Store {
     /// checkpoint (`docs/design.md` describes the recovery).
     ///
     /// Opening verifies the checksum of every page of the file (redb's
-    /// integrity check), so it reads the whole file, as recovery after a
-    /// crash does: a file damaged while closed is refused rather than
-    /// trusted.
+    /// integrity check, which reads the whole file) after an unclean
+    /// shutdown, and after a clean close when the last check is older than
+    /// [`Config::integrity_check_interval`] (24 h by default): a file
+    /// damaged while closed is then refused rather than trusted. Between
+    /// checks, a page damaged while closed is found by the record checksum,
+    /// the online scrub, or `idemstore check`.
     ///
     /// # Errors
     /// - [`Error::AlreadyOpen`]: another `Store` in this or another process
@@ -91,7 +94,8 @@ impl Store {
     ///   format; or a log that belongs to another store, is of another
     ///   format version, or is not a log (naming the log); or a store or
     ///   log path that is not a regular file (a directory, a fifo, a
-    ///   device), refused before anything is created.
+    ///   device), or a log with frames beside a missing store file (its
+    ///   store was deleted or moved), refused before anything is created.
     /// - [`Error::CorruptFile`]: the file is damaged. (A file the online
     ///   scrub marked damaged, `<path>-damaged`, opens read-only instead:
     ///   see [`Config::scrub_rate`].)

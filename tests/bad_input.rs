@@ -556,3 +556,55 @@ fn a_path_that_is_not_a_regular_file_is_refused_at_open() {
     }
     assert_eq!(listing(), before, "nothing is created beside the paths");
 }
+
+/// A write-ahead log left where its store file was deleted (or moved) is
+/// refused at open, naming the log, before anything is created: a new store
+/// beside it would never open (the log names the old store), and an
+/// `import --create` there left such a file behind. The log is untouched;
+/// put back, the store opens with its records.
+#[test]
+fn a_log_without_its_store_file_is_refused_before_a_store_is_created() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gone.redb");
+    let log = dir.path().join("gone.redb-wal");
+    {
+        let store = Store::open(&path).unwrap();
+        let lease = acquired(
+            store
+                .claim(&key("kept"), &fp("p"), &Default::default())
+                .unwrap(),
+        );
+        store.complete(&lease, b"done").unwrap();
+    }
+    let aside = dir.path().join("aside.redb");
+    std::fs::rename(&path, &aside).unwrap();
+    let log_bytes = std::fs::read(&log).unwrap();
+    for existing in [false, true] {
+        let opened = if existing {
+            Store::open_existing(&path, Config::new())
+        } else {
+            Store::open(&path)
+        };
+        match opened.map(|_| ()) {
+            Err(Error::IncompatibleFile { path: p, detail }) if !existing => {
+                assert_eq!(p, log);
+                assert!(detail.contains("no store file beside it"), "{detail}");
+            }
+            // `open_existing` never creates: the store file is missing.
+            Err(Error::Missing { path: p }) if existing => assert_eq!(p, path),
+            other => panic!("existing {existing}: {other:?}"),
+        }
+        assert!(!path.exists(), "no store file was created");
+        assert_eq!(
+            std::fs::read(&log).unwrap(),
+            log_bytes,
+            "the log is untouched"
+        );
+    }
+    std::fs::rename(&aside, &path).unwrap();
+    let store = Store::open(&path).unwrap();
+    assert_eq!(
+        store.get(&key("kept")).unwrap().unwrap().result(),
+        Some(&b"done"[..])
+    );
+}

@@ -116,6 +116,31 @@ fn require_regular(path: &Path, what: &str) -> Result<()> {
     }
 }
 
+/// Refuses to create a store at `path` beside a log that holds frames
+/// (`log_path`, not empty) when no store file is there: a log is created
+/// only after its store file, so such a log belongs to a store that was
+/// deleted or moved, and a new store beside it would never open (the log
+/// names another store). Checked before anything is created. A store file
+/// that exists, or a log that is absent or empty, passes.
+fn refuse_orphan_log(path: &Path, log_path: &Path) -> Result<()> {
+    let store_absent = matches!(
+        std::fs::symlink_metadata(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound
+    );
+    match std::fs::metadata(log_path) {
+        Ok(m) if store_absent && m.len() > 0 => Err(Error::IncompatibleFile {
+            path: log_path.to_path_buf(),
+            detail: format!(
+                "a write-ahead log with no store file beside it ({} is missing): its store was \
+                 deleted or moved, so no new store is created here; put the store file back, \
+                 or remove the log once it is known to hold nothing needed",
+                path.display()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// The error for a `what` (`store` or `write-ahead log`) at `path` that is
 /// not a regular file.
 fn not_regular(path: &Path, what: &str, meta: &std::fs::Metadata) -> Error {
@@ -167,6 +192,9 @@ impl Embedded {
         }
         if log.is_none() {
             require_regular(&log_path, "write-ahead log")?;
+        }
+        if file_backed && log.is_none() {
+            refuse_orphan_log(&path, &log_path)?;
         }
         // The marker applies to the file it was left beside: only to a
         // store file that exists (a new store at the path is not damaged).
