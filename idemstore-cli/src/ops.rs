@@ -112,9 +112,35 @@ impl StoreArg {
                  key=value connection string), and {} is a file (see --help)",
                 self.store.display()
             ))),
-            None => Ok(Target::File(self.store.clone())),
+            None => {
+                refuse_output_into(&self.store)?;
+                Ok(Target::File(self.store.clone()))
+            }
         }
     }
+}
+
+/// Refuses a run whose standard output is the store file at `path` or its
+/// write-ahead log, by any name (`idemstore export S >> S`, `list S 1<> S`):
+/// what the command prints would be written into the store and damage it.
+/// Compared by file identity (`same-file`, as ripgrep does for its own
+/// output); an output or store that cannot be compared is no match.
+fn refuse_output_into(path: &Path) -> Result<(), CliError> {
+    let Ok(stdout) = same_file::Handle::stdout() else {
+        return Ok(());
+    };
+    let mut log = path.as_os_str().to_owned();
+    log.push("-wal");
+    for (what, file) in [("store file", path), ("write-ahead log", Path::new(&log))] {
+        if same_file::Handle::from_path(file).is_ok_and(|h| h == stdout) {
+            return Err(CliError::Usage(format!(
+                "standard output is the {what} {}: the output would be written into the store \
+                 and damage it; nothing was done: redirect the output elsewhere",
+                file.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The scheme and `://` that start `s` when it is a PostgreSQL URL, in any

@@ -717,6 +717,49 @@ fn a_damaged_metadata_page_is_found_by_check_and_refused_by_compact() {
     assert_eq!(code(&out), 1, "{}", stdout(&out));
 }
 
+/// A command whose standard output is the store file or its log (`export
+/// S >> S`, by another name too) is refused before anything is written:
+/// the export was written into the store and destroyed it, exit 0.
+#[test]
+fn output_into_the_store_or_its_log_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("o.redb");
+    populate(&path);
+    let log = dir.path().join("o.redb-wal");
+    let link = dir.path().join("link.redb");
+    std::os::unix::fs::symlink(&path, &link).unwrap();
+    let size = |p: &Path| std::fs::metadata(p).unwrap().len();
+    for (command, into) in [
+        ("export", &path),
+        ("list", &path),
+        ("export", &log),
+        ("stats", &link),
+    ] {
+        let (store_len, log_len) = (size(&path), size(&log));
+        let sink = std::fs::OpenOptions::new().append(true).open(into).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+            .args([command, p(&path)])
+            .stdout(sink)
+            .output()
+            .unwrap();
+        assert_eq!(
+            code(&out),
+            2,
+            "{command} into {}: {}",
+            into.display(),
+            stderr(&out)
+        );
+        assert!(
+            stderr(&out).contains("standard output is the"),
+            "{}",
+            stderr(&out)
+        );
+        assert_eq!((size(&path), size(&log)), (store_len, log_len), "{command}");
+    }
+    let out = idemstore(&["check", p(&path)]);
+    assert_eq!(code(&out), 0, "{}", stdout(&out));
+}
+
 /// XORs the byte at `offset` of the file at `path` with `mask`.
 fn flip(path: &Path, offset: usize, mask: u8) {
     let mut bytes = std::fs::read(path).unwrap();
