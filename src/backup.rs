@@ -128,7 +128,10 @@ impl<W: Write> FrameWriter<W> {
         head[8] = kind;
         self.out.write_all(&head).map_err(|e| write_err(&e))?;
         self.out.write_all(payload).map_err(|e| write_err(&e))?;
-        self.bytes += 8 + len as u64;
+        self.bytes = self
+            .bytes
+            .checked_add(8 + u64::from(len32))
+            .ok_or_else(|| Error::Storage("the export stream's length overflows".into()))?;
         Ok(())
     }
 
@@ -200,6 +203,12 @@ impl<R: Read> FrameReader<R> {
         if crc32fast::hash(&header[..20]) != crc {
             return Err(corrupt(0, "stream header fails its crc32"));
         }
+        if version == 0 {
+            return Err(corrupt(
+                16,
+                "export format version 0 does not exist (versions start at 1)",
+            ));
+        }
         if version > EXPORT_VERSION {
             return Err(corrupt(
                 16,
@@ -233,7 +242,8 @@ impl<R: Read> FrameReader<R> {
                 ));
             }
         }
-        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        let len32 = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+        let len = usize::try_from(len32).unwrap_or(usize::MAX);
         let crc = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         if len == 0 || len > MAX_FRAME {
             return Err(corrupt(
@@ -249,7 +259,10 @@ impl<R: Read> FrameReader<R> {
                 format!("stream ends {got} bytes into a frame of {len} bytes"),
             ));
         }
-        self.offset += 8 + len as u64;
+        self.offset = self
+            .offset
+            .checked_add(8 + u64::from(len32))
+            .ok_or_else(|| corrupt(at, "the stream's length overflows"))?;
         if crc32fast::hash(&body) != crc {
             return Err(corrupt(at, "frame fails its crc32"));
         }
@@ -484,6 +497,12 @@ impl ImportLimits<'_> {
                 format!("token {} is not below the cap {MAX_TOKEN}", r.token),
             ));
         }
+        if r.token == 0 {
+            return Err((
+                ImportRule::TokenCap,
+                "token 0 is never issued (a store's tokens start at 1)".into(),
+            ));
+        }
         if r.created_ms > r.updated_ms {
             return Err((
                 ImportRule::TimesOutOfOrder,
@@ -666,8 +685,11 @@ pub(crate) fn import(
     // accepted.
     let mut clock_floor = meta.clock_hwm.min(limits.latest_ms());
     let mut batch: Vec<Record> = Vec::new();
+    // The byte offset of each batched record's frame, for errors.
+    let mut batch_at: Vec<u64> = Vec::new();
     let mut batch_bytes = 0usize;
     let mut flush = |batch: &mut Vec<Record>,
+                     batch_at: &mut Vec<u64>,
                      token_floor: u64,
                      clock_floor: u64,
                      summary: &mut ImportSummary|
@@ -677,15 +699,36 @@ pub(crate) fn import(
             token_floor,
             clock_floor,
         })?;
-        for result in results {
-            match result? {
-                ImportResult::Written => summary.imported += 1,
-                ImportResult::Present => summary.present += 1,
-                ImportResult::Expired => summary.expired += 1,
-                ImportResult::BusinessKeyTaken => summary.business_key_taken += 1,
+        let offsets = std::mem::take(batch_at);
+        // Every result is counted (the batch was written) before the first
+        // record that failed is reported.
+        let mut failed = None;
+        for (i, result) in results.into_iter().enumerate() {
+            match result {
+                Ok(ImportResult::Written) => summary.imported += 1,
+                Ok(ImportResult::Present) => summary.present += 1,
+                Ok(ImportResult::Expired) => summary.expired += 1,
+                Ok(ImportResult::BusinessKeyTaken) => summary.business_key_taken += 1,
+                Err(e) => {
+                    failed.get_or_insert((offsets.get(i).copied().unwrap_or(0), e));
+                }
             }
         }
-        Ok(())
+        match failed {
+            None => Ok(()),
+            Some((offset, e @ Error::CorruptRecord { .. })) => Err(Error::ImportRefused {
+                offset,
+                rule: ImportRule::StoredRecordDamaged,
+                detail: format!(
+                    "{e}: the store's own record of this key is damaged, so it cannot be \
+                     told whether it is live (the rest of this frame's batch was written); \
+                     run idemstore check, and restore the store from an export into a new \
+                     file"
+                ),
+                imported: summary.imported,
+            }),
+            Some((_, e)) => Err(e),
+        }
     };
     loop {
         let before = reader.offset();
@@ -704,12 +747,19 @@ pub(crate) fn import(
                 token_floor = token_floor.max(record.token.checked_add(1).unwrap_or(MAX_TOKEN));
                 clock_floor = clock_floor.max(record.updated_ms.min(limits.latest_ms()));
                 batch.push(*record);
+                batch_at.push(at);
                 batch_bytes = batch_bytes.saturating_add(
                     usize::try_from(reader.offset().saturating_sub(before)).unwrap_or(usize::MAX),
                 );
                 summary.records += 1;
                 if batch.len() >= IMPORT_BATCH || batch_bytes >= IMPORT_BATCH_BYTES {
-                    flush(&mut batch, token_floor, clock_floor, &mut summary)?;
+                    flush(
+                        &mut batch,
+                        &mut batch_at,
+                        token_floor,
+                        clock_floor,
+                        &mut summary,
+                    )?;
                     batch_bytes = 0;
                 }
                 progress(Progress {
@@ -733,7 +783,13 @@ pub(crate) fn import(
                 }
                 // The last write goes through even with no record left in
                 // it, so the floors always land.
-                flush(&mut batch, token_floor, clock_floor, &mut summary)?;
+                flush(
+                    &mut batch,
+                    &mut batch_at,
+                    token_floor,
+                    clock_floor,
+                    &mut summary,
+                )?;
                 return Ok(summary);
             }
             Frame::Meta(_) => return Err(corrupt(at, "a second meta frame")),

@@ -120,7 +120,9 @@ pub enum Error {
     /// record before its batch is written: nothing of the refused frame's
     /// batch is written, batches before it stay imported (`imported`
     /// records), and the store's token counter and clock are raised only by
-    /// those batches.
+    /// those batches. The one exception is
+    /// [`ImportRule::StoredRecordDamaged`], found as the batch is written:
+    /// the rest of that batch was written, and `imported` counts it.
     #[error(
         "import refused at byte offset {offset} ({rule}): {detail}; \
          {imported} records were imported before it"
@@ -389,7 +391,8 @@ impl std::fmt::Display for ConfigFault {
 pub enum ImportRule {
     /// The stream's token counter is above [`MAX_TOKEN`](crate::MAX_TOKEN),
     /// or a record's token is not below it: importing it would leave no
-    /// token for the next acquisition, or wrap the counter.
+    /// token for the next acquisition, or wrap the counter. Also a record's
+    /// token 0, which no store issues (tokens start at 1).
     TokenCap,
     /// The stream's clock high-water mark, or a record's update time, is
     /// further ahead of the store's clock than the import's tolerance
@@ -414,6 +417,13 @@ pub enum ImportRule {
     TooLarge,
     /// A record's business key is empty, too long or malformed.
     BusinessKey,
+    /// The store's own record of a frame's key is damaged (it fails its
+    /// checksum), so the import cannot tell whether it is live and never
+    /// writes over it. Found while the frame's batch is written, so unlike
+    /// the other rules the rest of that batch was written, and `imported`
+    /// counts it. Run `idemstore check`; restore the store from an export
+    /// (`idemstore import --create`) into a new file.
+    StoredRecordDamaged,
 }
 
 impl ImportRule {
@@ -430,6 +440,7 @@ impl ImportRule {
             ImportRule::StateOutput => "state-output",
             ImportRule::TooLarge => "too-large",
             ImportRule::BusinessKey => "business-key",
+            ImportRule::StoredRecordDamaged => "stored-record-damaged",
         }
     }
 }

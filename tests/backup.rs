@@ -504,3 +504,43 @@ fn an_imported_processing_record_with_an_unbounded_lease_is_refused() {
     // The key is free.
     acquire(&b, &common::key("held"), &ClaimOptions::new());
 }
+
+/// A stored record that fails its checksum, met by an import of its key,
+/// stops the import as `ImportRefused` (`StoredRecordDamaged`) at that
+/// record's frame, with every record its batch wrote counted: the error
+/// was a bare `CorruptRecord`, and the rest of the batch was written
+/// without being counted.
+#[test]
+fn a_damaged_stored_record_stops_an_import_with_what_it_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let fill = |path: &Path, n: usize| {
+        let store = open(path, &clock);
+        for i in 0..n {
+            let lease = acquire(&store, &key(&format!("k{i:03}")), &ClaimOptions::new());
+            store.complete(&lease, b"\"ok\"").unwrap();
+        }
+    };
+    let source = dir.path().join("source.redb");
+    fill(&source, 250);
+    let mut stream = Vec::new();
+    open(&source, &clock).export(&mut stream, |_| {}).unwrap();
+    let target = dir.path().join("target.redb");
+    fill(&target, 200);
+    common::damage_record(&target, &key("k000"));
+    let store = open(&target, &clock);
+    match store.import(stream.as_slice(), |_| {}) {
+        Err(Error::ImportRefused {
+            rule: idemstore::ImportRule::StoredRecordDamaged,
+            imported,
+            offset,
+            detail,
+        }) => {
+            assert_eq!(imported, 50, "{detail}");
+            assert!(offset > 0, "{offset}");
+            assert!(detail.contains("acme/tickets"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(store.len().unwrap(), 250);
+}

@@ -380,3 +380,27 @@ fn accepted_far_ahead_times_do_not_creep_or_hold_a_key_for_years() {
     let (_, rule, _) = refused(store.import_with(held.as_slice(), &accept, |_| {}));
     assert_eq!(rule, ImportRule::LeaseTooLong);
 }
+
+/// A record with token 0 (which no store issues) is refused with the token
+/// rule, and a stream header of format version 0 (none exists) is a
+/// damaged stream; both were imported. Nothing is written.
+#[test]
+fn token_zero_and_format_version_zero_are_refused() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let stream = export_stream(10, now, &[RawRecord::succeeded("zero", 0, now)]);
+    let (_, rule, imported) = refused(store.import(stream.as_slice(), |_| {}));
+    assert_eq!((rule, imported), (ImportRule::TokenCap, 0));
+    let mut stream = export_stream(10, now, &[RawRecord::succeeded("one", 1, now)]);
+    stream[16..20].copy_from_slice(&0u32.to_le_bytes());
+    let crc = crc32fast::hash(&stream[..20]);
+    stream[20..24].copy_from_slice(&crc.to_le_bytes());
+    match store.import(stream.as_slice(), |_| {}) {
+        Err(Error::CorruptExport { offset: 16, detail }) => {
+            assert!(detail.contains("version 0"), "{detail}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(store.is_empty().unwrap());
+}
