@@ -315,7 +315,7 @@ fn redacted(url: &str, schema: &str) -> String {
 /// The settings of an operator command's store: no background sweeper and
 /// no background scrub (a command is short), `retention` for what the
 /// command writes (the default, 24 h, when `None`).
-fn config(retention: Option<Duration>) -> Config {
+pub fn config(retention: Option<Duration>) -> Config {
     let mut config = Config::new().sweep_interval(None).scrub_rate(None);
     if let Some(retention) = retention {
         config = config.retention(retention);
@@ -325,17 +325,20 @@ fn config(retention: Option<Duration>) -> Config {
 
 /// Connects to a PostgreSQL store: the existing one in `schema` (refused
 /// when the schema holds none), or, with `create`, creating it if absent.
-#[cfg(feature = "postgres")]
 pub fn connect(
     url: &str,
     schema: &str,
     retention: Option<Duration>,
     create: bool,
 ) -> Result<Store, Error> {
+    connect_with(url, schema, config(retention), create)
+}
+
+/// [`connect`] with `config` (from [`config`], changed by the command).
+#[cfg(feature = "postgres")]
+pub fn connect_with(url: &str, schema: &str, config: Config, create: bool) -> Result<Store, Error> {
     // An operator command runs one request at a time (and a scan).
-    let config = config(retention)
-        .postgres_schema(schema)
-        .postgres_connections(2);
+    let config = config.postgres_schema(schema).postgres_connections(2);
     if create {
         Store::connect(url, config)
     } else {
@@ -345,10 +348,10 @@ pub fn connect(
 
 /// Without the `postgres` feature there is no PostgreSQL engine.
 #[cfg(not(feature = "postgres"))]
-pub fn connect(
+pub fn connect_with(
     _url: &str,
     _schema: &str,
-    _retention: Option<Duration>,
+    _config: Config,
     _create: bool,
 ) -> Result<Store, Error> {
     Err(Error::InvalidArgument {

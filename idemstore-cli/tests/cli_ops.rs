@@ -760,6 +760,58 @@ fn output_into_the_store_or_its_log_is_refused() {
     assert_eq!(code(&out), 0, "{}", stdout(&out));
 }
 
+/// An export of a store whose service raised its value limits restores
+/// with `import --max-value-bytes`; without it the import is refused with
+/// the rule and a hint naming the flag, and nothing is left behind.
+#[test]
+fn import_takes_the_services_value_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("big.redb");
+    let big = format!("\"{}\"", "x".repeat(2 << 20));
+    {
+        let config = Config::new().max_result_bytes(4 << 20).sweep_interval(None);
+        let store = Store::open_with(&source, config).unwrap();
+        let lease = acquire(&store, &key("big"), &ClaimOptions::new());
+        store.complete(&lease, big.as_bytes()).unwrap();
+    }
+    let export = dir.path().join("big.export");
+    let out = idemstore(&["export", p(&source), "--output", p(&export)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let target = dir.path().join("restored.redb");
+    let out = idemstore(&["import", p(&target), p(&export), "--create"]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    assert!(stderr(&out).contains("too-large"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("--max-value-bytes"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!target.exists());
+    let out = idemstore(&[
+        "import",
+        p(&target),
+        p(&export),
+        "--create",
+        "--max-value-bytes",
+        "0",
+    ]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    assert!(!target.exists());
+    let limit = (4 << 20).to_string();
+    let out = idemstore(&[
+        "import",
+        p(&target),
+        p(&export),
+        "--create",
+        "--max-value-bytes",
+        &limit,
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let store = Store::open_with(&target, Config::new().sweep_interval(None)).unwrap();
+    let record = store.get(&key("big")).unwrap().unwrap();
+    assert_eq!(record.result(), Some(big.as_bytes()));
+}
+
 /// XORs the byte at `offset` of the file at `path` with `mask`.
 fn flip(path: &Path, offset: usize, mask: u8) {
     let mut bytes = std::fs::read(path).unwrap();

@@ -44,6 +44,13 @@ pub struct Args {
     /// The store's clock still moves forward by at most 5 minutes.
     #[arg(long)]
     accept_clock_ahead: bool,
+    /// The largest result, failure and recovery point the store takes, in
+    /// bytes (1 to 16 MiB; the library's default, 1 MiB, when not given).
+    /// Give the service's own limits (`Config::max_result_bytes` and the
+    /// others) when it raised them: an export of such a store holds larger
+    /// values, which the default refuses (rule `too-large`).
+    #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1..=idemstore::MAX_VALUE_LIMIT as u64))]
+    max_value_bytes: Option<u64>,
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
@@ -59,10 +66,19 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         let len = file.metadata().ok().map(|m| m.len());
         (Box::new(BufReader::new(file)), len)
     };
+    let mut config = ops::config(None);
+    if let Some(limit) = args.max_value_bytes {
+        // Within MAX_VALUE_LIMIT (the flag's range), so it fits a usize.
+        let limit = usize::try_from(limit).unwrap_or(idemstore::MAX_VALUE_LIMIT);
+        config = config
+            .max_result_bytes(limit)
+            .max_failure_bytes(limit)
+            .max_recovery_point_bytes(limit);
+    }
     let (store, created) = match args.store.target()? {
-        ops::Target::File(path) => open_file(&path, args.create)?,
+        ops::Target::File(path) => open_file(&path, args.create, config)?,
         ops::Target::Postgres { url, schema, name } => {
-            open_postgres(&url, &schema, &name, args.create)?
+            open_postgres(&url, &schema, &name, args.create, config)?
         }
     };
     let bar = ops::progress(len, "importing", ops::Unit::Bytes);
@@ -72,7 +88,21 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         Err(e) => {
             bar.finish_and_clear();
             #[allow(unused_mut)] // not reassigned when nothing was created
+            let hint = matches!(
+                e,
+                idemstore::Error::ImportRefused {
+                    rule: idemstore::ImportRule::TooLarge,
+                    ..
+                }
+            ) && args.max_value_bytes.is_none();
             let mut err = CliError::store(format!("cannot import {}", args.input.display()), e);
+            if hint {
+                err = CliError::Failed(format!(
+                    "{}; if the store's service raised its value limits, give them with \
+                     --max-value-bytes BYTES",
+                    err.one_line()
+                ));
+            }
             // Close the store before removing its files.
             drop(store);
             match created {
@@ -144,7 +174,11 @@ enum Created {
 }
 
 /// Opens the store file at `path`, creating it when absent and `create`.
-fn open_file(path: &std::path::Path, create: bool) -> Result<(Store, Created), CliError> {
+fn open_file(
+    path: &std::path::Path,
+    create: bool,
+    config: idemstore::Config,
+) -> Result<(Store, Created), CliError> {
     let creating = !path.exists();
     if creating && !create {
         return Err(CliError::Failed(format!(
@@ -159,9 +193,6 @@ fn open_file(path: &std::path::Path, create: bool) -> Result<(Store, Created), C
         PathBuf::from(name)
     };
     let log_existed = log_before.exists();
-    let config = idemstore::Config::new()
-        .sweep_interval(None)
-        .scrub_rate(None);
     let opened = if creating {
         Store::open_with(path, config)
     } else {
@@ -190,11 +221,12 @@ fn open_postgres(
     schema: &str,
     name: &str,
     create: bool,
+    config: idemstore::Config,
 ) -> Result<(Store, Created), CliError> {
-    match ops::connect(url, schema, None, false) {
+    match ops::connect_with(url, schema, config.clone(), false) {
         Ok(store) => Ok((store, Created::Nothing)),
         Err(idemstore::Error::Missing { .. }) if create => {
-            let store = ops::connect(url, schema, None, true)
+            let store = ops::connect_with(url, schema, config, true)
                 .map_err(|e| ops::connect_error(name, schema, e))?;
             let shown = store.path().display().to_string();
             Ok((store, Created::Schema(shown)))
