@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::{RawRecord, TestDir, acquired, export_frame_offsets, export_stream, fp, key};
 use idemstore::{
     ClaimOptions, Clock, Config, DEFAULT_CLOCK_TOLERANCE, Error, ImportOptions, ImportRule,
-    MAX_LEASE, MAX_RETENTION, MAX_TOKEN, Store,
+    MAX_LEASE, MAX_RETENTION, MAX_TOKEN, Resolution, Store,
 };
 
 const HOUR: u64 = 3_600_000;
@@ -403,4 +403,49 @@ fn token_zero_and_format_version_zero_are_refused() {
         other => panic!("{other:?}"),
     }
     assert!(store.is_empty().unwrap());
+}
+
+/// Records imported from a clock that ran ahead keep their times, and the
+/// store's later writes to them never put a record's times out of order
+/// (time never runs backwards for a record, on both engines): an amended
+/// and a resolved record still have created ≤ updated, and the store's
+/// export imports into a new store. Before, the writes stamped the store's
+/// earlier time, and that export was refused (`TimesOutOfOrder`).
+#[test]
+fn a_store_that_took_records_from_a_clock_ahead_exports_what_imports_again() {
+    let t = TestDir::new();
+    let store = t.open();
+    let ahead = t.now_ms() + 2 * HOUR;
+    let stream = export_stream(
+        10,
+        ahead,
+        &[
+            RawRecord::succeeded("done", 3, ahead),
+            RawRecord::processing("running", 4, ahead, 30_000),
+        ],
+    );
+    let accept = ImportOptions::new().accept_clock_ahead(true);
+    store
+        .import_with(stream.as_slice(), &accept, |_| {})
+        .unwrap();
+    store
+        .amend(&key("done"), 3, Resolution::Succeeded(b"fixed".to_vec()))
+        .unwrap();
+    store
+        .resolve(&key("running"), 4, Resolution::Succeeded(b"ran".to_vec()))
+        .unwrap();
+    for id in ["done", "running"] {
+        let r = store.get(&key(id)).unwrap().unwrap();
+        assert!(r.created_ms() <= r.updated_ms(), "{id}: {r:?}");
+    }
+    let mut export = Vec::new();
+    store.export(&mut export, |_| {}).unwrap();
+    let t2 = TestDir::new();
+    let restored = t2.open();
+    let summary = restored
+        .import_with(export.as_slice(), &accept, |_| {})
+        .unwrap();
+    assert_eq!(summary.imported, 2);
+    let r = restored.get(&key("done")).unwrap().unwrap();
+    assert_eq!(r.result(), Some(&b"fixed"[..]));
 }

@@ -1908,6 +1908,11 @@ fn apply_op(
         Ok(r) => r,
         Err(e) => return Ok(Err(rejected(key, e, events))),
     };
+    // Time never runs backwards for a record, as in the PostgreSQL engine:
+    // a record imported from a clock that ran ahead is judged and written
+    // at its own last update at least, so its times stay in order
+    // (created ≤ updated) and the store's export imports again.
+    let now = stored.as_ref().map_or(now, |r| now.max(r.updated_ms));
     // The business-key rule needs the binding's holder, read in this write.
     let fresh = stored.as_ref().is_none_or(|r| r.is_expired_at(now));
     let holder = match op_business_key(op).filter(|_| fresh) {
