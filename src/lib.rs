@@ -83,7 +83,7 @@ pub mod mcp;
 
 /// README.md's Rust snippets, compiled and run as doc tests (with
 /// `--all-features`, since some use the `agent` and `http` features; CI
-/// runs `cargo test --release --all-features`). Never part of a build.
+/// runs `cargo test --profile ci --all-features`). Never part of a build.
 #[cfg(all(doctest, feature = "agent", feature = "http", feature = "postgres"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

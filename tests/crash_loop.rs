@@ -18,7 +18,7 @@
 //!
 //! 20 cycles by default; `IDEMSTORE_CRASH_CYCLES=1000` runs more,
 //! `IDEMSTORE_CRASH_SEED` changes the seed (printed on failure). Run long
-//! loops in release: `IDEMSTORE_CRASH_CYCLES=1000 cargo test --release
+//! loops with release settings: `IDEMSTORE_CRASH_CYCLES=1000 cargo test --profile ci --all-features
 //! --test crash_loop -- --nocapture`.
 
 mod common;

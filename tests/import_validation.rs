@@ -52,7 +52,7 @@ fn well_formed_hand_made_records_import() {
 /// The counter at the cap: the import goes in, and the next claim gets
 /// `TokensExhausted` instead of a wrapped token; the store is unchanged,
 /// also after a reopen. Release builds wrap silently, so this runs in
-/// release too (`cargo test --release`).
+/// release settings too (`cargo test --profile ci`).
 #[test]
 fn a_counter_at_the_cap_imports_and_the_next_claim_is_refused_without_wrapping() {
     let t = TestDir::new();

@@ -27,7 +27,11 @@ fn append_server() -> PathBuf {
     // target/<profile>/deps/cli_mcp-<hash>
     let profile_dir = exe.parent().unwrap().parent().unwrap();
     let target_dir = profile_dir.parent().unwrap();
-    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    // The profile is named by its directory, except `dev` (`debug`).
+    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => "dev".to_owned(),
+        Some(name) => name.to_owned(),
+    };
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut build = std::process::Command::new(cargo);
@@ -68,9 +72,7 @@ fn append_server() -> PathBuf {
         .arg(root.join("Cargo.toml"))
         .arg("--target-dir")
         .arg(target_dir);
-    if release {
-        build.arg("--release");
-    }
+    build.args(["--profile", &profile]);
     assert!(
         build.status().unwrap().success(),
         "building mcp_append_server failed"
