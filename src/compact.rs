@@ -38,7 +38,8 @@ pub struct Compaction {
 /// back (`docs/operations.md`, "Sizing a file store", has the figures).
 /// Run it in a maintenance window, or after a burst: the store must not be
 /// open anywhere meanwhile. Its time grows with the file's size (it checks
-/// every page, then reads and rewrites the pages in use); its memory is
+/// every page before the open and again after the close, then reads and
+/// rewrites the pages in use); its memory is
 /// what `config`'s caches allow while the store is open, then 64 MiB of
 /// page cache. A crash during it leaves a file that redb repairs at the next
 /// open (a walk of the whole file); nothing is lost. The online

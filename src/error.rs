@@ -125,7 +125,7 @@ pub enum Error {
     /// the rest of that batch was written, and `imported` counts it.
     #[error(
         "import refused at byte offset {offset} ({rule}): {detail}; \
-         {imported} records were imported before it"
+         {imported} records were imported"
     )]
     ImportRefused {
         /// Byte offset of the refused frame from the start of the stream.
@@ -134,7 +134,9 @@ pub enum Error {
         rule: ImportRule,
         /// What the frame holds, for a person.
         detail: String,
-        /// Records written by the batches before the refused one.
+        /// Records written: those of the batches before the refused one
+        /// (for [`ImportRule::StoredRecordDamaged`], the rest of the
+        /// refused frame's batch too).
         imported: u64,
     },
 

@@ -151,7 +151,7 @@ fn a_failing_worker_ends_the_run_with_its_error() {
 /// (by half its peak plus 2 MiB) and the heap (by 32 MiB) stop growing
 /// over the last third against the middle third.
 #[test]
-#[ignore = "a long soak: cargo test --profile ci --all-features --test soak -- --ignored --nocapture"]
+#[ignore = "a long soak: cargo test --release --test soak -- --ignored --nocapture"]
 fn long_soak() {
     let minutes: f64 = std::env::var("IDEMSTORE_SOAK_MINUTES").map_or(30.0, |v| {
         v.parse()

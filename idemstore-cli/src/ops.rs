@@ -124,20 +124,29 @@ impl StoreArg {
 /// write-ahead log, by any name (`idemstore export S >> S`, `list S 1<> S`):
 /// what the command prints would be written into the store and damage it.
 /// Compared by file identity (`same-file`, as ripgrep does for its own
-/// output); an output or store that cannot be compared is no match.
+/// output). Only a regular file is opened to compare (a fifo or a device is
+/// never opened here: the library refuses it without blocking); an output
+/// or a file that cannot be compared is no match. (Standard error is not
+/// compared: the refusal itself would be written there.)
 fn refuse_output_into(path: &Path) -> Result<(), CliError> {
-    let Ok(stdout) = same_file::Handle::stdout() else {
-        return Ok(());
-    };
+    let outputs = [("standard output", same_file::Handle::stdout())];
     let mut log = path.as_os_str().to_owned();
     log.push("-wal");
     for (what, file) in [("store file", path), ("write-ahead log", Path::new(&log))] {
-        if same_file::Handle::from_path(file).is_ok_and(|h| h == stdout) {
-            return Err(CliError::Usage(format!(
-                "standard output is the {what} {}: the output would be written into the store \
-                 and damage it; nothing was done: redirect the output elsewhere",
-                file.display()
-            )));
+        if !std::fs::metadata(file).is_ok_and(|m| m.is_file()) {
+            continue;
+        }
+        let Ok(handle) = same_file::Handle::from_path(file) else {
+            continue;
+        };
+        for (stream, output) in &outputs {
+            if output.as_ref().is_ok_and(|o| *o == handle) {
+                return Err(CliError::Usage(format!(
+                    "{stream} is the {what} {}: what the command prints would be written into \
+                     the store and damage it; nothing was done: redirect it elsewhere",
+                    file.display()
+                )));
+            }
         }
     }
     Ok(())

@@ -760,6 +760,58 @@ fn output_into_the_store_or_its_log_is_refused() {
     assert_eq!(code(&out), 0, "{}", stdout(&out));
 }
 
+/// A fifo given as the store, or beside it as its log, is refused with a
+/// one-line error and no command blocks opening it (the check for output
+/// into the store opens only regular files).
+#[test]
+fn a_fifo_as_the_store_or_its_log_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.redb");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let store = dir.path().join("s.redb");
+    populate(&store);
+    let log = dir.path().join("s.redb-wal");
+    std::fs::remove_file(&log).unwrap();
+    let made = std::process::Command::new("mkfifo")
+        .arg(&log)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    for (command, path) in [("stats", &fifo), ("export", &fifo), ("stats", &store)] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+            .args([command, p(path)])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Hang guard: a command that blocks on the fifo fails the test.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("{command} {} blocked", path.display());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert_eq!(
+            status.code(),
+            Some(2),
+            "{command} {}: {err}",
+            path.display()
+        );
+        assert!(err.contains("not a regular file"), "{err}");
+    }
+}
+
 /// An export of a store whose service raised its value limits restores
 /// with `import --max-value-bytes`; without it the import is refused with
 /// the rule and a hint naming the flag, and nothing is left behind.

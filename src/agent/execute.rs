@@ -808,8 +808,8 @@ enum Write {
 /// not decode as `V` (a field skipped when serialized but required when
 /// deserialized); a serialization error as serde_json gives it.
 fn replayable<V: Serialize + DeserializeOwned>(value: &V) -> Result<Vec<u8>, String> {
-    const UNRECORDED: &str = "it was not recorded; the work ran: the key is in doubt once its \
-                              lease lapses";
+    const UNRECORDED: &str = "it was not recorded; the work ran (or the probe found its \
+                              effect): the key is in doubt once its lease lapses";
     super::finite::check(value).map_err(|e| format!("{e}; {UNRECORDED}"))?;
     let bytes = serde_json::to_vec(value).map_err(|e| format!("{e}; {UNRECORDED}"))?;
     serde_json::from_slice::<V>(&bytes).map_err(|e| {

@@ -26,7 +26,22 @@ const MAX_PASSES: u32 = 4;
 /// # Errors
 /// As [`compact`], for the same findings.
 pub(crate) fn check_pages(path: &Path) -> Result<()> {
-    match super::check::integrity(path) {
+    let checked = guard(path, || {
+        let mut db = Database::builder()
+            .set_cache_size(CHECK_CACHE_BYTES)
+            .open(path)
+            .map_err(|e| open_error(path, e))?;
+        // A store the scrub marked damaged, found by the marker it records
+        // (opened by a name the marker is not beside, a hard link): refused
+        // before redb's check, which may repair (write) the file.
+        if let Ok(Some(recorded)) = super::schema::recorded_damage_marker(path, &db)?
+            && super::scrub::is_present(&recorded)
+        {
+            return Err(Error::Poisoned);
+        }
+        Ok(super::check::integrity_of(&mut db))
+    });
+    match checked {
         Ok(integrity) => sound(path, integrity),
         Err(Error::CorruptFile { detail, .. }) => sound(path, Integrity::Failed(detail)),
         Err(e) => Err(e),

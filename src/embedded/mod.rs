@@ -557,7 +557,9 @@ impl Embedded {
     fn claim_fast(&self, key: &Key, op: Op, now_ms: u64) -> Result<Result<Reply, Op>> {
         if let Read::Done(Some(current)) = self.read(key, now_ms)? {
             let ctx = Ctx {
-                now_ms,
+                // As the writer judges it (`commit::apply_op`): never
+                // before the record's own last update.
+                now_ms: now_ms.max(current.updated_ms),
                 retention_ms: self.shared.retention_ms,
                 next_token: 0,
                 // An existing live record keeps its own binding: the

@@ -13,9 +13,10 @@ use crate::ops::{self, StoreArg};
 #[derive(Debug, clap::Args)]
 #[command(
     after_help = "Under churn the store file grows to a plateau and keeps it: freed pages \
-are reused but never given back. compact opens the store (replaying its log), closes it \
-cleanly, then has redb move the pages in use to the front of the file and truncate the rest. \
-Records are unchanged. The store must not be open anywhere meanwhile (stop the service). \
+are reused but never given back. compact checks every page (a damaged file is refused, never \
+copied under fresh checksums: run idemstore check), opens the store (replaying its log), \
+closes it cleanly, checks every page again, then has redb move the pages in use to the front \
+of the file and truncate the rest. Records are unchanged. The store must not be open anywhere meanwhile (stop the service). \
 A crash during it leaves a file that redb repairs at the next open. On PostgreSQL the \
 server's VACUUM gives space back; this command takes a store file only."
 )]

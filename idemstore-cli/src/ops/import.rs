@@ -18,7 +18,8 @@ use crate::ops::{self, StoreArg};
     after_help = "Import is idempotent: a record is written only where its key is \
 absent (or past retention), never over a live record, so running it twice changes nothing. \
 The store's token counter and clock are raised above everything imported. A damaged frame \
-stops the import with its byte offset; batches before it stay imported. The stream is \
+stops the import with its byte offset; batches before it stay imported (and, when the store's \
+own record of a key is damaged, the rest of that record's batch). The stream is \
 validated: a token counter above i64::MAX, a record that breaks the store's rules (a lease \
 longer than 30 days, an expiry past the longest retention, a value over the store's limits), \
 or a time more than 5 minutes ahead of the store's clock is refused with the frame's offset \
@@ -87,7 +88,6 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         Ok(summary) => summary,
         Err(e) => {
             bar.finish_and_clear();
-            #[allow(unused_mut)] // not reassigned when nothing was created
             let hint = matches!(
                 e,
                 idemstore::Error::ImportRefused {
