@@ -94,7 +94,7 @@ impl Store {
     ///   format; or a log that belongs to another store, is of another
     ///   format version, or is not a log (naming the log); or a store or
     ///   log path that is not a regular file (a directory, a fifo, a
-    ///   device), or a log with frames beside a missing store file (its
+    ///   device), or a non-empty log beside a missing store file (its
     ///   store was deleted or moved), refused before anything is created.
     /// - [`Error::CorruptFile`]: the file is damaged. (A file the online
     ///   scrub marked damaged, `<path>-damaged`, opens read-only instead:

@@ -116,12 +116,13 @@ fn require_regular(path: &Path, what: &str) -> Result<()> {
     }
 }
 
-/// Refuses to create a store at `path` beside a log that holds frames
-/// (`log_path`, not empty) when no store file is there: a log is created
-/// only after its store file, so such a log belongs to a store that was
-/// deleted or moved, and a new store beside it would never open (the log
-/// names another store). Checked before anything is created. A store file
-/// that exists, or a log that is absent or empty, passes.
+/// Refuses to create a store at `path` beside a non-empty log (`log_path`:
+/// any log a store has used, even after a clean close, since a log starts
+/// with its header) when no store file is there: a log is created only
+/// after its store file, so such a log belongs to a store that was deleted
+/// or moved, and a new store beside it would never open (the log names
+/// another store). Checked before anything is created. A store file that
+/// exists, or a log that is absent or empty, passes.
 fn refuse_orphan_log(path: &Path, log_path: &Path) -> Result<()> {
     let store_absent = matches!(
         std::fs::symlink_metadata(path),
