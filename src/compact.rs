@@ -69,8 +69,11 @@ pub fn compact_file(path: impl AsRef<Path>, config: Config) -> Result<Compaction
     // marker is not beside, a hard link, the open finds the marker the
     // store records and opens it read-only: it writes its own checkpoint
     // and time, and the checkpoint below is refused.)
-    if crate::embedded::scrub::is_marked(&crate::embedded::scrub::marker_of_store(path)) {
-        return Err(crate::error::Error::Poisoned);
+    let marker = crate::embedded::scrub::marker_of_store(path);
+    if crate::embedded::scrub::is_marked(&marker) {
+        return Err(crate::error::Error::Poisoned {
+            cause: crate::embedded::commit::damage_cause(Some(&marker)),
+        });
     }
     let config = config.sweep_interval(None).scrub_rate(None);
     let size = |path: &Path| {

@@ -236,10 +236,16 @@ pub enum Error {
     /// may not find a key it holds, and a claim would run the work again.
     /// Reopening does not clear that while the marker `<path>-damaged`
     /// exists: restore from an export.
-    #[error(
-        "store refuses writes after an earlier I/O error or damage found by the scrub; reopen it, or restore it if the scrub marked it damaged"
-    )]
-    Poisoned,
+    #[error("store refuses writes: {cause}")]
+    Poisoned {
+        /// Why, and what to do: the first failed durable write's own error
+        /// (for example the operating system's "No space left on device"),
+        /// with "reopen the store once that is fixed"; or the damage the
+        /// online scrub found, with the marker's path and "restore it from
+        /// an export"; or a panic of the store's writer. Text for people:
+        /// match on the variant, not on this.
+        cause: String,
+    },
 
     /// The store's writer has stopped (the store is shutting down).
     #[error("store is closed")]

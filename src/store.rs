@@ -1266,7 +1266,9 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
                 .iter()
                 .map(|_| {
                     Err(match &e {
-                        Error::Poisoned => Error::Poisoned,
+                        Error::Poisoned { cause } => Error::Poisoned {
+                            cause: cause.clone(),
+                        },
                         Error::Closed => Error::Closed,
                         Error::Unavailable { detail } => Error::Unavailable {
                             detail: detail.clone(),

@@ -87,7 +87,7 @@ fn is_damage_report(err: &Error) -> bool {
             | Error::CorruptFile { .. }
             | Error::IncompatibleFile { .. }
             | Error::Storage(_)
-            | Error::Poisoned
+            | Error::Poisoned { .. }
     )
 }
 

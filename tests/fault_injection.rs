@@ -440,7 +440,7 @@ fn assert_typed(what: &str, e: &Error) {
         matches!(
             e,
             Error::Storage(_)
-                | Error::Poisoned
+                | Error::Poisoned { .. }
                 | Error::Closed
                 | Error::CorruptFile { .. }
                 | Error::CorruptLog { .. }
@@ -717,12 +717,12 @@ fn probe_writes(store: &Store, fired: Option<(Target, Call)>, at: &str) -> Optio
     let r = store.claim(&key("probe"), &fp(), &ClaimOptions::new());
     if fired.is_some() {
         assert!(
-            matches!(r, Err(Error::Poisoned | Error::Storage(_))),
+            matches!(r, Err(Error::Poisoned { .. } | Error::Storage(_))),
             "{at}: a write after a failed storage call answered {r:?}"
         );
         let again = store.claim(&key("probe-2"), &fp(), &ClaimOptions::new());
         assert!(
-            matches!(again, Err(Error::Poisoned)),
+            matches!(again, Err(Error::Poisoned { .. })),
             "{at}: a second write after a failed storage call answered {again:?}"
         );
         return None;
@@ -894,7 +894,7 @@ fn a_poisoned_store_closes_without_checkpointing_the_failed_change() {
     assert_eq!(rig.plan.disarm(), Some((Target::Log, Call::Sync)));
     assert!(matches!(
         store.claim(&key("later"), &fp(), &ClaimOptions::new()),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     let cut_before_close = rig.power_cut();
     drop(store);
@@ -945,7 +945,7 @@ fn claim_many_after_a_failed_fsync_may_be_applied_and_a_later_claim_finds_out() 
     assert_eq!(rig.plan.disarm(), Some((Target::Log, Call::Sync)));
     assert!(matches!(
         store.claim(&key("later"), &fp(), &ClaimOptions::new()),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     let cut = rig.power_cut();
     drop(store);
@@ -993,15 +993,64 @@ fn stats_on_a_poisoned_store_is_refused() {
     );
     rig.plan.disarm();
     let stats = store.stats();
-    assert!(matches!(stats, Err(Error::Poisoned)), "{stats:?}");
+    assert!(matches!(stats, Err(Error::Poisoned { .. })), "{stats:?}");
     assert!(matches!(
         store.scan(&idemstore::Filter::new()),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     drop(store);
     let reopened = rig.power_cut().open().unwrap();
     let stats = reopened.stats().unwrap();
     assert_eq!(stats.records.processing, 1);
+}
+
+/// Every refusal of a poisoned store names the failure that poisoned it
+/// (the first failed durable write's own error: on a full disk, the
+/// operating system's "No space left on device"; here the injected one),
+/// not only the call that met it: an operator reading a later caller's
+/// error, or an import's, learns the cause and what to do.
+#[test]
+fn every_refusal_names_the_failure_that_poisoned_the_store() {
+    let rig = Rig::new();
+    let store = rig.open().unwrap();
+    acquire(&store, &key("acked"));
+    rig.plan.arm(Target::Log, Call::Sync, 0);
+    let failed = store.claim(&key("failed"), &fp(), &ClaimOptions::new());
+    assert_eq!(rig.plan.disarm(), Some((Target::Log, Call::Sync)));
+    let injected = "injected Sync failure on the Log file";
+    match &failed {
+        Err(Error::Storage(detail)) => assert!(detail.contains(injected), "{detail}"),
+        other => panic!("expected the failed write's Storage error, got {other:?}"),
+    }
+    let refusals = [
+        (
+            "claim",
+            store
+                .claim(&key("later"), &fp(), &ClaimOptions::new())
+                .err(),
+        ),
+        ("stats", store.stats().err()),
+        ("flush", store.flush().err()),
+        ("checkpoint", store.checkpoint().err()),
+    ];
+    for (what, refused) in refusals {
+        match refused {
+            Some(Error::Poisoned { cause }) => {
+                assert!(cause.contains(injected), "{what}: {cause}");
+                assert!(cause.contains("reopen the store"), "{what}: {cause}");
+            }
+            other => panic!("{what}: expected Poisoned, got {other:?}"),
+        }
+    }
+    let shown = store
+        .claim(&key("later"), &fp(), &ClaimOptions::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        shown.starts_with("store refuses writes: a durable write failed")
+            && shown.contains(injected),
+        "{shown}"
+    );
 }
 
 /// What one fault point of `open` found.

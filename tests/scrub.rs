@@ -132,9 +132,16 @@ fn a_record_damaged_while_open_is_found_by_the_scrub_and_poisons_the_store() {
     assert_eq!(report.records, 30);
     let named: Vec<&str> = report.problems.iter().map(|p| p.key.as_str()).collect();
     assert_eq!(named, [key(&id(17)).to_string()], "{:?}", report.problems);
-    assert!(matches!(claim_fresh(&store, 1), Err(Error::Poisoned)));
-    drop(store);
     let marker = marker_of(&t.path);
+    match claim_fresh(&store, 1) {
+        // The refusal names the marker and what to do.
+        Err(Error::Poisoned { cause }) => assert!(
+            cause.contains(&marker.display().to_string()) && cause.contains("restore"),
+            "{cause}"
+        ),
+        other => panic!("expected Poisoned, got {other:?}"),
+    }
+    drop(store);
     let text = std::fs::read_to_string(&marker).unwrap();
     assert!(text.contains(&key(&id(17)).to_string()), "{text}");
     // The close forgot the last verification: the reopen runs the full
@@ -168,7 +175,10 @@ fn damage_with_valid_page_checksums_keeps_the_store_read_only_until_the_marker_i
     let store = t.open();
     let report = store.scrub(1000).unwrap();
     assert!(report.damaged, "{report:?}");
-    assert!(matches!(claim_fresh(&store, 4), Err(Error::Poisoned)));
+    assert!(matches!(
+        claim_fresh(&store, 4),
+        Err(Error::Poisoned { .. })
+    ));
     drop(store);
     assert_read_only_by_marker(&t);
     let checked = check_file(&t.path, |_| {}).unwrap();
@@ -210,7 +220,10 @@ fn a_leftover_marker_write_counts_and_a_new_store_ignores_a_stale_marker() {
     temp.push(".tmp");
     std::fs::write(&temp, "partial").unwrap();
     let store = t.open();
-    assert!(matches!(claim_fresh(&store, 6), Err(Error::Poisoned)));
+    assert!(matches!(
+        claim_fresh(&store, 6),
+        Err(Error::Poisoned { .. })
+    ));
     drop(store);
     std::fs::remove_file(&temp).unwrap();
     std::fs::write(marker_of(&t.path), "stale").unwrap();
@@ -248,7 +261,10 @@ fn marker_of(path: &Path) -> std::path::PathBuf {
 /// `check_file` reports the marker.
 fn assert_read_only_by_marker(t: &TestDir) {
     let store = t.open();
-    assert!(matches!(claim_fresh(&store, 99), Err(Error::Poisoned)));
+    assert!(matches!(
+        claim_fresh(&store, 99),
+        Err(Error::Poisoned { .. })
+    ));
     assert!(store.get(&key(&id(0))).is_ok());
     // Not refused for the marker; a damaged record itself stops an export
     // (it cannot be exported faithfully), as on any store.
@@ -338,7 +354,7 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
     let hidden_key = key(hidden[0].trim_start_matches(&format!("{SCOPE}/")));
     assert!(matches!(
         store.claim(&hidden_key, &fp(hidden_key.id()), &lease_of(secs(60))),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     // Nor is it answered as absent: on a store found damaged an absence is
     // not an answer. A key that is found is still read.
@@ -460,7 +476,7 @@ fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
     for path in [link, dir_link.join("idem.redb")] {
         let store = Store::open_with(&path, t.config()).unwrap();
         assert!(
-            matches!(claim_fresh(&store, 9), Err(Error::Poisoned)),
+            matches!(claim_fresh(&store, 9), Err(Error::Poisoned { .. })),
             "{} took a claim",
             path.display()
         );
@@ -475,7 +491,10 @@ fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
         .join(t.dir.path().file_name().unwrap())
         .join("idem.redb");
     let store = Store::open_with(&dotted, t.config()).unwrap();
-    assert!(matches!(claim_fresh(&store, 10), Err(Error::Poisoned)));
+    assert!(matches!(
+        claim_fresh(&store, 10),
+        Err(Error::Poisoned { .. })
+    ));
 }
 
 /// A hard link is another name of the same file, from which no canonical
@@ -488,13 +507,16 @@ fn the_damage_marker_is_found_through_a_symlink_and_a_relative_path() {
 fn the_damage_marker_is_found_through_a_hard_link() {
     let (t, store) = found_damaged_with_valid_checksums();
     // The scrub's own checkpoint runs; one asked by the caller is refused.
-    assert!(matches!(store.checkpoint(), Err(Error::Poisoned)));
+    assert!(matches!(store.checkpoint(), Err(Error::Poisoned { .. })));
     drop(store);
     let other = tempfile::tempdir().unwrap();
     let link = other.path().join("hard.redb");
     std::fs::hard_link(&t.path, &link).unwrap();
     let store = Store::open_with(&link, t.config()).unwrap();
-    assert!(matches!(claim_fresh(&store, 11), Err(Error::Poisoned)));
+    assert!(matches!(
+        claim_fresh(&store, 11),
+        Err(Error::Poisoned { .. })
+    ));
     assert!(store.get(&key(&id(0))).unwrap().is_some());
     drop(store);
     let checked = check_file(&link, |_| {}).unwrap();
@@ -540,7 +562,7 @@ fn the_background_scrub_finds_damage_without_being_asked() {
     let mut n = 3;
     loop {
         match claim_fresh(&store, n) {
-            Err(Error::Poisoned) => break,
+            Err(Error::Poisoned { .. }) => break,
             Ok(ClaimOutcome::Acquired(_)) => {}
             other => panic!("unexpected answer {other:?}"),
         }

@@ -809,7 +809,7 @@ fn a_failed_fsync_fails_the_whole_batch_and_poisons_until_reopen() {
     });
     for r in &results {
         assert!(
-            matches!(r, Err(Error::Storage(_) | Error::Poisoned)),
+            matches!(r, Err(Error::Storage(_) | Error::Poisoned { .. })),
             "a request was reported done: {r:?}"
         );
     }
@@ -818,7 +818,7 @@ fn a_failed_fsync_fails_the_whole_batch_and_poisons_until_reopen() {
     // key whose change never became durable is not shown.
     assert!(matches!(
         store.claim(&key("later"), &fp(), &ClaimOptions::new()),
-        Err(Error::Poisoned)
+        Err(Error::Poisoned { .. })
     ));
     assert_eq!(
         store.get(&kept).unwrap().unwrap().result(),
@@ -826,9 +826,9 @@ fn a_failed_fsync_fails_the_whole_batch_and_poisons_until_reopen() {
     );
     assert!(matches!(
         store.get(&key("failing-first")),
-        Err(Error::Poisoned) | Ok(None)
+        Err(Error::Poisoned { .. }) | Ok(None)
     ));
-    assert!(matches!(store.flush(), Err(Error::Poisoned)));
+    assert!(matches!(store.flush(), Err(Error::Poisoned { .. })));
 
     // Reopen recovers from what is on disk (here: a power cut right after).
     let (disk2, log2) = (disk.power_cut(), log.power_cut());
@@ -880,7 +880,10 @@ fn calls_all_fail_without_hanging(store: &Store) {
                 .recv_timeout(Duration::from_secs(60))
                 .expect("a call hung after the store's thread died");
             assert!(
-                matches!(r, Err(Error::Closed | Error::Poisoned | Error::Storage(_))),
+                matches!(
+                    r,
+                    Err(Error::Closed | Error::Poisoned { .. } | Error::Storage(_))
+                ),
                 "{r:?}"
             );
         }
@@ -900,7 +903,7 @@ fn syncer_death_fails_every_call_and_nothing_hangs() {
     // or on a lone caller that led its own batch (which poisons the store).
     let flushed = store.flush();
     assert!(
-        matches!(flushed, Err(Error::Closed | Error::Poisoned)),
+        matches!(flushed, Err(Error::Closed | Error::Poisoned { .. })),
         "{flushed:?}"
     );
     drop(store);
@@ -918,7 +921,7 @@ fn writer_death_fails_every_call_and_nothing_hangs() {
     // A writer that panicked poisons the store (and fences its file).
     assert!(matches!(
         store.checkpoint(),
-        Err(Error::Closed | Error::Poisoned)
+        Err(Error::Closed | Error::Poisoned { .. })
     ));
     drop(store);
     // What was acknowledged before is still there after reopening.

@@ -815,6 +815,67 @@ fn a_fifo_as_the_store_or_its_log_is_refused_without_blocking() {
 /// An export of a store whose service raised its value limits restores
 /// with `import --max-value-bytes`; without it the import is refused with
 /// the rule and a hint naming the flag, and nothing is left behind.
+/// An import that a failing disk cuts short (a file size limit, `ulimit
+/// -f`: the write fails with the operating system's error, as on a full
+/// disk, without needing one) names that error and how much of the stream
+/// it read, and the same import runs again once the cause is gone: every
+/// record is there once, and the store checks clean.
+#[test]
+fn an_import_cut_by_a_failing_disk_names_the_cause_and_runs_again() {
+    const RECORDS: usize = 3000;
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("source.redb");
+    let result = vec![b'r'; 1024];
+    {
+        let config =
+            Config::new()
+                .sweep_interval(None)
+                .durability(idemstore::Durability::Buffered {
+                    max_delay: Duration::from_millis(10),
+                });
+        let store = Store::open_with(&source, config).unwrap();
+        for i in 0..RECORDS {
+            let lease = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
+            store.complete(&lease, &result).unwrap();
+        }
+    }
+    let export = dir.path().join("source.export");
+    let out = idemstore(&["export", p(&source), "--output", p(&export)]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let target = dir.path().join("target.redb");
+    drop(Store::open_with(&target, Config::new().sweep_interval(None)).unwrap());
+    // 2048 blocks of 512 bytes: 1 MiB a file, against an export of over
+    // 3 MiB. SIGXFSZ ignored, so that the write fails instead of killing.
+    let cut = Command::new("sh")
+        .arg("-c")
+        .arg("trap '' XFSZ; ulimit -f 2048; exec \"$0\" import \"$1\" \"$2\"")
+        .args([env!("CARGO_BIN_EXE_idemstore"), p(&target), p(&export)])
+        .output()
+        .unwrap();
+    let err = stderr(&cut);
+    assert_eq!(code(&cut), 2, "{err}");
+    // EFBIG, "File too large" in the C locale.
+    assert!(err.contains("(os error 27)"), "{err}");
+    assert!(
+        err.contains("records of the stream were read before the failure")
+            && err.contains("import again once that is fixed"),
+        "{err}"
+    );
+    let out = idemstore(&["import", p(&target), p(&export), "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let summary = json(&out);
+    let counted = summary["imported"].as_u64().unwrap() + summary["present"].as_u64().unwrap();
+    assert_eq!(counted, RECORDS as u64, "{summary}");
+    let out = idemstore(&["check", p(&target)]);
+    assert_eq!(code(&out), 0, "{}{}", stdout(&out), stderr(&out));
+    let store = Store::open_with(&target, Config::new().sweep_interval(None)).unwrap();
+    assert_eq!(store.len().unwrap(), RECORDS as u64);
+    for i in [0, RECORDS / 2, RECORDS - 1] {
+        let record = store.get(&key(&format!("k{i}"))).unwrap().unwrap();
+        assert_eq!(record.result(), Some(&result[..]));
+    }
+}
+
 #[test]
 fn import_takes_the_services_value_limits() {
     let dir = tempfile::tempdir().unwrap();

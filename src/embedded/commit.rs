@@ -233,6 +233,9 @@ pub(crate) struct Shared {
     pub durability: Durability,
     /// Set after any failed durable write: the store refuses writes.
     pub poisoned: AtomicBool,
+    /// Why `poisoned` was first set, for the `Poisoned` errors that follow
+    /// (see [`Shared::refusal`]).
+    pub poison_cause: Mutex<Option<String>>,
     /// Raised when the online scrub found the index damaged (or the store
     /// was opened with its damage marker): the writer refuses every change
     /// (`Poisoned`) and still commits what is acknowledged, renews the
@@ -300,15 +303,76 @@ impl Shared {
         Duration::from_nanos(self.sweep_debt_ns.swap(0, Ordering::Relaxed))
     }
 
+    /// Marks the store poisoned, for `cause` unless it was poisoned
+    /// already (the first cause is the one reported).
+    pub(crate) fn poison_for(&self, cause: String) {
+        self.poison_cause.lock().get_or_insert(cause);
+        self.poisoned.store(true, Ordering::SeqCst);
+    }
+
+    /// The error for a write the store refuses ([`Error::Poisoned`]), with
+    /// why: the first recorded cause, else the damage the scrub found (or
+    /// the marker found at open).
+    pub(crate) fn refusal(&self) -> Error {
+        if let Some(cause) = self.poison_cause.lock().clone() {
+            return Error::Poisoned { cause };
+        }
+        if self.damaged.load(Ordering::SeqCst) {
+            return Error::Poisoned {
+                cause: damage_cause(self.damage_marker.as_deref()),
+            };
+        }
+        // Not reached: every path that poisons records its cause first.
+        Error::Poisoned {
+            cause: "an earlier failure; reopen the store".to_string(),
+        }
+    }
+
+    /// Records the scrub's finding as the cause of later refusals unless
+    /// one is recorded already (the store is not poisoned: it keeps
+    /// committing what was acknowledged).
+    pub(crate) fn note_damage(&self) {
+        let cause = damage_cause(self.damage_marker.as_deref());
+        self.poison_cause.lock().get_or_insert(cause);
+    }
+
     /// Marks the store poisoned after a failed durable write, and fails
     /// every batch still waiting for durability.
     fn poison(&self, err: &Error, index: bool) {
-        self.poisoned.store(true, Ordering::SeqCst);
+        self.poison_for(write_failed_cause(&err.to_string()));
         if index {
             self.index_failed.store(true, Ordering::SeqCst);
         }
         tracing::error!(path = %self.path.display(), error = %err, "durable write failed; store refuses writes until reopened");
         self.progress.fail(err.to_string());
+    }
+}
+
+/// Why a store refuses writes after the durable write that failed with
+/// `failure` (that write's error as text).
+fn write_failed_cause(failure: &str) -> String {
+    format!(
+        "a durable write failed ({failure}); reopen the store once that is fixed \
+         (the reopen recovers from what is on disk)"
+    )
+}
+
+/// The cause of poisoning when the store's writer panicked.
+pub(crate) const WRITER_PANICKED: &str = "the store's writer panicked inside a batch; reopen the store (the reopen recovers \
+     from what is on disk)";
+
+/// Why a store the online scrub found damaged refuses writes, with
+/// `marker` its damage marker (`None` on a custom backend).
+pub(crate) fn damage_cause(marker: Option<&Path>) -> String {
+    match marker {
+        Some(marker) => format!(
+            "the online scrub found the index damaged (marker {}); the store refuses \
+             writes while the marker exists: restore it from an export into a new file",
+            marker.display()
+        ),
+        None => "the online scrub found the index damaged; restore the store from an \
+                 export"
+            .to_string(),
     }
 }
 
@@ -417,8 +481,10 @@ impl Progress {
             if st.synced >= seq {
                 return Ok(());
             }
-            if st.failed.is_some() {
-                return Err(Error::Poisoned);
+            if let Some(failure) = &st.failed {
+                return Err(Error::Poisoned {
+                    cause: write_failed_cause(failure),
+                });
             }
             if st.syncer_gone {
                 return Err(Error::Closed);
@@ -599,8 +665,11 @@ fn copy_err(err: &Error) -> Error {
             path: path.clone(),
             detail: detail.clone(),
         },
-        Error::Poisoned => Error::Poisoned,
+        Error::Poisoned { cause } => Error::Poisoned {
+            cause: cause.clone(),
+        },
         Error::Closed => Error::Closed,
+        Error::Storage(detail) => Error::Storage(detail.clone()),
         other => Error::Storage(other.to_string()),
     }
 }
@@ -1108,7 +1177,7 @@ impl Drop for WriterDone<'_> {
             // frames never became durable. Nothing may make them durable
             // now, redb's close included, so the store is poisoned and its
             // file fenced, as after a failed durable write (`close`).
-            self.0.poisoned.store(true, Ordering::SeqCst);
+            self.0.poison_for(WRITER_PANICKED.to_string());
             self.0.fence.raise();
             tracing::error!(path = %self.0.path.display(), "the store's writer panicked; the store refuses writes until reopened");
         }
@@ -1236,7 +1305,7 @@ impl<'a> Held<'a> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.shared.poisoned.store(true, Ordering::SeqCst);
+            self.shared.poison_for(WRITER_PANICKED.to_string());
             self.shared.fence.raise();
         }
     }
@@ -1339,7 +1408,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         settle_open(shared, state);
         let closing = rx.is_some_and(|rx| take_queued(rx, &mut batch));
         let err = if shared.poisoned.load(Ordering::SeqCst) {
-            Error::Poisoned
+            shared.refusal()
         } else {
             Error::Closed
         };
@@ -1504,7 +1573,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         shared.cache.begin_write(&touched, Some(state.last_seq + 1));
         state.open = Some(open);
         settle_open(shared, state);
-        fail_requests(&mut batch, &Error::Poisoned);
+        fail_requests(&mut batch, &shared.refusal());
         return closing;
     }
     state.last_batch = batch.len();
@@ -1848,7 +1917,7 @@ fn decide(
             Command::Commit | Command::Reserve | Command::Checkpoint
         )
     {
-        return Ok(Err(Error::Poisoned));
+        return Ok(Err(shared.refusal()));
     }
     match cmd {
         Command::Op { key, op } => apply_op(shared, tables, key, op, now, token, events),

@@ -37,7 +37,9 @@ pub(crate) fn check_pages(path: &Path) -> Result<()> {
         if let Ok(Some(recorded)) = super::schema::recorded_damage_marker(path, &db)?
             && super::scrub::is_present(&recorded)
         {
-            return Err(Error::Poisoned);
+            return Err(Error::Poisoned {
+                cause: super::commit::damage_cause(Some(&recorded)),
+            });
         }
         Ok(super::check::integrity_of(&mut db))
     });

@@ -271,6 +271,7 @@ impl Embedded {
             retention_ms: duration_ms(config.retention),
             durability: config.durability,
             poisoned: AtomicBool::new(false),
+            poison_cause: parking_lot::Mutex::new(None),
             damaged: AtomicBool::new(marked),
             counters: LiveCounters::new(),
             index_failed: AtomicBool::new(false),
@@ -328,7 +329,7 @@ impl Embedded {
 
     fn submit(&self, cmd: Command) -> Completion {
         if self.refuses(&cmd) {
-            return Completion::Ready(Err(Error::Poisoned));
+            return Completion::Ready(Err(self.shared.refusal()));
         }
         self.writer.submit(cmd)
     }
@@ -355,7 +356,7 @@ impl Embedded {
     /// [`Embedded::submit`] from async code: a full queue is awaited.
     async fn submit_async(&self, cmd: Command) -> Completion {
         if self.refuses(&cmd) {
-            return Completion::Ready(Err(Error::Poisoned));
+            return Completion::Ready(Err(self.shared.refusal()));
         }
         self.writer.submit_async(cmd).await
     }
@@ -751,7 +752,7 @@ impl Embedded {
         // A store that refuses writes must not have its clock raised by a
         // batch it then refuses.
         if self.refuses_writes() {
-            return Err(Error::Poisoned);
+            return Err(self.shared.refusal());
         }
         // Raised before the write is queued, so the write that carries the
         // batch stores a clock at least this high.
@@ -828,6 +829,7 @@ impl Embedded {
             };
             match marked {
                 Ok(()) => {
+                    shared.note_damage();
                     tracing::error!(
                         path = %shared.path.display(),
                         marker = ?shared.damage_marker,
@@ -846,7 +848,10 @@ impl Embedded {
                     }
                 }
                 Err(why) => {
-                    shared.poisoned.store(true, Ordering::SeqCst);
+                    shared.poison_for(format!(
+                        "the online scrub found the index damaged ({why}); reopen the store: \
+                         the reopen runs the full integrity check"
+                    ));
                     tracing::error!(
                         path = %shared.path.display(),
                         "the scrub found damage in the index; the store refuses writes until reopened ({why}; the reopen runs the full integrity check)"
@@ -1526,7 +1531,7 @@ mod tests {
         assert!(refused.is_err(), "{refused:?}");
         assert!(matches!(
             store.claim(&second, &fp, &ClaimOptions::new()),
-            Err(Error::Poisoned | Error::Closed)
+            Err(Error::Poisoned { .. } | Error::Closed)
         ));
         let before = backend.changes.load(Ordering::SeqCst);
         drop(store);

@@ -40,9 +40,8 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         }
     };
     let done = idemstore::compact_file(&path, idemstore::Config::new()).map_err(|e| match e {
-        idemstore::Error::Poisoned => CliError::Failed(format!(
-            "{}: the online scrub marked this store damaged; nothing was compacted. Run \
-             idemstore check, then restore from an export",
+        idemstore::Error::Poisoned { cause } => CliError::Failed(format!(
+            "{}: nothing was compacted: {cause}. Run idemstore check first",
             path.display()
         )),
         other => ops::open_error(&path, other),

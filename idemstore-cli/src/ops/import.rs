@@ -84,7 +84,11 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     };
     let bar = ops::progress(len, "importing", ops::Unit::Bytes);
     let options = idemstore::ImportOptions::new().accept_clock_ahead(args.accept_clock_ahead);
-    let summary = match store.import_with(input, &options, |p| bar.set_position(p.bytes)) {
+    let mut read = 0u64;
+    let summary = match store.import_with(input, &options, |p| {
+        read = p.records;
+        bar.set_position(p.bytes);
+    }) {
         Ok(summary) => summary,
         Err(e) => {
             bar.finish_and_clear();
@@ -95,6 +99,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                     ..
                 }
             ) && args.max_value_bytes.is_none();
+            // An I/O failure (a full disk, say) or a lost server: what was
+            // imported is not known here (`ImportRefused` counts it).
+            let unknown = matches!(
+                e,
+                idemstore::Error::Storage(_)
+                    | idemstore::Error::Poisoned { .. }
+                    | idemstore::Error::Unavailable { .. }
+                    | idemstore::Error::OutcomeUnknown { .. }
+            );
             let mut err = CliError::store(format!("cannot import {}", args.input.display()), e);
             if hint {
                 err = CliError::Failed(format!(
@@ -126,6 +139,14 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                         "{}; the store {name} was created by this import and keeps the \
                          records imported before the failure (import is idempotent: import \
                          again once the input is fixed, or drop the schema)",
+                        err.one_line()
+                    ));
+                }
+                Created::Nothing if unknown => {
+                    err = CliError::Failed(format!(
+                        "{}; {read} records of the stream were read before the failure, and \
+                         the batches written before it may stay (import is idempotent: import \
+                         again once that is fixed)",
                         err.one_line()
                     ));
                 }
