@@ -525,9 +525,12 @@ pub fn claim_many(h: &dyn Harness) {
 }
 
 /// Everything acknowledged survives a reopen, and tokens never go back.
+/// The open that created the store says so ([`Store::was_created`]); the
+/// reopen does not.
 pub fn reopen(h: &dyn Harness) {
     let clock = ManualClock::new(START_MS);
     let store = h.open("reopen", config(&clock));
+    assert!(store.was_created(), "the first open created the store");
     let f = fp("a");
     let done = acquire(&store, &key("r-done"), &f);
     store.complete(&done, b"kept").expect("complete");
@@ -536,6 +539,7 @@ pub fn reopen(h: &dyn Harness) {
         .set_recovery_point(&held, b"half")
         .expect("recovery point");
     let store = h.reopen(store, config(&clock));
+    assert!(!store.was_created(), "a reopen created nothing");
     let record = store.get(&key("r-done")).expect("get").expect("present");
     assert_eq!(record.result(), Some(&b"kept"[..]));
     let record = store.get(&key("r-held")).expect("get").expect("present");

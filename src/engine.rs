@@ -299,6 +299,15 @@ impl Engine {
         }
     }
 
+    /// Whether opening this store created it (see [`crate::Store::was_created`]).
+    pub(crate) fn was_created(&self) -> bool {
+        match self {
+            Engine::Embedded(e) => e.was_created(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.found() == crate::pg::Found::Created,
+        }
+    }
+
     /// Whether the store refuses writes (the embedded engine after a failed
     /// durable write or damage found by its scrub): the background sweep
     /// then stops.

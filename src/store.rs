@@ -94,7 +94,7 @@ impl Store {
     ///   format; or a log that belongs to another store, is of another
     ///   format version, or is not a log (naming the log); or a store or
     ///   log path that is not a regular file (a directory, a fifo, a
-    ///   device), or a non-empty log beside a missing store file (its
+    ///   device), or a non-empty log beside a missing or empty store file (its
     ///   store was deleted or moved), refused before anything is created.
     /// - [`Error::CorruptFile`]: the file is damaged. (A file the online
     ///   scrub marked damaged, `<path>-damaged`, opens read-only instead:
@@ -300,6 +300,21 @@ impl Store {
     /// user, the password or the TLS options.
     pub fn path(&self) -> &Path {
         self.engine.path()
+    }
+
+    /// Whether this open created the store, as `create_new` tells in
+    /// `std::fs::OpenOptions`: on the embedded engine, a new file (linked
+    /// into place atomically, so of several processes creating the same
+    /// path at once at most one is told `true`; the others open the store
+    /// it made, or get [`Error::AlreadyOpen`]), or an empty file or custom
+    /// backend this open initialised; on PostgreSQL, a schema whose store
+    /// this connection's DDL created (under the DDL advisory lock, so again
+    /// one connection of several). `false` for every later open.
+    /// A tool that removes what it created when it fails (`idemstore
+    /// import --create`) asks this instead of looking for the file first,
+    /// which another process may create in between.
+    pub fn was_created(&self) -> bool {
+        self.engine.was_created()
     }
 
     /// The store's write-ahead log: `<path>-wal` beside the store file. On

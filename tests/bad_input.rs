@@ -560,8 +560,9 @@ fn a_path_that_is_not_a_regular_file_is_refused_at_open() {
 /// A write-ahead log left where its store file was deleted (or moved) is
 /// refused at open, naming the log, before anything is created: a new store
 /// beside it would never open (the log names the old store), and an
-/// `import --create` there left such a file behind. The log is untouched;
-/// put back, the store opens with its records.
+/// `import --create` there left such a file behind. So is one beside an
+/// empty store file. The log is untouched; put back, the store opens with
+/// its records.
 #[test]
 fn a_log_without_its_store_file_is_refused_before_a_store_is_created() {
     let dir = tempfile::tempdir().unwrap();
@@ -601,6 +602,18 @@ fn a_log_without_its_store_file_is_refused_before_a_store_is_created() {
             "the log is untouched"
         );
     }
+    // An empty file in the store's place (which an open would make a new
+    // store) is refused the same way, and left empty.
+    std::fs::File::create(&path).unwrap();
+    match Store::open(&path).map(|_| ()) {
+        Err(Error::IncompatibleFile { path: p, detail }) => {
+            assert_eq!(p, log);
+            assert!(detail.contains("missing or empty"), "{detail}");
+        }
+        other => panic!("empty store file: {other:?}"),
+    }
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 0);
+    assert_eq!(std::fs::read(&log).unwrap(), log_bytes);
     std::fs::rename(&aside, &path).unwrap();
     let store = Store::open(&path).unwrap();
     assert_eq!(

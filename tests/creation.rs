@@ -236,6 +236,57 @@ fn a_store_created_meanwhile_is_opened_never_replaced() {
     );
 }
 
+/// `Store::was_created` is true for the open that created the store only:
+/// a new file, or an empty one the open initialised; never for a reopen;
+/// and of threads racing to create one path, at most one is told `true`
+/// (the one whose link made the file, when it also wins the race to open
+/// it), however the opens interleave.
+#[test]
+fn was_created_is_told_to_the_open_that_created_the_store_only() {
+    let dir = TestDir::new();
+    let store = Store::open_with(&dir.path, dir.config()).expect("create");
+    assert!(store.was_created());
+    drop(store);
+    let store = Store::open_with(&dir.path, dir.config()).expect("reopen");
+    assert!(!store.was_created());
+    drop(store);
+    let empty = dir.dir.path().join("empty.redb");
+    std::fs::File::create(&empty).expect("empty file");
+    let store = Store::open_with(&empty, dir.config()).expect("initialise");
+    assert!(store.was_created());
+    drop(store);
+    for round in 0..20 {
+        let path = dir.dir.path().join(format!("race-{round}.redb"));
+        let barrier = std::sync::Barrier::new(4);
+        let told: Vec<bool> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        // Each thread opens once it can, and closes again.
+                        loop {
+                            match Store::open_with(&path, dir.config()) {
+                                Ok(store) => break store.was_created(),
+                                Err(idemstore::Error::AlreadyOpen { .. }) => {
+                                    std::thread::yield_now();
+                                }
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("join"))
+                .collect()
+        });
+        let creators = told.iter().filter(|&&t| t).count();
+        assert!(creators <= 1, "round {round}: {told:?}");
+        assert!(leftovers(&path).is_empty(), "{:?}", leftovers(&path));
+    }
+}
+
 /// A creation that cannot happen (no such directory) fails with a typed
 /// error naming the store's path, and leaves nothing behind.
 #[test]

@@ -61,6 +61,8 @@ pub(crate) struct Embedded {
     writer: Writer,
     /// Where the online scrub stands (see [`scrub`]).
     scrub: Mutex<scrub::Cursor>,
+    /// Whether this open created the store (see `schema::Meta::created`).
+    created: bool,
 }
 
 /// What a read outside the writer found.
@@ -118,23 +120,25 @@ fn require_regular(path: &Path, what: &str) -> Result<()> {
 
 /// Refuses to create a store at `path` beside a non-empty log (`log_path`:
 /// any log a store has used, even after a clean close, since a log starts
-/// with its header) when no store file is there: a log is created only
-/// after its store file, so such a log belongs to a store that was deleted
-/// or moved, and a new store beside it would never open (the log names
-/// another store). Checked before anything is created. A store file that
-/// exists, or a log that is absent or empty, passes.
+/// with its header) when no store file is there, or only an empty one
+/// (which the open would make a new store): a log is created only after
+/// its store file, so such a log belongs to a store that was deleted or
+/// moved, and a new store beside it would never open (the log names
+/// another store). Checked before anything is created. A store file with
+/// content, or a log that is absent or empty, passes.
 fn refuse_orphan_log(path: &Path, log_path: &Path) -> Result<()> {
-    let store_absent = matches!(
-        std::fs::symlink_metadata(path),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound
-    );
+    let store_absent = match std::fs::symlink_metadata(path) {
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        // Through a symlink, the file it names.
+        Ok(_) => std::fs::metadata(path).is_ok_and(|m| m.len() == 0),
+    };
     match std::fs::metadata(log_path) {
         Ok(m) if store_absent && m.len() > 0 => Err(Error::IncompatibleFile {
             path: log_path.to_path_buf(),
             detail: format!(
-                "a write-ahead log with no store file beside it ({} is missing): its store was \
-                 deleted or moved, so no new store is created here; put the store file back, \
-                 or remove the log once it is known to hold nothing needed",
+                "a write-ahead log with no store file beside it ({} is missing or empty): its \
+                 store was deleted or moved, so no new store is created here; put the store \
+                 file back, or remove the log once it is known to hold nothing needed",
                 path.display()
             ),
         }),
@@ -258,6 +262,7 @@ impl Embedded {
         if meta.format < schema::FORMAT_VERSION {
             schema::migrate(&path, &db, meta.format)?;
         }
+        let created = meta.created;
         if opened.replayed > 0 {
             tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
         }
@@ -303,12 +308,18 @@ impl Embedded {
             shared,
             writer,
             scrub: Mutex::default(),
+            created,
         })
     }
 
     /// The store file.
     pub(crate) fn path(&self) -> &Path {
         &self.shared.path
+    }
+
+    /// Whether this open created the store.
+    pub(crate) fn was_created(&self) -> bool {
+        self.created
     }
 
     /// The write-ahead log beside the store file.

@@ -298,6 +298,10 @@ pub(crate) struct Meta {
     pub clean: bool,
     /// See [`META_TOKEN_RESERVED`].
     pub token_reserved: u64,
+    /// Whether this open created the store: its file (linked into place
+    /// by [`super::create::ensure`]), or the metadata of an empty file or
+    /// custom backend. Not stored.
+    pub created: bool,
 }
 
 /// Runs `f`, turning a panic inside redb (possible on a damaged file) into
@@ -364,7 +368,8 @@ pub(crate) fn open<B: redb::StorageBackend>(
     // Set only where the early writeback exists (Linux).
     #[cfg_attr(not(target_os = "linux"), allow(unused_mut))]
     let mut early_sync: Option<EarlySync> = None;
-    let (db, meta) = guard(path, || {
+    let mut linked = false;
+    let (db, mut meta) = guard(path, || {
         let mut builder = Database::builder();
         // redb's own repair after a crash is skipped when the last durable
         // commit recorded its allocator state (quick-repair, which every
@@ -386,7 +391,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
             None => {
                 // A missing file is created atomically (`super::create`).
                 // Errors name the store's path, not the temporary one.
-                super::create::ensure(path, |temp| {
+                linked = super::create::ensure(path, |temp| {
                     let db = Database::builder()
                         .create(temp)
                         .map_err(|e| map_err(path, e))?;
@@ -444,6 +449,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
         }
         Ok((db, meta))
     })?;
+    meta.created |= linked;
     Ok((db, meta, early_sync))
 }
 
@@ -518,6 +524,7 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                     log_base: 0,
                     clean: true,
                     token_reserved: 1,
+                    created: true,
                 }
             }
             Some(v) if v > FORMAT_VERSION => {
@@ -796,6 +803,7 @@ pub(crate) fn read_meta(
         log_base: num(META_LOG_BASE, 0)?,
         clean: num(META_CLEAN, 0)? == 1,
         token_reserved: num(META_TOKEN_RESERVED, 1)?,
+        created: false,
     })
 }
 

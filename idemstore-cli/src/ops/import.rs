@@ -116,9 +116,11 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                     err.one_line()
                 ));
             }
-            // Close the store before removing its files.
-            drop(store);
             match created {
+                // Removed while this process still holds the store, so
+                // that no other process opens it in between and then
+                // imports into a file that is gone (Unix removes an open
+                // file's name; its data goes once the store is closed).
                 Created::Files(files) => {
                     for file in &files {
                         if let Err(e) = std::fs::remove_file(file)
@@ -152,6 +154,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 }
                 Created::Nothing => {}
             }
+            drop(store);
             return Err(err);
         }
     };
@@ -188,47 +191,39 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
 enum Created {
     /// Nothing: the store existed.
     Nothing,
-    /// A store file and, unless one was already there, its log.
+    /// A store file and its log.
     Files(Vec<PathBuf>),
     /// A PostgreSQL store in a new schema (named without credentials).
     Schema(String),
 }
 
 /// Opens the store file at `path`, creating it when absent and `create`.
+/// What this command created is what the library says this open created
+/// (`Store::was_created`), not a look for the file beforehand: of two
+/// imports creating the same path at once, only the one whose open
+/// created the store may remove it.
 fn open_file(
     path: &std::path::Path,
     create: bool,
     config: idemstore::Config,
 ) -> Result<(Store, Created), CliError> {
-    let creating = !path.exists();
-    if creating && !create {
-        return Err(CliError::Failed(format!(
-            "{}: no such store file; give --create to restore into a new store",
-            path.display()
-        )));
-    }
-    // The library puts the log at `<file>-wal` (`Store::log_path`).
-    let log_before = {
-        let mut name = path.as_os_str().to_owned();
-        name.push("-wal");
-        PathBuf::from(name)
-    };
-    let log_existed = log_before.exists();
-    let opened = if creating {
+    let opened = if create {
         Store::open_with(path, config)
     } else {
         Store::open_existing(path, config)
     };
-    let store = opened.map_err(|e| ops::open_error(path, e))?;
-    // What this command created: the store file, and its log unless one
-    // was already there.
-    let log = store.log_path().to_path_buf();
-    let created = if creating {
-        let mut made = vec![path.to_path_buf()];
-        if !(log_existed && log == log_before) {
-            made.push(log);
-        }
-        Created::Files(made)
+    let store = opened.map_err(|e| match e {
+        idemstore::Error::Missing { .. } => CliError::Failed(format!(
+            "{}: no such store file; give --create to restore into a new store",
+            path.display()
+        )),
+        other => ops::open_error(path, other),
+    })?;
+    // A store this open created has a log this open created too, or an
+    // empty one it found (a log with frames beside a missing or empty
+    // store file is refused before anything is created).
+    let created = if store.was_created() {
+        Created::Files(vec![path.to_path_buf(), store.log_path().to_path_buf()])
     } else {
         Created::Nothing
     };
@@ -249,6 +244,10 @@ fn open_postgres(
         Err(idemstore::Error::Missing { .. }) if create => {
             let store = ops::connect_with(url, schema, config, true)
                 .map_err(|e| ops::connect_error(name, schema, e))?;
+            // Another import may have created it in between.
+            if !store.was_created() {
+                return Ok((store, Created::Nothing));
+            }
             let shown = store.path().display().to_string();
             Ok((store, Created::Schema(shown)))
         }
