@@ -752,6 +752,13 @@ pub(crate) fn import(
                     usize::try_from(reader.offset().saturating_sub(before)).unwrap_or(usize::MAX),
                 );
                 summary.records += 1;
+                // Before the batch is written: a caller that reports how
+                // far a failed import read counts the failed batch too.
+                progress(Progress {
+                    records: summary.records,
+                    bytes: reader.offset(),
+                    total: None,
+                });
                 if batch.len() >= IMPORT_BATCH || batch_bytes >= IMPORT_BATCH_BYTES {
                     flush(
                         &mut batch,
@@ -762,11 +769,6 @@ pub(crate) fn import(
                     )?;
                     batch_bytes = 0;
                 }
-                progress(Progress {
-                    records: summary.records,
-                    bytes: reader.offset(),
-                    total: None,
-                });
             }
             Frame::End { records } => {
                 if records != summary.records {

@@ -51,7 +51,8 @@ pub struct Compaction {
 ///   running service) holds the file.
 /// - [`Error::Poisoned`](crate::Error::Poisoned): the online scrub marked
 ///   the store damaged (`<path>-damaged`): run `idemstore check` and
-///   restore instead; nothing is written.
+///   restore instead; nothing is written. Or a durable write of the
+///   compaction's checkpoint failed (its `cause` names the error).
 /// - [`Error::CorruptFile`](crate::Error::CorruptFile): redb's check found
 ///   damaged pages (repaired or not); nothing is compacted: run
 ///   `idemstore check`.

@@ -44,8 +44,9 @@ use crate::{
 
 /// Opens stores of one engine for the suite.
 pub trait Harness {
-    /// Opens a new, empty store named `name` (unique within one run of the
-    /// suite) with `config`.
+    /// Creates a new, empty store named `name` (unique within one run of
+    /// the suite) with `config`: the open that creates it, so that
+    /// [`Store::was_created`] holds.
     fn open(&self, name: &str, config: Config) -> Store;
     /// Drops `store` and opens the same store again with `config` (a
     /// restart of the process that held it).

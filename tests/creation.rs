@@ -238,9 +238,10 @@ fn a_store_created_meanwhile_is_opened_never_replaced() {
 
 /// `Store::was_created` is true for the open that created the store only:
 /// a new file, or an empty one the open initialised; never for a reopen;
-/// and of threads racing to create one path, at most one is told `true`
-/// (the one whose link made the file, when it also wins the race to open
-/// it), however the opens interleave.
+/// and of threads racing to create one path (each writing a record once
+/// open), at most one is told `true`, and that one found the store empty:
+/// never the thread whose link made the file but whose open came after
+/// another thread had used it.
 #[test]
 fn was_created_is_told_to_the_open_that_created_the_store_only() {
     let dir = TestDir::new();
@@ -255,18 +256,29 @@ fn was_created_is_told_to_the_open_that_created_the_store_only() {
     let store = Store::open_with(&empty, dir.config()).expect("initialise");
     assert!(store.was_created());
     drop(store);
-    for round in 0..20 {
+    for round in 0..40 {
         let path = dir.dir.path().join(format!("race-{round}.redb"));
         let barrier = std::sync::Barrier::new(4);
-        let told: Vec<bool> = std::thread::scope(|s| {
+        let told: Vec<(bool, u64)> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..4)
                 .map(|_| {
                     s.spawn(|| {
                         barrier.wait();
-                        // Each thread opens once it can, and closes again.
+                        // Each thread opens once it can, writes a record of
+                        // its own, and closes again.
                         loop {
                             match Store::open_with(&path, dir.config()) {
-                                Ok(store) => break store.was_created(),
+                                Ok(store) => {
+                                    let told = store.was_created();
+                                    let found = store.len().expect("len");
+                                    let k = key(&format!("t-{:?}", std::thread::current().id()));
+                                    acquired(
+                                        store
+                                            .claim(&k, &fp("p"), &Default::default())
+                                            .expect("claim"),
+                                    );
+                                    break (told, found);
+                                }
                                 Err(idemstore::Error::AlreadyOpen { .. }) => {
                                     std::thread::yield_now();
                                 }
@@ -281,8 +293,11 @@ fn was_created_is_told_to_the_open_that_created_the_store_only() {
                 .map(|h| h.join().expect("join"))
                 .collect()
         });
-        let creators = told.iter().filter(|&&t| t).count();
-        assert!(creators <= 1, "round {round}: {told:?}");
+        // At most one creator, and it found the store as created: another
+        // thread's record in it means that thread opened the store first.
+        let creators: Vec<u64> = told.iter().filter(|t| t.0).map(|t| t.1).collect();
+        assert!(creators.len() <= 1, "round {round}: {told:?}");
+        assert!(creators.iter().all(|&n| n == 0), "round {round}: {told:?}");
         assert!(leftovers(&path).is_empty(), "{:?}", leftovers(&path));
     }
 }

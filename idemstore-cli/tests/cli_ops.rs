@@ -812,9 +812,6 @@ fn a_fifo_as_the_store_or_its_log_is_refused_without_blocking() {
     }
 }
 
-/// An export of a store whose service raised its value limits restores
-/// with `import --max-value-bytes`; without it the import is refused with
-/// the rule and a hint naming the flag, and nothing is left behind.
 /// An import that a failing disk cuts short (a file size limit, `ulimit
 /// -f`: the write fails with the operating system's error, as on a full
 /// disk, without needing one) names that error and how much of the stream
@@ -876,6 +873,9 @@ fn an_import_cut_by_a_failing_disk_names_the_cause_and_runs_again() {
     }
 }
 
+/// An export of a store whose service raised its value limits restores
+/// with `import --max-value-bytes`; without it the import is refused with
+/// the rule and a hint naming the flag, and nothing is left behind.
 #[test]
 fn import_takes_the_services_value_limits() {
     let dir = tempfile::tempdir().unwrap();

@@ -233,9 +233,6 @@ pub(crate) struct Shared {
     pub durability: Durability,
     /// Set after any failed durable write: the store refuses writes.
     pub poisoned: AtomicBool,
-    /// Why `poisoned` was first set, for the `Poisoned` errors that follow
-    /// (see [`Shared::refusal`]).
-    pub poison_cause: Mutex<Option<String>>,
     /// Raised when the online scrub found the index damaged (or the store
     /// was opened with its damage marker): the writer refuses every change
     /// (`Poisoned`) and still commits what is acknowledged, renews the
@@ -306,7 +303,7 @@ impl Shared {
     /// Marks the store poisoned, for `cause` unless it was poisoned
     /// already (the first cause is the one reported).
     pub(crate) fn poison_for(&self, cause: String) {
-        self.poison_cause.lock().get_or_insert(cause);
+        self.progress.cause.lock().get_or_insert(cause);
         self.poisoned.store(true, Ordering::SeqCst);
     }
 
@@ -314,7 +311,7 @@ impl Shared {
     /// why: the first recorded cause, else the damage the scrub found (or
     /// the marker found at open).
     pub(crate) fn refusal(&self) -> Error {
-        if let Some(cause) = self.poison_cause.lock().clone() {
+        if let Some(cause) = self.progress.cause.lock().clone() {
             return Error::Poisoned { cause };
         }
         if self.damaged.load(Ordering::SeqCst) {
@@ -328,23 +325,60 @@ impl Shared {
         }
     }
 
-    /// Records the scrub's finding as the cause of later refusals unless
-    /// one is recorded already (the store is not poisoned: it keeps
-    /// committing what was acknowledged).
-    pub(crate) fn note_damage(&self) {
+    /// Records damage found in the index (by the scrub, or its marker at
+    /// open) as the cause of later refusals unless one is recorded already
+    /// (the store is not poisoned: it keeps committing what was
+    /// acknowledged); returns the cause it recorded, if it did.
+    pub(crate) fn note_damage(&self) -> Option<String> {
         let cause = damage_cause(self.damage_marker.as_deref());
-        self.poison_cause.lock().get_or_insert(cause);
+        let mut recorded = self.progress.cause.lock();
+        if recorded.is_some() {
+            return None;
+        }
+        *recorded = Some(cause.clone());
+        Some(cause)
+    }
+
+    /// Replaces the cause `noted` (recorded by [`Shared::note_damage`]) by
+    /// `cause`, and poisons the store: the damage marker `noted` names was
+    /// not written after all.
+    pub(crate) fn poison_instead_of(&self, noted: Option<&str>, cause: String) {
+        {
+            let mut recorded = self.progress.cause.lock();
+            if noted.is_some() && recorded.as_deref() == noted {
+                *recorded = None;
+            }
+        }
+        self.poison_for(cause);
+    }
+
+    /// Poisons the store after a panic inside a batch (`what` panicked),
+    /// and fails every batch still waiting for durability.
+    fn poison_panicked(&self, what: &str) {
+        self.poison_for(format!(
+            "{what} panicked inside a batch; reopen the store (the reopen recovers from \
+             what is on disk)"
+        ));
+        self.index_failed.store(true, Ordering::SeqCst);
+        tracing::error!(path = %self.path.display(), "{what} panicked inside a batch; store refuses writes until reopened");
+        self.progress
+            .fail(format!("{what} panicked inside a batch"));
     }
 
     /// Marks the store poisoned after a failed durable write, and fails
     /// every batch still waiting for durability.
     fn poison(&self, err: &Error, index: bool) {
-        self.poison_for(write_failed_cause(&err.to_string()));
+        // The failure's own text, without a second "storage error: ".
+        let failure = match err {
+            Error::Storage(detail) => detail.clone(),
+            other => other.to_string(),
+        };
+        self.poison_for(write_failed_cause(&failure));
         if index {
             self.index_failed.store(true, Ordering::SeqCst);
         }
         tracing::error!(path = %self.path.display(), error = %err, "durable write failed; store refuses writes until reopened");
-        self.progress.fail(err.to_string());
+        self.progress.fail(failure);
     }
 }
 
@@ -431,6 +465,10 @@ pub(crate) struct Progress {
     /// The highest sequence number applied to the index by a commit (the
     /// writer keeps one index transaction open across a few batches).
     committed: AtomicU64,
+    /// Why the store refuses writes, once it does: the first cause
+    /// recorded (see [`Shared::refusal`]). Locked last: nothing else is
+    /// locked while it is held.
+    pub(crate) cause: Mutex<Option<String>>,
 }
 
 impl Progress {
@@ -446,6 +484,7 @@ impl Progress {
             work: Condvar::new(),
             synced: AtomicU64::new(seq),
             committed: AtomicU64::new(seq),
+            cause: Mutex::new(None),
         }
     }
 
@@ -482,8 +521,10 @@ impl Progress {
                 return Ok(());
             }
             if let Some(failure) = &st.failed {
+                // The store's first cause: every refusal names the same.
+                let cause = self.cause.lock().clone();
                 return Err(Error::Poisoned {
-                    cause: write_failed_cause(failure),
+                    cause: cause.unwrap_or_else(|| write_failed_cause(failure)),
                 });
             }
             if st.syncer_gone {
@@ -1057,10 +1098,7 @@ impl Writer {
             // (`WriterDone`). The request's reply was dropped: its caller
             // gets `Closed` (a paced sweep slice may have been answered already), later callers `Poisoned`.
             shared.fence.raise();
-            shared.poison(
-                &Error::Storage("a caller deciding a batch panicked".into()),
-                true,
-            );
+            shared.poison_panicked("a caller deciding a batch");
         }
         Ok(())
     }

@@ -228,12 +228,21 @@ impl Embedded {
         };
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
-        let log = match log {
-            Some(log) => log,
-            None => Arc::new(FileLog::open(&log_path).map_err(|e| {
-                Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
-            })?),
+        let (log, log_fresh): (Arc<dyn LogFile>, bool) = match log {
+            Some(log) => (log, true),
+            None => {
+                let file = FileLog::open(&log_path).map_err(|e| {
+                    Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
+                })?;
+                let fresh = file.fresh();
+                (Arc::new(file), fresh)
+            }
         };
+        // Created by this open: the metadata initialised here, or the file
+        // linked into place here and no store's log beside it yet (another
+        // process that opened the new file first, between the link and
+        // this open's lock, wrote its log's header).
+        let created = meta.created || (meta.linked && log_fresh);
         // The store's time starts from the persisted bound. After an unclean
         // shutdown up to `TIME_RESERVATION` of it may be reservation, not
         // use: that part is caught up at half rate (see `crate::clock`).
@@ -262,7 +271,6 @@ impl Embedded {
         if meta.format < schema::FORMAT_VERSION {
             schema::migrate(&path, &db, meta.format)?;
         }
-        let created = meta.created;
         if opened.replayed > 0 {
             tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
         }
@@ -276,7 +284,6 @@ impl Embedded {
             retention_ms: duration_ms(config.retention),
             durability: config.durability,
             poisoned: AtomicBool::new(false),
-            poison_cause: parking_lot::Mutex::new(None),
             damaged: AtomicBool::new(marked),
             counters: LiveCounters::new(),
             index_failed: AtomicBool::new(false),
@@ -289,6 +296,10 @@ impl Embedded {
             early_sync,
             damage_marker: marker,
         });
+        if marked {
+            // The marker's remedy stays the cause, whatever fails later.
+            shared.note_damage();
+        }
         let state = WriterState::new(
             opened.next_token,
             opened.token_reserved,
@@ -822,7 +833,12 @@ impl Embedded {
             }
             Err(other) => return Err(other),
         };
-        if report.damaged && !shared.damaged.swap(true, Ordering::SeqCst) {
+        // The scrub's steps run one at a time (`cursor` is held).
+        if report.damaged && !shared.damaged.load(Ordering::SeqCst) {
+            // The cause first (naming the marker about to be written), then
+            // the flag, so that no refusal goes without its cause.
+            let noted = shared.note_damage();
+            shared.damaged.store(true, Ordering::SeqCst);
             let marked = match &shared.damage_marker {
                 Some(marker) => scrub::mark_damaged(
                     marker,
@@ -840,7 +856,6 @@ impl Embedded {
             };
             match marked {
                 Ok(()) => {
-                    shared.note_damage();
                     tracing::error!(
                         path = %shared.path.display(),
                         marker = ?shared.damage_marker,
@@ -859,10 +874,13 @@ impl Embedded {
                     }
                 }
                 Err(why) => {
-                    shared.poison_for(format!(
-                        "the online scrub found the index damaged ({why}); reopen the store: \
-                         the reopen runs the full integrity check"
-                    ));
+                    shared.poison_instead_of(
+                        noted.as_deref(),
+                        format!(
+                            "the online scrub found the index damaged ({why}); reopen the \
+                             store: the reopen runs the full integrity check"
+                        ),
+                    );
                     tracing::error!(
                         path = %shared.path.display(),
                         "the scrub found damage in the index; the store refuses writes until reopened ({why}; the reopen runs the full integrity check)"

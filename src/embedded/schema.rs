@@ -298,10 +298,13 @@ pub(crate) struct Meta {
     pub clean: bool,
     /// See [`META_TOKEN_RESERVED`].
     pub token_reserved: u64,
-    /// Whether this open created the store: its file (linked into place
-    /// by [`super::create::ensure`]), or the metadata of an empty file or
-    /// custom backend. Not stored.
+    /// Whether this open initialised the metadata (of an empty file or
+    /// custom backend). Not stored.
     pub created: bool,
+    /// Whether this open linked a new store file into place
+    /// ([`super::create::ensure`]); another process may still have opened
+    /// and used it before this open took the file's lock. Not stored.
+    pub linked: bool,
 }
 
 /// Runs `f`, turning a panic inside redb (possible on a damaged file) into
@@ -449,7 +452,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
         }
         Ok((db, meta))
     })?;
-    meta.created |= linked;
+    meta.linked = linked;
     Ok((db, meta, early_sync))
 }
 
@@ -525,6 +528,7 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                     clean: true,
                     token_reserved: 1,
                     created: true,
+                    linked: false,
                 }
             }
             Some(v) if v > FORMAT_VERSION => {
@@ -804,6 +808,7 @@ pub(crate) fn read_meta(
         clean: num(META_CLEAN, 0)? == 1,
         token_reserved: num(META_TOKEN_RESERVED, 1)?,
         created: false,
+        linked: false,
     })
 }
 

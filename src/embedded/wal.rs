@@ -85,6 +85,8 @@ pub trait LogFile: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct FileLog {
     file: File,
+    /// The file was absent or empty when opened: no store has written it.
+    fresh: bool,
     #[cfg(not(unix))]
     cursor: Mutex<()>,
 }
@@ -115,11 +117,21 @@ impl FileLog {
             file.sync_all()?;
             sync_parent_dir(path)?;
         }
+        let fresh = created || file.metadata()?.len() == 0;
         Ok(FileLog {
             file,
+            fresh,
             #[cfg(not(unix))]
             cursor: Mutex::new(()),
         })
+    }
+}
+
+impl FileLog {
+    /// Whether the file was absent or empty when opened: no store had
+    /// written it (a store writes its log's header at its first open).
+    pub(crate) fn fresh(&self) -> bool {
+        self.fresh
     }
 }
 

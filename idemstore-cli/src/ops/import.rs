@@ -116,21 +116,22 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                     err.one_line()
                 ));
             }
+            let mut left = Vec::new();
             match created {
                 // Removed while this process still holds the store, so
                 // that no other process opens it in between and then
                 // imports into a file that is gone (Unix removes an open
                 // file's name; its data goes once the store is closed).
+                // The log first: a store file without its log is a new
+                // store's place, a log without its store file is refused.
+                // Where an open file cannot be removed (Windows), once
+                // the store is closed.
                 Created::Files(files) => {
-                    for file in &files {
-                        if let Err(e) = std::fs::remove_file(file)
-                            && e.kind() != std::io::ErrorKind::NotFound
-                        {
-                            err = CliError::Failed(format!(
-                                "{}; and cannot remove {} that this import created: {e}",
-                                err.one_line(),
-                                file.display()
-                            ));
+                    for file in files {
+                        match std::fs::remove_file(&file) {
+                            Ok(()) => {}
+                            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                            Err(_) => left.push(file),
                         }
                     }
                 }
@@ -155,6 +156,17 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 Created::Nothing => {}
             }
             drop(store);
+            for file in &left {
+                if let Err(e) = std::fs::remove_file(file)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    err = CliError::Failed(format!(
+                        "{}; and cannot remove {} that this import created: {e}",
+                        err.one_line(),
+                        file.display()
+                    ));
+                }
+            }
             return Err(err);
         }
     };
@@ -207,6 +219,10 @@ fn open_file(
     create: bool,
     config: idemstore::Config,
 ) -> Result<(Store, Created), CliError> {
+    // Only for not removing: a file that was here (an empty one the open
+    // initialises, or a symlink) is not this command's to remove, even
+    // when this open initialised it.
+    let was_here = std::fs::symlink_metadata(path).is_ok();
     let opened = if create {
         Store::open_with(path, config)
     } else {
@@ -222,8 +238,8 @@ fn open_file(
     // A store this open created has a log this open created too, or an
     // empty one it found (a log with frames beside a missing or empty
     // store file is refused before anything is created).
-    let created = if store.was_created() {
-        Created::Files(vec![path.to_path_buf(), store.log_path().to_path_buf()])
+    let created = if store.was_created() && !was_here {
+        Created::Files(vec![store.log_path().to_path_buf(), path.to_path_buf()])
     } else {
         Created::Nothing
     };
