@@ -9,7 +9,7 @@ use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idemstore::http::{
     BoxError, Idempotency, IdempotencyBody, IdempotencyContext, IdempotencyLayer,
@@ -468,6 +468,75 @@ async fn a_5xx_is_a_retryable_failure_and_the_retry_is_a_takeover() {
     assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 2);
     let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
     assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+}
+
+/// A 1xx is no final answer (RFC 9110 §15.2; hyper sends a 500 in its
+/// place): it is a retryable failure whether or not the handler marked it
+/// `Final`, never a completion replayed for a day.
+#[tokio::test]
+async fn an_interim_status_as_the_answer_is_a_retryable_failure() {
+    for marked in [false, true] {
+        let (_d, store, _c) = manual_store();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n > 0 {
+                    return created("{}");
+                }
+                let mut r = status(103);
+                if marked {
+                    r.extensions_mut().insert(IdempotencyOutcome::Final);
+                }
+                r
+            }
+        });
+        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 103);
+        let key = Key::new("POST /tickets", "k").unwrap();
+        assert_eq!(
+            store.get(&key).unwrap().unwrap().state(),
+            State::Failed { retryable: true },
+            "marked {marked}"
+        );
+        let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, false));
+        assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1, "marked {marked}");
+        let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+        assert_eq!(runs.count(), 2);
+    }
+}
+
+/// `HEAD` in `methods` is ignored: its response has no body a server
+/// sends, so it could never be recorded, and a keyed HEAD would run its
+/// handler on every retry. A HEAD request passes through untouched (no
+/// 400 without a key, no record with one); the other methods listed keep
+/// requiring a key.
+#[tokio::test]
+async fn head_in_methods_is_ignored() {
+    let (_d, store, _c) = manual_store();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let seen = runs.clone();
+    let handler = tower::service_fn(move |_req: Req| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(created("{}")) }
+    });
+    let layer = IdempotencyLayer::new(store.clone()).methods([Method::POST, Method::HEAD]);
+    let svc = layer.layer(handler);
+    let head = |key: Option<&str>| {
+        let mut b = Request::head("/tickets");
+        if let Some(key) = key {
+            b = b.header("idempotency-key", key);
+        }
+        b.body(Full::new(Bytes::new())).unwrap()
+    };
+    assert_eq!(send(&svc, head(None)).await.0, StatusCode::CREATED);
+    assert_eq!(send(&svc, head(Some("h"))).await.0, StatusCode::CREATED);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    let key = Key::new("HEAD /tickets", "h").unwrap();
+    assert!(store.get(&key).unwrap().is_none());
+    assert_eq!(send(&svc, post(None, "x")).await.0, StatusCode::BAD_REQUEST);
 }
 
 #[tokio::test]

@@ -344,10 +344,10 @@ impl Held {
         self.report(result.map(drop));
     }
 
-    /// Records the response the client got: a retryable failure for a 5xx
-    /// (unless stored by the settings or marked `Final`) and for a
-    /// takeover's releasing answer, else stored as a
-    /// completion (1xx–3xx) or a permanent failure (4xx, 5xx). A response
+    /// Records the response the client got: a retryable failure for a 1xx
+    /// (never a final answer), for a 5xx (unless stored by the settings or
+    /// marked `Final`) and for a takeover's releasing answer, else stored
+    /// as a completion (2xx, 3xx) or a permanent failure (4xx, 5xx). A response
     /// that is over `max_response_bytes` (`kept` false) or the store's
     /// limit is stored as the not-kept marker, so that the key is finished
     /// all the same and a retry never runs the handler again.
@@ -360,12 +360,24 @@ impl Held {
         let status = stored.status;
         // Only a takeover reaches here with a releasing answer (see the
         // `Run` state): it keeps its record, as a retryable failure.
-        let retryable = self.releases(outcome, status)
+        // A 1xx is no final answer (RFC 9110 §15.2): no server sends it as
+        // one (hyper answers 500 instead), so it is never stored, whatever
+        // the handler marked.
+        let interim = status.is_informational();
+        let retryable = interim
+            || self.releases(outcome, status)
             || (outcome.is_none()
                 && status.is_server_error()
                 && !self.settings.store_server_errors);
         if retryable {
-            let reason = format!("the handler answered {status}; a retry runs it again");
+            let reason = if interim {
+                format!(
+                    "the handler answered {status}, an interim status that no server sends as \
+                     the final answer; a retry runs it again"
+                )
+            } else {
+                format!("the handler answered {status}; a retry runs it again")
+            };
             let bytes = stored.encode().filter(|_| kept);
             let failure = bytes.as_deref().unwrap_or(reason.as_bytes());
             let result = match self

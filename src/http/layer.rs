@@ -240,8 +240,24 @@ impl IdempotencyLayer {
     /// `PATCH`). A request with one of them and no key is answered 400;
     /// requests with any other method pass through untouched, with or
     /// without a key.
+    ///
+    /// `HEAD` is ignored (with a `tracing` warning): a server sends no body
+    /// for it (RFC 9110 §9.3.2), so its response is never read to its end
+    /// and never recorded, and every retry would run the handler again;
+    /// HEAD is safe by definition anyway. (With axum, a `get` route answers
+    /// HEAD too: with `GET` listed, a HEAD request to it passes through
+    /// untouched.)
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> IdempotencyLayer {
-        self.settings.methods = methods.into_iter().collect();
+        self.settings.methods = methods
+            .into_iter()
+            .filter(|method| {
+                let head = method == Method::HEAD;
+                if head {
+                    tracing::warn!("HEAD ignored in methods: its response has no body to record");
+                }
+                !head
+            })
+            .collect();
         self
     }
 
@@ -282,6 +298,13 @@ impl IdempotencyLayer {
     /// A route that would make the scope longer than
     /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN) (128 bytes) is replaced in
     /// the scope by `#` and the first 32 hex digits of its SHA-256 digest.
+    ///
+    /// Under axum's `Router::nest`, a layer applied to the nested router
+    /// sees the URI path without the nest's prefix, so the default route
+    /// (and the fingerprint's path) of `/v1/tickets` and `/v2/tickets` are
+    /// both `/tickets`: a key sent to one is replayed from the other. Apply
+    /// the layer to the outer router, or name the route with `MatchedPath`
+    /// as above (axum keeps the prefix in it).
     pub fn route(
         mut self,
         route: impl Fn(&Parts) -> String + Send + Sync + 'static,

@@ -83,7 +83,8 @@
 //!
 //! | handler's answer | the key | a retry |
 //! |---|---|---|
-//! | 1xx–3xx | completed, response stored | replayed until retention ends (24 h by default) |
+//! | 2xx, 3xx | completed, response stored | replayed until retention ends (24 h by default) |
+//! | 1xx (not a final status: the server answers 500) | retryable failure, whatever the marker | runs the handler again, as a takeover |
 //! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 408, 413, 415, 422, 425, 429), on a first attempt | released: nothing was done | runs the handler as a first attempt |
 //! | other 4xx | permanent failure, response stored | replayed |
 //! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |

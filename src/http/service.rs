@@ -82,11 +82,12 @@ impl IdempotencyContext {
 
 /// What a handler tells the layer about one response, by putting it in the
 /// response's extensions. Only the handler knows whether its effect
-/// happened, so only it can overrule the layer's default (1xx–3xx and 4xx
+/// happened, so only it can overrule the layer's default (2xx, 3xx and 4xx
 /// stored, but the [release statuses](super::IdempotencyLayer::release_statuses),
 /// [`DEFAULT_RELEASE_STATUSES`](super::DEFAULT_RELEASE_STATUSES) by default,
 /// which release the key; 5xx recorded as a
-/// retryable failure).
+/// retryable failure). A 1xx, which no server sends as a final answer, is
+/// a retryable failure whatever the mark.
 ///
 /// With axum: `(Extension(IdempotencyOutcome::NoEffect), StatusCode::SERVICE_UNAVAILABLE)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
