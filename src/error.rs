@@ -240,10 +240,13 @@ pub enum Error {
     Poisoned {
         /// Why, and what to do: the first failed durable write's own error
         /// (for example the operating system's "No space left on device"),
-        /// with "reopen the store once that is fixed"; or the damage the
+        /// with "reopen the store once that is fixed"; the damage the
         /// online scrub found, with the marker's path and "restore it from
-        /// an export"; or a panic of the store's writer. Text for people:
-        /// match on the variant, not on this.
+        /// an export" (or, when the marker cannot be written, "reopen the
+        /// store: the reopen runs the full integrity check"); or a panic of
+        /// the store's writer or of a caller deciding a batch, with
+        /// "reopen the store". Text for people: match on the variant, not
+        /// on this.
         cause: String,
     },
 

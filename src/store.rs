@@ -306,8 +306,9 @@ impl Store {
     /// `std::fs::OpenOptions`: on the embedded engine, a new file (linked
     /// into place atomically, so of several processes creating the same
     /// path at once at most one is told `true`; the others open the store
-    /// it made, or get [`Error::AlreadyOpen`]), or an empty file or custom
-    /// backend this open initialised; on PostgreSQL, a schema whose store
+    /// it made, or get [`Error::AlreadyOpen`]; and none is, when another
+    /// process opened the new file before the one whose link made it),
+    /// or an empty file or custom backend this open initialised; on PostgreSQL, a schema whose store
     /// this connection's DDL created (under the DDL advisory lock, so again
     /// one connection of several). `false` for every later open.
     /// A tool that removes what it created when it fails (`idemstore

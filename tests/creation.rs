@@ -241,7 +241,9 @@ fn a_store_created_meanwhile_is_opened_never_replaced() {
 /// and of threads racing to create one path (each writing a record once
 /// open), at most one is told `true`, and that one found the store empty:
 /// never the thread whose link made the file but whose open came after
-/// another thread had used it.
+/// another thread had used it (a window this race rarely hits; the unit
+/// test `an_open_whose_new_file_another_used_first_did_not_create_it`
+/// makes it happen).
 #[test]
 fn was_created_is_told_to_the_open_that_created_the_store_only() {
     let dir = TestDir::new();

@@ -470,9 +470,9 @@ async fn a_5xx_is_a_retryable_failure_and_the_retry_is_a_takeover() {
     assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
 }
 
-/// A 1xx is no final answer (RFC 9110 §15.2; hyper sends a 500 in its
-/// place): it is a retryable failure whether or not the handler marked it
-/// `Final`, never a completion replayed for a day.
+/// A 1xx is an interim status (RFC 9110 §15.2; hyper sends a 500 in place
+/// of a 103): it is a retryable failure whether or not the handler marked
+/// it `Final`, never a completion replayed for a day.
 #[tokio::test]
 async fn an_interim_status_as_the_answer_is_a_retryable_failure() {
     for marked in [false, true] {

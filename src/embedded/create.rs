@@ -81,6 +81,10 @@ pub(crate) fn ensure(path: &Path, init: impl Fn(&Path) -> Result<()>) -> Result<
             }
         }
         let linked = std::fs::hard_link(&temp, path);
+        #[cfg(test)]
+        if linked.is_ok() {
+            after_link::run(path);
+        }
         let _ = std::fs::remove_file(&temp);
         sync_dir(path)?;
         match linked {
@@ -144,4 +148,31 @@ fn sync_dir(path: &Path) -> Result<()> {
 fn sync_dir(_path: &Path) -> Result<()> {
     // Directories cannot be opened for syncing here; NTFS journals entries.
     Ok(())
+}
+
+/// A test hook run by the thread whose link made a new store file, before
+/// that thread's open takes the file's lock: the unit tests use it to open
+/// and use the store from another thread in that window.
+#[cfg(test)]
+pub(crate) mod after_link {
+    use std::cell::RefCell;
+    use std::path::Path;
+
+    /// What runs after the link.
+    type Hook = Box<dyn FnOnce(&Path)>;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Hook>> = RefCell::new(None);
+    }
+
+    /// Runs `hook` once, after this thread's next link of a new store.
+    pub(crate) fn set(hook: impl FnOnce(&Path) + 'static) {
+        HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    }
+
+    pub(super) fn run(path: &Path) {
+        if let Some(hook) = HOOK.with(|h| h.borrow_mut().take()) {
+            hook(path);
+        }
+    }
 }

@@ -1153,6 +1153,43 @@ fn expect_reply(answer: Result<Answer>) -> Result<Reply> {
 mod tests {
     use super::*;
     use crate::config::ClaimOptions;
+
+    /// `Store::was_created` is false for the open whose link made the new
+    /// store file when another opener took the file first and used it (in
+    /// the window between the link and this open's lock): an `import
+    /// --create` that then failed would remove a store someone else wrote.
+    #[test]
+    fn an_open_whose_new_file_another_used_first_did_not_create_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("raced.redb");
+        let k = crate::key::Key::new("test/raced", "other").unwrap();
+        let written = k.clone();
+        create::after_link::set(move |path| {
+            let path = path.to_path_buf();
+            // Another thread: it finds the linked file, opens and uses it.
+            std::thread::spawn(move || {
+                let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+                assert!(!store.was_created(), "the other opener linked nothing");
+                let outcome = store
+                    .claim(&written, &Fingerprint::of(b"p"), &ClaimOptions::new())
+                    .unwrap();
+                assert!(matches!(outcome, ClaimOutcome::Acquired(_)), "{outcome:?}");
+            })
+            .join()
+            .unwrap();
+        });
+        let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        assert!(
+            store.get(&k).unwrap().is_some(),
+            "the other opener wrote first"
+        );
+        assert!(!store.was_created());
+        drop(store);
+        // Without another opener, the link's open created the store.
+        let fresh = dir.path().join("fresh.redb");
+        let store = Store::open_with(&fresh, Config::new().sweep_interval(None)).unwrap();
+        assert!(store.was_created());
+    }
     use crate::key::Fingerprint;
     use crate::record::ClaimOutcome;
     use crate::store::Store;

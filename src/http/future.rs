@@ -360,9 +360,11 @@ impl Held {
         let status = stored.status;
         // Only a takeover reaches here with a releasing answer (see the
         // `Run` state): it keeps its record, as a retryable failure.
-        // A 1xx is no final answer (RFC 9110 §15.2): no server sends it as
-        // one (hyper answers 500 instead), so it is never stored, whatever
-        // the handler marked.
+        // A 1xx is an interim status (RFC 9110 §15.2): hyper sends a 500 in
+        // place of any but 101, and a 101 hands the connection over to
+        // another protocol, which no replay can repeat. Never stored,
+        // whatever the handler marked `Final` (`NoEffect` on a first
+        // attempt still releases).
         let interim = status.is_informational();
         let retryable = interim
             || self.releases(outcome, status)
@@ -372,8 +374,8 @@ impl Held {
         if retryable {
             let reason = if interim {
                 format!(
-                    "the handler answered {status}, an interim status that no server sends as \
-                     the final answer; a retry runs it again"
+                    "the handler answered {status}, an interim status that cannot be replayed \
+                     (hyper sends a 500 in place of any but 101); a retry runs it again"
                 )
             } else {
                 format!("the handler answered {status}; a retry runs it again")

@@ -84,11 +84,11 @@
 //! | handler's answer | the key | a retry |
 //! |---|---|---|
 //! | 2xx, 3xx | completed, response stored | replayed until retention ends (24 h by default) |
-//! | 1xx (not a final status: the server answers 500) | retryable failure, whatever the marker | runs the handler again, as a takeover |
+//! | 1xx, unless marked `NoEffect` on a first attempt (interim: hyper sends a 500 in place of any but 101, and a 101 upgrade cannot be replayed) | retryable failure, even if marked `Final` | runs the handler again, as a takeover |
 //! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 408, 413, 415, 422, 425, 429), on a first attempt | released: nothing was done | runs the handler as a first attempt |
 //! | other 4xx | permanent failure, response stored | replayed |
 //! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |
-//! | marked [`IdempotencyOutcome::Final`] | stored whatever the status | replayed |
+//! | marked [`IdempotencyOutcome::Final`] | stored whatever the status (but a 1xx) | replayed |
 //! | marked [`IdempotencyOutcome::NoEffect`], on a first attempt | released | first attempt |
 //! | a release status or `NoEffect` on a takeover ([`IdempotencyContext::is_takeover`]), or after this attempt saved a recovery point | retryable failure: an attempt acted, or may have | runs the handler again, as a takeover |
 //! | stored form over [`max_response_bytes`](IdempotencyLayer::max_response_bytes) or the store's limit | finished with a marker: the effect happened | `410 Gone` naming the original status and `location` |

@@ -86,8 +86,9 @@ impl IdempotencyContext {
 /// stored, but the [release statuses](super::IdempotencyLayer::release_statuses),
 /// [`DEFAULT_RELEASE_STATUSES`](super::DEFAULT_RELEASE_STATUSES) by default,
 /// which release the key; 5xx recorded as a
-/// retryable failure). A 1xx, which no server sends as a final answer, is
-/// a retryable failure whatever the mark.
+/// retryable failure). A 1xx (an interim status: hyper sends a 500 in
+/// place of any but 101, and a 101 upgrade cannot be replayed) is a
+/// retryable failure even when marked `Final`.
 ///
 /// With axum: `(Extension(IdempotencyOutcome::NoEffect), StatusCode::SERVICE_UNAVAILABLE)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -95,7 +96,7 @@ impl IdempotencyContext {
 pub enum IdempotencyOutcome {
     /// Store this response and replay it to every retry until retention
     /// ends, whatever its status (a 5xx too: "the charge was declined for
-    /// good").
+    /// good"), but a 1xx, which cannot be replayed.
     Final,
     /// Nothing happened: release the key, so that a retry runs the handler
     /// as a first attempt, with any payload. Use it for a refusal before

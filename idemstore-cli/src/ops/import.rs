@@ -116,22 +116,29 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                     err.one_line()
                 ));
             }
-            let mut left = Vec::new();
             match created {
                 // Removed while this process still holds the store, so
                 // that no other process opens it in between and then
                 // imports into a file that is gone (Unix removes an open
                 // file's name; its data goes once the store is closed).
-                // The log first: a store file without its log is a new
-                // store's place, a log without its store file is refused.
-                // Where an open file cannot be removed (Windows), once
-                // the store is closed.
+                // The log first: an opener racing in meanwhile then gets
+                // "already open", where a log without its store file would
+                // be refused as an orphan. (A crash between the two leaves
+                // the store file, whose open then reports its missing log:
+                // remove it by hand.) A file that cannot be removed while
+                // open (Windows) is reported, not removed after the close,
+                // when another process may already be using it.
                 Created::Files(files) => {
-                    for file in files {
-                        match std::fs::remove_file(&file) {
-                            Ok(()) => {}
-                            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                            Err(_) => left.push(file),
+                    for file in &files {
+                        if let Err(e) = std::fs::remove_file(file)
+                            && e.kind() != std::io::ErrorKind::NotFound
+                        {
+                            err = CliError::Failed(format!(
+                                "{}; and cannot remove {} that this import created: {e} \
+                                 (remove it once no process uses it)",
+                                err.one_line(),
+                                file.display()
+                            ));
                         }
                     }
                 }
@@ -156,17 +163,6 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 Created::Nothing => {}
             }
             drop(store);
-            for file in &left {
-                if let Err(e) = std::fs::remove_file(file)
-                    && e.kind() != std::io::ErrorKind::NotFound
-                {
-                    err = CliError::Failed(format!(
-                        "{}; and cannot remove {} that this import created: {e}",
-                        err.one_line(),
-                        file.display()
-                    ));
-                }
-            }
             return Err(err);
         }
     };
