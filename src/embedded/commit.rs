@@ -355,10 +355,7 @@ impl Shared {
     /// Poisons the store after a panic inside a batch (`what` panicked),
     /// and fails every batch still waiting for durability.
     fn poison_panicked(&self, what: &str) {
-        self.poison_for(format!(
-            "{what} panicked inside a batch; reopen the store (the reopen recovers from \
-             what is on disk)"
-        ));
+        self.poison_for(panicked_cause(what));
         self.index_failed.store(true, Ordering::SeqCst);
         tracing::error!(path = %self.path.display(), "{what} panicked inside a batch; store refuses writes until reopened");
         self.progress
@@ -391,9 +388,14 @@ fn write_failed_cause(failure: &str) -> String {
     )
 }
 
-/// The cause of poisoning when the store's writer panicked.
-pub(crate) const WRITER_PANICKED: &str = "the store's writer panicked inside a batch; reopen the store (the reopen recovers \
-     from what is on disk)";
+/// Why a store refuses writes after `what` (the store's writer, or a
+/// caller deciding a batch) panicked inside a batch.
+fn panicked_cause(what: &str) -> String {
+    format!(
+        "{what} panicked inside a batch; reopen the store (the reopen recovers from what is \
+         on disk)"
+    )
+}
 
 /// Why a store the online scrub found damaged refuses writes, with
 /// `marker` its damage marker (`None` on a custom backend).
@@ -1215,7 +1217,7 @@ impl Drop for WriterDone<'_> {
             // frames never became durable. Nothing may make them durable
             // now, redb's close included, so the store is poisoned and its
             // file fenced, as after a failed durable write (`close`).
-            self.0.poison_for(WRITER_PANICKED.to_string());
+            self.0.poison_for(panicked_cause("the store's writer"));
             self.0.fence.raise();
             tracing::error!(path = %self.0.path.display(), "the store's writer panicked; the store refuses writes until reopened");
         }
@@ -1343,7 +1345,7 @@ impl<'a> Held<'a> {
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.shared.poison_for(WRITER_PANICKED.to_string());
+            self.shared.poison_for(panicked_cause("the store's writer"));
             self.shared.fence.raise();
         }
     }
