@@ -220,17 +220,39 @@ impl Engine {
         }
     }
 
+    /// The store's time and the records by state at it (with the oldest
+    /// live Processing record's `created_ms`), as
+    /// [`Snapshot::state_counts`]; on PostgreSQL the time is read in the
+    /// same call as the counts, under one deadline.
+    pub(crate) fn counts_now(
+        &self,
+        snapshot: &Snapshot<'_>,
+    ) -> Result<(u64, StateCounts, Option<u64>)> {
+        #[cfg(feature = "postgres")]
+        if let Snapshot::Postgres(pg) = snapshot {
+            return pg.counts_now();
+        }
+        let now = self.now_ms();
+        let (counts, oldest) = snapshot.state_counts(now)?;
+        Ok((now, counts, oldest))
+    }
+
     /// The store's time and the wall clock (ms since the epoch) at the
     /// start of an import, which the stream's times are judged against.
-    pub(crate) fn import_clock(&self) -> (u64, u64) {
+    ///
+    /// # Errors
+    /// On PostgreSQL, those of reading the database clock
+    /// ([`Error::Unavailable`](crate::Error) when it cannot be reached):
+    /// an import is not judged against a time this process saw earlier.
+    pub(crate) fn import_clock(&self) -> Result<(u64, u64)> {
         match self {
-            Engine::Embedded(e) => (e.clock_ms(), e.wall_ms()),
+            Engine::Embedded(e) => Ok((e.clock_ms(), e.wall_ms())),
             #[cfg(feature = "postgres")]
             Engine::Postgres { engine, .. } => {
                 // The database clock is both: the store's time, and the
                 // wall clock the stream's times are judged against.
-                let now = engine.now_ms().unwrap_or_else(|_| engine.last_now_ms());
-                (now, now)
+                let now = engine.now_ms()?;
+                Ok((now, now))
             }
         }
     }

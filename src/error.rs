@@ -372,6 +372,17 @@ pub enum ConfigFault {
     /// that connected may not create it: run `idemstore migrate` (or
     /// `idemstore::postgres::migrate`) once with a role that may.
     SchemaNotMigrated,
+    /// An object the store needs is missing or of another form: its
+    /// schema, a table (`records`, `bindings`, `meta`), a column, or the
+    /// token sequence was dropped or altered outside idemstore (SQLSTATE
+    /// `3F000`, `42P01`, `42703` or `42804` on a request; or found missing
+    /// by a connect or a migration, which refuses rather than create the
+    /// missing objects empty). The records it held may be gone, and with
+    /// them the outcomes that stop a key's work from running twice:
+    /// restore the schema from a database backup or an export
+    /// (`idemstore import`), or drop it so that a migration creates an
+    /// empty store.
+    SchemaDamaged,
 }
 
 impl ConfigFault {
@@ -386,6 +397,7 @@ impl ConfigFault {
             ConfigFault::Tls => "tls",
             ConfigFault::SchemaTooNew => "schema-too-new",
             ConfigFault::SchemaNotMigrated => "schema-not-migrated",
+            ConfigFault::SchemaDamaged => "schema-damaged",
         }
     }
 }

@@ -330,6 +330,10 @@ impl Store {
     /// lower than a time returned before, across crashes too (the time is
     /// reserved durably before it is returned). On a store that refuses
     /// writes ([`Error::Poisoned`]) it stays at the last durable bound.
+    /// On PostgreSQL it is the database's clock, read with a round trip
+    /// that waits at most `PostgresLimits::call_timeout`; while the server
+    /// cannot be reached, the highest time this process has seen (the
+    /// connect reads it once, so never less than the time of the connect).
     pub fn now_ms(&self) -> u64 {
         self.engine.now_ms()
     }
@@ -997,7 +1001,8 @@ impl Store {
     /// [`Store::verify`] (or `idemstore check`), which reads every record,
     /// names every damaged one. On PostgreSQL the counts come from one
     /// aggregate statement over the rows' state and time columns, run on
-    /// one of the engine's connections: the server reads every row,
+    /// one of the engine's connections after the store's time is read
+    /// there, the two under one deadline: the server reads every row,
     /// O(records), and sends none (170–220 ms at 500,000–630,000 rows on
     /// an idle 2-core machine, 0.2–0.9 s there beside 16 writing threads;
     /// tens of millions of rows would reach `call_timeout`);
@@ -1019,8 +1024,7 @@ impl Store {
         // A poisoned store's index may hold changes that never became
         // durable: refuse, as scan, export and verify do.
         let snapshot = self.engine.snapshot()?;
-        let now_ms = self.engine.now_ms();
-        let (records, oldest) = snapshot.state_counts(now_ms)?;
+        let (now_ms, records, oldest) = self.engine.counts_now(&snapshot)?;
         Ok(Stats {
             now_ms,
             records,
@@ -1134,7 +1138,7 @@ impl Store {
         let engine = &self.engine;
         // One reading for the whole import: the tolerance is measured from
         // where the store's time and the wall clock stood when it began.
-        let (started, wall_ms) = engine.import_clock();
+        let (started, wall_ms) = engine.import_clock()?;
         let now = move || started;
         let limits = ImportLimits {
             options: *options,

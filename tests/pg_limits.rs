@@ -267,6 +267,116 @@ fn a_full_queue_is_waited_on_until_the_deadline() {
     }
 }
 
+/// A sync completion the hot path tried first and the server refused
+/// (its row is locked past `lock_timeout`) goes the general way with what
+/// is left of the call's deadline, not a fresh `call_timeout`: here the
+/// row stays locked, so the call ends at its deadline (the error names
+/// `call_timeout`), where a fresh deadline would let the general path wait
+/// out a second `lock_timeout` and answer that (55P03).
+#[test]
+fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_one_deadline");
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(2);
+    limits.lock_timeout = Duration::from_millis(1_500);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_limits(limits)
+        .lease(Duration::from_secs(60))
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&url, config).expect("connect"));
+    let lease = match claim(&store, "held") {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("{other:?}"),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (mut client, connection) = rt
+        .block_on(tokio_postgres::connect(&url, NoTls))
+        .expect("connect");
+    rt.spawn(connection);
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    rt.block_on(tx.execute(
+        &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
+        &[],
+    ))
+    .expect("lock the row");
+    // From a thread of its own, outside any runtime: the direct path.
+    let s = Arc::clone(&store);
+    let answer = guarded("a completion of the locked row", move || {
+        s.complete(&lease, b"done")
+    });
+    match answer {
+        Err(Error::Unavailable { detail } | Error::OutcomeUnknown { detail }) => {
+            assert!(detail.contains("call_timeout"), "{detail}");
+        }
+        other => panic!("expected the deadline's error, got {other:?}"),
+    }
+    rt.block_on(tx.rollback()).expect("rollback");
+}
+
+/// While the server cannot be reached, `Store::now_ms` answers the highest
+/// time this process has seen, which the connect read: never 0 (the
+/// epoch), and not below the database clock before the connect. `stats`
+/// and an import are refused as `Unavailable` rather than judged at an
+/// earlier time.
+#[test]
+fn the_time_of_an_unreachable_server_is_the_last_seen() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_now");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let before: i64 = rt.block_on(async {
+        let (client, connection) = tokio_postgres::connect(&url, NoTls).await.expect("connect");
+        tokio::spawn(connection);
+        client
+            .query_one(
+                "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+                &[],
+            )
+            .await
+            .expect("clock")
+            .get(0)
+    });
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(1);
+    limits.connect_timeout = Duration::from_secs(1);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config).expect("connect"));
+    proxy.pause();
+    let s = Arc::clone(&store);
+    let now = guarded("now_ms", move || s.now_ms());
+    assert!(
+        now >= u64::try_from(before).expect("a time after the epoch"),
+        "{now} < {before}"
+    );
+    let s = Arc::clone(&store);
+    let err = guarded("stats", move || s.stats()).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    let mut stream = Vec::new();
+    let dir = tempfile::tempdir().expect("dir");
+    let source = Store::open_with(
+        dir.path().join("s.redb"),
+        Config::new().sweep_interval(None),
+    )
+    .expect("open");
+    source.export(&mut stream, |_| {}).expect("export");
+    let s = Arc::clone(&store);
+    let err = guarded("import", move || s.import(stream.as_slice(), |_| {})).unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    proxy.resume();
+}
+
 /// `url` with an application name of its own, so that the store's
 /// sessions can be counted.
 fn with_app(url: &str, app: &str) -> String {

@@ -250,10 +250,11 @@ enum Job {
     NextToken { reply: oneshot::Sender<Result<u64>> },
     /// Counts the stored rows.
     Len { reply: oneshot::Sender<Result<u64>> },
-    /// Counts the stored rows by state at a store time (ms).
+    /// Counts the stored rows by state at a store time (ms; `None`: the
+    /// store's time, read in the same job, under the same deadline).
     Counts {
-        now_ms: u64,
-        reply: oneshot::Sender<Result<(StateCounts, Option<u64>)>>,
+        now_ms: Option<u64>,
+        reply: oneshot::Sender<Result<(u64, StateCounts, Option<u64>)>>,
     },
 }
 
@@ -624,14 +625,11 @@ impl Fail {
 /// SQLSTATE names one, or a TLS failure of verification (or a server
 /// without TLS where TLS is required).
 fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
+    if password_missing(err) {
+        return Some(ConfigFault::AuthenticationFailed);
+    }
     if let Some(code) = err.code() {
-        return match code.code() {
-            "3D000" => Some(ConfigFault::DatabaseMissing),
-            "28000" => Some(ConfigFault::RoleRefused),
-            "28P01" => Some(ConfigFault::AuthenticationFailed),
-            "42501" => Some(ConfigFault::PermissionDenied),
-            _ => None,
-        };
+        return sqlstate_fault(code.code());
     }
     let mut source: Option<&(dyn std::error::Error + 'static)> = err.source();
     while let Some(s) = source {
@@ -649,6 +647,35 @@ fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
         source = s.source();
     }
     None
+}
+
+/// The configuration fault a server error's SQLSTATE names, if any (for
+/// the tokio-postgres and the sqlx forms alike).
+pub(crate) fn sqlstate_fault(code: &str) -> Option<ConfigFault> {
+    match code {
+        "3D000" => Some(ConfigFault::DatabaseMissing),
+        "28000" => Some(ConfigFault::RoleRefused),
+        "28P01" => Some(ConfigFault::AuthenticationFailed),
+        "42501" => Some(ConfigFault::PermissionDenied),
+        // invalid_schema_name, undefined_table (a sequence too),
+        // undefined_column, datatype_mismatch: the schema's objects were
+        // dropped or altered under the store.
+        "3F000" | "42P01" | "42703" | "42804" => Some(ConfigFault::SchemaDamaged),
+        _ => None,
+    }
+}
+
+/// Whether `err` is tokio-postgres's refusal to connect because the
+/// server asked for a password the connection string does not hold (its
+/// configuration error "password missing"; `PGPASSWORD` and `.pgpass` are
+/// not read). tokio-postgres gives the kind no accessor: the words are
+/// matched.
+fn password_missing(err: &tokio_postgres::Error) -> bool {
+    err.as_db_error().is_none()
+        && err.to_string().starts_with("invalid configuration")
+        && err
+            .source()
+            .is_some_and(|s| s.to_string() == "password missing")
 }
 
 /// Whether `e` is a TLS failure that configuration causes: a certificate
@@ -892,9 +919,22 @@ pub(crate) enum Found {
 /// the DDL advisory lock. Returns the store's identity.
 async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     let client = open_client(shared).await.map_err(|f| f.error())?;
+    // A first reading of the store's time, so that what is answered while
+    // the server cannot be reached (`Postgres::last_now_ms`) is the time
+    // of the connect at least, never 0.
+    if shared.clock.is_none() {
+        let rows = client
+            .query(shared.sql.clock.as_str(), &[])
+            .await
+            .map_err(|e| fail(&e).error())?;
+        time_from(shared, Some(&rows)).map_err(|f| f.error())?;
+    }
     if !shared.migrate {
         match read_current(shared, &client).await? {
-            Some(id) => return Ok((id, Found::Current)),
+            Some(id) => {
+                check_objects(shared, &client).await?;
+                return Ok((id, Found::Current));
+            }
             None if shared.must_exist => {
                 return Err(Error::Missing {
                     path: std::path::PathBuf::new(),
@@ -963,6 +1003,51 @@ async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> 
     }
     let id = id.ok_or_else(|| incompatible("the store_id row is missing".into()))?;
     Ok(Some(meta_store_id(&sql.schema, &id)?))
+}
+
+/// The relations every store's schema holds beside its meta table.
+const OBJECTS: [&str; 3] = ["records", "bindings", "tokens"];
+
+/// Checks that a schema whose version row says it holds a store still has
+/// every object of one (one catalog read).
+///
+/// # Errors
+/// [`Error::Misconfigured`] with [`ConfigFault::SchemaDamaged`] naming the
+/// missing objects, and the errors of the connection.
+async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = ANY($2)",
+            &[&shared.sql.schema, &OBJECTS.as_slice()],
+        )
+        .await
+        .map_err(|e| fail(&e).error())?;
+    let mut present = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let name: String = row.try_get(0).map_err(|e| fail(&e).error())?;
+        present.push(name);
+    }
+    let missing: Vec<&str> = OBJECTS
+        .iter()
+        .copied()
+        .filter(|o| !present.iter().any(|p| p == o))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let schema = &shared.sql.schema;
+    Err(Error::Misconfigured {
+        fault: ConfigFault::SchemaDamaged,
+        detail: format!(
+            "schema {schema} holds a store (its version row is present) but not its {}: \
+             dropped outside idemstore, with the records it held; restore the schema from a \
+             backup or an export (idemstore import), or drop schema {schema} to start an \
+             empty store",
+            missing.join(", ")
+        ),
+    })
 }
 
 /// The schema version a meta row holds.
@@ -1059,6 +1144,10 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
             if version == 0 {
                 return Err(incompatible("schema version 0".into()));
             }
+            // The version row is written in the transaction that creates
+            // the objects: one missing now was dropped, with the records
+            // it held, and creating it empty would forget them.
+            check_objects(shared, client).await?;
             // Idempotent: an older schema has every object already; from
             // version 1 to 2 only the version row changes.
             client.batch_execute(&sql.create()).await.map_err(pg)?;
@@ -1455,8 +1544,12 @@ async fn attempt(
     begin.map_err(|e| fail(&e))?;
     raise.map_err(|e| fail(&e))?;
     let rows = rows.map_err(|e| fail(&e))?;
-    let clock = clock.map_err(|e| fail(&e))?;
+    // In the order the flight sent them: the first statement to fail
+    // aborts the transaction, and every statement after it is refused
+    // with 25P02, which names nothing (a draw refused for want of USAGE on
+    // the sequence, or a deadlock on the token lock, is the error).
     let first_draw = draw?;
+    let clock = clock.map_err(|e| fail(&e))?;
     let mut base = Base::default();
     fill_records(&keys, &rows, &mut base)?;
     let mut now = time_from(shared, clock.as_deref())?;
@@ -1719,6 +1812,8 @@ async fn run_hot(
     let mut ft = Vec::with_capacity(finishes.len());
     let mut fseen: Vec<&[u8]> = Vec::with_capacity(finishes.len());
     let mut ffloor = Vec::with_capacity(finishes.len());
+    let mut fcreated = Vec::with_capacity(finishes.len());
+    let mut flease = Vec::with_capacity(finishes.len());
     for h in &finishes {
         let held = h
             .held
@@ -1727,6 +1822,8 @@ async fn run_hot(
         ft.push(to_i64("a token", held.record.token)?);
         fseen.push(held.stored.as_slice());
         ffloor.push(to_i64("a record's time", held.record.updated_ms)?);
+        fcreated.push(to_i64("a record's time", held.record.created_ms)?);
+        flease.push(to_i64("a record's time", held.record.lease_until_ms)?);
     }
     let fh: Vec<Vec<u8>> = finishes.iter().map(|h| h.template.head()).collect();
     let fe: Vec<&[u8]> = finishes
@@ -1742,8 +1839,8 @@ async fn run_hot(
         .map(|h| h.template.expires_offset())
         .collect();
     let p_claim: [&(dyn ToSql + Sync); 7] = [&test_now, &floor, &ck, &ch, &ct, &cl, &ce];
-    let p_finish: [&(dyn ToSql + Sync); 10] = [
-        &test_now, &floor, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor,
+    let p_finish: [&(dyn ToSql + Sync); 12] = [
+        &test_now, &floor, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor, &fcreated, &flease,
     ];
     // Each statement commits on its own: once sent, a lost answer leaves
     // its outcome unknown.
@@ -2643,7 +2740,15 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
         }
         Job::Counts { now_ms, reply } => {
             let read = until(due, conn, async |c| {
-                Ok(run_read(shared, c, async |s, c| read_counts(s, c, now_ms).await).await)
+                Ok(run_read(shared, c, async |s, c| {
+                    let now = match now_ms {
+                        Some(now) => now,
+                        None => read_time(s, c).await?,
+                    };
+                    let (counts, oldest) = read_counts(s, c, now).await?;
+                    Ok((now, counts, oldest))
+                })
+                .await)
             })
             .await;
             let _ = reply.send(read.unwrap_or_else(|f| Err(f.error())));
@@ -2831,10 +2936,20 @@ impl Postgres {
     /// job [`Error::Unavailable`]; the caller waits on the job's answer
     /// either way.
     fn send(&self, job: Job) -> Result<()> {
-        let jobs = self.jobs.as_ref().ok_or(Error::Closed)?;
-        let timeout = self.shared.limits.call_timeout;
+        self.send_by(job, self.deadline())
+    }
+
+    /// The deadline of a call made now: `call_timeout` from now.
+    fn deadline(&self) -> Instant {
         let now = Instant::now();
-        let deadline = now.checked_add(timeout).unwrap_or(now);
+        now.checked_add(self.shared.limits.call_timeout)
+            .unwrap_or(now)
+    }
+
+    /// [`Postgres::send`] under a deadline the call already has (a call
+    /// the hot path tried first keeps the deadline it was made with).
+    fn send_by(&self, job: Job, deadline: Instant) -> Result<()> {
+        let jobs = self.jobs.as_ref().ok_or(Error::Closed)?;
         match Arc::clone(&self.room).try_acquire_owned() {
             Ok(permit) => jobs
                 .send(Queued {
@@ -2893,17 +3008,26 @@ impl Postgres {
     /// The transition's own errors (per request), [`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`], [`Error::Storage`].
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
-        let hot = match self.apply_direct(key, &op) {
+        // One deadline for the whole call: a request the hot path left
+        // undecided (a lock or statement timeout refused it) is queued
+        // with what is left of it, not a fresh `call_timeout`.
+        let deadline = self.deadline();
+        let hot = match self.apply_direct(key, &op, deadline) {
             Direct::Answered(answer) => return answer,
             Direct::Undecided => false,
             Direct::Busy => true,
         };
-        self.ask(|reply| Job::Apply {
-            key: key.clone(),
-            op,
-            hot,
-            reply,
-        })
+        let (tx, rx) = oneshot::channel();
+        self.send_by(
+            Job::Apply {
+                key: key.clone(),
+                op,
+                hot,
+                reply: tx,
+            },
+            deadline,
+        )?;
+        rx.recv().map_err(|_| Error::Closed)?
     }
 
     /// Runs a request the hot path may decide on the calling thread, over
@@ -2911,7 +3035,7 @@ impl Postgres {
     /// lone caller then waits on its own socket, as a hand-written client
     /// does). Not from inside an async runtime (its thread must not
     /// block), nor when every direct connection is in use.
-    fn apply_direct(&self, key: &Key, op: &Op) -> Direct {
+    fn apply_direct(&self, key: &Key, op: &Op, due: Instant) -> Direct {
         if !matches!(op, Op::Claim { .. } | Op::Complete { .. } | Op::Fail { .. })
             || tokio::runtime::Handle::try_current().is_ok()
         {
@@ -2939,8 +3063,6 @@ impl Postgres {
             return Direct::Busy;
         };
         let shared = &*self.shared;
-        let now = Instant::now();
-        let due = now.checked_add(shared.limits.call_timeout).unwrap_or(now);
         let ops = [(key.clone(), op.clone())];
         let answer = runtime.block_on(async {
             // Lets the connection's task see a connection closed while it
@@ -3153,7 +3275,21 @@ impl Postgres {
     /// columns in one statement (see [`read_counts`]): O(rows) on the
     /// server, nothing per row on the wire.
     pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
-        self.ask(|reply| Job::Counts { now_ms, reply })
+        let (_, counts, oldest) = self.ask(|reply| Job::Counts {
+            now_ms: Some(now_ms),
+            reply,
+        })?;
+        Ok((counts, oldest))
+    }
+
+    /// The store's time and the rows by state at it (as
+    /// [`Postgres::state_counts`]), read in one call under one deadline
+    /// (`call_timeout`).
+    pub(crate) fn counts_now(&self) -> Result<(u64, StateCounts, Option<u64>)> {
+        self.ask(|reply| Job::Counts {
+            now_ms: None,
+            reply,
+        })
     }
 
     /// The counters since this engine was connected.

@@ -1732,6 +1732,144 @@ fn a_wrong_password_is_misconfigured() {
     // The right password gets as far as the schema, which pw_user may not
     // create.
     assert_eq!(fault_of(&right, "pw_store"), ConfigFault::SchemaNotMigrated);
+    // No password where the server asks for one (PGPASSWORD and .pgpass
+    // are not read): a fault of configuration, in both forms.
+    let none = url_as(own.url(), "pw_user", None, "postgres");
+    assert_eq!(
+        fault_of(&none, "pw_store"),
+        ConfigFault::AuthenticationFailed
+    );
+    let config: tokio_postgres::Config = own.url().parse().unwrap();
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let none_url = format!("postgresql://pw_user@127.0.0.1:{port}/postgres");
+    assert_eq!(
+        fault_of(&none_url, "pw_store"),
+        ConfigFault::AuthenticationFailed
+    );
+    // A quoted password with spaces, and spaces around '=', are read as
+    // tokio-postgres reads them: the password is right.
+    rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(own.url(), tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client
+            .batch_execute("ALTER ROLE pw_user PASSWORD 'two  spaces'")
+            .await
+            .unwrap();
+    });
+    let quoted = format!(
+        "host=127.0.0.1 port = {port} user=pw_user password='two  spaces' \
+         sslmode = 'disable' dbname=postgres"
+    );
+    assert_eq!(
+        fault_of(&quoted, "pw_store"),
+        ConfigFault::SchemaNotMigrated
+    );
+}
+
+/// A store whose schema objects are dropped under it answers
+/// `Misconfigured` with `SchemaDamaged` (never `Unavailable`, which a
+/// service would retry for ever), and a connect or a migration refuses
+/// such a schema instead of creating the missing objects empty.
+#[test]
+fn objects_dropped_under_a_store_are_schema_damaged() {
+    if skipped() {
+        return;
+    }
+    let name = schema("dropped");
+    let pg = open_with(&name, None);
+    let l = acquired(pg.apply(&key("before"), claim(b"a")).unwrap());
+    complete(&pg, &key("before"), &l, b"r");
+    let damaged = |what: &str, answer: Result<(), Error>| match answer {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            ..
+        }) => {}
+        other => panic!("{what}: expected SchemaDamaged, got {other:?}"),
+    };
+    let connect = |migrate: bool| {
+        let options = PgOptions {
+            schema: name.clone(),
+            connections: 1,
+            migrate,
+            ..PgOptions::default()
+        };
+        Postgres::connect(server().url(), options).map(drop)
+    };
+    let exists = |relation: &str| -> bool {
+        raw_sql(&format!(
+            "SELECT to_regclass('\"{name}\".{relation}') IS NOT NULL"
+        ))[0]
+            .get(0)
+    };
+    // The token sequence: a claim of a new key draws from it.
+    raw_sql(&format!("DROP SEQUENCE \"{name}\".tokens"));
+    damaged("a claim", pg.apply(&key("after"), claim(b"a")).map(drop));
+    damaged("a connect", connect(false));
+    damaged("a migration", connect(true));
+    assert!(!exists("tokens"), "the migration created the sequence");
+    // The records table: a read.
+    raw_sql(&format!("DROP TABLE \"{name}\".records"));
+    damaged("a get", pg.get(&key("before")).map(drop));
+    damaged("stats", pg.state_counts(T0).map(drop));
+    match connect(true) {
+        Err(Error::Misconfigured { detail, .. }) => {
+            assert!(detail.contains("records, tokens"), "{detail}");
+        }
+        other => panic!("expected SchemaDamaged, got {other:?}"),
+    }
+    assert!(
+        !exists("records"),
+        "the migration created the records table"
+    );
+    // The whole schema: the running store's requests.
+    raw_sql(&format!("DROP SCHEMA \"{name}\" CASCADE"));
+    damaged(
+        "a claim with no schema",
+        pg.apply(&key("again"), claim(b"a")).map(drop),
+    );
+}
+
+/// A holder's completion of its row damaged in a column the completion
+/// does not rewrite (state, creation time, lease) answers `CorruptRecord`,
+/// as every other request on the key does, instead of writing over the
+/// damage.
+#[test]
+fn a_completion_of_a_row_damaged_in_its_columns_is_corrupt_record() {
+    if skipped() {
+        return;
+    }
+    let (pg, _clock) = open("complete_damaged");
+    let table = format!("\"{}\".records", pg.shared.sql.schema);
+    let hex = |k: &Key| -> String { k.to_bytes().iter().map(|b| format!("{b:02x}")).collect() };
+    for (what, set) in [
+        ("state", "state = 9"),
+        ("created", "created_ms = created_ms - 1"),
+        ("lease", "lease_until_ms = lease_until_ms + 1"),
+    ] {
+        let k = key(&format!("held-{what}"));
+        let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+        raw_sql(&format!(
+            "UPDATE {table} SET {set} WHERE key = '\\x{}'::bytea",
+            hex(&k)
+        ));
+        let answer = pg.apply(
+            &k,
+            Op::Complete {
+                token: l.token(),
+                result: b"r".to_vec(),
+            },
+        );
+        assert!(
+            matches!(answer, Err(Error::CorruptRecord { .. })),
+            "{what}: {answer:?}"
+        );
+        assert!(
+            matches!(pg.get(&k), Err(Error::CorruptRecord { .. })),
+            "{what}: the damage was written over"
+        );
+    }
 }
 
 #[test]
@@ -1812,6 +1950,25 @@ fn a_runtime_role_without_create_runs_a_migrated_store() {
     assert_eq!(pg.entries(vec![(Vec::new(), None)]).unwrap().count(), 1);
     assert_eq!(pg.sweep(10).unwrap(), 0);
     assert!(pg.next_token().unwrap() > other.token());
+    // Without USAGE on the sequence, a claim that draws a token is refused
+    // as the missing privilege, not as the aborted transaction's later
+    // statements (25P02) nor as the server being unavailable.
+    raw_sql(&format!(
+        "REVOKE USAGE ON SEQUENCE \"{name}\".tokens FROM {role}"
+    ));
+    for id in ["rt-3", "rt-4"] {
+        match pg.apply(&key(id), claim(b"c")) {
+            Err(Error::Misconfigured {
+                fault: ConfigFault::PermissionDenied,
+                detail,
+            }) => assert!(detail.contains("42501"), "{detail}"),
+            other => panic!("expected PermissionDenied, got {other:?}"),
+        }
+    }
+    raw_sql(&format!(
+        "GRANT USAGE ON SEQUENCE \"{name}\".tokens TO {role}"
+    ));
+    acquired(pg.apply(&key("rt-3"), claim(b"c")).unwrap());
     drop(pg);
     // The same role's store in a schema of a newer version is refused as
     // too new, without DDL.

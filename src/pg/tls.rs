@@ -137,11 +137,13 @@ pub(crate) fn parse(url: &str) -> Result<Parsed> {
             None => url.to_string(),
         }
     } else {
+        // The parameters this crate reads are cut out of the string as
+        // written; the others are left to tokio-postgres as they are
+        // (quoted values, escapes and spaces around `=` included).
         let mut kept = Vec::new();
-        for token in url.split_whitespace() {
-            let (k, v) = token.split_once('=').unwrap_or((token, ""));
-            if !take(k.trim(), v.to_string())? {
-                kept.push(token);
+        for param in key_value_params(url)? {
+            if !take(param.key, param.value)? {
+                kept.push(url.get(param.span).unwrap_or_default());
             }
         }
         kept.join(" ")
@@ -151,6 +153,97 @@ pub(crate) fn parse(url: &str) -> Result<Parsed> {
         mode: mode.unwrap_or(SslMode::Prefer),
         root_cert,
     })
+}
+
+/// One `keyword = value` of a key=value connection string.
+struct Param<'a> {
+    /// The keyword.
+    key: &'a str,
+    /// The value, unquoted and unescaped.
+    value: String,
+    /// Where the parameter stands in the string, keyword to value's end.
+    span: std::ops::Range<usize>,
+}
+
+/// The parameters of a key=value connection string, read as libpq (and
+/// tokio-postgres) read it: `keyword = value` separated by whitespace,
+/// spaces allowed around `=`, a value in single quotes may hold spaces,
+/// and a backslash takes the next character as it is, quoted or not.
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for a keyword without `=`, a missing value
+/// or an unterminated quote; the message never holds a value (it may be
+/// a password).
+fn key_value_params(s: &str) -> Result<Vec<Param<'_>>> {
+    let refuse = |reason: String| Error::invalid("url", reason);
+    let mut out = Vec::new();
+    let mut it = s.char_indices().peekable();
+    let skip_ws = |it: &mut std::iter::Peekable<std::str::CharIndices<'_>>| {
+        while it.next_if(|(_, c)| c.is_whitespace()).is_some() {}
+    };
+    loop {
+        skip_ws(&mut it);
+        let Some(&(start, _)) = it.peek() else { break };
+        let mut key_end = start;
+        while let Some((i, c)) = it.next_if(|(_, c)| !c.is_whitespace() && *c != '=') {
+            key_end = i + c.len_utf8();
+        }
+        let key = s.get(start..key_end).unwrap_or_default();
+        if key.is_empty() {
+            return Err(refuse(
+                "a key=value connection string has '=' where a keyword belongs".into(),
+            ));
+        }
+        skip_ws(&mut it);
+        if it.next_if(|(_, c)| *c == '=').is_none() {
+            return Err(refuse(format!(
+                "the keyword {key:?} of the connection string has no '=' and value"
+            )));
+        }
+        skip_ws(&mut it);
+        let mut value = String::new();
+        let mut end = s.len();
+        let quoted = it.next_if(|(_, c)| *c == '\'').is_some();
+        let mut closed = !quoted;
+        let mut any = false;
+        while let Some(&(i, c)) = it.peek() {
+            if quoted && c == '\'' {
+                it.next();
+                end = i + 1;
+                closed = true;
+                break;
+            }
+            if !quoted && c.is_whitespace() {
+                end = i;
+                break;
+            }
+            it.next();
+            any = true;
+            if c == '\\' {
+                if let Some((_, next)) = it.next() {
+                    value.push(next);
+                }
+            } else {
+                value.push(c);
+            }
+        }
+        if !closed {
+            return Err(refuse(format!(
+                "the value of {key:?} in the connection string has no closing quote"
+            )));
+        }
+        if !quoted && !any {
+            return Err(refuse(format!(
+                "the keyword {key:?} of the connection string has no value"
+            )));
+        }
+        out.push(Param {
+            key,
+            value,
+            span: start..end,
+        });
+    }
+    Ok(out)
 }
 
 /// The `tokio-postgres` mode for `mode` (the checks are the connector's).
@@ -321,5 +414,51 @@ mod tests {
         let p = parse("postgresql://u@h/db").unwrap();
         assert_eq!(p.mode, SslMode::Prefer);
         assert!(parse("postgresql://h/db?sslmode=sometimes").is_err());
+    }
+
+    #[test]
+    fn key_value_strings_are_read_as_libpq_reads_them() {
+        // A quoted value keeps its spaces, and is passed on as written.
+        let p = parse("host=h user=u password='a  b' dbname=d").unwrap();
+        assert_eq!(p.rest, "host=h user=u password='a  b' dbname=d");
+        assert_eq!(p.mode, SslMode::Prefer);
+        // Spaces around '=' and a quoted mode.
+        let p = parse("host = h  sslmode = disable user=u").unwrap();
+        assert_eq!(
+            (p.rest.as_str(), p.mode),
+            ("host = h user=u", SslMode::Disable)
+        );
+        let p = parse("host=h sslmode='verify-full' sslrootcert='/tmp/my ca.pem'").unwrap();
+        assert_eq!(p.mode, SslMode::VerifyFull);
+        assert_eq!(p.root_cert.as_deref(), Some("/tmp/my ca.pem"));
+        assert_eq!(p.rest, "host=h");
+        // What a quoted value holds is not a parameter.
+        let p = parse("host=h password='x sslmode=verify-full' sslmode=require").unwrap();
+        assert_eq!(p.mode, SslMode::Require);
+        assert_eq!(p.rest, "host=h password='x sslmode=verify-full'");
+        // Escapes, quoted and not.
+        let p = parse(r"host=h password=a\ b application_name='it\'s'").unwrap();
+        assert_eq!(p.rest, r"host=h password=a\ b application_name='it\'s'");
+        let params = key_value_params(r"password=a\ b name='it\'s' empty=''").unwrap();
+        let values: Vec<&str> = params.iter().map(|p| p.value.as_str()).collect();
+        assert_eq!(values, ["a b", "it's", ""]);
+        // Malformed strings are refused without echoing a value.
+        for bad in [
+            "host=h password='secret",
+            "host=h password",
+            "host=h password=",
+            "=secret host=h",
+        ] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(!err.contains("secret"), "{err}");
+            assert!(
+                matches!(parse(bad), Err(Error::InvalidArgument { .. })),
+                "{bad}"
+            );
+        }
+        // tokio-postgres reads what is passed on the same way.
+        let p = parse("host=h user=u password='a  b' sslmode=disable").unwrap();
+        let config: tokio_postgres::Config = p.rest.parse().unwrap();
+        assert_eq!(config.get_password(), Some(&b"a  b"[..]));
     }
 }

@@ -10,7 +10,7 @@
 use sqlx::postgres::{PgConnection, PgDatabaseError, PgRow};
 use sqlx::{Executor, Postgres as Pg, Row};
 
-use crate::error::{ConfigFault, Result};
+use crate::error::Result;
 use crate::record::{Lease, Op, Record};
 
 use super::decide::RowColumns;
@@ -120,11 +120,10 @@ fn fail(err: &sqlx::Error) -> Fail {
                 }
                 None => format!("({code}): {}", db.message()),
             };
+            if let Some(fault) = super::sqlstate_fault(&code) {
+                return Fail::Config(fault, detail);
+            }
             match code.as_str() {
-                "3D000" => Fail::Config(ConfigFault::DatabaseMissing, detail),
-                "28000" => Fail::Config(ConfigFault::RoleRefused, detail),
-                "28P01" => Fail::Config(ConfigFault::AuthenticationFailed, detail),
-                "42501" => Fail::Config(ConfigFault::PermissionDenied, detail),
                 c if c.starts_with("08") || c.starts_with("57P") || c == "53300" => {
                     Fail::Lost(detail)
                 }
