@@ -284,9 +284,10 @@ pub enum Error {
     /// The PostgreSQL store cannot work as configured, and will not until
     /// an operator changes something (the URL, a role, a grant, a
     /// certificate, the schema, or this build): the server named no such
-    /// database, refused the role or its password, denied a privilege the
-    /// store needs, the server's certificate failed verification, or the
-    /// schema was created by a newer idemstore. Nothing was applied.
+    /// database, refused the role or its password (or none was given),
+    /// denied a privilege the store needs, the server's certificate failed
+    /// verification, the schema was created by a newer idemstore, or its
+    /// objects were dropped or altered. Nothing was applied.
     /// **Never retry it as is** (the same request gets the same answer):
     /// report it, page someone, and fail the request; an HTTP layer answers
     /// it with 503 like any other fault of the store. [`ConfigFault`] says
@@ -351,7 +352,10 @@ pub enum ConfigFault {
     /// `pg_hba.conf` has no entry for this host, role and database
     /// (SQLSTATE `28000`).
     RoleRefused,
-    /// The password (or other credential) was wrong (SQLSTATE `28P01`).
+    /// The password (or other credential) was wrong (SQLSTATE `28P01`), or
+    /// the server asked for one and the connection string holds none
+    /// (tokio-postgres's "password missing"; `PGPASSWORD` and `.pgpass` are
+    /// not read).
     AuthenticationFailed,
     /// The role lacks a privilege the store needs: `USAGE` on the schema,
     /// `SELECT`, `INSERT`, `UPDATE` or `DELETE` on its tables, `USAGE` on
@@ -381,7 +385,11 @@ pub enum ConfigFault {
     /// them the outcomes that stop a key's work from running twice:
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an
-    /// empty store.
+    /// empty store. Through `complete_in` or `fail_in`, a caller's
+    /// connection to another database than the store's gets the same
+    /// codes: check which connection answered before restoring anything.
+    /// An operator command (`Store::connect_existing`) connects to such a
+    /// schema with a warning, to export what is left.
     SchemaDamaged,
 }
 

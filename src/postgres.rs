@@ -94,6 +94,11 @@ pub use crate::pg::server;
 /// - [`Error::InvalidArgument`]: `store` is not a PostgreSQL store
 ///   ([`Store::connect`]), or a time does not fit a `bigint`.
 /// - [`Error::CorruptRecord`]: the stored row cannot be decoded.
+/// - [`Error::Misconfigured`]: the role of `client` lacks a privilege on
+///   the store's schema ([`ConfigFault::PermissionDenied`](crate::ConfigFault)),
+///   or does not see the store's objects
+///   ([`ConfigFault::SchemaDamaged`](crate::ConfigFault)): check first that
+///   `client` is connected to the store's database; nothing is applied.
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
 ///   server refused it): nothing of the caller's transaction is applied.
 /// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
@@ -219,10 +224,13 @@ impl Migration {
 /// - [`Error::InvalidArgument`]: a bad URL or schema name.
 /// - [`Error::Unavailable`]: the server cannot be reached (retry).
 /// - [`Error::Misconfigured`]: no such database, the role refused or its
-///   password wrong, [`ConfigFault::PermissionDenied`](crate::ConfigFault)
+///   password wrong or missing, [`ConfigFault::PermissionDenied`](crate::ConfigFault)
 ///   when the role may not create the schema or its objects, TLS refused,
-///   or [`ConfigFault::SchemaTooNew`](crate::ConfigFault) for a schema
-///   written by a newer idemstore (never downgraded).
+///   [`ConfigFault::SchemaTooNew`](crate::ConfigFault) for a schema
+///   written by a newer idemstore (never downgraded), or
+///   [`ConfigFault::SchemaDamaged`](crate::ConfigFault) for a store's
+///   schema missing its records, bindings or token sequence (never created
+///   again empty).
 /// - [`Error::IncompatibleSchema`]: the schema's meta rows are malformed.
 pub fn migrate(url: &str, schema: &str) -> Result<Migration> {
     let _span = tracing::debug_span!("idemstore.migrate").entered();

@@ -211,8 +211,10 @@ impl Store {
     /// - [`Error::Unavailable`]: the server cannot be reached (safe to
     ///   retry).
     /// - [`Error::Misconfigured`]: no such database, the role refused or
-    ///   its password wrong, a privilege missing, the server's certificate
-    ///   refused, or the schema written by a newer idemstore (never retry
+    ///   its password wrong or missing, a privilege missing, the server's
+    ///   certificate refused, the schema written by a newer idemstore, or a
+    ///   store's schema missing its records, bindings or token sequence
+    ///   ([`ConfigFault::SchemaDamaged`](crate::ConfigFault); never retry
     ///   as is).
     /// - [`Error::IncompatibleSchema`]: the schema is not an idemstore
     ///   schema.
@@ -333,7 +335,8 @@ impl Store {
     /// On PostgreSQL it is the database's clock, read with a round trip
     /// that waits at most `PostgresLimits::call_timeout`; while the server
     /// cannot be reached, the highest time this process has seen (the
-    /// connect reads it once, so never less than the time of the connect).
+    /// connect reads it once, so never less than the time of the connect;
+    /// with [`Config::clock`](crate::Config::clock), that clock's reading then).
     pub fn now_ms(&self) -> u64 {
         self.engine.now_ms()
     }

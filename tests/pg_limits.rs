@@ -34,7 +34,8 @@ use std::time::Duration;
 use idemstore::postgres::complete_in;
 use idemstore::postgres::tokio_postgres::{self, NoTls};
 use idemstore::{
-    ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, PostgresLimits, State, Store,
+    ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, ImportOptions, Key, PostgresLimits,
+    State, Store,
 };
 use pg::proxy::{HANG_GUARD, Proxy, upstream_of, via};
 
@@ -272,14 +273,16 @@ fn a_full_queue_is_waited_on_until_the_deadline() {
 /// is left of the call's deadline, not a fresh `call_timeout`: here the
 /// row stays locked, so the call ends at its deadline (the error names
 /// `call_timeout`), where a fresh deadline would let the general path wait
-/// out a second `lock_timeout` and answer that (55P03).
+/// out a second `lock_timeout` and answer that (55P03). The limits leave
+/// the hot path a second before its own deadline, and the general path a
+/// second where it would need three.
 #[test]
 fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
     let Some(url) = pg::url() else { return };
     let schema = pg::schema("limits_one_deadline");
     let mut limits = PostgresLimits::default();
-    limits.call_timeout = Duration::from_secs(2);
-    limits.lock_timeout = Duration::from_millis(1_500);
+    limits.call_timeout = Duration::from_secs(4);
+    limits.lock_timeout = Duration::from_secs(3);
     let config = Config::new()
         .postgres_schema(&schema)
         .postgres_limits(limits)
@@ -320,9 +323,10 @@ fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
 
 /// While the server cannot be reached, `Store::now_ms` answers the highest
 /// time this process has seen, which the connect read: never 0 (the
-/// epoch), and not below the database clock before the connect. `stats`
-/// and an import are refused as `Unavailable` rather than judged at an
-/// earlier time.
+/// epoch), and not below the database clock before the connect. An
+/// import is refused as `Unavailable` rather than judged at the time last
+/// seen: with no tolerance, a stream exported after the connect would be
+/// refused as ahead of that time instead. `stats` is `Unavailable` too.
 #[test]
 fn the_time_of_an_unreachable_server_is_the_last_seen() {
     let Some(url) = pg::url() else { return };
@@ -353,6 +357,16 @@ fn the_time_of_an_unreachable_server_is_the_last_seen() {
         .postgres_limits(limits)
         .sweep_interval(None);
     let store = Arc::new(Store::connect(&via(&url, &proxy), config).expect("connect"));
+    // The export's clock is past the connect's reading.
+    std::thread::sleep(Duration::from_millis(20));
+    let mut stream = Vec::new();
+    let dir = tempfile::tempdir().expect("dir");
+    let source = Store::open_with(
+        dir.path().join("s.redb"),
+        Config::new().sweep_interval(None),
+    )
+    .expect("open");
+    source.export(&mut stream, |_| {}).expect("export");
     proxy.pause();
     let s = Arc::clone(&store);
     let now = guarded("now_ms", move || s.now_ms());
@@ -363,16 +377,12 @@ fn the_time_of_an_unreachable_server_is_the_last_seen() {
     let s = Arc::clone(&store);
     let err = guarded("stats", move || s.stats()).unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
-    let mut stream = Vec::new();
-    let dir = tempfile::tempdir().expect("dir");
-    let source = Store::open_with(
-        dir.path().join("s.redb"),
-        Config::new().sweep_interval(None),
-    )
-    .expect("open");
-    source.export(&mut stream, |_| {}).expect("export");
     let s = Arc::clone(&store);
-    let err = guarded("import", move || s.import(stream.as_slice(), |_| {})).unwrap_err();
+    let err = guarded("import", move || {
+        let exact = ImportOptions::new().clock_tolerance(Duration::ZERO);
+        s.import_with(stream.as_slice(), &exact, |_| {})
+    })
+    .unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
     proxy.resume();
 }

@@ -922,17 +922,32 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     // A first reading of the store's time, so that what is answered while
     // the server cannot be reached (`Postgres::last_now_ms`) is the time
     // of the connect at least, never 0.
-    if shared.clock.is_none() {
-        let rows = client
-            .query(shared.sql.clock.as_str(), &[])
-            .await
-            .map_err(|e| fail(&e).error())?;
-        time_from(shared, Some(&rows)).map_err(|f| f.error())?;
-    }
+    let rows = match shared.clock {
+        Some(_) => None,
+        None => Some(
+            client
+                .query(shared.sql.clock.as_str(), &[])
+                .await
+                .map_err(|e| fail(&e).error())?,
+        ),
+    };
+    time_from(shared, rows.as_deref()).map_err(|f| f.error())?;
     if !shared.migrate {
         match read_current(shared, &client).await? {
             Some(id) => {
-                check_objects(shared, &client).await?;
+                match check_objects(shared, &client).await {
+                    // An operator command (`connect_existing`: export,
+                    // check, list, stats) still reads what is left, for
+                    // the restore; its requests on a missing object answer
+                    // SchemaDamaged.
+                    Err(Error::Misconfigured {
+                        fault: ConfigFault::SchemaDamaged,
+                        detail,
+                    }) if shared.must_exist => {
+                        tracing::warn!(%detail, "idemstore: the store's schema is damaged");
+                    }
+                    other => other?,
+                }
                 return Ok((id, Found::Current));
             }
             None if shared.must_exist => {
@@ -1516,14 +1531,31 @@ async fn attempt(
     // its own, never ages the batch's time: a claim is never answered with
     // a lease that lapsed while it waited).
     conn.commit_sent.store(false, Ordering::SeqCst);
+    //
+    // Each statement is its own future, polled first in the order written
+    // (`tokio::join!`), and tokio-postgres sends a statement when its
+    // future is first polled: the order on the wire is the order below,
+    // and the results are checked in that order, so the first failure is
+    // the one reported (the statements after it answer 25P02, which names
+    // nothing).
     let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
-    let raise = async {
-        if let Some(floor) = floor {
-            c.batch_execute(&shared.sql.lock_for_raise).await?;
-            c.query(&conn.st.xact_lock, &[&lock_key]).await?;
-            c.query(&conn.st.raise_tokens, &[&floor]).await?;
+    let lock_table = async {
+        match floor {
+            Some(_) => c.batch_execute(&shared.sql.lock_for_raise).await,
+            None => Ok(()),
         }
-        Ok::<_, tokio_postgres::Error>(())
+    };
+    let token_lock = async {
+        match floor {
+            Some(_) => c.query(&conn.st.xact_lock, &[&lock_key]).await.map(drop),
+            None => Ok(()),
+        }
+    };
+    let raise = async {
+        match &floor {
+            Some(floor) => c.query(&conn.st.raise_tokens, &[floor]).await.map(drop),
+            None => Ok(()),
+        }
     };
     let key_params: [&(dyn ToSql + Sync); 1] = [&keys];
     let rows = c.query(&conn.st.lock_records, &key_params);
@@ -1540,14 +1572,16 @@ async fn attempt(
             Ok(Vec::new())
         }
     };
-    let (begin, raise, rows, draw, clock) = tokio::join!(begin, raise, rows, draw, clock);
+    let (begin, lock_table, token_lock, raise, rows, draw, clock) =
+        tokio::join!(begin, lock_table, token_lock, raise, rows, draw, clock);
     begin.map_err(|e| fail(&e))?;
+    lock_table.map_err(|e| fail(&e))?;
+    token_lock.map_err(|e| fail(&e))?;
     raise.map_err(|e| fail(&e))?;
     let rows = rows.map_err(|e| fail(&e))?;
-    // In the order the flight sent them: the first statement to fail
-    // aborts the transaction, and every statement after it is refused
-    // with 25P02, which names nothing (a draw refused for want of USAGE on
-    // the sequence, or a deadlock on the token lock, is the error).
+    // The draw (its shared lock, then the draw) before the clock: a draw
+    // refused for want of USAGE on the sequence, or a deadlock on the
+    // token lock, is the error, not the clock's 25P02 after it.
     let first_draw = draw?;
     let clock = clock.map_err(|e| fail(&e))?;
     let mut base = Base::default();

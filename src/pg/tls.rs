@@ -171,9 +171,9 @@ struct Param<'a> {
 /// and a backslash takes the next character as it is, quoted or not.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a keyword without `=`, a missing value
-/// or an unterminated quote; the message never holds a value (it may be
-/// a password).
+/// [`Error::InvalidArgument`] for a word without `=`, a missing value or
+/// an unterminated quote, named by its byte offset: the message holds no
+/// part of the string (a malformed one may hold a password anywhere).
 fn key_value_params(s: &str) -> Result<Vec<Param<'_>>> {
     let refuse = |reason: String| Error::invalid("url", reason);
     let mut out = Vec::new();
@@ -190,14 +190,15 @@ fn key_value_params(s: &str) -> Result<Vec<Param<'_>>> {
         }
         let key = s.get(start..key_end).unwrap_or_default();
         if key.is_empty() {
-            return Err(refuse(
-                "a key=value connection string has '=' where a keyword belongs".into(),
-            ));
+            return Err(refuse(format!(
+                "the key=value connection string has '=' where a keyword belongs (byte {start})"
+            )));
         }
         skip_ws(&mut it);
         if it.next_if(|(_, c)| *c == '=').is_none() {
             return Err(refuse(format!(
-                "the keyword {key:?} of the connection string has no '=' and value"
+                "the word at byte {start} of the connection string is not keyword=value \
+                 (a URL starts postgresql:// or postgres://, in lower case)"
             )));
         }
         skip_ws(&mut it);
@@ -229,12 +230,13 @@ fn key_value_params(s: &str) -> Result<Vec<Param<'_>>> {
         }
         if !closed {
             return Err(refuse(format!(
-                "the value of {key:?} in the connection string has no closing quote"
+                "the value of the keyword at byte {start} of the connection string has no \
+                 closing quote"
             )));
         }
         if !quoted && !any {
             return Err(refuse(format!(
-                "the keyword {key:?} of the connection string has no value"
+                "the keyword at byte {start} of the connection string has no value"
             )));
         }
         out.push(Param {
@@ -448,6 +450,10 @@ mod tests {
             "host=h password",
             "host=h password=",
             "=secret host=h",
+            "host=h password=correct secret",
+            "Postgres://u:secret@h/db",
+            "jdbc:postgresql://u:secret@h/db",
+            "secret@h/db='x",
         ] {
             let err = parse(bad).unwrap_err().to_string();
             assert!(!err.contains("secret"), "{err}");
