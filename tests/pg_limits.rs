@@ -156,19 +156,26 @@ fn a_half_open_connection_bounds_every_call_and_the_store_recovers() {
     proxy.resume();
 }
 
-#[test]
-fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
-    let Some(url) = pg::url() else { return };
-    let schema = pg::schema("limits_lock");
-    let mut limits = PostgresLimits::default();
-    limits.lock_timeout = Duration::from_millis(500);
+/// A store in `schema` under `limits` (a 60-s lease, no sweeper), its
+/// key `held` claimed, and a client of the test's own (with the runtime
+/// that drives it) to hold the key's row from a transaction.
+fn held_key(
+    url: &str,
+    schema: &str,
+    limits: PostgresLimits,
+) -> (
+    Arc<Store>,
+    idemstore::Lease,
+    tokio::runtime::Runtime,
+    tokio_postgres::Client,
+) {
     let config = Config::new()
-        .postgres_schema(&schema)
+        .postgres_schema(schema)
         .postgres_connections(2)
         .postgres_limits(limits)
         .lease(Duration::from_secs(60))
         .sweep_interval(None);
-    let store = Arc::new(Store::connect(&url, config).expect("connect"));
+    let store = Arc::new(Store::connect(url, config).expect("connect"));
     let lease = match claim(&store, "held") {
         Ok(ClaimOutcome::Acquired(lease)) => lease,
         other => panic!("{other:?}"),
@@ -177,10 +184,20 @@ fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
         .enable_all()
         .build()
         .expect("runtime");
-    let (mut client, connection) = rt
-        .block_on(tokio_postgres::connect(&url, NoTls))
+    let (client, connection) = rt
+        .block_on(tokio_postgres::connect(url, NoTls))
         .expect("connect");
     rt.spawn(connection);
+    (store, lease, rt, client)
+}
+
+#[test]
+fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_lock");
+    let mut limits = PostgresLimits::default();
+    limits.lock_timeout = Duration::from_millis(500);
+    let (store, lease, rt, mut client) = held_key(&url, &schema, limits);
     // The caller's transaction locks the row and stays open.
     let tx = rt.block_on(client.transaction()).expect("begin");
     rt.block_on(complete_in(&tx, &store, &lease, b"done"))
@@ -283,24 +300,7 @@ fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
     let mut limits = PostgresLimits::default();
     limits.call_timeout = Duration::from_secs(4);
     limits.lock_timeout = Duration::from_secs(3);
-    let config = Config::new()
-        .postgres_schema(&schema)
-        .postgres_limits(limits)
-        .lease(Duration::from_secs(60))
-        .sweep_interval(None);
-    let store = Arc::new(Store::connect(&url, config).expect("connect"));
-    let lease = match claim(&store, "held") {
-        Ok(ClaimOutcome::Acquired(lease)) => lease,
-        other => panic!("{other:?}"),
-    };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let (mut client, connection) = rt
-        .block_on(tokio_postgres::connect(&url, NoTls))
-        .expect("connect");
-    rt.spawn(connection);
+    let (store, lease, rt, mut client) = held_key(&url, &schema, limits);
     let tx = rt.block_on(client.transaction()).expect("begin");
     rt.block_on(tx.execute(
         &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),

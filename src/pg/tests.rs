@@ -1692,14 +1692,17 @@ fn a_wrong_password_is_misconfigured() {
             .unwrap();
         tokio::spawn(conn);
         client
-            .batch_execute("CREATE ROLE pw_user LOGIN PASSWORD 'right'")
+            .batch_execute(
+                "CREATE ROLE pw_user LOGIN PASSWORD 'right'; \
+                 CREATE ROLE sp_user LOGIN PASSWORD 'two  spaces'",
+            )
             .await
             .unwrap();
         let hba: String = client.query_one("SHOW hba_file", &[]).await.unwrap().get(0);
         client
             .batch_execute(&format!(
                 "COPY (VALUES ('local all all trust'), \
-                 ('host all pw_user 0.0.0.0/0 scram-sha-256'), \
+                 ('host all pw_user,sp_user 0.0.0.0/0 scram-sha-256'), \
                  ('host all all 0.0.0.0/0 trust')) TO '{hba}'; SELECT pg_reload_conf()"
             ))
             .await
@@ -1748,18 +1751,8 @@ fn a_wrong_password_is_misconfigured() {
     );
     // A quoted password with spaces, and spaces around '=', are read as
     // tokio-postgres reads them: the password is right.
-    rt.block_on(async {
-        let (client, conn) = tokio_postgres::connect(own.url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        client
-            .batch_execute("ALTER ROLE pw_user PASSWORD 'two  spaces'")
-            .await
-            .unwrap();
-    });
     let quoted = format!(
-        "host=127.0.0.1 port = {port} user=pw_user password='two  spaces' \
+        "host=127.0.0.1 port = {port} user=sp_user password='two  spaces' \
          sslmode = 'disable' dbname=postgres"
     );
     assert_eq!(
