@@ -379,17 +379,19 @@ pub enum ConfigFault {
     /// An object the store needs is missing or of another form: its
     /// schema, a table (`records`, `bindings`, `meta`), a column, or the
     /// token sequence was dropped or altered outside idemstore (SQLSTATE
-    /// `3F000`, `42P01`, `42703` or `42804` on a request; or found missing
-    /// by a connect or a migration, which refuses rather than create the
-    /// missing objects empty). The records it held may be gone, and with
+    /// `3F000`, `42P01`, `42703` or `42804` on a request; or found by a
+    /// connect or a migration: a version row without `records`, `bindings`
+    /// or `tokens`, or those without a version row; it refuses rather than
+    /// create the missing objects empty, or a new store over old rows). The records it held may be gone, and with
     /// them the outcomes that stop a key's work from running twice:
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an
     /// empty store. Through `complete_in` or `fail_in`, a caller's
     /// connection to another database than the store's gets the same
     /// codes: check which connection answered before restoring anything.
-    /// An operator command (`Store::connect_existing`) connects to such a
-    /// schema with a warning, to export what is left.
+    /// No command of idemstore reads such a schema (every connection
+    /// prepares statements over all of its objects): save what is left
+    /// with PostgreSQL's own tools (`pg_dump --schema`).
     SchemaDamaged,
 }
 

@@ -935,19 +935,7 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     if !shared.migrate {
         match read_current(shared, &client).await? {
             Some(id) => {
-                match check_objects(shared, &client).await {
-                    // An operator command (`connect_existing`: export,
-                    // check, list, stats) still reads what is left, for
-                    // the restore; its requests on a missing object answer
-                    // SchemaDamaged.
-                    Err(Error::Misconfigured {
-                        fault: ConfigFault::SchemaDamaged,
-                        detail,
-                    }) if shared.must_exist => {
-                        tracing::warn!(%detail, "idemstore: the store's schema is damaged");
-                    }
-                    other => other?,
-                }
+                check_objects(shared, &client).await?;
                 return Ok((id, Found::Current));
             }
             None if shared.must_exist => {
@@ -1023,13 +1011,8 @@ async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> 
 /// The relations every store's schema holds beside its meta table.
 const OBJECTS: [&str; 3] = ["records", "bindings", "tokens"];
 
-/// Checks that a schema whose version row says it holds a store still has
-/// every object of one (one catalog read).
-///
-/// # Errors
-/// [`Error::Misconfigured`] with [`ConfigFault::SchemaDamaged`] naming the
-/// missing objects, and the errors of the connection.
-async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
+/// Which of [`OBJECTS`] the schema holds (one catalog read).
+async fn present_objects(shared: &Shared, client: &Client) -> Result<Vec<String>> {
     let rows = client
         .query(
             "SELECT c.relname::text FROM pg_catalog.pg_class c \
@@ -1041,9 +1024,19 @@ async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
         .map_err(|e| fail(&e).error())?;
     let mut present = Vec::with_capacity(rows.len());
     for row in &rows {
-        let name: String = row.try_get(0).map_err(|e| fail(&e).error())?;
-        present.push(name);
+        present.push(row.try_get(0).map_err(|e| fail(&e).error())?);
     }
+    Ok(present)
+}
+
+/// Checks that a schema whose version row says it holds a store still has
+/// every object of one (one catalog read).
+///
+/// # Errors
+/// [`Error::Misconfigured`] with [`ConfigFault::SchemaDamaged`] naming the
+/// missing objects, and the errors of the connection.
+async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
+    let present = present_objects(shared, client).await?;
     let missing: Vec<&str> = OBJECTS
         .iter()
         .copied()
@@ -1179,6 +1172,23 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
         }
         None if shared.must_exist => return Err(missing()),
         None => {
+            // The objects are created in the transaction that writes the
+            // version row: found without it, the meta table (or its rows)
+            // was dropped, and a new store over the old rows would take
+            // them with a new identity.
+            let present = present_objects(shared, client).await?;
+            if !present.is_empty() {
+                let schema = &sql.schema;
+                return Err(Error::Misconfigured {
+                    fault: ConfigFault::SchemaDamaged,
+                    detail: format!(
+                        "schema {schema} holds a store's {} but no version row: its meta \
+                         table or rows were dropped outside idemstore; restore the schema \
+                         from a backup, or drop schema {schema} to start an empty store",
+                        present.join(", ")
+                    ),
+                });
+            }
             client.batch_execute(&sql.create()).await.map_err(pg)?;
             let id: u128 = rand::random();
             let version = SCHEMA_VERSION.to_be_bytes().to_vec();
@@ -2843,9 +2853,23 @@ impl Postgres {
             return Err(Error::invalid("connections", "must be > 0"));
         }
         let parsed = tls::parse(url)?;
-        let mut config: tokio_postgres::Config = parsed.rest.parse().map_err(|e| {
-            Error::invalid("url", format!("not a PostgreSQL connection string: {e}"))
-        })?;
+        let mut config: tokio_postgres::Config =
+            parsed.rest.parse().map_err(|e: tokio_postgres::Error| {
+                // tokio-postgres names an unknown option by its keyword, which
+                // may be a word of an unquoted password: not shown.
+                let said = e.source().map(|s| s.to_string()).unwrap_or_default();
+                let reason = if said.starts_with("unknown option") {
+                    "an option tokio-postgres does not know (its name is not shown: it may be \
+                 part of a password that holds a space and needs quotes)"
+                        .to_string()
+                } else {
+                    e.to_string()
+                };
+                Error::invalid(
+                    "url",
+                    format!("not a PostgreSQL connection string: {reason}"),
+                )
+            })?;
         config.ssl_mode(tls::pg_mode(parsed.mode));
         let tls = tls::connector(&parsed)?;
         if config.get_application_name().is_none() {

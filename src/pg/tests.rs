@@ -1671,6 +1671,25 @@ fn configuration_faults_are_misconfigured_not_unavailable() {
     assert!(matches!(err, Error::Unavailable { .. }), "{err}");
 }
 
+/// A string tokio-postgres refuses for an unknown option is refused
+/// without the option's name: in `password=correct horse=staple` it is
+/// the second word of a password that needed quotes. (No server: the
+/// string is refused before any connection.)
+#[test]
+fn an_unknown_option_is_refused_without_its_name() {
+    let options = PgOptions {
+        schema: "unknown_option".into(),
+        ..PgOptions::default()
+    };
+    match Postgres::connect("host=127.0.0.1 password=correct horse=staple", options) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(!reason.contains("horse"), "{reason}");
+            assert!(reason.contains("quotes"), "{reason}");
+        }
+        other => panic!("expected InvalidArgument, got {:?}", other.map(drop)),
+    }
+}
+
 #[test]
 fn a_wrong_password_is_misconfigured() {
     if skipped() {
@@ -1822,6 +1841,13 @@ fn objects_dropped_under_a_store_are_schema_damaged() {
         "a claim with no schema",
         pg.apply(&key("again"), claim(b"a")).map(drop),
     );
+    // The meta table: a connect that may create would otherwise make a
+    // new store (a new identity) over the old rows.
+    drop(open_with(&name, None));
+    raw_sql(&format!("DROP TABLE \"{name}\".meta"));
+    damaged("a connect without meta", connect(false));
+    damaged("a migration without meta", connect(true));
+    assert!(!exists("meta"), "a connect created the meta table");
 }
 
 /// A holder's completion of its row damaged in a column the completion

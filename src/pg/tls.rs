@@ -14,7 +14,8 @@
 //! one, the Mozilla roots (`webpki-roots`), as managed PostgreSQL services
 //! use public certificates. `tokio-postgres` itself knows only `disable`,
 //! `prefer` and `require`, so the two options are taken out of the
-//! connection string here (their values must not be quoted).
+//! connection string here (in either form; in a key=value string a value
+//! may be quoted, as libpq allows).
 
 use std::sync::Arc;
 
@@ -54,12 +55,12 @@ impl SslMode {
             "require" => SslMode::Require,
             "verify-ca" => SslMode::VerifyCa,
             "verify-full" => SslMode::VerifyFull,
-            other => {
+            // The value is not shown: a misplaced quote can make it hold
+            // what follows, a password included.
+            _ => {
                 return Err(Error::invalid(
                     "url",
-                    format!(
-                        "sslmode {other:?}: use disable, prefer, require, verify-ca or verify-full"
-                    ),
+                    "sslmode is none of disable, allow, prefer, require, verify-ca or verify-full",
                 ));
             }
         })
@@ -454,6 +455,7 @@ mod tests {
             "Postgres://u:secret@h/db",
             "jdbc:postgresql://u:secret@h/db",
             "secret@h/db='x",
+            "host=h sslmode='require password=secret'",
         ] {
             let err = parse(bad).unwrap_err().to_string();
             assert!(!err.contains("secret"), "{err}");
