@@ -3048,8 +3048,17 @@ impl Postgres {
 
     /// Sends a job built around a reply channel and waits for the answer.
     fn ask<T>(&self, job: impl FnOnce(oneshot::Sender<Result<T>>) -> Job) -> Result<T> {
+        self.ask_by(self.deadline(), job)
+    }
+
+    /// [`Postgres::ask`] under a deadline the call already has.
+    fn ask_by<T>(
+        &self,
+        deadline: Instant,
+        job: impl FnOnce(oneshot::Sender<Result<T>>) -> Job,
+    ) -> Result<T> {
         let (tx, rx) = oneshot::channel();
-        self.send(job(tx))?;
+        self.send_by(job(tx), deadline)?;
         rx.recv().map_err(|_| Error::Closed)?
     }
 
@@ -3075,17 +3084,12 @@ impl Postgres {
             Direct::Undecided => false,
             Direct::Busy => true,
         };
-        let (tx, rx) = oneshot::channel();
-        self.send_by(
-            Job::Apply {
-                key: key.clone(),
-                op,
-                hot,
-                reply: tx,
-            },
-            deadline,
-        )?;
-        rx.recv().map_err(|_| Error::Closed)?
+        self.ask_by(deadline, |reply| Job::Apply {
+            key: key.clone(),
+            op,
+            hot,
+            reply,
+        })
     }
 
     /// Runs a request the hot path may decide on the calling thread, over
