@@ -647,7 +647,8 @@ impl Config {
 
     /// The PostgreSQL schema that holds the store's tables (PostgreSQL
     /// engine only): 1 to 63 ASCII letters, digits or underscores, not
-    /// starting with a digit; default `idemstore`. Several stores share one
+    /// starting with a digit, not `pg_…` or `information_schema`
+    /// (PostgreSQL's own); default `idemstore`. Several stores share one
     /// database under different schemas. On the embedded engine, opening
     /// fails with [`Error::InvalidArgument`] naming `postgres_schema`.
     pub fn postgres_schema(mut self, schema: impl Into<String>) -> Config {

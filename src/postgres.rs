@@ -218,7 +218,8 @@ impl Migration {
 ///
 /// `url` is as for [`Store::connect`] (TLS options included); `schema` is
 /// 1 to 63 ASCII letters, digits or underscores, not starting with a
-/// digit (`"idemstore"` is the default schema of [`Store::connect`]).
+/// digit, not `pg_…` or `information_schema` (PostgreSQL's own; the
+/// default schema of [`Store::connect`] is `"idemstore"`).
 ///
 /// # Errors
 /// - [`Error::InvalidArgument`]: a bad URL or schema name.

@@ -782,26 +782,7 @@ fn a_fifo_as_the_store_or_its_log_is_refused_without_blocking() {
         .unwrap();
     assert!(made.success());
     for (command, path) in [("stats", &fifo), ("export", &fifo), ("stats", &store)] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
-            .args([command, p(path)])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        // Hang guard: a command that blocks on the fifo fails the test.
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if std::time::Instant::now() > deadline {
-                child.kill().unwrap();
-                panic!("{command} {} blocked", path.display());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let mut err = String::new();
-        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        let (status, err) = unblocked(&[command, p(path)]);
         assert_eq!(
             status.code(),
             Some(2),
@@ -810,6 +791,77 @@ fn a_fifo_as_the_store_or_its_log_is_refused_without_blocking() {
         );
         assert!(err.contains("not a regular file"), "{err}");
     }
+}
+
+/// Runs the CLI with `args` (stdout discarded) and returns its exit
+/// status and stderr, failing the test if it has not exited within a
+/// hang guard (a command that blocks opening a fifo).
+fn unblocked(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("{args:?} blocked");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status, err)
+}
+
+/// An export's output that exists and is not a regular file (a fifo, a
+/// symbolic link, or such a file at the temporary name the export writes
+/// first) is refused even with --force, without blocking on a fifo, and is
+/// left as it was: the export's rename would have replaced it with a file.
+#[cfg(unix)]
+#[test]
+fn export_refuses_an_output_that_is_not_a_regular_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("s.redb");
+    populate(&store);
+    let fifo = dir.path().join("out.fifo");
+    let partial_fifo = dir.path().join("beside.idem.partial");
+    for made in [&fifo, &partial_fifo] {
+        let status = std::process::Command::new("mkfifo")
+            .arg(made)
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+    let target = dir.path().join("target.idem");
+    std::fs::write(&target, b"kept").unwrap();
+    let link = dir.path().join("link.idem");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    for (output, refused) in [
+        (&fifo, &fifo),
+        (&link, &link),
+        (&dir.path().join("beside.idem"), &partial_fifo),
+    ] {
+        let (status, err) = unblocked(&["export", p(&store), "--output", p(output), "--force"]);
+        assert_eq!(status.code(), Some(2), "{}: {err}", output.display());
+        assert!(
+            err.contains(&format!("{} is not a regular file", refused.display())),
+            "{err}"
+        );
+    }
+    let kind = |path: &Path| std::fs::symlink_metadata(path).unwrap().file_type();
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&kind(&fifo)));
+    assert!(std::os::unix::fs::FileTypeExt::is_fifo(&kind(
+        &partial_fifo
+    )));
+    assert!(kind(&link).is_symlink());
+    assert_eq!(std::fs::read(&target).unwrap(), b"kept");
+    assert!(!dir.path().join("beside.idem").exists());
 }
 
 /// An import that a failing disk cuts short (a file size limit, `ulimit

@@ -151,7 +151,8 @@ const KEEPALIVE_RETRIES: u32 = 3;
 pub(crate) struct PgOptions {
     /// The schema that holds the store's tables (several stores can share
     /// one database under different schemas): 1 to 63 ASCII letters, digits
-    /// or underscores, not starting with a digit. Default `"idemstore"`.
+    /// or underscores, not starting with a digit, not `pg_…` or
+    /// `information_schema`. Default `"idemstore"`.
     pub schema: String,
     /// A test clock that replaces the server clock entirely: its wall
     /// reading is the store's time (kept monotonic), sent as a parameter.
@@ -2134,7 +2135,9 @@ async fn run_sweep(shared: &Shared, slot: &mut Option<Conn>, max: usize) -> Resu
         let mut after: (i64, Vec<u8>) = (-1, Vec::new());
         while gone.len() < max {
             let want = max - gone.len();
-            let limit = to_i64("the sweep limit", u64::try_from(want).unwrap_or(u64::MAX))?;
+            // A limit is "at most": one past a bigint is the same as the
+            // largest bigint (no table holds more rows).
+            let limit = i64::try_from(want).unwrap_or(i64::MAX);
             let rows = c
                 .query(
                     &conn.st.due_records,

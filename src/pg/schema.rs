@@ -49,6 +49,16 @@ pub(crate) fn check_schema_name(name: &str) -> Result<()> {
             ),
         ));
     }
+    // PostgreSQL's own schemas (names are compared as quoted, so case
+    // matters): `pg_*` is reserved (the server refuses to create one),
+    // and `information_schema` is the catalog's, which pg_dump leaves out
+    // of a backup.
+    if name.starts_with("pg_") || name == "information_schema" {
+        return Err(Error::invalid(
+            "schema",
+            format!("{name:?} is reserved for PostgreSQL's own schemas (pg_*, information_schema)"),
+        ));
+    }
     Ok(())
 }
 
@@ -406,10 +416,30 @@ mod tests {
 
     #[test]
     fn schema_names_are_identifiers() {
-        for ok in ["idemstore", "a", "_x1", "Tenant_42"] {
+        for ok in [
+            "idemstore",
+            "a",
+            "_x1",
+            "Tenant_42",
+            "Pg_x",
+            "pgx",
+            "my_pg_store",
+        ] {
             assert!(check_schema_name(ok).is_ok(), "{ok}");
         }
-        for bad in ["", "1abc", "a-b", "a\"b", "a b", "é", &"x".repeat(64)] {
+        for bad in [
+            "",
+            "1abc",
+            "a-b",
+            "a\"b",
+            "a b",
+            "é",
+            &"x".repeat(64),
+            "pg_catalog",
+            "pg_temp_1",
+            "pg_x",
+            "information_schema",
+        ] {
             assert!(check_schema_name(bad).is_err(), "{bad}");
         }
     }

@@ -26,7 +26,9 @@ pub struct Args {
     /// renamed, so a failed export leaves no partial file).
     #[arg(long, short)]
     output: Option<PathBuf>,
-    /// Replace the output file if it exists.
+    /// Replace the output file if it exists (a regular file only: a
+    /// device, a fifo or a symbolic link is refused, since the rename
+    /// would replace it; redirect stdout to write to one).
     #[arg(long, requires = "output")]
     force: bool,
     /// Print the summary as JSON.
@@ -50,6 +52,9 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             "{} exists; give --force to replace it",
             target.display()
         )));
+    }
+    if let Some(target) = &args.output {
+        refuse_special_files(target)?;
     }
     let store = ops::open(&args.store, None)?;
     if let Some(target) = &args.output {
@@ -96,6 +101,29 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         (None, false) => eprintln!("{text}"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses an output (or its temporary name) that exists and is not a
+/// regular file: the export is renamed over the target, which would
+/// replace a device, a pipe or a symbolic link with a file (as root,
+/// `/dev/full` became one), and opening a pipe to compare it with the
+/// store's files would wait for a writer for ever.
+fn refuse_special_files(target: &Path) -> Result<(), CliError> {
+    for written in [target.to_path_buf(), partial_of(target)] {
+        // Not followed: a symbolic link is itself what the rename replaces.
+        match std::fs::symlink_metadata(&written) {
+            Ok(meta) if !meta.file_type().is_file() => {
+                return Err(CliError::Usage(format!(
+                    "{} is not a regular file (a device, pipe, directory or symbolic link), \
+                     which the export's rename would replace; nothing was written: write to \
+                     stdout and redirect it there, or give --output a regular file",
+                    written.display()
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Refuses an output that is (or whose temporary name is) the store file
