@@ -297,7 +297,9 @@ fn shown_part(v: &str) -> &str {
 /// are what it holds up to its last `@` (a password may hold an `@` of its
 /// own). When the authority holds no `@` but the rest of the URL does, a
 /// password with an unescaped `/`, `?` or `#` may have cut the authority
-/// short, so neither host nor database is shown.
+/// short, so neither host nor database is shown. A query parameter that
+/// overrides the host (`host`, `hostaddr`, `port`) or the database
+/// (`dbname`) shows that part as `…`: the URL's own would name another.
 fn redacted(url: &str, schema: &str) -> String {
     let (scheme, rest) = url.split_once("://").unwrap_or(("postgresql", url));
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
@@ -317,7 +319,20 @@ fn redacted(url: &str, schema: &str) -> String {
     } else {
         shown_part(db)
     };
-    let host = shown_part(host);
+    let query = after
+        .split_once('?')
+        .map_or("", |(_, q)| q.split('#').next().unwrap_or(""));
+    let overridden = |keys: &[&str]| {
+        query
+            .split('&')
+            .any(|pair| keys.contains(&pair.split('=').next().unwrap_or("")))
+    };
+    let db = if overridden(&["dbname"]) { "…" } else { db };
+    let host = if overridden(&["host", "hostaddr", "port"]) {
+        "…"
+    } else {
+        shown_part(host)
+    };
     format!("{scheme}://{host}/{db}?schema={schema}")
 }
 
@@ -754,7 +769,19 @@ mod tests {
                 "postgresql://svc:Sekr/3tPW@127.0.0.1:5488/app",
                 "postgresql://",
             ),
-            ("postgresql:///app?host=/run/pg", "postgresql:///app"),
+            ("postgresql:///app?host=/run/pg", "postgresql://…/app"),
+            (
+                "postgresql://postgres@127.0.0.1:5488/postgres?dbname=db2",
+                "postgresql://127.0.0.1:5488/…",
+            ),
+            (
+                "postgresql://db1/app?sslmode=disable&hostaddr=10.0.0.2&x=1",
+                "postgresql://…/app",
+            ),
+            (
+                "postgresql://db1/app?application_name=x",
+                "postgresql://db1/app",
+            ),
             (
                 "postgresql://db1/x%3A%2F%2Fsvc%3ASekr3t%40db2",
                 "postgresql://db1/…",
