@@ -220,23 +220,6 @@ impl Engine {
         }
     }
 
-    /// The store's time and the records by state at it (with the oldest
-    /// live Processing record's `created_ms`), as
-    /// [`Snapshot::state_counts`]; on PostgreSQL the time is read in the
-    /// same call as the counts, under one deadline.
-    pub(crate) fn counts_now(
-        &self,
-        snapshot: &Snapshot<'_>,
-    ) -> Result<(u64, StateCounts, Option<u64>)> {
-        #[cfg(feature = "postgres")]
-        if let Snapshot::Postgres(pg) = snapshot {
-            return pg.counts_now();
-        }
-        let now = self.now_ms();
-        let (counts, oldest) = snapshot.state_counts(now)?;
-        Ok((now, counts, oldest))
-    }
-
     /// The store's time and the wall clock (ms since the epoch) at the
     /// start of an import, which the stream's times are judged against.
     ///
@@ -420,17 +403,26 @@ impl Snapshot<'_> {
         }
     }
 
-    /// Records by state at `now_ms` and the oldest live Processing
-    /// record's `created_ms`: on the file engine from its state counts and
-    /// the expiry index's range of records in flight (work that grows with
-    /// the records in flight and those due for eviction); on PostgreSQL by
-    /// one aggregate statement over the rows' columns (the server reads
-    /// every row; no record is sent or decoded).
-    pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
+    /// The store's time and the records by state at it, with the oldest
+    /// live Processing record's `created_ms`: on the file engine at
+    /// `now()`, from its state counts and the expiry index's range of
+    /// records in flight (work that grows with the records in flight and
+    /// those due for eviction); on PostgreSQL the database's time and one
+    /// aggregate statement over the rows' columns, in one call under one
+    /// deadline (the server reads every row; no record is sent or
+    /// decoded).
+    pub(crate) fn counts_now(
+        &self,
+        now: impl FnOnce() -> u64,
+    ) -> Result<(u64, StateCounts, Option<u64>)> {
         match self {
-            Snapshot::Embedded(s) => s.state_counts(now_ms),
+            Snapshot::Embedded(s) => {
+                let now = now();
+                let (counts, oldest) = s.state_counts(now)?;
+                Ok((now, counts, oldest))
+            }
             #[cfg(feature = "postgres")]
-            Snapshot::Postgres(pg) => pg.state_counts(now_ms),
+            Snapshot::Postgres(pg) => pg.counts_now(),
             #[cfg(not(feature = "postgres"))]
             Snapshot::Never(never, _) => match *never {},
         }

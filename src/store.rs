@@ -1027,7 +1027,7 @@ impl Store {
         // A poisoned store's index may hold changes that never became
         // durable: refuse, as scan, export and verify do.
         let snapshot = self.engine.snapshot()?;
-        let (now_ms, records, oldest) = self.engine.counts_now(&snapshot)?;
+        let (now_ms, records, oldest) = snapshot.counts_now(|| self.engine.now_ms())?;
         Ok(Stats {
             now_ms,
             records,

@@ -3338,7 +3338,9 @@ impl Postgres {
     /// The rows by state at `now_ms` (store time, ms) and the oldest live
     /// Processing row's `created_ms`, counted by the server from the rows'
     /// columns in one statement (see [`read_counts`]): O(rows) on the
-    /// server, nothing per row on the wire.
+    /// server, nothing per row on the wire. (The store reads its time in
+    /// the same call, [`Postgres::counts_now`]; a given time is for tests.)
+    #[cfg(test)]
     pub(crate) fn state_counts(&self, now_ms: u64) -> Result<(StateCounts, Option<u64>)> {
         let (_, counts, oldest) = self.ask(|reply| Job::Counts {
             now_ms: Some(now_ms),
