@@ -160,8 +160,12 @@ pub struct PostgresLimits {
     /// in the queue, for a connection, for its turn and for the server all
     /// count. Default 30 s.
     pub call_timeout: Duration,
-    /// How long opening a connection may take (TCP, TLS and the server's
-    /// start-up). Default 10 s.
+    /// How long opening a connection may take: TCP, TLS, authentication
+    /// and the server's start-up, for each host the connection string
+    /// names (tried in turn), as libpq's `connect_timeout` (a URL's
+    /// `connect_timeout` wins). A server that accepts the connection and
+    /// then says nothing is answered `Unavailable` after this, not after
+    /// `call_timeout` (whichever comes first). Default 10 s.
     pub connect_timeout: Duration,
     /// The server's `statement_timeout` on the engine's own sessions: a
     /// statement running longer is cancelled. Default 30 s.

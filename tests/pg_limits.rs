@@ -9,6 +9,8 @@
 //!   resumes, and dropping it does not wait for the proxy (a claim of an
 //!   absent key is one autocommit statement, its own COMMIT: once sent, it
 //!   is `OutcomeUnknown`);
+//! - a server that accepts a connection and then says nothing holds its
+//!   opening no longer than `connect_timeout`;
 //! - a caller's `complete_in` transaction that holds a row longer than
 //!   `lock_timeout` holds a batch that includes that row no longer than
 //!   that, and no other key at all;
@@ -240,6 +242,49 @@ fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
         .expect("get")
         .expect("record");
     assert_eq!(r.state(), State::Succeeded);
+}
+
+/// A server that accepts the connection and then says nothing (the proxy,
+/// paused) holds opening a connection no longer than `connect_timeout`,
+/// which bounds TCP, TLS and the server's start-up (`tokio-postgres`'s own
+/// bounds the TCP connect only): the store's connect, and then a call that
+/// must open its first connection, answer `Unavailable` naming
+/// `connect_timeout`, not the call's deadline; once the server answers
+/// again, the store serves.
+#[test]
+fn a_server_that_accepts_and_says_nothing_is_bounded_by_connect_timeout() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_silent_server");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(10);
+    limits.connect_timeout = Duration::from_secs(1);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(1)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let names_connect_timeout = |err: &Error| matches!(err, Error::Unavailable { detail } if detail.contains("connect_timeout"));
+
+    proxy.pause();
+    let (to, cfg) = (via(&url, &proxy), config.clone());
+    let err = guarded("connect", move || Store::connect(&to, cfg).map(drop)).unwrap_err();
+    assert!(names_connect_timeout(&err), "{err:?}");
+
+    proxy.resume();
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config).expect("connect"));
+    proxy.pause();
+    // No worker or direct connection is open before the first call.
+    for result in [claim(&store, "hot"), claim_bk(&store, "general")] {
+        let err = result.unwrap_err();
+        assert!(names_connect_timeout(&err), "{err:?}");
+    }
+    proxy.resume();
+    assert!(matches!(
+        claim_bk(&store, "general"),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
 }
 
 #[test]

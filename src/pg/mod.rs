@@ -798,8 +798,41 @@ struct Conn {
 }
 
 /// Opens a connection (its driver spawned on the current runtime), with
-/// TLS as `sslmode` asks.
+/// TLS as `sslmode` asks, within [`connect_bound`]: `tokio-postgres`'s own
+/// `connect_timeout` bounds the TCP connect only, so a server (or a
+/// middlebox) that accepts the connection and then says nothing would hold
+/// the call until its deadline.
 async fn open_client(shared: &Shared) -> Result<Client, Fail> {
+    let bound = connect_bound(&shared.config);
+    tokio::time::timeout(bound, connect_client(shared))
+        .await
+        .unwrap_or_else(|_| {
+            Err(Fail::Lost(format!(
+                "no connection within connect_timeout ({} ms per host, {} ms in all): the \
+                 server accepted the connection and did not finish its start-up",
+                shared
+                    .config
+                    .get_connect_timeout()
+                    .map_or(0, |t| t.as_millis()),
+                bound.as_millis()
+            )))
+        })
+}
+
+/// How long opening one connection may take, as libpq's `connect_timeout`
+/// bounds it: TCP, TLS, authentication and the server's start-up, for
+/// each host the connection string names (tried in turn, as libpq does).
+fn connect_bound(config: &tokio_postgres::Config) -> Duration {
+    let per_host = config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(PostgresLimits::default().connect_timeout);
+    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
+    per_host.checked_mul(hosts).unwrap_or(Duration::MAX)
+}
+
+/// [`open_client`] without its bound.
+async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
     let classify = |e: tokio_postgres::Error| {
         if let Some(fault) = config_fault(&e) {
             Fail::Config(fault, describe(&e))
