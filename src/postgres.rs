@@ -70,7 +70,12 @@ pub use crate::pg::server;
 /// by the store's process and never below the record's own last update),
 /// decides with the store's pure transition function, and writes the new
 /// record with a compare-and-set (`UPDATE … WHERE key = $k AND token =
-/// $seen`). The row stays locked until the caller's transaction ends:
+/// $seen`). Each statement is sent whole and unnamed with its parameters'
+/// types, one round trip each: three (the lock, the clock, the update),
+/// one more for a business-key binding; nothing stays prepared in
+/// `client`'s session, so a connection to a pooler in transaction mode
+/// works, inside a transaction block or outside one. The row stays locked
+/// until the caller's transaction ends:
 /// keep the transaction short and call this last, just before `COMMIT`.
 /// Requests of the store for the same key (a retry's claim, an extension)
 /// wait for that lock, and so does the store's group commit that carries
@@ -101,10 +106,22 @@ pub use crate::pg::server;
 ///   `client` is connected to the store's database; nothing is applied.
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
 ///   server refused it): nothing of the caller's transaction is applied.
+///   In a REPEATABLE READ or SERIALIZABLE transaction, also when its
+///   snapshot does not show the key's row (taken before the claim was
+///   written, so absent is not known to be absent) or the row changed
+///   after the snapshot (the server's `40001`): run the transaction again;
+///   a new snapshot completes the key or shows the lease stale.
 /// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
 ///   block (autocommit, where the completion's `UPDATE` commits on its
 ///   own): the `UPDATE` was sent and its answer lost, so the completion
 ///   may or may not be applied; read the key ([`Store::get`]) to learn it.
+///
+/// **Savepoints.** Inside a savepoint (a nested `Transaction::transaction`)
+/// an error aborts the savepoint only, as any failed statement does in
+/// PostgreSQL: rolling back to the savepoint and committing the outer
+/// transaction commits what it wrote before without the completion. Call
+/// this in the transaction itself, or treat its error as the whole
+/// transaction's and roll that back.
 ///
 /// The commit is the caller's, and so is its failure: if `COMMIT` fails
 /// with the connection lost, the outcome is unknown, as it is for

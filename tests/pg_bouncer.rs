@@ -11,7 +11,9 @@
 //!   not survive transaction pooling);
 //! - a caller's own connection to a **transaction-mode** entry (what most
 //!   services use) completes a key in its transaction: `complete_in` over
-//!   `tokio-postgres` and, with the feature `sqlx`, over sqlx.
+//!   `tokio-postgres` (inside a transaction, and outside one while other
+//!   clients move it between server sessions) and, with the feature
+//!   `sqlx`, over sqlx.
 //!
 //! Skipped, saying so, when `pgbouncer` is not installed (`apt-get install
 //! pgbouncer`; `.ci/run` installs it) or `IDEMSTORE_SKIP_POSTGRES=1`.
@@ -279,6 +281,39 @@ fn a_callers_transaction_mode_connection_completes_in_its_transaction() {
             tx.commit().await.expect("commit");
             let r = store.get(&k).expect("get").expect("record");
             assert_eq!(r.state(), State::Succeeded);
+        }
+        // A client outside a transaction block: each statement is a
+        // transaction of its own, which PgBouncer may give to another
+        // server session (here, while three other clients keep the pool
+        // busy), so every statement must be whole in one flight (a named
+        // statement prepared in one and executed in the next is not found:
+        // 26000). The completion commits on its own.
+        let busy = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let mut others = Vec::new();
+        for _ in 0..3 {
+            let (other, connection) = tokio_postgres::connect(&bouncer.url("txn"), NoTls)
+                .await
+                .expect("connect through pgbouncer");
+            tokio::spawn(connection);
+            let busy = std::sync::Arc::clone(&busy);
+            others.push(tokio::spawn(async move {
+                while busy.load(std::sync::atomic::Ordering::Relaxed) {
+                    other.batch_execute("SELECT 1").await.expect("select");
+                }
+            }));
+        }
+        for i in 0..50 {
+            let k = key(&format!("autocommit-{i}"));
+            let lease = acquire(&store, &k);
+            idemstore::postgres::complete_in(&c, &store, &lease, b"done")
+                .await
+                .unwrap_or_else(|e| panic!("completion {i}: {e:?}"));
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!(r.state(), State::Succeeded);
+        }
+        busy.store(false, std::sync::atomic::Ordering::Relaxed);
+        for other in others {
+            other.await.expect("other client");
         }
         #[cfg(feature = "sqlx")]
         {

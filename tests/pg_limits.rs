@@ -37,7 +37,7 @@ use idemstore::postgres::complete_in;
 use idemstore::postgres::tokio_postgres::{self, NoTls};
 use idemstore::{
     ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, ImportOptions, Key, ManualClock,
-    PostgresLimits, State, Store,
+    PostgresLimits, PostgresPooler, State, Store,
 };
 use pg::proxy::{HANG_GUARD, Proxy, upstream_of, via};
 
@@ -160,11 +160,14 @@ fn a_half_open_connection_bounds_every_call_and_the_store_recovers() {
 
 /// A store in `schema` under `limits` (a 60-s lease, no sweeper), its
 /// key `held` claimed, and a client of the test's own (with the runtime
-/// that drives it) to hold the key's row from a transaction.
+/// that drives it) to hold the key's row from a transaction. The store
+/// connects to `store_url` (`url` with options of its own, say).
 fn held_key(
     url: &str,
+    store_url: &str,
     schema: &str,
     limits: PostgresLimits,
+    pooler: PostgresPooler,
 ) -> (
     Arc<Store>,
     idemstore::Lease,
@@ -175,9 +178,10 @@ fn held_key(
         .postgres_schema(schema)
         .postgres_connections(2)
         .postgres_limits(limits)
+        .postgres_pooler(pooler)
         .lease(Duration::from_secs(60))
         .sweep_interval(None);
-    let store = Arc::new(Store::connect(url, config).expect("connect"));
+    let store = Arc::new(Store::connect(store_url, config).expect("connect"));
     let lease = match claim(&store, "held") {
         Ok(ClaimOutcome::Acquired(lease)) => lease,
         other => panic!("{other:?}"),
@@ -199,7 +203,8 @@ fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
     let schema = pg::schema("limits_lock");
     let mut limits = PostgresLimits::default();
     limits.lock_timeout = Duration::from_millis(500);
-    let (store, lease, rt, mut client) = held_key(&url, &schema, limits);
+    let (store, lease, rt, mut client) =
+        held_key(&url, &url, &schema, limits, PostgresPooler::Direct);
     // The caller's transaction locks the row and stays open.
     let tx = rt.block_on(client.transaction()).expect("begin");
     rt.block_on(complete_in(&tx, &store, &lease, b"done"))
@@ -345,7 +350,8 @@ fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
     let mut limits = PostgresLimits::default();
     limits.call_timeout = Duration::from_secs(4);
     limits.lock_timeout = Duration::from_secs(3);
-    let (store, lease, rt, mut client) = held_key(&url, &schema, limits);
+    let (store, lease, rt, mut client) =
+        held_key(&url, &url, &schema, limits, PostgresPooler::Direct);
     let tx = rt.block_on(client.transaction()).expect("begin");
     rt.block_on(tx.execute(
         &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
@@ -363,6 +369,45 @@ fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
         Err(Error::Unavailable { detail }) => {
             assert!(detail.contains("call_timeout"), "{detail}");
             assert!(detail.contains("before its COMMIT was sent"), "{detail}");
+        }
+        other => panic!("expected the deadline's error, got {other:?}"),
+    }
+    rt.block_on(tx.rollback()).expect("rollback");
+}
+
+/// A setting the URL gives (`options=-c lock_timeout=…`) wins over the
+/// limits behind a session-mode pooler too, where the limits are sent with
+/// `SET` after connecting (and would override what the startup set): with
+/// the URL's 60-s `lock_timeout`, a completion of a row that a caller's
+/// transaction holds waits until the call's deadline (the error names
+/// `call_timeout`), where the limits' 500 ms would end it with the
+/// server's 55P03. (A server stands in for the pooler: PgBouncer refuses
+/// `options`.)
+#[test]
+fn a_setting_in_the_url_wins_over_the_limits_behind_a_session_pooler() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_url_wins");
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(2);
+    limits.lock_timeout = Duration::from_millis(500);
+    let joint = if url.contains('?') { '&' } else { '?' };
+    let store_url = format!("{url}{joint}options=-c%20lock_timeout%3D60000");
+    let (store, lease, rt, mut client) =
+        held_key(&url, &store_url, &schema, limits, PostgresPooler::Session);
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    rt.block_on(tx.execute(
+        &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
+        &[],
+    ))
+    .expect("lock the row");
+    let s = Arc::clone(&store);
+    let answer = guarded("a completion of the locked row", move || {
+        s.complete(&lease, b"done")
+    });
+    match answer {
+        Err(Error::Unavailable { detail } | Error::OutcomeUnknown { detail }) => {
+            assert!(detail.contains("call_timeout"), "{detail}");
+            assert!(!detail.contains("55P03"), "{detail}");
         }
         other => panic!("expected the deadline's error, got {other:?}"),
     }

@@ -11,7 +11,11 @@
 //!   the ticket, and one that also completed the key, both SIGKILLed
 //!   before `COMMIT`): no ticket row, the key still Processing, then taken
 //!   over after the lease;
-//! - a file store is refused with a typed error.
+//! - a file store is refused with a typed error;
+//! - a REPEATABLE READ or SERIALIZABLE transaction whose snapshot predates
+//!   the claim: `Error::Unavailable` (run it again), not `StaleLease`;
+//! - one round trip per statement (unnamed, sent whole), counted by a
+//!   TCP proxy of the test's own.
 //!
 //! The server is the throwaway one of `tests/pg`; `IDEMSTORE_SKIP_POSTGRES=1`
 //! skips these tests.
@@ -27,6 +31,7 @@ use common::{child_role, child_var, child_var_parsed, ready_and_wait, report, sp
 use idemstore::postgres::tokio_postgres::{self, Client, NoTls};
 use idemstore::postgres::{complete_in, fail_in};
 use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Key, ManualClock, State, Store};
+use pg::proxy::{Proxy, upstream_of, via};
 use pg::txn::{LEASE, T0, acquire, config, fp, key, runtime, table_of};
 
 async fn client(url: &str) -> Client {
@@ -334,6 +339,98 @@ impl NowForChild for ManualClock {
 
 /// Whether the caller's transaction `tx` is aborted: its next statement
 /// fails.
+/// A caller's REPEATABLE READ or SERIALIZABLE transaction whose snapshot
+/// was taken before the key was claimed (its first statement, the ticket's
+/// insert, came first) does not see the key's row. Its completion is
+/// `Unavailable` (run the transaction again) and aborts it, where it was
+/// `StaleLease`, which tells the current holder to give the key up (to run
+/// again once the lease lapsed). The same completion in a new transaction
+/// commits, ticket and record together.
+#[test]
+fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_snapshot");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        create_tickets(&c, &table).await;
+        for level in [
+            tokio_postgres::IsolationLevel::RepeatableRead,
+            tokio_postgres::IsolationLevel::Serializable,
+        ] {
+            let k = key(&format!("snapshot-{level:?}"));
+            let tx = c
+                .build_transaction()
+                .isolation_level(level)
+                .start()
+                .await
+                .expect("begin");
+            insert_ticket(&tx, &table, &k).await;
+            let lease = acquire(&store, &k);
+            let err = complete_in(&tx, &store, &lease, b"1").await.unwrap_err();
+            assert!(
+                matches!(&err, Error::Unavailable { detail } if detail.contains("snapshot")),
+                "{level:?}: {err:?}"
+            );
+            assert!(is_aborted(&tx).await, "{level:?}");
+            drop(tx);
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!((r.state(), r.token()), (State::Processing, lease.token()));
+            assert_eq!(tickets_of(&c, &table, &k).await, 0);
+
+            let tx = c
+                .build_transaction()
+                .isolation_level(level)
+                .start()
+                .await
+                .expect("begin");
+            insert_ticket(&tx, &table, &k).await;
+            complete_in(&tx, &store, &lease, b"1")
+                .await
+                .expect("complete_in");
+            tx.commit().await.expect("commit");
+            assert_eq!(
+                store.get(&k).expect("get").expect("record").state(),
+                State::Succeeded
+            );
+            assert_eq!(tickets_of(&c, &table, &k).await, 1);
+        }
+    });
+}
+
+/// `complete_in` sends each statement whole, unnamed with its parameters'
+/// types: inside a transaction, locking and reading the row, reading the
+/// clock and the update are three round trips, counted by a TCP proxy of
+/// the test's own (a statement prepared by name takes one more each).
+#[test]
+fn a_completion_takes_one_round_trip_per_statement() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_round_trips");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let proxy = Proxy::start(upstream_of(&url));
+    runtime().block_on(async {
+        let mut c = client(&via(&url, &proxy)).await;
+        for i in 0..3 {
+            let k = key(&format!("round-trips-{i}"));
+            let lease = acquire(&store, &k);
+            let tx = c.transaction().await.expect("begin");
+            proxy.take_round_trips();
+            complete_in(&tx, &store, &lease, b"1")
+                .await
+                .expect("complete_in");
+            assert_eq!(proxy.take_round_trips(), 3);
+            tx.commit().await.expect("commit");
+            assert_eq!(
+                store.get(&k).expect("get").expect("record").state(),
+                State::Succeeded
+            );
+        }
+    });
+}
+
 async fn is_aborted(tx: &tokio_postgres::Transaction<'_>) -> bool {
     tx.execute("SELECT 1", &[]).await.is_err()
 }
@@ -534,16 +631,17 @@ fn a_lost_answer_of_an_autocommit_completion_is_outcome_unknown() {
             if in_block {
                 c.batch_execute("BEGIN").await.expect("begin");
             }
-            // The completion's UPDATE (not the lock's `FOR UPDATE`).
-            proxy.lose_answer_after(b"UPDATE \"");
+            // The completion's UPDATE (not the lock's `FOR UPDATE`), sent
+            // whole: Parse, Bind and Execute in one flight.
+            proxy.lose_answer_to(b"UPDATE \"");
             complete_in(&c, &store, &lease, b"applied")
                 .await
                 .unwrap_err()
         });
         assert_eq!(
             proxy.cut_chunk_type(),
-            Some(b'B'),
-            "the fault must fire on the UPDATE's Bind"
+            Some(b'P'),
+            "the fault must fire on the UPDATE, sent with its Parse"
         );
         if in_block {
             assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");

@@ -15,6 +15,8 @@
 //!   the ticket, and one that also completed the key, both SIGKILLed
 //!   before `COMMIT`): no ticket row, the key still Processing, then taken
 //!   over after the lease;
+//! - a REPEATABLE READ or SERIALIZABLE transaction whose snapshot predates
+//!   the claim: `Error::Unavailable`, not `StaleLease`;
 //! - a lost answer (a TCP proxy of the test's own cuts the connection once
 //!   the completion's `UPDATE` is sent): outside a transaction block the
 //!   `UPDATE` commits on its own, so the error is `Error::OutcomeUnknown`
@@ -243,6 +245,62 @@ fn a_stale_lease_aborts_the_callers_transaction() {
             "{err:?}"
         );
         assert_eq!(tickets_of(&mut c, &table, &k).await, 0);
+    });
+}
+
+/// A caller's REPEATABLE READ or SERIALIZABLE transaction whose snapshot
+/// was taken before the key was claimed does not see the key's row: its
+/// completion is `Unavailable` and aborts it (it was `StaleLease` for the
+/// current holder); in a new transaction the same completion commits.
+#[test]
+fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_snapshot");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = connect(&url).await;
+        recipe::create_table(&mut c, &table)
+            .await
+            .expect("create tickets");
+        for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+            let k = key(&format!("snapshot-{level}"));
+            let mut tx = c.begin().await.expect("begin");
+            sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {level}"))
+                .execute(&mut *tx)
+                .await
+                .expect("isolation");
+            insert_ticket(&mut tx, &table, &k).await;
+            let lease = acquire(&store, &k);
+            let err = complete_in(&mut tx, &store, &lease, b"1")
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, Error::Unavailable { detail } if detail.contains("snapshot")),
+                "{level}: {err:?}"
+            );
+            assert!(is_aborted(&mut tx).await, "{level}");
+            drop(tx);
+            let r = store.get(&k).expect("get").expect("record");
+            assert_eq!((r.state(), r.token()), (State::Processing, lease.token()));
+
+            let mut tx = c.begin().await.expect("begin");
+            sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {level}"))
+                .execute(&mut *tx)
+                .await
+                .expect("isolation");
+            insert_ticket(&mut tx, &table, &k).await;
+            complete_in(&mut tx, &store, &lease, b"1")
+                .await
+                .expect("complete_in");
+            tx.commit().await.expect("commit");
+            assert_eq!(
+                store.get(&k).expect("get").expect("record").state(),
+                State::Succeeded
+            );
+            assert_eq!(tickets_of(&mut c, &table, &k).await, 1);
+        }
     });
 }
 

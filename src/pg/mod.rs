@@ -2866,6 +2866,45 @@ fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 5] {
     ]
 }
 
+/// The names of the settings that `options` (libpq's `options` parameter)
+/// sets, with `-c name=value`, `-cname=value` or `--name=value`, as the
+/// server reads them: words split at spaces that no `\` escapes, names
+/// in lower case with `-` read as `_`. Other words are skipped.
+fn option_names(options: &str) -> BTreeSet<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut chars = options.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => word.extend(chars.next()),
+            c if c.is_ascii_whitespace() => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+            }
+            c => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    let mut names = BTreeSet::new();
+    let mut words = words.into_iter();
+    while let Some(w) = words.next() {
+        let setting = match w.as_str() {
+            "-c" => words.next(),
+            _ => w
+                .strip_prefix("-c")
+                .or_else(|| w.strip_prefix("--"))
+                .map(str::to_owned),
+        };
+        if let Some((name, _)) = setting.as_deref().and_then(|s| s.split_once('=')) {
+            names.insert(name.to_ascii_lowercase().replace('-', "_"));
+        }
+    }
+    names
+}
+
 impl Postgres {
     /// Connects to the database at `url` (a `postgresql://` URL or a
     /// `key=value` connection string), checks the schema's version with one
@@ -2939,14 +2978,20 @@ impl Postgres {
                 config.options(&options_text);
                 None
             }
-            // PgBouncer refuses the startup parameter `options`.
-            PostgresPooler::Session => Some(
-                settings
+            // PgBouncer refuses the startup parameter `options`. A pooler
+            // that passes it on (or a server given as one) applies the
+            // URL's settings at startup, before these: leave out what the
+            // URL sets, so that it wins here too.
+            PostgresPooler::Session => {
+                let given = config.get_options().map(option_names).unwrap_or_default();
+                let set = settings
                     .iter()
+                    .filter(|(name, _)| !given.contains(*name))
                     .map(|(name, value)| format!("SET {name} = {value}"))
                     .collect::<Vec<_>>()
-                    .join("; "),
-            ),
+                    .join("; ");
+                (!set.is_empty()).then_some(set)
+            }
             PostgresPooler::Transaction => {
                 return Err(Error::invalid(
                     "postgres_pooler",

@@ -91,9 +91,10 @@ pub(crate) struct Sql {
     pub lock_bindings: String,
     /// The database clock, ms since the epoch.
     pub clock: String,
-    /// The database clock (ms since the epoch) and whether the session's
+    /// The database clock (ms since the epoch), whether the session's
     /// transaction has an id (`complete_in`: after locking a row, true
-    /// only inside a transaction block).
+    /// only inside a transaction block), and whether its isolation level
+    /// reads one snapshot (REPEATABLE READ or SERIALIZABLE).
     pub txn_probe: String,
     /// Draws up to `$1` tokens from the sequence (fewer when it nears its
     /// end).
@@ -210,7 +211,8 @@ impl Sql {
             ),
             clock: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".into(),
             txn_probe: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
-                        pg_current_xact_id_if_assigned() IS NOT NULL"
+                        pg_current_xact_id_if_assigned() IS NOT NULL, \
+                        current_setting('transaction_isolation') <> 'read committed'"
                 .into(),
             // Never past the end in one statement: a draw that fails half
             // way would lose the tokens it already took.

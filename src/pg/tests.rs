@@ -2362,3 +2362,30 @@ fn verify_reads_the_bindings_in_the_snapshot_of_its_rows() {
     assert!(pg.get(&mover).unwrap().is_none());
     assert!(pg.get(&key("newer")).unwrap().is_some());
 }
+
+/// The settings a URL's `options` names are read as the server reads them
+/// (`-c name=value`, `-cname=value`, `--name=value`, `-` as `_`, any case,
+/// `\` escaping a space), so that behind a session-mode pooler the limits
+/// leave them to the URL.
+#[test]
+fn the_settings_a_urls_options_names_are_read_as_the_server_reads_them() {
+    let names = super::option_names(concat!(
+        "-c lock_timeout=100 -cStatement_Timeout=5s ",
+        "--idle-in-transaction-session-timeout=1 ",
+        r"-c search_path=a\ b -c -x plain -c",
+    ));
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "idle_in_transaction_session_timeout",
+            "lock_timeout",
+            "search_path",
+            "statement_timeout"
+        ]
+    );
+    assert!(super::option_names("").is_empty());
+    // One word, "-c lock_timeout=1": the server reads the name
+    // " lock_timeout", which sets nothing.
+    assert!(!super::option_names(r"-c\ lock_timeout=1").contains("lock_timeout"));
+}

@@ -16,7 +16,7 @@
 use std::future::Future;
 
 use tokio_postgres::GenericClient;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
 use crate::record::{Lease, Op, Record, Reply};
@@ -42,9 +42,8 @@ pub(super) trait Session: Send {
         sql: &str,
         bindings: &[Vec<u8>],
     ) -> impl Future<Output = Result<Vec<Binding>, Fail>> + Send;
-    /// Runs `sql` (`Sql::txn_probe`): the database clock (ms since the
-    /// epoch) and whether the session's transaction has an id.
-    fn probe(&mut self, sql: &str) -> impl Future<Output = Result<(i64, bool), Fail>> + Send;
+    /// Runs `sql` (`Sql::txn_probe`): what [`Probe`] holds.
+    fn probe(&mut self, sql: &str) -> impl Future<Output = Result<Probe, Fail>> + Send;
     /// Runs a write whose parameters are arrays; how many rows it returned.
     fn write(
         &mut self,
@@ -53,6 +52,21 @@ pub(super) trait Session: Send {
     ) -> impl Future<Output = Result<usize, Fail>> + Send;
     /// Runs `statement` with the simple protocol; whether it succeeded.
     fn execute(&mut self, statement: &str) -> impl Future<Output = bool> + Send;
+}
+
+/// What the caller's session is, read after the row locks
+/// (`Sql::txn_probe`).
+pub(super) struct Probe {
+    /// The database clock, in ms since the Unix epoch.
+    pub db_ms: i64,
+    /// Whether the session's transaction has an id: the row lock assigns
+    /// one inside a transaction block; outside a block the probe runs in a
+    /// fresh transaction that has none.
+    pub in_block: bool,
+    /// Whether the transaction reads one snapshot throughout (REPEATABLE
+    /// READ or SERIALIZABLE), so that a row written after it began is
+    /// not seen.
+    pub snapshot: bool,
 }
 
 /// A business-key binding read: (binding, key).
@@ -110,19 +124,28 @@ where
     finish(&mut TokioPostgres(client), prepared, lease).await
 }
 
-/// A `tokio-postgres` client or transaction of the caller's.
+/// A `tokio-postgres` client or transaction of the caller's. Every
+/// statement is sent unnamed with its parameters' types
+/// (`query_typed`): one round trip each (a named statement is prepared in
+/// one and closed after), nothing left in the session, and each statement
+/// whole in one flight, so that a pooler in transaction mode keeps it on
+/// one server session even outside a transaction block.
 struct TokioPostgres<'a, C>(&'a C);
 
 impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
     async fn records(&mut self, sql: &str, keys: &[Vec<u8>]) -> Result<Vec<RowColumns>, Fail> {
-        let rows = self.0.query(sql, &[&keys]).await.map_err(|e| fail(&e))?;
+        let rows = self
+            .0
+            .query_typed(sql, &[(&keys, Type::BYTEA_ARRAY)])
+            .await
+            .map_err(|e| fail(&e))?;
         rows.iter().map(row_columns).collect()
     }
 
     async fn bindings(&mut self, sql: &str, bindings: &[Vec<u8>]) -> Result<Vec<Binding>, Fail> {
         let rows = self
             .0
-            .query(sql, &[&bindings])
+            .query_typed(sql, &[(&bindings, Type::BYTEA_ARRAY)])
             .await
             .map_err(|e| fail(&e))?;
         rows.iter()
@@ -135,25 +158,30 @@ impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
             .collect()
     }
 
-    async fn probe(&mut self, sql: &str) -> Result<(i64, bool), Fail> {
-        let rows = self.0.query(sql, &[]).await.map_err(|e| fail(&e))?;
+    async fn probe(&mut self, sql: &str) -> Result<Probe, Fail> {
+        let rows = self.0.query_typed(sql, &[]).await.map_err(|e| fail(&e))?;
         let row = rows.first().ok_or_else(no_clock)?;
-        Ok((
-            row.try_get(0).map_err(read_error)?,
-            row.try_get(1).map_err(read_error)?,
-        ))
+        Ok(Probe {
+            db_ms: row.try_get(0).map_err(read_error)?,
+            in_block: row.try_get(1).map_err(read_error)?,
+            snapshot: row.try_get(2).map_err(read_error)?,
+        })
     }
 
     async fn write(&mut self, sql: &str, params: &[Param<'_>]) -> Result<usize, Fail> {
-        let params: Vec<&(dyn ToSql + Sync)> = params
+        let params: Vec<(&(dyn ToSql + Sync), Type)> = params
             .iter()
             .map(|p| match p {
-                Param::Bytes(v) => v as &(dyn ToSql + Sync),
-                Param::Big(v) => v,
-                Param::Small(v) => v,
+                Param::Bytes(v) => (v as &(dyn ToSql + Sync), Type::BYTEA_ARRAY),
+                Param::Big(v) => (v as &(dyn ToSql + Sync), Type::INT8_ARRAY),
+                Param::Small(v) => (v as &(dyn ToSql + Sync), Type::INT2_ARRAY),
             })
             .collect();
-        let rows = self.0.query(sql, &params).await.map_err(|e| fail(&e))?;
+        let rows = self
+            .0
+            .query_typed(sql, &params)
+            .await
+            .map_err(|e| fail(&e))?;
         Ok(rows.len())
     }
 
@@ -225,7 +253,30 @@ async fn decide_and_write<S: Session>(
     // whether the client is inside a transaction block: the row was locked
     // above, which assigned this transaction an id if it is one; outside a
     // block this statement runs in a fresh transaction that has none.
-    let (db_ms, in_block) = session.probe(&sql.txn_probe).await?;
+    let Probe {
+        db_ms,
+        in_block,
+        snapshot,
+    } = session.probe(&sql.txn_probe).await?;
+    // A transaction that reads one snapshot does not see a row written
+    // after its snapshot was taken: the claim's, when the caller's first
+    // statement came before the claim. Absent from the snapshot is then
+    // not absent, and deciding on it would answer StaleLease to the
+    // current holder (who would give the key up, to be run again once the
+    // lease lapses). A row changed after the snapshot is refused by the
+    // server (40001) when locked above; this is the same refusal for a row
+    // written after it: run the transaction again, whose snapshot sees it.
+    // (Outside a block each statement takes a snapshot of its own.)
+    if snapshot && in_block && rows.is_empty() {
+        return Err(Refusal::Decision(Error::Unavailable {
+            detail: format!(
+                "the key {key} has no record in this transaction's snapshot (REPEATABLE READ or \
+                 SERIALIZABLE), which may have been taken before its claim was written: \
+                 nothing was applied; run the transaction again (a new snapshot sees the \
+                 record, or shows the lease stale)"
+            ),
+        }));
+    }
     let reading = match &shared.clock {
         Some(clock) => clock.now_ms(),
         None => to_u64("the database clock", db_ms)?,

@@ -14,7 +14,7 @@ use crate::error::Result;
 use crate::record::{Lease, Op, Record};
 
 use super::decide::RowColumns;
-use super::txn::{self, Binding, Param, Session};
+use super::txn::{self, Binding, Param, Probe, Session};
 use super::{Fail, Postgres};
 
 /// [`txn::finish`] over a sqlx PostgreSQL connection (a
@@ -53,14 +53,18 @@ impl Session for Sqlx<'_> {
             .collect()
     }
 
-    async fn probe(&mut self, sql: &str) -> Result<(i64, bool), Fail> {
+    async fn probe(&mut self, sql: &str) -> Result<Probe, Fail> {
         let rows = sqlx::query::<Pg>(sql)
             .persistent(false)
             .fetch_all(&mut *self.0)
             .await
             .map_err(|e| fail(&e))?;
         let row = rows.first().ok_or_else(txn::no_clock)?;
-        Ok((get(row, 0)?, get(row, 1)?))
+        Ok(Probe {
+            db_ms: get(row, 0)?,
+            in_block: get(row, 1)?,
+            snapshot: get(row, 2)?,
+        })
     }
 
     async fn write(&mut self, sql: &str, params: &[Param<'_>]) -> Result<usize, Fail> {

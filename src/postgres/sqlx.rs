@@ -60,7 +60,10 @@ use crate::store::Store;
 ///
 /// Those of [`crate::postgres::complete_in`], and after **any** of them the
 /// caller's transaction is aborted: roll it back (dropping a sqlx
-/// `Transaction` does); its `commit` rolls back, too.
+/// `Transaction` does); its `commit` rolls back, too. Inside a savepoint
+/// (a sqlx transaction begun inside another) only the savepoint is
+/// aborted, as [`crate::postgres::complete_in`] says: committing the outer
+/// transaction then commits its effect without the completion.
 ///
 /// - [`Error::StaleLease`](crate::Error::StaleLease): the lease is no
 ///   longer current; the effect must not commit.
@@ -72,7 +75,9 @@ use crate::store::Store;
 ///   cannot be decoded.
 /// - [`Error::Unavailable`](crate::Error::Unavailable): a statement failed
 ///   (the connection broke, the server refused it): nothing of the
-///   caller's transaction is applied.
+///   caller's transaction is applied. In a REPEATABLE READ or SERIALIZABLE
+///   transaction, also when its snapshot does not show the key's row or
+///   the row changed after it: run the transaction again.
 /// - [`Error::Misconfigured`](crate::Error::Misconfigured): the caller's
 ///   role lacks a grant on the store's tables (`permission-denied`).
 /// - [`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown): only for a

@@ -7,7 +7,9 @@
 //! - [`Proxy::lose_answer_after`] lets the client's next message after one
 //!   that contains a pattern reach the server, and then drops whatever the
 //!   server answers and closes the client's side: the request was applied,
-//!   its answer lost;
+//!   its answer lost; [`Proxy::lose_answer_to`] does the same from the
+//!   message that contains the pattern itself (a statement sent whole, in
+//!   one flight);
 //! - [`Proxy::hold_answers_after`] forwards everything the client sends,
 //!   and from the client chunk that contains a pattern on holds the
 //!   server's answers (nothing closed) until [`Proxy::resume`].
@@ -27,6 +29,9 @@ struct State {
     wake: Condvar,
     /// The pattern that arms [`Proxy::lose_answer_after`], once set.
     pattern: Mutex<Option<Vec<u8>>>,
+    /// Whether the chunk that contains `pattern` is the one after which
+    /// answers are lost ([`Proxy::lose_answer_to`]), not the next one.
+    cut_on_pattern: AtomicBool,
     /// Set once the armed pattern was seen and the next client chunk sent:
     /// the server's answers are dropped from then on.
     cut: AtomicBool,
@@ -127,6 +132,14 @@ impl Proxy {
         *self.state.pattern.lock().expect("proxy lock") = Some(pattern.to_vec());
     }
 
+    /// Arms the lost-answer fault on the client chunk that contains
+    /// `pattern` itself: it reaches the server, then the server's answers
+    /// are dropped and the client's connection closed.
+    pub fn lose_answer_to(&self, pattern: &[u8]) {
+        self.state.cut_on_pattern.store(true, Ordering::SeqCst);
+        *self.state.pattern.lock().expect("proxy lock") = Some(pattern.to_vec());
+    }
+
     /// The first byte of the client chunk after which answers were lost
     /// (`None` before the fault fired).
     pub fn cut_chunk_type(&self) -> Option<u8> {
@@ -160,6 +173,10 @@ fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State)
             && chunk.windows(p.len()).any(|w| w == p.as_slice())
         {
             armed_seen = true;
+            if state.cut_on_pattern.load(Ordering::SeqCst) && !state.cut.load(Ordering::SeqCst) {
+                *state.cut_chunk_type.lock().expect("proxy lock") = chunk.first().copied();
+                state.cut.store(true, Ordering::SeqCst);
+            }
         }
         // Held before the chunk leaves, so that no answer to it slips by.
         let hold = state
