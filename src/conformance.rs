@@ -38,8 +38,8 @@
 use std::time::Duration;
 
 use crate::{
-    ClaimOptions, ClaimOutcome, Clock, Config, Error, Filter, Fingerprint, ImportOptions, Key,
-    ManualClock, Resolution, State, Store,
+    AcquiredFrom, ClaimOptions, ClaimOutcome, Clock, Config, Error, Filter, Fingerprint,
+    ImportOptions, Key, ManualClock, Resolution, State, Store,
 };
 
 /// Opens stores of one engine for the suite.
@@ -112,6 +112,7 @@ pub fn claim_outcomes(h: &dyn Harness) {
     let (k, f) = (key("outcomes"), fp("a"));
     let first = acquire(&store, &k, &f);
     assert!(!first.is_takeover(), "a fresh key is not a takeover");
+    assert_eq!(first.acquired_from(), Some(AcquiredFrom::Absent));
     match store.claim(&k, &f, &ClaimOptions::new()) {
         Ok(ClaimOutcome::InProgress { lease_until_ms, .. }) => {
             assert_eq!(Some(lease_until_ms), first.lease_until_ms());
@@ -130,6 +131,7 @@ pub fn claim_outcomes(h: &dyn Harness) {
     store.fail(&held, b"timeout", true).expect("fail");
     let again = acquire(&store, &k2, &f);
     assert!(again.token() > held.token(), "tokens grow per key");
+    assert_eq!(again.acquired_from(), Some(AcquiredFrom::RetryableFailure));
     store.fail(&again, b"card declined", false).expect("fail");
     match store.claim(&k2, &f, &ClaimOptions::new()) {
         Ok(ClaimOutcome::Replay(record)) => {
@@ -152,6 +154,7 @@ pub fn fencing(h: &dyn Harness) {
     let new = acquire(&store, &k, &f);
     assert!(new.token() > old.token(), "a takeover has a higher token");
     assert!(new.is_takeover(), "a lapsed lease is taken over");
+    assert_eq!(new.acquired_from(), Some(AcquiredFrom::LapsedLease));
     assert!(matches!(
         store.complete(&old, b"late"),
         Err(Error::StaleLease { .. })
@@ -608,6 +611,7 @@ pub fn holder_finishes(h: &dyn Harness) {
     assert!(store.get(&k).expect("get").is_none());
     let fresh = acquire(&store, &k, &f);
     assert!(!fresh.is_takeover(), "an expired record is absent");
+    assert_eq!(fresh.acquired_from(), Some(AcquiredFrom::Absent));
     assert!(fresh.token() > lease.token());
     // A takeover fences the first holder; the new one completes.
     let k = key("taken");

@@ -172,7 +172,7 @@ pub use error::{ConfigFault, Error, ImportRule, Result};
 pub use key::{
     Fingerprint, Key, MAX_BUSINESS_KEY_LEN, MAX_FINGERPRINT_LEN, MAX_ID_LEN, MAX_SCOPE_LEN,
 };
-pub use record::{ClaimOutcome, Lease, Record, Resolution, State};
+pub use record::{AcquiredFrom, ClaimOutcome, Lease, Record, Resolution, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
 pub use report::{CheckReport, Integrity, MAX_LISTED_PROBLEMS, Problem, Progress, ScrubReport};

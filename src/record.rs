@@ -151,14 +151,34 @@ pub struct Lease {
     key: Key,
     token: u64,
     acquired: Option<Box<Record>>,
+    from: Option<AcquiredFrom>,
+}
+
+/// What the claim that made a lease found the key in: decided by the claim
+/// itself, in the same step as the acquisition, so that no write between a
+/// read and the claim can change it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AcquiredFrom {
+    /// No live record: the first acquisition (or the first after
+    /// retention ended).
+    Absent,
+    /// Processing under a lease that lapsed without an outcome: the
+    /// earlier holder may have acted (it crashed mid-effect, or is still
+    /// running), so running again is in doubt.
+    LapsedLease,
+    /// Failed with a retryable failure: its holder recorded that the work
+    /// may run again (Powertools and Stripe retry such a failure).
+    RetryableFailure,
 }
 
 impl Lease {
-    pub(crate) fn acquired(record: Record) -> Lease {
+    pub(crate) fn acquired(record: Record, from: AcquiredFrom) -> Lease {
         Lease {
             key: record.key.clone(),
             token: record.token,
             acquired: Some(Box::new(record)),
+            from: Some(from),
         }
     }
 
@@ -172,6 +192,7 @@ impl Lease {
             key,
             token,
             acquired: None,
+            from: None,
         }
     }
 
@@ -191,6 +212,13 @@ impl Lease {
     /// rebuilt lease.
     pub fn lease_until_ms(&self) -> Option<u64> {
         self.record().map(Record::lease_until_ms)
+    }
+    /// What the claim found the key in: absent, a lapsed lease, or a
+    /// retryable failure (`None` for a rebuilt lease). A lapsed lease is
+    /// the takeover whose earlier holder may have acted without recording
+    /// it: `Store::execute`'s in-doubt policy applies to it alone.
+    pub fn acquired_from(&self) -> Option<AcquiredFrom> {
+        self.from
     }
     /// The recovery point left by an earlier holder, if any.
     pub fn recovery_point(&self) -> Option<&[u8]> {
@@ -526,7 +554,7 @@ fn claim(
             business_key: business_key.clone(),
             acquisitions: 1,
         };
-        return Ok(acquire(rec));
+        return Ok(acquire(rec, AcquiredFrom::Absent));
     };
     if rec.fingerprint != *fingerprint {
         return Err(Error::FingerprintMismatch {
@@ -555,7 +583,12 @@ fn claim(
             next.lease_until_ms = lease_until;
             next.expires_ms = expires;
             next.acquisitions = rec.acquisitions.saturating_add(1);
-            Ok(acquire(next))
+            let from = if rec.state == State::Processing {
+                AcquiredFrom::LapsedLease
+            } else {
+                AcquiredFrom::RetryableFailure
+            };
+            Ok(acquire(next, from))
         }
         State::Succeeded | State::Failed { retryable: false } => Ok((
             Effect::None,
@@ -564,10 +597,10 @@ fn claim(
     }
 }
 
-fn acquire(rec: Record) -> (Effect, Reply) {
+fn acquire(rec: Record, from: AcquiredFrom) -> (Effect, Reply) {
     (
         Effect::Put(rec.clone()),
-        Reply::Claim(ClaimOutcome::Acquired(Lease::acquired(rec))),
+        Reply::Claim(ClaimOutcome::Acquired(Lease::acquired(rec, from))),
     )
 }
 

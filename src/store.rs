@@ -594,6 +594,22 @@ impl Store {
         }
     }
 
+    /// What a retryable failure that nothing replays is kept as: `failure`
+    /// within `max_failure_bytes`, else `null`, else nothing, so that it
+    /// is always recorded and the next call runs the work again (feature
+    /// `agent`).
+    #[cfg(feature = "agent")]
+    pub(crate) fn kept_retryable_failure<'a>(&self, failure: &'a [u8]) -> &'a [u8] {
+        let limit = self.config.max_failure_bytes;
+        if failure.len() <= limit {
+            failure
+        } else if b"null".len() <= limit {
+            b"null"
+        } else {
+            b""
+        }
+    }
+
     /// Deletes the record and its recovery point: "nothing happened". The key
     /// is free again, for any payload. Durable when this returns.
     ///

@@ -1290,3 +1290,183 @@ fn a_retryable_failure_too_large_to_keep_still_lets_the_next_call_run() {
     assert_eq!(out.value(), "ok");
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A tracing layer that pauses its thread once, when the thread is about
+/// to create the span `span` (`idemstore.claim`: after `execute` looked
+/// the key up, before its claim), until the test lets it go: another
+/// caller acts exactly in between.
+struct PauseAt {
+    span: &'static str,
+    reached: Mutex<Option<mpsc::Sender<()>>>,
+    go: Mutex<Option<mpsc::Receiver<()>>>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for PauseAt {
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        _id: &tracing::span::Id,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if attrs.metadata().name() != self.span {
+            return;
+        }
+        if let Some(reached) = self.reached.lock().unwrap().take() {
+            reached.send(()).unwrap();
+            let go = self.go.lock().unwrap().take().unwrap();
+            go.recv().unwrap();
+        }
+    }
+}
+
+/// Runs `f` on a thread of its own that pauses at its first `span`;
+/// returns the thread, the signal that it reached the pause, and the
+/// sender that lets it go on.
+fn paused_at<R: Send + 'static>(
+    span: &'static str,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> (
+    std::thread::JoinHandle<R>,
+    mpsc::Receiver<()>,
+    mpsc::Sender<()>,
+) {
+    use tracing_subscriber::layer::SubscriberExt;
+    let (reached_tx, reached_rx) = mpsc::channel();
+    let (go_tx, go_rx) = mpsc::channel();
+    let layer = PauseAt {
+        span,
+        reached: Mutex::new(Some(reached_tx)),
+        go: Mutex::new(Some(go_rx)),
+    };
+    let handle = std::thread::spawn(move || {
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, f)
+    });
+    (handle, reached_rx, go_tx)
+}
+
+/// Whether a takeover is in doubt is what the claim itself found, not a
+/// record read before it. A retryable failure recorded between a caller's
+/// look-up (the key absent, or in progress) and its claim is a retry, not
+/// in doubt: the caller runs the work (it answered `InDoubt`, and every
+/// later call did too, until an operator resolved the key). And a lapsed
+/// lease after a release and a new holder that crashed is in doubt, even
+/// when the look-up saw a retryable failure one acquisition earlier (it
+/// ran the work).
+#[test]
+fn in_doubt_is_what_the_claim_found_not_an_earlier_read() {
+    let (_dir, _path, clock, store) = fixture();
+    let store = Arc::new(store);
+    let params = json!({"title": "printer on fire"});
+
+    // A retryable failure between the look-up and the claim.
+    let key = Key::for_tool_call("acme/tickets.create", "task-1", "call_1").unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let (caller, reached, go) = {
+        let (store, key, params, runs) = (store.clone(), key.clone(), params.clone(), runs.clone());
+        paused_at("idemstore.claim", move || {
+            store.execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Failure<String>>("T-2".to_string())
+            })
+        })
+    };
+    reached.recv().unwrap();
+    let ClaimOutcome::Acquired(first) = store
+        .claim(&key, &fp(&params), &ClaimOptions::new())
+        .unwrap()
+    else {
+        panic!("the key was absent");
+    };
+    store.fail(&first, br#""503""#, true).unwrap();
+    go.send(()).unwrap();
+    let reply = caller.join().unwrap().expect("a retry runs the work");
+    assert_eq!(reply.origin(), Origin::Ran);
+    assert_eq!(reply.value(), "T-2");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A lapsed lease of a holder that claimed after a release.
+    let key = Key::for_intent("acme/payments", "task-9", "charge", &json!({"amount": 1})).unwrap();
+    let ClaimOutcome::Acquired(failed) = store
+        .claim(&key, &fp(&params), &ClaimOptions::new())
+        .unwrap()
+    else {
+        panic!("the key was absent");
+    };
+    store.fail(&failed, br#""503""#, true).unwrap();
+    let runs = Arc::new(AtomicU32::new(0));
+    let (caller, reached, go) = {
+        let (store, key, params, runs) = (store.clone(), key.clone(), params.clone(), runs.clone());
+        paused_at("idemstore.claim", move || {
+            store.execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Failure<String>>("ch_2".to_string())
+            })
+        })
+    };
+    reached.recv().unwrap();
+    let ClaimOutcome::Acquired(released) = store
+        .claim(&key, &fp(&params), &ClaimOptions::new())
+        .unwrap()
+    else {
+        panic!("a retryable failure is acquired again");
+    };
+    store.release(released).unwrap();
+    let ClaimOutcome::Acquired(crashed) = store
+        .claim(&key, &fp(&params), &ClaimOptions::new())
+        .unwrap()
+    else {
+        panic!("a released key is acquired again");
+    };
+    clock.advance(LEASE + Duration::from_millis(1));
+    go.send(()).unwrap();
+    match caller.join().unwrap() {
+        Err(ExecuteError::InDoubt { lease }) => assert!(lease.token() > crashed.token()),
+        other => panic!("a lapsed lease is in doubt, got {other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A retryable failure is always recorded, so that the next call runs the
+/// work again rather than finding the key in doubt: one that serde_json
+/// cannot write (a map with keys that are not strings) is kept as `null`,
+/// and under a `max_failure_bytes` below the four bytes of `null`, as
+/// nothing. (It answered `Codec`, and under that limit any failure too
+/// large answered `TooLargeToRecord`; both left the key in doubt.)
+#[test]
+fn a_retryable_failure_that_cannot_be_kept_as_is_is_still_recorded() {
+    type Unwritable = std::collections::BTreeMap<(u8, u8), u8>;
+    let dir = tempfile::tempdir().unwrap();
+    let params = json!({"title": "printer on fire"});
+    for (name, limit) in [("unwritable", None), ("tiny limit", Some(3))] {
+        let mut config = Config::new().sweep_interval(None);
+        if let Some(limit) = limit {
+            config = config.max_failure_bytes(limit);
+        }
+        let store = Store::open_with(dir.path().join(format!("{name}.redb")), config).unwrap();
+        let key = Key::for_tool_call("acme/tickets.create", "task-3", "call_1").unwrap();
+        let first = store.execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
+            Err::<String, _>(Failure::retryable(Unwritable::from([((1, 2), 3)])))
+        });
+        assert!(
+            matches!(
+                first,
+                Err(ExecuteError::Failed {
+                    retryable: true,
+                    ..
+                })
+            ),
+            "{name}: {first:?}"
+        );
+        let kept = store.get(&key).unwrap().unwrap();
+        assert_eq!(kept.state(), State::Failed { retryable: true }, "{name}");
+        let expected: &[u8] = if limit.is_some() { b"" } else { b"null" };
+        assert_eq!(kept.failure(), Some(expected), "{name}");
+        let again = store
+            .execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
+                Ok::<_, Failure<Unwritable>>("T-1".to_string())
+            })
+            .expect("the next call runs the work");
+        assert_eq!(again.origin(), Origin::Ran, "{name}");
+    }
+}

@@ -14,7 +14,7 @@ use super::call::Delays;
 use crate::config::ClaimOptions;
 use crate::error::Error;
 use crate::key::{Fingerprint, Key};
-use crate::record::{ClaimOutcome, Lease, Record, State};
+use crate::record::{AcquiredFrom, ClaimOutcome, Lease, Record, State};
 use crate::store::Store;
 
 /// What [`Store::execute`] does when it acquires a key whose previous holder
@@ -23,7 +23,8 @@ use crate::store::Store;
 /// effect may or may not have happened.
 ///
 /// A retry after a *recorded* retryable failure is not in doubt: its holder
-/// said it may run again.
+/// said it may run again. Which of the two a takeover is, is what the claim
+/// found ([`Lease::acquired_from`]), never a record read before it.
 pub enum InDoubt<P = NoProbe> {
     /// Run the work again. Right for work that is harmless to repeat or that
     /// the downstream deduplicates on the key (a model request, a payment
@@ -400,14 +401,17 @@ pub enum ExecuteError<E> {
         error: E,
     },
 
-    /// A value or failure could not be turned into JSON (to record it) or
-    /// back (to replay it). Recording also refuses a value or permanent
-    /// failure that would not replay as itself: a NaN or infinite float at
-    /// any depth (serde_json writes it as `null`), or JSON that does not
-    /// decode as its own type (a field skipped when serialized but required
-    /// when deserialized). When recording failed, the
-    /// work's effect may have happened: the record stays in progress and is
-    /// in doubt once its lease lapses.
+    /// A value or permanent failure could not be turned into JSON (to
+    /// record it) or back (to replay it); a retryable failure that cannot
+    /// be is recorded as `null` (nothing replays it). Recording also
+    /// refuses a value or permanent failure that would not replay: a NaN
+    /// or infinite float at any depth (serde_json writes it as `null`), or
+    /// JSON that does not decode as its own type (a field skipped when
+    /// serialized but required when deserialized). JSON that decodes as
+    /// another value of the type (`Some(None)` as `None`) cannot be told
+    /// and is recorded. When recording failed, the work's effect may have
+    /// happened: the record stays in progress and is in doubt once its
+    /// lease lapses.
     #[error("cannot {action} the outcome of {key} as JSON: {detail}")]
     Codec {
         /// The key.
@@ -426,7 +430,8 @@ pub enum ExecuteError<E> {
     /// after a crash, because the work may have acted. Raise the limit or
     /// return less (a replay needs the whole value). A retryable failure
     /// too large to keep is recorded as `null` instead (nothing replays
-    /// it), and the call returns [`ExecuteError::Failed`].
+    /// it; as nothing at all under a `max_failure_bytes` below 4 bytes),
+    /// and the call returns [`ExecuteError::Failed`].
     #[error(
         "the work for {key} ran, but its {what} is {len} bytes as JSON, over the store's \
          limit of {limit} bytes, so it was not recorded; the key is in doubt once its lease \
@@ -527,7 +532,7 @@ impl Store {
     /// # Errors
     /// [`ExecuteError`]: `Failed`, `StillInProgress`, `InDoubt`,
     /// `ProbeFailed`, `Codec` (after the work ran, an outcome that cannot
-    /// be written as JSON or would not replay as itself, such as a NaN; or
+    /// be written as JSON or would not replay, such as a NaN; or
     /// a stored one that does not decode), `TooLargeToRecord` (an outcome
     /// over the store's size limit after the work ran), and `Store` for everything
     /// else [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
@@ -561,10 +566,12 @@ impl Store {
         let mut watch = None;
         let lease = loop {
             let listener = watch.as_ref().map(super::notify::Watch::listen);
-            let before = self.get(key)?;
+            // Looked up first for what `get` refuses (a key without a live
+            // record on a store the scrub found damaged).
+            self.get(key)?;
             match self.claim(key, fingerprint, &claim_options)? {
                 ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
-                ClaimOutcome::Acquired(lease) => break Acquired::new(lease, before.as_ref()),
+                ClaimOutcome::Acquired(lease) => break Acquired::new(lease),
                 ClaimOutcome::InProgress {
                     retry_after,
                     lease_until_ms,
@@ -602,13 +609,9 @@ impl Store {
         let record = Recorder::new(lease, in_doubt, stage)?;
         let done = match &record.write {
             Write::Complete(bytes) => self.complete(&record.lease, bytes).map(drop),
-            // A retryable failure too large to keep is kept as `null`:
-            // the next call runs the work again and reads no failure.
-            Write::Fail(bytes, true) => match self.fail(&record.lease, bytes, true) {
-                Err(Error::TooLarge { .. }) => self.fail(&record.lease, b"null", true),
-                other => other,
-            }
-            .map(drop),
+            Write::Fail(bytes, true) => self
+                .fail(&record.lease, self.kept_retryable_failure(bytes), true)
+                .map(drop),
             Write::Fail(bytes, false) => self.fail(&record.lease, bytes, false).map(drop),
             Write::None => Ok(()),
         };
@@ -663,10 +666,10 @@ impl Store {
         let mut watch = None;
         let lease = loop {
             let listener = watch.as_ref().map(super::notify::Watch::listen);
-            let before = self.get_async(key).await?;
+            self.get_async(key).await?;
             match self.claim_async(key, fingerprint, &claim_options).await? {
                 ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
-                ClaimOutcome::Acquired(lease) => break Acquired::new(lease, before.as_ref()),
+                ClaimOutcome::Acquired(lease) => break Acquired::new(lease),
                 ClaimOutcome::InProgress {
                     retry_after,
                     lease_until_ms,
@@ -719,11 +722,10 @@ impl Store {
         let record = Recorder::new(lease, in_doubt, stage)?;
         let done = match &record.write {
             Write::Complete(bytes) => self.complete_async(&record.lease, bytes).await.map(drop),
-            Write::Fail(bytes, true) => match self.fail_async(&record.lease, bytes, true).await {
-                Err(Error::TooLarge { .. }) => self.fail_async(&record.lease, b"null", true).await,
-                other => other,
-            }
-            .map(drop),
+            Write::Fail(bytes, true) => self
+                .fail_async(&record.lease, self.kept_retryable_failure(bytes), true)
+                .await
+                .map(drop),
             Write::Fail(bytes, false) => {
                 self.fail_async(&record.lease, bytes, false).await.map(drop)
             }
@@ -741,16 +743,15 @@ struct Acquired {
 }
 
 impl Acquired {
-    /// `before` is the record as read just before the claim. The takeover is
-    /// in doubt unless the key is new, or the claim directly followed a
-    /// recorded retryable failure (no acquisition in between).
-    fn new(lease: Lease, before: Option<&Record>) -> Self {
-        let acquisitions = lease.record().map_or(u32::MAX, Record::acquisitions);
-        let after_retryable_failure = before.is_some_and(|b| {
-            b.state() == (State::Failed { retryable: true })
-                && b.acquisitions().checked_add(1) == Some(acquisitions)
-        });
-        let in_doubt = acquisitions > 1 && !after_retryable_failure;
+    /// In doubt when the claim took over a lapsed lease, as the claim
+    /// itself reports it (a record read before the claim could change in
+    /// between: a retryable failure recorded meanwhile, or a release and a
+    /// new holder that crashed).
+    fn new(lease: Lease) -> Self {
+        let in_doubt = !matches!(
+            lease.acquired_from(),
+            Some(AcquiredFrom::Absent | AcquiredFrom::RetryableFailure)
+        );
         Acquired { lease, in_doubt }
     }
 }
@@ -858,7 +859,9 @@ impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<
                 Write::Fail(
                     if retryable {
                         // Never replayed: the next call runs the work again.
-                        serde_json::to_vec(&error).map_err(|e| codec(e.to_string()))?
+                        // One that serde_json cannot write is kept as
+                        // `null`, as one too large to keep is.
+                        serde_json::to_vec(&error).unwrap_or_else(|_| b"null".to_vec())
                     } else {
                         replayable(&error).map_err(codec)?
                     },

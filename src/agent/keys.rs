@@ -3,9 +3,14 @@
 //!
 //! Every helper builds an ordinary [`Key`] and validates it as
 //! [`Key::new`] does. The parts are joined with `:`, and the task id may not
-//! contain `:`, so a key splits back into its parts in exactly one way:
-//! `("a:b", "c")` is refused and `("a", "b:c")` gives `a:b:c`, so the two
-//! never share a key.
+//! contain `:`, so a key of one helper splits back into its parts in
+//! exactly one way: `("a:b", "c")` is refused and `("a", "b:c")` gives
+//! `a:b:c`, so the two never share a key. Ids of different helpers can
+//! coincide (`for_tool_call(s, "t", "turn-3")` is `for_model_turn(s, "t",
+//! 3)`, and a tool-call id `charge:<digest>` is `for_intent`'s id for
+//! `charge`): give each helper a scope of its own (`acme/agent.turns`,
+//! `acme/payments.calls`, `acme/payments.intents`), and never take a
+//! tool-call id from anywhere but the model provider's response.
 
 use std::fmt::Write as _;
 
@@ -80,6 +85,9 @@ impl Key {
     /// duplicate (a payment of the same order, a ticket with the same
     /// title); a tool that may legitimately be called twice with equal
     /// parameters needs [`Key::for_tool_call`] alone.
+    ///
+    /// Use a scope of its own for intents, not the tool calls' scope (see
+    /// the module's docs: a tool-call id could spell an intent's id).
     ///
     /// `task_id` may not contain `:`; `tool_name` is non-empty. With the
     /// 64-digit digest, `task_id` and `tool_name` together may use at most
