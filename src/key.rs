@@ -206,6 +206,14 @@ fn check_part(what: &str, value: &str, max: usize) -> Result<()> {
     Ok(())
 }
 
+/// For people: the scope and the id joined with `/`
+/// (`acme/tickets.create/task-42:call-7`), the form the CLI's `get` and
+/// `resolve` take. A scope and an id may both contain `/`, so two keys can
+/// print alike (`acme/payments` with `t:c`, `acme` with `payments/t:c`):
+/// the CLI then lists every split it finds. As a reference for another
+/// system (a payment's merchant reference, a ticket's external id), use a
+/// form that cannot collide within what that system sees, such as the id
+/// alone under a scope of its own.
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.scope(), self.id())

@@ -162,7 +162,13 @@ impl<P> ExecuteOptions<P> {
     /// [`Config::lease`](crate::Config::lease), which must be as long). While
     /// the work runs, the lease is extended by this much every third of it,
     /// so work may run longer than the lease; the lease only bounds how long
-    /// a crashed holder blocks the key.
+    /// a crashed holder blocks the key. The extensions are scheduled on the
+    /// monotonic clock while leases are judged at the store's time, which
+    /// follows a wall clock stepped forward at once (docs/store.md): a step
+    /// forward by more than the lease has left lapses it, and a call in the
+    /// window before the next extension takes the key over (in doubt) while
+    /// the work still runs. Choose a lease longer than the steps the hosts'
+    /// clocks may take.
     #[must_use]
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = Some(lease);
