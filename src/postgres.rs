@@ -109,8 +109,12 @@ pub use crate::pg::server;
 ///   In a REPEATABLE READ or SERIALIZABLE transaction, also when its
 ///   snapshot does not show the key's row (taken before the claim was
 ///   written, so absent is not known to be absent) or the row changed
-///   after the snapshot (the server's `40001`): run the transaction again;
-///   a new snapshot completes the key or shows the lease stale.
+///   after the snapshot (the server's `40001`): run the transaction again,
+///   begun after the claim, which completes the key or shows the lease
+///   stale. (A lease past retention is [`Error::StaleLease`] whatever the
+///   snapshot shows; a released lease, or one rebuilt with
+///   [`Lease::from_parts`] whose record was evicted, is answered
+///   `Unavailable` again at these levels.)
 /// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
 ///   block (autocommit, where the completion's `UPDATE` commits on its
 ///   own): the `UPDATE` was sent and its answer lost, so the completion

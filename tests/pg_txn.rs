@@ -345,7 +345,8 @@ impl NowForChild for ManualClock {
 /// `Unavailable` (run the transaction again) and aborts it, where it was
 /// `StaleLease`, which tells the current holder to give the key up (to run
 /// again once the lease lapsed). The same completion in a new transaction
-/// commits, ticket and record together.
+/// commits, ticket and record together. A lease past retention is
+/// `StaleLease` under such a snapshot too.
 #[test]
 fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
     let Some(url) = pg::url() else { return };
@@ -397,6 +398,19 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
             );
             assert_eq!(tickets_of(&c, &table, &k).await, 1);
         }
+        // A lease past retention is stale, whatever the snapshot shows.
+        let k = key("snapshot-past-retention");
+        let tx = c
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .await
+            .expect("begin");
+        insert_ticket(&tx, &table, &k).await;
+        let lease = acquire(&store, &k);
+        clock.advance(Duration::from_secs(24 * 3600));
+        let err = complete_in(&tx, &store, &lease, b"1").await.unwrap_err();
+        assert!(matches!(err, Error::StaleLease { .. }), "{err:?}");
     });
 }
 

@@ -258,6 +258,11 @@ async fn decide_and_write<S: Session>(
         in_block,
         snapshot,
     } = session.probe(&sql.txn_probe).await?;
+    let reading = match &shared.clock {
+        Some(clock) => clock.now_ms(),
+        None => to_u64("the database clock", db_ms)?,
+    };
+    let now = shared.stamp(reading);
     // A transaction that reads one snapshot does not see a row written
     // after its snapshot was taken: the claim's, when the caller's first
     // statement came before the claim. Absent from the snapshot is then
@@ -266,22 +271,23 @@ async fn decide_and_write<S: Session>(
     // lease lapses). A row changed after the snapshot is refused by the
     // server (40001) when locked above; this is the same refusal for a row
     // written after it: run the transaction again, whose snapshot sees it.
+    // A lease whose record is past retention is stale whatever the
+    // snapshot shows (the record is absent to every read from then on).
     // (Outside a block each statement takes a snapshot of its own.)
-    if snapshot && in_block && rows.is_empty() {
+    let past_retention = lease
+        .record()
+        .is_some_and(|r| crate::record::is_expired(r.expires_ms(), now));
+    if snapshot && in_block && rows.is_empty() && !past_retention {
         return Err(Refusal::Decision(Error::Unavailable {
             detail: format!(
                 "the key {key} has no record in this transaction's snapshot (REPEATABLE READ or \
                  SERIALIZABLE), which may have been taken before its claim was written: \
-                 nothing was applied; run the transaction again (a new snapshot sees the \
-                 record, or shows the lease stale)"
+                 nothing was applied; run the transaction again, begun after the claim \
+                 (absent from that snapshot too, the lease was released or its record \
+                 evicted)"
             ),
         }));
     }
-    let reading = match &shared.clock {
-        Some(clock) => clock.now_ms(),
-        None => to_u64("the database clock", db_ms)?,
-    };
-    let now = shared.stamp(reading);
     // Outside a transaction block each write commits on its own: once the
     // update is sent, a lost answer leaves the outcome unknown.
     let sent = |f: Fail| match f {
