@@ -37,7 +37,9 @@
 //!
 //! Its statements are sent unnamed (sqlx's `persistent(false)`): they add
 //! nothing to the connection's statement cache and work through a pooler
-//! in transaction mode.
+//! in transaction mode inside a transaction (outside one, sqlx prepares a
+//! statement in one round trip and runs it in the next, which such a
+//! pooler may send to another server session).
 
 use sqlx::PgConnection;
 
