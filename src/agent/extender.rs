@@ -16,7 +16,14 @@
 //!   over, released or finished by someone else; a storage error) is logged
 //!   as a warning and that lease is not renewed again. The call learns of it
 //!   as it always has: recording its outcome fails, with
-//!   [`Error::StaleLease`] when the lease is no longer current.
+//!   [`Error::StaleLease`] when the lease is no longer current. A renewal
+//!   that could not reach the store or lost its answer
+//!   ([`Error::Unavailable`], [`Error::OutcomeUnknown`]: a PostgreSQL
+//!   server restarting, a network blip) says nothing of the lease, which is
+//!   still the call's: it is tried again a third of the period later (at
+//!   least 1 ms), and so on until a renewal is answered (an extension of a
+//!   lapsed lease that nobody took over succeeds, as
+//!   [`Store::extend`](crate::Store::extend) says).
 //! - **Deregistration** waits while a renewal of that lease is under way
 //!   (until the batch it is in is answered: one group commit, as a rule)
 //!   and removes it, so no lease is ever
@@ -272,8 +279,10 @@ fn take_due(state: &mut State, now: Instant) -> Vec<(u64, Lease, Duration)> {
 }
 
 /// Records the answers of a batch: a renewed lease is due again a period
-/// after `now`; a lease whose renewal failed is logged and not renewed
-/// again (it stays registered until its call deregisters it).
+/// after `now`; one whose renewal did not reach the store is due again a
+/// third of that after `now`; a lease whose renewal failed otherwise is
+/// logged and not renewed again (it stays registered until its call
+/// deregisters it).
 fn settle(
     state: &mut State,
     batch: &[(u64, Lease, Duration)],
@@ -292,6 +301,18 @@ fn settle(
         match result {
             Ok(_) => {
                 let due = now.checked_add(entry.period).unwrap_or(now);
+                entry.due = Some(due);
+                state.due.insert((due, *id));
+            }
+            Err(e @ (Error::Unavailable { .. } | Error::OutcomeUnknown { .. })) => {
+                tracing::warn!(
+                    key = %lease.key(),
+                    error = %e,
+                    "lease extension failed; trying again"
+                );
+                let due = now
+                    .checked_add((entry.period / 3).max(MIN_PERIOD))
+                    .unwrap_or(now);
                 entry.due = Some(due);
                 state.due.insert((due, *id));
             }
@@ -314,6 +335,8 @@ mod tests {
     struct Fake {
         renewed: Mutex<HashMap<u64, usize>>,
         failing: Mutex<Vec<u64>>,
+        /// How many more renewals of a token fail as unreachable.
+        unreachable: Mutex<HashMap<u64, usize>>,
         slow: AtomicBool,
     }
 
@@ -332,6 +355,14 @@ mod tests {
                 .iter()
                 .map(|(lease, _)| {
                     *fake.renewed.lock().entry(lease.token()).or_default() += 1;
+                    if let Some(left) = fake.unreachable.lock().get_mut(&lease.token())
+                        && *left > 0
+                    {
+                        *left -= 1;
+                        return Err(Error::Unavailable {
+                            detail: "the server cannot be reached".into(),
+                        });
+                    }
                     if fake.failing.lock().contains(&lease.token()) {
                         Err(Error::StaleLease {
                             key: lease.key().to_string(),
@@ -403,6 +434,23 @@ mod tests {
         drop(failing);
         drop(fine);
         assert!(ext.shared.state.lock().entries.is_empty());
+    }
+
+    /// A renewal that did not reach the store says nothing of the lease:
+    /// it is tried again until one is answered, and the renewals go on
+    /// (they stopped at the first, and the lease lapsed under its work).
+    #[test]
+    fn a_renewal_that_did_not_reach_the_store_is_tried_again() {
+        let fake = Arc::new(Fake::default());
+        fake.unreachable.lock().insert(5, 3);
+        let ext = extender(&fake);
+        let blip = ext.register(&lease(5), Duration::from_millis(6)).unwrap();
+        let fine = ext.register(&lease(6), Duration::from_millis(6)).unwrap();
+        eventually(|| fake.count(6) >= 20);
+        assert!(fake.count(5) >= 5, "{} renewals", fake.count(5));
+        assert_eq!(fake.unreachable.lock().get(&5), Some(&0));
+        drop(blip);
+        drop(fine);
     }
 
     #[test]
