@@ -161,11 +161,14 @@ pub struct PostgresLimits {
     /// count. Default 30 s.
     pub call_timeout: Duration,
     /// How long opening a connection may take: TCP, TLS, authentication
-    /// and the server's start-up, for each host the connection string
-    /// names (tried in turn), as libpq's `connect_timeout` (a URL's
-    /// `connect_timeout` wins). A server that accepts the connection and
-    /// then says nothing is answered `Unavailable` after this, not after
-    /// `call_timeout` (whichever comes first). Default 10 s.
+    /// and the server's start-up, for each address the connection string's
+    /// hosts give (tried in turn, as libpq's `connect_timeout`), all of it
+    /// within the call's `call_timeout`. A URL's `connect_timeout` wins
+    /// (`0`, libpq's "wait forever", is read as not given). A server that
+    /// accepts the connection and then says nothing is answered
+    /// `Unavailable` once this has passed for every address, and uses
+    /// the time of the addresses after it (libpq would try them). Default
+    /// 10 s.
     pub connect_timeout: Duration,
     /// The server's `statement_timeout` on the engine's own sessions: a
     /// statement running longer is cancelled. Default 30 s.

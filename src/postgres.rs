@@ -107,14 +107,15 @@ pub use crate::pg::server;
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
 ///   server refused it): nothing of the caller's transaction is applied.
 ///   In a REPEATABLE READ or SERIALIZABLE transaction, also when its
-///   snapshot does not show the key's row (taken before the claim was
-///   written, so absent is not known to be absent) or the row changed
-///   after the snapshot (the server's `40001`): run the transaction again,
-///   begun after the claim, which completes the key or shows the lease
-///   stale. (A lease past retention is [`Error::StaleLease`] whatever the
-///   snapshot shows; a released lease, or one rebuilt with
-///   [`Lease::from_parts`] whose record was evicted, is answered
-///   `Unavailable` again at these levels.)
+///   snapshot was taken before the claim was written (its first statement
+///   came first) and does not show the key's row, which the store's own
+///   connection reads as still held by this lease; or when the row
+///   changed after the snapshot (the server's `40001`): run the
+///   transaction again, begun after the claim. A row absent from the
+///   snapshot that the store's read shows stale (released, past
+///   retention, finished or another holder's) is [`Error::StaleLease`],
+///   as at READ COMMITTED. That read is one more round trip, on the
+///   store's own connection, in this case only.
 /// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
 ///   block (autocommit, where the completion's `UPDATE` commits on its
 ///   own): the `UPDATE` was sent and its answer lost, so the completion

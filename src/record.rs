@@ -165,10 +165,19 @@ pub enum AcquiredFrom {
     Absent,
     /// Processing under a lease that lapsed without an outcome: the
     /// earlier holder may have acted (it crashed mid-effect, or is still
-    /// running), so running again is in doubt.
+    /// running), so running again is in doubt. (On PostgreSQL, a claim
+    /// whose new lease lapsed while its insert waited for a lock, a lease
+    /// shorter than `lock_timeout` behind an import, say, is decided again
+    /// and takes its own row over: this, though nobody held that lease.)
     LapsedLease,
-    /// Failed with a retryable failure: its holder recorded that the work
-    /// may run again (Powertools and Stripe retry such a failure).
+    /// Failed with a retryable failure. What that says of the earlier
+    /// attempt is its recorder's: `Store::execute` (feature `agent`)
+    /// records one when the work returned a retryable failure (it may run
+    /// again, as Powertools and Stripe retry such a failure), while the
+    /// HTTP layer records one where an attempt acted or may have (a client
+    /// gone mid-handler, a release refused on a takeover: docs/http.md).
+    /// Check [`Lease::is_takeover`] and [`Lease::recovery_point`] before
+    /// acting again.
     RetryableFailure,
 }
 

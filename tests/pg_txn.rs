@@ -337,16 +337,16 @@ impl NowForChild for ManualClock {
     }
 }
 
-/// Whether the caller's transaction `tx` is aborted: its next statement
-/// fails.
 /// A caller's REPEATABLE READ or SERIALIZABLE transaction whose snapshot
 /// was taken before the key was claimed (its first statement, the ticket's
 /// insert, came first) does not see the key's row. Its completion is
 /// `Unavailable` (run the transaction again) and aborts it, where it was
 /// `StaleLease`, which tells the current holder to give the key up (to run
 /// again once the lease lapsed). The same completion in a new transaction
-/// commits, ticket and record together. A lease past retention is
-/// `StaleLease` under such a snapshot too.
+/// commits, ticket and record together. A lease that is stale (released,
+/// past retention) is `StaleLease` under such a snapshot too, so a caller
+/// who runs the transaction again is not answered `Unavailable` forever
+/// (the store's own connection reads the latest record).
 #[test]
 fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
     let Some(url) = pg::url() else { return };
@@ -357,18 +357,28 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
     runtime().block_on(async {
         let mut c = client(&url).await;
         create_tickets(&c, &table).await;
-        for level in [
+        let levels = [
             tokio_postgres::IsolationLevel::RepeatableRead,
             tokio_postgres::IsolationLevel::Serializable,
-        ] {
-            let k = key(&format!("snapshot-{level:?}"));
+        ];
+        // The snapshot is taken by the transaction's first statement: the
+        // ticket's insert, or a read (which leaves the transaction without
+        // an id).
+        for (level, writes) in levels.into_iter().flat_map(|l| [(l, true), (l, false)]) {
+            let k = key(&format!("snapshot-{level:?}-{writes}"));
             let tx = c
                 .build_transaction()
                 .isolation_level(level)
                 .start()
                 .await
                 .expect("begin");
-            insert_ticket(&tx, &table, &k).await;
+            if writes {
+                insert_ticket(&tx, &table, &k).await;
+            } else {
+                tx.execute(&format!("SELECT count(*) FROM {table}"), &[])
+                    .await
+                    .expect("read");
+            }
             let lease = acquire(&store, &k);
             let err = complete_in(&tx, &store, &lease, b"1").await.unwrap_err();
             assert!(
@@ -397,6 +407,29 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
                 State::Succeeded
             );
             assert_eq!(tickets_of(&c, &table, &k).await, 1);
+        }
+        // A released lease is stale under every level (READ UNCOMMITTED
+        // runs as READ COMMITTED), and in every new transaction.
+        for level in [
+            tokio_postgres::IsolationLevel::RepeatableRead,
+            tokio_postgres::IsolationLevel::Serializable,
+            tokio_postgres::IsolationLevel::ReadUncommitted,
+        ] {
+            let k = key(&format!("snapshot-released-{level:?}"));
+            let lease = acquire(&store, &k);
+            store.release(lease.clone()).expect("release");
+            let tx = c
+                .build_transaction()
+                .isolation_level(level)
+                .start()
+                .await
+                .expect("begin");
+            insert_ticket(&tx, &table, &k).await;
+            let err = complete_in(&tx, &store, &lease, b"1").await.unwrap_err();
+            assert!(
+                matches!(err, Error::StaleLease { .. }),
+                "{level:?}: {err:?}"
+            );
         }
         // A lease past retention is stale, whatever the snapshot shows.
         let k = key("snapshot-past-retention");
@@ -445,6 +478,8 @@ fn a_completion_takes_one_round_trip_per_statement() {
     });
 }
 
+/// Whether the caller's transaction `tx` is aborted: its next statement
+/// fails.
 async fn is_aborted(tx: &tokio_postgres::Transaction<'_>) -> bool {
     tx.execute("SELECT 1", &[]).await.is_err()
 }

@@ -798,37 +798,63 @@ struct Conn {
 }
 
 /// Opens a connection (its driver spawned on the current runtime), with
-/// TLS as `sslmode` asks, within [`connect_bound`]: `tokio-postgres`'s own
-/// `connect_timeout` bounds the TCP connect only, so a server (or a
-/// middlebox) that accepts the connection and then says nothing would hold
-/// the call until its deadline.
+/// TLS as `sslmode` asks, within `connect_timeout` for each address
+/// [`connect_attempts`] counts: `tokio-postgres`'s own `connect_timeout`
+/// bounds each TCP connect only, so a server (or a middlebox) that accepts
+/// the connection and then says nothing would hold the call until its
+/// deadline. (Such a server uses up the whole bound, so addresses after
+/// it are not tried, where libpq would move on to the next.)
 async fn open_client(shared: &Shared) -> Result<Client, Fail> {
-    let bound = connect_bound(&shared.config);
+    let per_attempt = shared
+        .config
+        .get_connect_timeout()
+        .copied()
+        .unwrap_or(PostgresLimits::default().connect_timeout);
+    let attempts = connect_attempts(&shared.config, per_attempt).await;
+    let bound = per_attempt.checked_mul(attempts).unwrap_or(Duration::MAX);
     tokio::time::timeout(bound, connect_client(shared))
         .await
         .unwrap_or_else(|_| {
             Err(Fail::Lost(format!(
-                "no connection within connect_timeout ({} ms per host, {} ms in all): the \
-                 server accepted the connection and did not finish its start-up",
-                shared
-                    .config
-                    .get_connect_timeout()
-                    .map_or(0, |t| t.as_millis()),
-                bound.as_millis()
+                "no connection within connect_timeout ({} ms for each of {attempts} \
+                 address(es)): no server answered, or one accepted the connection and did not \
+                 finish its start-up",
+                per_attempt.as_millis()
             )))
         })
 }
 
-/// How long opening one connection may take, as libpq's `connect_timeout`
-/// bounds it: TCP, TLS, authentication and the server's start-up, for
-/// each host the connection string names (tried in turn, as libpq does).
-fn connect_bound(config: &tokio_postgres::Config) -> Duration {
-    let per_host = config
-        .get_connect_timeout()
-        .copied()
-        .unwrap_or(PostgresLimits::default().connect_timeout);
-    let hosts = u32::try_from(config.get_hosts().len().max(1)).unwrap_or(u32::MAX);
-    per_host.checked_mul(hosts).unwrap_or(Duration::MAX)
+/// How many addresses `tokio-postgres` may try in turn, each within
+/// `connect_timeout` as libpq's: one per `hostaddr` and per Unix socket,
+/// and one per address a host name resolves to (resolved here as well,
+/// within `per_attempt`; one when it does not resolve).
+async fn connect_attempts(config: &tokio_postgres::Config, per_attempt: Duration) -> u32 {
+    use tokio_postgres::config::Host;
+    let (hosts, addrs, ports) = (
+        config.get_hosts(),
+        config.get_hostaddrs(),
+        config.get_ports(),
+    );
+    let mut attempts: u32 = 0;
+    for i in 0..hosts.len().max(addrs.len()).max(1) {
+        let count = match (addrs.get(i), hosts.get(i)) {
+            (None, Some(Host::Tcp(name))) => {
+                let port = ports
+                    .get(i)
+                    .or_else(|| ports.first())
+                    .copied()
+                    .unwrap_or(5432);
+                let lookup = tokio::net::lookup_host((name.as_str(), port));
+                match tokio::time::timeout(per_attempt, lookup).await {
+                    Ok(Ok(found)) => found.count().max(1),
+                    _ => 1,
+                }
+            }
+            _ => 1,
+        };
+        attempts = attempts.saturating_add(u32::try_from(count).unwrap_or(u32::MAX));
+    }
+    attempts.max(1)
 }
 
 /// [`open_client`] without its bound.
@@ -2866,11 +2892,12 @@ fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 5] {
     ]
 }
 
-/// The names of the settings that `options` (libpq's `options` parameter)
-/// sets, with `-c name=value`, `-cname=value` or `--name=value`, as the
+/// The settings that `options` (libpq's `options` parameter) gives, with
+/// `-c name=value`, `-cname=value` or `--name=value`, in order, as the
 /// server reads them: words split at spaces that no `\` escapes, names
-/// in lower case with `-` read as `_`. Other words are skipped.
-fn option_names(options: &str) -> BTreeSet<String> {
+/// in lower case with `-` read as `_`, values as written. Other words are
+/// skipped.
+fn option_settings(options: &str) -> Vec<(String, String)> {
     let mut words = Vec::new();
     let mut word = String::new();
     let mut chars = options.chars();
@@ -2888,7 +2915,7 @@ fn option_names(options: &str) -> BTreeSet<String> {
     if !word.is_empty() {
         words.push(word);
     }
-    let mut names = BTreeSet::new();
+    let mut settings = Vec::new();
     let mut words = words.into_iter();
     while let Some(w) = words.next() {
         let setting = match w.as_str() {
@@ -2898,11 +2925,20 @@ fn option_names(options: &str) -> BTreeSet<String> {
                 .or_else(|| w.strip_prefix("--"))
                 .map(str::to_owned),
         };
-        if let Some((name, _)) = setting.as_deref().and_then(|s| s.split_once('=')) {
-            names.insert(name.to_ascii_lowercase().replace('-', "_"));
+        if let Some((name, value)) = setting.as_deref().and_then(|s| s.split_once('=')) {
+            settings.push((
+                name.to_ascii_lowercase().replace('-', "_"),
+                value.to_owned(),
+            ));
         }
     }
-    names
+    settings
+}
+
+/// `text` as an SQL string literal that reads the same whatever
+/// `standard_conforming_strings` is: `E'…'` with `\` and `'` doubled.
+fn sql_literal(text: &str) -> String {
+    format!("E'{}'", text.replace('\\', "\\\\").replace('\'', "''"))
 }
 
 impl Postgres {
@@ -2978,19 +3014,28 @@ impl Postgres {
                 config.options(&options_text);
                 None
             }
-            // PgBouncer refuses the startup parameter `options`. A pooler
-            // that passes it on (or a server given as one) applies the
-            // URL's settings at startup, before these: leave out what the
-            // URL sets, so that it wins here too.
+            // PgBouncer refuses the startup parameter `options` (or, told
+            // to ignore it, drops it): the limits are set after connecting,
+            // and then each setting the URL's `options` gives, again, so
+            // that the URL wins here too whether or not the pooler passed
+            // the startup parameter on.
             PostgresPooler::Session => {
-                let given = config.get_options().map(option_names).unwrap_or_default();
-                let set = settings
+                let mut set: Vec<String> = settings
                     .iter()
-                    .filter(|(name, _)| !given.contains(*name))
                     .map(|(name, value)| format!("SET {name} = {value}"))
-                    .collect::<Vec<_>>()
-                    .join("; ");
-                (!set.is_empty()).then_some(set)
+                    .collect();
+                for (name, value) in config
+                    .get_options()
+                    .map(option_settings)
+                    .unwrap_or_default()
+                {
+                    set.push(format!(
+                        "SELECT pg_catalog.set_config({}, {}, false)",
+                        sql_literal(&name),
+                        sql_literal(&value)
+                    ));
+                }
+                Some(set.join("; "))
             }
             PostgresPooler::Transaction => {
                 return Err(Error::invalid(

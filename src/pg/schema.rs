@@ -212,7 +212,8 @@ impl Sql {
             clock: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".into(),
             txn_probe: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
                         pg_current_xact_id_if_assigned() IS NOT NULL, \
-                        current_setting('transaction_isolation') <> 'read committed'"
+                        current_setting('transaction_isolation') IN ('repeatable read', \
+                        'serializable')"
                 .into(),
             // Never past the end in one statement: a draw that fails half
             // way would lose the tokens it already took.

@@ -2363,29 +2363,63 @@ fn verify_reads_the_bindings_in_the_snapshot_of_its_rows() {
     assert!(pg.get(&key("newer")).unwrap().is_some());
 }
 
-/// The settings a URL's `options` names are read as the server reads them
+/// The settings a URL's `options` gives are read as the server reads them
 /// (`-c name=value`, `-cname=value`, `--name=value`, `-` as `_`, any case,
-/// `\` escaping a space), so that behind a session-mode pooler the limits
-/// leave them to the URL.
+/// `\` escaping a space), so that behind a session-mode pooler they are
+/// set again after the limits; and each is sent as a literal that reads
+/// the same whatever `standard_conforming_strings` is.
 #[test]
-fn the_settings_a_urls_options_names_are_read_as_the_server_reads_them() {
-    let names = super::option_names(concat!(
+fn the_settings_a_urls_options_gives_are_read_as_the_server_reads_them() {
+    let settings = super::option_settings(concat!(
         "-c lock_timeout=100 -cStatement_Timeout=5s ",
         "--idle-in-transaction-session-timeout=1 ",
         r"-c search_path=a\ b -c -x plain -c",
     ));
-    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let settings: Vec<(&str, &str)> = settings
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
     assert_eq!(
-        names,
+        settings,
         [
-            "idle_in_transaction_session_timeout",
-            "lock_timeout",
-            "search_path",
-            "statement_timeout"
+            ("lock_timeout", "100"),
+            ("statement_timeout", "5s"),
+            ("idle_in_transaction_session_timeout", "1"),
+            ("search_path", "a b"),
         ]
     );
-    assert!(super::option_names("").is_empty());
+    assert!(super::option_settings("").is_empty());
     // One word, "-c lock_timeout=1": the server reads the name
     // " lock_timeout", which sets nothing.
-    assert!(!super::option_names(r"-c\ lock_timeout=1").contains("lock_timeout"));
+    assert!(
+        !super::option_settings(r"-c\ lock_timeout=1")
+            .iter()
+            .any(|(n, _)| n == "lock_timeout")
+    );
+    assert_eq!(super::sql_literal(r"it's a\b"), r"E'it''s a\\b'");
+}
+
+/// Opening a connection is bounded by `connect_timeout` for each address
+/// `tokio-postgres` may try: one per IP literal, `hostaddr` and Unix
+/// socket (a name counts the addresses it resolves to).
+#[test]
+fn a_connection_may_take_connect_timeout_for_each_address() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let per = Duration::from_secs(1);
+    for (conn, attempts) in [
+        ("postgresql://u@127.0.0.1/db", 1),
+        ("postgresql://u@127.0.0.1:5432,127.0.0.2:5433/db", 2),
+        ("host=/tmp,127.0.0.1,10.0.0.1 port=5432 user=u", 3),
+        ("host=a,b hostaddr=127.0.0.1,127.0.0.2 user=u", 2),
+    ] {
+        let config: tokio_postgres::Config = conn.parse().unwrap();
+        assert_eq!(
+            rt.block_on(super::connect_attempts(&config, per)),
+            attempts,
+            "{conn}"
+        );
+    }
 }

@@ -19,10 +19,10 @@ use tokio_postgres::GenericClient;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::error::{Error, Result};
-use crate::record::{Lease, Op, Record, Reply};
+use crate::record::{Lease, Op, Record, Reply, State};
 
 use super::decide::{self, Base, Pass, RowColumns, Slot};
-use super::{Fail, Shared, describe, fail, row_columns, to_u64};
+use super::{Fail, describe, fail, row_columns, to_u64};
 
 /// The caller's connection, whichever driver holds it: the few statements
 /// a completion sends, each failure classified as the engine classifies
@@ -64,8 +64,8 @@ pub(super) struct Probe {
     /// fresh transaction that has none.
     pub in_block: bool,
     /// Whether the transaction reads one snapshot throughout (REPEATABLE
-    /// READ or SERIALIZABLE), so that a row written after it began is
-    /// not seen.
+    /// READ or SERIALIZABLE; READ UNCOMMITTED runs as READ COMMITTED), so
+    /// that a row written after its first statement may not be seen.
     pub snapshot: bool,
 }
 
@@ -102,7 +102,7 @@ pub(super) async fn finish<S: Session>(
             return Err(error);
         }
     };
-    match decide_and_write(session, &engine.shared, lease, op).await {
+    match decide_and_write(session, engine, lease, op).await {
         Ok(record) => Ok(record),
         Err(Refusal::Server(f)) => Err(f.error()),
         Err(Refusal::Decision(error)) => {
@@ -222,10 +222,11 @@ impl From<Fail> for Refusal {
 
 async fn decide_and_write<S: Session>(
     session: &mut S,
-    shared: &Shared,
+    engine: &super::Postgres,
     lease: &Lease,
     op: Op,
 ) -> Result<Record, Refusal> {
+    let shared = &engine.shared;
     let sql = &shared.sql;
     let key = lease.key();
     let keys = vec![key.to_bytes()];
@@ -266,27 +267,29 @@ async fn decide_and_write<S: Session>(
     // A transaction that reads one snapshot does not see a row written
     // after its snapshot was taken: the claim's, when the caller's first
     // statement came before the claim. Absent from the snapshot is then
-    // not absent, and deciding on it would answer StaleLease to the
-    // current holder (who would give the key up, to be run again once the
-    // lease lapses). A row changed after the snapshot is refused by the
-    // server (40001) when locked above; this is the same refusal for a row
-    // written after it: run the transaction again, whose snapshot sees it.
-    // A lease whose record is past retention is stale whatever the
-    // snapshot shows (the record is absent to every read from then on).
-    // (Outside a block each statement takes a snapshot of its own.)
-    let past_retention = lease
-        .record()
-        .is_some_and(|r| crate::record::is_expired(r.expires_ms(), now));
-    if snapshot && in_block && rows.is_empty() && !past_retention {
-        return Err(Refusal::Decision(Error::Unavailable {
-            detail: format!(
-                "the key {key} has no record in this transaction's snapshot (REPEATABLE READ or \
-                 SERIALIZABLE), which may have been taken before its claim was written: \
-                 nothing was applied; run the transaction again, begun after the claim \
-                 (absent from that snapshot too, the lease was released or its record \
-                 evicted)"
-            ),
-        }));
+    // not known to be absent, and deciding on it would answer StaleLease
+    // to the current holder (who would give the key up, to be run again
+    // once the lease lapses). So the store's own connection reads the
+    // latest committed record: still Processing under this lease, the
+    // snapshot is too old, and the answer is the refusal the server gives
+    // a row changed after the snapshot (40001, when locked above): run the
+    // transaction again. Otherwise (absent, past retention, finished, or
+    // another holder's) the lease is stale, as decided below.
+    if snapshot && rows.is_empty() {
+        match engine.get_async(key).await {
+            Ok(Some(r)) if r.state() == State::Processing && r.token() == lease.token() => {
+                return Err(Refusal::Decision(Error::Unavailable {
+                    detail: format!(
+                        "the key {key} is held by this lease, but this transaction's snapshot \
+                         (REPEATABLE READ or SERIALIZABLE) was taken before the claim was \
+                         written and does not show it: nothing was applied; run the \
+                         transaction again"
+                    ),
+                }));
+            }
+            Ok(_) => {}
+            Err(error) => return Err(Refusal::Decision(error)),
+        }
     }
     // Outside a transaction block each write commits on its own: once the
     // update is sent, a lost answer leaves the outcome unknown.

@@ -26,8 +26,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use idemstore::{
-    ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock, Record, State,
-    Store,
+    AcquiredFrom, ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock,
+    Record, State, Store,
 };
 
 /// Where every model run starts its clock (ms since the epoch).
@@ -224,6 +224,8 @@ pub struct Model {
     pub leases: Vec<usize>,
     /// The answer the latest operation must give.
     pub expected: Expected,
+    /// What the latest claim that acquired found the key in.
+    pub acquired_from: Option<AcquiredFrom>,
 }
 
 impl Default for Model {
@@ -240,6 +242,7 @@ impl Model {
             records: BTreeMap::new(),
             leases: Vec::new(),
             expected: Expected::Nothing,
+            acquired_from: None,
         }
     }
 
@@ -404,6 +407,11 @@ impl Model {
         let lease_until = now + lease_ms;
         let expires = (now + RETENTION_MS).max(lease_until);
         let token = self.leases.len();
+        let from = match self.visible(key, now) {
+            None => AcquiredFrom::Absent,
+            Some(r) if r.state == State::Processing => AcquiredFrom::LapsedLease,
+            Some(_) => AcquiredFrom::RetryableFailure,
+        };
         let acquired = match self.visible(key, now) {
             None => MRecord {
                 state: State::Processing,
@@ -446,6 +454,7 @@ impl Model {
         };
         self.leases.push(key);
         self.records.insert(key, acquired.clone());
+        self.acquired_from = Some(from);
         Expected::Acquired(acquired)
     }
 
@@ -658,6 +667,12 @@ impl Harness {
                             exp.acquisitions > 1 || exp.recovery_point.is_some(),
                             "{}",
                             ctx("takeover flag")
+                        );
+                        assert_eq!(
+                            lease.acquired_from(),
+                            model.acquired_from,
+                            "{}",
+                            ctx("what the claim found")
                         );
                     }
                     (
