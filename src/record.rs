@@ -157,7 +157,7 @@ pub struct Lease {
 /// What the claim that made a lease found the key in: decided by the claim
 /// itself, in the same step as the acquisition, so that no write between a
 /// read and the claim can change it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum AcquiredFrom {
     /// No live record: the first acquisition (or the first after

@@ -628,7 +628,10 @@ impl Store {
     /// lease extensions are awaited (on the `futures-timer` crate's timer
     /// thread) instead of blocking the thread, and the lease is extended by
     /// a future that runs beside `work` in the same task. So `work` must
-    /// not block the thread for long, or the extensions wait too.
+    /// not block the thread for long, or the extensions wait too. Dropping
+    /// the future while `work` runs (a timeout around it, a cancelled
+    /// task) stops the extensions and records nothing: the key stays in
+    /// progress, as after a crash, and is in doubt once its lease lapses.
     ///
     /// ```
     /// use idemstore::{Fingerprint, Key, Lease, Store};
