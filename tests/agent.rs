@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use idemstore::agent::{
-    CallError, ExecuteError, ExecuteOptions, Failure, Limit, Origin, RemoteError, RemoteStatus,
-    RetryPolicy, call, call_async,
+    CallError, ExecuteError, ExecuteOptions, Executed, Failure, Limit, Origin, RemoteError,
+    RemoteStatus, RetryPolicy, call, call_async,
 };
 use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock};
 use idemstore::{State, Store};
@@ -1345,6 +1345,30 @@ fn paused_at<R: Send + 'static>(
     (handle, reached_rx, go_tx)
 }
 
+/// The thread of a [`paused_execute`] and its answer.
+type PausedCall = std::thread::JoinHandle<Result<Executed<String>, ExecuteError<String>>>;
+
+/// An `execute` of `key` on a thread of its own, paused after its look-up
+/// and before its claim (returned once it got there); its work counts its
+/// runs and returns `value`. Sending on the returned sender lets it go on.
+fn paused_execute(
+    store: &Arc<Store>,
+    key: &Key,
+    params: &Value,
+    value: &'static str,
+) -> (PausedCall, Arc<AtomicU32>, mpsc::Sender<()>) {
+    let runs = Arc::new(AtomicU32::new(0));
+    let (store, key, params, counted) = (store.clone(), key.clone(), params.clone(), runs.clone());
+    let (caller, reached, go) = paused_at("idemstore.claim", move || {
+        store.execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Failure<String>>(value.to_string())
+        })
+    });
+    reached.recv().unwrap();
+    (caller, runs, go)
+}
+
 /// Whether a takeover is in doubt is what the claim itself found, not a
 /// record read before it. A retryable failure recorded between a caller's
 /// look-up (the key absent, or in progress) and its claim is a retry, not
@@ -1361,17 +1385,7 @@ fn in_doubt_is_what_the_claim_found_not_an_earlier_read() {
 
     // A retryable failure between the look-up and the claim.
     let key = Key::for_tool_call("acme/tickets.create", "task-1", "call_1").unwrap();
-    let runs = Arc::new(AtomicU32::new(0));
-    let (caller, reached, go) = {
-        let (store, key, params, runs) = (store.clone(), key.clone(), params.clone(), runs.clone());
-        paused_at("idemstore.claim", move || {
-            store.execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, Failure<String>>("T-2".to_string())
-            })
-        })
-    };
-    reached.recv().unwrap();
+    let (caller, runs, go) = paused_execute(&store, &key, &params, "T-2");
     let ClaimOutcome::Acquired(first) = store
         .claim(&key, &fp(&params), &ClaimOptions::new())
         .unwrap()
@@ -1394,17 +1408,7 @@ fn in_doubt_is_what_the_claim_found_not_an_earlier_read() {
         panic!("the key was absent");
     };
     store.fail(&failed, br#""503""#, true).unwrap();
-    let runs = Arc::new(AtomicU32::new(0));
-    let (caller, reached, go) = {
-        let (store, key, params, runs) = (store.clone(), key.clone(), params.clone(), runs.clone());
-        paused_at("idemstore.claim", move || {
-            store.execute(&key, &fp(&params), ExecuteOptions::new(), |_: &Lease| {
-                runs.fetch_add(1, Ordering::SeqCst);
-                Ok::<_, Failure<String>>("ch_2".to_string())
-            })
-        })
-    };
-    reached.recv().unwrap();
+    let (caller, runs, go) = paused_execute(&store, &key, &params, "ch_2");
     let ClaimOutcome::Acquired(released) = store
         .claim(&key, &fp(&params), &ClaimOptions::new())
         .unwrap()
