@@ -101,7 +101,10 @@ pub enum PostgresPooler {
     /// parameter `options` ("unsupported startup parameter"), so the store
     /// sends the same session settings as [`PostgresPooler::Direct`] with
     /// `SET` once each connection is open instead, one round trip per
-    /// connection opened.
+    /// connection opened; and then each `-c name=value` of the URL's
+    /// `options` with `set_config`, so that the URL still wins where the
+    /// pooler dropped the startup parameter (except settings only a
+    /// session's start can set, such as `log_connections`).
     Session,
     /// A pooler that may move a connection to another server session
     /// between transactions: PgBouncer with `pool_mode = transaction`.

@@ -115,7 +115,9 @@ pub use crate::pg::server;
 ///   snapshot that the store's read shows stale (released, past
 ///   retention, finished or another holder's) is [`Error::StaleLease`],
 ///   as at READ COMMITTED. That read is one more round trip, on the
-///   store's own connection, in this case only.
+///   store's own connection, in this case only; it is given a second (it
+///   may queue behind store calls that wait for this transaction's own
+///   locks), and without its answer the completion is `Unavailable`.
 /// - [`Error::OutcomeUnknown`]: only for a `client` outside a transaction
 ///   block (autocommit, where the completion's `UPDATE` commits on its
 ///   own): the `UPDATE` was sent and its answer lost, so the completion

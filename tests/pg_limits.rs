@@ -391,7 +391,11 @@ fn a_setting_in_the_url_wins_over_the_limits_behind_a_session_pooler() {
     limits.call_timeout = Duration::from_secs(2);
     limits.lock_timeout = Duration::from_millis(500);
     let joint = if url.contains('?') { '&' } else { '?' };
-    let store_url = format!("{url}{joint}options=-c%20lock_timeout%3D60000");
+    // And a setting only a session's start can set, which the pooler's
+    // settings leave as the start left it (set again, it failed every
+    // connect with 55P02).
+    let store_url =
+        format!("{url}{joint}options=-c%20lock_timeout%3D60000%20-c%20log_disconnections%3Don");
     let (store, lease, rt, mut client) =
         held_key(&url, &store_url, &schema, limits, PostgresPooler::Session);
     let tx = rt.block_on(client.transaction()).expect("begin");

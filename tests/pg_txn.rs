@@ -447,6 +447,58 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
     });
 }
 
+/// The store's own read that a completion under a snapshot makes is
+/// bounded: queued behind a store call that waits for a row lock of the
+/// caller's own transaction (one connection, busy with an extension of a
+/// key the transaction completed), it gives up after a second and the
+/// completion is `Unavailable`, rather than holding the caller's
+/// transaction until that call's `lock_timeout` (5 s) ends it.
+#[test]
+fn a_snapshot_completions_store_read_does_not_wait_for_the_callers_own_locks() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_snapshot_read");
+    let clock = ManualClock::new(T0);
+    let store = std::sync::Arc::new(
+        Store::connect(&url, config(&schema, &clock).postgres_connections(1)).expect("connect"),
+    );
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        let monitor = client(&url).await;
+        let first = acquire(&store, &key("read-a"));
+        let tx = c
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .await
+            .expect("begin");
+        tx.execute("SELECT 1", &[]).await.expect("snapshot");
+        let second = acquire(&store, &key("read-b"));
+        // The transaction completes the first key and holds its row.
+        complete_in(&tx, &store, &first, b"1")
+            .await
+            .expect("complete_in");
+        let (s, held) = (std::sync::Arc::clone(&store), first.clone());
+        let extension = std::thread::spawn(move || s.extend(&held, LEASE));
+        wait_until(
+            &monitor,
+            "the extension waits for the row",
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND application_name = 'idemstore'",
+        )
+        .await;
+        let err = complete_in(&tx, &store, &second, b"2").await.unwrap_err();
+        assert!(
+            matches!(&err, Error::Unavailable { detail } if detail.contains("did not answer within")),
+            "{err:?}"
+        );
+        tx.rollback().await.expect("rollback");
+        // Whatever the extension answered, the first key was not completed.
+        let _ = extension.join().expect("extension thread");
+        let r = store.get(&key("read-a")).expect("get").expect("record");
+        assert_eq!(r.state(), State::Processing);
+    });
+}
+
 /// `complete_in` sends each statement whole, unnamed with its parameters'
 /// types: inside a transaction, locking and reading the row, reading the
 /// clock and the update are three round trips, counted by a TCP proxy of

@@ -99,6 +99,8 @@ struct Entry {
     due: Option<Instant>,
     /// A renewal of it is under way, outside the lock.
     in_flight: bool,
+    /// Its last renewal did not reach the store (warned once per run).
+    unreachable: bool,
 }
 
 impl Extender {
@@ -153,6 +155,7 @@ impl Extender {
                 period,
                 due: Some(due),
                 in_flight: false,
+                unreachable: false,
             },
         );
         let earliest = state.due.first().is_none_or(|&(first, _)| due < first);
@@ -300,16 +303,23 @@ fn settle(
         entry.in_flight = false;
         match result {
             Ok(_) => {
+                entry.unreachable = false;
                 let due = now.checked_add(entry.period).unwrap_or(now);
                 entry.due = Some(due);
                 state.due.insert((due, *id));
             }
             Err(e @ (Error::Unavailable { .. } | Error::OutcomeUnknown { .. })) => {
-                tracing::warn!(
-                    key = %lease.key(),
-                    error = %e,
-                    "lease extension failed; trying again"
-                );
+                // One warning per run of failures, not one per try.
+                if entry.unreachable {
+                    tracing::debug!(key = %lease.key(), error = %e, "lease extension failed again");
+                } else {
+                    tracing::warn!(
+                        key = %lease.key(),
+                        error = %e,
+                        "lease extension failed; trying again"
+                    );
+                }
+                entry.unreachable = true;
                 let due = now
                     .checked_add((entry.period / 3).max(MIN_PERIOD))
                     .unwrap_or(now);

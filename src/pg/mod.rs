@@ -2904,7 +2904,8 @@ fn option_settings(options: &str) -> Vec<(String, String)> {
     while let Some(c) = chars.next() {
         match c {
             '\\' => word.extend(chars.next()),
-            c if c.is_ascii_whitespace() => {
+            // The server splits at `isspace`, vertical tab included.
+            c if c.is_ascii_whitespace() || c == '\x0b' => {
                 if !word.is_empty() {
                     words.push(std::mem::take(&mut word));
                 }
@@ -3024,15 +3025,19 @@ impl Postgres {
                     .iter()
                     .map(|(name, value)| format!("SET {name} = {value}"))
                     .collect();
+                // A setting only a session's start can set (`log_connections`,
+                // `ignore_system_indexes`) is left as the start left it:
+                // `set_config` would refuse it (55P02) on every connect.
                 for (name, value) in config
                     .get_options()
                     .map(option_settings)
                     .unwrap_or_default()
                 {
+                    let (name, value) = (sql_literal(&name), sql_literal(&value));
                     set.push(format!(
-                        "SELECT pg_catalog.set_config({}, {}, false)",
-                        sql_literal(&name),
-                        sql_literal(&value)
+                        "SELECT pg_catalog.set_config({name}, {value}, false) WHERE NOT EXISTS \
+                         (SELECT 1 FROM pg_catalog.pg_settings WHERE name = {name} \
+                         AND context NOT IN ('user', 'superuser'))"
                     ));
                 }
                 Some(set.join("; "))
@@ -3496,12 +3501,39 @@ impl Postgres {
 
     /// [`Postgres::get`] as a future that needs no runtime.
     pub(crate) async fn get_async(&self, key: &Key) -> Result<Option<Record>> {
+        self.get_async_by(key, self.deadline()).await
+    }
+
+    /// [`Postgres::get_async`] under `deadline` instead of the call's,
+    /// answered `Unavailable` once it passes. A job waits in the queue for
+    /// the jobs before it (whose deadlines, the calls', are as a rule
+    /// earlier), so an earlier deadline than theirs is kept here, on the
+    /// driver thread's timer (the caller's runtime may have none).
+    pub(crate) async fn get_async_by(
+        &self,
+        key: &Key,
+        deadline: Instant,
+    ) -> Result<Option<Record>> {
         let (tx, rx) = oneshot::channel();
-        self.send(Job::Get {
-            key: key.clone(),
-            reply: tx,
-        })?;
-        rx.await.map_err(|_| Error::Closed)?
+        self.send_by(
+            Job::Get {
+                key: key.clone(),
+                reply: tx,
+            },
+            deadline,
+        )?;
+        let answer = self
+            .handle
+            .spawn(async move { tokio::time::timeout_at(deadline.into(), rx).await });
+        match answer.await {
+            Ok(Ok(Ok(answer))) => answer,
+            Ok(Ok(Err(_))) | Err(_) => Err(Error::Closed),
+            Ok(Err(_)) => Err(Error::Unavailable {
+                detail: "no answer by the read's deadline (the calls queued or running before \
+                         it were not done)"
+                    .into(),
+            }),
+        }
     }
 
     /// Queues `op` without waiting for its answer (a best-effort write

@@ -69,6 +69,15 @@ pub(super) struct Probe {
     pub snapshot: bool,
 }
 
+/// How long a completion under a snapshot that shows no row waits for the
+/// store's own read of the key. That read is queued with the store's
+/// calls, some of which may wait for locks of the caller's own open
+/// transaction (a retry's claim of a key it completed), so it is bounded
+/// well below `lock_timeout` (5 s by default); without an answer the
+/// completion is refused as `Unavailable`, which never tells a current
+/// holder that its lease is stale.
+const SNAPSHOT_READ_BOUND: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A business-key binding read: (binding, key).
 pub(super) type Binding = (Vec<u8>, Vec<u8>);
 
@@ -275,20 +284,37 @@ async fn decide_and_write<S: Session>(
     // a row changed after the snapshot (40001, when locked above): run the
     // transaction again. Otherwise (absent, past retention, finished, or
     // another holder's) the lease is stale, as decided below.
+    // The read goes through the store's queue, where it may wait behind
+    // calls that wait for this very transaction's locks: it gets
+    // SNAPSHOT_READ_BOUND, and without an answer the refusal stands.
     if snapshot && rows.is_empty() {
-        match engine.get_async(key).await {
-            Ok(Some(r)) if r.state() == State::Processing && r.token() == lease.token() => {
+        let due = std::time::Instant::now()
+            .checked_add(SNAPSHOT_READ_BOUND)
+            .unwrap_or_else(std::time::Instant::now);
+        let held = match engine.get_async_by(key, due).await {
+            Ok(Some(r)) => r.state() == State::Processing && r.token() == lease.token(),
+            Ok(None) => false,
+            Err(error) => {
                 return Err(Refusal::Decision(Error::Unavailable {
                     detail: format!(
-                        "the key {key} is held by this lease, but this transaction's snapshot \
-                         (REPEATABLE READ or SERIALIZABLE) was taken before the claim was \
-                         written and does not show it: nothing was applied; run the \
-                         transaction again"
+                        "the key {key} has no record in this transaction's snapshot \
+                         (REPEATABLE READ or SERIALIZABLE), which may have been taken before \
+                         the claim was written, and the store's own read of it did not answer \
+                         within {} ms ({error}): nothing was applied; run the transaction \
+                         again",
+                        SNAPSHOT_READ_BOUND.as_millis()
                     ),
                 }));
             }
-            Ok(_) => {}
-            Err(error) => return Err(Refusal::Decision(error)),
+        };
+        if held {
+            return Err(Refusal::Decision(Error::Unavailable {
+                detail: format!(
+                    "the key {key} is held by this lease, but this transaction's snapshot \
+                     (REPEATABLE READ or SERIALIZABLE) was taken before the claim was written \
+                     and does not show it: nothing was applied; run the transaction again"
+                ),
+            }));
         }
     }
     // Outside a transaction block each write commits on its own: once the
