@@ -197,6 +197,33 @@ fn held_key(
     (store, lease, rt, client)
 }
 
+/// The answer of `held_key`'s store (at `store_url`, under `limits` and
+/// `pooler`) to a completion of its key, made from a thread of its own
+/// outside any runtime (the direct path first) while a transaction of the
+/// test's own holds the key's row locked; the transaction is rolled back
+/// once the completion has answered.
+fn completion_of_a_locked_row(
+    url: &str,
+    store_url: &str,
+    schema: &str,
+    limits: PostgresLimits,
+    pooler: PostgresPooler,
+) -> idemstore::Result<idemstore::Record> {
+    let (store, lease, rt, mut client) = held_key(url, store_url, schema, limits, pooler);
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    rt.block_on(tx.execute(
+        &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
+        &[],
+    ))
+    .expect("lock the row");
+    let s = Arc::clone(&store);
+    let answer = guarded("a completion of the locked row", move || {
+        s.complete(&lease, b"done")
+    });
+    rt.block_on(tx.rollback()).expect("rollback");
+    answer
+}
+
 #[test]
 fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
     let Some(url) = pg::url() else { return };
@@ -350,19 +377,7 @@ fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
     let mut limits = PostgresLimits::default();
     limits.call_timeout = Duration::from_secs(4);
     limits.lock_timeout = Duration::from_secs(3);
-    let (store, lease, rt, mut client) =
-        held_key(&url, &url, &schema, limits, PostgresPooler::Direct);
-    let tx = rt.block_on(client.transaction()).expect("begin");
-    rt.block_on(tx.execute(
-        &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
-        &[],
-    ))
-    .expect("lock the row");
-    // From a thread of its own, outside any runtime: the direct path.
-    let s = Arc::clone(&store);
-    let answer = guarded("a completion of the locked row", move || {
-        s.complete(&lease, b"done")
-    });
+    let answer = completion_of_a_locked_row(&url, &url, &schema, limits, PostgresPooler::Direct);
     match answer {
         // Not sent: the transaction's COMMIT. (The hot statement is its
         // own commit: at its deadline the answer would be OutcomeUnknown.)
@@ -372,7 +387,6 @@ fn a_call_the_hot_path_left_undecided_keeps_its_deadline() {
         }
         other => panic!("expected the deadline's error, got {other:?}"),
     }
-    rt.block_on(tx.rollback()).expect("rollback");
 }
 
 /// A setting the URL gives (`options=-c lock_timeout=…`) wins over the
@@ -396,18 +410,8 @@ fn a_setting_in_the_url_wins_over_the_limits_behind_a_session_pooler() {
     // connect with 55P02).
     let store_url =
         format!("{url}{joint}options=-c%20lock_timeout%3D60000%20-c%20log_disconnections%3Don");
-    let (store, lease, rt, mut client) =
-        held_key(&url, &store_url, &schema, limits, PostgresPooler::Session);
-    let tx = rt.block_on(client.transaction()).expect("begin");
-    rt.block_on(tx.execute(
-        &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
-        &[],
-    ))
-    .expect("lock the row");
-    let s = Arc::clone(&store);
-    let answer = guarded("a completion of the locked row", move || {
-        s.complete(&lease, b"done")
-    });
+    let answer =
+        completion_of_a_locked_row(&url, &store_url, &schema, limits, PostgresPooler::Session);
     match answer {
         Err(Error::Unavailable { detail } | Error::OutcomeUnknown { detail }) => {
             assert!(detail.contains("call_timeout"), "{detail}");
@@ -415,7 +419,6 @@ fn a_setting_in_the_url_wins_over_the_limits_behind_a_session_pooler() {
         }
         other => panic!("expected the deadline's error, got {other:?}"),
     }
-    rt.block_on(tx.rollback()).expect("rollback");
 }
 
 /// While the server cannot be reached, `Store::now_ms` answers the highest

@@ -577,7 +577,7 @@ impl Store {
             self.get(key)?;
             match self.claim(key, fingerprint, &claim_options)? {
                 ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
-                ClaimOutcome::Acquired(lease) => break Acquired::new(lease),
+                ClaimOutcome::Acquired(lease) => break lease,
                 ClaimOutcome::InProgress {
                     retry_after,
                     lease_until_ms,
@@ -597,7 +597,7 @@ impl Store {
         };
         drop(watch);
 
-        let Acquired { lease, in_doubt } = lease;
+        let in_doubt = is_in_doubt(&lease);
         let policy = if in_doubt {
             options.in_doubt
         } else {
@@ -678,7 +678,7 @@ impl Store {
             self.get_async(key).await?;
             match self.claim_async(key, fingerprint, &claim_options).await? {
                 ClaimOutcome::Replay(record) => return replay(&record, wait.woken),
-                ClaimOutcome::Acquired(lease) => break Acquired::new(lease),
+                ClaimOutcome::Acquired(lease) => break lease,
                 ClaimOutcome::InProgress {
                     retry_after,
                     lease_until_ms,
@@ -706,7 +706,7 @@ impl Store {
         };
         drop(watch);
 
-        let Acquired { lease, in_doubt } = lease;
+        let in_doubt = is_in_doubt(&lease);
         let policy = if in_doubt {
             options.in_doubt
         } else {
@@ -744,25 +744,15 @@ impl Store {
     }
 }
 
-/// A lease this call acquired, and whether its previous holder may have
-/// acted.
-struct Acquired {
-    lease: Lease,
-    in_doubt: bool,
-}
-
-impl Acquired {
-    /// In doubt when the claim took over a lapsed lease, as the claim
-    /// itself reports it (a record read before the claim could change in
-    /// between: a retryable failure recorded meanwhile, or a release and a
-    /// new holder that crashed).
-    fn new(lease: Lease) -> Self {
-        let in_doubt = !matches!(
-            lease.acquired_from(),
-            Some(AcquiredFrom::Absent | AcquiredFrom::RetryableFailure)
-        );
-        Acquired { lease, in_doubt }
-    }
+/// Whether a lease `execute` acquired is in doubt: the claim took over a
+/// lapsed lease, as the claim itself reports it (a record read before the
+/// claim could change in between: a retryable failure recorded meanwhile,
+/// or a release and a new holder that crashed).
+fn is_in_doubt(lease: &Lease) -> bool {
+    !matches!(
+        lease.acquired_from(),
+        Some(AcquiredFrom::Absent | AcquiredFrom::RetryableFailure)
+    )
 }
 
 /// The waiting side of a call that found the key in progress.
