@@ -1291,15 +1291,24 @@ fn a_retryable_failure_too_large_to_keep_still_lets_the_next_call_run() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
-/// A tracing layer that pauses its thread once, when the thread is about
-/// to create the span `span` (`idemstore.claim`: after `execute` looked
-/// the key up, before its claim), until the test lets it go: another
-/// caller acts exactly in between.
-struct PauseAt {
-    span: &'static str,
-    reached: Mutex<Option<mpsc::Sender<()>>>,
-    go: Mutex<Option<mpsc::Receiver<()>>>,
+thread_local! {
+    /// The pause of this thread, if [`paused_at`] set one: the span to
+    /// pause at, the signal that it got there, and the signal to go on.
+    static PAUSE: std::cell::RefCell<Option<Pause>> = const { std::cell::RefCell::new(None) };
 }
+
+/// A pause [`PauseAt`] takes once: the span, "reached", "go".
+type Pause = (&'static str, mpsc::Sender<()>, mpsc::Receiver<()>);
+
+/// A tracing layer that pauses a thread once, when the thread is about to
+/// create the span its [`PAUSE`] names (`idemstore.claim`: after `execute`
+/// looked the key up, before its claim), until the test lets it go:
+/// another caller acts exactly in between. Installed as the global
+/// subscriber of this test binary, once, and the callsites' interest
+/// rebuilt before each pause: with a subscriber per thread
+/// (`with_default`) beside the other tests' threads, a CI run once saw
+/// the thread never pause.
+struct PauseAt;
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for PauseAt {
     fn on_new_span(
@@ -1308,12 +1317,16 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for PauseAt {
         _id: &tracing::span::Id,
         _ctx: tracing_subscriber::layer::Context<'_, S>,
     ) {
-        if attrs.metadata().name() != self.span {
-            return;
-        }
-        if let Some(reached) = self.reached.lock().unwrap().take() {
+        let name = attrs.metadata().name();
+        let pause = PAUSE.with(|p| {
+            let mut p = p.borrow_mut();
+            match p.as_ref() {
+                Some((span, ..)) if *span == name => p.take(),
+                _ => None,
+            }
+        });
+        if let Some((_, reached, go)) = pause {
             reached.send(()).unwrap();
-            let go = self.go.lock().unwrap().take().unwrap();
             go.recv().unwrap();
         }
     }
@@ -1331,16 +1344,18 @@ fn paused_at<R: Send + 'static>(
     mpsc::Sender<()>,
 ) {
     use tracing_subscriber::layer::SubscriberExt;
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(PauseAt))
+            .expect("the pause layer is this binary's only subscriber");
+    });
+    // A span registered before the install keeps no stale interest.
+    tracing::callsite::rebuild_interest_cache();
     let (reached_tx, reached_rx) = mpsc::channel();
     let (go_tx, go_rx) = mpsc::channel();
-    let layer = PauseAt {
-        span,
-        reached: Mutex::new(Some(reached_tx)),
-        go: Mutex::new(Some(go_rx)),
-    };
     let handle = std::thread::spawn(move || {
-        let subscriber = tracing_subscriber::registry().with(layer);
-        tracing::subscriber::with_default(subscriber, f)
+        PAUSE.with(|p| *p.borrow_mut() = Some((span, reached_tx, go_rx)));
+        f()
     });
     (handle, reached_rx, go_tx)
 }
