@@ -131,7 +131,7 @@ impl Store {
     pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.open_with").entered();
         let path = path.as_ref().to_path_buf();
-        let log_path = embedded::log_path_of(&path);
+        let log_path = embedded::log_path_of_file(&path);
         Store::open_inner::<redb::backends::FileBackend>(path, log_path, None, None, config)
     }
 

@@ -1246,3 +1246,89 @@ fn a_lone_caller_commits_its_own_batch_on_its_own_thread() {
         assert_eq!(record.state(), State::Succeeded);
     }
 }
+
+mod common;
+
+/// The child of [`a_crashed_store_recovers_its_changes_by_any_name_of_its_file`].
+const CRASHED_BY_NAME: &str = "a_crashed_store_recovers_its_changes_by_any_name_of_its_file";
+
+/// A store killed while open (SIGKILL) keeps what it acknowledged whatever
+/// name its file is opened by next. Through a symlink, or a path with `..`,
+/// the open finds the log the store wrote (both logs are the canonical
+/// file's), even when an earlier open through the symlink had left a log
+/// beside the symlink's name (as an older build did). Through a hard link,
+/// another name whose log is another file, the open is refused while the
+/// store's log holds changes the index lacks, naming the name to open by;
+/// once opened so, every name opens the store with nothing lost.
+#[test]
+fn a_crashed_store_recovers_its_changes_by_any_name_of_its_file() {
+    if common::child_role(CRASHED_BY_NAME) {
+        let store = Store::open_with(common::child_var("STORE"), config()).expect("open");
+        let k = key(common::child_var("KEY"));
+        let lease = acquire(&store, &k);
+        store.complete(&lease, b"done").expect("complete");
+        common::ready_and_wait();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real.redb");
+    let alias = dir.path().join("alias.redb");
+    let hard = dir.path().join("hard.redb");
+    drop(Store::open_with(&real, config()).unwrap());
+    std::os::unix::fs::symlink(&real, &alias).unwrap();
+    std::fs::hard_link(&real, &hard).unwrap();
+    // A log of this store beside the symlink's name, of an earlier epoch:
+    // what an open through the symlink left before logs were named by the
+    // canonical file.
+    drop(Store::open_with(&real, config()).unwrap());
+    std::fs::copy(
+        dir.path().join("real.redb-wal"),
+        dir.path().join("alias.redb-wal"),
+    )
+    .unwrap();
+    let crash = |name: &Path, id: &str| {
+        let mut child = common::spawn_child(
+            CRASHED_BY_NAME,
+            &[("STORE", common::path_var(name)), ("KEY", id.to_string())],
+        );
+        child.wait_ready();
+        child.kill();
+    };
+    let done = |store: &Store, id: &str| {
+        let rec = store.get(&key(id)).unwrap();
+        assert_eq!(
+            rec.as_ref().map(|r| (r.state(), r.result())),
+            Some((State::Succeeded, Some(&b"done"[..]))),
+            "{id}"
+        );
+    };
+
+    crash(&real, "by-symlink");
+    let store = Store::open_with(&alias, config()).unwrap();
+    done(&store, "by-symlink");
+    drop(store);
+
+    crash(&real, "by-dotted-path");
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    let dotted = dir.path().join("sub").join("..").join("real.redb");
+    let store = Store::open_with(dotted, config()).unwrap();
+    done(&store, "by-dotted-path");
+    drop(store);
+
+    crash(&real, "by-hard-link");
+    let refused = Store::open_with(&hard, config()).err();
+    match &refused {
+        Some(Error::IncompatibleFile { path, detail }) => {
+            assert_eq!(path, &dir.path().join("real.redb-wal"));
+            assert!(
+                detail.contains(&format!("open the store as {}", real.display())),
+                "{detail}"
+            );
+        }
+        other => panic!("expected the refusal naming the store's log, got {other:?}"),
+    }
+    drop(Store::open_with(&real, config()).unwrap());
+    let store = Store::open_with(&hard, config()).unwrap();
+    for id in ["by-symlink", "by-dotted-path", "by-hard-link"] {
+        done(&store, id);
+    }
+}

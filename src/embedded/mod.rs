@@ -89,6 +89,101 @@ pub(crate) fn log_path_of(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// The write-ahead log of the store file at `path`: [`log_path_of`] the
+/// file's canonical path ([`identity_of`]), so that every spelling of the
+/// file (a relative path from another directory, a symlink to it or to a
+/// directory on its path) writes and recovers the same log. A hard link is
+/// another name no canonical path leads back from: the store records the
+/// log it writes (`schema::META_LOG_PATH`), and an open by another name
+/// after an unclean shutdown refuses while that log holds changes
+/// ([`refuse_stray_log`]).
+pub(crate) fn log_path_of_file(path: &Path) -> PathBuf {
+    log_path_of(&identity_of(path))
+}
+
+/// The canonical path of the file at `path` (symlinks, `.` and `..`
+/// resolved). A file that does not exist yet is named by its canonical
+/// directory and its file name; a path that cannot be resolved at all, by
+/// its absolute spelling.
+pub(crate) fn identity_of(path: &Path) -> PathBuf {
+    if let Ok(canonical) = std::fs::canonicalize(path) {
+        return canonical;
+    }
+    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    match (absolute.parent(), absolute.file_name()) {
+        (Some(dir), Some(name)) => match std::fs::canonicalize(dir) {
+            Ok(dir) => dir.join(name),
+            Err(_) => absolute,
+        },
+        _ => absolute,
+    }
+}
+
+/// After an unclean shutdown, refuses to open the store at `path` with
+/// the log at `log_path` while another log of this store holds changes
+/// its index lacks: the frames written since the last checkpoint are in
+/// the log the store last wrote, and an open that recovered from another
+/// one would lose them (acknowledged claims and completions: the work
+/// would run again), then start a new epoch that hides them for good. The
+/// other logs looked at are the one the store records
+/// (`schema::META_LOG_PATH`: a hard link's) and the one beside `path` as
+/// spelled (an older build named the log so). One that does not exist, is
+/// not this store's, or holds no frame past the index is passed over.
+///
+/// # Errors
+/// [`Error::IncompatibleFile`] naming the other log and the name to open
+/// the store by; [`Error::CorruptFile`] or [`Error::Storage`] when the
+/// index cannot be read.
+fn refuse_stray_log(
+    path: &Path,
+    log_path: &Path,
+    db: &redb::Database,
+    meta: &schema::Meta,
+) -> Result<()> {
+    let mut others = vec![log_path_of(path)];
+    match schema::recorded_log_path(path, db)? {
+        Ok(Some(recorded)) => others.push(recorded),
+        Ok(None) => {}
+        Err(malformed) => tracing::warn!(path = %path.display(), "{malformed}: ignored"),
+    }
+    let ours = identity_of(log_path);
+    for other in others {
+        if identity_of(&other) == ours
+            || !std::fs::metadata(&other).is_ok_and(|m| m.is_file() && m.len() > 0)
+        {
+            continue;
+        }
+        let Ok(file) = FileLog::read_only(&other) else {
+            continue;
+        };
+        match wal::read_header(&file) {
+            Ok(wal::HeaderState::Valid { store_id }) if store_id == meta.store_id => {}
+            _ => continue,
+        }
+        // A log whose frames past the checkpoint cannot be read may hold
+        // changes too: refused as well.
+        let holds = wal::recover(&file, &other, meta.store_id, meta.log_epoch, meta.log_base)
+            .map_or(true, |found| found.count_after(meta.applied_seq) > 0);
+        if holds {
+            let name = other
+                .to_str()
+                .and_then(|s| s.strip_suffix("-wal"))
+                .map_or_else(|| other.display().to_string(), str::to_string);
+            return Err(Error::IncompatibleFile {
+                path: other.clone(),
+                detail: format!(
+                    "this log holds the store's changes since its last checkpoint (it stopped \
+                     without closing while opened as {name}), and this open would recover from \
+                     {} instead and lose them: open the store as {name} once (that open \
+                     replays them), then any name of the file opens it",
+                    log_path.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a missing or empty file, or one that is not a regular file
 /// (for tools that must not create a store).
 pub(crate) fn check_existing(path: &Path) -> Result<()> {
@@ -226,6 +321,10 @@ impl Embedded {
                 (marker, false)
             }
         };
+        let log_is_file = log.is_none();
+        if file_backed && log_is_file && !meta.clean {
+            refuse_stray_log(&path, &log_path, &db, &meta)?;
+        }
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
         let (log, log_fresh): (Arc<dyn LogFile>, bool) = match log {
@@ -253,6 +352,7 @@ impl Embedded {
             log.clone(),
             &meta,
             config.max_log_bytes,
+            (file_backed && log_is_file).then_some(log_path.as_path()),
             |clock_hwm| {
                 let floor = if meta.clean {
                     meta.clock_floor.unwrap_or(clock_hwm)

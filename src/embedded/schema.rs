@@ -143,8 +143,20 @@ pub(crate) const META_VERIFIED: &str = "integrity_verified_ms";
 /// without a format version change: an older build ignores it.
 pub(crate) const META_DAMAGE_MARKER: &str = "scrub_damage_marker";
 
-/// The longest [`META_DAMAGE_MARKER`] value read (in bytes): Linux's
-/// `PATH_MAX`.
+/// The canonical path of the write-ahead log the store writes (the bytes
+/// of the path on Unix, UTF-8 elsewhere), recorded by the checkpoint of
+/// every open that begins the log's new epoch. After an unclean shutdown,
+/// the frames since the last checkpoint are in that log: an open by
+/// another name of the file (a hard link, or a symlink to it opened by an
+/// older build, which named the log after the spelling it was given) whose
+/// own log is another file refuses while that one holds such frames (see
+/// `refuse_stray_log`). Absent in stores written before it existed, and on
+/// a caller's [`LogFile`](crate::LogFile). Added without a format version
+/// change: an older build ignores it.
+pub(crate) const META_LOG_PATH: &str = "log_path";
+
+/// The longest [`META_DAMAGE_MARKER`] or [`META_LOG_PATH`] value read (in
+/// bytes): Linux's `PATH_MAX`.
 const MAX_MARKER_PATH_BYTES: usize = 4096;
 
 /// How far ahead of the wall clock a recorded verification may be and
@@ -895,22 +907,57 @@ pub(crate) fn record_damage_marker(
 /// `Ok(None)` when none is recorded; `Err` with what is wrong when the
 /// recorded value (from a file that may be hostile) is not a plain absolute
 /// path of at most [`MAX_MARKER_PATH_BYTES`] whose file name ends in
-/// `-damaged`: no NUL byte, no `..` component, and on Windows a
-/// drive letter, not a UNC or device prefix (looking one up could reach
-/// the network). The caller ignores such a value (the marker beside the
-/// file's canonical path still counts). A panic inside redb on a damaged
-/// page is [`Error::CorruptFile`].
+/// `-damaged` (see [`read_recorded_path`]). The caller ignores such a value
+/// (the marker beside the file's canonical path still counts). A panic
+/// inside redb on a damaged page is [`Error::CorruptFile`].
 pub(crate) fn recorded_damage_marker(
     path: &Path,
     db: &Database,
 ) -> Result<std::result::Result<Option<PathBuf>, String>> {
-    guard(path, || read_damage_marker(path, db))
+    guard(path, || {
+        read_recorded_path(path, db, META_DAMAGE_MARKER, "-damaged", "damage marker")
+    })
 }
 
-/// [`recorded_damage_marker`] outside its guard.
-fn read_damage_marker(
+/// The write-ahead log the store last wrote, as recorded
+/// ([`META_LOG_PATH`]): `Ok(None)` when none is recorded (a store written
+/// before the record existed, or on a caller's log); `Err` with what is
+/// wrong when the value is not a plain absolute path of at most
+/// [`MAX_MARKER_PATH_BYTES`] ending in `-wal` (see [`read_recorded_path`]).
+pub(crate) fn recorded_log_path(
     path: &Path,
     db: &Database,
+) -> Result<std::result::Result<Option<PathBuf>, String>> {
+    guard(path, || {
+        read_recorded_path(path, db, META_LOG_PATH, "-wal", "write-ahead log")
+    })
+}
+
+/// Records in `txn` the canonical path of the write-ahead log the store
+/// writes from this checkpoint on ([`META_LOG_PATH`]).
+pub(crate) fn record_log_path(path: &Path, txn: &WriteTransaction, log: &Path) -> Result<()> {
+    let Some(bytes) = path_bytes(log) else {
+        return Ok(());
+    };
+    let mut table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+    table
+        .insert(META_LOG_PATH, bytes.as_slice())
+        .map_err(|e| map_err(path, e))?;
+    Ok(())
+}
+
+/// A path recorded in the store under `name`, outside its guard: `Ok(None)`
+/// when none is recorded; `Err` with what is wrong when the value (from a
+/// file that may be hostile) is not a plain absolute path of at most
+/// [`MAX_MARKER_PATH_BYTES`] whose file name ends in `suffix`: no NUL byte,
+/// no `..` component, and on Windows a drive letter, not a UNC or device
+/// prefix (looking one up could reach the network).
+fn read_recorded_path(
+    path: &Path,
+    db: &Database,
+    name: &str,
+    suffix: &str,
+    what: &str,
 ) -> Result<std::result::Result<Option<PathBuf>, String>> {
     let txn = db.begin_read().map_err(|e| map_err(path, e))?;
     let table = match txn.open_table(META) {
@@ -918,37 +965,34 @@ fn read_damage_marker(
         Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Ok(None)),
         Err(e) => return Err(map_err(path, e)),
     };
-    let Some(value) = table
-        .get(META_DAMAGE_MARKER)
-        .map_err(|e| map_err(path, e))?
-    else {
+    let Some(value) = table.get(name).map_err(|e| map_err(path, e))? else {
         return Ok(Ok(None));
     };
     let bytes = value.value();
     if bytes.len() > MAX_MARKER_PATH_BYTES {
         return Ok(Err(format!(
-            "the recorded damage marker is {} bytes long (at most {MAX_MARKER_PATH_BYTES})",
+            "the recorded {what} is {} bytes long (at most {MAX_MARKER_PATH_BYTES})",
             bytes.len()
         )));
     }
-    let Some(marker) = path_of_bytes(bytes).filter(|_| !bytes.contains(&0)) else {
-        return Ok(Err("the recorded damage marker is not a path".into()));
+    let Some(recorded) = path_of_bytes(bytes).filter(|_| !bytes.contains(&0)) else {
+        return Ok(Err(format!("the recorded {what} is not a path")));
     };
-    let named = marker
+    let named = recorded
         .file_name()
-        .is_some_and(|n| n.to_string_lossy().ends_with("-damaged"));
-    let plain = marker.components().all(|c| match c {
+        .is_some_and(|n| n.to_string_lossy().ends_with(suffix));
+    let plain = recorded.components().all(|c| match c {
         std::path::Component::Prefix(p) => matches!(p.kind(), std::path::Prefix::Disk(_)),
         std::path::Component::RootDir | std::path::Component::Normal(_) => true,
         std::path::Component::CurDir | std::path::Component::ParentDir => false,
     });
-    if !marker.is_absolute() || !named || !plain {
+    if !recorded.is_absolute() || !named || !plain {
         return Ok(Err(format!(
-            "the recorded damage marker {} is not a plain absolute path ending in -damaged",
-            marker.display()
+            "the recorded {what} {} is not a plain absolute path ending in {suffix}",
+            recorded.display()
         )));
     }
-    Ok(Ok(Some(marker)))
+    Ok(Ok(Some(recorded)))
 }
 
 /// A path as stored: its bytes on Unix, its UTF-8 elsewhere (`None` when

@@ -316,22 +316,7 @@ pub(crate) fn marker_path_of(path: &Path) -> std::path::PathBuf {
 /// name finds it there. A damaged store's close also forgets its last
 /// verification, so every later open runs the full integrity check.
 pub(crate) fn marker_of_store(path: &Path) -> std::path::PathBuf {
-    marker_path_of(&identity_of(path))
-}
-
-/// The canonical path of the file at `path` (see [`marker_of_store`]).
-fn identity_of(path: &Path) -> std::path::PathBuf {
-    if let Ok(canonical) = std::fs::canonicalize(path) {
-        return canonical;
-    }
-    let absolute = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    match (absolute.parent(), absolute.file_name()) {
-        (Some(dir), Some(name)) => match std::fs::canonicalize(dir) {
-            Ok(dir) => dir.join(name),
-            Err(_) => absolute,
-        },
-        _ => absolute,
-    }
+    marker_path_of(&super::identity_of(path))
 }
 
 /// The temporary name the marker is written under before its rename.

@@ -128,6 +128,19 @@ impl FileLog {
 }
 
 impl FileLog {
+    /// Opens the existing file at `path` for reading only (another name's
+    /// log, looked at and never written).
+    pub(crate) fn read_only(path: &Path) -> io::Result<FileLog> {
+        let file = OpenOptions::new().read(true).open(path)?;
+        let fresh = file.metadata()?.len() == 0;
+        Ok(FileLog {
+            file,
+            fresh,
+            #[cfg(not(unix))]
+            cursor: Mutex::new(()),
+        })
+    }
+
     /// Whether the file was absent or empty when opened: no store had
     /// written it (a store writes its log's header at its first open).
     pub(crate) fn fresh(&self) -> bool {
@@ -593,6 +606,9 @@ pub(crate) struct Opened {
 /// makes no other durable commit (creation, an open that ran the integrity
 /// check and a format migration add one each).
 ///
+/// `record_log`, the canonical path of a file log, is recorded in the same
+/// checkpoint (`schema::META_LOG_PATH`).
+///
 /// # Errors
 /// - [`Error::IncompatibleFile`] naming the log: it belongs to another store
 ///   (another identity), is another format version, or is not a log.
@@ -600,6 +616,9 @@ pub(crate) struct Opened {
 ///   the log is missing or its header damaged after an unclean shutdown.
 /// - [`Error::Storage`], [`Error::CorruptFile`]: the log or the index cannot
 ///   be read or written.
+// Each argument is one input of the open (the index, the log and its
+// names, the metadata, the cap, the record, the time reservation).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn open<T>(
     db: &redb::Database,
     path: &Path,
@@ -607,6 +626,7 @@ pub(crate) fn open<T>(
     log: Arc<dyn LogFile>,
     meta: &super::schema::Meta,
     max_len: u64,
+    record_log: Option<&Path>,
     reserve_time: impl FnOnce(u64) -> (u64, T),
 ) -> Result<(Opened, T)> {
     use super::pending::Pending;
@@ -723,6 +743,9 @@ pub(crate) fn open<T>(
             (tables.finish().tally, made)
         };
         super::schema::write_tally(path, &txn, tally)?;
+        if let Some(log) = record_log {
+            super::schema::record_log_path(path, &txn, log)?;
+        }
         write_checkpoint(
             path,
             &txn,
