@@ -501,7 +501,10 @@ impl Store {
     /// leases due at the same time in one batch, so they share a commit. A
     /// renewal that fails (another caller took the key over, or someone
     /// released or finished it) is logged and not retried; the outcome is
-    /// then refused with [`Error::StaleLease`]. The
+    /// then refused with [`Error::StaleLease`]. A renewal that could not
+    /// reach the store or lost its answer ([`Error::Unavailable`],
+    /// [`Error::OutcomeUnknown`]) is tried again a third of the period
+    /// later, until one is answered. The
     /// value must serialize to at most the store's `max_result_bytes`, a
     /// failure to `max_failure_bytes`.
     ///
@@ -627,7 +630,9 @@ impl Store {
     /// [`Store::execute`] as a future, on any runtime: waits, polls and
     /// lease extensions are awaited (on the `futures-timer` crate's timer
     /// thread) instead of blocking the thread, and the lease is extended by
-    /// a future that runs beside `work` in the same task. So `work` must
+    /// a future that runs beside `work` in the same task, on the same
+    /// schedule (a renewal that did not reach the store is tried again).
+    /// So `work` must
     /// not block the thread for long, or the extensions wait too. Dropping
     /// the future while `work` runs (a timeout around it, a cancelled
     /// task) stops the extensions and records nothing: the key stays in
@@ -1026,19 +1031,126 @@ fn keep_alive<R>(store: &Store, lease: &Lease, f: impl FnOnce() -> R) -> Result<
 }
 
 /// Runs `work` beside a future that extends `lease` every third of its
-/// length, until `work` is done.
+/// length, until `work` is done, on the extender's schedule
+/// ([`next_renewal`](super::extender::next_renewal)): a renewal that could
+/// not reach the store is tried again a third of the period later, until
+/// one is answered; after any other failure the lease is not renewed
+/// again (recording the outcome then fails as the docs of
+/// [`Store::execute_async`] say).
 async fn keep_alive_async<R>(store: &Store, lease: &Lease, work: impl Future<Output = R>) -> R {
     let length = lease_length(lease);
-    let period = (length / 3).max(Duration::from_millis(1));
+    renewing(
+        lease.key(),
+        (length / 3).max(Duration::from_millis(1)),
+        work,
+        || store.extend_async(lease, length),
+    )
+    .await
+}
+
+/// Runs `work` beside a loop that calls `renew` every `period` on the
+/// extender's schedule, until `work` is done (see [`keep_alive_async`]).
+async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
+    key: &Key,
+    period: Duration,
+    work: impl Future<Output = R>,
+    mut renew: impl FnMut() -> F,
+) -> R {
     let keep = async {
+        let mut wait = period;
+        let mut unreachable = false;
         loop {
-            futures_timer::Delay::new(period).await;
-            if let Err(e) = store.extend_async(lease, length).await {
-                tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
-                break;
+            futures_timer::Delay::new(wait).await;
+            let result = renew().await;
+            let next = super::extender::next_renewal(period, &result);
+            match (&result, next) {
+                (Ok(_), _) => unreachable = false,
+                (Err(e), Some(_)) if !unreachable => {
+                    tracing::warn!(key = %key, error = %e, "lease extension failed; trying again");
+                    unreachable = true;
+                }
+                (Err(e), Some(_)) => {
+                    tracing::debug!(key = %key, error = %e, "lease extension failed again");
+                }
+                (Err(e), None) => {
+                    tracing::warn!(key = %key, error = %e, "lease extension failed");
+                }
+            }
+            match next {
+                Some(after) => wait = after,
+                None => break,
             }
         }
         futures_lite::future::pending::<R>().await
     };
     futures_lite::future::or(work, keep).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// `execute_async`'s renewals follow the extender's schedule: a renewal
+    /// that could not reach the store (a PostgreSQL restart) is tried again
+    /// until one is answered, and the renewals go on after it. (They
+    /// stopped at the first failure: the lease lapsed under running work
+    /// and a retry ran it again.) The work ends once the fourth renewal was
+    /// asked for; without it, the guard fails the test.
+    #[test]
+    fn an_async_renewal_that_did_not_reach_the_store_is_tried_again() {
+        let tries = AtomicUsize::new(0);
+        let key = Key::new("t", "renewals").expect("key");
+        let renew = || {
+            let n = tries.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                if n <= 2 {
+                    Err(Error::Unavailable {
+                        detail: "the server restarts".into(),
+                    })
+                } else {
+                    Ok(n)
+                }
+            }
+        };
+        let work = async {
+            while tries.load(Ordering::SeqCst) < 4 {
+                futures_timer::Delay::new(Duration::from_millis(1)).await;
+            }
+        };
+        let guard = async {
+            futures_timer::Delay::new(Duration::from_secs(60)).await;
+            panic!(
+                "renewed {} times, then never again",
+                tries.load(Ordering::SeqCst)
+            );
+        };
+        futures_lite::future::block_on(futures_lite::future::or(
+            renewing(&key, Duration::from_millis(3), work, renew),
+            guard,
+        ));
+    }
+
+    /// The schedule itself: a period after a renewal, a third of it after
+    /// one that did not reach the store, none after a stale lease.
+    #[test]
+    fn a_stale_lease_ends_the_renewals() {
+        let period = Duration::from_millis(300);
+        let stale: Result<u64, Error> = Err(Error::StaleLease {
+            key: "t/k".into(),
+            token: 1,
+        });
+        let lost: Result<u64, Error> = Err(Error::OutcomeUnknown {
+            detail: "answer lost".into(),
+        });
+        assert_eq!(
+            super::super::extender::next_renewal(period, &Ok(1)),
+            Some(period)
+        );
+        assert_eq!(
+            super::super::extender::next_renewal(period, &lost),
+            Some(Duration::from_millis(100))
+        );
+        assert_eq!(super::super::extender::next_renewal(period, &stale), None);
+    }
 }

@@ -281,6 +281,23 @@ fn take_due(state: &mut State, now: Instant) -> Vec<(u64, Lease, Duration)> {
     batch
 }
 
+/// How long after a renewal answered `result` the lease is renewed next,
+/// for a lease renewed every `period`: a period after a renewal; a third of
+/// it (at least 1 ms) after one that could not reach the store or lost its
+/// answer ([`Error::Unavailable`], [`Error::OutcomeUnknown`]: it says
+/// nothing of the lease); `None` after any other failure (a stale lease, a
+/// storage error), when it is not renewed again. The schedule of the
+/// extender's thread and of `execute_async`'s renewals alike.
+pub(crate) fn next_renewal<T>(period: Duration, result: &Result<T, Error>) -> Option<Duration> {
+    match result {
+        Ok(_) => Some(period),
+        Err(Error::Unavailable { .. } | Error::OutcomeUnknown { .. }) => {
+            Some((period / 3).max(MIN_PERIOD))
+        }
+        Err(_) => None,
+    }
+}
+
 /// Records the answers of a batch: a renewed lease is due again a period
 /// after `now`; one whose renewal did not reach the store is due again a
 /// third of that after `now`; a lease whose renewal failed otherwise is
@@ -301,14 +318,10 @@ fn settle(
             continue;
         };
         entry.in_flight = false;
-        match result {
-            Ok(_) => {
-                entry.unreachable = false;
-                let due = now.checked_add(entry.period).unwrap_or(now);
-                entry.due = Some(due);
-                state.due.insert((due, *id));
-            }
-            Err(e @ (Error::Unavailable { .. } | Error::OutcomeUnknown { .. })) => {
+        let next = next_renewal(entry.period, &result);
+        match (&result, next) {
+            (Ok(_), _) => entry.unreachable = false,
+            (Err(e), Some(_)) => {
                 // One warning per run of failures, not one per try.
                 if entry.unreachable {
                     tracing::debug!(key = %lease.key(), error = %e, "lease extension failed again");
@@ -320,15 +333,15 @@ fn settle(
                     );
                 }
                 entry.unreachable = true;
-                let due = now
-                    .checked_add((entry.period / 3).max(MIN_PERIOD))
-                    .unwrap_or(now);
-                entry.due = Some(due);
-                state.due.insert((due, *id));
             }
-            Err(e) => {
+            (Err(e), None) => {
                 tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
             }
+        }
+        if let Some(after) = next {
+            let due = now.checked_add(after).unwrap_or(now);
+            entry.due = Some(due);
+            state.due.insert((due, *id));
         }
     }
 }
