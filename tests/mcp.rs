@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use idemstore::agent::{CallError, RetryPolicy};
 use idemstore::mcp::{
-    CAPABILITY, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, SepTransport,
+    CAPABILITY, IN_DOUBT, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, SepTransport,
     ToolCallError, announces_idempotency, attach_key, call_tool_once,
 };
 use idemstore::{Key, Store};
@@ -43,7 +43,8 @@ struct Tools {
 }
 
 /// The server: `append` (writes a line), `count` (read-only), `reject`
-/// (a tool error), `flaky` (a JSON-RPC error, then a result).
+/// (a tool error), `flaky` (a JSON-RPC error, then a result), `lost` (an
+/// answer of unknown outcome, `IN_DOUBT`).
 #[derive(Clone)]
 struct AppendServer(Arc<Tools>);
 
@@ -64,6 +65,7 @@ fn tools() -> Vec<Tool> {
         count,
         Tool::new("reject", "Always a tool error", schema()),
         Tool::new("flaky", "A JSON-RPC error, then a result", schema()),
+        Tool::new("lost", "Does not know whether it acted", schema()),
     ]
 }
 
@@ -134,6 +136,11 @@ impl ServerHandler for AppendServer {
                 }
                 text("flaky worked".to_string())
             }
+            "lost" => Err(ErrorData::new(
+                rmcp::model::ErrorCode(IN_DOUBT),
+                "the backend went away mid-call",
+                None,
+            )),
             _ => Err(ErrorData::invalid_params("no such tool", None)),
         }
     }
@@ -390,6 +397,74 @@ async fn tool_errors_are_replayed_and_json_rpc_errors_run_again() {
         .await
         .unwrap();
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A wrapped server that answers `IN_DOUBT` does not know whether its
+/// tool acted: nothing is recorded, that error goes back, and the key
+/// stays in progress under its lease, then in doubt once it lapses; the
+/// tool does not run again. (It was recorded as a retryable failure, and
+/// the next call ran the tool again.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_of_unknown_outcome_leaves_the_key_in_doubt() {
+    let h = Harness::new(McpOptions::new().lease(Duration::from_millis(300)));
+    let (client, _server) = h.connect().await;
+    let first = rpc_error(
+        client
+            .call_tool(call("lost", json!({}), "k-lost"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(first.code.0, IN_DOUBT);
+    assert_eq!(first.message, "the backend went away mid-call");
+    let busy = rpc_error(
+        client
+            .call_tool(call("lost", json!({}), "k-lost"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
+    // Past the lease: in doubt, as after a crash.
+    let doubt = loop {
+        let answer = rpc_error(
+            client
+                .call_tool(call("lost", json!({}), "k-lost"))
+                .await
+                .unwrap_err(),
+        );
+        if answer.code.0 != IN_PROGRESS {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(doubt.code.0, IN_DOUBT);
+    assert_eq!(doubt.data.unwrap()["idempotencyKey"], "k-lost");
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1, "the tool ran once");
+}
+
+/// A lease out of range in the layer's options is the server's fault: an
+/// internal error that nothing retries, not STORE_FAILED ("retry with the
+/// same key", which `call_tool_once` does until its deadline); nothing
+/// runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_out_of_range_is_an_internal_error() {
+    let h = Harness::new(McpOptions::new().lease(Duration::from_millis(50)));
+    let (client, _server) = h.connect().await;
+    let refused = rpc_error(
+        client
+            .call_tool(call("append", json!({"line": "x"}), "k-lease"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        refused.code,
+        rmcp::model::ErrorCode::INTERNAL_ERROR,
+        "{refused:?}"
+    );
+    assert!(
+        refused.message.contains("options are invalid"),
+        "{refused:?}"
+    );
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

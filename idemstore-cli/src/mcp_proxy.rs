@@ -146,6 +146,29 @@ fn forward_error(error: ServiceError) -> ErrorData {
     }
 }
 
+/// A `tools/call` the child did not answer with a result or a JSON-RPC
+/// error, as the error the client gets. The request was sent (a send that
+/// failed never reached the child), so when its connection closed, its
+/// answer could not be read, or the wait for it ended, the tool may have
+/// acted: [`IN_DOUBT`](idemstore::mcp::IN_DOUBT), on which the layer
+/// records nothing and the key stays in progress, then in doubt once its
+/// lease lapses, as after a crash (recorded as a retryable failure, the
+/// next call would run the tool again).
+fn forward_call_error(error: ServiceError) -> ErrorData {
+    match error {
+        ServiceError::McpError(error) => error,
+        not_sent @ ServiceError::TransportSend(_) => forward_error(not_sent),
+        unknown => ErrorData::new(
+            rmcp::model::ErrorCode(idemstore::mcp::IN_DOUBT),
+            format!(
+                "the MCP server behind the proxy gave no answer to the call ({unknown}): the tool \
+                 may have acted, and is not run again"
+            ),
+            Some(serde_json::json!({ "reason": "outcome unknown" })),
+        ),
+    }
+}
+
 impl ServerHandler for Forward {
     fn get_info(&self) -> ServerConfig {
         self.info.clone()
@@ -167,7 +190,7 @@ impl ServerHandler for Forward {
         self.child
             .call_tool_once(request)
             .await
-            .map_err(forward_error)
+            .map_err(forward_call_error)
     }
 
     async fn list_resources(
@@ -464,7 +487,7 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
         .enable_all()
         .build()
         .map_err(|e| CliError::io("cannot start the proxy's runtime", e))?;
-    runtime.block_on(async move {
+    let ended = runtime.block_on(async move {
         let child = TokioChildProcess::new(command).map_err(|e| {
             CliError::io(
                 format!("cannot start the MCP server {}", program.to_string_lossy()),
@@ -560,5 +583,46 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
             _ = &mut child => {}
         }
         Ok(std::process::ExitCode::SUCCESS)
-    })
+    });
+    // Without waiting for the runtime's blocking threads: the one reading
+    // stdin cannot be interrupted, and a client that keeps its end open
+    // (the proxy ended because the child did) would hold the proxy for
+    // ever. The tasks left (the front's, with the store) are dropped here,
+    // which closes the store.
+    runtime.shutdown_background();
+    ended
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call the child did not answer with a result or a JSON-RPC error
+    /// has an unknown outcome once it was sent (IN_DOUBT: the layer records
+    /// nothing); one never sent, or the child's own error, is passed on.
+    #[test]
+    fn a_call_without_an_answer_is_in_doubt() {
+        let code = |e: ServiceError| forward_call_error(e).code.0;
+        assert_eq!(
+            code(ServiceError::TransportClosed),
+            idemstore::mcp::IN_DOUBT
+        );
+        assert_eq!(
+            code(ServiceError::UnexpectedResponse),
+            idemstore::mcp::IN_DOUBT
+        );
+        assert_eq!(
+            code(ServiceError::Cancelled { reason: None }),
+            idemstore::mcp::IN_DOUBT
+        );
+        let own = ErrorData::invalid_params("no such tool", None);
+        assert_eq!(forward_call_error(ServiceError::McpError(own.clone())), own);
+        let unsent = ServiceError::TransportSend(rmcp::transport::DynamicTransportError::new::<
+            SepTransport<tokio::io::Empty, tokio::io::Sink>,
+            RoleServer,
+        >(
+            idemstore::mcp::SepTransportError::from(std::io::Error::other("pipe closed")),
+        ));
+        assert_eq!(code(unsent), rmcp::model::ErrorCode::INTERNAL_ERROR.0);
+    }
 }

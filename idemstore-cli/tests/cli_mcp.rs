@@ -401,6 +401,71 @@ async fn over_streamable_http_a_retry_in_a_new_session_runs_the_tool_once() {
     assert!(proxy.wait().await.unwrap().success());
 }
 
+/// The MCP server behind the proxy dies during a call, after its tool
+/// wrote its line: the proxy cannot tell whether the tool acted, so it
+/// records nothing (and ends with its server: its client sees the call
+/// cut, or answered [`IN_DOUBT`]), and a retry through a new proxy finds
+/// the key in progress (then in doubt once the lease lapses), not free:
+/// the tool does not run again. (A lost answer could be recorded as a
+/// JSON-RPC error, a retryable failure, and the retry ran the tool a second
+/// time; and the proxy never ended while its client kept stdin open.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
+    let s = Setup::new();
+    let (started, released) = (s.fifo("started"), s.fifo("release"));
+    let (mut proxy, client) = s.proxy(false).await;
+    let held = append("refund", Some("task-4:call-1"), Some((&started, &released)));
+    let peer = client.peer().clone();
+    let sent = tokio::spawn({
+        let held = held.clone();
+        async move { peer.call_tool(held).await }
+    });
+    wait_started(&started).await;
+    // SIGKILL to the proxy's child, the MCP server, mid-call.
+    let pid = proxy.id().unwrap();
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let server = children
+        .split_whitespace()
+        .next()
+        .expect("the proxy's server");
+    let kill = std::process::Command::new("kill")
+        .args(["-KILL", server])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    // The proxy ends with its server (whether it answered the call in
+    // flight IN_DOUBT first or not), and records nothing for the call.
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(60), sent)
+        .await
+        .expect("no answer and no end of the proxy after its server died");
+    match answer.unwrap() {
+        Err(ServiceError::McpError(lost)) => assert_eq!(lost.code.0, IN_DOUBT, "{lost:?}"),
+        Err(_closed) => {}
+        Ok(answer) => panic!("an answer from a dead server: {answer:?}"),
+    }
+    drop(client);
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), proxy.wait()).await;
+    assert!(
+        ended
+            .expect("the proxy did not end with its server")
+            .unwrap()
+            .success()
+    );
+
+    let (_proxy, client) = s.proxy(false).await;
+    // A run of the tool would wait on its FIFO: the bound fails the test
+    // instead of hanging it.
+    let retry = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        client.call_tool(held.clone()),
+    )
+    .await
+    .expect("the retry ran the tool again (it waits on its FIFO)");
+    let busy = rpc_error(retry.unwrap_err());
+    assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
+    assert_eq!(s.lines(), vec!["refund"], "the tool ran once");
+}
+
 /// `--lease` under 100 ms (too short to renew by durable writes) is the
 /// flag's error, before the proxy starts its server or opens the store.
 #[tokio::test]

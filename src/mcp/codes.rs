@@ -31,6 +31,13 @@ pub const KEY_CONFLICT: i32 = -32041;
 /// it again. Nothing ran. A person decides (the `idemstore resolve`
 /// command records what happened); until then every retry answers this, or
 /// [`IN_PROGRESS`] while this refusal's own lease lasts.
+///
+/// A wrapped server may answer a `tools/call` with this code to say that
+/// it does not know whether its tool acted (its own backend died
+/// mid-call, say): [`IdempotentServer`](super::IdempotentServer) then
+/// records nothing, and the key stays in progress until its lease lapses,
+/// then in doubt, as after a crash (`idemstore mcp-proxy` answers so when
+/// the server behind it dies or answers garbage after the call was sent).
 pub const IN_DOUBT: i32 = -32042;
 
 /// The idempotency store failed (I/O, corruption, an unreachable

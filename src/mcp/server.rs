@@ -78,14 +78,21 @@ pub fn announce(capabilities: &mut ServerCapabilities) {
 ///      [`McpOptions::rerun_in_doubt`];
 ///    - a malformed key: Invalid params (−32602);
 ///    - the store failed before the tool ran:
-///      [`STORE_FAILED`](super::STORE_FAILED).
+///      [`STORE_FAILED`](super::STORE_FAILED);
+///    - the layer's options are invalid (a lease out of range): Internal
+///      error (−32603), which no retry helps.
 ///
 /// What is recorded follows the split of [`Store::execute`]: a result is
 /// recorded and replayed; a result with `isError: true` is a permanent
 /// failure, replayed as it was (unless
 /// [`McpOptions::retryable_tool_error`] says it may run again); a JSON-RPC
 /// error of the wrapped server is a retryable failure: recorded, not
-/// replayed, and the next call with the key runs the tool again. When the
+/// replayed, and the next call with the key runs the tool again. The
+/// exception is a JSON-RPC error with the code [`IN_DOUBT`](super::IN_DOUBT):
+/// the wrapped server says it does not know whether the tool acted (a
+/// proxy whose server died or answered garbage mid-call, say). Nothing is
+/// recorded and that error is answered: the key stays in progress until
+/// its lease lapses, and is then in doubt, as after a crash. When the
 /// tool ran in this call, its own answer is returned even if recording it
 /// failed (the failure is logged; later calls then find the key in progress
 /// and, after the lease, in doubt).
@@ -189,17 +196,47 @@ impl<S: ServerHandler> IdempotentServer<S> {
         let mut fresh: Option<Result<ServerResult, ErrorData>> = None;
         let inner = &self.inner;
         let slot = &mut fresh;
-        let outcome = self
-            .store
-            .execute_async(&key, &fingerprint, options, async move |_lease: &Lease| {
-                let answer =
-                    Service::handle_request(inner, ClientRequest::CallToolRequest(call), context)
-                        .await;
-                let recorded = classify(&answer, |r| retryable.as_ref().is_some_and(|f| f(r)));
-                *slot = Some(answer);
-                recorded
-            })
-            .await;
+        // An answer of unknown outcome (IN_DOUBT from the wrapped server)
+        // leaves the run: dropping `execute_async` while its work runs
+        // records nothing, and the key stays in progress under its lease.
+        let (doubt_tx, doubt_rx) = tokio::sync::oneshot::channel::<ErrorData>();
+        let run =
+            self.store
+                .execute_async(&key, &fingerprint, options, async move |_lease: &Lease| {
+                    let answer = Service::handle_request(
+                        inner,
+                        ClientRequest::CallToolRequest(call),
+                        context,
+                    )
+                    .await;
+                    if let Err(error) = &answer
+                        && error.code.0 == codes::IN_DOUBT
+                    {
+                        let _ = doubt_tx.send(error.clone());
+                        return std::future::pending().await;
+                    }
+                    let recorded = classify(&answer, |r| retryable.as_ref().is_some_and(|f| f(r)));
+                    *slot = Some(answer);
+                    recorded
+                });
+        let doubt = async {
+            match doubt_rx.await {
+                Ok(error) => Err(error),
+                // The work finished (or never ran): the run answers.
+                Err(_) => std::future::pending().await,
+            }
+        };
+        let outcome = match futures_lite::future::or(async { Ok(run.await) }, doubt).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                tracing::warn!(
+                    key = %key,
+                    "the wrapped server does not know whether the tool acted: nothing is \
+                     recorded, and the key is in doubt once its lease lapses"
+                );
+                return Err(error);
+            }
+        };
 
         // When the tool ran in this call, its own answer goes back.
         if let Some(answer) = fresh {
@@ -228,6 +265,15 @@ impl<S: ServerHandler> IdempotentServer<S> {
             }
             Err(ExecuteError::Store(Error::InvalidKey { reason })) => {
                 Err(codes::invalid_key(reason))
+            }
+            // The layer's own options (a lease out of range): no retry
+            // helps, so not STORE_FAILED ("retry with the same key").
+            Err(ExecuteError::Store(e @ Error::InvalidArgument { .. })) => {
+                tracing::error!(key = %key, error = %e, "the idempotency layer's options are invalid");
+                Err(ErrorData::internal_error(
+                    format!("the idempotency layer's options are invalid: {e}"),
+                    None,
+                ))
             }
             Err(e) => {
                 tracing::error!(key = %key, error = %e, "idempotency store failed");

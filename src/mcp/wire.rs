@@ -112,6 +112,8 @@ pub struct SepTransportError(#[from] std::io::Error);
 /// transport).
 pub struct SepTransport<R, W> {
     reader: BufReader<R>,
+    /// The line being read (see [`read_line`]).
+    part: PartLine,
     writer: Arc<tokio::sync::Mutex<W>>,
 }
 
@@ -127,53 +129,67 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> SepTransport<R, W> {
     pub fn new(read: R, write: W) -> Self {
         SepTransport {
             reader: BufReader::new(read),
+            part: PartLine::default(),
             writer: Arc::new(tokio::sync::Mutex::new(write)),
         }
     }
 }
 
-/// Reads one line of at most `MAX_LINE_BYTES`; `None` at the end of the
-/// stream or on a read error; `Some(None)` for a line that was too long
-/// (discarded up to its newline).
-async fn read_line<R: AsyncRead + Unpin>(reader: &mut BufReader<R>) -> Option<Option<Vec<u8>>> {
-    let mut line = Vec::new();
-    let limit = u64::try_from(MAX_LINE_BYTES)
-        .unwrap_or(u64::MAX)
-        .saturating_add(1);
-    match (&mut *reader)
-        .take(limit)
-        .read_until(b'\n', &mut line)
-        .await
-    {
-        Ok(0) => return None,
-        Ok(_) => {}
-        Err(e) => {
+/// A line being read: the bytes read so far, kept across calls of
+/// [`read_line`] so that a read cancelled mid-line (`rmcp` polls
+/// `receive` in a `select!` and drops it when another branch is ready)
+/// loses nothing; and whether the rest of an over-long line is being
+/// skipped.
+#[derive(Debug, Default)]
+struct PartLine {
+    bytes: Vec<u8>,
+    skipping: bool,
+}
+
+/// Reads one line of at most `MAX_LINE_BYTES` (plus its newline); `None`
+/// at the end of the stream or on a read error; `Some(None)` for a line
+/// that was too long (discarded up to its newline). Cancel-safe: what was
+/// read stays in `part` (`read_until` appends to it as it reads), and the
+/// next call goes on from there. Memory: at most `MAX_LINE_BYTES + 1`
+/// bytes of a line, however long it is.
+async fn read_line<R: AsyncRead + Unpin>(
+    reader: &mut BufReader<R>,
+    part: &mut PartLine,
+) -> Option<Option<Vec<u8>>> {
+    let limit = MAX_LINE_BYTES.saturating_add(1);
+    loop {
+        let room = u64::try_from(limit.saturating_sub(part.bytes.len())).unwrap_or(u64::MAX);
+        if let Err(e) = (&mut *reader)
+            .take(room)
+            .read_until(b'\n', &mut part.bytes)
+            .await
+        {
             tracing::warn!(error = %e, "reading an MCP message failed");
             return None;
         }
-    }
-    if line.len() <= MAX_LINE_BYTES || line.ends_with(b"\n") {
-        return Some(Some(line));
-    }
-    // Too long: skip the rest of the line.
-    let mut rest = Vec::new();
-    loop {
-        rest.clear();
-        match (&mut *reader)
-            .take(limit)
-            .read_until(b'\n', &mut rest)
-            .await
-        {
-            Ok(0) | Err(_) => return None,
-            Ok(_) if rest.ends_with(b"\n") => break,
-            Ok(_) => {}
+        if part.bytes.ends_with(b"\n") {
+            let line = std::mem::take(&mut part.bytes);
+            if std::mem::take(&mut part.skipping) {
+                tracing::warn!(
+                    limit = MAX_LINE_BYTES,
+                    "an MCP message over the line limit was skipped"
+                );
+                return Some(None);
+            }
+            return Some(Some(line));
         }
+        if part.bytes.len() >= limit {
+            // Too long: the rest of the line is read and dropped.
+            part.bytes.clear();
+            part.skipping = true;
+            continue;
+        }
+        // The stream ended (with a last line that has no newline).
+        if part.skipping || part.bytes.is_empty() {
+            return None;
+        }
+        return Some(Some(std::mem::take(&mut part.bytes)));
     }
-    tracing::warn!(
-        limit = MAX_LINE_BYTES,
-        "an MCP message over the line limit was skipped"
-    );
-    Some(None)
 }
 
 impl<R, W> Transport<RoleServer> for SepTransport<R, W>
@@ -202,10 +218,12 @@ where
 
     async fn receive(&mut self) -> Option<RxJsonRpcMessage<RoleServer>> {
         loop {
-            let Some(line) = read_line(&mut self.reader).await? else {
+            let Some(line) = read_line(&mut self.reader, &mut self.part).await? else {
                 continue;
             };
+            // A byte order mark is not JSON; `rmcp`'s own framing drops it too.
             let text = line.trim_ascii();
+            let text = text.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(text);
             if text.is_empty() {
                 continue;
             }
@@ -277,12 +295,55 @@ mod tests {
         let mut input = vec![b'x'; MAX_LINE_BYTES + 10];
         input.push(b'\n');
         input.extend_from_slice(b"{\"a\":1}\n");
+        input.extend_from_slice(b"{\"b\":2}");
         let mut reader = BufReader::new(&input[..]);
-        assert_eq!(read_line(&mut reader).await, Some(None));
+        let mut part = PartLine::default();
+        assert_eq!(read_line(&mut reader, &mut part).await, Some(None));
         assert_eq!(
-            read_line(&mut reader).await,
+            read_line(&mut reader, &mut part).await,
             Some(Some(b"{\"a\":1}\n".to_vec()))
         );
-        assert_eq!(read_line(&mut reader).await, None);
+        assert_eq!(
+            read_line(&mut reader, &mut part).await,
+            Some(Some(b"{\"b\":2}".to_vec()))
+        );
+        assert_eq!(read_line(&mut reader, &mut part).await, None);
+    }
+
+    /// A `receive` dropped while a line is half read (as `rmcp`'s
+    /// `select!` drops it when it has an answer to send) loses nothing: the
+    /// next `receive` returns the whole message. (The half read was lost,
+    /// the rest skipped as not JSON, and the request never answered.) So
+    /// does a message after a byte order mark.
+    #[tokio::test]
+    async fn a_receive_cancelled_mid_line_loses_nothing() {
+        use futures_lite::future::poll_once;
+        use tokio::io::AsyncWriteExt;
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        let (read, write) = tokio::io::split(server);
+        let mut transport = SepTransport::new(read, write);
+        client
+            .write_all(b"\xEF\xBB\xBF{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"}\n")
+            .await
+            .unwrap();
+        client
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":2,\"meth")
+            .await
+            .unwrap();
+        let first = Transport::<RoleServer>::receive(&mut transport).await;
+        assert!(first.is_some(), "the message after the mark");
+        // Polled once (the half line is read) and dropped.
+        assert!(
+            poll_once(Transport::<RoleServer>::receive(&mut transport))
+                .await
+                .is_none()
+        );
+        client.write_all(b"od\":\"ping\"}\n").await.unwrap();
+        drop(client);
+        let second = Transport::<RoleServer>::receive(&mut transport)
+            .await
+            .expect("the whole second message");
+        let second = serde_json::to_value(&second).unwrap();
+        assert_eq!(second["id"], 2, "{second}");
     }
 }
