@@ -503,6 +503,20 @@ impl ImportLimits<'_> {
                 "token 0 is never issued (a store's tokens start at 1)".into(),
             ));
         }
+        let largest = u64::try_from(i64::MAX).unwrap_or(u64::MAX);
+        for (what, t) in [
+            ("creation time", r.created_ms),
+            ("update time", r.updated_ms),
+            ("lease end", r.lease_until_ms),
+            ("expiry", r.expires_ms),
+        ] {
+            if t > largest {
+                return Err((
+                    ImportRule::TimeOutOfRange,
+                    format!("its {what} {t} ms is above the largest time, {largest} ms"),
+                ));
+            }
+        }
         if r.created_ms > r.updated_ms {
             return Err((
                 ImportRule::TimesOutOfOrder,
@@ -539,7 +553,8 @@ impl ImportLimits<'_> {
             return Err((
                 ImportRule::LeaseTooLong,
                 format!(
-                    "lease until {} ms is more than the longest lease ({max_lease} ms) ahead of                      the store's clock",
+                    "lease until {} ms is more than the longest lease ({max_lease} ms) ahead of \
+                     the store's clock",
                     r.lease_until_ms
                 ),
             ));

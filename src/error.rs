@@ -434,6 +434,12 @@ pub enum ImportRule {
     ClockAhead,
     /// A record was created after its last update.
     TimesOutOfOrder,
+    /// A record's time (creation, update, lease end or expiry) is above
+    /// `i64::MAX` milliseconds, the largest a PostgreSQL `bigint` column
+    /// holds: refused by both engines, so that a stream one engine takes
+    /// the other takes too (about 292 million years ahead, so no clock
+    /// ever made it).
+    TimeOutOfRange,
     /// A record's lease ends more than [`MAX_LEASE`](crate::MAX_LEASE)
     /// after its last update.
     LeaseTooLong,
@@ -467,6 +473,7 @@ impl ImportRule {
             ImportRule::TokenCap => "token-cap",
             ImportRule::ClockAhead => "clock-ahead",
             ImportRule::TimesOutOfOrder => "times-out-of-order",
+            ImportRule::TimeOutOfRange => "time-out-of-range",
             ImportRule::LeaseTooLong => "lease-too-long",
             ImportRule::RetentionTooLong => "retention-too-long",
             ImportRule::ExpiryBeforeLease => "expiry-before-lease",

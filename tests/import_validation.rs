@@ -148,12 +148,12 @@ fn each_record_invariant_is_checked() {
             ImportRule::LeaseTooLong,
         ),
         (
-            "lease overflowing",
+            "lease at u64::MAX (beyond a bigint)",
             RawRecord {
                 lease_until_ms: u64::MAX,
                 ..base()
             },
-            ImportRule::LeaseTooLong,
+            ImportRule::TimeOutOfRange,
         ),
         (
             "expiry past the longest retention",
@@ -379,6 +379,45 @@ fn accepted_far_ahead_times_do_not_creep_or_hold_a_key_for_years() {
     let held = export_stream(5, now, &[RawRecord::processing("held", 4, ahead, 30_000)]);
     let (_, rule, _) = refused(store.import_with(held.as_slice(), &accept, |_| {}));
     assert_eq!(rule, ImportRule::LeaseTooLong);
+}
+
+/// A time above `i64::MAX` ms (what a PostgreSQL `bigint` holds) is
+/// refused even with far-ahead times accepted, before anything of its
+/// batch is written, on the file engine as on PostgreSQL (which wrote the
+/// rest of the batch and then failed with an invalid argument, while the
+/// file engine took the record and exported a stream PostgreSQL refused).
+/// The lease message reads as one sentence.
+#[test]
+fn a_time_beyond_a_bigint_is_refused_before_its_batch_is_written() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let beyond = u64::try_from(i64::MAX).unwrap() + 5;
+    let stream = export_stream(
+        5,
+        now,
+        &[
+            RawRecord::succeeded("before", 3, now),
+            RawRecord::succeeded("far", 4, beyond),
+            RawRecord::succeeded("after", 5, now),
+        ],
+    );
+    let offsets = export_frame_offsets(&stream);
+    let accept = ImportOptions::new().accept_clock_ahead(true);
+    assert_eq!(
+        refused(store.import_with(stream.as_slice(), &accept, |_| {})),
+        (offsets[2] as u64, ImportRule::TimeOutOfRange, 0)
+    );
+    assert!(store.is_empty().unwrap());
+
+    let ahead = now + 10 * 365 * 24 * HOUR;
+    let held = export_stream(5, now, &[RawRecord::processing("held", 4, ahead, 30_000)]);
+    match store.import_with(held.as_slice(), &accept, |_| {}) {
+        Err(Error::ImportRefused { detail, .. }) => {
+            assert!(!detail.contains("  "), "{detail}");
+        }
+        other => panic!("expected ImportRefused, got {other:?}"),
+    }
 }
 
 /// A record with token 0 (which no store issues) is refused with the token
