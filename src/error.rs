@@ -355,7 +355,9 @@ pub enum ConfigFault {
     /// The password (or other credential) was wrong (SQLSTATE `28P01`), or
     /// the server asked for one and the connection string holds none
     /// (tokio-postgres's "password missing"; `PGPASSWORD` and `.pgpass` are
-    /// not read).
+    /// not read), or the authentication exchange cannot succeed as
+    /// configured (`channel_binding=require` against a server that does
+    /// not bind, an authentication method the driver does not speak).
     AuthenticationFailed,
     /// The role lacks a privilege the store needs: `USAGE` on the schema,
     /// `SELECT`, `INSERT`, `UPDATE` or `DELETE` on its tables, `USAGE` on
@@ -393,6 +395,13 @@ pub enum ConfigFault {
     /// prepares statements over all of its objects): save what is left
     /// with PostgreSQL's own tools (`pg_dump --schema`).
     SchemaDamaged,
+    /// The connection string cannot reach a server as written, found when
+    /// connecting (the driver's "invalid configuration", or a setting it
+    /// cannot send): no host or `hostaddr` (`postgresql:///db`, libpq's
+    /// default Unix socket, which `tokio-postgres` does not look for: name
+    /// the socket's directory, `host=/var/run/postgresql`), or a value
+    /// holding a NUL byte.
+    ConnectionString,
 }
 
 impl ConfigFault {
@@ -408,6 +417,7 @@ impl ConfigFault {
             ConfigFault::SchemaTooNew => "schema-too-new",
             ConfigFault::SchemaNotMigrated => "schema-not-migrated",
             ConfigFault::SchemaDamaged => "schema-damaged",
+            ConfigFault::ConnectionString => "connection-string",
         }
     }
 }

@@ -629,6 +629,18 @@ fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
     if password_missing(err) {
         return Some(ConfigFault::AuthenticationFailed);
     }
+    if err.as_db_error().is_none() {
+        // The driver's own kinds (its `Display` is its kind's words, the
+        // cause is in `source`): a setting it refuses when connecting, or
+        // an authentication exchange that cannot succeed as configured.
+        let said = err.to_string();
+        if said.starts_with("invalid configuration") {
+            return Some(ConfigFault::ConnectionString);
+        }
+        if said.starts_with("authentication error") {
+            return Some(ConfigFault::AuthenticationFailed);
+        }
+    }
     if let Some(code) = err.code() {
         return sqlstate_fault(code.code());
     }
@@ -860,7 +872,14 @@ async fn connect_attempts(config: &tokio_postgres::Config, per_attempt: Duration
 /// [`open_client`] without its bound.
 async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
     let classify = |e: tokio_postgres::Error| {
-        if let Some(fault) = config_fault(&e) {
+        // A start-up message the driver cannot encode (a NUL byte in a
+        // setting) fails the same way at every try.
+        let unsendable = e.as_db_error().is_none()
+            && e.to_string()
+                .starts_with("error encoding message to server");
+        if unsendable {
+            Fail::Config(ConfigFault::ConnectionString, describe(&e))
+        } else if let Some(fault) = config_fault(&e) {
             Fail::Config(fault, describe(&e))
         } else if e.as_db_error().is_some() && !connection_lost(&e) {
             Fail::Refused(describe(&e))

@@ -1657,6 +1657,21 @@ fn configuration_faults_are_misconfigured_not_unavailable() {
         fault_of(&url_as(url, &bare, None, &db), &name),
         ConfigFault::PermissionDenied
     );
+    // A string that names no server (libpq's default socket, which the
+    // driver does not look for), a NUL byte in a setting, and an
+    // authentication exchange that cannot succeed (channel binding asked
+    // of a server that trusts): no retry helps (they were Unavailable).
+    assert_eq!(
+        fault_of("postgresql:///postgres", &name),
+        ConfigFault::ConnectionString
+    );
+    let nul = format!(
+        "{} application_name='a\u{0}b'",
+        url_as(url, &user, None, &db)
+    );
+    assert_eq!(fault_of(&nul, &name), ConfigFault::ConnectionString);
+    let bound = format!("{} channel_binding=require", url_as(url, &user, None, &db));
+    assert_eq!(fault_of(&bound, &name), ConfigFault::AuthenticationFailed);
     // An unreachable server stays Unavailable (retry as is).
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
