@@ -433,6 +433,18 @@ fn import_names_create_and_a_failed_create_leaves_nothing_behind() {
         0
     );
 
+    // A directory as the input is named as such before anything opens
+    // (it read as a storage error after the store was opened, saying that
+    // batches written before the failure may stay).
+    let out = idemstore(&["import", p(&fresh), p(dir.path()), "--create"]);
+    assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains("is a directory, not an export stream; nothing was imported"),
+        "{err}"
+    );
+    assert!(!fresh.exists() && !fresh_log.exists());
+
     // And a successful one keeps what it made.
     let out = idemstore(&["import", p(&fresh), p(&backup), "--create"]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));

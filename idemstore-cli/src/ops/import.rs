@@ -34,7 +34,8 @@ pub struct Args {
     input: PathBuf,
     /// Create the store if it does not exist (a restore into a new file, or
     /// into a schema that holds no store). If the import then fails, a store
-    /// file and its log that this command created are removed again; a
+    /// file and its log that this command created are removed again (not
+    /// when the open itself failed: remove them by hand); a
     /// PostgreSQL store this command created stays, with the records
     /// imported before the failure (the error says so). An existing store
     /// is imported into as without --create.
@@ -64,7 +65,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     } else {
         let file = File::open(&args.input)
             .map_err(|e| CliError::io(format!("cannot open {}", args.input.display()), e))?;
-        let len = file.metadata().ok().map(|m| m.len());
+        let meta = file.metadata().ok();
+        // Opening a directory succeeds on Unix; reading it does not.
+        if meta.as_ref().is_some_and(std::fs::Metadata::is_dir) {
+            return Err(CliError::Failed(format!(
+                "{} is a directory, not an export stream; nothing was imported",
+                args.input.display()
+            )));
+        }
+        let len = meta.map(|m| m.len());
         (Box::new(BufReader::new(file)), len)
     };
     let mut config = ops::config(None);
