@@ -467,6 +467,7 @@ fn open_store(args: &Args) -> Result<Store, CliError> {
 /// it, or the address cannot be bound.
 pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
     let store = Arc::new(open_store(args)?);
+    let kept = Arc::clone(&store);
     let (program, rest) = args
         .command
         .split_first()
@@ -584,14 +585,20 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
         }
         Ok(std::process::ExitCode::SUCCESS)
     });
-    // Without waiting for the runtime's blocking threads: the one reading
-    // stdin cannot be interrupted, and a client that keeps its end open
-    // (the proxy ended because the child did) would hold the proxy for
-    // ever. The tasks left (the front's, with the store) are dropped here,
-    // which closes the store.
-    runtime.shutdown_background();
+    // The workers drop the tasks left (the front's, holding the store)
+    // before this returns; the thread reading stdin cannot be interrupted,
+    // and a client that keeps its end open (the proxy ended because the
+    // child did) would hold the proxy for ever: it is waited for at most
+    // `STDIN_GRACE`. The store closes cleanly when the last of its
+    // handles drops, `kept` at the latest, on this thread.
+    runtime.shutdown_timeout(STDIN_GRACE);
+    drop(kept);
     ended
 }
+
+/// How long the proxy's end waits for its stdin reader (a blocking read
+/// of a client that has not closed its end) once everything else stopped.
+const STDIN_GRACE: Duration = Duration::from_secs(2);
 
 #[cfg(test)]
 mod tests {

@@ -130,9 +130,21 @@ impl StoreArg {
 /// compared: the refusal itself would be written there.)
 fn refuse_output_into(path: &Path) -> Result<(), CliError> {
     let outputs = [("standard output", same_file::Handle::stdout())];
-    let mut log = path.as_os_str().to_owned();
-    log.push("-wal");
-    for (what, file) in [("store file", path), ("write-ahead log", Path::new(&log))] {
+    // The store writes the log beside the file's canonical path; an older
+    // build wrote it beside the path as spelled.
+    let log_beside = |p: &Path| {
+        let mut log = p.as_os_str().to_owned();
+        log.push("-wal");
+        std::path::PathBuf::from(log)
+    };
+    let spelled = log_beside(path);
+    let canonical =
+        std::fs::canonicalize(path).map_or_else(|_| spelled.clone(), |c| log_beside(&c));
+    for (what, file) in [
+        ("store file", path),
+        ("write-ahead log", spelled.as_path()),
+        ("write-ahead log", canonical.as_path()),
+    ] {
         if !std::fs::metadata(file).is_ok_and(|m| m.is_file()) {
             continue;
         }

@@ -120,26 +120,33 @@ pub(crate) fn identity_of(path: &Path) -> PathBuf {
 }
 
 /// After an unclean shutdown, refuses to open the store at `path` with
-/// the log at `log_path` while another log of this store holds changes
-/// its index lacks: the frames written since the last checkpoint are in
-/// the log the store last wrote, and an open that recovered from another
-/// one would lose them (acknowledged claims and completions: the work
-/// would run again), then start a new epoch that hides them for good. The
+/// the log at `log_path` when that log holds none of the changes its index
+/// lacks and another log of this store does: the frames written since the
+/// last checkpoint are in the log the store last wrote, and an open that
+/// recovered from another one would lose them (acknowledged claims and
+/// completions: the work would run again), then start a new epoch that
+/// hides them for good. Nothing is looked at when this open's own log
+/// holds such frames (a copy or a move of the store with its log). The
 /// other logs looked at are the one the store records
 /// (`schema::META_LOG_PATH`: a hard link's) and the one beside `path` as
-/// spelled (an older build named the log so). One that does not exist, is
-/// not this store's, or holds no frame past the index is passed over.
+/// spelled (an older build named the log so). One that does not exist,
+/// cannot be opened, is not this store's, or holds no frame past the
+/// index is passed over; one whose frames past the checkpoint cannot be
+/// read may hold changes, and refuses too.
 ///
 /// # Errors
-/// [`Error::IncompatibleFile`] naming the other log and the name to open
-/// the store by; [`Error::CorruptFile`] or [`Error::Storage`] when the
-/// index cannot be read.
+/// [`Error::IncompatibleFile`] naming the other log and how to move it
+/// into place; [`Error::CorruptFile`] or [`Error::Storage`] when the index
+/// cannot be read.
 fn refuse_stray_log(
     path: &Path,
     log_path: &Path,
     db: &redb::Database,
     meta: &schema::Meta,
 ) -> Result<()> {
+    if holds_changes(log_path, meta) == Some(true) {
+        return Ok(());
+    }
     let mut others = vec![log_path_of(path)];
     match schema::recorded_log_path(path, db)? {
         Ok(Some(recorded)) => others.push(recorded),
@@ -148,40 +155,42 @@ fn refuse_stray_log(
     }
     let ours = identity_of(log_path);
     for other in others {
-        if identity_of(&other) == ours
-            || !std::fs::metadata(&other).is_ok_and(|m| m.is_file() && m.len() > 0)
-        {
+        if identity_of(&other) == ours || holds_changes(&other, meta) != Some(true) {
             continue;
         }
-        let Ok(file) = FileLog::read_only(&other) else {
-            continue;
-        };
-        match wal::read_header(&file) {
-            Ok(wal::HeaderState::Valid { store_id }) if store_id == meta.store_id => {}
-            _ => continue,
-        }
-        // A log whose frames past the checkpoint cannot be read may hold
-        // changes too: refused as well.
-        let holds = wal::recover(&file, &other, meta.store_id, meta.log_epoch, meta.log_base)
-            .map_or(true, |found| found.count_after(meta.applied_seq) > 0);
-        if holds {
-            let name = other
-                .to_str()
-                .and_then(|s| s.strip_suffix("-wal"))
-                .map_or_else(|| other.display().to_string(), str::to_string);
-            return Err(Error::IncompatibleFile {
-                path: other.clone(),
-                detail: format!(
-                    "this log holds the store's changes since its last checkpoint (it stopped \
-                     without closing while opened as {name}), and this open would recover from \
-                     {} instead and lose them: open the store as {name} once (that open \
-                     replays them), then any name of the file opens it",
-                    log_path.display()
-                ),
-            });
-        }
+        return Err(Error::IncompatibleFile {
+            path: other.clone(),
+            detail: format!(
+                "this log holds the store's changes since its last checkpoint (the store \
+                 stopped without closing while opened by another name), and this open's log, \
+                 {ours}, holds none of them: recovering from it would lose them; move this \
+                 log into place (`mv {} {ours}`) and open the store again",
+                other.display(),
+                ours = ours.display()
+            ),
+        });
     }
     Ok(())
+}
+
+/// Whether the log at `log` holds frames of the store's current epoch
+/// past what its index applied (`meta`): `None` when it does not exist,
+/// is not a regular file, is empty, cannot be opened or read, or belongs
+/// to another store; `Some(true)` too when its frames past the checkpoint
+/// cannot be read (they may be such changes).
+fn holds_changes(log: &Path, meta: &schema::Meta) -> Option<bool> {
+    if !std::fs::metadata(log).is_ok_and(|m| m.is_file() && m.len() > 0) {
+        return None;
+    }
+    let file = FileLog::read_only(log).ok()?;
+    match wal::read_header(&file) {
+        Ok(wal::HeaderState::Valid { store_id }) if store_id == meta.store_id => {}
+        _ => return None,
+    }
+    Some(
+        wal::recover(&file, log, meta.store_id, meta.log_epoch, meta.log_base)
+            .map_or(true, |found| found.count_after(meta.applied_seq) > 0),
+    )
 }
 
 /// Refuses a missing or empty file, or one that is not a regular file

@@ -982,7 +982,12 @@ fn read_recorded_path(
         .file_name()
         .is_some_and(|n| n.to_string_lossy().ends_with(suffix));
     let plain = recorded.components().all(|c| match c {
-        std::path::Component::Prefix(p) => matches!(p.kind(), std::path::Prefix::Disk(_)),
+        // A drive letter, spelled plain or verbatim (`\\?\C:`, what
+        // `canonicalize` returns on Windows).
+        std::path::Component::Prefix(p) => matches!(
+            p.kind(),
+            std::path::Prefix::Disk(_) | std::path::Prefix::VerbatimDisk(_)
+        ),
         std::path::Component::RootDir | std::path::Component::Normal(_) => true,
         std::path::Component::CurDir | std::path::Component::ParentDir => false,
     });
