@@ -1368,4 +1368,22 @@ fn a_crashed_store_recovers_its_changes_by_any_name_of_its_file() {
     std::fs::rename(path, dir.path().join("real.redb-wal")).unwrap();
     let store = Store::open_with(&alias, config()).unwrap();
     done(&store, "old-layout");
+    drop(store);
+
+    // A copy of the crashed index alone: the recorded log is another
+    // file's (the original's), so the refusal says to open that file or
+    // copy its log, never to move it (a move would take the original's
+    // log away, or share it with a running original).
+    crash(&real, "index-copy");
+    let lone = dir.path().join("lone");
+    std::fs::create_dir(&lone).unwrap();
+    std::fs::copy(&real, lone.join("copy.redb")).unwrap();
+    let refused = Store::open_with(lone.join("copy.redb"), config()).err();
+    let Some(Error::IncompatibleFile { detail, .. }) = &refused else {
+        panic!("expected the refusal naming the original's log, got {refused:?}");
+    };
+    assert!(detail.contains("never move it"), "{detail}");
+    assert!(!detail.contains("mv "), "{detail}");
+    let store = Store::open_with(&real, config()).unwrap();
+    done(&store, "index-copy");
 }

@@ -144,7 +144,7 @@ fn refuse_stray_log(
     db: &redb::Database,
     meta: &schema::Meta,
 ) -> Result<()> {
-    if holds_changes(log_path, meta) == Some(true) {
+    if holds_changes(log_path, meta, false) == Some(true) {
         return Ok(());
     }
     let mut others = vec![log_path_of(path)];
@@ -155,12 +155,27 @@ fn refuse_stray_log(
     }
     let ours = identity_of(log_path);
     for other in others {
-        if identity_of(&other) == ours || holds_changes(&other, meta) != Some(true) {
+        if identity_of(&other) == ours || holds_changes(&other, meta, true) != Some(true) {
             continue;
         }
-        return Err(Error::IncompatibleFile {
-            path: other.clone(),
-            detail: format!(
+        // The file the other log was written beside: this one by another
+        // name (a hard link, a symlink an older build named the log
+        // after), or another file with this store's identity (this one
+        // is a copy of it, made without its log).
+        let beside = other
+            .to_str()
+            .and_then(|s| s.strip_suffix("-wal"))
+            .map(PathBuf::from);
+        let detail = match beside {
+            Some(file) if !same_file(&file, path) && std::fs::metadata(&file).is_ok() => format!(
+                "this log, beside {file}, holds changes since the last checkpoint of the store \
+                 this file is a copy of (made without its log), and this open's log, {ours}, \
+                 holds none of them: open {file} itself, or copy this log to {ours} while \
+                 {file} is not running (never move it: it is that store's)",
+                file = file.display(),
+                ours = ours.display()
+            ),
+            _ => format!(
                 "this log holds the store's changes since its last checkpoint (the store \
                  stopped without closing while opened by another name), and this open's log, \
                  {ours}, holds none of them: recovering from it would lose them; move this \
@@ -168,17 +183,43 @@ fn refuse_stray_log(
                 other.display(),
                 ours = ours.display()
             ),
+        };
+        return Err(Error::IncompatibleFile {
+            path: other.clone(),
+            detail,
         });
     }
     Ok(())
 }
 
+/// Whether `a` and `b` name the same file (device and inode on Unix;
+/// elsewhere, the same canonical path). Either missing: no.
+fn same_file(a: &Path, b: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (std::fs::metadata(a), std::fs::metadata(b)) {
+            (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+            (Ok(x), Ok(y)) => x == y,
+            _ => false,
+        }
+    }
+}
+
 /// Whether the log at `log` holds frames of the store's current epoch
 /// past what its index applied (`meta`): `None` when it does not exist,
 /// is not a regular file, is empty, cannot be opened or read, or belongs
-/// to another store; `Some(true)` too when its frames past the checkpoint
-/// cannot be read (they may be such changes).
-fn holds_changes(log: &Path, meta: &schema::Meta) -> Option<bool> {
+/// to another store; when its frames past the checkpoint cannot be read
+/// (they may be such changes), `unreadable` (`true` for another name's
+/// log, which then refuses; `false` for the open's own, so that the other
+/// logs are still looked at).
+fn holds_changes(log: &Path, meta: &schema::Meta, unreadable: bool) -> Option<bool> {
     if !std::fs::metadata(log).is_ok_and(|m| m.is_file() && m.len() > 0) {
         return None;
     }
@@ -189,7 +230,7 @@ fn holds_changes(log: &Path, meta: &schema::Meta) -> Option<bool> {
     }
     Some(
         wal::recover(&file, log, meta.store_id, meta.log_epoch, meta.log_base)
-            .map_or(true, |found| found.count_after(meta.applied_seq) > 0),
+            .map_or(unreadable, |found| found.count_after(meta.applied_seq) > 0),
     )
 }
 
