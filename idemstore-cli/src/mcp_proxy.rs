@@ -59,7 +59,7 @@ use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, Stream
 use tokio::sync::watch;
 
 use crate::error::CliError;
-use crate::ops::{StoreArg, Target, connect, connect_error};
+use crate::ops::{StoreArg, Target, connect_error, connect_with};
 
 /// Command-line arguments of `idemstore mcp-proxy`.
 #[derive(Debug, clap::Args)]
@@ -87,6 +87,13 @@ pub struct Args {
     /// refused for a person to decide (`idemstore resolve`).
     #[arg(long)]
     rerun_in_doubt: bool,
+    /// The largest answer the store records, in bytes, as JSON (a tool's
+    /// result, a tool error or failure, and a recovery point alike; 1 to
+    /// 16 MiB; the library's default, 1 MiB, when not given). An answer
+    /// over it is returned but never recorded, so its retry finds the key
+    /// in doubt: raise it for tools with large answers.
+    #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u64).range(1..=idemstore::MAX_VALUE_LIMIT as u64))]
+    max_value_bytes: Option<u64>,
     /// The prefix of every key's scope (then the tool name).
     #[arg(long, value_name = "PREFIX", default_value = "mcp/")]
     scope_prefix: String,
@@ -443,8 +450,19 @@ fn open_store(args: &Args) -> Result<Store, CliError> {
         store: args.store.clone(),
         schema: args.schema.clone(),
     };
+    // Within MAX_VALUE_LIMIT (the flag's range), so it fits a usize.
+    let limits = |config: Config| match args.max_value_bytes {
+        Some(limit) => {
+            let limit = usize::try_from(limit).unwrap_or(idemstore::MAX_VALUE_LIMIT);
+            config
+                .max_result_bytes(limit)
+                .max_failure_bytes(limit)
+                .max_recovery_point_bytes(limit)
+        }
+        None => config,
+    };
     match arg.target()? {
-        Target::File(path) => Store::open_with(&path, Config::new()).map_err(|e| {
+        Target::File(path) => Store::open_with(&path, limits(Config::new())).map_err(|e| {
             CliError::store(
                 format!(
                     "cannot open the store {} (one proxy per store file; share a store \
@@ -455,7 +473,8 @@ fn open_store(args: &Args) -> Result<Store, CliError> {
             )
         }),
         Target::Postgres { url, schema, name } => {
-            connect(&url, &schema, None, true).map_err(|e| connect_error(&name, &schema, e))
+            connect_with(&url, &schema, limits(crate::ops::config(None)), true)
+                .map_err(|e| connect_error(&name, &schema, e))
         }
     }
 }

@@ -149,7 +149,18 @@ impl Setup {
     /// Starts a proxy (`ahead`: its wall clock two hours ahead) and
     /// connects the rmcp client to its stdin and stdout.
     async fn proxy(&self, ahead: bool) -> (Child, RunningService<RoleClient, ()>) {
-        let mut command = self.proxy_command("proxy.redb", &["--lease", "1h"]);
+        self.proxy_with(ahead, &[]).await
+    }
+
+    /// [`Setup::proxy`] with more options.
+    async fn proxy_with(
+        &self,
+        ahead: bool,
+        options: &[&str],
+    ) -> (Child, RunningService<RoleClient, ()>) {
+        let mut all = vec!["--lease", "1h"];
+        all.extend_from_slice(options);
+        let mut command = self.proxy_command("proxy.redb", &all);
         command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -464,6 +475,26 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
     let busy = rpc_error(retry.unwrap_err());
     assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
     assert_eq!(s.lines(), vec!["refund"], "the tool ran once");
+}
+
+/// `--max-value-bytes` sets the store's limits: under it, an answer goes
+/// back but is not recorded, so a retry finds the key in progress (the
+/// tool does not run again); the flag did not exist, and a large answer
+/// could not be recorded at all (over the library's 1 MiB default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_value_limit_is_the_flags() {
+    let s = Setup::new();
+    let (mut proxy, client) = s.proxy_with(false, &["--max-value-bytes", "16"]).await;
+    let call = append("big", Some("task-5:call-1"), None);
+    let answer = client.call_tool(call.clone()).await.unwrap();
+    assert_eq!(text_of(&answer), "appended line 1");
+    drop(client);
+    assert!(proxy.wait().await.unwrap().success());
+
+    let (_proxy, client) = s.proxy(false).await;
+    let busy = rpc_error(client.call_tool(call).await.unwrap_err());
+    assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
+    assert_eq!(s.lines(), vec!["big"], "the tool ran once");
 }
 
 /// `--lease` under 100 ms (too short to renew by durable writes) is the
