@@ -59,6 +59,18 @@ async fn tickets_of(client: &Client, table: &str, key: &Key) -> i64 {
         .get(0)
 }
 
+/// A transaction at `level` on `c`.
+async fn begin(
+    c: &mut Client,
+    level: tokio_postgres::IsolationLevel,
+) -> tokio_postgres::Transaction<'_> {
+    c.build_transaction()
+        .isolation_level(level)
+        .start()
+        .await
+        .expect("begin")
+}
+
 async fn insert_ticket(client: &impl tokio_postgres::GenericClient, table: &str, key: &Key) -> i64 {
     client
         .query_one(
@@ -366,12 +378,7 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
         // an id).
         for (level, writes) in levels.into_iter().flat_map(|l| [(l, true), (l, false)]) {
             let k = key(&format!("snapshot-{level:?}-{writes}"));
-            let tx = c
-                .build_transaction()
-                .isolation_level(level)
-                .start()
-                .await
-                .expect("begin");
+            let tx = begin(&mut c, level).await;
             if writes {
                 insert_ticket(&tx, &table, &k).await;
             } else {
@@ -391,12 +398,7 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
             assert_eq!((r.state(), r.token()), (State::Processing, lease.token()));
             assert_eq!(tickets_of(&c, &table, &k).await, 0);
 
-            let tx = c
-                .build_transaction()
-                .isolation_level(level)
-                .start()
-                .await
-                .expect("begin");
+            let tx = begin(&mut c, level).await;
             insert_ticket(&tx, &table, &k).await;
             complete_in(&tx, &store, &lease, b"1")
                 .await
@@ -418,12 +420,7 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
             let k = key(&format!("snapshot-released-{level:?}"));
             let lease = acquire(&store, &k);
             store.release(lease.clone()).expect("release");
-            let tx = c
-                .build_transaction()
-                .isolation_level(level)
-                .start()
-                .await
-                .expect("begin");
+            let tx = begin(&mut c, level).await;
             insert_ticket(&tx, &table, &k).await;
             let err = complete_in(&tx, &store, &lease, b"1").await.unwrap_err();
             assert!(
@@ -433,12 +430,7 @@ fn a_snapshot_from_before_the_claim_is_unavailable_not_a_stale_lease() {
         }
         // A lease past retention is stale, whatever the snapshot shows.
         let k = key("snapshot-past-retention");
-        let tx = c
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-            .start()
-            .await
-            .expect("begin");
+        let tx = begin(&mut c, tokio_postgres::IsolationLevel::RepeatableRead).await;
         insert_ticket(&tx, &table, &k).await;
         let lease = acquire(&store, &k);
         clock.advance(Duration::from_secs(24 * 3600));
@@ -465,12 +457,7 @@ fn a_snapshot_completions_store_read_does_not_wait_for_the_callers_own_locks() {
         let mut c = client(&url).await;
         let monitor = client(&url).await;
         let first = acquire(&store, &key("read-a"));
-        let tx = c
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-            .start()
-            .await
-            .expect("begin");
+        let tx = begin(&mut c, tokio_postgres::IsolationLevel::RepeatableRead).await;
         tx.execute("SELECT 1", &[]).await.expect("snapshot");
         let second = acquire(&store, &key("read-b"));
         // The transaction completes the first key and holds its row.

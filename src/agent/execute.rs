@@ -1041,7 +1041,7 @@ async fn keep_alive_async<R>(store: &Store, lease: &Lease, work: impl Future<Out
     let length = lease_length(lease);
     renewing(
         lease.key(),
-        (length / 3).max(Duration::from_millis(1)),
+        super::extender::period_of(length),
         work,
         || store.extend_async(lease, length),
     )
@@ -1062,21 +1062,7 @@ async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
         loop {
             futures_timer::Delay::new(wait).await;
             let result = renew().await;
-            let next = super::extender::next_renewal(period, &result);
-            match (&result, next) {
-                (Ok(_), _) => unreachable = false,
-                (Err(e), Some(_)) if !unreachable => {
-                    tracing::warn!(key = %key, error = %e, "lease extension failed; trying again");
-                    unreachable = true;
-                }
-                (Err(e), Some(_)) => {
-                    tracing::debug!(key = %key, error = %e, "lease extension failed again");
-                }
-                (Err(e), None) => {
-                    tracing::warn!(key = %key, error = %e, "lease extension failed");
-                }
-            }
-            match next {
+            match super::extender::after_renewal(key, period, &result, &mut unreachable) {
                 Some(after) => wait = after,
                 None => break,
             }

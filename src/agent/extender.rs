@@ -141,7 +141,7 @@ impl Extender {
     /// out of threads); nothing is registered then.
     pub(crate) fn register(&self, lease: &Lease, length: Duration) -> Result<Registration, Error> {
         self.start()?;
-        let period = (length / 3).max(MIN_PERIOD);
+        let period = period_of(length);
         let now = Instant::now();
         let due = now.checked_add(period).unwrap_or(now);
         let mut state = self.shared.state.lock();
@@ -291,11 +291,42 @@ fn take_due(state: &mut State, now: Instant) -> Vec<(u64, Lease, Duration)> {
 pub(crate) fn next_renewal<T>(period: Duration, result: &Result<T, Error>) -> Option<Duration> {
     match result {
         Ok(_) => Some(period),
-        Err(Error::Unavailable { .. } | Error::OutcomeUnknown { .. }) => {
-            Some((period / 3).max(MIN_PERIOD))
-        }
+        Err(Error::Unavailable { .. } | Error::OutcomeUnknown { .. }) => Some(period_of(period)),
         Err(_) => None,
     }
+}
+
+/// The period a lease of `length` is renewed at: a third of it, at least
+/// 1 ms.
+pub(crate) fn period_of(length: Duration) -> Duration {
+    (length / 3).max(MIN_PERIOD)
+}
+
+/// [`next_renewal`], and the renewal's failure logged: a warning for the
+/// first renewal of a run that did not reach the store (`unreachable`
+/// tracks the run), a debug line for the next ones, a warning for one
+/// that ends the renewals.
+pub(crate) fn after_renewal<T>(
+    key: &crate::key::Key,
+    period: Duration,
+    result: &Result<T, Error>,
+    unreachable: &mut bool,
+) -> Option<Duration> {
+    let next = next_renewal(period, result);
+    match (result, next) {
+        (Ok(_), _) => *unreachable = false,
+        (Err(e), Some(_)) if *unreachable => {
+            tracing::debug!(key = %key, error = %e, "lease extension failed again");
+        }
+        (Err(e), Some(_)) => {
+            tracing::warn!(key = %key, error = %e, "lease extension failed; trying again");
+            *unreachable = true;
+        }
+        (Err(e), None) => {
+            tracing::warn!(key = %key, error = %e, "lease extension failed");
+        }
+    }
+    next
 }
 
 /// Records the answers of a batch: a renewed lease is due again a period
@@ -318,26 +349,7 @@ fn settle(
             continue;
         };
         entry.in_flight = false;
-        let next = next_renewal(entry.period, &result);
-        match (&result, next) {
-            (Ok(_), _) => entry.unreachable = false,
-            (Err(e), Some(_)) => {
-                // One warning per run of failures, not one per try.
-                if entry.unreachable {
-                    tracing::debug!(key = %lease.key(), error = %e, "lease extension failed again");
-                } else {
-                    tracing::warn!(
-                        key = %lease.key(),
-                        error = %e,
-                        "lease extension failed; trying again"
-                    );
-                }
-                entry.unreachable = true;
-            }
-            (Err(e), None) => {
-                tracing::warn!(key = %lease.key(), error = %e, "lease extension failed");
-            }
-        }
+        let next = after_renewal(lease.key(), entry.period, &result, &mut entry.unreachable);
         if let Some(after) = next {
             let due = now.checked_add(after).unwrap_or(now);
             entry.due = Some(due);
