@@ -61,7 +61,8 @@ pub(crate) enum Snapshot<'a> {
 
 impl Engine {
     /// The store's time (ms since the epoch) for an answer about to be
-    /// given: never lower than a time returned before.
+    /// given: on the file engine never lower than a time returned before;
+    /// on PostgreSQL the database clock as read.
     pub(crate) fn now_ms(&self) -> u64 {
         match self {
             Engine::Embedded(e) => e.time(),

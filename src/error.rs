@@ -384,7 +384,10 @@ pub enum ConfigFault {
     /// `3F000`, `42P01`, `42703` or `42804` on a request; or found by a
     /// connect or a migration: a version row without `records`, `bindings`
     /// or `tokens`, or those without a version row; it refuses rather than
-    /// create the missing objects empty, or a new store over old rows). The records it held may be gone, and with
+    /// create the missing objects empty, or a new store over old rows; or
+    /// a column of another type than the store's, found by a connect, or
+    /// on a request by the driver: a request whose answer could not be
+    /// read so may have been applied). The records it held may be gone, and with
     /// them the outcomes that stop a key's work from running twice:
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an

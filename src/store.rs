@@ -181,9 +181,11 @@ impl Store {
     /// from one sequence, one clock (the database's).
     ///
     /// The store's time is the database's clock (`clock_timestamp()`),
-    /// read after the last lock wait of each transaction and kept
-    /// monotonic per process (a server
-    /// clock that steps back makes time stand still until it catches up);
+    /// read after the last lock wait of each transaction; a request on a
+    /// record is decided at no earlier time than that record's last write,
+    /// so a server clock that steps back makes granted leases and
+    /// retentions last longer by the step, never shorter, and every
+    /// replica decides alike;
     /// the app's clock is never read, unless a clock is given with
     /// [`Config::clock`], which then replaces the database's (for tests).
     ///
@@ -333,7 +335,8 @@ impl Store {
     /// reserved durably before it is returned). On a store that refuses
     /// writes ([`Error::Poisoned`]) it stays at the last durable bound.
     /// On PostgreSQL it is the database's clock, read with a round trip
-    /// that waits at most `PostgresLimits::call_timeout`; while the server
+    /// that waits at most `PostgresLimits::call_timeout`, and it steps back
+    /// when that clock does (see [`Store::connect`]); while the server
     /// cannot be reached, the highest time this process has seen (the
     /// connect reads it once, so never less than the time of the connect;
     /// with [`Config::clock`](crate::Config::clock), that clock's reading then).

@@ -60,9 +60,12 @@
 //!   new locks), so that a lease is never granted from a reading taken
 //!   before a wait (or, for tests, the reading of the
 //!   [`Clock`] given at connect, which replaces the server clock entirely),
-//!   kept monotonic per process (the highest reading seen) and per record
-//!   (a request on a record is decided at no earlier time than the record's
-//!   last update).
+//!   and kept monotonic per record (a request on a record is decided at no
+//!   earlier time than the record's last update), never per process: after
+//!   the clock steps back, a process whose time stood still at its highest
+//!   reading would see another replica's fresh lease as lapsed and take it
+//!   over. So a step back makes granted leases and retentions last longer
+//!   by the step, never shorter, and every replica decides alike.
 //! - **Tokens** come from one sequence, capped below `i64::MAX` like the
 //!   embedded counter; a sequence value is never handed out twice, also
 //!   after a row is deleted. An import raises the sequence under the
@@ -155,7 +158,7 @@ pub(crate) struct PgOptions {
     /// `information_schema`. Default `"idemstore"`.
     pub schema: String,
     /// A test clock that replaces the server clock entirely: its wall
-    /// reading is the store's time (kept monotonic), sent as a parameter.
+    /// reading is the store's time, sent as a parameter.
     /// `None` (the default and the only production setting) reads the
     /// database's `clock_timestamp()`.
     pub clock: Option<Arc<dyn Clock>>,
@@ -339,7 +342,13 @@ struct Shared {
     /// The session settings to send with `SET` once a connection is open
     /// (behind a pooler, which refuses them as startup `options`).
     session_set: Option<String>,
-    /// The highest time reading seen by this process (ms).
+    /// The highest reading of the database clock (or the test clock) this
+    /// process has seen (ms): what `last_now_ms` answers while the server
+    /// cannot be reached. Never a floor for a decision: replicas agree on
+    /// a lease only if each decides by the clock they share (floored by
+    /// the record's own last write, which they share too), and a floor of
+    /// one process's own would run ahead of the others' after the clock
+    /// steps back.
     high_water: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
     counters: LiveCounters,
@@ -369,10 +378,12 @@ struct Held {
 }
 
 impl Shared {
-    /// The store's time from a reading: never below an earlier one.
-    fn stamp(&self, reading: u64) -> u64 {
-        let before = self.high_water.fetch_max(reading, Ordering::SeqCst);
-        before.max(reading)
+    /// Notes a reading of the clock (see `high_water`) and returns it as
+    /// it is. Only clock readings are noted: a time floored by a row's
+    /// (a hot completion's) could come from a row written by hand.
+    fn seen(&self, reading: u64) -> u64 {
+        self.high_water.fetch_max(reading, Ordering::SeqCst);
+        reading
     }
 
     /// Keeps `record` (written as `stored`) for a completion by its holder
@@ -646,6 +657,11 @@ fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
     }
     let mut source: Option<&(dyn std::error::Error + 'static)> = err.source();
     while let Some(s) = source {
+        // A column (or a parameter's column) of another type than the
+        // store's, found by the driver: altered outside idemstore.
+        if s.is::<tokio_postgres::types::WrongType>() {
+            return Some(ConfigFault::SchemaDamaged);
+        }
         if tls_refused(s) {
             return Some(ConfigFault::Tls);
         }
@@ -726,12 +742,22 @@ fn connection_lost(err: &tokio_postgres::Error) -> bool {
     false
 }
 
+/// Whether the server refused a write as read-only (SQLSTATE 25006): a
+/// standby, or a primary demoted or set read-only since the connection
+/// was opened. Nothing was applied; only a new connection can reach a
+/// host that takes writes (`target_session_attrs=read-write` is checked
+/// when a connection is opened), so the connection is dropped as a lost
+/// one.
+fn read_only(err: &tokio_postgres::Error) -> bool {
+    err.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION)
+}
+
 /// Classifies an error of a statement sent before the commit.
 fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
     if let Some(fault) = config_fault(err) {
         Fail::Config(fault, detail)
-    } else if connection_lost(err) {
+    } else if connection_lost(err) || read_only(err) {
         Fail::Lost(detail)
     } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
         || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
@@ -769,8 +795,16 @@ fn describe(err: &tokio_postgres::Error) -> String {
     }
 }
 
-fn storage(what: &str, err: impl std::fmt::Display) -> Fail {
-    Fail::Storage(format!("{what}: {err}"))
+fn storage(what: &str, err: impl std::fmt::Display + std::any::Any) -> Fail {
+    let detail = format!("{what}: {err}");
+    // A value of another type than the store's columns hold: a column
+    // altered outside idemstore.
+    match (&err as &dyn std::any::Any).downcast_ref::<tokio_postgres::Error>() {
+        Some(e) if config_fault(e) == Some(ConfigFault::SchemaDamaged) => {
+            Fail::Config(ConfigFault::SchemaDamaged, detail)
+        }
+        _ => Fail::Storage(detail),
+    }
 }
 
 /// The prepared statements of one connection.
@@ -1108,8 +1142,55 @@ async fn present_objects(shared: &Shared, client: &Client) -> Result<Vec<String>
     Ok(present)
 }
 
+/// The columns of the store's tables and their types, as the DDL
+/// ([`schema::Sql::create`]) makes them.
+const COLUMNS: [(&str, &str, &str); 9] = [
+    ("records", "key", "bytea"),
+    ("records", "record", "bytea"),
+    ("records", "token", "bigint"),
+    ("records", "state", "smallint"),
+    ("records", "created_ms", "bigint"),
+    ("records", "lease_until_ms", "bigint"),
+    ("records", "expires_ms", "bigint"),
+    ("bindings", "binding", "bytea"),
+    ("bindings", "key", "bytea"),
+];
+
+/// The store's columns that are missing or of another type than
+/// [`COLUMNS`] gives, as `table.column (type)` (one catalog read).
+async fn altered_columns(shared: &Shared, client: &Client) -> Result<Vec<String>> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod) \
+             FROM pg_catalog.pg_attribute a \
+             JOIN pg_catalog.pg_class c ON c.oid = a.attrelid \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname IN ('records', 'bindings') \
+             AND a.attnum > 0 AND NOT a.attisdropped",
+            &[&shared.sql.schema],
+        )
+        .await
+        .map_err(|e| fail(&e).error())?;
+    let mut found = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let get = |i: usize| row.try_get::<_, String>(i).map_err(|e| fail(&e).error());
+        found.push((get(0)?, get(1)?, get(2)?));
+    }
+    Ok(COLUMNS
+        .iter()
+        .filter_map(|&(table, column, ty)| {
+            match found.iter().find(|(t, c, _)| t == table && c == column) {
+                Some((_, _, found_ty)) if found_ty == ty => None,
+                Some((_, _, found_ty)) => Some(format!("{table}.{column} is {found_ty}, not {ty}")),
+                None => Some(format!("{table}.{column} is missing")),
+            }
+        })
+        .collect())
+}
+
 /// Checks that a schema whose version row says it holds a store still has
-/// every object of one (one catalog read).
+/// every object of one, with the columns its statements read and write
+/// (two catalog reads).
 ///
 /// # Errors
 /// [`Error::Misconfigured`] with [`ConfigFault::SchemaDamaged`] naming the
@@ -1121,10 +1202,20 @@ async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
         .copied()
         .filter(|o| !present.iter().any(|p| p == o))
         .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
     let schema = &shared.sql.schema;
+    if missing.is_empty() {
+        let altered = altered_columns(shared, client).await?;
+        if altered.is_empty() {
+            return Ok(());
+        }
+        return Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail: format!(
+                "schema {schema} holds a store whose columns were altered outside idemstore                  ({}); restore the schema from a backup or an export (idemstore import), or                  drop schema {schema} to start an empty store",
+                altered.join(", ")
+            ),
+        });
+    }
     Err(Error::Misconfigured {
         fault: ConfigFault::SchemaDamaged,
         detail: format!(
@@ -1332,7 +1423,7 @@ fn time_from(shared: &Shared, rows: Option<&[Row]>) -> Result<u64, Fail> {
         }
         (None, None) => return Err(Fail::Storage("the clock was not read".into())),
     };
-    Ok(shared.stamp(reading))
+    Ok(shared.seen(reading))
 }
 
 /// The time of a transaction: the test clock's reading, or the database's
@@ -1869,6 +1960,8 @@ async fn run_hot(
     for (key, _) in ops {
         *seen.entry(key.to_bytes()).or_default() += 1;
     }
+    // The templates' placeholder time (any time works; the last reading
+    // keeps the offsets small).
     let p = shared.high_water.load(Ordering::SeqCst);
     let retention = shared.retention_ms;
     let mut claims = Vec::new();
@@ -1919,10 +2012,9 @@ async fn run_hot(
     let conn = ensure(shared, slot).await?;
     let c = &conn.client;
     let test_now = match &shared.clock {
-        Some(clock) => Some(to_i64("the test clock", shared.stamp(clock.now_ms()))?),
+        Some(clock) => Some(to_i64("the test clock", shared.seen(clock.now_ms()))?),
         None => None,
     };
-    let floor = to_i64("the time", shared.high_water.load(Ordering::SeqCst))?;
     let ck: Vec<&[u8]> = claims.iter().map(|h| h.kb.as_slice()).collect();
     let ch: Vec<Vec<u8>> = claims.iter().map(|h| h.template.head()).collect();
     let ct: Vec<&[u8]> = claims
@@ -1961,9 +2053,9 @@ async fn run_hot(
         .iter()
         .map(|h| h.template.expires_offset())
         .collect();
-    let p_claim: [&(dyn ToSql + Sync); 7] = [&test_now, &floor, &ck, &ch, &ct, &cl, &ce];
-    let p_finish: [&(dyn ToSql + Sync); 12] = [
-        &test_now, &floor, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor, &fcreated, &flease,
+    let p_claim: [&(dyn ToSql + Sync); 6] = [&test_now, &ck, &ch, &ct, &cl, &ce];
+    let p_finish: [&(dyn ToSql + Sync); 11] = [
+        &test_now, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor, &fcreated, &flease,
     ];
     // Each statement commits on its own: once sent, a lost answer leaves
     // its outcome unknown.
@@ -2017,7 +2109,7 @@ async fn run_hot(
                 let answer = match row.try_get::<_, i64>(1) {
                     Ok(at) => to_u64("the time", at)
                         .map_err(|f| f.error())
-                        .and_then(|at| finish_answer(shared, h, shared.stamp(at))),
+                        .and_then(|at| finish_answer(shared, h, at)),
                     Err(e) => Err(storage("a hot row", e).error()),
                 };
                 if let Ok((_, evs)) = &answer {
@@ -2041,8 +2133,12 @@ async fn run_hot(
 
 /// After a hot statement failed: a lost connection leaves its requests'
 /// outcome unknown (answered so); a refusal applied nothing, so they go the
-/// general way. Returns whether the connection is lost.
+/// general way. Returns whether the connection is to be dropped: lost, or
+/// on a host that turned read-only (the general way then opens a new one).
 fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAnswers) -> bool {
+    if read_only(e) {
+        return true;
+    }
     match fail(e) {
         Fail::Lost(detail) | Fail::Unknown(detail) => {
             for h in hots {
@@ -2074,7 +2170,7 @@ fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answ
     let fresh: bool = row.try_get(0).map_err(get)?;
     let at: i64 = row.try_get(8).map_err(get)?;
     let at_u = to_u64("the time", at)?;
-    let n = shared.stamp(at_u);
+    let n = shared.seen(at_u);
     let retention = shared.retention_ms;
     if fresh {
         let token: i64 = row.try_get(3).map_err(get)?;
@@ -2082,11 +2178,7 @@ fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answ
         let token_u = to_u64("a token", token)?;
         // The answer is the row exactly as the statement wrote it, at its
         // own reading `at`, and so is what `held` keeps for the holder's
-        // completion. A concurrent statement of this process may have
-        // raised the high-water mark (`n`) above `at`: answered at `n`,
-        // the caller would hold a lease up to `n - at` ms longer than the
-        // row's, which another replica reads, and the hot completion's
-        // compare-and-set on the row's bytes would miss.
+        // completion (whose compare-and-set is on the row's bytes).
         let overflow = || Fail::Storage("a hot claim's time overflows".into());
         let written = hot::complete(&t.record, t.mask, at_u, token_u).ok_or_else(overflow)?;
         let (effect, reply) = hot::confirm(h.key, None, h.op, retention, at_u, token_u, &written)
@@ -2096,7 +2188,7 @@ fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answ
         // A lease that lapsed while the insert waited is never granted:
         // the general path decides the key again (a takeover then).
         let after: i64 = row.try_get(9).map_err(get)?;
-        if shared.stamp(to_u64("the time", after)?) >= written.lease_until_ms {
+        if shared.seen(to_u64("the time", after)?) >= written.lease_until_ms {
             return Ok(None);
         }
         let events: Vec<Event> = Event::of_transition(h.key, None, h.op, &effect, &reply, at_u)
@@ -3213,7 +3305,7 @@ impl Postgres {
     }
 
     /// The store's time: the database's `clock_timestamp()` (or the test
-    /// clock), never below an earlier reading of this process.
+    /// clock), as read (it steps back with that clock).
     pub(crate) fn now_ms(&self) -> Result<u64> {
         self.ask(|reply| Job::Now { reply })
     }

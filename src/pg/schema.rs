@@ -293,9 +293,9 @@ impl Sql {
             ),
             lock_for_raise: format!("LOCK TABLE {s}.records IN EXCLUSIVE MODE"),
             hot_claim: format!(
-                "WITH v AS (SELECT COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS now), \
-                 c AS (SELECT * FROM unnest($3::bytea[], $4::bytea[], $5::bytea[], $6::bigint[], \
-                 $7::bigint[]) AS c(key, head, tmpl, lease_off, exp_off)), \
+                "WITH v AS (SELECT COALESCE($1::bigint, {clock_ms}) AS now), \
+                 c AS (SELECT * FROM unnest($2::bytea[], $3::bytea[], $4::bytea[], $5::bigint[], \
+                 $6::bigint[]) AS c(key, head, tmpl, lease_off, exp_off)), \
                  ins AS (INSERT INTO {s}.records ({cols}) \
                  SELECT f.key, f.head || substring(sha256(f.key || int8send(f.tok) || \
                  int8send(f.now + f.exp_off)) FROM 1 FOR 8) || f.tmpl, f.tok, 0::smallint, f.now, \
@@ -304,7 +304,7 @@ impl Sql {
                  LEFT JOIN LATERAL (SELECT true AS hit FROM {s}.records r WHERE r.key = c.key \
                  LIMIT 1) AS e ON true WHERE e.hit IS NULL) AS f \
                  ORDER BY f.key ON CONFLICT (key) DO NOTHING RETURNING key, token, \
-                 COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS after) \
+                 COALESCE($1::bigint, {clock_ms}) AS after) \
                  SELECT true, i.key, NULL::bytea, i.token, NULL::smallint, NULL::bigint, \
                  NULL::bigint, NULL::bigint, v.now, i.after FROM ins i CROSS JOIN v \
                  UNION ALL \
@@ -314,10 +314,10 @@ impl Sql {
                  WHERE NOT EXISTS (SELECT 1 FROM ins i WHERE i.key = r.key)"
             ),
             hot_finish: format!(
-                "WITH v AS (SELECT COALESCE($1::bigint, GREATEST({clock_ms}, $2::bigint)) AS now), \
-                 u AS (SELECT u.*, GREATEST(v.now, u.floor) AS at FROM unnest($3::bytea[], \
-                 $4::bigint[], $5::bytea[], $6::bytea[], $7::bytea[], $8::smallint[], \
-                 $9::bigint[], $10::bigint[], $11::bigint[], $12::bigint[]) \
+                "WITH v AS (SELECT COALESCE($1::bigint, {clock_ms}) AS now), \
+                 u AS (SELECT u.*, GREATEST(v.now, u.floor) AS at FROM unnest($2::bytea[], \
+                 $3::bigint[], $4::bytea[], $5::bytea[], $6::bytea[], $7::smallint[], \
+                 $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[]) \
                  AS u(key, token, seen, head, tmpl, state, exp_off, floor, created, lease) \
                  CROSS JOIN v) \
                  UPDATE {s}.records AS r SET record = u.head || substring(sha256(u.key || \
@@ -354,6 +354,17 @@ impl Sql {
     }
 
     /// The DDL that creates the schema's objects, idempotent.
+    ///
+    /// The token sequence of a new schema starts at the database clock's
+    /// milliseconds times 2^20 (the milliseconds capped at 2^42, the year
+    /// 2109, so that at least 2^62 tokens remain), not at 1: a schema
+    /// dropped and created again under a replica still running (an
+    /// operator starting an empty store, a server that came back empty)
+    /// hands out tokens above every token of its earlier life, unless that
+    /// life drew more than 2^20 tokens per millisecond on average or the
+    /// clock went back. So a lease of the earlier life never matches a
+    /// lease of the new one, and its holder's completion is refused as
+    /// stale instead of finishing another holder's claim.
     pub(crate) fn create(&self) -> String {
         let s = format!("\"{}\"", self.schema);
         format!(
@@ -369,9 +380,16 @@ impl Sql {
              CREATE TABLE IF NOT EXISTS {s}.bindings (
                 binding bytea PRIMARY KEY,
                 key bytea NOT NULL);
-             CREATE SEQUENCE IF NOT EXISTS {s}.tokens AS bigint
-                MINVALUE 1 MAXVALUE {max} START 1 NO CYCLE;",
-            max = crate::MAX_TOKEN - 1
+             DO $ddl$ BEGIN
+                IF to_regclass('{s}.tokens') IS NULL THEN
+                    EXECUTE 'CREATE SEQUENCE {s}.tokens AS bigint MINVALUE 1 MAXVALUE {max} \
+                        NO CYCLE START ' || (LEAST(floor(extract(epoch FROM clock_timestamp()) \
+                        * 1000)::bigint, {cap}) * {per_ms})::text;
+                END IF;
+             END $ddl$;",
+            max = crate::MAX_TOKEN - 1,
+            cap = 1_u64 << 42,
+            per_ms = 1_u64 << 20
         )
     }
 

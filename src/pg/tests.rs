@@ -49,7 +49,12 @@ fn open_with(schema: &str, clock: Option<&ManualClock>) -> Postgres {
 }
 
 fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
-    let options = PgOptions {
+    Postgres::connect(url, options(schema, clock)).unwrap()
+}
+
+/// The tests' options: `schema`, `clock`, RETENTION, four connections.
+fn options(schema: &str, clock: Option<&ManualClock>) -> PgOptions {
+    PgOptions {
         schema: schema.to_string(),
         clock: clock.map(|c| Arc::new(c.clone()) as Arc<dyn crate::clock::Clock>),
         retention_ms: RETENTION,
@@ -58,8 +63,7 @@ fn open_at(url: &str, schema: &str, clock: Option<&ManualClock>) -> Postgres {
         migrate: false,
         limits: crate::config::PostgresLimits::default(),
         pooler: crate::config::PostgresPooler::Direct,
-    };
-    Postgres::connect(url, options).unwrap()
+    }
 }
 
 /// A store on a schema of its own with a manual clock.
@@ -116,18 +120,7 @@ fn record(reply: Reply) -> Record {
 
 /// Runs `sql` on its own connection to the test server.
 fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let (client, conn) = tokio_postgres::connect(server().url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        client.simple_query("SELECT 1").await.unwrap();
-        client.query(sql, &[]).await.unwrap()
-    })
+    sql_at(server().url(), sql)
 }
 
 /// What the engine keeps of a hot claim for its holder's completion
@@ -214,7 +207,13 @@ fn claim_complete_replay_and_fingerprints() {
     let (pg, clock) = open("lifecycle");
     let k = key("k1");
     let lease = acquired(pg.apply(&k, claim(b"a")).unwrap());
-    assert_eq!(lease.token(), 1);
+    // A new schema's tokens start at its creation's milliseconds × 2^20.
+    let wall = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
+    let created_ms = lease.token() >> 20;
+    assert!(
+        created_ms.abs_diff(wall) < 600_000,
+        "{created_ms} vs {wall}"
+    );
     assert_eq!(lease.lease_until_ms(), Some(T0 + 1_000));
     match pg.apply(&k, claim(b"a")).unwrap() {
         Reply::Claim(ClaimOutcome::InProgress {
@@ -251,7 +250,7 @@ fn claim_complete_replay_and_fingerprints() {
     assert!(matches!(err, Error::StaleLease { .. }), "{err}");
     assert_eq!(pg.get(&k).unwrap().unwrap(), done);
     assert_eq!(pg.len().unwrap(), 1);
-    assert_eq!(pg.next_token().unwrap(), 2);
+    assert_eq!(pg.next_token().unwrap(), lease.token() + 1);
     let c = pg.counters().snapshot();
     assert_eq!((c.claims, c.acquired, c.replays), (5, 1, 1));
     assert_eq!((c.in_progress, c.fingerprint_mismatches), (1, 2));
@@ -574,7 +573,9 @@ fn import_fills_absent_keys_and_raises_the_token_floor() {
             },
         ),
     ];
-    let replies = pg.import(ops, 501).unwrap();
+    // Above the sequence's start (the schema's creation time × 2^20).
+    let floor = pg.next_token().unwrap() + 1_000;
+    let replies = pg.import(ops, floor).unwrap();
     let results: Vec<ImportResult> = replies
         .into_iter()
         .map(|r| match r.unwrap() {
@@ -590,7 +591,7 @@ fn import_fills_absent_keys_and_raises_the_token_floor() {
             ImportResult::Expired
         ]
     );
-    assert_eq!(pg.next_token().unwrap(), 501);
+    assert_eq!(pg.next_token().unwrap(), floor);
     assert_eq!(
         pg.get(&fresh).unwrap().unwrap(),
         rec(&fresh, 500, T0 + 1_000)
@@ -601,10 +602,10 @@ fn import_fills_absent_keys_and_raises_the_token_floor() {
     }
     // A lower floor never lowers the sequence.
     pg.import(Vec::new(), 10).unwrap();
-    assert_eq!(pg.next_token().unwrap(), 501);
+    assert_eq!(pg.next_token().unwrap(), floor);
     clock.advance(Duration::from_millis(1_000));
     let l = acquired(pg.apply(&fresh, claim(b"a")).unwrap());
-    assert_eq!(l.token(), 501);
+    assert_eq!(l.token(), floor);
 }
 
 #[test]
@@ -2437,4 +2438,274 @@ fn a_connection_may_take_connect_timeout_for_each_address() {
             "{conn}"
         );
     }
+}
+
+/// After the clock steps back, a replica that read the clock before the
+/// step decides by the clock as it is (floored by the record's own last
+/// write), as a replica started after the step does: it sees the other's
+/// fresh lease as live, and its sweep evicts nothing the other holds.
+/// Before, each process floored the time by its own highest reading, so
+/// the first replica took over the second's live lease (the work ran
+/// twice) and swept its live records.
+#[test]
+fn after_the_clock_steps_back_replicas_still_agree_on_a_lease() {
+    if skipped() {
+        return;
+    }
+    // One clock for both, as the database's is: ten minutes ahead first.
+    let clock = ManualClock::new(T0 + 600_000);
+    let sc = schema("step_back");
+    let early = open_with(&sc, Some(&clock));
+    let _ = acquired(early.apply(&key("before"), claim(b"b")).unwrap());
+    clock.set_ms(T0);
+    let late = open_with(&sc, Some(&clock));
+    let job = key("job");
+    let lease = acquired(late.apply(&job, claim(b"j")).unwrap());
+    let done = key("done");
+    let finished = acquired(late.apply(&done, claim(b"d")).unwrap());
+    complete(&late, &done, &finished, b"answer");
+    for (name, pg) in [("early", &early), ("late", &late)] {
+        match pg.apply(&job, claim(b"j")) {
+            Ok(Reply::Claim(ClaimOutcome::InProgress { .. })) => {}
+            other => panic!("{name}: the live lease was not seen as live: {other:?}"),
+        }
+        assert_eq!(pg.now_ms().unwrap(), T0, "{name}");
+    }
+    assert_eq!(early.sweep(100).unwrap(), 0);
+    assert_eq!(
+        record(complete(&late, &job, &lease, b"r")).state,
+        State::Succeeded
+    );
+    assert_eq!(late.get(&done).unwrap().unwrap().state, State::Succeeded);
+}
+
+/// A row whose times lie far ahead (written by hand, or while the server's
+/// clock ran ahead) moves the time of its own record's requests only:
+/// completing it does not move the store's time, so the process's later
+/// sweeps and claims are decided by the clock. Before, the completion's
+/// time (floored by the row's) became the process's floor: `now_ms`
+/// jumped a century, the next sweep evicted finished and in-flight
+/// records, and new leases ran for a century.
+#[test]
+fn a_row_from_the_future_moves_only_its_own_time() {
+    if skipped() {
+        return;
+    }
+    let clock = ManualClock::new(T0);
+    let sc = schema("future_row");
+    let pg = open_with(&sc, Some(&clock));
+    let done = key("done");
+    let finished = acquired(pg.apply(&done, claim(b"d")).unwrap());
+    complete(&pg, &done, &finished, b"answer");
+    let live = key("live");
+    let _held = acquired(pg.apply(&live, claim(b"l")).unwrap());
+    let k = key("k");
+    let lease = acquired(pg.apply(&k, claim(b"k")).unwrap());
+    let failure = Op::Fail {
+        token: lease.token(),
+        failure: b"try again".to_vec(),
+        retryable: true,
+    };
+    pg.apply(&k, failure).unwrap();
+    // The failed row (in the hot form: its times are N plus offsets, N
+    // read from `expires_ms`) moved a century ahead, its digest redone.
+    let century: i64 = 100 * 365 * 24 * 3_600_000;
+    let hex: String = k.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let moved = raw_sql(&format!(
+        "UPDATE \"{sc}\".records SET expires_ms = expires_ms + {century}, \
+         record = substring(record FROM 1 FOR 2) || substring(sha256(key || int8send(token) || \
+         int8send(expires_ms + {century})) FROM 1 FOR 8) || substring(record FROM 11) \
+         WHERE key = '\\x{hex}'::bytea AND get_byte(record, 0) = 161 RETURNING key"
+    ));
+    assert_eq!(moved.len(), 1, "the row is in the hot form");
+    let again = acquired(pg.apply(&k, claim(b"k")).unwrap());
+    assert!(
+        again.lease_until_ms() > Some(T0 + 1_000),
+        "its own time moved"
+    );
+    assert_eq!(
+        record(complete(&pg, &k, &again, b"r")).state,
+        State::Succeeded
+    );
+    clock.advance(Duration::from_millis(500));
+    assert_eq!(pg.now_ms().unwrap(), T0 + 500);
+    assert_eq!(pg.sweep(100).unwrap(), 0, "nothing is due");
+    assert_eq!(pg.get(&done).unwrap().unwrap().state, State::Succeeded);
+    assert_eq!(pg.get(&live).unwrap().unwrap().state, State::Processing);
+    let fresh = acquired(pg.apply(&key("fresh"), claim(b"f")).unwrap());
+    assert_eq!(fresh.lease_until_ms(), Some(T0 + 500 + 1_000));
+}
+
+/// Runs `sql` on its own connection to `url`.
+fn sql_at(url: &str, sql: &str) -> Vec<tokio_postgres::Row> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        client.simple_query("SELECT 1").await.unwrap();
+        client.query(sql, &[]).await.unwrap()
+    })
+}
+
+/// Runs each of `statements` on its own connection to `url`, one at a
+/// time (`ALTER SYSTEM` refuses the implicit transaction of several).
+fn batch_at(url: &str, statements: &[&str]) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        for sql in statements {
+            client.batch_execute(sql).await.unwrap();
+        }
+    })
+}
+
+/// With several hosts and `target_session_attrs=read-write`, a host that
+/// turns read-only under a running store (a primary demoted, or set
+/// read-only) is left for one that takes writes: the refused write drops
+/// the connection, and the claim runs on a new one. Before, the store
+/// kept the connection and answered every write `Unavailable` (SQLSTATE
+/// 25006), though a retry as is could never succeed, while a store
+/// connected afresh wrote to the other host. (The two servers here do not
+/// replicate, so only claims of fresh keys are sent: a server applies a
+/// reloaded setting to a session after that session's next statement, so
+/// an early claim may still land on the first.)
+#[test]
+fn a_host_that_turns_read_only_is_left_for_one_that_takes_writes() {
+    if skipped() {
+        return;
+    }
+    let own = || TestServer::start_own(super::server::ServerOptions::default()).unwrap();
+    let (first, second) = (own(), own());
+    let sc = schema("read_only");
+    for server in [&first, &second] {
+        drop(open_at(server.url(), &sc, None));
+    }
+    let port = |s: &TestServer| {
+        let after_host = s.url().rsplit(':').next().unwrap();
+        after_host.split('/').next().unwrap().to_string()
+    };
+    let both = format!(
+        "host=127.0.0.1,127.0.0.1 port={},{} user=postgres dbname=postgres \
+         target_session_attrs=read-write",
+        port(&first),
+        port(&second)
+    );
+    let pg = open_at(&both, &sc, None);
+    let _ = acquired(pg.apply(&key("before"), claim(b"b")).unwrap());
+    batch_at(
+        first.url(),
+        &[
+            "ALTER SYSTEM SET default_transaction_read_only = on",
+            "SELECT pg_reload_conf()",
+        ],
+    );
+    let ids: Vec<String> = (0..8).map(|i| format!("after-{i}")).collect();
+    for id in &ids {
+        let _ = acquired(pg.apply(&key(id), claim(b"a")).unwrap());
+    }
+    let on_second = sql_at(
+        second.url(),
+        &format!("SELECT count(*) FROM \"{sc}\".records"),
+    );
+    let count: i64 = on_second[0].get(0);
+    assert!(count > 0, "no claim reached the host that takes writes");
+    batch_at(
+        first.url(),
+        &[
+            "ALTER SYSTEM RESET default_transaction_read_only",
+            "SELECT pg_reload_conf()",
+        ],
+    );
+}
+
+/// A schema dropped and created again under a store still running (an
+/// operator starting an empty store, a server that came back empty) hands
+/// out tokens above the ones of its earlier life: the old holder's
+/// completion is refused as stale, and the new holder's lands. Before,
+/// both lives started their tokens at 1, so the old lease matched the new
+/// holder's and completed its claim with the old work's result.
+#[test]
+fn a_schema_created_again_never_hands_out_an_earlier_token() {
+    if skipped() {
+        return;
+    }
+    let sc = schema("recreated");
+    let old = open_with(&sc, None);
+    let k = key("k");
+    let stale = acquired(old.apply(&k, claim(b"k")).unwrap());
+    raw_sql(&format!("DROP SCHEMA \"{sc}\" CASCADE"));
+    // The new life's first millisecond is after the old one's.
+    std::thread::sleep(Duration::from_millis(2));
+    let new = open_with(&sc, None);
+    let lease = acquired(new.apply(&k, claim(b"k")).unwrap());
+    assert!(lease.token() > stale.token());
+    let err = old
+        .apply(
+            &k,
+            Op::Complete {
+                token: stale.token(),
+                result: b"old".to_vec(),
+            },
+        )
+        .unwrap_err();
+    assert!(matches!(err, Error::StaleLease { .. }), "{err}");
+    assert_eq!(
+        record(complete(&new, &k, &lease, b"new")).result(),
+        Some(&b"new"[..])
+    );
+}
+
+/// A column altered outside idemstore (here `records.token` to `numeric`)
+/// is a damaged schema, not a storage error that a retry might mend: a
+/// running store's requests that read it answer
+/// `Misconfigured(SchemaDamaged)`, and a connect refuses the schema,
+/// naming the column. Before, those requests answered `Storage("error
+/// deserializing column …")` and a connect succeeded.
+#[test]
+fn a_column_altered_outside_idemstore_is_a_damaged_schema() {
+    if skipped() {
+        return;
+    }
+    let sc = schema("altered");
+    let pg = open_with(&sc, None);
+    let k = key("k");
+    let lease = acquired(pg.apply(&k, claim(b"k")).unwrap());
+    raw_sql(&format!(
+        "ALTER TABLE \"{sc}\".records ALTER COLUMN token TYPE numeric"
+    ));
+    let damaged = |e: Error| {
+        assert!(
+            matches!(
+                e,
+                Error::Misconfigured {
+                    fault: ConfigFault::SchemaDamaged,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    };
+    damaged(pg.get(&k).unwrap_err());
+    // The holder's completion reads no altered column, and lands.
+    assert_eq!(
+        record(complete(&pg, &k, &lease, b"r")).state,
+        State::Succeeded
+    );
+    let refused = Postgres::connect(server().url(), options(&sc, None)).unwrap_err();
+    assert!(
+        refused.to_string().contains("records.token is numeric"),
+        "{refused}"
+    );
+    damaged(refused);
 }

@@ -272,7 +272,7 @@ async fn decide_and_write<S: Session>(
         Some(clock) => clock.now_ms(),
         None => to_u64("the database clock", db_ms)?,
     };
-    let now = shared.stamp(reading);
+    let now = shared.seen(reading);
     // A transaction that reads one snapshot does not see a row written
     // after its snapshot was taken: the claim's, when the caller's first
     // statement came before the claim. Absent from the snapshot is then
