@@ -1567,6 +1567,36 @@ mod tests {
         assert_eq!(store.sweep_due().unwrap(), 50 - evicted);
     }
 
+    /// At a store time past the expiry slots' range (2^61 ms, which only a
+    /// custom clock reaches), a record whose expiry lies beyond that range
+    /// is due by its slot before it expires: a sweep leaves it (and its
+    /// entry), so its lease stays valid and its key is not acquired again.
+    /// Before, the sweep evicted such live records.
+    #[test]
+    fn a_sweep_at_the_end_of_time_evicts_no_live_record() {
+        let clock = crate::clock::ManualClock::new(1 << 61);
+        let store = in_memory("end_of_time.redb", manual_time(&clock));
+        let fp = Fingerprint::of(b"x");
+        let held = Key::new("s", "held").unwrap();
+        let done = Key::new("s", "done").unwrap();
+        let acquire = |key: &Key| match store.claim(key, &fp, &ClaimOptions::new()).unwrap() {
+            ClaimOutcome::Acquired(lease) => lease,
+            other => panic!("{other:?}"),
+        };
+        let _lease = acquire(&held);
+        let lease = acquire(&done);
+        store.complete(&lease, b"r").unwrap();
+        assert_eq!(store.sweep(100).unwrap(), 0);
+        assert!(matches!(
+            store.claim(&held, &fp, &ClaimOptions::new()).unwrap(),
+            ClaimOutcome::InProgress { .. }
+        ));
+        assert!(matches!(
+            store.claim(&done, &fp, &ClaimOptions::new()).unwrap(),
+            ClaimOutcome::Replay(_)
+        ));
+    }
+
     /// What a paced slice's evictions cost the writer after it (their
     /// changes applied and their pages committed, here by a checkpoint) is
     /// owed by the sweep: the next paced slice's `spent`, which paces the
