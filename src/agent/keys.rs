@@ -150,13 +150,20 @@ impl Fingerprint {
 /// SHA-256 of the RFC 8785 canonical bytes of `value`.
 fn canonical_digest(value: &serde_json::Value) -> Result<[u8; 32]> {
     check_numbers(value)?;
+    digest_of_canonical(value)
+}
+
+/// SHA-256 of the RFC 8785 canonical bytes of what `value` serializes to,
+/// written straight from it (no `serde_json::Value` is built). Numbers are
+/// not checked: the caller runs [`check_numbers`] on every value it holds.
+pub(crate) fn digest_of_canonical<T: serde::Serialize>(value: &T) -> Result<[u8; 32]> {
     let bytes = serde_json_canonicalizer::to_vec(value)
         .map_err(|e| Error::invalid("json", format!("cannot canonicalize: {e}")))?;
     Ok(Sha256::digest(&bytes).into())
 }
 
 /// Refuses integers that an IEEE 754 double cannot hold exactly.
-fn check_numbers(value: &serde_json::Value) -> Result<()> {
+pub(crate) fn check_numbers(value: &serde_json::Value) -> Result<()> {
     use serde_json::Value;
     let mut stack = vec![value];
     while let Some(v) = stack.pop() {

@@ -151,7 +151,7 @@ mod call;
 mod execute;
 mod extender;
 mod finite;
-mod keys;
+pub(crate) mod keys;
 mod notify;
 
 pub use call::{CallError, Limit, RemoteError, RemoteStatus, RetryPolicy, call, call_async};

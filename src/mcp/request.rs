@@ -5,6 +5,7 @@ use rmcp::model::{CallToolRequestParams, JsonObject, RequestMetaObject};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::agent::keys::{check_numbers, digest_of_canonical};
 use crate::error::Error;
 use crate::key::{Fingerprint, Key, MAX_ID_LEN, MAX_SCOPE_LEN};
 
@@ -130,9 +131,11 @@ fn poses_as_client(tool: &str) -> bool {
 }
 
 /// The fingerprint of a call: the RFC 8785 canonical form of
-/// `{"name": tool, "arguments": arguments}` ([`Fingerprint::of_json`]), so
-/// that member order never matters and any other difference does. Absent
-/// arguments count as `{}`.
+/// `{"name": tool, "arguments": arguments}` (what [`Fingerprint::of_json`]
+/// gives for that object), so that member order never matters and any
+/// other difference does. Absent arguments count as `{}`. The canonical
+/// bytes are written from the request as it is: the arguments, up to the
+/// transport's request limit, are not copied into another JSON tree.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] when the arguments hold an integer beyond
@@ -141,11 +144,29 @@ pub(crate) fn fingerprint(
     tool: &str,
     arguments: Option<&JsonObject>,
 ) -> Result<Fingerprint, Error> {
-    let arguments = arguments.cloned().unwrap_or_default();
-    Fingerprint::of_json(&serde_json::json!({
-        "name": tool,
-        "arguments": Value::Object(arguments),
-    }))
+    let none = JsonObject::new();
+    let arguments = arguments.unwrap_or(&none);
+    for value in arguments.values() {
+        check_numbers(value)?;
+    }
+    let digest = digest_of_canonical(&ToolCall { tool, arguments })?;
+    Fingerprint::from_bytes(digest.to_vec())
+}
+
+/// `{"name": tool, "arguments": arguments}`, borrowed, for the fingerprint.
+struct ToolCall<'a> {
+    tool: &'a str,
+    arguments: &'a JsonObject,
+}
+
+impl serde::Serialize for ToolCall<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let mut object = serializer.serialize_map(Some(2))?;
+        object.serialize_entry("name", self.tool)?;
+        object.serialize_entry("arguments", self.arguments)?;
+        object.end()
+    }
 }
 
 #[cfg(test)]
@@ -197,5 +218,35 @@ mod tests {
             fingerprint("t", Some(&JsonObject::new())).unwrap()
         );
         assert!(fingerprint("t", Some(&object(json!({"n": 9_007_199_254_740_993_u64})))).is_err());
+        assert!(
+            fingerprint(
+                "t",
+                Some(&object(json!({"a": [{"n": -9_007_199_254_740_993_i64}]})))
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn a_fingerprint_is_that_of_the_call_as_one_json_object() {
+        // Written from the borrowed request, it must equal what
+        // `Fingerprint::of_json` gives for the object, which is the
+        // documented rule (and what an earlier build stored).
+        let calls = [
+            json!({}),
+            json!({"line": "x"}),
+            json!({"é": 1.5, "b": [true, null, {"z": 1, "a": "\u{1F600}\n"}], "a": -0.0}),
+            json!({"name": "shadow", "arguments": {"x": 1e30}}),
+        ];
+        for arguments in calls {
+            let members = arguments.as_object().unwrap();
+            for tool in ["append", "", "ünï/côde"] {
+                assert_eq!(
+                    fingerprint(tool, Some(members)).unwrap(),
+                    Fingerprint::of_json(&json!({"name": tool, "arguments": arguments})).unwrap(),
+                    "{tool} {arguments}"
+                );
+            }
+        }
     }
 }

@@ -234,8 +234,20 @@ where
                     continue;
                 }
             };
-            sep_key_to_meta(&mut value);
-            match serde_json::from_value(value) {
+            // The message is read again from bytes with no JSON tree alive
+            // beside it: `rmcp`'s message type is untagged, which serde
+            // reads through a buffered copy of the whole message, and
+            // `from_value` would hold the tree, that copy and the message
+            // at once (three copies of a request's arguments in memory).
+            let parsed = if sep_key_to_meta(&mut value) {
+                let bytes = serde_json::to_vec(&value);
+                drop(value);
+                bytes.and_then(|bytes| serde_json::from_slice(&bytes))
+            } else {
+                drop(value);
+                serde_json::from_slice(text)
+            };
+            match parsed {
                 Ok(message) => return Some(message),
                 Err(e) => {
                     tracing::warn!(error = %e, "an MCP message of unknown shape was skipped");
