@@ -56,8 +56,9 @@
 //!   holder whose lease was taken over gets [`Error::StaleLease`].
 //! - Corruption is detected (checksums over key and body) and reported as an
 //!   error naming the key or file, never as a wrong answer or a panic.
-//! - The store's time, at which leases and retention are judged, is defined
-//!   once on [`Clock`] ("The store's time"): `max(wall, floor + monotonic
+//! - A store file's time, at which leases and retention are judged, is defined
+//!   once on [`Clock`] ("The store's time"; a PostgreSQL store takes the
+//!   server's clock, see `Store::connect`): `max(wall, floor + monotonic
 //!   time elapsed since the floor was set)`, so it follows the wall clock
 //!   forward and keeps moving when the wall clock steps back; it never runs
 //!   backwards, across crashes too (a bound is reserved durably before any

@@ -66,8 +66,8 @@ pub use crate::pg::server;
 /// Exactly as the engine does for [`Store::complete`]: it reads and locks
 /// the key's row (`SELECT … FOR UPDATE`, and its business-key binding, in
 /// the engine's lock order), reads the store's time (the database's
-/// `clock_timestamp()`, or the test clock given at connect, kept monotonic
-/// by the store's process and never below the record's own last update),
+/// `clock_timestamp()`, or the test clock given at connect, never below the
+/// record's own last update),
 /// decides with the store's pure transition function, and writes the new
 /// record with a compare-and-set (`UPDATE … WHERE key = $k AND token =
 /// $seen`). Each statement is sent whole and unnamed with its parameters'

@@ -336,10 +336,10 @@ impl Store {
     /// writes ([`Error::Poisoned`]) it stays at the last durable bound.
     /// On PostgreSQL it is the database's clock, read with a round trip
     /// that waits at most `PostgresLimits::call_timeout`, and it steps back
-    /// when that clock does (see [`Store::connect`]); while the server
-    /// cannot be reached, the highest time this process has seen (the
-    /// connect reads it once, so never less than the time of the connect;
-    /// with [`Config::clock`](crate::Config::clock), that clock's reading then).
+    /// when that clock does (see `Store::connect`); while the server
+    /// cannot be reached, the last time this process read (the connect
+    /// reads it once; with [`Config::clock`](crate::Config::clock), that
+    /// clock's reading then).
     pub fn now_ms(&self) -> u64 {
         self.engine.now_ms()
     }

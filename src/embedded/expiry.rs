@@ -57,6 +57,7 @@ pub(crate) fn evict(
     let found = due.len();
     let mut evicted = 0;
     let mut handled = 0;
+    let mut kept = 0;
     for (deadline, key) in due {
         // At least one entry per step, so that a step whose read of the
         // due entries alone used up the budget (it first applies the
@@ -80,6 +81,7 @@ pub(crate) fn evict(
             // (`expiry_slot`): at a store time past that end (2^61 ms, a
             // custom clock's), the entry is due before its record expires.
             // The record stays, and so does its entry.
+            kept += 1;
             continue;
         }
         tables.remove_expiry(deadline, &key)?;
@@ -108,7 +110,9 @@ pub(crate) fn evict(
     );
     Ok(Swept {
         evicted,
-        more: handled < found || found >= max,
+        // A step whose entries were all kept found nothing to evict in
+        // them, and the next would read the same ones again.
+        more: handled < found || (found >= max && kept < handled),
         spent: started.elapsed(),
     })
 }

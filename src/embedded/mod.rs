@@ -1570,12 +1570,16 @@ mod tests {
     /// At a store time past the expiry slots' range (2^61 ms, which only a
     /// custom clock reaches), a record whose expiry lies beyond that range
     /// is due by its slot before it expires: a sweep leaves it (and its
-    /// entry), so its lease stays valid and its key is not acquired again.
+    /// entry), so its lease stays valid and its key is not acquired again,
+    /// and a sweep to the end returns, though such entries fill its steps.
     /// Before, the sweep evicted such live records.
     #[test]
     fn a_sweep_at_the_end_of_time_evicts_no_live_record() {
         let clock = crate::clock::ManualClock::new(1 << 61);
-        let store = in_memory("end_of_time.redb", manual_time(&clock));
+        let store = Arc::new(in_memory(
+            "end_of_time.redb",
+            manual_time(&clock).sweep_batch(4),
+        ));
         let fp = Fingerprint::of(b"x");
         let held = Key::new("s", "held").unwrap();
         let done = Key::new("s", "done").unwrap();
@@ -1586,7 +1590,16 @@ mod tests {
         let _lease = acquire(&held);
         let lease = acquire(&done);
         store.complete(&lease, b"r").unwrap();
+        for i in 0..8 {
+            let _ = acquire(&Key::new("s", format!("more-{i}")).unwrap());
+        }
         assert_eq!(store.sweep(100).unwrap(), 0);
+        // Hang guard: a sweep to the end that never returns fails here.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sweeping = Arc::clone(&store);
+        std::thread::spawn(move || tx.send(sweeping.sweep_due().map_err(|e| e.to_string())));
+        let swept = rx.recv_timeout(Duration::from_secs(60));
+        assert_eq!(swept.expect("sweep_due returned"), Ok(0));
         assert!(matches!(
             store.claim(&held, &fp, &ClaimOptions::new()).unwrap(),
             ClaimOutcome::InProgress { .. }

@@ -234,19 +234,18 @@ where
                     continue;
                 }
             };
-            // The message is read again from bytes with no JSON tree alive
-            // beside it: `rmcp`'s message type is untagged, which serde
-            // reads through a buffered copy of the whole message, and
-            // `from_value` would hold the tree, that copy and the message
-            // at once (three copies of a request's arguments in memory).
-            let parsed = if sep_key_to_meta(&mut value) {
-                let bytes = serde_json::to_vec(&value);
-                drop(value);
-                bytes.and_then(|bytes| serde_json::from_slice(&bytes))
-            } else {
-                drop(value);
-                serde_json::from_slice(text)
-            };
+            // The message is read again from the tree's bytes, with no
+            // tree alive beside it: `rmcp`'s message type is untagged,
+            // which serde reads through a buffered copy of the whole
+            // message, and `from_value` would hold the tree, that copy and
+            // the message at once (three copies of a request's arguments in
+            // memory). The tree's bytes, not the line: the tree is what
+            // `sep_key_to_meta` read (a member given twice, the last), so
+            // the layer and `rmcp` see one message.
+            sep_key_to_meta(&mut value);
+            let bytes = serde_json::to_vec(&value);
+            drop(value);
+            let parsed = bytes.and_then(|bytes| serde_json::from_slice(&bytes));
             match parsed {
                 Ok(message) => return Some(message),
                 Err(e) => {
@@ -327,6 +326,27 @@ mod tests {
     /// next `receive` returns the whole message. (The half read was lost,
     /// the rest skipped as not JSON, and the request never answered.) So
     /// does a message after a byte order mark.
+    /// A member given twice is read as the tree reads it (the last), by
+    /// the layer and by `rmcp` alike: the message is answered, as it was
+    /// before the transport read it again from bytes.
+    #[tokio::test]
+    async fn a_member_given_twice_is_read_once_as_the_last() {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        let (read, write) = tokio::io::split(server);
+        let mut transport = SepTransport::new(read, write);
+        client
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\",\"id\":2}\n")
+            .await
+            .unwrap();
+        drop(client);
+        let message = Transport::<RoleServer>::receive(&mut transport)
+            .await
+            .expect("the message");
+        let message = serde_json::to_value(&message).unwrap();
+        assert_eq!(message["id"], 2, "{message}");
+    }
+
     #[tokio::test]
     async fn a_receive_cancelled_mid_line_loses_nothing() {
         use futures_lite::future::poll_once;

@@ -145,8 +145,8 @@ pub(crate) struct Decided {
 
 /// The inputs of a pass besides the rows and the requests.
 pub(crate) struct Pass<'a> {
-    /// The batch's time (the database clock or the test clock, kept
-    /// monotonic per process).
+    /// The batch's time (the database clock or the test clock, as read;
+    /// each record is decided at no earlier time than its last update).
     pub now_ms: u64,
     /// Configured retention (ms).
     pub retention_ms: u64,

@@ -342,14 +342,14 @@ struct Shared {
     /// The session settings to send with `SET` once a connection is open
     /// (behind a pooler, which refuses them as startup `options`).
     session_set: Option<String>,
-    /// The highest reading of the database clock (or the test clock) this
-    /// process has seen (ms): what `last_now_ms` answers while the server
+    /// The last reading of the database clock (or the test clock) this
+    /// process took (ms): what `last_now_ms` answers while the server
     /// cannot be reached. Never a floor for a decision: replicas agree on
     /// a lease only if each decides by the clock they share (floored by
     /// the record's own last write, which they share too), and a floor of
-    /// one process's own would run ahead of the others' after the clock
-    /// steps back.
-    high_water: AtomicU64,
+    /// one process's own (its highest reading, say) would run ahead of the
+    /// others' after the clock steps back.
+    last_reading: AtomicU64,
     /// The counters behind `stats`, counted as the audit log publishes.
     counters: LiveCounters,
     /// The Processing records this process wrote last (by key bytes), with
@@ -378,11 +378,11 @@ struct Held {
 }
 
 impl Shared {
-    /// Notes a reading of the clock (see `high_water`) and returns it as
+    /// Notes a reading of the clock (see `last_reading`) and returns it as
     /// it is. Only clock readings are noted: a time floored by a row's
     /// (a hot completion's) could come from a row written by hand.
     fn seen(&self, reading: u64) -> u64 {
-        self.high_water.fetch_max(reading, Ordering::SeqCst);
+        self.last_reading.store(reading, Ordering::SeqCst);
         reading
     }
 
@@ -608,6 +608,10 @@ enum Fail {
     Unknown(String),
     /// The server refused a statement or the commit: nothing applied.
     Refused(String),
+    /// The server refused a write as read-only (SQLSTATE 25006): nothing
+    /// applied, and the connection is dropped, since only a new one can
+    /// reach a host that takes writes (see [`read_only`]).
+    ReadOnly(String),
     /// Something else went wrong (a bad row, an unexpected answer).
     Storage(String),
     /// A configuration fault (no such database, a role refused, a
@@ -620,9 +624,11 @@ impl Fail {
     /// The error a caller gets for this failure.
     fn error(&self) -> Error {
         match self {
-            Fail::Retry(d) | Fail::Contended(d) | Fail::Lost(d) | Fail::Refused(d) => {
-                Error::Unavailable { detail: d.clone() }
-            }
+            Fail::Retry(d)
+            | Fail::Contended(d)
+            | Fail::Lost(d)
+            | Fail::Refused(d)
+            | Fail::ReadOnly(d) => Error::Unavailable { detail: d.clone() },
             Fail::Unknown(d) => Error::OutcomeUnknown { detail: d.clone() },
             Fail::Storage(d) => Error::Storage(d.clone()),
             Fail::Config(fault, d) => Error::Misconfigured {
@@ -746,8 +752,7 @@ fn connection_lost(err: &tokio_postgres::Error) -> bool {
 /// standby, or a primary demoted or set read-only since the connection
 /// was opened. Nothing was applied; only a new connection can reach a
 /// host that takes writes (`target_session_attrs=read-write` is checked
-/// when a connection is opened), so the connection is dropped as a lost
-/// one.
+/// when a connection is opened), so the connection is dropped.
 fn read_only(err: &tokio_postgres::Error) -> bool {
     err.code() == Some(&SqlState::READ_ONLY_SQL_TRANSACTION)
 }
@@ -757,8 +762,10 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
     if let Some(fault) = config_fault(err) {
         Fail::Config(fault, detail)
-    } else if connection_lost(err) || read_only(err) {
+    } else if connection_lost(err) {
         Fail::Lost(detail)
+    } else if read_only(err) {
+        Fail::ReadOnly(detail)
     } else if err.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
         || err.code() == Some(&SqlState::T_R_SERIALIZATION_FAILURE)
         || err.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED)
@@ -1427,7 +1434,7 @@ fn time_from(shared: &Shared, rows: Option<&[Row]>) -> Result<u64, Fail> {
 }
 
 /// The time of a transaction: the test clock's reading, or the database's
-/// (read on `conn`), made monotonic.
+/// (read on `conn`).
 async fn read_time(shared: &Shared, conn: &Conn) -> Result<u64, Fail> {
     let rows = match &shared.clock {
         Some(_) => None,
@@ -1962,7 +1969,7 @@ async fn run_hot(
     }
     // The templates' placeholder time (any time works; the last reading
     // keeps the offsets small).
-    let p = shared.high_water.load(Ordering::SeqCst);
+    let p = shared.last_reading.load(Ordering::SeqCst);
     let retention = shared.retention_ms;
     let mut claims = Vec::new();
     let mut finishes = Vec::new();
@@ -2110,7 +2117,7 @@ async fn run_hot(
                     Ok(at) => to_u64("the time", at)
                         .map_err(|f| f.error())
                         .and_then(|at| finish_answer(shared, h, at)),
-                    Err(e) => Err(storage("a hot row", e).error()),
+                    Err(e) => Err(hot_row(e).error()),
                 };
                 if let Ok((_, evs)) = &answer {
                     events.extend(evs.iter().cloned());
@@ -2136,10 +2143,8 @@ async fn run_hot(
 /// general way. Returns whether the connection is to be dropped: lost, or
 /// on a host that turned read-only (the general way then opens a new one).
 fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAnswers) -> bool {
-    if read_only(e) {
-        return true;
-    }
     match fail(e) {
+        Fail::ReadOnly(_) => true,
         Fail::Lost(detail) | Fail::Unknown(detail) => {
             for h in hots {
                 answers[h.at] = Some(Err(Error::OutcomeUnknown {
@@ -2155,6 +2160,22 @@ fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAn
 /// A request's answer with its audit events.
 type Answered = (Result<Reply>, Vec<Event>);
 
+/// A row of a hot statement that cannot be read. The statement committed
+/// on its own (it may have written), so a column of another type than the
+/// store's (`SchemaDamaged` before anything is sent) leaves the outcome
+/// unknown here; the detail names the damage, which the next request that
+/// reads the column reports as `SchemaDamaged`.
+fn hot_row(e: tokio_postgres::Error) -> Fail {
+    match storage("a hot row", e) {
+        Fail::Config(fault, detail) => Fail::Unknown(format!(
+            "{detail}: the statement committed and its answer cannot be read ({}: a column \
+             altered outside idemstore)",
+            fault.name()
+        )),
+        other => other,
+    }
+}
+
 /// The hot claim a row of the claim statement answers.
 fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>> {
     let kb: Vec<u8> = row.try_get(1).ok()?;
@@ -2166,7 +2187,7 @@ fn claim_row<'a, 'b>(claims: &'a [HotOp<'b>], row: &Row) -> Option<&'a HotOp<'b>
 /// (a write to decide, or a fresh lease that lapsed while the insert
 /// waited: the general path then decides the key again).
 fn claim_answer(shared: &Shared, h: &HotOp<'_>, row: &Row) -> Result<Option<Answered>, Fail> {
-    let get = |e: tokio_postgres::Error| storage("a hot row", e);
+    let get = hot_row;
     let fresh: bool = row.try_get(0).map_err(get)?;
     let at: i64 = row.try_get(8).map_err(get)?;
     let at_u = to_u64("the time", at)?;
@@ -3178,7 +3199,7 @@ impl Postgres {
             migrate: options.migrate,
             limits: options.limits,
             session_set,
-            high_water: AtomicU64::new(0),
+            last_reading: AtomicU64::new(0),
             counters: LiveCounters::new(),
             held: parking_lot::Mutex::new(HashMap::new()),
         });
@@ -3603,11 +3624,11 @@ impl Postgres {
         &self.shared.counters
     }
 
-    /// The highest store time this process has seen (ms since the epoch;
-    /// 0 before the first reading): what `Store::now_ms` answers while the
+    /// The last store time this process read (ms since the epoch; 0
+    /// before the first reading): what `Store::now_ms` answers while the
     /// server cannot be reached.
     pub(crate) fn last_now_ms(&self) -> u64 {
-        self.shared.high_water.load(Ordering::SeqCst)
+        self.shared.last_reading.load(Ordering::SeqCst)
     }
 
     /// [`Postgres::get`] as a future that needs no runtime.

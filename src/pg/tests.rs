@@ -207,13 +207,14 @@ fn claim_complete_replay_and_fingerprints() {
     let (pg, clock) = open("lifecycle");
     let k = key("k1");
     let lease = acquired(pg.apply(&k, claim(b"a")).unwrap());
-    // A new schema's tokens start at its creation's milliseconds × 2^20.
+    // A new schema's tokens start at its creation's milliseconds × 1,024.
     let wall = crate::clock::Clock::now_ms(&crate::clock::SystemClock);
-    let created_ms = lease.token() >> 20;
+    let created_ms = lease.token() >> 10;
     assert!(
         created_ms.abs_diff(wall) < 600_000,
         "{created_ms} vs {wall}"
     );
+    assert!(lease.token() < 1 << 53, "exact as a JSON number");
     assert_eq!(lease.lease_until_ms(), Some(T0 + 1_000));
     match pg.apply(&k, claim(b"a")).unwrap() {
         Reply::Claim(ClaimOutcome::InProgress {
@@ -1074,7 +1075,7 @@ fn an_unreachable_server_is_unavailable() {
 }
 
 #[test]
-fn the_database_clock_is_monotonic() {
+fn the_store_time_is_the_database_clock() {
     if skipped() {
         return;
     }
@@ -2610,6 +2611,14 @@ fn a_host_that_turns_read_only_is_left_for_one_that_takes_writes() {
             "SELECT pg_reload_conf()",
         ],
     );
+    // `pg_reload_conf` only signals the server: wait until a new session
+    // reads the setting (the server then has signalled every session).
+    let mut waited = 0;
+    while sql_at(first.url(), "SHOW default_transaction_read_only")[0].get::<_, String>(0) != "on" {
+        waited += 1;
+        assert!(waited < 600, "the reload never took effect");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let ids: Vec<String> = (0..8).map(|i| format!("after-{i}")).collect();
     for id in &ids {
         let _ = acquired(pg.apply(&key(id), claim(b"a")).unwrap());
@@ -2681,9 +2690,26 @@ fn a_column_altered_outside_idemstore_is_a_damaged_schema() {
     let pg = open_with(&sc, None);
     let k = key("k");
     let lease = acquired(pg.apply(&k, claim(b"k")).unwrap());
+    // Connected before the change, its first request after it.
+    let idle = open_with(&sc, None);
     raw_sql(&format!(
         "ALTER TABLE \"{sc}\".records ALTER COLUMN token TYPE numeric"
     ));
+    // A hot claim commits on its own before its answer is read: it may
+    // have been applied (here it was), so its outcome is unknown.
+    let fresh = key("fresh");
+    let err = idle.apply(&fresh, claim(b"f")).unwrap_err();
+    assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
+    assert!(err.to_string().contains("schema-damaged"), "{err}");
+    let hex: String = fresh
+        .to_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let rows = raw_sql(&format!(
+        "SELECT count(*) FROM \"{sc}\".records WHERE key = '\\x{hex}'::bytea"
+    ));
+    assert_eq!(rows[0].get::<_, i64>(0), 1);
     let damaged = |e: Error| {
         assert!(
             matches!(

@@ -132,6 +132,7 @@ fn fail(err: &sqlx::Error) -> Fail {
                     Fail::Lost(detail)
                 }
                 "40P01" | "40001" | "2200H" => Fail::Retry(detail),
+                "25006" => Fail::ReadOnly(detail),
                 _ => Fail::Refused(detail),
             }
         }
