@@ -104,7 +104,14 @@ pub enum PostgresPooler {
     /// connection opened; and then each `-c name=value` of the URL's
     /// `options` with `set_config`, so that the URL still wins where the
     /// pooler dropped the startup parameter (except settings only a
-    /// session's start can set, such as `log_connections`).
+    /// session's start can set, such as `log_connections`). The connect
+    /// also probes that the entry is in session mode (a marker set in one
+    /// connection's session must not show in a second connection's):
+    /// a transaction-mode entry found so is refused with
+    /// [`Error::Misconfigured`](crate::Error::Misconfigured)
+    /// (`ConfigFault::TransactionPooling`), since the engine's prepared
+    /// statements would run other clients' statements there. One more
+    /// connection and three round trips at connect; the probe can miss.
     Session,
     /// A pooler that may move a connection to another server session
     /// between transactions: PgBouncer with `pool_mode = transaction`.

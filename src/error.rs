@@ -405,6 +405,17 @@ pub enum ConfigFault {
     /// the socket's directory, `host=/var/run/postgresql`), or a value
     /// holding a NUL byte.
     ConnectionString,
+    /// A store set for a pooler in session mode (`PostgresPooler::Session`)
+    /// reached a pool that hands one client's server session to another
+    /// between transactions (PgBouncer's `pool_mode = transaction` or
+    /// `statement`), found by a probe at connect. There the engine's named
+    /// prepared statements would run another client's statements of the
+    /// same name (another store's schema, another program's SQL) and its
+    /// session limits would apply to other clients: point the store at an
+    /// entry in session mode (docs/operations.md, "Behind PgBouncer"). The
+    /// probe can miss such a pool (a pooler that picks server sessions
+    /// round robin), so the entry's mode is the operator's to check.
+    TransactionPooling,
 }
 
 impl ConfigFault {
@@ -421,6 +432,7 @@ impl ConfigFault {
             ConfigFault::SchemaNotMigrated => "schema-not-migrated",
             ConfigFault::SchemaDamaged => "schema-damaged",
             ConfigFault::ConnectionString => "connection-string",
+            ConfigFault::TransactionPooling => "transaction-pooling",
         }
     }
 }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use idemstore::conformance::{self, Harness};
 use idemstore::postgres::tokio_postgres::{self, NoTls};
-use idemstore::{Config, Error, PostgresPooler, State, Store};
+use idemstore::{Config, ConfigFault, Error, PostgresPooler, State, Store};
 use pg::txn::{acquire, key, runtime};
 
 /// Where Debian installs it, else the `PATH`.
@@ -234,6 +234,30 @@ fn pgbouncer_refuses_the_startup_options_and_transaction_pooling_is_refused() {
     ) {
         Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "postgres_pooler"),
         other => panic!("expected postgres_pooler to be refused, got {other:?}"),
+    }
+}
+
+/// A store set for a session-mode pooler, pointed at a transaction-mode
+/// entry by mistake, is refused at connect: the probe's marker, set in
+/// one connection's session, is read from another. Before, it connected
+/// and served, and two such stores on different schemas ran each other's
+/// prepared statements (one store's claims replayed the other's results).
+/// The session-mode entry passes the probe on every connect of the
+/// conformance suite above.
+#[test]
+fn a_session_store_at_a_transaction_mode_entry_is_refused() {
+    let Some(bouncer) = Bouncer::start() else {
+        return;
+    };
+    for attempt in 0..3 {
+        let config = Pooled::config(Config::new(), pg::schema(&format!("b_probe{attempt}")));
+        match Store::connect(&bouncer.url("txn"), config) {
+            Err(Error::Misconfigured {
+                fault: ConfigFault::TransactionPooling,
+                detail,
+            }) => assert!(detail.contains("pool_mode = session"), "{detail}"),
+            other => panic!("expected transaction pooling to be found, got {other:?}"),
+        }
     }
 }
 

@@ -1039,6 +1039,9 @@ pub(crate) enum Found {
 /// the DDL advisory lock. Returns the store's identity.
 async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     let client = open_client(shared).await.map_err(|f| f.error())?;
+    if shared.session_set.is_some() {
+        refuse_shared_sessions(shared, &client).await?;
+    }
     // A first reading of the store's time, so that what is answered while
     // the server cannot be reached (`Postgres::last_now_ms`) is the time
     // of the connect at least, never 0.
@@ -1147,6 +1150,56 @@ async fn present_objects(shared: &Shared, client: &Client) -> Result<Vec<String>
         present.push(row.try_get(0).map_err(|e| fail(&e).error())?);
     }
     Ok(present)
+}
+
+/// Behind a pooler (`PostgresPooler::Session`): refuses a pool that hands
+/// one client's server session to another between transactions
+/// (PgBouncer's transaction or statement pooling). There the engine's
+/// named prepared statements, which the driver names `s0`, `s1`, … in
+/// every process alike, would run another client's statement of the same
+/// name: another store's schema, or another program's SQL, with this
+/// store's parameters. The probe sets a random marker in `client`'s
+/// session (autocommit, so a transaction pool then frees that server
+/// session) and reads it from a second connection: a session pool never
+/// shows one client's session to another, and PgBouncer's transaction
+/// pooling hands the server session freed last to the next client (most
+/// often; it can miss with `server_round_robin` or many idle sessions).
+/// Costs one more connection and three round trips at connect.
+///
+/// # Errors
+/// [`Error::Misconfigured`] with [`ConfigFault::TransactionPooling`] when
+/// the second connection reads the marker; the errors of connecting.
+async fn refuse_shared_sessions(shared: &Shared, client: &Client) -> Result<()> {
+    let marker = format!("{:032x}", rand::random::<u128>());
+    client
+        .batch_execute(&format!("SET idemstore.session_probe = '{marker}'"))
+        .await
+        .map_err(|e| fail(&e).error())?;
+    let other = open_client(shared).await.map_err(|f| f.error())?;
+    let rows = other
+        .query(
+            "SELECT current_setting('idemstore.session_probe', true)",
+            &[],
+        )
+        .await
+        .map_err(|e| fail(&e).error())?;
+    let seen: Option<String> = rows
+        .first()
+        .map(|row| row.try_get(0))
+        .transpose()
+        .map_err(|e| fail(&e).error())?
+        .flatten();
+    if seen.as_deref() == Some(marker.as_str()) {
+        return Err(Error::Misconfigured {
+            fault: ConfigFault::TransactionPooling,
+            detail: "the pooler gave this connection's server session to another connection \
+                     between two transactions (PgBouncer's transaction or statement pooling): \
+                     the engine's prepared statements would run other clients' statements \
+                     there; point the store at an entry in session mode (pool_mode = session)"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// The columns of the store's tables and their types, as the DDL
