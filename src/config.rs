@@ -111,7 +111,7 @@ pub enum PostgresPooler {
     /// [`Error::Misconfigured`](crate::Error::Misconfigured)
     /// (`ConfigFault::TransactionPooling`), since the engine's prepared
     /// statements would run other clients' statements there. One more
-    /// connection and three round trips at connect; the probe can miss.
+    /// connection and two round trips at connect; the probe can miss.
     Session,
     /// A pooler that may move a connection to another server session
     /// between transactions: PgBouncer with `pool_mode = transaction`.

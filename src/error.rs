@@ -342,7 +342,9 @@ impl Error {
 }
 
 /// The configuration fault behind [`Error::Misconfigured`] (feature
-/// `postgres`). None of them goes away by retrying.
+/// `postgres`). None of them goes away by retrying (a retry after
+/// [`ConfigFault::TransactionPooling`] may pass the probe, which can miss:
+/// the pool is as wrong as before).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ConfigFault {
@@ -386,8 +388,9 @@ pub enum ConfigFault {
     /// or `tokens`, or those without a version row; it refuses rather than
     /// create the missing objects empty, or a new store over old rows; or
     /// a column of another type than the store's, found by a connect, or
-    /// on a request by the driver: a request whose answer could not be
-    /// read so may have been applied). The records it held may be gone, and with
+    /// on a request by the driver before anything was applied: a hot
+    /// statement, which commits on its own, whose answer cannot be read
+    /// so is [`Error::OutcomeUnknown`] naming this fault). The records it held may be gone, and with
     /// them the outcomes that stop a key's work from running twice:
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an

@@ -584,6 +584,38 @@ fn every_refusal_aborts_the_callers_transaction() {
     });
 }
 
+/// A stored row the driver cannot read (a column altered outside
+/// idemstore) aborts the caller's transaction like any refusal: the
+/// effect is never committed without its completion. Before, the error
+/// was a configuration fault, taken for a server's refusal (which aborts
+/// the transaction itself), and the transaction went on.
+#[test]
+fn an_unreadable_row_aborts_the_callers_transaction() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_unreadable");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    runtime().block_on(async {
+        let mut c = client(&url).await;
+        create_tickets(&c, &table).await;
+        let k = key("unreadable-1");
+        let lease = acquire(&store, &k);
+        c.batch_execute(&format!(
+            "ALTER TABLE \"{schema}\".records ALTER COLUMN token TYPE numeric"
+        ))
+        .await
+        .expect("alter");
+        let tx = c.transaction().await.expect("begin");
+        insert_ticket(&tx, &table, &k).await;
+        let err = complete_in(&tx, &store, &lease, b"1").await.unwrap_err();
+        assert!(matches!(err, Error::Storage(_)), "{err:?}");
+        assert!(is_aborted(&tx).await, "the transaction goes on");
+        let _ = tx.commit().await;
+        assert_eq!(tickets_of(&c, &table, &k).await, 0);
+    });
+}
+
 /// Polls `check` on `client` until it holds (hang guard).
 async fn wait_until(client: &Client, what: &str, sql: &str) {
     let deadline = std::time::Instant::now() + pg::proxy::HANG_GUARD;

@@ -234,6 +234,7 @@ where
                     continue;
                 }
             };
+            drop(line);
             // The message is read again from the tree's bytes, with no
             // tree alive beside it: `rmcp`'s message type is untagged,
             // which serde reads through a buffered copy of the whole

@@ -858,6 +858,13 @@ struct Conn {
 /// deadline. (Such a server uses up the whole bound, so addresses after
 /// it are not tried, where libpq would move on to the next.)
 async fn open_client(shared: &Shared) -> Result<Client, Fail> {
+    let client = open_bare(shared).await?;
+    apply_session_settings(shared, &client).await?;
+    Ok(client)
+}
+
+/// [`open_client`] without the session settings.
+async fn open_bare(shared: &Shared) -> Result<Client, Fail> {
     let per_attempt = shared
         .config
         .get_connect_timeout()
@@ -946,12 +953,16 @@ async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
             client
         }
     };
-    // Behind a pooler: the session settings that `options` carries
-    // otherwise (see `Postgres::connect`).
+    Ok(client)
+}
+
+/// Behind a pooler: sends the session settings that `options` carries
+/// otherwise (see `Postgres::connect`).
+async fn apply_session_settings(shared: &Shared, client: &Client) -> Result<(), Fail> {
     if let Some(set) = &shared.session_set {
         client.batch_execute(set).await.map_err(|e| fail(&e))?;
     }
-    Ok(client)
+    Ok(())
 }
 
 /// Opens a connection and prepares every statement (pipelined).
@@ -1038,10 +1049,15 @@ pub(crate) enum Found {
 /// current (absent, or `migrate` asked for), creates or checks it under
 /// the DDL advisory lock. Returns the store's identity.
 async fn setup(shared: &Shared) -> Result<(u128, Found)> {
-    let client = open_client(shared).await.map_err(|f| f.error())?;
+    let client = open_bare(shared).await.map_err(|f| f.error())?;
+    // The probe runs before the settings are sent, so that a
+    // transaction-mode pool it refuses keeps none of them.
     if shared.session_set.is_some() {
         refuse_shared_sessions(shared, &client).await?;
     }
+    apply_session_settings(shared, &client)
+        .await
+        .map_err(|f| f.error())?;
     // A first reading of the store's time, so that what is answered while
     // the server cannot be reached (`Postgres::last_now_ms`) is the time
     // of the connect at least, never 0.
@@ -1164,7 +1180,12 @@ async fn present_objects(shared: &Shared, client: &Client) -> Result<Vec<String>
 /// shows one client's session to another, and PgBouncer's transaction
 /// pooling hands the server session freed last to the next client (most
 /// often; it can miss with `server_round_robin` or many idle sessions).
-/// Costs one more connection and three round trips at connect.
+/// Both connections are probed before the store's session settings are
+/// sent, and with simple queries (no prepared statement), so a pool it
+/// refuses keeps nothing of the store but the random marker. Costs one
+/// more connection (a second server session at once, which a full
+/// session pool makes wait until `call_timeout`) and two round trips at
+/// connect.
 ///
 /// # Errors
 /// [`Error::Misconfigured`] with [`ConfigFault::TransactionPooling`] when
@@ -1175,20 +1196,15 @@ async fn refuse_shared_sessions(shared: &Shared, client: &Client) -> Result<()> 
         .batch_execute(&format!("SET idemstore.session_probe = '{marker}'"))
         .await
         .map_err(|e| fail(&e).error())?;
-    let other = open_client(shared).await.map_err(|f| f.error())?;
-    let rows = other
-        .query(
-            "SELECT current_setting('idemstore.session_probe', true)",
-            &[],
-        )
+    let other = open_bare(shared).await.map_err(|f| f.error())?;
+    let answer = other
+        .simple_query("SELECT current_setting('idemstore.session_probe', true)")
         .await
         .map_err(|e| fail(&e).error())?;
-    let seen: Option<String> = rows
-        .first()
-        .map(|row| row.try_get(0))
-        .transpose()
-        .map_err(|e| fail(&e).error())?
-        .flatten();
+    let seen = answer.iter().find_map(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+        _ => None,
+    });
     if seen.as_deref() == Some(marker.as_str()) {
         return Err(Error::Misconfigured {
             fault: ConfigFault::TransactionPooling,

@@ -900,17 +900,7 @@ fn a_killed_connection_is_a_typed_error_and_the_engine_recovers() {
     let kb = k.to_bytes();
     // Another session holds the row, so the engine's batch waits inside
     // its transaction; then every idemstore backend is terminated.
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (client, conn) = rt
-        .block_on(tokio_postgres::connect(
-            server().url(),
-            tokio_postgres::NoTls,
-        ))
-        .unwrap();
-    rt.spawn(conn);
+    let (rt, client) = client_at(server().url());
     rt.block_on(async {
         client.batch_execute("BEGIN").await.unwrap();
         client
@@ -1149,17 +1139,7 @@ fn a_key_inserted_meanwhile_is_decided_again_in_the_same_batch() {
     let kb = k.to_bytes();
     let env = crate::codec::encode_record(&kb, &theirs);
     // "Another process" inserts the key and has not committed yet.
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (client, conn) = rt
-        .block_on(tokio_postgres::connect(
-            server().url(),
-            tokio_postgres::NoTls,
-        ))
-        .unwrap();
-    rt.spawn(conn);
+    let (rt, client) = client_at(server().url());
     rt.block_on(async {
         client.batch_execute("BEGIN").await.unwrap();
         client
@@ -1360,15 +1340,8 @@ fn replicas_racing_for_one_business_key_bind_it_once() {
 /// Whether the backends of application `app` on the server at `url` use
 /// TLS.
 fn uses_tls(url: &str, app: &str) -> Vec<bool> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let (rt, client) = client_at(url);
     rt.block_on(async {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
         client
             .query(
                 "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
@@ -1718,15 +1691,8 @@ fn a_wrong_password_is_misconfigured() {
         Ok(s) => s,
         Err(e) => panic!("{e}"),
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let (rt, client) = client_at(own.url());
     rt.block_on(async {
-        let (client, conn) = tokio_postgres::connect(own.url(), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
         client
             .batch_execute(
                 "CREATE ROLE pw_user LOGIN PASSWORD 'right'; \
@@ -2537,17 +2503,23 @@ fn a_row_from_the_future_moves_only_its_own_time() {
     assert_eq!(fresh.lease_until_ms(), Some(T0 + 500 + 1_000));
 }
 
-/// Runs `sql` on its own connection to `url`.
-fn sql_at(url: &str, sql: &str) -> Vec<tokio_postgres::Row> {
+/// A connection of its own to `url`, and the runtime that drives it.
+fn client_at(url: &str) -> (tokio::runtime::Runtime, tokio_postgres::Client) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    let (client, conn) = rt
+        .block_on(tokio_postgres::connect(url, tokio_postgres::NoTls))
+        .unwrap();
+    rt.spawn(conn);
+    (rt, client)
+}
+
+/// Runs `sql` on its own connection to `url`.
+fn sql_at(url: &str, sql: &str) -> Vec<tokio_postgres::Row> {
+    let (rt, client) = client_at(url);
     rt.block_on(async {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
         client.simple_query("SELECT 1").await.unwrap();
         client.query(sql, &[]).await.unwrap()
     })
@@ -2556,15 +2528,8 @@ fn sql_at(url: &str, sql: &str) -> Vec<tokio_postgres::Row> {
 /// Runs each of `statements` on its own connection to `url`, one at a
 /// time (`ALTER SYSTEM` refuses the implicit transaction of several).
 fn batch_at(url: &str, statements: &[&str]) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let (rt, client) = client_at(url);
     rt.block_on(async {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
         for sql in statements {
             client.batch_execute(sql).await.unwrap();
         }

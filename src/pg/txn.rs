@@ -148,7 +148,17 @@ impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
             .query_typed(sql, &[(&keys, Type::BYTEA_ARRAY)])
             .await
             .map_err(|e| fail(&e))?;
-        rows.iter().map(row_columns).collect()
+        // A row the driver cannot decode (a column of another type than
+        // the store's) failed on this side, so the caller's transaction
+        // goes on: the error must abort it, as `read_error`'s do.
+        rows.iter()
+            .map(|row| {
+                row_columns(row).map_err(|f| match f {
+                    Fail::Config(_, detail) => Fail::Storage(detail),
+                    other => other,
+                })
+            })
+            .collect()
     }
 
     async fn bindings(&mut self, sql: &str, bindings: &[Vec<u8>]) -> Result<Vec<Binding>, Fail> {
