@@ -223,7 +223,9 @@ pub enum Error {
 
     /// An I/O or storage error from the file or from redb. For a write,
     /// the change may or may not be durable: after reopening, `get` tells.
-    /// The store refuses further writes (see [`Error::Poisoned`]).
+    /// The store refuses further writes (see [`Error::Poisoned`]). On
+    /// PostgreSQL: a row or an answer the engine cannot read (a request
+    /// that wrote may have been applied: `get` tells); the store goes on.
     #[error("storage error: {0}")]
     Storage(String),
 
@@ -388,9 +390,11 @@ pub enum ConfigFault {
     /// or `tokens`, or those without a version row; it refuses rather than
     /// create the missing objects empty, or a new store over old rows; or
     /// a column of another type than the store's, found by a connect, or
-    /// on a request by the driver before anything was applied: a hot
-    /// statement, which commits on its own, whose answer cannot be read
-    /// so is [`Error::OutcomeUnknown`] naming this fault). The records it held may be gone, and with
+    /// on a request by the driver before anything was applied; the
+    /// exceptions: a hot statement, which commits on its own, whose answer
+    /// cannot be read so is [`Error::OutcomeUnknown`] naming this fault,
+    /// and `complete_in`/`fail_in` answer [`Error::Storage`] and abort the
+    /// caller's transaction). The records it held may be gone, and with
     /// them the outcomes that stop a key's work from running twice:
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an

@@ -99,6 +99,9 @@ pub use crate::pg::server;
 /// - [`Error::InvalidArgument`]: `store` is not a PostgreSQL store
 ///   ([`Store::connect`]), or a time does not fit a `bigint`.
 /// - [`Error::CorruptRecord`]: the stored row cannot be decoded.
+/// - [`Error::Storage`]: the driver cannot read a stored row's column (a
+///   column altered outside idemstore: a connect of the store then
+///   refuses the schema as [`ConfigFault::SchemaDamaged`](crate::ConfigFault)).
 /// - [`Error::Misconfigured`]: the role of `client` lacks a privilege on
 ///   the store's schema ([`ConfigFault::PermissionDenied`](crate::ConfigFault)),
 ///   or does not see the store's objects

@@ -154,7 +154,10 @@ impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
         rows.iter()
             .map(|row| {
                 row_columns(row).map_err(|f| match f {
-                    Fail::Config(_, detail) => Fail::Storage(detail),
+                    Fail::Config(fault, detail) => Fail::Storage(format!(
+                        "{detail} ({}: a column altered outside idemstore)",
+                        fault.name()
+                    )),
                     other => other,
                 })
             })

@@ -75,6 +75,8 @@ use crate::store::Store;
 ///   not a PostgreSQL store ([`Store::connect`]).
 /// - [`Error::CorruptRecord`](crate::Error::CorruptRecord): the stored row
 ///   cannot be decoded.
+/// - [`Error::Storage`](crate::Error::Storage): the driver cannot read a
+///   stored row's column (a column altered outside idemstore).
 /// - [`Error::Unavailable`](crate::Error::Unavailable): a statement failed
 ///   (the connection broke, the server refused it): nothing of the
 ///   caller's transaction is applied. In a REPEATABLE READ or SERIALIZABLE
