@@ -2538,14 +2538,14 @@ fn batch_at(url: &str, statements: &[&str]) {
 
 /// With several hosts and `target_session_attrs=read-write`, a host that
 /// turns read-only under a running store (a primary demoted, or set
-/// read-only) is left for one that takes writes: the refused write drops
-/// the connection, and the claim runs on a new one. Before, the store
-/// kept the connection and answered every write `Unavailable` (SQLSTATE
-/// 25006), though a retry as is could never succeed, while a store
-/// connected afresh wrote to the other host. (The two servers here do not
-/// replicate, so only claims of fresh keys are sent: a server applies a
-/// reloaded setting to a session after that session's next statement, so
-/// an early claim may still land on the first.)
+/// read-only) is left for one that takes writes: a refused write drops
+/// its connection (a hot claim then goes on the general way on a new
+/// one), so each connection opened before the change answers at most one
+/// request `Unavailable`, and then every claim lands on the other host.
+/// Before, the store kept its connections and answered every write
+/// `Unavailable` (SQLSTATE 25006), though a retry as is could never
+/// succeed. (The two servers here do not replicate, so only claims of
+/// fresh keys are sent.)
 #[test]
 fn a_host_that_turns_read_only_is_left_for_one_that_takes_writes() {
     if skipped() {
@@ -2568,7 +2568,12 @@ fn a_host_that_turns_read_only_is_left_for_one_that_takes_writes() {
         port(&second)
     );
     let pg = open_at(&both, &sc, None);
+    // Warm: the sync caller's own connection and a worker's, both on the
+    // first host.
     let _ = acquired(pg.apply(&key("before"), claim(b"b")).unwrap());
+    let _ = acquired(
+        futures_lite::future::block_on(pg.apply_async(&key("before-async"), claim(b"b"))).unwrap(),
+    );
     batch_at(
         first.url(),
         &[
@@ -2584,10 +2589,28 @@ fn a_host_that_turns_read_only_is_left_for_one_that_takes_writes() {
         assert!(waited < 600, "the reload never took effect");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let ids: Vec<String> = (0..8).map(|i| format!("after-{i}")).collect();
-    for id in &ids {
-        let _ = acquired(pg.apply(&key(id), claim(b"a")).unwrap());
-    }
+    // Each connection opened before the change answers one request
+    // `Unavailable` at most (and is dropped); then every claim lands.
+    let answers: Vec<bool> = (0..12)
+        .map(|i| {
+            let k = key(&format!("after-{i}"));
+            let sync = pg.apply(&k, claim(b"a"));
+            let k = key(&format!("after-async-{i}"));
+            let queued = futures_lite::future::block_on(pg.apply_async(&k, claim(b"a")));
+            match (sync, queued) {
+                (
+                    Ok(Reply::Claim(ClaimOutcome::Acquired(_))),
+                    Ok(Reply::Claim(ClaimOutcome::Acquired(_))),
+                ) => true,
+                (
+                    Ok(_) | Err(Error::Unavailable { .. }),
+                    Ok(_) | Err(Error::Unavailable { .. }),
+                ) => false,
+                other => panic!("{other:?}"),
+            }
+        })
+        .collect();
+    assert!(answers[8..].iter().all(|&ok| ok), "{answers:?}");
     let on_second = sql_at(
         second.url(),
         &format!("SELECT count(*) FROM \"{sc}\".records"),
