@@ -322,20 +322,26 @@ mod tests {
         assert_eq!(read_line(&mut reader, &mut part).await, None);
     }
 
-    /// A `receive` dropped while a line is half read (as `rmcp`'s
-    /// `select!` drops it when it has an answer to send) loses nothing: the
-    /// next `receive` returns the whole message. (The half read was lost,
-    /// the rest skipped as not JSON, and the request never answered.) So
-    /// does a message after a byte order mark.
+    /// A transport reading what the returned client end writes.
+    fn piped() -> (
+        tokio::io::DuplexStream,
+        SepTransport<
+            tokio::io::ReadHalf<tokio::io::DuplexStream>,
+            tokio::io::WriteHalf<tokio::io::DuplexStream>,
+        >,
+    ) {
+        let (client, server) = tokio::io::duplex(1 << 16);
+        let (read, write) = tokio::io::split(server);
+        (client, SepTransport::new(read, write))
+    }
+
     /// A member given twice is read as the tree reads it (the last), by
     /// the layer and by `rmcp` alike: the message is answered, as it was
     /// before the transport read it again from bytes.
     #[tokio::test]
     async fn a_member_given_twice_is_read_once_as_the_last() {
         use tokio::io::AsyncWriteExt;
-        let (mut client, server) = tokio::io::duplex(1 << 16);
-        let (read, write) = tokio::io::split(server);
-        let mut transport = SepTransport::new(read, write);
+        let (mut client, mut transport) = piped();
         client
             .write_all(b"{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\",\"id\":2}\n")
             .await
@@ -348,13 +354,16 @@ mod tests {
         assert_eq!(message["id"], 2, "{message}");
     }
 
+    /// A `receive` dropped while a line is half read (as `rmcp`'s
+    /// `select!` drops it when it has an answer to send) loses nothing: the
+    /// next `receive` returns the whole message. (The half read was lost,
+    /// the rest skipped as not JSON, and the request never answered.) So
+    /// does a message after a byte order mark.
     #[tokio::test]
     async fn a_receive_cancelled_mid_line_loses_nothing() {
         use futures_lite::future::poll_once;
         use tokio::io::AsyncWriteExt;
-        let (mut client, server) = tokio::io::duplex(1 << 16);
-        let (read, write) = tokio::io::split(server);
-        let mut transport = SepTransport::new(read, write);
+        let (mut client, mut transport) = piped();
         client
             .write_all(b"\xEF\xBB\xBF{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"ping\"}\n")
             .await

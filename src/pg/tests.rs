@@ -118,6 +118,11 @@ fn record(reply: Reply) -> Record {
     }
 }
 
+/// `bytes` in lowercase hex, for a `'\x…'::bytea` literal.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Runs `sql` on its own connection to the test server.
 fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
     sql_at(server().url(), sql)
@@ -1455,11 +1460,7 @@ fn corrupt_rows_do_not_hold_a_sweep_back() {
         raw_sql(&format!(
             "UPDATE \"{}\".records SET record = '\\x00'::bytea WHERE key = '\\x{}'::bytea",
             pg.shared.sql.schema,
-            key(&format!("k{i}"))
-                .to_bytes()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<String>()
+            hex(&key(&format!("k{i}")).to_bytes())
         ));
     }
     clock.advance(Duration::from_millis(RETENTION));
@@ -1514,13 +1515,7 @@ fn state_counts_come_from_the_rows_columns() {
     acquired(pg.apply(&key("held"), claim(b"a")).unwrap());
     clock.advance(Duration::from_millis(500));
     acquired(pg.apply(&key("held-later"), claim(b"a")).unwrap());
-    let hex = |id: &str| -> String {
-        key(id)
-            .to_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
+    let hex = |id: &str| hex(&key(id).to_bytes());
     let table = format!("\"{}\".records", pg.shared.sql.schema);
     let damage = |set: &str, id: &str| {
         raw_sql(&format!(
@@ -1844,7 +1839,7 @@ fn a_completion_of_a_row_damaged_in_its_columns_is_corrupt_record() {
     }
     let (pg, _clock) = open("complete_damaged");
     let table = format!("\"{}\".records", pg.shared.sql.schema);
-    let hex = |k: &Key| -> String { k.to_bytes().iter().map(|b| format!("{b:02x}")).collect() };
+    let hex = |k: &Key| hex(&k.to_bytes());
     for (what, set) in [
         ("state", "state = 9"),
         ("created", "created_ms = created_ms - 1"),
@@ -2161,7 +2156,7 @@ fn verify_reports_rows_whose_columns_disagree_with_their_envelope() {
     let report = pg.verify(|_| {}).unwrap();
     assert!(report.is_clean(), "{report:?}");
     let table = format!("\"{}\".records", pg.shared.sql.schema);
-    let hex = |k: &Key| -> String { k.to_bytes().iter().map(|b| format!("{b:02x}")).collect() };
+    let hex = |k: &Key| hex(&k.to_bytes());
     // Each row is in the form its name says.
     for form in ["hot", "general"] {
         for what in ["sound"].into_iter().chain(damage.iter().map(|(w, _)| *w)) {
@@ -2252,7 +2247,6 @@ fn verify_reports_bindings_that_disagree_with_the_records() {
     assert_eq!((report.records, report.bindings), (1106, 1106));
 
     let s = &pg.shared.sql.schema;
-    let hex = |b: &[u8]| -> String { b.iter().map(|b| format!("{b:02x}")).collect() };
     let binding = |id: &str| hex(&key(id).business_binding(&format!("bk-{id}")));
     let sql = |q: String| {
         raw_sql(&q);
@@ -2477,7 +2471,7 @@ fn a_row_from_the_future_moves_only_its_own_time() {
     // The failed row (in the hot form: its times are N plus offsets, N
     // read from `expires_ms`) moved a century ahead, its digest redone.
     let century: i64 = 100 * 365 * 24 * 3_600_000;
-    let hex: String = k.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let hex = hex(&k.to_bytes());
     let moved = raw_sql(&format!(
         "UPDATE \"{sc}\".records SET expires_ms = expires_ms + {century}, \
          record = substring(record FROM 1 FOR 2) || substring(sha256(key || int8send(token) || \
@@ -2689,11 +2683,7 @@ fn a_column_altered_outside_idemstore_is_a_damaged_schema() {
     let err = idle.apply(&fresh, claim(b"f")).unwrap_err();
     assert!(matches!(err, Error::OutcomeUnknown { .. }), "{err}");
     assert!(err.to_string().contains("schema-damaged"), "{err}");
-    let hex: String = fresh
-        .to_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hex = hex(&fresh.to_bytes());
     let rows = raw_sql(&format!(
         "SELECT count(*) FROM \"{sc}\".records WHERE key = '\\x{hex}'::bytea"
     ));
