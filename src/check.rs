@@ -72,7 +72,11 @@ pub fn check_file(
     };
     // A file the scrub marked damaged opens read-only: the check reads it,
     // and reports the marker.
-    let config = Config::new().sweep_interval(None).scrub_rate(None);
+    // Read-only: the check persists no time (see `Config::read_only`).
+    let config = Config::new()
+        .sweep_interval(None)
+        .scrub_rate(None)
+        .read_only(true);
     let store = match Store::open_existing(path, config) {
         Ok(store) => store,
         Err(Error::CorruptFile { detail, .. }) => {

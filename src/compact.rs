@@ -76,7 +76,9 @@ pub fn compact_file(path: impl AsRef<Path>, config: Config) -> Result<Compaction
             cause: crate::embedded::commit::damage_cause(Some(&marker)),
         });
     }
-    let config = config.sweep_interval(None).scrub_rate(None);
+    // Read-only: the open only takes a checkpoint, and persists no time
+    // (see `Config::read_only`).
+    let config = config.sweep_interval(None).scrub_rate(None).read_only(true);
     let size = |path: &Path| {
         std::fs::metadata(path)
             .map(|m| m.len())

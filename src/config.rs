@@ -286,14 +286,15 @@ impl PostgresLimits {
 ///   the store file's pages may be before a clean open runs it again
 /// - `scrub_rate`: 10,000 records per second, the online scrub of the open
 ///   store's index ([`DEFAULT_SCRUB_RATE`]); `None` disables it
+/// - `read_only`: `false`, every change allowed (see [`Config::read_only`])
 /// - `postgres_schema`: `idemstore`; `postgres_connections`: 16;
 ///   `postgres_limits`: [`PostgresLimits::default`]; `postgres_pooler`:
 ///   [`PostgresPooler::Direct`] (the PostgreSQL engine's only)
 ///
 /// # Engines
 /// Most settings apply to both engines. `durability`, `max_log_bytes`,
-/// `cache_bytes`, `read_cache_bytes`, `integrity_check_interval` and
-/// `scrub_rate` belong to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
+/// `cache_bytes`, `read_cache_bytes`, `integrity_check_interval`,
+/// `scrub_rate` and `read_only` belong to the embedded engine (a store file): [`Store::connect`](crate::Store) refuses them, when set
 /// to anything but their defaults, with [`Error::InvalidArgument`] naming
 /// the setting. `postgres_schema`, `postgres_connections`,
 /// `postgres_limits` and `postgres_pooler` belong to the PostgreSQL
@@ -321,6 +322,7 @@ pub struct Config {
     pub(crate) read_cache_bytes: usize,
     pub(crate) integrity_check_interval: Option<Duration>,
     pub(crate) scrub_rate: Option<u32>,
+    pub(crate) read_only: bool,
 }
 
 impl Default for Config {
@@ -340,6 +342,7 @@ impl Default for Config {
             read_cache_bytes: 64 * 1024 * 1024,
             integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
             scrub_rate: Some(DEFAULT_SCRUB_RATE),
+            read_only: false,
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,
@@ -365,6 +368,7 @@ impl std::fmt::Debug for Config {
             .field("read_cache_bytes", &self.read_cache_bytes)
             .field("integrity_check_interval", &self.integrity_check_interval)
             .field("scrub_rate", &self.scrub_rate)
+            .field("read_only", &self.read_only)
             .field("clock_given", &self.clock_given)
             .field("postgres_schema", &self.postgres_schema)
             .field("postgres_connections", &self.postgres_connections)
@@ -662,6 +666,45 @@ impl Config {
         self
     }
 
+    /// Opens a store file to read it (embedded engine only; default
+    /// `false`): for tools that inspect a store (`idemstore get`, `list`,
+    /// `stats`, `export`, [`check_file`](crate::check_file)) and readers
+    /// beside a stopped service.
+    ///
+    /// A read-only store answers `get`, `scan`, `stats`, `len`, `export`,
+    /// `verify` and `scrub` (which looks for damage and records what it
+    /// finds), and refuses every change to a record with
+    /// [`Error::ReadOnly`], nothing applied: claims (even one that would
+    /// only replay or report a lease), completions, failures, releases,
+    /// lease extensions, recovery points, `resolve`, `amend`, `import` and
+    /// sweeps. No background sweeper or scrub runs, whatever
+    /// `sweep_interval` and `scrub_rate` say.
+    ///
+    /// **It persists no time.** A store adopts a wall clock that is ahead,
+    /// and never goes back ("The store's time" on [`Clock`]): an open
+    /// reserves time, and a clean close records the time reached, so that
+    /// one process run under a clock ahead (a container or VM with a wrong
+    /// clock, `faketime`) would move the store's time forward for good,
+    /// and records whose retention ends within that lead would read as
+    /// past retention for the service too. A read-only open reads the
+    /// clock as any open does (its answers are as of the clock's reading,
+    /// so under a clock ahead a live record may read as past retention),
+    /// and writes back the time bounds it found: the next open starts
+    /// where it would have without this one. Recovery still runs: an open
+    /// after a crash replays the write-ahead log into the index and takes
+    /// a checkpoint, as any open does.
+    ///
+    /// The file must exist: [`Store::open_with`](crate::Store::open_with)
+    /// and [`Store::open`](crate::Store::open) answer
+    /// [`Error::Missing`] rather than create one. On PostgreSQL (whose
+    /// time is the server's) [`Store::connect`](crate::Store) refuses it
+    /// with [`Error::InvalidArgument`] naming `read_only`: give the role
+    /// `default_transaction_read_only` instead.
+    pub fn read_only(mut self, read_only: bool) -> Config {
+        self.read_only = read_only;
+        self
+    }
+
     /// The PostgreSQL schema that holds the store's tables (PostgreSQL
     /// engine only): 1 to 63 ASCII letters, digits or underscores, not
     /// starting with a digit, not `pg_…` or `information_schema`
@@ -753,6 +796,12 @@ impl Config {
         }
         if self.integrity_check_interval != defaults.integrity_check_interval {
             return embedded_only("integrity_check_interval");
+        }
+        if self.read_only {
+            return Err(Error::invalid(
+                "read_only",
+                "a setting of the embedded engine (a store file), whose time an open persists; a PostgreSQL store's time is the server's: give the role default_transaction_read_only to refuse writes",
+            ));
         }
         // `None` says "no background scrub", true of every PostgreSQL store.
         if self.scrub_rate.is_some() && self.scrub_rate != defaults.scrub_rate {
@@ -934,6 +983,15 @@ mod tests {
                 .check_postgres()
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn postgres_refuses_read_only() {
+        assert!(Config::new().read_only(false).check_postgres().is_ok());
+        match Config::new().read_only(true).check_postgres() {
+            Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "read_only"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

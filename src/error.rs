@@ -252,6 +252,19 @@ pub enum Error {
         cause: String,
     },
 
+    /// The store was opened read-only ([`Config::read_only`](crate::Config::read_only)):
+    /// it refuses every change to a record (a claim, even one that would
+    /// only replay, a completion, failure, release, lease extension,
+    /// recovery point, `resolve`, `amend`, `import`, a sweep). Nothing was
+    /// applied. Open the store without `read_only` to write.
+    #[error("store {path} is open read-only: {operation} changes records; nothing was applied")]
+    ReadOnly {
+        /// The store file.
+        path: PathBuf,
+        /// What was refused (`claim`, `sweep`, …).
+        operation: &'static str,
+    },
+
     /// The store's writer has stopped (the store is shutting down).
     #[error("store is closed")]
     Closed,

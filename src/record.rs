@@ -356,6 +356,23 @@ pub(crate) enum Op {
     },
 }
 
+impl Op {
+    /// The name of the `Store` method that sends this op, for errors.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Op::Claim { .. } => "claim",
+            Op::Complete { .. } => "complete",
+            Op::Fail { .. } => "fail",
+            Op::Release { .. } | Op::ReleaseUnlessActed { .. } => "release",
+            Op::Extend { .. } => "extend",
+            Op::SetRecoveryPoint { .. } => "set_recovery_point",
+            Op::Resolve { .. } => "resolve",
+            Op::Amend { .. } => "amend",
+            Op::Import { .. } => "import",
+        }
+    }
+}
+
 /// What a transition answers.
 #[derive(Debug, Clone)]
 pub(crate) enum Reply {

@@ -128,9 +128,15 @@ impl Store {
     /// As [`Store::open`], and [`Error::InvalidArgument`] for a zero
     /// retention, a zero or over-long lease, a zero sweep batch or interval,
     /// or a value limit over [`MAX_VALUE_LIMIT`](crate::MAX_VALUE_LIMIT).
+    /// With [`Config::read_only`], [`Error::Missing`] and
+    /// [`Error::IncompatibleFile`] as for [`Store::open_existing`]: a
+    /// read-only open never creates a store.
     pub fn open_with(path: impl AsRef<Path>, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.open_with").entered();
         let path = path.as_ref().to_path_buf();
+        if config.read_only {
+            embedded::check_existing(&path)?;
+        }
         let log_path = embedded::log_path_of_file(&path);
         Store::open_inner::<redb::backends::FileBackend>(path, log_path, None, None, config)
     }
@@ -370,6 +376,10 @@ impl Store {
     /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: the
     ///   store could not write. After a storage error the claim may or may
     ///   not be durable; a later claim finds out.
+    /// - [`Error::ReadOnly`]: the store file was opened read-only
+    ///   ([`Config::read_only`]); nothing was written. Every method that
+    ///   changes records answers it (among the "storage errors as for
+    ///   `claim`" that their docs refer to).
     pub fn claim(
         &self,
         key: &Key,
@@ -431,8 +441,8 @@ impl Store {
     /// - [`Error::InvalidArgument`] for more than [`MAX_CLAIM_MANY`] claims,
     ///   options with a business key, or an invalid lease: refused before
     ///   anything was written; nothing was applied.
-    /// - [`Error::Poisoned`], [`Error::Closed`]: refused before the batch was
-    ///   written; nothing was applied.
+    /// - [`Error::Poisoned`], [`Error::Closed`], [`Error::ReadOnly`]:
+    ///   refused before the batch was written; nothing was applied.
     /// - [`Error::Storage`] (a write or fsync of the log failed after the
     ///   batch was written to it) and, on PostgreSQL, [`Error::OutcomeUnknown`]
     ///   (the connection was lost after the commit was sent): the batch may
@@ -508,9 +518,10 @@ impl Store {
     /// - [`Error::TooLarge`] when `result` is over `max_result_bytes`.
     /// - [`Error::StaleLease`] when the lease is not current (taken over,
     ///   already finished, released, or past retention).
-    /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`]: as for
-    ///   [`Store::claim`]; after a storage error the completion may or may
-    ///   not be durable ([`Store::get`] after reopening tells).
+    /// - [`Error::Storage`], [`Error::Poisoned`], [`Error::Closed`],
+    ///   [`Error::ReadOnly`]: as for [`Store::claim`]; after a storage error
+    ///   the completion may or may not be durable ([`Store::get`] after
+    ///   reopening tells).
     pub fn complete(&self, lease: &Lease, result: &[u8]) -> Result<Record> {
         let _span = tracing::debug_span!(
             "idemstore.complete",
@@ -1149,7 +1160,9 @@ impl Store {
     ///   a rule above, the rule, and how many records went in before it.
     ///
     /// In both cases nothing of the frame's batch is written, and batches
-    /// before it stay imported. Storage errors as for [`Store::claim`].
+    /// before it stay imported. Storage errors as for [`Store::claim`]
+    /// ([`Error::ReadOnly`] on a store opened read-only, before anything is
+    /// written).
     pub fn import_with(
         &self,
         input: impl std::io::Read,

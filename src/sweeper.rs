@@ -96,6 +96,10 @@ pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 /// the next tick, a failed sweep after the interval. The thread ticks at
 /// the shortest of the periods (at least every second).
 pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Sweeper>> {
+    // A read-only store neither sweeps nor scrubs in the background.
+    if config.read_only {
+        return Ok(None);
+    }
     let batch = config.sweep_batch;
     let sweep_every = config.sweep_interval;
     let scrub = config

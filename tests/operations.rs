@@ -1343,3 +1343,96 @@ fn compaction_after_a_kill_keeps_every_record() {
         );
     }
 }
+
+fn refused_read_only<T: std::fmt::Debug>(what: &str, answer: idemstore::Result<T>) {
+    match answer {
+        Err(Error::ReadOnly { operation, .. }) => assert_eq!(operation, what),
+        other => panic!("{what} on a read-only store: expected ReadOnly, got {other:?}"),
+    }
+}
+
+/// A store opened read-only (`Config::read_only`) answers reads and
+/// refuses every change with `Error::ReadOnly`, applying none: a claim
+/// that would only replay included, and each refused before any write.
+#[test]
+fn a_read_only_store_refuses_every_change_and_applies_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    let (held, done) = {
+        let store = open(&path, &clock);
+        let held = acquire(&store, &key("s", "held"), &ClaimOptions::new());
+        let done = acquire(&store, &key("s", "done"), &ClaimOptions::new());
+        let done = store.complete(&done, b"r").unwrap();
+        (held, done)
+    };
+    let ro = Store::open_existing(&path, config(&clock).read_only(true)).unwrap();
+    let mut export = Vec::new();
+    ro.export(&mut export, |_| {}).unwrap();
+    let opts = ClaimOptions::new();
+    refused_read_only("claim", ro.claim(&key("s", "done"), &fp("payload"), &opts));
+    refused_read_only("claim", ro.claim(&key("s", "new"), &fp("payload"), &opts));
+    refused_read_only(
+        "claim",
+        ro.claim_many(&[(key("s", "new"), fp("payload"))], &opts),
+    );
+    refused_read_only("complete", ro.complete(&held, b"r"));
+    refused_read_only("fail", ro.fail(&held, b"f", true));
+    refused_read_only("extend", ro.extend(&held, secs(5)));
+    refused_read_only("set_recovery_point", ro.set_recovery_point(&held, b"p"));
+    let resolved = Resolution::Succeeded(b"r".to_vec());
+    refused_read_only(
+        "resolve",
+        ro.resolve(&key("s", "held"), held.token(), resolved.clone()),
+    );
+    refused_read_only("amend", ro.amend(&key("s", "done"), done.token(), resolved));
+    clock.advance(secs(3600));
+    refused_read_only("sweep", ro.sweep(100));
+    refused_read_only("sweep", ro.sweep_due());
+    refused_read_only("import", ro.import(&export[..], |_| {}));
+    refused_read_only("release", ro.release(held.clone()));
+    // Reads answer, as of the clock (an hour on: both past retention).
+    assert_eq!(ro.get(&key("s", "done")).unwrap(), None);
+    assert_eq!(ro.len().unwrap(), 2, "nothing evicted");
+    ro.checkpoint().unwrap();
+    drop(ro);
+    // Back at the time of the writes, nothing changed.
+    let store = open(&path, &ManualClock::new(T0));
+    assert_eq!(store.len().unwrap(), 2);
+    let record = store.get(&key("s", "held")).unwrap().expect("held");
+    assert_eq!(record.state(), State::Processing);
+    assert_eq!(record.token(), held.token());
+    assert_eq!(record.recovery_point(), None);
+    assert_eq!(store.get(&key("s", "done")).unwrap(), Some(done));
+}
+
+/// A read-only open never creates a store: a missing path is
+/// `Error::Missing`, and nothing appears there.
+#[test]
+fn a_read_only_open_of_a_missing_store_creates_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("absent.redb");
+    let config = Config::new().read_only(true);
+    assert!(matches!(
+        Store::open_with(&path, config.clone()),
+        Err(Error::Missing { .. })
+    ));
+    drop(Store::open(&path).expect("control: a plain open creates it"));
+    std::fs::remove_file(&path).unwrap();
+    std::fs::remove_file(idemstore_log(&path)).unwrap();
+    assert!(matches!(
+        Store::open_with(&path, config),
+        Err(Error::Missing { .. })
+    ));
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "something was created"
+    );
+}
+
+fn idemstore_log(path: &Path) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push("-wal");
+    name.into()
+}

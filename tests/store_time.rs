@@ -182,3 +182,69 @@ fn the_store_time_stays_within_the_reservation_across_many_crashes() {
     // The crashes did put the store ahead (the bound is not vacuous).
     assert!(max_drift > 0, "no crash left the store ahead");
 }
+
+/// A store opened read-only under a wall clock ahead (an operator's
+/// `idemstore get` on a host whose clock is wrong) reads as of that clock,
+/// and persists none of it: the service, back on its own clock, finds its
+/// records live and its time where it was, after a checkpoint and a clean
+/// close of the read-only store, and after a read-only open killed.
+#[test]
+fn a_read_only_open_under_a_clock_ahead_persists_no_time() {
+    if child_role(HELD_READ) {
+        let path = child_var("STORE");
+        let at: u64 = child_var_parsed("AT");
+        let clock = ManualClock::new(at);
+        let store = Store::open_existing(&path, config(&clock).read_only(true)).expect("open");
+        assert_eq!(
+            store.get(&key("kept")).expect("get"),
+            None,
+            "read as of its clock"
+        );
+        ready_and_wait();
+    }
+    let dir = TestDir::new();
+    let t0 = dir.now_ms();
+    let retention_ms = RETENTION.as_millis() as u64;
+    let kept = {
+        let store = Store::open_with(&dir.path, config(&ManualClock::new(t0))).expect("open");
+        let lease = acquired(
+            store
+                .claim(&key("kept"), &fp("p"), &ClaimOptions::new())
+                .expect("claim"),
+        );
+        store.complete(&lease, b"done").expect("complete")
+    };
+    let ahead = t0 + 2 * retention_ms;
+    {
+        let store =
+            Store::open_existing(&dir.path, config(&ManualClock::new(ahead)).read_only(true))
+                .expect("read-only open");
+        assert_eq!(
+            store.get(&key("kept")).expect("get"),
+            None,
+            "read as of its clock"
+        );
+        assert!(store.now_ms() >= ahead);
+        store.checkpoint().expect("checkpoint");
+    }
+    let mut child = spawn_child(
+        HELD_READ,
+        &[("STORE", path_var(&dir.path)), ("AT", ahead.to_string())],
+    );
+    child.wait_ready();
+    child.kill();
+    let back = t0 + 60_000;
+    let store = Store::open_with(&dir.path, config(&ManualClock::new(back))).expect("reopen");
+    assert!(
+        store.now_ms() < t0 + retention_ms,
+        "the read-only opens moved the store's time to {} ms past the writes",
+        store.now_ms() - t0
+    );
+    assert_eq!(
+        store.get(&key("kept")).expect("get"),
+        Some(kept),
+        "a live record read as past retention after a read-only open"
+    );
+}
+
+const HELD_READ: &str = "a_read_only_open_under_a_clock_ahead_persists_no_time";

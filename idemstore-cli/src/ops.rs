@@ -397,6 +397,19 @@ pub fn connect_with(
     })
 }
 
+/// Opens an existing store for a command that only reads it (`get`,
+/// `list`, `stats`, `export`): a store file read-only
+/// ([`Config::read_only`]), so that a host whose wall clock is ahead does
+/// not move the store's time forward for good; a PostgreSQL store (whose
+/// time is the server's) as [`open`] does.
+pub fn open_to_read(arg: &StoreArg) -> Result<Store, CliError> {
+    match arg.target()? {
+        Target::File(path) => Store::open_existing(&path, config(None).read_only(true))
+            .map_err(|e| open_error(&path, e)),
+        Target::Postgres { .. } => open(arg, None),
+    }
+}
+
 /// Opens an existing store for an operator command: no background sweeper,
 /// `retention` for what the command writes (the default, 24 h, when `None`).
 pub fn open(arg: &StoreArg, retention: Option<Duration>) -> Result<Store, CliError> {

@@ -1840,3 +1840,50 @@ fn a_key_as_the_library_prints_it_pastes_into_get_and_resolve() {
         stderr(&out)
     );
 }
+
+/// The commands that only read a store file (`get`, `list`, `stats`,
+/// `export`, `check`, `compact`) run on a host whose wall clock is ahead of
+/// the service's (here the service's clock runs ten days behind the
+/// binary's): they answer as of that clock, and leave the store's time
+/// alone, so the service, back on its own clock, finds its records live.
+#[test]
+fn commands_that_read_under_a_clock_ahead_leave_the_stores_time_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let backup = dir.path().join("backup.idemx");
+    let t0 = SystemClock.now_ms() - 10 * 24 * 3_600_000;
+    let service = |at: u64| {
+        Store::open_with(
+            &path,
+            Config::new()
+                .clock(ManualClock::new(at))
+                .retention(Duration::from_secs(3600))
+                .sweep_interval(None),
+        )
+        .unwrap()
+    };
+    let kept = {
+        let store = service(t0);
+        let lease = acquire(&store, &key("kept"), &ClaimOptions::new());
+        store.complete(&lease, b"\"ticket T-1\"").unwrap()
+    };
+    let out = idemstore(&["get", p(&path), "acme/tickets", "kept", "--json"]);
+    assert_eq!(code(&out), 1, "past retention by the binary's clock");
+    for args in [
+        vec!["list", p(&path)],
+        vec!["stats", p(&path)],
+        vec!["export", p(&path), "-o", p(&backup)],
+        vec!["check", p(&path)],
+        vec!["compact", p(&path)],
+    ] {
+        let out = idemstore(&args);
+        assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+    }
+    let store = service(t0 + 60_000);
+    assert!(
+        store.now_ms() < t0 + 3_600_000,
+        "the commands moved the store's time {} s past the service's clock",
+        (store.now_ms() - t0) / 1000
+    );
+    assert_eq!(store.get(&key("kept")).unwrap(), Some(kept));
+}

@@ -226,6 +226,11 @@ pub(crate) struct Shared {
     /// reservation: the bound carried by a durable frame or checkpoint (in
     /// `Buffered` mode, an acknowledged one).
     pub time_durable: AtomicU64,
+    /// On a read-only store (`Config::read_only`), the time bounds its open
+    /// found, `(high-water mark, floor)`: written back at checkpoints and
+    /// at the close instead of the clock's, and no reservation is made, so
+    /// that the open persists no time. `None` on a store that writes.
+    pub held_time: Option<(u64, u64)>,
     /// The durable bound an early renewal was last asked for (see
     /// `Inner::renew_early`).
     pub renewing: AtomicU64,
@@ -1567,7 +1572,7 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         // least that high, so that the time survives a crash.
         // Renewed half a reservation early, so that while batches flow
         // readers never wait for one.
-        if now.saturating_add(RENEW_AHEAD_MS) > state.time_reserved {
+        if now.saturating_add(RENEW_AHEAD_MS) > state.time_reserved && shared.held_time.is_none() {
             bound = shared.clock.reservation(now);
         }
         // The counters the index must hold with this batch, written before
@@ -1791,11 +1796,11 @@ fn commit_checkpoint(
                 token_reserved,
             };
             schema::write_checkpoint(path, &txn, ck)?;
-            schema::write_clock_hwm(
-                path,
-                &txn,
-                shared.clock.high_water_ms().max(state.time_reserved),
-            )?;
+            let hwm = match shared.held_time {
+                Some((hwm, _)) => hwm,
+                None => shared.clock.high_water_ms().max(state.time_reserved),
+            };
+            schema::write_clock_hwm(path, &txn, hwm)?;
             schema::write_tally(path, &txn, state.tally)?;
             record_damage(shared, &txn)?;
             txn.commit().map_err(|e| map_err(path, e))
@@ -1912,12 +1917,11 @@ fn close(shared: &Shared, state: &mut WriterState) {
         // (reads reserve time through the writer, so it is within the last
         // bound); the floor-based time tells the next open which part of
         // its start time is still being caught up (see `crate::clock`).
-        schema::write_clean_clock(
-            path,
-            &txn,
-            shared.clock.high_water_ms(),
-            shared.clock.floor_ms(),
-        )?;
+        // A read-only store writes back the bounds its open found.
+        let (hwm, floor) = shared
+            .held_time
+            .unwrap_or_else(|| (shared.clock.high_water_ms(), shared.clock.floor_ms()));
+        schema::write_clean_clock(path, &txn, hwm, floor)?;
         txn.commit().map_err(|e| map_err(path, e))
     });
     match done {

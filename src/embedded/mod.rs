@@ -392,10 +392,15 @@ impl Embedded {
         // process that opened the new file first, between the link and
         // this open's lock, wrote its log's header).
         let created = meta.created || (meta.linked && log_fresh);
+        if created && config.read_only {
+            // A read-only open never makes a store (a file that appeared
+            // after `Store::open_with`'s look, or an empty backend).
+            return Err(Error::Missing { path });
+        }
         // The store's time starts from the persisted bound. After an unclean
         // shutdown up to `TIME_RESERVATION` of it may be reservation, not
         // use: that part is caught up at half rate (see `crate::clock`).
-        let (opened, (clock, start)) = wal::open(
+        let (opened, (clock, start, held_time)) = wal::open(
             &db,
             &path,
             &log_path,
@@ -410,10 +415,14 @@ impl Embedded {
                     clock_hwm.saturating_sub(duration_ms(TIME_RESERVATION))
                 };
                 let clock = StoreClock::new(config.clock.clone(), clock_hwm, floor);
+                if config.read_only {
+                    // The bounds found are written back as they are.
+                    return (clock_hwm, (clock, clock_hwm, Some((clock_hwm, floor))));
+                }
                 // A first reservation, durable (in the log's new checkpoint)
                 // before the store answers anything.
                 let start = clock.reservation(clock.now_ms());
-                (start, (clock, start))
+                (start, (clock, start, None))
             },
         )?;
         // A store of an older format is migrated once its log is replayed
@@ -430,6 +439,7 @@ impl Embedded {
             log_path,
             clock,
             time_durable: AtomicU64::new(start),
+            held_time,
             renewing: AtomicU64::new(0),
             retention_ms: duration_ms(config.retention),
             durability: config.durability,
@@ -500,10 +510,44 @@ impl Embedded {
     }
 
     fn submit(&self, cmd: Command) -> Completion {
-        if self.refuses(&cmd) {
-            return Completion::Ready(Err(self.shared.refusal()));
+        if let Some(err) = self.refusal_of(&cmd) {
+            return Completion::Ready(Err(err));
         }
         self.writer.submit(cmd)
+    }
+
+    /// The answer to `cmd` when it is refused before reaching the writer:
+    /// [`Embedded::refuses`], else a change on a read-only store.
+    fn refusal_of(&self, cmd: &Command) -> Option<Error> {
+        if self.refuses(cmd) {
+            return Some(self.shared.refusal());
+        }
+        self.shared.held_time?;
+        let operation = match cmd {
+            Command::Op { op, .. } => op.name(),
+            Command::Many { ops, .. } => ops.first().map_or("claim_many", |(_, op)| op.name()),
+            Command::Sweep { .. } => "sweep",
+            Command::Reserve => "a time reservation",
+            Command::Commit | Command::Checkpoint => return None,
+        };
+        Some(self.read_only(operation))
+    }
+
+    /// [`Error::ReadOnly`] for `operation`.
+    fn read_only(&self, operation: &'static str) -> Error {
+        Error::ReadOnly {
+            path: self.shared.path.clone(),
+            operation,
+        }
+    }
+
+    /// Refuses `op` on a read-only store, before a claim's fast path
+    /// (which answers replays without the writer) could answer it.
+    fn refuse_read_only(&self, op: &Op) -> Result<()> {
+        match self.shared.held_time {
+            Some(_) => Err(self.read_only(op.name())),
+            None => Ok(()),
+        }
     }
 
     /// Whether `cmd` is refused: every command after a failed durable write;
@@ -527,8 +571,8 @@ impl Embedded {
 
     /// [`Embedded::submit`] from async code: a full queue is awaited.
     async fn submit_async(&self, cmd: Command) -> Completion {
-        if self.refuses(&cmd) {
-            return Completion::Ready(Err(self.shared.refusal()));
+        if let Some(err) = self.refusal_of(&cmd) {
+            return Completion::Ready(Err(err));
         }
         self.writer.submit_async(cmd).await
     }
@@ -538,6 +582,7 @@ impl Embedded {
     /// writer; everything else is decided by the writer, durable when this
     /// returns.
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
+        self.refuse_read_only(&op)?;
         let op = match op {
             Op::Claim { .. } => match self.claim_fast(key, op, self.time())? {
                 Ok(reply) => return Ok(reply),
@@ -550,6 +595,7 @@ impl Embedded {
 
     /// [`Embedded::apply`] from async code: never blocks its executor.
     pub(crate) async fn apply_async(&self, key: &Key, op: Op) -> Result<Reply> {
+        self.refuse_read_only(&op)?;
         let op = match op {
             Op::Claim { .. } => match self.claim_fast(key, op, self.time_async().await)? {
                 Ok(reply) => return Ok(reply),
@@ -575,7 +621,7 @@ impl Embedded {
             key: key.clone(),
             op,
         };
-        if self.refuses(&cmd) {
+        if self.refusal_of(&cmd).is_some() {
             return;
         }
         drop(self.writer.submit_queued(cmd));
@@ -589,7 +635,9 @@ impl Embedded {
     pub(crate) fn time(&self) -> u64 {
         let now = self.shared.clock.now_ms();
         let durable = self.shared.time_durable.load(Ordering::SeqCst);
-        if now <= durable {
+        // A read-only store answers at the clock's reading and persists
+        // none: nothing it answers is written.
+        if now <= durable || self.shared.held_time.is_some() {
             self.renew_early(now, durable);
             return now;
         }
@@ -605,6 +653,7 @@ impl Embedded {
     fn renew_early(&self, now: u64, durable: u64) {
         let shared = &self.shared;
         if now.saturating_add(commit::RENEW_AHEAD_MS) > durable
+            && shared.held_time.is_none()
             && !shared.poisoned.load(Ordering::SeqCst)
             && shared.renewing.load(Ordering::SeqCst) < durable
         {
@@ -617,7 +666,7 @@ impl Embedded {
     pub(crate) async fn time_async(&self) -> u64 {
         let now = self.shared.clock.now_ms();
         let durable = self.shared.time_durable.load(Ordering::SeqCst);
-        if now <= durable {
+        if now <= durable || self.shared.held_time.is_some() {
             self.renew_early(now, durable);
             return now;
         }
@@ -923,8 +972,12 @@ impl Embedded {
     ) -> Result<Vec<Result<ImportResult>>> {
         // A store that refuses writes must not have its clock raised by a
         // batch it then refuses.
-        if self.refuses_writes() {
+        if self.shared.poisoned.load(Ordering::SeqCst) || self.shared.damaged.load(Ordering::SeqCst)
+        {
             return Err(self.shared.refusal());
+        }
+        if self.shared.held_time.is_some() {
+            return Err(self.read_only("import"));
         }
         // Raised before the write is queued, so the write that carries the
         // batch stores a clock at least this high.
@@ -1054,7 +1107,9 @@ impl Embedded {
     /// Whether the store refuses writes: a failed durable write, or damage
     /// the scrub found. The background sweep and scrub then stop.
     pub(crate) fn refuses_writes(&self) -> bool {
-        self.shared.poisoned.load(Ordering::SeqCst) || self.shared.damaged.load(Ordering::SeqCst)
+        self.shared.poisoned.load(Ordering::SeqCst)
+            || self.shared.damaged.load(Ordering::SeqCst)
+            || self.shared.held_time.is_some()
     }
 
     /// How many records are stored (past retention or not), once durable.

@@ -538,7 +538,7 @@ fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
                 "the request was not processed",
             )
         }
-        Error::Misconfigured { .. } => {
+        Error::Misconfigured { .. } | Error::ReadOnly { .. } => {
             // Not passing: an operator must change the configuration.
             tracing::error!(%key, %error, "idempotency store misconfigured");
             problem(

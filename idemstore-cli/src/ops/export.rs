@@ -56,7 +56,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     if let Some(target) = &args.output {
         refuse_special_files(target)?;
     }
-    let store = ops::open(&args.store, None)?;
+    let store = ops::open_to_read(&args.store)?;
     if let Some(target) = &args.output {
         refuse_store_files(&store, target)?;
     }

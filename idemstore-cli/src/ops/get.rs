@@ -28,7 +28,7 @@ pub struct Args {
 
 /// Runs `idemstore get`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let store = ops::open(&args.store, None)?;
+    let store = ops::open_to_read(&args.store)?;
     let key = ops::key_of(&store, &args.scope, args.id.as_deref())?;
     let shown = ops::key_text(key.scope(), key.id());
     let now = store.now_ms();

@@ -72,7 +72,7 @@ impl Args {
 
 /// Runs `idemstore list`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let store = ops::open(&args.store, None)?;
+    let store = ops::open_to_read(&args.store)?;
     let records = store
         .scan(&args.filter())
         .map_err(|e| CliError::store("cannot read the store", e))?;

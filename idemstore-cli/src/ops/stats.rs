@@ -30,7 +30,7 @@ pub struct Args {
 
 /// Runs `idemstore stats`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    let store = ops::open(&args.store, None)?;
+    let store = ops::open_to_read(&args.store)?;
     // The file's path, or `postgresql://host:port/db?schema=name`.
     let path = store.path().display().to_string();
     let stats = store
