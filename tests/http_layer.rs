@@ -9,7 +9,7 @@ use std::task::Context;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderName, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use idemstore::http::{
     BoxError, Idempotency, IdempotencyBody, IdempotencyContext, IdempotencyLayer,
@@ -767,7 +767,7 @@ async fn a_response_over_the_stores_limit_finishes_the_key_and_a_retry_gets_410(
 async fn refusals_that_did_nothing_release_the_key() {
     let (_d, store, _c) = manual_store();
     let first = Arc::new(AtomicUsize::new(0));
-    for refusal in [408u16, 425, 429] {
+    for refusal in [425u16, 429] {
         first.store(0, Ordering::SeqCst);
         let seen = first.clone();
         let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
@@ -805,8 +805,9 @@ async fn a_configured_status_releases_and_final_overrules_a_release() {
     assert_eq!(send(&svc, post(Some("a"), "x")).await.0, 503);
     assert_eq!(runs.count(), 2);
 
-    // 408 is no longer in the list: stored and replayed like any 4xx.
-    let (svc, runs) = service(layer.clone(), |_| async { status(408) });
+    // 404, a default, is no longer in the list: stored and replayed like
+    // any 4xx.
+    let (svc, runs) = service(layer.clone(), |_| async { status(404) });
     send(&svc, post(Some("b"), "x")).await;
     assert!(replayed(&send(&svc, post(Some("b"), "x")).await.1));
     assert_eq!(runs.count(), 1);
@@ -1603,4 +1604,64 @@ async fn a_key_with_a_space_is_400() {
     }
     assert_eq!(send(&svc, post(Some("\"k-5\""), "x")).await.0, 201);
     assert_eq!(runs.count(), 1);
+}
+
+/// The fields a response's `connection` header names are per-connection
+/// (RFC 9110 §7.6.1): a replay never carries them, whether every header
+/// but a deny-list is stored or only named ones.
+#[tokio::test]
+async fn a_replay_drops_the_fields_connection_names() {
+    let layers: [fn(Arc<Store>) -> IdempotencyLayer; 2] = [IdempotencyLayer::new, |store| {
+        IdempotencyLayer::new(store).replay_headers([
+            HeaderName::from_static("x-hop"),
+            HeaderName::from_static("x-ticket"),
+        ])
+    }];
+    for layer in layers {
+        let (_d, store, _c) = manual_store();
+        let (svc, runs) = service(layer(store), |_| async {
+            let mut r = created("{}");
+            let h = r.headers_mut();
+            h.insert("connection", HeaderValue::from_static("keep-alive, X-Hop"));
+            h.insert("x-hop", HeaderValue::from_static("per-connection"));
+            h.insert("x-ticket", HeaderValue::from_static("7"));
+            r
+        });
+        let (_, first, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!(first.get("x-hop").unwrap(), "per-connection");
+        let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!(code, 201);
+        assert!(replayed(&headers));
+        assert_eq!(runs.count(), 1);
+        assert_eq!(headers.get("x-ticket").unwrap(), "7");
+        assert!(!headers.contains_key("x-hop"), "{headers:?}");
+    }
+}
+
+/// A 408 from inside the layer is a timeout of the handler (the layer
+/// read the whole request first; tower-http's `TimeoutLayer` answers
+/// 408), which may have acted: the key is kept as a retryable failure and
+/// the retry runs as a takeover, never as a first attempt.
+#[tokio::test]
+async fn a_408_from_a_timeout_inside_the_layer_is_retried_as_a_takeover() {
+    let (_d, store, _c) = manual_store();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let c = calls.clone();
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
+        let n = c.fetch_add(1, Ordering::SeqCst);
+        async move { if n == 0 { status(408) } else { created("{}") } }
+    });
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 408);
+    let key = Key::new("POST /tickets", "k").unwrap();
+    assert_eq!(
+        store.get(&key).unwrap().unwrap().state(),
+        State::Failed { retryable: true }
+    );
+    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(
+        runs.takeovers.load(Ordering::SeqCst),
+        1,
+        "the retry was a first attempt"
+    );
 }

@@ -366,8 +366,13 @@ impl Held {
         // whatever the handler marked `Final` (`NoEffect` on a first
         // attempt still releases).
         let interim = status.is_informational();
+        // A 408 from inside the layer (which read the whole request before
+        // the handler ran) is a timeout of the handler, which may have
+        // acted: retried as a takeover, like a 5xx, unless marked.
+        let timed_out = status == http::StatusCode::REQUEST_TIMEOUT;
         let retryable = interim
             || self.releases(outcome, status)
+            || (outcome.is_none() && timed_out)
             || (outcome.is_none()
                 && status.is_server_error()
                 && !self.settings.store_server_errors);

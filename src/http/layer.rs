@@ -32,7 +32,9 @@ pub const REPLAYED_HEADER: HeaderName = HeaderName::from_static("idempotent-repl
 ///
 /// - hop-by-hop and per-connection headers (RFC 9110 §7.6.1): `connection`,
 ///   `keep-alive`, `proxy-connection`, `te`, `trailer`, `transfer-encoding`,
-///   `upgrade`; `content-length` too, which the replay computes anew;
+///   `upgrade`; `content-length` too, which the replay computes anew (the
+///   fields a response's `connection` header names are never stored
+///   either, whatever the layer's header choice);
 /// - cookies and credentials, which belong to the client that got them:
 ///   `set-cookie`, `www-authenticate`, `proxy-authenticate`,
 ///   `authentication-info`, `proxy-authentication-info`, and
@@ -78,24 +80,27 @@ pub const REPLAY_DENY_LIST: [HeaderName; 17] = [
 /// - 401 Unauthorized, 403 Forbidden: refused before any work; a retry with
 ///   credentials must not get the refusal replayed.
 /// - 404 Not Found, 405 Method Not Allowed: no handler took the request.
-/// - 408 Request Timeout: the request was not read in time.
 /// - 413 Content Too Large, 415 Unsupported Media Type: the body was
 ///   refused unread (a missing `content-type` is axum's 415).
 /// - 425 Too Early (RFC 8470): not processed, retry later.
 /// - 429 Too Many Requests: rate limited before any work.
 ///
-/// Every other 4xx (409 Conflict, 402 Payment Required for a declined
-/// charge, 410, …) is a judgement of the request and is stored. A handler
+/// 408 Request Timeout is not among them: the layer reads the whole
+/// request body before the handler runs, so a 408 from inside the layer
+/// is a timeout of the handler (tower-http's `TimeoutLayer` answers 408),
+/// which may have acted; unless marked, it is a retryable failure, and the
+/// retry runs as a takeover. Every other 4xx (409 Conflict, 402 Payment
+/// Required for a declined charge, 410, …) is a judgement of the request
+/// and is stored. A handler
 /// that acted and still answers a listed status marks its response
 /// [`IdempotencyOutcome::Final`](super::IdempotencyOutcome::Final), which
 /// stores it.
-pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 11] = [
+pub const DEFAULT_RELEASE_STATUSES: [StatusCode; 10] = [
     StatusCode::BAD_REQUEST,
     StatusCode::UNAUTHORIZED,
     StatusCode::FORBIDDEN,
     StatusCode::NOT_FOUND,
     StatusCode::METHOD_NOT_ALLOWED,
-    StatusCode::REQUEST_TIMEOUT,
     StatusCode::PAYLOAD_TOO_LARGE,
     StatusCode::UNSUPPORTED_MEDIA_TYPE,
     StatusCode::UNPROCESSABLE_ENTITY,
@@ -192,7 +197,7 @@ impl fmt::Debug for Settings {
 ///   [`DEFAULT_FINGERPRINT_HEADERS`] (`content-type`)
 /// - replayed headers: every response header but [`REPLAY_DENY_LIST`]
 /// - statuses that release the key: [`DEFAULT_RELEASE_STATUSES`] (400, 401,
-///   403, 404, 405, 408, 413, 415, 422, 425, 429)
+///   403, 404, 405, 413, 415, 422, 425, 429)
 /// - `max_request_bytes`: 1 MiB (in bytes)
 /// - `max_response_bytes`: 1 MiB (in bytes, status and headers included)
 /// - `lease`: 30 seconds, extended every third of it while the handler runs

@@ -85,7 +85,8 @@
 //! |---|---|---|
 //! | 2xx, 3xx | completed, response stored | replayed until retention ends (24 h by default) |
 //! | 1xx, unless marked `NoEffect` on a first attempt (interim: hyper sends a 500 in place of any but 101, and a 101 upgrade cannot be replayed) | retryable failure, even if marked `Final` | runs the handler again, as a takeover |
-//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 408, 413, 415, 422, 425, 429), on a first attempt | released: nothing was done | runs the handler as a first attempt |
+//! | [`release_statuses`](IdempotencyLayer::release_statuses) (default 400, 401, 403, 404, 405, 413, 415, 422, 425, 429), on a first attempt | released: nothing was done | runs the handler as a first attempt |
+//! | 408, unmarked (a timeout inside the layer: the handler may have acted) | retryable failure | runs the handler again, as a takeover |
 //! | other 4xx | permanent failure, response stored | replayed |
 //! | 5xx | retryable failure ([`store_server_errors`](IdempotencyLayer::store_server_errors) stores it) | runs the handler again, as a takeover |
 //! | marked [`IdempotencyOutcome::Final`] | stored whatever the status (but a 1xx) | replayed |

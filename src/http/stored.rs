@@ -117,9 +117,24 @@ impl StoredResponse {
         headers: &HeaderMap,
         choice: &ReplayHeaders,
     ) -> StoredResponse {
+        // The fields `connection` names are per-connection (RFC 9110
+        // §7.6.1: removed before a message is forwarded): never stored,
+        // whatever `choice` says.
+        let per_connection: Vec<String> = headers
+            .get_all(http::header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .map(|option| option.trim().to_ascii_lowercase())
+            .filter(|option| !option.is_empty())
+            .collect();
+        let kept = |name: &HeaderName| {
+            choice.keeps(name) && !per_connection.iter().any(|o| o == name.as_str())
+        };
         let headers = match choice {
             ReplayHeaders::Only(names) => names
                 .iter()
+                .filter(|name| kept(name))
                 .flat_map(|name| {
                     headers
                         .get_all(name)
@@ -129,7 +144,7 @@ impl StoredResponse {
                 .collect(),
             ReplayHeaders::AllExcept(_) => headers
                 .iter()
-                .filter(|(name, _)| choice.keeps(name))
+                .filter(|(name, _)| kept(name))
                 .map(|(name, value)| (name.clone(), value.clone()))
                 .collect(),
         };
