@@ -47,7 +47,11 @@ pub const TIME_RESERVATION: Duration = Duration::from_secs(1);
 ///    durable as any acknowledged change: a process crash keeps it, a power
 ///    cut may lose the last `max_delay` of it. A store that refuses writes
 ///    ([`Error::Poisoned`](crate::Error::Poisoned)) cannot reserve: its
-///    answers use no time past the last durable bound.
+///    answers use no time past the last durable bound. The exception is a
+///    store opened read-only ([`Config::read_only`](crate::Config::read_only)),
+///    which reserves nothing and answers at the clock's reading: it
+///    changes nothing, and the next open of the store starts from the
+///    bound on disk, so its readings may be above what that open returns.
 /// 4. **It is ahead of the wall clock by at most [`TIME_RESERVATION`] after
 ///    any number of crashes**, plus whatever the wall clock itself stepped
 ///    back (point 2). A reservation reaches [`TIME_RESERVATION`] past the

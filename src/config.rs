@@ -688,15 +688,18 @@ impl Config {
     /// and records whose retention ends within that lead would read as
     /// past retention for the service too. A read-only open reads the
     /// clock as any open does (its answers are as of the clock's reading,
-    /// so under a clock ahead a live record may read as past retention),
-    /// and writes back the time bounds it found: the next open starts
-    /// where it would have without this one. Recovery still runs: an open
+    /// so under a clock ahead a live record may read as past retention;
+    /// `export` alone takes the time bound found on disk, so that a backup
+    /// leaves out no record live for the service), and writes back the
+    /// time bounds it found, recording no verification time either: the
+    /// next open starts where it would have without this one. Recovery still runs: an open
     /// after a crash replays the write-ahead log into the index and takes
     /// a checkpoint, as any open does.
     ///
-    /// The file must exist: [`Store::open_with`](crate::Store::open_with)
-    /// and [`Store::open`](crate::Store::open) answer
-    /// [`Error::Missing`] rather than create one. On PostgreSQL (whose
+    /// The store must exist: [`Store::open_with`](crate::Store::open_with)
+    /// answers [`Error::Missing`] for a missing file rather than create
+    /// one, and [`Error::IncompatibleFile`] for a file (or a custom
+    /// backend) that holds no store rather than initialise it. On PostgreSQL (whose
     /// time is the server's) [`Store::connect`](crate::Store) refuses it
     /// with [`Error::InvalidArgument`] naming `read_only`: give the role
     /// `default_transaction_read_only` instead.

@@ -73,6 +73,7 @@ pub const ALL: &[(&str, Test)] = &[
     ("claim_many", claim_many),
     ("reopen", reopen),
     ("holder_finishes", holder_finishes),
+    ("abandoned_claims", abandoned_claims),
 ];
 
 /// The clock every store of the suite starts at: 2026-01-01T00:00:00Z.
@@ -639,4 +640,86 @@ pub fn holder_finishes(h: &dyn Harness) {
         store.complete(&rebuilt, b"twice"),
         Err(Error::StaleLease { .. })
     ));
+}
+
+/// Polls `store.claim_async(key, …)` once, so that its claim is sent, and
+/// drops it, as a server drops a request whose client hung up; returns
+/// once the engine decided that claim (the key's token moved past `after`).
+fn abandon_claim(store: &Store, key: &Key, fingerprint: &Fingerprint, after: u64) {
+    let options = ClaimOptions::new();
+    let mut claim = Box::pin(store.claim_async(key, fingerprint, &options));
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(
+        claim.as_mut().poll(&mut cx).is_pending(),
+        "{key}: the claim was answered before it could be abandoned"
+    );
+    drop(claim);
+    // A hang guard, not a timing assertion.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let record = store.get(key).expect("get");
+        if record.as_ref().is_some_and(|r| r.token() > after) {
+            assert_eq!(record.map(|r| r.state()), Some(State::Processing));
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{key}: the abandoned claim was never decided"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A claim whose caller stopped waiting (its `claim_async` future dropped
+/// after the claim was sent) acquires a lease nobody holds: the next claim
+/// of the store gives it back as the claim found the key, so that the key
+/// is not held for the lease's length by nobody. Found absent: released,
+/// and the next claim is a first attempt. Found failed retryably: failed
+/// again with the same failure, and the next claim is a takeover of that
+/// failure. Found under a lapsed lease: left to lapse, so that the next
+/// claim is still told an earlier holder may have acted.
+pub fn abandoned_claims(h: &dyn Harness) {
+    let clock = ManualClock::new(START_MS);
+    let store = h.open("abandoned_claims", config(&clock));
+    let f = fp("a");
+    let k = key("absent");
+    abandon_claim(&store, &k, &f, 0);
+    let lease = acquire(&store, &k, &f);
+    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));
+    assert!(
+        !lease.is_takeover(),
+        "nothing ran under the abandoned lease"
+    );
+    store.complete(&lease, b"done").expect("complete");
+
+    let k = key("failed");
+    let first = acquire(&store, &k, &f);
+    let failed = store.fail(&first, b"boom", true).expect("fail");
+    abandon_claim(&store, &k, &f, failed.token());
+    let lease = acquire(&store, &k, &f);
+    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::RetryableFailure));
+    assert_eq!(
+        lease.record().and_then(|r| r.failure()),
+        Some(&b"boom"[..]),
+        "the failure the abandoned claim found"
+    );
+    store.complete(&lease, b"done").expect("complete");
+
+    let k = key("lapsed");
+    let first = acquire(&store, &k, &f);
+    clock.advance(LEASE + Duration::from_secs(1));
+    // A read first makes the store's new time durable, so that the claim
+    // below is sent at its first poll (not after a time reservation).
+    store.get(&k).expect("get");
+    abandon_claim(&store, &k, &f, first.token());
+    assert!(
+        matches!(
+            store.claim(&k, &f, &ClaimOptions::new()),
+            Ok(ClaimOutcome::InProgress { .. })
+        ),
+        "a takeover of a lapsed lease is left to lapse"
+    );
+    clock.advance(LEASE + Duration::from_secs(1));
+    let lease = acquire(&store, &k, &f);
+    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::LapsedLease));
 }

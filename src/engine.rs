@@ -25,7 +25,7 @@ use crate::error::Result;
 use crate::key::Key;
 #[cfg(feature = "postgres")]
 use crate::pg::Postgres;
-use crate::record::{ImportResult, Op, Record, Reply};
+use crate::record::{ImportResult, Op, Record, Reply, Sent};
 use crate::report::Progress;
 use crate::report::{CheckReport, ScrubReport};
 use crate::stats::{LiveCounters, StateCounts};
@@ -73,6 +73,16 @@ impl Engine {
         }
     }
 
+    /// The time an export is taken at: [`Engine::now_ms`], but on a
+    /// read-only file store the time bound found on disk.
+    pub(crate) fn export_ms(&self) -> u64 {
+        match self {
+            Engine::Embedded(e) => e.export_ms(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => self.now_ms(),
+        }
+    }
+
     /// Applies `op` to the record of `key` and answers as the transition
     /// does; a change is durable (as configured) when this returns.
     ///
@@ -94,6 +104,17 @@ impl Engine {
             Engine::Embedded(e) => e.apply_async(key, op).await,
             #[cfg(feature = "postgres")]
             Engine::Postgres { engine, .. } => engine.apply_async(key, op).await,
+        }
+    }
+
+    /// The first half of [`Engine::apply_async`]: the request answered at
+    /// once or sent, its answer to come from a future that owns what it
+    /// needs. Dropped before it returns, nothing was sent.
+    pub(crate) async fn send_async(&self, key: &Key, op: Op) -> Result<Sent> {
+        match self {
+            Engine::Embedded(e) => e.send_async(key, op).await,
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.send_async(key, op),
         }
     }
 

@@ -147,6 +147,7 @@ pub mod http;
 mod key;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod orphans;
 #[cfg(feature = "postgres")]
 mod pg;
 #[cfg(feature = "postgres")]

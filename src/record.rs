@@ -383,6 +383,15 @@ pub(crate) enum Reply {
     Imported(ImportResult),
 }
 
+/// A request as an engine took it: answered at once (a claim's fast path,
+/// a refusal), or sent, its answer to come from a future that owns what it
+/// needs (the engine's reply channel), so that it can outlive its caller
+/// (see `crate::orphans`).
+pub(crate) enum Sent {
+    Answered(Result<Reply>),
+    Pending(std::pin::Pin<Box<dyn std::future::Future<Output = Result<Reply>> + Send>>),
+}
+
 /// What an [`Op::Import`] did with one record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum ImportResult {

@@ -16,7 +16,8 @@ use crate::embedded::{self, Embedded};
 use crate::engine::{Engine, all_keys};
 use crate::error::{Error, Result};
 use crate::key::{Fingerprint, Key, check_business_key};
-use crate::record::{ClaimOutcome, Lease, Op, Record, Reply, Resolution};
+use crate::orphans::{self, GiveBack, InFlight, Orphans};
+use crate::record::{ClaimOutcome, Lease, Op, Record, Reply, Resolution, Sent};
 use crate::report::Progress;
 use crate::report::{CheckReport, ScrubReport};
 use crate::scan::{Filter, Records};
@@ -54,6 +55,9 @@ pub struct Store {
     /// started on first need, stopped on drop (feature `agent`).
     #[cfg(feature = "agent")]
     pub(crate) extender: crate::agent::Extender,
+    /// Claims whose `claim_async` future was dropped in flight (they hold
+    /// the engine: dropped before it).
+    orphans: Orphans,
     engine: Arc<Engine>,
     config: Config,
     /// Wakes `execute` callers waiting on a key that another `execute` of
@@ -298,6 +302,7 @@ impl Store {
             // `Store::extend` for a batch, in one write.
             #[cfg(feature = "agent")]
             extender: crate::agent::Extender::new(&engine, extend_many),
+            orphans: Orphans::default(),
             engine,
             config,
             #[cfg(feature = "agent")]
@@ -340,6 +345,9 @@ impl Store {
     /// lower than a time returned before, across crashes too (the time is
     /// reserved durably before it is returned). On a store that refuses
     /// writes ([`Error::Poisoned`]) it stays at the last durable bound.
+    /// On a store opened read-only ([`Config::read_only`]) it is the clock's
+    /// reading, not reserved: the next open starts from the bound on disk,
+    /// and may return a lower time than this store did.
     /// On PostgreSQL it is the database's clock, read with a round trip
     /// that waits at most `PostgresLimits::call_timeout`, and it steps back
     /// when that clock does (see `Store::connect`); while the server
@@ -389,6 +397,7 @@ impl Store {
         let _span =
             tracing::debug_span!("idemstore.claim", scope = key.scope(), id = key.id()).entered();
         let op = self.claim_op(fingerprint, options)?;
+        self.give_back_orphans();
         expect_claim(self.engine.apply(key, op))
     }
 
@@ -402,6 +411,21 @@ impl Store {
     /// `claim_async` and [`Store::get_async`], one read of the index (a redb
     /// read transaction, usually from its page cache).
     ///
+    /// **A future dropped in flight** (an HTTP client that hung up, a
+    /// cancelled task), after its claim was sent: the engine decides the
+    /// claim all the same, and when it acquires the key nobody holds the
+    /// lease. The store keeps such a future and, before each later claim
+    /// on this store (`claim`, `claim_async`, `claim_many`, of any key),
+    /// waits for it to be decided (it is in flight: a commit away) and
+    /// gives the lease it acquired back as the claim found the key: released when the key was absent (the next claim is
+    /// a first attempt), failed retryably with the failure it found when it
+    /// had failed retryably. A takeover of a lapsed lease is left to lapse,
+    /// so that the next claim is still told that an earlier holder may have
+    /// acted. Until a later claim comes, the key answers
+    /// [`ClaimOutcome::InProgress`]; at most 4,096 such claims are kept
+    /// (past that the oldest is forgotten), and one still kept when the
+    /// store is dropped lapses as after a crash.
+    ///
     /// # Errors
     /// As [`Store::claim`].
     pub async fn claim_async(
@@ -413,10 +437,52 @@ impl Store {
         let span = tracing::debug_span!("idemstore.claim", scope = key.scope(), id = key.id());
         async move {
             let op = self.claim_op(fingerprint, options)?;
-            expect_claim(self.engine.apply_async(key, op).await)
+            self.give_back_orphans_async().await;
+            match self.engine.send_async(key, op).await? {
+                Sent::Answered(reply) => expect_claim(reply),
+                Sent::Pending(answer) => {
+                    let claim: orphans::Claim = Box::pin(async move { expect_claim(answer.await) });
+                    InFlight::new(claim, &self.orphans).await
+                }
+            }
         }
         .instrument(span)
         .await
+    }
+
+    /// Gives back the leases that claims acquired for callers who stopped
+    /// waiting for them (see [`Store::claim_async`]), before a claim.
+    fn give_back_orphans(&self) {
+        for orphan in self.orphans.settle_blocking() {
+            let given = match orphan {
+                GiveBack::Release(lease) => self.release(lease),
+                GiveBack::Fail(lease, failure) => self
+                    .fail(&lease, &failure, true)
+                    .or_else(|_| self.fail(&lease, &[], true))
+                    .map(drop),
+            };
+            if let Err(error) = given {
+                tracing::warn!(%error, "an abandoned claim's lease was not given back; it lapses");
+            }
+        }
+    }
+
+    /// [`Store::give_back_orphans`] from async code.
+    async fn give_back_orphans_async(&self) {
+        for orphan in self.orphans.settle().await {
+            let given = match orphan {
+                GiveBack::Release(lease) => self.release_async(lease).await,
+                GiveBack::Fail(lease, failure) => {
+                    match self.fail_async(&lease, &failure, true).await {
+                        Err(_) => self.fail_async(&lease, &[], true).await.map(drop),
+                        Ok(_) => Ok(()),
+                    }
+                }
+            };
+            if let Err(error) = given {
+                tracing::warn!(%error, "an abandoned claim's lease was not given back; it lapses");
+            }
+        }
     }
 
     /// Claims several keys in one write: one outcome per claim, in input
@@ -501,6 +567,7 @@ impl Store {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
+        self.give_back_orphans();
         Ok(self
             .engine
             .apply_many(ops)?
@@ -1088,7 +1155,12 @@ impl Store {
     /// Writes a portable backup of every live record to `out`, from one
     /// snapshot: a versioned stream of length-prefixed, crc32-framed
     /// records (format in `docs/operations.md`). The store keeps serving
-    /// while it runs. `progress` is called after each record.
+    /// while it runs. `progress` is called after each record. "Live" is at
+    /// the store's time; on a store opened read-only
+    /// ([`Config::read_only`]), at the time bound its open found on disk,
+    /// not this host's clock, so that a host whose clock is ahead leaves out
+    /// no record still live for the service (and the stream's clock mark
+    /// imports there).
     ///
     /// # Errors
     /// [`Error::CorruptRecord`] when a stored record fails its checksum
@@ -1105,7 +1177,7 @@ impl Store {
         // above every token they hold.
         let entries = snapshot.entries(all_keys())?;
         let (store_id, next_token) = snapshot.meta()?;
-        let now_ms = self.engine.now_ms();
+        let now_ms = self.engine.export_ms();
         backup::export(store_id, next_token, entries, now_ms, out, progress)
     }
 

@@ -27,6 +27,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("backup", 5),
     ("scan", 5),
     ("sweeper", 5),
+    ("orphans", 5),
     // The engine boundary.
     ("engine", 4),
     // The engines.

@@ -60,6 +60,7 @@ embedded!(
     claim_many,
     reopen,
     holder_finishes,
+    abandoned_claims,
 );
 
 #[cfg(feature = "postgres")]
@@ -119,6 +120,7 @@ mod postgres {
         claim_many,
         reopen,
         holder_finishes,
+        abandoned_claims,
     );
 
     /// An export of a file store imports into a PostgreSQL store and back:
@@ -179,7 +181,7 @@ mod postgres {
 fn the_suite_lists_every_test() {
     // `conformance::ALL` is what an engine outside this crate runs; it
     // must hold every function the macro above runs.
-    assert_eq!(conformance::ALL.len(), 14);
+    assert_eq!(conformance::ALL.len(), 15);
 }
 
 #[test]

@@ -1665,3 +1665,30 @@ async fn a_408_from_a_timeout_inside_the_layer_is_retried_as_a_takeover() {
         "the retry was a first attempt"
     );
 }
+
+/// A request dropped while its claim is in flight (the client hung up;
+/// hyper drops the response future) leaves no key held by nobody: the
+/// retry runs the handler at once, as a first attempt, not 409 for the
+/// lease's length and then a takeover.
+#[tokio::test]
+async fn a_request_dropped_during_its_claim_leaves_the_key_free() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), |_| async {
+        created("{}")
+    });
+    let mut first = Box::pin(svc.clone().oneshot(post(Some("k"), "x")));
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    assert!(
+        first.as_mut().poll(&mut cx).is_pending(),
+        "the claim is in flight"
+    );
+    drop(first);
+    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(code, 201, "{headers:?}");
+    assert_eq!(runs.count(), 1);
+    assert_eq!(
+        runs.takeovers.load(Ordering::SeqCst),
+        0,
+        "nothing ran before"
+    );
+}

@@ -12,7 +12,7 @@ use idemstore::mcp::{
     CAPABILITY, IN_DOUBT, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, SepTransport,
     ToolCallError, announces_idempotency, attach_key, call_tool_once,
 };
-use idemstore::{Key, Store};
+use idemstore::{Config, Key, Store};
 use parking_lot::Mutex;
 use rmcp::ErrorData;
 use rmcp::handler::server::ServerHandler;
@@ -464,6 +464,30 @@ async fn a_lease_out_of_range_is_an_internal_error() {
         refused.message.contains("options are invalid"),
         "{refused:?}"
     );
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
+}
+
+/// A store opened read-only records nothing: an internal error that no
+/// retry helps, not STORE_FAILED; nothing runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_store_is_an_internal_error() {
+    let mut h = Harness::new(McpOptions::new());
+    let path = h._dir.path().join("read-only.redb");
+    drop(Store::open(&path).unwrap());
+    h.store = Arc::new(Store::open_existing(&path, Config::new().read_only(true)).unwrap());
+    let (client, _server) = h.connect().await;
+    let refused = rpc_error(
+        client
+            .call_tool(call("append", json!({"line": "x"}), "k-ro"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(
+        refused.code,
+        rmcp::model::ErrorCode::INTERNAL_ERROR,
+        "{refused:?}"
+    );
+    assert!(refused.message.contains("read-only"), "{refused:?}");
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
 }
 

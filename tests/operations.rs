@@ -1436,3 +1436,69 @@ fn idemstore_log(path: &Path) -> std::path::PathBuf {
     name.push("-wal");
     name.into()
 }
+
+/// A read-only export under a clock ahead (an operator's host whose clock
+/// is wrong) is taken at the store's time as found on disk: it leaves out
+/// no record still live for the service, and imports into a store at the
+/// service's time.
+#[test]
+fn a_read_only_export_under_a_clock_ahead_keeps_live_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let clock = ManualClock::new(T0);
+    {
+        let store = open(&path, &clock);
+        let lease = acquire(&store, &key("s", "live"), &ClaimOptions::new());
+        store.complete(&lease, b"r").unwrap();
+    }
+    let ahead = ManualClock::new(T0 + 7_200_000);
+    let ro = Store::open_existing(&path, config(&ahead).read_only(true)).unwrap();
+    assert_eq!(
+        ro.get(&key("s", "live")).unwrap(),
+        None,
+        "read at its clock"
+    );
+    let mut export = Vec::new();
+    let summary = ro.export(&mut export, |_| {}).unwrap();
+    assert_eq!(summary.records, 1, "a live record left out of the backup");
+    drop(ro);
+    let restored = open(
+        &dir.path().join("restored.redb"),
+        &ManualClock::new(T0 + 1_000),
+    );
+    let imported = restored.import(&export[..], |_| {}).unwrap();
+    assert_eq!(imported.imported, 1);
+    assert!(restored.get(&key("s", "live")).unwrap().is_some());
+}
+
+/// A read-only open of a file that holds no store (a redb file without
+/// idemstore's metadata, an empty file) initialises nothing and creates no
+/// log: `IncompatibleFile`.
+#[test]
+fn a_read_only_open_initialises_no_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("other.redb");
+    drop(redb::Database::create(&path).unwrap());
+    assert!(matches!(
+        Store::open_existing(&path, Config::new().read_only(true)),
+        Err(Error::IncompatibleFile { .. })
+    ));
+    // redb's own open sets flags in its header; no table was created.
+    let db = redb::Database::open(&path).unwrap();
+    let read = redb::ReadableDatabase::begin_read(&db).unwrap();
+    assert_eq!(
+        read.list_tables().unwrap().count(),
+        0,
+        "a store was initialised"
+    );
+    drop(read);
+    drop(db);
+    assert!(!idemstore_log(&path).exists(), "a log was created");
+    let empty = dir.path().join("empty.redb");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(matches!(
+        Store::open_with(&empty, Config::new().read_only(true)),
+        Err(Error::IncompatibleFile { .. })
+    ));
+    assert!(!idemstore_log(&empty).exists(), "a log was created");
+}

@@ -35,7 +35,7 @@ use crate::codec::{self, Entries, Entry};
 use crate::config::{Config, Durability};
 use crate::error::{Error, Result};
 use crate::key::Key;
-use crate::record::{ClaimOutcome, Ctx, Effect, ImportResult, Op, Record, Reply, transition};
+use crate::record::{ClaimOutcome, Ctx, Effect, ImportResult, Op, Record, Reply, Sent, transition};
 use crate::report::Progress;
 use crate::report::{CheckReport, ScrubReport};
 use crate::stats::LiveCounters;
@@ -358,8 +358,14 @@ impl Embedded {
             None => false,
         };
         let fence = Fence::default();
-        let (db, meta, early_sync) =
-            schema::open(&path, backend, config.cache_bytes, &fence, policy)?;
+        let (db, meta, early_sync) = schema::open(
+            &path,
+            backend,
+            config.cache_bytes,
+            &fence,
+            policy,
+            config.read_only,
+        )?;
         // The marker the store itself names, found by whatever path the
         // file was opened (a hard link too): see `schema::META_DAMAGE_MARKER`.
         let (marker, marked) = match schema::recorded_damage_marker(&path, &db)? {
@@ -392,11 +398,6 @@ impl Embedded {
         // process that opened the new file first, between the link and
         // this open's lock, wrote its log's header).
         let created = meta.created || (meta.linked && log_fresh);
-        if created && config.read_only {
-            // A read-only open never makes a store (a file that appeared
-            // after `Store::open_with`'s look, or an empty backend).
-            return Err(Error::Missing { path });
-        }
         // The store's time starts from the persisted bound. After an unclean
         // shutdown up to `TIME_RESERVATION` of it may be reservation, not
         // use: that part is caught up at half rate (see `crate::clock`).
@@ -595,10 +596,21 @@ impl Embedded {
 
     /// [`Embedded::apply`] from async code: never blocks its executor.
     pub(crate) async fn apply_async(&self, key: &Key, op: Op) -> Result<Reply> {
+        match self.send_async(key, op).await? {
+            Sent::Answered(reply) => reply,
+            Sent::Pending(answer) => answer.await,
+        }
+    }
+
+    /// The first half of [`Embedded::apply_async`]: answered at once (a
+    /// claim's fast path, a refusal), or sent to the writer, whose answer
+    /// the returned future owns. Dropped before it returns, nothing was
+    /// sent.
+    pub(crate) async fn send_async(&self, key: &Key, op: Op) -> Result<Sent> {
         self.refuse_read_only(&op)?;
         let op = match op {
             Op::Claim { .. } => match self.claim_fast(key, op, self.time_async().await)? {
-                Ok(reply) => return Ok(reply),
+                Ok(reply) => return Ok(Sent::Answered(Ok(reply))),
                 Err(op) => op,
             },
             op => op,
@@ -607,7 +619,10 @@ impl Embedded {
             key: key.clone(),
             op,
         };
-        expect_reply(self.submit_async(cmd).await.await)
+        let completion = self.submit_async(cmd).await;
+        Ok(Sent::Pending(Box::pin(async move {
+            expect_reply(completion.await)
+        })))
     }
 
     /// Queues `op` without waiting for its answer (a best-effort write
@@ -680,6 +695,17 @@ impl Embedded {
     /// clock tolerance.
     pub(crate) fn wall_ms(&self) -> u64 {
         self.shared.clock.wall_ms()
+    }
+
+    /// The time an export is taken at: the store's time, or on a read-only
+    /// store the time bound its open found on disk (a host whose clock is
+    /// ahead would leave out records still live for the service, and the
+    /// stream's clock mark would be refused on import as ahead).
+    pub(crate) fn export_ms(&self) -> u64 {
+        match self.shared.held_time {
+            Some((hwm, _)) => hwm,
+            None => self.time(),
+        }
     }
 
     /// The store's time without a reservation: an import's reference time,

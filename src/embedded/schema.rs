@@ -372,13 +372,17 @@ pub(crate) type EarlySync = Box<dyn Fn() + Send + Sync>;
 /// given (`path` then only names it in errors), runs redb's full integrity
 /// check when `policy` says so (see [`check_reason`]), and checks or
 /// initialises the metadata. With the store's own file on Linux, also the
-/// [`EarlySync`] for its checkpoints.
+/// [`EarlySync`] for its checkpoints. With `read_only`
+/// (`Config::read_only`), never creates a file or initialises a database
+/// ([`Error::Missing`] for a missing file, [`Error::IncompatibleFile`] for
+/// one without a store) and records no verification time.
 pub(crate) fn open<B: redb::StorageBackend>(
     path: &Path,
     backend: Option<B>,
     cache_bytes: usize,
     fence: &Fence,
     policy: IntegrityPolicy,
+    read_only: bool,
 ) -> Result<(Database, Meta, Option<EarlySync>)> {
     // Set only where the early writeback exists (Linux).
     #[cfg_attr(not(target_os = "linux"), allow(unused_mut))]
@@ -406,12 +410,16 @@ pub(crate) fn open<B: redb::StorageBackend>(
             None => {
                 // A missing file is created atomically (`super::create`).
                 // Errors name the store's path, not the temporary one.
-                linked = super::create::ensure(path, |temp| {
-                    let db = Database::builder()
-                        .create(temp)
-                        .map_err(|e| map_err(path, e))?;
-                    init_meta(path, &db, None).map(|_| ())
-                })?;
+                if read_only {
+                    super::check_existing(path)?;
+                } else {
+                    linked = super::create::ensure(path, |temp| {
+                        let db = Database::builder()
+                            .create(temp)
+                            .map_err(|e| map_err(path, e))?;
+                        init_meta(path, &db, None, false).map(|_| ())
+                    })?;
+                }
                 // Then opened as redb's `create` opens a file, behind the
                 // fence; never created here (a file removed meanwhile is
                 // an error, not a new empty store).
@@ -447,7 +455,8 @@ pub(crate) fn open<B: redb::StorageBackend>(
         let verified = match check_reason(peek(&db), policy) {
             Some(reason) => {
                 full_check(path, &mut db, reason)?;
-                Some(policy.wall_ms)
+                // A read-only open records no time (its clock may be ahead).
+                (!read_only).then_some(policy.wall_ms)
             }
             None => {
                 tracing::debug!(
@@ -457,7 +466,7 @@ pub(crate) fn open<B: redb::StorageBackend>(
                 None
             }
         };
-        let meta = init_meta(path, &db, verified)?;
+        let meta = init_meta(path, &db, verified, read_only)?;
         armed.disarm();
         if file {
             super::create::remove_leftovers(path);
@@ -492,7 +501,14 @@ fn full_check(path: &Path, db: &mut Database, reason: CheckReason) -> Result<()>
 /// database (identity, format, every table) in a durable commit, which
 /// records `verified_ms` as the last full check when given. An existing
 /// store with every table and nothing to record is only read (no commit).
-fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Meta> {
+/// With `read_only`, a database without metadata is refused, not
+/// initialised.
+fn init_meta(
+    path: &Path,
+    db: &Database,
+    verified_ms: Option<u64>,
+    read_only: bool,
+) -> Result<Meta> {
     if verified_ms.is_none()
         && let Some(meta) = read_existing(path, db)?
     {
@@ -512,6 +528,12 @@ fn init_meta(path: &Path, db: &Database, verified_ms: Option<u64>) -> Result<Met
                 return Err(Error::IncompatibleFile {
                     path: path.to_path_buf(),
                     detail: "a redb file without idemstore metadata (not an idemstore file)".into(),
+                });
+            }
+            None if read_only => {
+                return Err(Error::IncompatibleFile {
+                    path: path.to_path_buf(),
+                    detail: "no idemstore store in it, and a read-only open creates none".into(),
                 });
             }
             None => {

@@ -79,8 +79,9 @@ pub fn announce(capabilities: &mut ServerCapabilities) {
 ///    - a malformed key: Invalid params (−32602);
 ///    - the store failed before the tool ran:
 ///      [`STORE_FAILED`](super::STORE_FAILED);
-///    - the layer's options are invalid (a lease out of range): Internal
-///      error (−32603), which no retry helps.
+///    - the layer's options are invalid (a lease out of range), or the
+///      store was opened read-only ([`Config::read_only`](crate::Config::read_only)):
+///      Internal error (−32603), which no retry helps.
 ///
 /// What is recorded follows the split of [`Store::execute`]: a result is
 /// recorded and replayed; a result with `isError: true` is a permanent
@@ -272,6 +273,15 @@ impl<S: ServerHandler> IdempotentServer<S> {
                 tracing::error!(key = %key, error = %e, "the idempotency layer's options are invalid");
                 Err(ErrorData::internal_error(
                     format!("the idempotency layer's options are invalid: {e}"),
+                    None,
+                ))
+            }
+            // A store opened read-only: nothing can be recorded until it is
+            // opened to write, so not STORE_FAILED either.
+            Err(ExecuteError::Store(e @ Error::ReadOnly { .. })) => {
+                tracing::error!(key = %key, error = %e, "the idempotency store is read-only");
+                Err(ErrorData::internal_error(
+                    format!("the idempotency store cannot record calls: {e}"),
                     None,
                 ))
             }

@@ -127,7 +127,7 @@ use crate::clock::Clock;
 use crate::config::{PostgresLimits, PostgresPooler};
 use crate::error::{ConfigFault, Error, Result};
 use crate::key::Key;
-use crate::record::{Op, Record, Reply};
+use crate::record::{Op, Record, Reply, Sent};
 use crate::report::{CheckReport, Integrity, PairDigest, Problem, Progress};
 use crate::stats::{LiveCounters, StateCounts};
 
@@ -3491,6 +3491,15 @@ impl Postgres {
     /// [`Postgres::apply`] as a future that needs no runtime: it completes
     /// when the driver thread answers.
     pub(crate) async fn apply_async(&self, key: &Key, op: Op) -> Result<Reply> {
+        match self.send_async(key, op)? {
+            Sent::Answered(reply) => reply,
+            Sent::Pending(answer) => answer.await,
+        }
+    }
+
+    /// The first half of [`Postgres::apply_async`]: the request sent to a
+    /// connection, its answer to come from the returned future.
+    pub(crate) fn send_async(&self, key: &Key, op: Op) -> Result<Sent> {
         let (tx, rx) = oneshot::channel();
         self.send(Job::Apply {
             key: key.clone(),
@@ -3498,7 +3507,9 @@ impl Postgres {
             hot: true,
             reply: tx,
         })?;
-        rx.await.map_err(|_| Error::Closed)?
+        Ok(Sent::Pending(Box::pin(async move {
+            rx.await.map_err(|_| Error::Closed)?
+        })))
     }
 
     /// Applies `ops` in one transaction of their own, each decided on its
