@@ -722,4 +722,62 @@ pub fn abandoned_claims(h: &dyn Harness) {
     clock.advance(LEASE + Duration::from_secs(1));
     let lease = acquire(&store, &k, &f);
     assert_eq!(lease.acquired_from(), Some(AcquiredFrom::LapsedLease));
+    store.complete(&lease, b"done").expect("complete");
+
+    // Two abandoned claims, given back by a third claim whose own caller
+    // hangs up while it waits for the give-backs: both were sent, and both
+    // keys come free.
+    let (x, y) = (key("abandoned-x"), key("abandoned-y"));
+    let options = ClaimOptions::new();
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    // Both sent before either is dropped (a claim gives back only what
+    // was abandoned before it).
+    let mut first = Box::pin(store.claim_async(&x, &f, &options));
+    let mut second = Box::pin(store.claim_async(&y, &f, &options));
+    assert!(first.as_mut().poll(&mut cx).is_pending());
+    assert!(second.as_mut().poll(&mut cx).is_pending());
+    drop((first, second));
+    for k in [&x, &y] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while store.get(k).expect("get").is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{k}: the abandoned claim was never decided"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let z = key("abandoned-z");
+    let mut giver = Box::pin(store.claim_async(&z, &f, &options));
+    assert!(giver.as_mut().poll(&mut cx).is_pending());
+    drop(giver);
+    for k in [&x, &y] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while store.get(k).expect("get").is_some() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{k}: the lease of an abandoned claim was not given back"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    let lease = acquire(&store, &y, &f);
+    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));
+
+    // A failure stored under a larger limit than this store's is given
+    // back as it was (not checked against the limit again).
+    let k = key("large-failure");
+    let first = acquire(&store, &k, &f);
+    let large = vec![b'e'; 2_000];
+    let failed = store.fail(&first, &large, true).expect("fail");
+    let store = h.reopen(store, config(&clock).max_failure_bytes(100));
+    store.get(&k).expect("get");
+    abandon_claim(&store, &k, &f, failed.token());
+    let lease = acquire(&store, &k, &f);
+    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::RetryableFailure));
+    assert_eq!(
+        lease.record().and_then(|r| r.failure()),
+        Some(&large[..]),
+        "the failure the abandoned claim found"
+    );
 }

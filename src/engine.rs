@@ -16,7 +16,7 @@
 use std::path::Path;
 #[cfg(feature = "postgres")]
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::codec::Entries;
 use crate::embedded::expiry::Swept;
@@ -127,6 +127,42 @@ impl Engine {
             Engine::Embedded(e) => e.apply_many(ops, 0),
             #[cfg(feature = "postgres")]
             Engine::Postgres { engine, .. } => engine.apply_many(ops),
+        }
+    }
+
+    /// [`Engine::apply_many`] that a PostgreSQL store ends by `deadline`
+    /// (when before its `call_timeout`), dropping the connection past it: a
+    /// lease renewal, which must end while the lease lasts so that a retry
+    /// on another connection still can. The file engine has no network to
+    /// wait on, and no deadline.
+    #[cfg(feature = "agent")]
+    pub(crate) fn apply_many_by(
+        &self,
+        ops: Vec<(Key, Op)>,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] deadline: Instant,
+    ) -> Result<Vec<Result<Reply>>> {
+        match self {
+            Engine::Embedded(e) => e.apply_many(ops, 0),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.apply_many_by(ops, deadline),
+        }
+    }
+
+    /// [`Engine::apply_async`] under `deadline`, as [`Engine::apply_many_by`].
+    #[cfg(feature = "agent")]
+    pub(crate) async fn apply_async_by(
+        &self,
+        key: &Key,
+        op: Op,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] deadline: Instant,
+    ) -> Result<Reply> {
+        match self {
+            Engine::Embedded(e) => e.apply_async(key, op).await,
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => match engine.send_async_by(key, op, deadline)? {
+                Sent::Answered(reply) => reply,
+                Sent::Pending(answer) => answer.await,
+            },
         }
     }
 

@@ -6,24 +6,26 @@
 //! claim of the key answered "in progress" until the lease lapsed, and the
 //! next one took the key over as a takeover, in doubt, though nothing ran.
 //!
-//! The claim's future is kept instead of dropped, and before each later
-//! claim of the store every kept claim is waited for (it is in flight: a
-//! group commit or a transaction away) and the lease it acquired, if any,
-//! is given back as the claim found the key: released when the key was
-//! absent, failed retryably with its earlier failure when it had failed
-//! retryably. A takeover of a lapsed lease is left to lapse again, so that
-//! the next claim is still told that an earlier holder may have acted.
+//! The claim's future (the engine's answer to come) is kept instead of
+//! dropped. Before each later claim of the store, every kept claim is
+//! polled once, without waiting: the lease a decided one acquired is given
+//! back as the claim found the key (released when the key was absent,
+//! failed retryably with the failure it found when it had failed
+//! retryably), in one write with the other give-backs, before the claim is
+//! made. A takeover of a lapsed lease is left to lapse again, so that the
+//! next claim is still told an earlier holder may have acted. A claim not
+//! yet decided stays kept for a later claim: nobody waits for it.
 //!
 //! [`Store::claim_async`]: crate::Store::claim_async
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll, Waker};
 
 use crate::error::Result;
-use crate::record::{AcquiredFrom, ClaimOutcome, Lease};
+use crate::key::Key;
+use crate::record::{AcquiredFrom, ClaimOutcome, Lease, Op};
 
 /// A claim in flight, owned (it holds the engine and the key).
 pub(crate) type Claim = Pin<Box<dyn Future<Output = Result<ClaimOutcome>> + Send>>;
@@ -41,138 +43,64 @@ pub(crate) struct Orphans {
     count: AtomicUsize,
 }
 
-/// What to do with a lease nobody holds.
-pub(crate) enum GiveBack {
-    /// Release it: the claim found the key absent.
-    Release(Lease),
-    /// Fail it retryably with this failure, the one the claim found.
-    Fail(Lease, Vec<u8>),
-}
-
 impl Orphans {
     /// Keeps `claim`, whose caller stopped waiting for it.
     pub(crate) fn adopt(&self, claim: Claim) {
-        self.adopt_all(vec![claim]);
-    }
-
-    fn adopt_all(&self, kept: Vec<Claim>) {
-        if kept.is_empty() {
-            return;
-        }
         let mut claims = self.claims.lock();
-        claims.extend(kept);
+        claims.push(claim);
         if claims.len() > MAX_ORPHANS {
-            let over = claims.len() - MAX_ORPHANS;
-            drop(claims.drain(..over));
+            drop(claims.remove(0));
             tracing::warn!(
                 max = MAX_ORPHANS,
-                forgotten = over,
-                "too many abandoned claims in flight; the oldest are forgotten, their leases lapse"
+                "too many abandoned claims in flight; the oldest is forgotten, its lease lapses"
             );
         }
         self.count.store(claims.len(), Ordering::SeqCst);
     }
 
-    /// Takes every kept claim and waits for each to be decided (a group
-    /// commit or a transaction: the store's own latency), then tells what
-    /// to do with the leases they acquired. Dropped before that, it gives
-    /// the claims not yet decided back to be kept.
-    pub(crate) fn settle(&self) -> Settling<'_> {
-        let claims = if self.count.load(Ordering::SeqCst) == 0 {
-            Vec::new()
-        } else {
-            let mut kept = self.claims.lock();
-            self.count.store(0, Ordering::SeqCst);
-            std::mem::take(&mut *kept)
-        };
-        Settling {
-            claims,
-            leases: Vec::new(),
-            orphans: self,
-        }
-    }
-
-    /// [`Orphans::settle`], blocking the calling thread (for the sync
-    /// methods).
-    pub(crate) fn settle_blocking(&self) -> Vec<GiveBack> {
-        let mut settling = std::pin::pin!(self.settle());
-        if settling.claims.is_empty() {
+    /// Polls every kept claim once, without waiting, and returns the
+    /// writes that give back the leases the decided ones acquired (see the
+    /// module docs). Claims not yet decided stay kept.
+    pub(crate) fn collect(&self) -> Vec<(Key, Op)> {
+        if self.count.load(Ordering::SeqCst) == 0 {
             return Vec::new();
         }
-        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-        let mut cx = Context::from_waker(&waker);
-        loop {
-            if let Poll::Ready(given) = settling.as_mut().poll(&mut cx) {
-                return given;
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut leases = Vec::new();
+        let mut claims = self.claims.lock();
+        claims.retain_mut(|claim| match claim.as_mut().poll(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Ok(ClaimOutcome::Acquired(lease))) => {
+                leases.push(lease);
+                false
             }
-            std::thread::park();
-        }
+            Poll::Ready(_) => false,
+        });
+        self.count.store(claims.len(), Ordering::SeqCst);
+        drop(claims);
+        leases.into_iter().filter_map(give_back).collect()
     }
 }
 
-/// Wakes a thread blocked in [`Orphans::settle_blocking`].
-struct Unpark(std::thread::Thread);
-
-impl Wake for Unpark {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// The claims [`Orphans::settle`] took, until each is decided.
-pub(crate) struct Settling<'a> {
-    claims: Vec<Claim>,
-    leases: Vec<Lease>,
-    orphans: &'a Orphans,
-}
-
-impl Future for Settling<'_> {
-    type Output = Vec<GiveBack>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let leases = &mut this.leases;
-        this.claims
-            .retain_mut(|claim| match claim.as_mut().poll(cx) {
-                Poll::Pending => true,
-                Poll::Ready(Ok(ClaimOutcome::Acquired(lease))) => {
-                    leases.push(lease);
-                    false
-                }
-                Poll::Ready(_) => false,
-            });
-        if !this.claims.is_empty() {
-            return Poll::Pending;
-        }
-        Poll::Ready(
-            std::mem::take(&mut this.leases)
-                .into_iter()
-                .filter_map(give_back)
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Settling<'_> {
-    fn drop(&mut self) {
-        self.orphans.adopt_all(std::mem::take(&mut self.claims));
-    }
-}
-
-/// How to give `lease` back as its claim found the key; `None` for a
-/// takeover of a lapsed lease, left to lapse.
-fn give_back(lease: Lease) -> Option<GiveBack> {
-    match lease.acquired_from()? {
-        AcquiredFrom::Absent => Some(GiveBack::Release(lease)),
-        AcquiredFrom::RetryableFailure => {
-            let failure = lease
+/// The write that gives `lease` back as its claim found the key; `None`
+/// for a takeover of a lapsed lease, left to lapse. The failure given back
+/// is the one stored already, written as it is (not checked against the
+/// store's limit again).
+fn give_back(lease: Lease) -> Option<(Key, Op)> {
+    let token = lease.token();
+    let op = match lease.acquired_from()? {
+        AcquiredFrom::Absent => Op::Release { token },
+        AcquiredFrom::RetryableFailure => Op::Fail {
+            token,
+            failure: lease
                 .record()
                 .and_then(|r| r.output.clone())
-                .unwrap_or_default();
-            Some(GiveBack::Fail(lease, failure))
-        }
-        AcquiredFrom::LapsedLease => None,
-    }
+                .unwrap_or_default(),
+            retryable: true,
+        },
+        AcquiredFrom::LapsedLease => return None,
+    };
+    Some((lease.key().clone(), op))
 }
 
 /// A claim future that hands itself to [`Orphans`] when dropped before it

@@ -16,7 +16,7 @@ use crate::embedded::{self, Embedded};
 use crate::engine::{Engine, all_keys};
 use crate::error::{Error, Result};
 use crate::key::{Fingerprint, Key, check_business_key};
-use crate::orphans::{self, GiveBack, InFlight, Orphans};
+use crate::orphans::{self, InFlight, Orphans};
 use crate::record::{ClaimOutcome, Lease, Op, Record, Reply, Resolution, Sent};
 use crate::report::Progress;
 use crate::report::{CheckReport, ScrubReport};
@@ -414,17 +414,22 @@ impl Store {
     /// **A future dropped in flight** (an HTTP client that hung up, a
     /// cancelled task), after its claim was sent: the engine decides the
     /// claim all the same, and when it acquires the key nobody holds the
-    /// lease. The store keeps such a future and, before each later claim
-    /// on this store (`claim`, `claim_async`, `claim_many`, of any key),
-    /// waits for it to be decided (it is in flight: a commit away) and
-    /// gives the lease it acquired back as the claim found the key: released when the key was absent (the next claim is
-    /// a first attempt), failed retryably with the failure it found when it
-    /// had failed retryably. A takeover of a lapsed lease is left to lapse,
-    /// so that the next claim is still told that an earlier holder may have
-    /// acted. Until a later claim comes, the key answers
-    /// [`ClaimOutcome::InProgress`]; at most 4,096 such claims are kept
-    /// (past that the oldest is forgotten), and one still kept when the
-    /// store is dropped lapses as after a crash.
+    /// lease. The store keeps such a claim and, before each later claim on
+    /// this store (`claim`, `claim_async`, `claim_many`, of any key), looks
+    /// at it without waiting: once decided, the lease it acquired is given
+    /// back as the claim found the key, in one write with the other
+    /// give-backs, before that claim is made. Released when the key was
+    /// absent (the next claim is a first attempt); failed retryably with
+    /// the failure it found when it had failed retryably (the next claim is
+    /// a takeover of that failure, as it would have been); a takeover of a
+    /// lapsed lease is left to lapse, so that the next claim is still told
+    /// that an earlier holder may have acted. Until then, and for a claim
+    /// made before the abandoned one was decided, the key answers
+    /// [`ClaimOutcome::InProgress`]. At most 4,096 such claims are kept
+    /// (past that the oldest is forgotten); one still kept when the store
+    /// is dropped lapses as after a crash. A future dropped before its
+    /// claim was sent (waiting for a time reservation or for room in the
+    /// writer's queue) sent nothing.
     ///
     /// # Errors
     /// As [`Store::claim`].
@@ -451,36 +456,43 @@ impl Store {
     }
 
     /// Gives back the leases that claims acquired for callers who stopped
-    /// waiting for them (see [`Store::claim_async`]), before a claim.
+    /// waiting for them, once decided (see [`Store::claim_async`]), in one
+    /// write, before a claim.
     fn give_back_orphans(&self) {
-        for orphan in self.orphans.settle_blocking() {
-            let given = match orphan {
-                GiveBack::Release(lease) => self.release(lease),
-                GiveBack::Fail(lease, failure) => self
-                    .fail(&lease, &failure, true)
-                    .or_else(|_| self.fail(&lease, &[], true))
-                    .map(drop),
-            };
-            if let Err(error) = given {
-                tracing::warn!(%error, "an abandoned claim's lease was not given back; it lapses");
+        let ops = self.orphans.collect();
+        if ops.is_empty() {
+            return;
+        }
+        match self.engine.apply_many(ops) {
+            Ok(answers) => answers
+                .iter()
+                .filter_map(|a| a.as_ref().err())
+                .for_each(|error| {
+                    tracing::debug!(%error, "an abandoned claim's lease was not given back");
+                }),
+            Err(error) => {
+                tracing::warn!(%error, "abandoned claims' leases were not given back; they lapse");
             }
         }
     }
 
-    /// [`Store::give_back_orphans`] from async code.
+    /// [`Store::give_back_orphans`] from async code: every give-back is
+    /// sent before any is waited for (so they share a commit, and one sent
+    /// is applied even if this future is dropped).
     async fn give_back_orphans_async(&self) {
-        for orphan in self.orphans.settle().await {
-            let given = match orphan {
-                GiveBack::Release(lease) => self.release_async(lease).await,
-                GiveBack::Fail(lease, failure) => {
-                    match self.fail_async(&lease, &failure, true).await {
-                        Err(_) => self.fail_async(&lease, &[], true).await.map(drop),
-                        Ok(_) => Ok(()),
-                    }
+        let mut pending = Vec::new();
+        for (key, op) in self.orphans.collect() {
+            match self.engine.send_async(&key, op).await {
+                Ok(Sent::Pending(answer)) => pending.push(answer),
+                Ok(Sent::Answered(Ok(_))) => {}
+                Ok(Sent::Answered(Err(error))) | Err(error) => {
+                    tracing::debug!(%error, "an abandoned claim's lease was not given back");
                 }
-            };
-            if let Err(error) = given {
-                tracing::warn!(%error, "an abandoned claim's lease was not given back; it lapses");
+            }
+        }
+        for answer in pending {
+            if let Err(error) = answer.await {
+                tracing::debug!(%error, "an abandoned claim's lease was not given back");
             }
         }
     }
@@ -808,6 +820,24 @@ impl Store {
         }
         .instrument(span)
         .await
+    }
+
+    /// [`Store::extend_async`] that a PostgreSQL store ends by `deadline`
+    /// (see `Engine::apply_many_by`): `execute_async`'s lease renewals.
+    #[cfg(feature = "agent")]
+    pub(crate) async fn extend_by_async(
+        &self,
+        lease: &Lease,
+        duration: Duration,
+        deadline: std::time::Instant,
+    ) -> Result<u64> {
+        let lease_ms = check_lease("lease", duration)?;
+        let op = Op::Extend {
+            token: lease.token(),
+            lease_ms,
+        };
+        expect_record(self.engine.apply_async_by(lease.key(), op, deadline).await)
+            .map(|r| r.lease_until_ms)
     }
 
     /// Saves progress of multi-step work under `lease` (the "recovery point"
@@ -1366,9 +1396,14 @@ impl Store {
 }
 
 /// [`Store::extend`] for a batch of leases, in one write (one commit):
-/// each lease's new deadline or its error, in order.
+/// each lease's new deadline or its error, in order. A PostgreSQL store
+/// ends the write by `deadline` (see `Engine::apply_many_by`).
 #[cfg(feature = "agent")]
-fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>> {
+fn extend_many(
+    engine: &Engine,
+    leases: &[(Lease, Duration)],
+    deadline: std::time::Instant,
+) -> Vec<Result<u64>> {
     let mut checked = Vec::with_capacity(leases.len());
     let mut ops = Vec::with_capacity(leases.len());
     for (lease, duration) in leases {
@@ -1384,7 +1419,7 @@ fn extend_many(engine: &Engine, leases: &[(Lease, Duration)]) -> Vec<Result<u64>
             Err(e) => checked.push(Err(e)),
         }
     }
-    let mut applied = match engine.apply_many(ops) {
+    let mut applied = match engine.apply_many_by(ops, deadline) {
         Ok(replies) => replies.into_iter(),
         // The write failed for every lease; `Error` is not `Clone`, so
         // each gets the same kind of error, with its message.

@@ -1667,9 +1667,9 @@ async fn a_408_from_a_timeout_inside_the_layer_is_retried_as_a_takeover() {
 }
 
 /// A request dropped while its claim is in flight (the client hung up;
-/// hyper drops the response future) leaves no key held by nobody: the
-/// retry runs the handler at once, as a first attempt, not 409 for the
-/// lease's length and then a takeover.
+/// hyper drops the response future) leaves no key held by nobody: once
+/// that claim is decided, the retry runs the handler at once, as a first
+/// attempt, not 409 for the lease's length and then a takeover.
 #[tokio::test]
 async fn a_request_dropped_during_its_claim_leaves_the_key_free() {
     let (_d, store, _c) = manual_store();
@@ -1683,6 +1683,17 @@ async fn a_request_dropped_during_its_claim_leaves_the_key_free() {
         "the claim is in flight"
     );
     drop(first);
+    // The abandoned claim is decided (the key shows as held); a hang
+    // guard, not a timing assertion.
+    let key = Key::new("POST /tickets", "k").unwrap();
+    let guard = std::time::Instant::now() + Duration::from_secs(60);
+    while store.get(&key).unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < guard,
+            "the claim was never decided"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
     let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
     assert_eq!(code, 201, "{headers:?}");
     assert_eq!(runs.count(), 1);

@@ -800,3 +800,169 @@ fn a_sync_callers_direct_connection_closes_when_idle_too() {
             .await;
     });
 }
+
+/// A lease renewal sent on a connection that went half-open (a NAT or
+/// load-balancer entry dropped: new connections work) ends while the
+/// lease lasts, and is retried on another connection: `execute`'s work,
+/// longer than its lease, keeps the key (another caller never takes it
+/// over), sync and async, while the work runs and while its outcome is
+/// written. (The renewal waited `call_timeout`, longer than the lease;
+/// another caller took the key over while the work ran.)
+#[cfg(feature = "agent")]
+#[test]
+fn a_renewal_on_a_half_open_connection_is_retried_while_the_lease_lasts() {
+    for asynchronous in [false, true] {
+        renew_past_a_half_open_connection(asynchronous);
+    }
+}
+
+#[cfg(feature = "agent")]
+fn renew_past_a_half_open_connection(asynchronous: bool) {
+    use idemstore::agent::{ExecuteOptions, Failure, Origin};
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    const LEASE: Duration = Duration::from_secs(3);
+    const WORK: Duration = Duration::from_secs(5);
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_renewal");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut limits = PostgresLimits::default();
+    // Longer than the lease, as the defaults are (30 s each).
+    limits.call_timeout = Duration::from_secs(5);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_limits(limits)
+        .lease(LEASE)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config.clone()).expect("connect"));
+    let other = Store::connect(&url, config).expect("connect");
+    let key = key(if asynchronous {
+        "renew-async"
+    } else {
+        "renew-sync"
+    });
+    let started = Arc::new(AtomicBool::new(false));
+    let runner = {
+        let (store, key, started) = (store.clone(), key.clone(), started.clone());
+        std::thread::spawn(move || {
+            let options = ExecuteOptions::new();
+            let work = |_: &idemstore::Lease| {
+                started.store(true, Ordering::SeqCst);
+                std::thread::sleep(WORK);
+                Ok::<_, Failure<String>>("done".to_string())
+            };
+            let executed = if asynchronous {
+                // Work that awaits (never blocks its thread, whose task
+                // renews the lease too).
+                futures_lite::future::block_on(store.execute_async(
+                    &key,
+                    &fp(),
+                    options,
+                    async |_: &idemstore::Lease| {
+                        started.store(true, Ordering::SeqCst);
+                        futures_timer::Delay::new(WORK).await;
+                        Ok::<_, Failure<String>>("done".to_string())
+                    },
+                ))
+            } else {
+                store.execute(&key, &fp(), options, work)
+            };
+            executed.map(|e| e.origin()).map_err(|e| e.to_string())
+        })
+    };
+    while !started.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // After the first renewal (a third of the lease), every connection the
+    // store has goes half-open.
+    std::thread::sleep(LEASE / 3 + LEASE / 10);
+    proxy.pause_existing();
+    let mut taken_over = false;
+    while !runner.is_finished() {
+        if let Ok(ClaimOutcome::Acquired(_)) = other.claim(&key, &fp(), &ClaimOptions::new()) {
+            taken_over = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let executed = runner.join().expect("runner");
+    assert!(
+        !taken_over,
+        "async {asynchronous}: the key was taken over while the work ran ({executed:?})"
+    );
+    // The work ran once. Its completion may have gone out on a connection
+    // that went half-open too (the sync caller's direct one), which
+    // answers nothing until `call_timeout`: then its outcome is unknown
+    // (`OutcomeUnknown`), and the lease was kept alive until then.
+    match executed {
+        Ok(Origin::Ran) => {
+            let record = other.get(&key).expect("get").expect("recorded");
+            assert_eq!(record.state(), State::Succeeded);
+        }
+        Err(e) if e.contains("outcome of the request is unknown") => {}
+        other => panic!("async {asynchronous}: {other:?}"),
+    }
+}
+
+/// A claim abandoned while it waits on a row lock (a caller's
+/// `complete_in` transaction) holds no claim of another key: the store
+/// keeps it without waiting for it (a later claim gives its lease back
+/// once it is decided).
+#[test]
+fn an_abandoned_claim_on_a_locked_row_holds_no_claim_of_another_key() {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_abandoned");
+    // The abandoned claim may wait on the lock for 10 minutes, far past
+    // the hang guard (60 s) that bounds the claim of another key.
+    let mut limits = PostgresLimits::default();
+    limits.lock_timeout = Duration::from_secs(600);
+    limits.statement_timeout = Duration::from_secs(660);
+    limits.call_timeout = Duration::from_secs(660);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(4)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&url, config).expect("connect"));
+    // `held` failed retryably: its next claim writes its row.
+    let lease = match claim(&store, "held") {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("{other:?}"),
+    };
+    store.fail(&lease, b"boom", true).expect("fail");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (mut client, connection) = rt
+        .block_on(tokio_postgres::connect(&url, NoTls))
+        .expect("connect");
+    rt.spawn(connection);
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    rt.block_on(tx.execute(
+        &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),
+        &[],
+    ))
+    .expect("lock the rows");
+    // The retry of `held` is sent, waits on the lock, and its client
+    // hangs up.
+    {
+        let (k, f, options) = (key("held"), fp(), ClaimOptions::new());
+        let mut abandoned = Box::pin(store.claim_async(&k, &f, &options));
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(abandoned.as_mut().poll(&mut cx).is_pending());
+    }
+    let answer = guarded("a claim of another key", {
+        let store = Arc::clone(&store);
+        move || claim(&store, "free")
+    });
+    rt.block_on(tx.rollback()).expect("rollback");
+    assert!(
+        matches!(answer, Ok(ClaimOutcome::Acquired(_))),
+        "{answer:?}"
+    );
+}

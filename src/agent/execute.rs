@@ -504,7 +504,11 @@ impl Store {
     /// then refused with [`Error::StaleLease`]. A renewal that could not
     /// reach the store or lost its answer ([`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`]) is tried again a third of the period
-    /// later, until one is answered. The
+    /// later, until one is answered. Renewals go on until the outcome is
+    /// recorded, and each must end by half the time left of the lease (at
+    /// least a third of the period): on PostgreSQL a connection that has
+    /// not answered by then is dropped, so that the retry runs on another
+    /// (a half-open connection answers nothing until `call_timeout`). The
     /// value must serialize to at most the store's `max_result_bytes`, a
     /// failure to `max_failure_bytes`.
     ///
@@ -606,7 +610,10 @@ impl Store {
         } else {
             InDoubt::Rerun
         };
-        let stage = match policy {
+        // The lease is kept alive until the outcome is recorded: a write
+        // that waits (a connection gone half-open) must not let another
+        // caller take the key over meanwhile.
+        let (stage, kept) = match policy {
             InDoubt::Refuse => return Err(ExecuteError::InDoubt { lease }),
             InDoubt::Rerun => keep_alive(self, &lease, || Stage::Ran(work(&lease)))?,
             InDoubt::Probe(probe) => keep_alive(self, &lease, || match probe.probe(&lease) {
@@ -624,6 +631,7 @@ impl Store {
             Write::Fail(bytes, false) => self.fail(&record.lease, bytes, false).map(drop),
             Write::None => Ok(()),
         };
+        drop(kept);
         record.finish(self, done)
     }
 
@@ -717,35 +725,39 @@ impl Store {
         } else {
             InDoubt::Rerun
         };
-        let stage = match policy {
-            InDoubt::Refuse => return Err(ExecuteError::InDoubt { lease }),
-            InDoubt::Rerun => {
-                keep_alive_async(self, &lease, async { Stage::Ran(work(&lease).await) }).await
-            }
-            InDoubt::Probe(probe) => {
-                keep_alive_async(self, &lease, async {
-                    match probe.probe(&lease).await {
-                        Ok(Some(value)) => Stage::Recovered(value),
-                        Ok(None) => Stage::Ran(work(&lease).await),
-                        Err(error) => Stage::ProbeFailed(error),
-                    }
-                })
-                .await
-            }
+        if matches!(policy, InDoubt::Refuse) {
+            return Err(ExecuteError::InDoubt { lease });
+        }
+        // The lease is kept alive until the outcome is recorded (a write
+        // that waits on a connection gone half-open must not let another
+        // caller take the key over meanwhile), by renewals of a copy of
+        // it: the lease itself goes into the record.
+        let renewed = Lease::from_parts(lease.key().clone(), lease.token());
+        let length = lease_length(&lease);
+        let run_and_record = async move {
+            let stage = match policy {
+                InDoubt::Probe(probe) => match probe.probe(&lease).await {
+                    Ok(Some(value)) => Stage::Recovered(value),
+                    Ok(None) => Stage::Ran(work(&lease).await),
+                    Err(error) => Stage::ProbeFailed(error),
+                },
+                _ => Stage::Ran(work(&lease).await),
+            };
+            let record = Recorder::new(lease, in_doubt, stage)?;
+            let done = match &record.write {
+                Write::Complete(bytes) => self.complete_async(&record.lease, bytes).await.map(drop),
+                Write::Fail(bytes, true) => self
+                    .fail_async(&record.lease, self.kept_retryable_failure(bytes), true)
+                    .await
+                    .map(drop),
+                Write::Fail(bytes, false) => {
+                    self.fail_async(&record.lease, bytes, false).await.map(drop)
+                }
+                Write::None => Ok(()),
+            };
+            record.finish(self, done)
         };
-        let record = Recorder::new(lease, in_doubt, stage)?;
-        let done = match &record.write {
-            Write::Complete(bytes) => self.complete_async(&record.lease, bytes).await.map(drop),
-            Write::Fail(bytes, true) => self
-                .fail_async(&record.lease, self.kept_retryable_failure(bytes), true)
-                .await
-                .map(drop),
-            Write::Fail(bytes, false) => {
-                self.fail_async(&record.lease, bytes, false).await.map(drop)
-            }
-            Write::None => Ok(()),
-        };
-        record.finish(self, done)
+        keep_alive_async(self, &renewed, length, run_and_record).await
     }
 }
 
@@ -1015,19 +1027,23 @@ fn lease_length(lease: &Lease) -> Duration {
 }
 
 /// Runs `f` while the store's extender (one thread per `Store`, shared by
-/// every call in flight) extends `lease` every third of its length. The
-/// lease is deregistered when `f` returns or unwinds, before the outcome is
-/// recorded; a renewal under way is waited for, and none follows.
+/// every call in flight) extends `lease` every third of its length, and
+/// returns the registration that goes on extending it: dropped once the
+/// outcome is recorded (or when `f` unwinds), it waits for a renewal under
+/// way, and none follows.
 ///
 /// # Errors
 /// [`Error::Storage`] when the extender's thread cannot be started; `f`
 /// does not run then, and the record stays in progress under `lease` (as
 /// after a crash: in doubt once the lease lapses).
-fn keep_alive<R>(store: &Store, lease: &Lease, f: impl FnOnce() -> R) -> Result<R, Error> {
+fn keep_alive<R>(
+    store: &Store,
+    lease: &Lease,
+    f: impl FnOnce() -> R,
+) -> Result<(R, super::extender::Registration), Error> {
     let registration = store.extender.register(lease, lease_length(lease))?;
     let out = f();
-    drop(registration);
-    Ok(out)
+    Ok((out, registration))
 }
 
 /// Runs `work` beside a future that extends `lease` every third of its
@@ -1037,31 +1053,42 @@ fn keep_alive<R>(store: &Store, lease: &Lease, f: impl FnOnce() -> R) -> Result<
 /// one is answered; after any other failure the lease is not renewed
 /// again (recording the outcome then fails as the docs of
 /// [`Store::execute_async`] say).
-async fn keep_alive_async<R>(store: &Store, lease: &Lease, work: impl Future<Output = R>) -> R {
-    let length = lease_length(lease);
-    renewing(
-        lease.key(),
-        super::extender::period_of(length),
-        work,
-        || store.extend_async(lease, length),
-    )
+async fn keep_alive_async<R>(
+    store: &Store,
+    lease: &Lease,
+    length: Duration,
+    work: impl Future<Output = R>,
+) -> R {
+    renewing(lease.key(), length, work, |deadline| {
+        store.extend_by_async(lease, length, deadline)
+    })
     .await
 }
 
-/// Runs `work` beside a loop that calls `renew` every `period` on the
-/// extender's schedule, until `work` is done (see [`keep_alive_async`]).
+/// Runs `work` beside a loop that calls `renew` every third of `length` on
+/// the extender's schedule, until `work` is done (see
+/// [`keep_alive_async`]); each renewal is given the extender's deadline
+/// ([`renewal_deadline`](super::extender::renewal_deadline)).
 async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
     key: &Key,
-    period: Duration,
+    length: Duration,
     work: impl Future<Output = R>,
-    mut renew: impl FnMut() -> F,
+    mut renew: impl FnMut(Instant) -> F,
 ) -> R {
+    let period = super::extender::period_of(length);
     let keep = async {
         let mut wait = period;
         let mut unreachable = false;
+        let start = Instant::now();
+        let mut expires = start.checked_add(length).unwrap_or(start);
         loop {
             futures_timer::Delay::new(wait).await;
-            let result = renew().await;
+            let sent = Instant::now();
+            let deadline = super::extender::renewal_deadline(sent, expires, period);
+            let result = renew(deadline).await;
+            if result.is_ok() {
+                expires = sent.checked_add(length).unwrap_or(sent);
+            }
             match super::extender::after_renewal(key, period, &result, &mut unreachable) {
                 Some(after) => wait = after,
                 None => break,
@@ -1087,7 +1114,7 @@ mod tests {
     fn an_async_renewal_that_did_not_reach_the_store_is_tried_again() {
         let tries = AtomicUsize::new(0);
         let key = Key::new("t", "renewals").expect("key");
-        let renew = || {
+        let renew = |_deadline: Instant| {
             let n = tries.fetch_add(1, Ordering::SeqCst) + 1;
             async move {
                 if n <= 2 {
@@ -1112,7 +1139,8 @@ mod tests {
             );
         };
         futures_lite::future::block_on(futures_lite::future::or(
-            renewing(&key, Duration::from_millis(3), work, renew),
+            // A lease of 9 ms: renewed every 3 ms.
+            renewing(&key, Duration::from_millis(9), work, renew),
             guard,
         ));
     }

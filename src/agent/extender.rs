@@ -23,7 +23,12 @@
 //!   still the call's: it is tried again a third of the period later (at
 //!   least 1 ms), and so on until a renewal is answered (an extension of a
 //!   lapsed lease that nobody took over succeeds, as
-//!   [`Store::extend`](crate::Store::extend) says).
+//!   [`Store::extend`](crate::Store::extend) says). Each renewal has a
+//!   deadline, half the time left of the lease (at least a third of the
+//!   period, see [`renewal_deadline`]): a PostgreSQL store drops a
+//!   connection that has not answered by then (a half-open one answers
+//!   nothing until `call_timeout`, longer than the lease may be), so the
+//!   retry runs on another connection while the lease lasts.
 //! - **Deregistration** waits while a renewal of that lease is under way
 //!   (until the batch it is in is answered: one group commit, as a rule)
 //!   and removes it, so no lease is ever
@@ -43,9 +48,10 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::error::Error;
 use crate::record::Lease;
 
-/// Renews many leases at once, each by its duration: one answer per lease,
-/// in order (the new lease deadline in ms since the epoch, or why not).
-type Renew = dyn Fn(&[(Lease, Duration)]) -> Vec<Result<u64, Error>> + Send + Sync;
+/// Renews many leases at once, each by its duration, ending by the
+/// deadline (see [`renewal_deadline`]): one answer per lease, in order (the
+/// new lease deadline in ms since the epoch, or why not).
+type Renew = dyn Fn(&[(Lease, Duration)], Instant) -> Vec<Result<u64, Error>> + Send + Sync;
 
 /// The shortest renewal period: leases of under 3 ms are renewed every
 /// millisecond.
@@ -101,6 +107,9 @@ struct Entry {
     in_flight: bool,
     /// Its last renewal did not reach the store (warned once per run).
     unreachable: bool,
+    /// When the lease ends at the earliest, as far as this thread knows:
+    /// `length` after the registration, then after each renewal was sent.
+    expires: Instant,
 }
 
 impl Extender {
@@ -112,11 +121,11 @@ impl Extender {
     pub(crate) fn new<T, F>(target: &Arc<T>, renew: F) -> Extender
     where
         T: Send + Sync + 'static,
-        F: Fn(&T, &[(Lease, Duration)]) -> Vec<Result<u64, Error>> + Send + Sync + 'static,
+        F: Fn(&T, &[(Lease, Duration)], Instant) -> Vec<Result<u64, Error>> + Send + Sync + 'static,
     {
         let weak: Weak<T> = Arc::downgrade(target);
-        let renew = move |leases: &[(Lease, Duration)]| match weak.upgrade() {
-            Some(target) => renew(&target, leases),
+        let renew = move |leases: &[(Lease, Duration)], deadline: Instant| match weak.upgrade() {
+            Some(target) => renew(&target, leases, deadline),
             None => leases.iter().map(|_| Err(Error::Closed)).collect(),
         };
         Extender {
@@ -156,6 +165,7 @@ impl Extender {
                 due: Some(due),
                 in_flight: false,
                 unreachable: false,
+                expires: now.checked_add(length).unwrap_or(now),
             },
         );
         let earliest = state.due.first().is_none_or(|&(first, _)| due < first);
@@ -257,8 +267,15 @@ fn run(shared: &Shared, renew: &Renew) {
             .iter()
             .map(|(_, lease, d)| (lease.clone(), *d))
             .collect();
-        let results = MutexGuard::unlocked(&mut state, || renew(&leases));
-        settle(&mut state, &batch, results, Instant::now());
+        let sent = Instant::now();
+        let deadline = batch
+            .iter()
+            .filter_map(|(id, _, _)| state.entries.get(id))
+            .map(|e| renewal_deadline(sent, e.expires, e.period))
+            .min()
+            .unwrap_or(sent);
+        let results = MutexGuard::unlocked(&mut state, || renew(&leases, deadline));
+        settle(&mut state, &batch, results, sent, Instant::now());
         shared.settled.notify_all();
     }
 }
@@ -294,6 +311,19 @@ pub(crate) fn next_renewal<T>(period: Duration, result: &Result<T, Error>) -> Op
         Err(Error::Unavailable { .. } | Error::OutcomeUnknown { .. }) => Some(period_of(period)),
         Err(_) => None,
     }
+}
+
+/// The deadline of a renewal sent at `now` of a lease that ends at
+/// `expires` at the earliest and is renewed every `period`: half the time
+/// left of the lease, at least a third of the period. A PostgreSQL store
+/// drops the connection of a renewal past its deadline (a half-open
+/// connection answers nothing until `call_timeout`, which may be longer
+/// than the lease), so that the retry, a third of the period later, runs
+/// on another connection while the lease still lasts.
+pub(crate) fn renewal_deadline(now: Instant, expires: Instant, period: Duration) -> Instant {
+    let left = expires.saturating_duration_since(now);
+    let budget = (left / 2).max(period / 3);
+    now.checked_add(budget).unwrap_or(now)
 }
 
 /// The period a lease of `length` is renewed at: a third of it, at least
@@ -338,6 +368,7 @@ fn settle(
     state: &mut State,
     batch: &[(u64, Lease, Duration)],
     results: Vec<Result<u64, Error>>,
+    sent: Instant,
     now: Instant,
 ) {
     let mut results = results.into_iter();
@@ -349,6 +380,9 @@ fn settle(
             continue;
         };
         entry.in_flight = false;
+        if result.is_ok() {
+            entry.expires = sent.checked_add(entry.length).unwrap_or(sent);
+        }
         let next = after_renewal(lease.key(), entry.period, &result, &mut entry.unreachable);
         if let Some(after) = next {
             let due = now.checked_add(after).unwrap_or(now);
@@ -382,33 +416,36 @@ mod tests {
     }
 
     fn extender(fake: &Arc<Fake>) -> Extender {
-        Extender::new(fake, |fake: &Fake, leases: &[(Lease, Duration)]| {
-            if fake.slow.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            leases
-                .iter()
-                .map(|(lease, _)| {
-                    *fake.renewed.lock().entry(lease.token()).or_default() += 1;
-                    if let Some(left) = fake.unreachable.lock().get_mut(&lease.token())
-                        && *left > 0
-                    {
-                        *left -= 1;
-                        return Err(Error::Unavailable {
-                            detail: "the server cannot be reached".into(),
-                        });
-                    }
-                    if fake.failing.lock().contains(&lease.token()) {
-                        Err(Error::StaleLease {
-                            key: lease.key().to_string(),
-                            token: lease.token(),
-                        })
-                    } else {
-                        Ok(0)
-                    }
-                })
-                .collect()
-        })
+        Extender::new(
+            fake,
+            |fake: &Fake, leases: &[(Lease, Duration)], _: Instant| {
+                if fake.slow.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                leases
+                    .iter()
+                    .map(|(lease, _)| {
+                        *fake.renewed.lock().entry(lease.token()).or_default() += 1;
+                        if let Some(left) = fake.unreachable.lock().get_mut(&lease.token())
+                            && *left > 0
+                        {
+                            *left -= 1;
+                            return Err(Error::Unavailable {
+                                detail: "the server cannot be reached".into(),
+                            });
+                        }
+                        if fake.failing.lock().contains(&lease.token()) {
+                            Err(Error::StaleLease {
+                                key: lease.key().to_string(),
+                                token: lease.token(),
+                            })
+                        } else {
+                            Ok(0)
+                        }
+                    })
+                    .collect()
+            },
+        )
     }
 
     fn lease(token: u64) -> Lease {
@@ -488,13 +525,32 @@ mod tests {
         drop(fine);
     }
 
+    /// A renewal ends by half the time left of its lease, and never in
+    /// less than a third of the renewal period (a lapsed lease's renewal
+    /// may still succeed, if nobody took the key over).
+    #[test]
+    fn a_renewal_ends_while_its_lease_lasts() {
+        let now = Instant::now();
+        let period = Duration::from_secs(10);
+        let at = |d: Duration| now + d;
+        assert_eq!(
+            renewal_deadline(now, at(Duration::from_secs(20)), period),
+            at(Duration::from_secs(10))
+        );
+        assert_eq!(
+            renewal_deadline(now, at(Duration::from_secs(4)), period),
+            at(period / 3)
+        );
+        assert_eq!(renewal_deadline(now, now, period), at(period / 3));
+    }
+
     #[test]
     fn renewals_fail_closed_once_the_target_is_gone() {
         let fake = Arc::new(Fake::default());
         let ext = extender(&fake);
         drop(fake);
         let renew = ext.renew.clone();
-        let answers = renew(&[(lease(1), Duration::from_millis(5))]);
+        let answers = renew(&[(lease(1), Duration::from_millis(5))], Instant::now());
         assert!(matches!(answers.as_slice(), [Err(Error::Closed)]));
     }
 }

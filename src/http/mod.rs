@@ -94,7 +94,7 @@
 //! | a release status or `NoEffect` on a takeover ([`IdempotencyContext::is_takeover`]), or after this attempt saved a recovery point | retryable failure: an attempt acted, or may have | runs the handler again, as a takeover |
 //! | stored form over [`max_response_bytes`](IdempotencyLayer::max_response_bytes) or the store's limit | finished with a marker: the effect happened | `410 Gone` naming the original status and `location` |
 //! | body fails halfway, or the client goes away | retryable failure | takeover: the handler looks its effect up |
-//! | the client goes away while the claim is in flight, before the handler ran | given back before the store's next claim (see [`Store::claim_async`](crate::Store::claim_async)) | a first attempt |
+//! | the client goes away while the claim is in flight, before the handler ran | given back, once decided, before the store's next claim (see [`Store::claim_async`](crate::Store::claim_async)) | as the claim found the key: a first attempt when it was absent |
 //!
 //! The response is returned as soon as the handler returns it and its body
 //! streams to the client while a copy is kept; the lease is extended while

@@ -3500,13 +3500,22 @@ impl Postgres {
     /// The first half of [`Postgres::apply_async`]: the request sent to a
     /// connection, its answer to come from the returned future.
     pub(crate) fn send_async(&self, key: &Key, op: Op) -> Result<Sent> {
+        self.send_async_by(key, op, self.deadline())
+    }
+
+    /// [`Postgres::send_async`] under `deadline` when it comes before
+    /// `call_timeout` from now (see [`Postgres::apply_many_by`]).
+    pub(crate) fn send_async_by(&self, key: &Key, op: Op, deadline: Instant) -> Result<Sent> {
         let (tx, rx) = oneshot::channel();
-        self.send(Job::Apply {
-            key: key.clone(),
-            op,
-            hot: true,
-            reply: tx,
-        })?;
+        self.send_by(
+            Job::Apply {
+                key: key.clone(),
+                op,
+                hot: true,
+                reply: tx,
+            },
+            deadline.min(self.deadline()),
+        )?;
         Ok(Sent::Pending(Box::pin(async move {
             rx.await.map_err(|_| Error::Closed)?
         })))
@@ -3515,10 +3524,22 @@ impl Postgres {
     /// Applies `ops` in one transaction of their own, each decided on its
     /// own in input order (a later request on a key sees an earlier one).
     pub(crate) fn apply_many(&self, ops: Vec<(Key, Op)>) -> Result<Vec<Result<Reply>>> {
+        self.apply_many_by(ops, self.deadline())
+    }
+
+    /// [`Postgres::apply_many`] under `deadline` when it comes before
+    /// `call_timeout` from now (a lease renewal, which must end while the
+    /// lease lasts): past it the connection is dropped, so that a retry
+    /// runs on another.
+    pub(crate) fn apply_many_by(
+        &self,
+        ops: Vec<(Key, Op)>,
+        deadline: Instant,
+    ) -> Result<Vec<Result<Reply>>> {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
-        self.ask(|reply| Job::Many {
+        self.ask_by(deadline.min(self.deadline()), |reply| Job::Many {
             ops,
             token_floor: None,
             reply,

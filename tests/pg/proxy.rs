@@ -10,13 +10,16 @@
 //!   its answer lost; [`Proxy::lose_answer_to`] does the same from the
 //!   message that contains the pattern itself (a statement sent whole, in
 //!   one flight);
+//! - [`Proxy::pause_existing`] does what a pause does to the connections
+//!   open at the call only (a NAT or load-balancer entry dropped: those go
+//!   half-open, while new connections work);
 //! - [`Proxy::hold_answers_after`] forwards everything the client sends,
 //!   and from the client chunk that contains a pattern on holds the
 //!   server's answers (nothing closed) until [`Proxy::resume`].
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -47,13 +50,18 @@ struct State {
     /// server's way to the client's: round trips (one connection at a
     /// time).
     turns: Mutex<(bool, u64)>,
+    /// Connections accepted so far (each one's number is its order).
+    accepted: AtomicU64,
+    /// Connections numbered below this are paused for good.
+    dead_below: AtomicU64,
 }
 
 impl State {
-    /// Blocks while forwarding is paused.
-    fn wait_unpaused(&self) {
+    /// Blocks while forwarding is paused, and for good on connection `id`
+    /// once [`Proxy::pause_existing`] covered it.
+    fn wait_unpaused(&self, id: u64) {
         let mut paused = self.paused.lock().expect("proxy lock");
-        while *paused {
+        while *paused || id < self.dead_below.load(Ordering::SeqCst) {
             paused = self.wake.wait(paused).expect("proxy lock");
         }
     }
@@ -81,7 +89,8 @@ impl Proxy {
                 };
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
-                spawn_pumps(client, server, Arc::clone(&shared));
+                let id = shared.accepted.fetch_add(1, Ordering::SeqCst);
+                spawn_pumps(client, server, Arc::clone(&shared), id);
             }
         });
         Proxy { addr, state }
@@ -95,6 +104,13 @@ impl Proxy {
     /// Stops forwarding (both ways) without closing any connection.
     pub fn pause(&self) {
         *self.state.paused.lock().expect("proxy lock") = true;
+    }
+
+    /// Stops forwarding (both ways, for good) on every connection open
+    /// now, without closing any; connections opened later are forwarded.
+    pub fn pause_existing(&self) {
+        let open = self.state.accepted.load(Ordering::SeqCst);
+        self.state.dead_below.store(open, Ordering::SeqCst);
     }
 
     /// Forwards again what was held and what comes (ends a pause and a
@@ -147,16 +163,16 @@ impl Proxy {
     }
 }
 
-fn spawn_pumps(client: TcpStream, server: TcpStream, state: Arc<State>) {
+fn spawn_pumps(client: TcpStream, server: TcpStream, state: Arc<State>, id: u64) {
     let (Ok(c2), Ok(s2)) = (client.try_clone(), server.try_clone()) else {
         return;
     };
     let up = Arc::clone(&state);
-    std::thread::spawn(move || client_to_server(client, server, &up));
-    std::thread::spawn(move || server_to_client(s2, c2, &state));
+    std::thread::spawn(move || client_to_server(client, server, &up, id));
+    std::thread::spawn(move || server_to_client(s2, c2, &state, id));
 }
 
-fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State) {
+fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State, id: u64) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut armed_seen = false;
     loop {
@@ -164,7 +180,7 @@ fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State)
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        state.wait_unpaused();
+        state.wait_unpaused(id);
         let chunk = &buf[..n];
         if armed_seen && !state.cut.load(Ordering::SeqCst) {
             *state.cut_chunk_type.lock().expect("proxy lock") = chunk.first().copied();
@@ -196,14 +212,14 @@ fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State)
     let _ = server.shutdown(Shutdown::Write);
 }
 
-fn server_to_client(mut server: TcpStream, mut client: TcpStream, state: &State) {
+fn server_to_client(mut server: TcpStream, mut client: TcpStream, state: &State, id: u64) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match server.read(&mut buf) {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        state.wait_unpaused();
+        state.wait_unpaused(id);
         while *state.holding.lock().expect("proxy lock") {
             std::thread::sleep(Duration::from_millis(5));
         }
