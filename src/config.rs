@@ -692,9 +692,16 @@ impl Config {
     /// `export` alone takes the time bound found on disk, so that a backup
     /// leaves out no record live for the service), and writes back the
     /// time bounds it found, recording no verification time either: the
-    /// next open starts where it would have without this one. Recovery still runs: an open
-    /// after a crash replays the write-ahead log into the index and takes
-    /// a checkpoint, as any open does.
+    /// next open starts where it would have without this one.
+    ///
+    /// It is still an open of the file, not a mount of it: it takes the
+    /// store's exclusive lock ([`Error::AlreadyOpen`] while a service has
+    /// it) and needs write access. Recovery runs: an open after a crash
+    /// replays the write-ahead log into the index and takes a checkpoint,
+    /// and a missing log (a store copied without it) is created, as any
+    /// open does. A store of an older format is migrated to this version's
+    /// (its layout, not its time), after which an older idemstore no
+    /// longer opens it.
     ///
     /// The store must exist: [`Store::open_with`](crate::Store::open_with)
     /// answers [`Error::Missing`] for a missing file rather than create

@@ -16,7 +16,7 @@
 use std::path::Path;
 #[cfg(feature = "postgres")]
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::codec::Entries;
 use crate::embedded::expiry::Swept;
@@ -139,7 +139,8 @@ impl Engine {
     pub(crate) fn apply_many_by(
         &self,
         ops: Vec<(Key, Op)>,
-        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] deadline: Instant,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+        deadline: std::time::Instant,
     ) -> Result<Vec<Result<Reply>>> {
         match self {
             Engine::Embedded(e) => e.apply_many(ops, 0),
@@ -154,7 +155,8 @@ impl Engine {
         &self,
         key: &Key,
         op: Op,
-        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))] deadline: Instant,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+        deadline: std::time::Instant,
     ) -> Result<Reply> {
         match self {
             Engine::Embedded(e) => e.apply_async(key, op).await,
@@ -167,8 +169,7 @@ impl Engine {
     }
 
     /// Queues `op` without waiting for its answer (a best-effort write
-    /// whose caller has gone).
-    #[cfg(feature = "http")]
+    /// whose caller has gone, or a lease given back).
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
         match self {
             Engine::Embedded(e) => e.apply_detached(key, op),

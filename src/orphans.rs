@@ -11,9 +11,10 @@
 //! polled once, without waiting: the lease a decided one acquired is given
 //! back as the claim found the key (released when the key was absent,
 //! failed retryably with the failure it found when it had failed
-//! retryably), in one write with the other give-backs, before the claim is
-//! made. A takeover of a lapsed lease is left to lapse again, so that the
-//! next claim is still told an earlier holder may have acted. A claim not
+//! retryably), before the claim is made: waited for when it is the key
+//! being claimed, queued without waiting otherwise. A takeover of a lapsed
+//! lease is left to lapse again, so that the next claim is still told an
+//! earlier holder may have acted. A claim not
 //! yet decided stays kept for a later claim: nobody waits for it.
 //!
 //! [`Store::claim_async`]: crate::Store::claim_async

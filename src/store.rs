@@ -397,7 +397,7 @@ impl Store {
         let _span =
             tracing::debug_span!("idemstore.claim", scope = key.scope(), id = key.id()).entered();
         let op = self.claim_op(fingerprint, options)?;
-        self.give_back_orphans();
+        self.give_back_orphans(&[key]);
         expect_claim(self.engine.apply(key, op))
     }
 
@@ -417,19 +417,22 @@ impl Store {
     /// lease. The store keeps such a claim and, before each later claim on
     /// this store (`claim`, `claim_async`, `claim_many`, of any key), looks
     /// at it without waiting: once decided, the lease it acquired is given
-    /// back as the claim found the key, in one write with the other
-    /// give-backs, before that claim is made. Released when the key was
-    /// absent (the next claim is a first attempt); failed retryably with
-    /// the failure it found when it had failed retryably (the next claim is
-    /// a takeover of that failure, as it would have been); a takeover of a
-    /// lapsed lease is left to lapse, so that the next claim is still told
-    /// that an earlier holder may have acted. Until then, and for a claim
-    /// made before the abandoned one was decided, the key answers
-    /// [`ClaimOutcome::InProgress`]. At most 4,096 such claims are kept
-    /// (past that the oldest is forgotten); one still kept when the store
-    /// is dropped lapses as after a crash. A future dropped before its
-    /// claim was sent (waiting for a time reservation or for room in the
-    /// writer's queue) sent nothing.
+    /// back as the claim found the key, before that claim is made (the
+    /// give-back of a key being claimed is waited for; those of other keys
+    /// are queued, each a write of its own, and not waited for). Released
+    /// when the key was absent (the next claim is a first attempt); failed
+    /// retryably with the failure it found when it had failed retryably
+    /// (the next claim is a takeover of that failure, as it would have
+    /// been; the record's acquisitions count the abandoned claim). A
+    /// takeover of a lapsed lease is left to lapse, so that the next claim
+    /// is still told that an earlier holder may have acted, and so is a
+    /// claim whose answer was lost (`OutcomeUnknown`). Until the lease is
+    /// given back, the key answers [`ClaimOutcome::InProgress`]: to a claim
+    /// made before the abandoned one was decided, or beside its give-back.
+    /// At most 4,096 such claims are kept (past that the oldest is
+    /// forgotten); one still kept when the store is dropped lapses as after
+    /// a crash. A future dropped before its claim was sent (waiting for a
+    /// time reservation or for room in the writer's queue) sent nothing.
     ///
     /// # Errors
     /// As [`Store::claim`].
@@ -442,7 +445,7 @@ impl Store {
         let span = tracing::debug_span!("idemstore.claim", scope = key.scope(), id = key.id());
         async move {
             let op = self.claim_op(fingerprint, options)?;
-            self.give_back_orphans_async().await;
+            self.give_back_orphans_async(key).await;
             match self.engine.send_async(key, op).await? {
                 Sent::Answered(reply) => expect_claim(reply),
                 Sent::Pending(answer) => {
@@ -456,44 +459,37 @@ impl Store {
     }
 
     /// Gives back the leases that claims acquired for callers who stopped
-    /// waiting for them, once decided (see [`Store::claim_async`]), in one
-    /// write, before a claim.
-    fn give_back_orphans(&self) {
-        let ops = self.orphans.collect();
-        if ops.is_empty() {
-            return;
-        }
-        match self.engine.apply_many(ops) {
-            Ok(answers) => answers
-                .iter()
-                .filter_map(|a| a.as_ref().err())
-                .for_each(|error| {
-                    tracing::debug!(%error, "an abandoned claim's lease was not given back");
-                }),
-            Err(error) => {
-                tracing::warn!(%error, "abandoned claims' leases were not given back; they lapse");
+    /// waiting for them, once decided (see [`Store::claim_async`]), before
+    /// a claim of `keys`: the give-backs of those keys are waited for (so
+    /// that the claim finds them applied), every other one is queued
+    /// without waiting, so that no claim waits on another key's write.
+    fn give_back_orphans(&self, keys: &[&Key]) {
+        for (key, op) in self.orphans.collect() {
+            if keys.contains(&&key) {
+                if let Err(error) = self.engine.apply(&key, op) {
+                    tracing::debug!(%key, %error, "an abandoned claim's lease was not given back");
+                }
+            } else {
+                self.engine.apply_detached(&key, op);
             }
         }
     }
 
-    /// [`Store::give_back_orphans`] from async code: every give-back is
-    /// sent before any is waited for (so they share a commit, and one sent
-    /// is applied even if this future is dropped).
-    async fn give_back_orphans_async(&self) {
-        let mut pending = Vec::new();
+    /// [`Store::give_back_orphans`] from async code. Every give-back is
+    /// queued before any is waited for, so one dropped part-way loses none.
+    async fn give_back_orphans_async(&self, claimed: &Key) {
+        let mut own = None;
         for (key, op) in self.orphans.collect() {
-            match self.engine.send_async(&key, op).await {
-                Ok(Sent::Pending(answer)) => pending.push(answer),
-                Ok(Sent::Answered(Ok(_))) => {}
-                Ok(Sent::Answered(Err(error))) | Err(error) => {
-                    tracing::debug!(%error, "an abandoned claim's lease was not given back");
-                }
+            if &key == claimed {
+                own = Some((key, op));
+            } else {
+                self.engine.apply_detached(&key, op);
             }
         }
-        for answer in pending {
-            if let Err(error) = answer.await {
-                tracing::debug!(%error, "an abandoned claim's lease was not given back");
-            }
+        if let Some((key, op)) = own
+            && let Err(error) = self.engine.apply_async(&key, op).await
+        {
+            tracing::debug!(%key, %error, "an abandoned claim's lease was not given back");
         }
     }
 
@@ -579,7 +575,8 @@ impl Store {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
-        self.give_back_orphans();
+        let keys: Vec<&Key> = claims.iter().map(|(key, _)| key).collect();
+        self.give_back_orphans(&keys);
         Ok(self
             .engine
             .apply_many(ops)?

@@ -1037,7 +1037,6 @@ impl Writer {
     /// thread (for a caller that must not run a batch and its fsync: a
     /// best-effort write from a `Drop` on an async executor); waits while
     /// the queue is full.
-    #[cfg(feature = "http")]
     pub(crate) fn submit_queued(&self, cmd: Command) -> Completion {
         self.submit_with(cmd, false)
     }

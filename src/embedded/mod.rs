@@ -630,7 +630,6 @@ impl Embedded {
     ///
     /// Never decided on the calling thread (it may be an async executor
     /// dropping a response): always queued for the writer thread.
-    #[cfg(feature = "http")]
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
         let cmd = Command::Op {
             key: key.clone(),

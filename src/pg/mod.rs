@@ -3500,24 +3500,37 @@ impl Postgres {
     /// The first half of [`Postgres::apply_async`]: the request sent to a
     /// connection, its answer to come from the returned future.
     pub(crate) fn send_async(&self, key: &Key, op: Op) -> Result<Sent> {
-        self.send_async_by(key, op, self.deadline())
+        let (tx, rx) = oneshot::channel();
+        self.send(Job::Apply {
+            key: key.clone(),
+            op,
+            hot: true,
+            reply: tx,
+        })?;
+        Ok(Sent::Pending(Box::pin(async move {
+            rx.await.map_err(|_| Error::Closed)?
+        })))
     }
 
     /// [`Postgres::send_async`] under `deadline` when it comes before
-    /// `call_timeout` from now (see [`Postgres::apply_many_by`]).
+    /// `call_timeout` from now (see [`Postgres::apply_many_by`]), in a
+    /// transaction of its own: a request group-committed with others would
+    /// hold them to its shorter deadline.
     pub(crate) fn send_async_by(&self, key: &Key, op: Op, deadline: Instant) -> Result<Sent> {
         let (tx, rx) = oneshot::channel();
         self.send_by(
-            Job::Apply {
-                key: key.clone(),
-                op,
-                hot: true,
+            Job::Many {
+                ops: vec![(key.clone(), op)],
+                token_floor: None,
                 reply: tx,
             },
             deadline.min(self.deadline()),
         )?;
         Ok(Sent::Pending(Box::pin(async move {
-            rx.await.map_err(|_| Error::Closed)?
+            let mut replies = rx.await.map_err(|_| Error::Closed)??;
+            replies
+                .pop()
+                .unwrap_or_else(|| Err(Error::Storage("no answer to a request".into())))
         })))
     }
 
@@ -3770,8 +3783,7 @@ impl Postgres {
     }
 
     /// Queues `op` without waiting for its answer (a best-effort write
-    /// whose caller has gone).
-    #[cfg(feature = "http")]
+    /// whose caller has gone, or a lease given back).
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {
         let (tx, _answer) = oneshot::channel();
         // A closed engine has nothing to apply it to: dropped, as the
