@@ -654,18 +654,25 @@ fn abandon_claim(store: &Store, key: &Key, fingerprint: &Fingerprint, after: u64
         "{key}: the claim was answered before it could be abandoned"
     );
     drop(claim);
-    // A hang guard, not a timing assertion.
+    wait_for_record(store, key, "the abandoned claim was never decided", |r| {
+        r.is_some_and(|r| r.token() > after)
+    });
+    let record = store.get(key).expect("get");
+    assert_eq!(record.map(|r| r.state()), Some(State::Processing));
+}
+
+/// Polls `key`'s record until `done` holds, under a hang guard of 60 s
+/// (not a timing assertion: it fails only if that never happens, with
+/// `what`).
+fn wait_for_record(
+    store: &Store,
+    key: &Key,
+    what: &str,
+    done: impl Fn(Option<&crate::Record>) -> bool,
+) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let record = store.get(key).expect("get");
-        if record.as_ref().is_some_and(|r| r.token() > after) {
-            assert_eq!(record.map(|r| r.state()), Some(State::Processing));
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{key}: the abandoned claim was never decided"
-        );
+    while !done(store.get(key).expect("get").as_ref()) {
+        assert!(std::time::Instant::now() < deadline, "{key}: {what}");
         std::thread::sleep(Duration::from_millis(2));
     }
 }
@@ -738,28 +745,21 @@ pub fn abandoned_claims(h: &dyn Harness) {
     assert!(second.as_mut().poll(&mut cx).is_pending());
     drop((first, second));
     for k in [&x, &y] {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while store.get(k).expect("get").is_none() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{k}: the abandoned claim was never decided"
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for_record(&store, k, "the abandoned claim was never decided", |r| {
+            r.is_some()
+        });
     }
     let z = key("abandoned-z");
     let mut giver = Box::pin(store.claim_async(&z, &f, &options));
     assert!(giver.as_mut().poll(&mut cx).is_pending());
     drop(giver);
     for k in [&x, &y] {
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while store.get(k).expect("get").is_some() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{k}: the lease of an abandoned claim was not given back"
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for_record(
+            &store,
+            k,
+            "the lease of an abandoned claim was not given back",
+            |r| r.is_none(),
+        );
     }
     let lease = acquire(&store, &y, &f);
     assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));

@@ -444,30 +444,37 @@ async fn a_lease_too_short_to_renew_is_500_and_claims_nothing() {
     assert_eq!(runs.count(), 1);
 }
 
+/// A 5xx is a retryable failure and the retry a takeover; so is a 408
+/// from inside the layer, a timeout of the handler (the layer read the
+/// whole request first; tower-http's `TimeoutLayer` answers 408), which
+/// may have acted: its retry never runs as a first attempt.
 #[tokio::test]
-async fn a_5xx_is_a_retryable_failure_and_the_retry_is_a_takeover() {
-    let (_d, store, _c) = manual_store();
-    let calls = Arc::new(AtomicUsize::new(0));
-    let c = calls.clone();
-    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
-        let n = c.fetch_add(1, Ordering::SeqCst);
-        async move { if n == 0 { status(500) } else { created("{}") } }
-    });
-    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
-    assert_eq!(code, 500);
-    assert!(!replayed(&headers));
-    let key = Key::new("POST /tickets", "k").unwrap();
-    assert_eq!(
-        store.get(&key).unwrap().unwrap().state(),
-        State::Failed { retryable: true }
-    );
+async fn a_5xx_or_a_408_is_a_retryable_failure_and_the_retry_is_a_takeover() {
+    for first in [500u16, 408] {
+        let (_d, store, _c) = manual_store();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = calls.clone();
+        let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
+            let n = c.fetch_add(1, Ordering::SeqCst);
+            async move { if n == 0 { status(first) } else { created("{}") } }
+        });
+        let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!(code, first);
+        assert!(!replayed(&headers));
+        let key = Key::new("POST /tickets", "k").unwrap();
+        assert_eq!(
+            store.get(&key).unwrap().unwrap().state(),
+            State::Failed { retryable: true },
+            "{first}"
+        );
 
-    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
-    assert_eq!(runs.count(), 2);
-    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
-    assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 2);
-    let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
-    assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+        assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
+        assert_eq!(runs.count(), 2);
+        assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1, "{first}");
+        assert_eq!(runs.last_acquisitions.load(Ordering::SeqCst), 2);
+        let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+    }
 }
 
 /// A 1xx is an interim status (RFC 9110 §15.2; hyper sends a 500 in place
@@ -1636,34 +1643,6 @@ async fn a_replay_drops_the_fields_connection_names() {
         assert_eq!(headers.get("x-ticket").unwrap(), "7");
         assert!(!headers.contains_key("x-hop"), "{headers:?}");
     }
-}
-
-/// A 408 from inside the layer is a timeout of the handler (the layer
-/// read the whole request first; tower-http's `TimeoutLayer` answers
-/// 408), which may have acted: the key is kept as a retryable failure and
-/// the retry runs as a takeover, never as a first attempt.
-#[tokio::test]
-async fn a_408_from_a_timeout_inside_the_layer_is_retried_as_a_takeover() {
-    let (_d, store, _c) = manual_store();
-    let calls = Arc::new(AtomicUsize::new(0));
-    let c = calls.clone();
-    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), move |_| {
-        let n = c.fetch_add(1, Ordering::SeqCst);
-        async move { if n == 0 { status(408) } else { created("{}") } }
-    });
-    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 408);
-    let key = Key::new("POST /tickets", "k").unwrap();
-    assert_eq!(
-        store.get(&key).unwrap().unwrap().state(),
-        State::Failed { retryable: true }
-    );
-    assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);
-    assert_eq!(runs.count(), 2);
-    assert_eq!(
-        runs.takeovers.load(Ordering::SeqCst),
-        1,
-        "the retry was a first attempt"
-    );
 }
 
 /// A request dropped while its claim is in flight (the client hung up;
