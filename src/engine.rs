@@ -149,6 +149,22 @@ impl Engine {
         }
     }
 
+    /// [`Engine::apply`] under `deadline`, as [`Engine::apply_many_by`].
+    #[cfg(feature = "agent")]
+    pub(crate) fn apply_by(
+        &self,
+        key: &Key,
+        op: Op,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+        deadline: std::time::Instant,
+    ) -> Result<Reply> {
+        match self {
+            Engine::Embedded(e) => e.apply(key, op),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => engine.apply_by(key, op, deadline),
+        }
+    }
+
     /// [`Engine::apply_async`] under `deadline`, as [`Engine::apply_many_by`].
     #[cfg(feature = "agent")]
     pub(crate) async fn apply_async_by(

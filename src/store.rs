@@ -819,6 +819,31 @@ impl Store {
         .await
     }
 
+    /// Writes `op`, the outcome of `lease` (a completion or a failure, built
+    /// by [`Store::complete_op`] or [`Store::fail_op`]), that a PostgreSQL
+    /// store ends by `deadline` (see `Engine::apply_many_by`): `execute`'s
+    /// outcome, retried on another connection past it.
+    #[cfg(feature = "agent")]
+    pub(crate) fn write_outcome_by(
+        &self,
+        lease: &Lease,
+        op: Op,
+        deadline: std::time::Instant,
+    ) -> Result<Record> {
+        expect_record(self.engine.apply_by(lease.key(), op, deadline))
+    }
+
+    /// [`Store::write_outcome_by`] from async code.
+    #[cfg(feature = "agent")]
+    pub(crate) async fn write_outcome_by_async(
+        &self,
+        lease: &Lease,
+        op: Op,
+        deadline: std::time::Instant,
+    ) -> Result<Record> {
+        expect_record(self.engine.apply_async_by(lease.key(), op, deadline).await)
+    }
+
     /// [`Store::extend_async`] that a PostgreSQL store ends by `deadline`
     /// (see `Engine::apply_many_by`): `execute_async`'s lease renewals.
     #[cfg(feature = "agent")]

@@ -14,7 +14,7 @@ use super::call::Delays;
 use crate::config::ClaimOptions;
 use crate::error::Error;
 use crate::key::{Fingerprint, Key};
-use crate::record::{AcquiredFrom, ClaimOutcome, Lease, Record, State};
+use crate::record::{AcquiredFrom, ClaimOutcome, Lease, Op, Record, State};
 use crate::store::Store;
 
 /// What [`Store::execute`] does when it acquires a key whose previous holder
@@ -509,6 +509,12 @@ impl Store {
     /// least a third of the period): on PostgreSQL a connection that has
     /// not answered by then is dropped, so that the retry runs on another
     /// (a half-open connection answers nothing until `call_timeout`). The
+    /// outcome is written the same way: each attempt ends within a third
+    /// of the lease, and one that did not reach the store or lost its
+    /// answer is tried again a ninth of the lease later, for up to the
+    /// lease's length (a retry after a lost answer that finds the record
+    /// finished under this lease counts it as written); past that, the last
+    /// error (`OutcomeUnknown` if an answer was lost). The
     /// value must serialize to at most the store's `max_result_bytes`, a
     /// failure to `max_failure_bytes`.
     ///
@@ -623,13 +629,11 @@ impl Store {
             })?,
         };
         let record = Recorder::new(lease, in_doubt, stage)?;
-        let done = match &record.write {
-            Write::Complete(bytes) => self.complete(&record.lease, bytes).map(drop),
-            Write::Fail(bytes, true) => self
-                .fail(&record.lease, self.kept_retryable_failure(bytes), true)
-                .map(drop),
-            Write::Fail(bytes, false) => self.fail(&record.lease, bytes, false).map(drop),
-            Write::None => Ok(()),
+        let length = lease_length(&record.lease);
+        let done = match self.outcome_op(&record) {
+            Ok(Some(op)) => write_outcome(self, &record.lease, op, length),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
         };
         drop(kept);
         record.finish(self, done)
@@ -744,16 +748,10 @@ impl Store {
                 _ => Stage::Ran(work(&lease).await),
             };
             let record = Recorder::new(lease, in_doubt, stage)?;
-            let done = match &record.write {
-                Write::Complete(bytes) => self.complete_async(&record.lease, bytes).await.map(drop),
-                Write::Fail(bytes, true) => self
-                    .fail_async(&record.lease, self.kept_retryable_failure(bytes), true)
-                    .await
-                    .map(drop),
-                Write::Fail(bytes, false) => {
-                    self.fail_async(&record.lease, bytes, false).await.map(drop)
-                }
-                Write::None => Ok(()),
+            let done = match self.outcome_op(&record) {
+                Ok(Some(op)) => write_outcome_async(self, &record.lease, op, length).await,
+                Ok(None) => Ok(()),
+                Err(e) => Err(e),
             };
             record.finish(self, done)
         };
@@ -923,6 +921,129 @@ impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<
             store.waiters.notify(self.lease.key());
         }
         self.answer
+    }
+}
+
+impl Store {
+    /// The write that records `record`'s outcome (`None` when nothing is
+    /// written), or why it cannot be written (too large).
+    fn outcome_op<T, E>(&self, record: &Recorder<T, E>) -> Result<Option<Op>, Error> {
+        let lease = &record.lease;
+        match &record.write {
+            Write::Complete(bytes) => self.complete_op(lease, bytes).map(Some),
+            Write::Fail(bytes, true) => self
+                .fail_op(lease, self.kept_retryable_failure(bytes), true)
+                .map(Some),
+            Write::Fail(bytes, false) => self.fail_op(lease, bytes, false).map(Some),
+            Write::None => Ok(None),
+        }
+    }
+}
+
+/// Writes `op`, the outcome of `lease` (of `length`), while the lease is
+/// kept alive: each attempt must end within a third of the lease (on
+/// PostgreSQL a connection that has not answered by then is dropped), and
+/// one that did not reach the store or lost its answer (`Unavailable`,
+/// `OutcomeUnknown`) is tried again a ninth of the lease later, on another
+/// connection, for up to the lease's length. A retry that finds the lease
+/// stale after an unknown outcome looks the record up: finished under this
+/// lease, the earlier attempt was applied. The last error otherwise
+/// (`OutcomeUnknown` if any attempt's outcome was unknown).
+fn write_outcome(store: &Store, lease: &Lease, op: Op, length: Duration) -> Result<(), Error> {
+    let mut attempts = Attempts::new(length);
+    loop {
+        let result = store.write_outcome_by(lease, op.clone(), attempts.deadline());
+        match attempts.after(store, lease, result) {
+            Some(done) => return done,
+            None => std::thread::sleep(attempts.pause()),
+        }
+    }
+}
+
+/// [`write_outcome`] from async code.
+async fn write_outcome_async(
+    store: &Store,
+    lease: &Lease,
+    op: Op,
+    length: Duration,
+) -> Result<(), Error> {
+    let mut attempts = Attempts::new(length);
+    loop {
+        let result = store
+            .write_outcome_by_async(lease, op.clone(), attempts.deadline())
+            .await;
+        match attempts.after(store, lease, result) {
+            Some(done) => return done,
+            None => futures_timer::Delay::new(attempts.pause()).await,
+        }
+    }
+}
+
+/// The attempts of [`write_outcome`]: their deadlines, and what each
+/// answer means.
+struct Attempts {
+    length: Duration,
+    end: Instant,
+    unknown: bool,
+}
+
+impl Attempts {
+    fn new(length: Duration) -> Attempts {
+        let now = Instant::now();
+        Attempts {
+            length,
+            end: now.checked_add(length).unwrap_or(now),
+            unknown: false,
+        }
+    }
+
+    /// The next attempt's deadline: a third of the lease from now, not past
+    /// the end.
+    fn deadline(&self) -> Instant {
+        let now = Instant::now();
+        now.checked_add(super::extender::period_of(self.length))
+            .map_or(self.end, |d| d.min(self.end))
+            .max(now)
+    }
+
+    /// The wait before the next attempt: a ninth of the lease, not past the
+    /// end.
+    fn pause(&self) -> Duration {
+        let step = super::extender::period_of(super::extender::period_of(self.length));
+        step.min(self.end.saturating_duration_since(Instant::now()))
+    }
+
+    /// `Some(answer)` once the outcome is written or cannot be; `None` to
+    /// try again.
+    fn after(
+        &mut self,
+        store: &Store,
+        lease: &Lease,
+        result: Result<Record, Error>,
+    ) -> Option<Result<(), Error>> {
+        let error = match result {
+            Ok(_) => return Some(Ok(())),
+            Err(error) => error,
+        };
+        match error {
+            Error::StaleLease { .. } if self.unknown => {
+                let applied =
+                    store.get(lease.key()).ok().flatten().is_some_and(|r| {
+                        r.token() == lease.token() && r.state() != State::Processing
+                    });
+                Some(if applied { Ok(()) } else { Err(error) })
+            }
+            Error::Unavailable { .. } | Error::OutcomeUnknown { .. }
+                if Instant::now() < self.end =>
+            {
+                self.unknown |= matches!(error, Error::OutcomeUnknown { .. });
+                None
+            }
+            Error::Unavailable { detail } if self.unknown => {
+                Some(Err(Error::OutcomeUnknown { detail }))
+            }
+            error => Some(Err(error)),
+        }
     }
 }
 
@@ -1103,6 +1224,63 @@ async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// An outcome write whose answer was lost, retried, finds the lease
+    /// stale: if the record is finished under this lease, the lost attempt
+    /// was applied and the outcome counts as written; otherwise (another
+    /// holder's token) the stale lease is the answer. Without an unknown
+    /// outcome before, a stale lease is never looked up. A lost answer is
+    /// retried while the lease lasts; past it, a refusal after an unknown
+    /// outcome is still unknown.
+    #[test]
+    fn a_retried_outcome_write_settles_a_lost_answer() {
+        let dir = tempfile::tempdir().expect("dir");
+        let store = Store::open(dir.path().join("s.redb")).expect("open");
+        let key = Key::new("t", "written").expect("key");
+        let lease = match store.claim(&key, &Fingerprint::of(b"p"), &ClaimOptions::new()) {
+            Ok(ClaimOutcome::Acquired(lease)) => lease,
+            other => panic!("{other:?}"),
+        };
+        store.complete(&lease, b"r").expect("complete");
+        let stale = || Error::StaleLease {
+            key: key.to_string(),
+            token: lease.token(),
+        };
+        let lost = || Error::OutcomeUnknown {
+            detail: "lost".into(),
+        };
+        let mut attempts = Attempts::new(Duration::from_secs(60));
+        assert!(matches!(
+            attempts.after(&store, &lease, Err(stale())),
+            Some(Err(Error::StaleLease { .. }))
+        ));
+        assert!(attempts.after(&store, &lease, Err(lost())).is_none());
+        assert!(matches!(
+            attempts.after(&store, &lease, Err(stale())),
+            Some(Ok(()))
+        ));
+        let other = Lease::from_parts(key.clone(), lease.token() + 1);
+        assert!(matches!(
+            attempts.after(&store, &other, Err(stale())),
+            Some(Err(Error::StaleLease { .. }))
+        ));
+        // Past the lease's length, nothing is retried; a refusal after an
+        // unknown outcome is still unknown.
+        let mut ending = Attempts::new(Duration::from_millis(50));
+        assert!(ending.after(&store, &lease, Err(lost())).is_none());
+        std::thread::sleep(Duration::from_millis(60));
+        let down = || Error::Unavailable {
+            detail: "down".into(),
+        };
+        assert!(matches!(
+            ending.after(&store, &lease, Err(down())),
+            Some(Err(Error::OutcomeUnknown { .. }))
+        ));
+        assert!(matches!(
+            Attempts::new(Duration::ZERO).after(&store, &lease, Err(down())),
+            Some(Err(Error::Unavailable { .. }))
+        ));
+    }
 
     /// `execute_async`'s renewals follow the extender's schedule: a renewal
     /// that could not reach the store (a PostgreSQL restart) is tried again

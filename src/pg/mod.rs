@@ -3407,10 +3407,16 @@ impl Postgres {
     /// The transition's own errors (per request), [`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`], [`Error::Storage`].
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
+        self.apply_by(key, op, self.deadline())
+    }
+
+    /// [`Postgres::apply`] under `deadline` when it comes before
+    /// `call_timeout` from now (see [`Postgres::apply_many_by`]).
+    pub(crate) fn apply_by(&self, key: &Key, op: Op, deadline: Instant) -> Result<Reply> {
         // One deadline for the whole call: a request the hot path left
         // undecided (a lock or statement timeout refused it) is queued
         // with what is left of it, not a fresh `call_timeout`.
-        let deadline = self.deadline();
+        let deadline = deadline.min(self.deadline());
         let hot = match self.apply_direct(key, &op, deadline) {
             Direct::Answered(answer) => return answer,
             Direct::Undecided => false,
