@@ -511,10 +511,11 @@ impl Store {
     /// (a half-open connection answers nothing until `call_timeout`). The
     /// outcome is written the same way: each attempt ends within a third
     /// of the lease, and one that did not reach the store or lost its
-    /// answer is tried again a ninth of the lease later, for up to the
-    /// lease's length (a retry after a lost answer that finds the record
-    /// finished under this lease counts it as written); past that, the last
-    /// error (`OutcomeUnknown` if an answer was lost). The
+    /// answer is tried again a ninth of the lease later (at most a second),
+    /// for up to the lease's length (at most a minute; a retry after a lost
+    /// answer that finds the record finished under this lease counts it as
+    /// written); past that, the last error (`OutcomeUnknown` if an answer
+    /// was lost). The
     /// value must serialize to at most the store's `max_result_bytes`, a
     /// failure to `max_failure_bytes`.
     ///
@@ -944,8 +945,9 @@ impl Store {
 /// kept alive: each attempt must end within a third of the lease (on
 /// PostgreSQL a connection that has not answered by then is dropped), and
 /// one that did not reach the store or lost its answer (`Unavailable`,
-/// `OutcomeUnknown`) is tried again a ninth of the lease later, on another
-/// connection, for up to the lease's length. A retry that finds the lease
+/// `OutcomeUnknown`) is tried again a ninth of the lease later (at most a
+/// second), on another connection, for up to the lease's length (at most a
+/// minute). A retry that finds the lease
 /// stale after an unknown outcome looks the record up: finished under this
 /// lease, the earlier attempt was applied. The last error otherwise
 /// (`OutcomeUnknown` if any attempt's outcome was unknown).
@@ -979,6 +981,14 @@ async fn write_outcome_async(
     }
 }
 
+/// How long [`write_outcome`] tries at most, whatever the lease: a lease
+/// of hours (`ExecuteOptions::lease` allows 30 days) must not hold
+/// `execute` for as long while the store is down.
+const MAX_OUTCOME_WINDOW: Duration = Duration::from_secs(60);
+
+/// The longest wait between two attempts of [`write_outcome`].
+const MAX_OUTCOME_PAUSE: Duration = Duration::from_secs(1);
+
 /// The attempts of [`write_outcome`]: their deadlines, and what each
 /// answer means.
 struct Attempts {
@@ -988,11 +998,15 @@ struct Attempts {
 }
 
 impl Attempts {
+    /// The attempts for a lease of `length`: for up to that long, at most
+    /// [`MAX_OUTCOME_WINDOW`].
     fn new(length: Duration) -> Attempts {
         let now = Instant::now();
         Attempts {
             length,
-            end: now.checked_add(length).unwrap_or(now),
+            end: now
+                .checked_add(length.min(MAX_OUTCOME_WINDOW))
+                .unwrap_or(now),
             unknown: false,
         }
     }
@@ -1006,11 +1020,12 @@ impl Attempts {
             .max(now)
     }
 
-    /// The wait before the next attempt: a ninth of the lease, not past the
-    /// end.
+    /// The wait before the next attempt: a ninth of the lease, at most
+    /// [`MAX_OUTCOME_PAUSE`], not past the end.
     fn pause(&self) -> Duration {
         let step = super::extender::period_of(super::extender::period_of(self.length));
-        step.min(self.end.saturating_duration_since(Instant::now()))
+        step.min(MAX_OUTCOME_PAUSE)
+            .min(self.end.saturating_duration_since(Instant::now()))
     }
 
     /// `Some(answer)` once the outcome is written or cannot be; `None` to
@@ -1280,6 +1295,11 @@ mod tests {
             Attempts::new(Duration::ZERO).after(&store, &lease, Err(down())),
             Some(Err(Error::Unavailable { .. }))
         ));
+        // A lease of 30 days holds the write for a minute at most, with a
+        // second at most between attempts.
+        let long = Attempts::new(crate::MAX_LEASE);
+        assert!(long.end <= Instant::now() + MAX_OUTCOME_WINDOW);
+        assert!(long.pause() <= MAX_OUTCOME_PAUSE);
     }
 
     /// `execute_async`'s renewals follow the extender's schedule: a renewal
