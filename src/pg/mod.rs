@@ -306,6 +306,24 @@ fn expired_in_queue() -> Error {
     }
 }
 
+/// One request in a transaction of its own (a request with a deadline
+/// shorter than `call_timeout`: group-committed with others, it would hold
+/// them to that deadline).
+fn alone(key: &Key, op: Op, reply: oneshot::Sender<Result<Vec<Result<Reply>>>>) -> Job {
+    Job::Many {
+        ops: vec![(key.clone(), op)],
+        token_floor: None,
+        reply,
+    }
+}
+
+/// The answer to the one request of [`alone`].
+fn only_reply(mut replies: Vec<Result<Reply>>) -> Result<Reply> {
+    replies
+        .pop()
+        .unwrap_or_else(|| Err(Error::Storage("no answer to a request".into())))
+}
+
 /// After a call's deadline passed mid-transaction: drops the connection
 /// (its state is unknown) and says whether the `COMMIT` had been sent.
 fn expire(slot: &mut Option<Conn>) -> Fail {
@@ -3411,17 +3429,23 @@ impl Postgres {
     }
 
     /// [`Postgres::apply`] under `deadline` when it comes before
-    /// `call_timeout` from now (see [`Postgres::apply_many_by`]).
+    /// `call_timeout` from now (see [`Postgres::apply_many_by`]); then, past
+    /// the hot path, in a transaction of its own ([`alone`]).
     pub(crate) fn apply_by(&self, key: &Key, op: Op, deadline: Instant) -> Result<Reply> {
         // One deadline for the whole call: a request the hot path left
         // undecided (a lock or statement timeout refused it) is queued
         // with what is left of it, not a fresh `call_timeout`.
-        let deadline = deadline.min(self.deadline());
+        let full = self.deadline();
+        let shortened = deadline < full;
+        let deadline = deadline.min(full);
         let hot = match self.apply_direct(key, &op, deadline) {
             Direct::Answered(answer) => return answer,
             Direct::Undecided => false,
             Direct::Busy => true,
         };
+        if shortened {
+            return only_reply(self.ask_by(deadline, |reply| alone(key, op, reply))?);
+        }
         self.ask_by(deadline, |reply| Job::Apply {
             key: key.clone(),
             op,
@@ -3524,19 +3548,9 @@ impl Postgres {
     /// hold them to its shorter deadline.
     pub(crate) fn send_async_by(&self, key: &Key, op: Op, deadline: Instant) -> Result<Sent> {
         let (tx, rx) = oneshot::channel();
-        self.send_by(
-            Job::Many {
-                ops: vec![(key.clone(), op)],
-                token_floor: None,
-                reply: tx,
-            },
-            deadline.min(self.deadline()),
-        )?;
+        self.send_by(alone(key, op, tx), deadline.min(self.deadline()))?;
         Ok(Sent::Pending(Box::pin(async move {
-            let mut replies = rx.await.map_err(|_| Error::Closed)??;
-            replies
-                .pop()
-                .unwrap_or_else(|| Err(Error::Storage("no answer to a request".into())))
+            only_reply(rx.await.map_err(|_| Error::Closed)??)
         })))
     }
 
