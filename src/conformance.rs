@@ -644,21 +644,23 @@ pub fn holder_finishes(h: &dyn Harness) {
 
 /// Polls `store.claim_async(key, …)` once, so that its claim is sent, and
 /// drops it, as a server drops a request whose client hung up; returns
-/// once the engine decided that claim (the key's token moved past `after`).
-fn abandon_claim(store: &Store, key: &Key, fingerprint: &Fingerprint, after: u64) {
+/// once the engine decided that claim (the key's token moved past `after`),
+/// or `false` at once if the claim was answered at its first poll (nothing
+/// was abandoned).
+fn abandon_claim(store: &Store, key: &Key, fingerprint: &Fingerprint, after: u64) -> bool {
     let options = ClaimOptions::new();
     let mut claim = Box::pin(store.claim_async(key, fingerprint, &options));
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    assert!(
-        claim.as_mut().poll(&mut cx).is_pending(),
-        "{key}: the claim was answered before it could be abandoned"
-    );
+    if claim.as_mut().poll(&mut cx).is_ready() {
+        return false;
+    }
     drop(claim);
     wait_for_record(store, key, "the abandoned claim was never decided", |r| {
         r.is_some_and(|r| r.token() > after)
     });
     let record = store.get(key).expect("get");
     assert_eq!(record.map(|r| r.state()), Some(State::Processing));
+    true
 }
 
 /// Polls `key`'s record until `done` holds, under a hang guard of 60 s
@@ -689,95 +691,139 @@ pub fn abandoned_claims(h: &dyn Harness) {
     let clock = ManualClock::new(START_MS);
     let store = h.open("abandoned_claims", config(&clock));
     let f = fp("a");
-    let k = key("absent");
-    abandon_claim(&store, &k, &f, 0);
-    let lease = acquire(&store, &k, &f);
-    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));
-    assert!(
-        !lease.is_takeover(),
-        "nothing ran under the abandoned lease"
-    );
-    store.complete(&lease, b"done").expect("complete");
+    on_a_fresh_key("absent", |k| {
+        if !abandon_claim(&store, k, &f, 0) {
+            return false;
+        }
+        let lease = acquire(&store, k, &f);
+        assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));
+        assert!(
+            !lease.is_takeover(),
+            "nothing ran under the abandoned lease"
+        );
+        true
+    });
 
-    let k = key("failed");
-    let first = acquire(&store, &k, &f);
-    let failed = store.fail(&first, b"boom", true).expect("fail");
-    abandon_claim(&store, &k, &f, failed.token());
-    let lease = acquire(&store, &k, &f);
-    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::RetryableFailure));
-    assert_eq!(
-        lease.record().and_then(|r| r.failure()),
-        Some(&b"boom"[..]),
-        "the failure the abandoned claim found"
-    );
-    store.complete(&lease, b"done").expect("complete");
+    on_a_fresh_key("failed", |k| {
+        let first = acquire(&store, k, &f);
+        let failed = store.fail(&first, b"boom", true).expect("fail");
+        if !abandon_claim(&store, k, &f, failed.token()) {
+            return false;
+        }
+        let lease = acquire(&store, k, &f);
+        assert_eq!(lease.acquired_from(), Some(AcquiredFrom::RetryableFailure));
+        assert_eq!(
+            lease.record().and_then(|r| r.failure()),
+            Some(&b"boom"[..]),
+            "the failure the abandoned claim found"
+        );
+        true
+    });
 
-    let k = key("lapsed");
-    let first = acquire(&store, &k, &f);
-    clock.advance(LEASE + Duration::from_secs(1));
-    // A read first makes the store's new time durable, so that the claim
-    // below is sent at its first poll (not after a time reservation).
-    store.get(&k).expect("get");
-    abandon_claim(&store, &k, &f, first.token());
-    assert!(
-        matches!(
-            store.claim(&k, &f, &ClaimOptions::new()),
-            Ok(ClaimOutcome::InProgress { .. })
-        ),
-        "a takeover of a lapsed lease is left to lapse"
-    );
-    clock.advance(LEASE + Duration::from_secs(1));
-    let lease = acquire(&store, &k, &f);
-    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::LapsedLease));
-    store.complete(&lease, b"done").expect("complete");
+    on_a_fresh_key("lapsed", |k| {
+        let first = acquire(&store, k, &f);
+        clock.advance(LEASE + Duration::from_secs(1));
+        // A read first makes the store's new time durable, so that the
+        // claim below is sent at its first poll (not after a time
+        // reservation).
+        store.get(k).expect("get");
+        if !abandon_claim(&store, k, &f, first.token()) {
+            return false;
+        }
+        assert!(
+            matches!(
+                store.claim(k, &f, &ClaimOptions::new()),
+                Ok(ClaimOutcome::InProgress { .. })
+            ),
+            "a takeover of a lapsed lease is left to lapse"
+        );
+        clock.advance(LEASE + Duration::from_secs(1));
+        let lease = acquire(&store, k, &f);
+        assert_eq!(lease.acquired_from(), Some(AcquiredFrom::LapsedLease));
+        true
+    });
 
     // Two abandoned claims, given back by a third claim whose own caller
-    // hangs up while it waits for the give-backs: both were sent, and both
-    // keys come free.
-    let (x, y) = (key("abandoned-x"), key("abandoned-y"));
-    let options = ClaimOptions::new();
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    // Both sent before either is dropped (a claim gives back only what
-    // was abandoned before it).
-    let mut first = Box::pin(store.claim_async(&x, &f, &options));
-    let mut second = Box::pin(store.claim_async(&y, &f, &options));
-    assert!(first.as_mut().poll(&mut cx).is_pending());
-    assert!(second.as_mut().poll(&mut cx).is_pending());
-    drop((first, second));
-    for k in [&x, &y] {
-        wait_for_record(&store, k, "the abandoned claim was never decided", |r| {
-            r.is_some()
-        });
-    }
-    let z = key("abandoned-z");
-    let mut giver = Box::pin(store.claim_async(&z, &f, &options));
-    assert!(giver.as_mut().poll(&mut cx).is_pending());
-    drop(giver);
-    for k in [&x, &y] {
-        wait_for_record(
-            &store,
-            k,
-            "the lease of an abandoned claim was not given back",
-            |r| r.is_none(),
-        );
-    }
-    let lease = acquire(&store, &y, &f);
-    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));
+    // hangs up at once: both give-backs were sent, and both keys come free.
+    on_a_fresh_key("abandoned", |x| {
+        let y = key(&format!("{}-y", x.id()));
+        let options = ClaimOptions::new();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        // Both sent before either is dropped (a claim gives back only what
+        // was abandoned before it).
+        let mut first = Box::pin(store.claim_async(x, &f, &options));
+        let mut second = Box::pin(store.claim_async(&y, &f, &options));
+        let sent = first.as_mut().poll(&mut cx).is_pending();
+        let sent = second.as_mut().poll(&mut cx).is_pending() && sent;
+        drop((first, second));
+        if !sent {
+            return false;
+        }
+        for k in [x, &y] {
+            wait_for_record(&store, k, "the abandoned claim was never decided", |r| {
+                r.is_some()
+            });
+        }
+        let z = key(&format!("{}-z", x.id()));
+        let mut giver = Box::pin(store.claim_async(&z, &f, &options));
+        let _ = giver.as_mut().poll(&mut cx);
+        drop(giver);
+        for k in [x, &y] {
+            wait_for_record(
+                &store,
+                k,
+                "the lease of an abandoned claim was not given back",
+                |r| r.is_none(),
+            );
+        }
+        let lease = acquire(&store, &y, &f);
+        assert_eq!(lease.acquired_from(), Some(AcquiredFrom::Absent));
+        true
+    });
 
     // A failure stored under a larger limit than this store's is given
     // back as it was (not checked against the limit again).
-    let k = key("large-failure");
-    let first = acquire(&store, &k, &f);
     let large = vec![b'e'; 2_000];
-    let failed = store.fail(&first, &large, true).expect("fail");
+    let keys: Vec<Key> = (0..ATTEMPTS)
+        .map(|i| key(&format!("large-failure-{i}")))
+        .collect();
+    let tokens: Vec<u64> = keys
+        .iter()
+        .map(|k| {
+            let first = acquire(&store, k, &f);
+            store.fail(&first, &large, true).expect("fail").token()
+        })
+        .collect();
     let store = h.reopen(store, config(&clock).max_failure_bytes(100));
-    store.get(&k).expect("get");
-    abandon_claim(&store, &k, &f, failed.token());
-    let lease = acquire(&store, &k, &f);
-    assert_eq!(lease.acquired_from(), Some(AcquiredFrom::RetryableFailure));
-    assert_eq!(
-        lease.record().and_then(|r| r.failure()),
-        Some(&large[..]),
-        "the failure the abandoned claim found"
-    );
+    store.get(&keys[0]).expect("get");
+    let mut attempt = keys.iter().zip(tokens);
+    on_a_fresh_key("large-failure", |_| {
+        let (k, token) = attempt.next().expect("a prepared key");
+        if !abandon_claim(&store, k, &f, token) {
+            return false;
+        }
+        let lease = acquire(&store, k, &f);
+        assert_eq!(lease.acquired_from(), Some(AcquiredFrom::RetryableFailure));
+        assert_eq!(
+            lease.record().and_then(|r| r.failure()),
+            Some(&large[..]),
+            "the failure the abandoned claim found"
+        );
+        true
+    });
+}
+
+/// How many fresh keys [`on_a_fresh_key`] tries.
+const ATTEMPTS: usize = 20;
+
+/// Runs `case` on fresh keys (`name-0`, `name-1`, …) until it could abandon
+/// its claim in flight (it returns `false` when the claim was answered at
+/// its first poll, as a loaded machine may do), at most [`ATTEMPTS`] times.
+fn on_a_fresh_key(name: &str, mut case: impl FnMut(&Key) -> bool) {
+    for i in 0..ATTEMPTS {
+        if case(&key(&format!("{name}-{i}"))) {
+            return;
+        }
+    }
+    panic!("{name}: every claim was answered at its first poll; none could be abandoned");
 }

@@ -34,7 +34,7 @@ pub(crate) type Claim = Pin<Box<dyn Future<Output = Result<ClaimOutcome>> + Send
 /// The most claims kept: past this, the oldest is dropped (its lease, if it
 /// acquired one, lapses as before), so that a flood of hung-up requests
 /// cannot grow memory without bound.
-pub(crate) const MAX_ORPHANS: usize = 4096;
+const MAX_ORPHANS: usize = 4096;
 
 /// The claims of one store whose callers stopped waiting.
 #[derive(Default)]

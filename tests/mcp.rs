@@ -441,17 +441,15 @@ async fn an_answer_of_unknown_outcome_leaves_the_key_in_doubt() {
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1, "the tool ran once");
 }
 
-/// A lease out of range in the layer's options is the server's fault: an
-/// internal error that nothing retries, not STORE_FAILED ("retry with the
-/// same key", which `call_tool_once` does until its deadline); nothing
-/// runs.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lease_out_of_range_is_an_internal_error() {
-    let h = Harness::new(McpOptions::new().lease(Duration::from_millis(50)));
+/// Calls the `append` tool with `key` and asserts the server's fault: an
+/// internal error (no retry helps; not STORE_FAILED, "retry with the same
+/// key", which `call_tool_once` does until its deadline) whose message
+/// says `says`, and the tool did not run.
+async fn assert_internal_error(h: &Harness, key: &str, says: &str) {
     let (client, _server) = h.connect().await;
     let refused = rpc_error(
         client
-            .call_tool(call("append", json!({"line": "x"}), "k-lease"))
+            .call_tool(call("append", json!({"line": "x"}), key))
             .await
             .unwrap_err(),
     );
@@ -460,35 +458,27 @@ async fn a_lease_out_of_range_is_an_internal_error() {
         rmcp::model::ErrorCode::INTERNAL_ERROR,
         "{refused:?}"
     );
-    assert!(
-        refused.message.contains("options are invalid"),
-        "{refused:?}"
-    );
+    assert!(refused.message.contains(says), "{refused:?}");
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
 }
 
+/// A lease out of range in the layer's options is the server's fault: an
+/// internal error that nothing retries; nothing runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_out_of_range_is_an_internal_error() {
+    let h = Harness::new(McpOptions::new().lease(Duration::from_millis(50)));
+    assert_internal_error(&h, "k-lease", "options are invalid").await;
+}
+
 /// A store opened read-only records nothing: an internal error that no
-/// retry helps, not STORE_FAILED; nothing runs.
+/// retry helps; nothing runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_store_is_an_internal_error() {
     let mut h = Harness::new(McpOptions::new());
     let path = h._dir.path().join("read-only.redb");
     drop(Store::open(&path).unwrap());
     h.store = Arc::new(Store::open_existing(&path, Config::new().read_only(true)).unwrap());
-    let (client, _server) = h.connect().await;
-    let refused = rpc_error(
-        client
-            .call_tool(call("append", json!({"line": "x"}), "k-ro"))
-            .await
-            .unwrap_err(),
-    );
-    assert_eq!(
-        refused.code,
-        rmcp::model::ErrorCode::INTERNAL_ERROR,
-        "{refused:?}"
-    );
-    assert!(refused.message.contains("read-only"), "{refused:?}");
-    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
+    assert_internal_error(&h, "k-ro", "read-only").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
