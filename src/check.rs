@@ -31,7 +31,12 @@ use crate::store::Store;
 /// record as a [`Problem`](crate::Problem), and damaged pages, including a file that does
 /// not open because of them (redb's "Primary is corrupted despite 2-phase
 /// commit", or a panic inside redb), as [`Integrity::Failed`] with what
-/// failed. [`CheckReport::is_clean`] is then `false`.
+/// failed. A write-ahead log that recovery needs and cannot use (damaged
+/// where a durable frame was, or missing or blank after an unclean
+/// shutdown: what [`Store::open`] refuses with [`Error::CorruptLog`]) is a
+/// [`Problem`](crate::Problem) keyed `(write-ahead log)` naming the log,
+/// the offset and what failed; its records are not checked then, since the
+/// store does not open. [`CheckReport::is_clean`] is then `false`.
 ///
 /// # Errors
 /// - [`Error::Missing`]: no file at `path`.
@@ -39,8 +44,6 @@ use crate::store::Store;
 ///   (a directory, a fifo, a device), not an idemstore file, or of a
 ///   newer format.
 /// - [`Error::AlreadyOpen`]: a `Store` (a running service) holds the file.
-/// - [`Error::CorruptLog`]: the write-ahead log beside the file is damaged
-///   where recovery needs it (see [`Store::open`]).
 /// - [`Error::Storage`]: the file cannot be read.
 pub fn check_file(
     path: impl AsRef<Path>,
@@ -84,6 +87,17 @@ pub fn check_file(
                 "the store does not open: {detail}"
             ))));
         }
+        // The pages are sound (checked above), but the log recovery needs
+        // is not: the store does not open, records are not checked.
+        Err(Error::CorruptLog {
+            path: log,
+            offset,
+            detail,
+        }) => {
+            let mut report = damaged(integrity);
+            report.found_listed(log_problem(&log, offset, &detail));
+            return Ok(report);
+        }
         Err(e) => return Err(e),
     };
     // Counted once the pages are known sound (the count reads the store's
@@ -100,6 +114,19 @@ pub fn check_file(
         report.found_listed(marker_problem(named));
     }
     Ok(report)
+}
+
+/// What `check_file` reports for a write-ahead log at `log` that recovery
+/// needs and cannot use ([`Error::CorruptLog`]).
+fn log_problem(log: &Path, offset: u64, detail: &str) -> Problem {
+    Problem::other(
+        "(write-ahead log)".into(),
+        format!(
+            "{} at offset {offset}: {detail}; the store does not open, and its records \
+             were not checked: restore the latest export into a new store",
+            log.display()
+        ),
+    )
 }
 
 /// What `check_file` reports for the damage marker at `marker`.

@@ -1061,6 +1061,65 @@ fn check_reports_a_damaged_page_as_damage_with_exit_1_and_json() {
     }
 }
 
+const LOST_LOG: &str = "check_reports_a_lost_write_ahead_log_as_damage_with_exit_1";
+
+/// A write-ahead log lost after a crash (the service SIGKILLed with
+/// completions acknowledged since its last checkpoint, then its `-wal`
+/// removed) is damage: the store no longer opens (`CorruptLog`), and
+/// `check` reports it as it reports damaged pages, exit 1 with a report,
+/// `--json` and the next step, not as an error (exit 2, no report).
+#[test]
+fn check_reports_a_lost_write_ahead_log_as_damage_with_exit_1() {
+    if common::child_role(LOST_LOG) {
+        let store = Store::open_with(
+            common::child_var("STORE"),
+            Config::new().sweep_interval(None).scrub_rate(None),
+        )
+        .unwrap();
+        for i in 0..20 {
+            let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
+            store.complete(&l, b"done").unwrap();
+        }
+        common::ready_and_wait();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let mut child = common::spawn_child(LOST_LOG, &[("STORE", common::path_var(&path))]);
+    child.wait_ready();
+    child.kill();
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    std::fs::remove_file(&wal).unwrap();
+
+    let report = idemstore::check_file(&path, |_| {}).expect("damage is a report");
+    assert!(!report.is_clean());
+    assert_eq!(report.problems[0].key, "(write-ahead log)");
+
+    let out = idemstore(&["check", p(&path)]);
+    assert_eq!(code(&out), 1, "{}{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("(write-ahead log)"), "{text}");
+    assert!(text.contains("import --create"), "{text}");
+    assert!(text.trim_end().ends_with("DAMAGED"), "{text}");
+
+    let out = idemstore(&["check", p(&path), "--json"]);
+    assert_eq!(code(&out), 1, "{}", stderr(&out));
+    let v = json(&out);
+    assert_eq!(v["clean"], false);
+    assert_eq!(v["problems"][0]["key"], "(write-ahead log)", "{v}");
+    assert!(
+        v["problems"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("empty or missing"),
+        "{v}"
+    );
+    assert!(
+        v["next_step"].as_str().unwrap().contains("import --create"),
+        "{v}"
+    );
+}
+
 /// A damaged page that makes the storage engine (redb) panic is answered
 /// with the library's typed error as one line: the caught panic is not
 /// printed, and nothing else is. Each 4 KiB page of a small store in turn

@@ -22,8 +22,10 @@ the stream goes to stdout (never to a terminal) and the summary to stderr."
 pub struct Args {
     #[command(flatten)]
     store: StoreArg,
-    /// Write to this file (written beside it under a temporary name, then
-    /// renamed, so a failed export leaves no partial file).
+    /// Write to this file (written beside it under a temporary name,
+    /// synced, then renamed and its directory synced, so a failed export
+    /// leaves no partial file and one reported written survives a power
+    /// cut).
     #[arg(long, short)]
     output: Option<PathBuf>,
     /// Replace the output file if it exists (a regular file only: a
@@ -181,7 +183,33 @@ fn export_to_file(
             .map_err(|e| CliError::io(format!("cannot rename to {}", target.display()), e))?;
         Ok(summary)
     };
-    write().inspect_err(|_| {
+    let summary = write().inspect_err(|_| {
         let _ = std::fs::remove_file(&partial);
+    })?;
+    sync_directory_of(target)?;
+    Ok(summary)
+}
+
+/// Makes the rename of an export durable: a file's name lives in its
+/// directory, so until the directory is synced a power cut can leave the
+/// export's contents on disk under no name (or under the old one), while
+/// the command already said it was written. An error here leaves the
+/// export in place, complete, and says its name may not survive a power
+/// cut.
+fn sync_directory_of(target: &Path) -> Result<(), CliError> {
+    let dir = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| {
+        CliError::io(
+            format!(
+                "{} is written in full, but its directory {} could not be synced, so the \
+                 name may not survive a power cut; run sync before relying on it",
+                target.display(),
+                dir.display()
+            ),
+            e,
+        )
     })
 }
