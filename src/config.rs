@@ -160,7 +160,7 @@ pub const MAX_SCRUB_RATE: u32 = 1_000_000;
 ///
 /// Build it from [`PostgresLimits::default`] and change the fields you
 /// need. Every duration must be at least 1 ms and at most 24 hours, and
-/// `queue` at least 1; [`Store::connect`](crate::Store) refuses others with
+/// `queue` and `scans` at least 1; [`Store::connect`](crate::Store) refuses others with
 /// [`Error::InvalidArgument`] naming `postgres_limits`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -211,6 +211,19 @@ pub struct PostgresLimits {
     /// [`Config::postgres_connections`]) is closed after this much idle
     /// time too, and opened again by the next call. Default 60 s.
     pub connection_idle_timeout: Duration,
+    /// How many scans may each hold a connection of their own at once.
+    /// A scan ([`Store::scan`](crate::Store::scan),
+    /// [`Store::compensation`](crate::Store::compensation),
+    /// [`Store::export`](crate::Store::export),
+    /// [`Store::verify`](crate::Store::verify), the `list`, `export` and
+    /// `check` commands) reads one snapshot, so it holds one connection,
+    /// beside the workers' and the sync caller's, from its first page until
+    /// it ends or is dropped. One that finds them all in use waits for one
+    /// to be given back until its deadline (`call_timeout`), then gets
+    /// [`Error::Unavailable`] naming this limit. A store holds at most
+    /// [`Config::postgres_connections`] + 1 + `scans` server sessions:
+    /// size a pooler's pool for that. At least 1. Default 2.
+    pub scans: usize,
 }
 
 impl Default for PostgresLimits {
@@ -224,6 +237,7 @@ impl Default for PostgresLimits {
             keepalive_idle: Duration::from_secs(30),
             queue: 16_384,
             connection_idle_timeout: Duration::from_secs(60),
+            scans: 2,
         }
     }
 }
@@ -257,6 +271,12 @@ impl PostgresLimits {
             return Err(Error::invalid(
                 "postgres_limits",
                 "queue must be at least 1",
+            ));
+        }
+        if self.scans == 0 {
+            return Err(Error::invalid(
+                "postgres_limits",
+                "scans must be at least 1",
             ));
         }
         Ok(())
@@ -732,7 +752,8 @@ impl Config {
     /// open one is busy, and each is closed after
     /// [`PostgresLimits::connection_idle_timeout`] unused (default 60 s);
     /// a sync caller's statements may also take one direct connection of
-    /// the store's besides these (closed the same way). Concurrent
+    /// the store's besides these (closed the same way), and each scan one
+    /// of its own while it lasts (at most [`PostgresLimits::scans`]). Concurrent
     /// requests are batched into one transaction per connection (group
     /// commit over the wire). On the embedded engine, opening fails with
     /// [`Error::InvalidArgument`] naming `postgres_connections`.
@@ -1025,7 +1046,9 @@ mod tests {
         too_long.call_timeout = Duration::from_secs(2 * 24 * 3600);
         let mut no_idle = limits;
         no_idle.connection_idle_timeout = Duration::ZERO;
-        for bad in [zero, no_queue, too_long, no_idle] {
+        let mut no_scans = limits;
+        no_scans.scans = 0;
+        for bad in [zero, no_queue, too_long, no_idle, no_scans] {
             match Config::new().postgres_limits(bad).check_postgres() {
                 Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "postgres_limits"),
                 other => panic!("{bad:?}: {other:?}"),

@@ -1120,7 +1120,12 @@ impl Store {
     /// # Errors
     /// [`Error::InvalidArgument`] for a scope prefix longer than any scope;
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the snapshot cannot
-    /// be opened.
+    /// be opened; on PostgreSQL [`Error::Unavailable`] when the first page
+    /// takes longer than
+    /// [`PostgresLimits::call_timeout`](crate::PostgresLimits::call_timeout),
+    /// the wait for a connection included: each scan holds one of its own
+    /// until it ends or is dropped, at most
+    /// [`PostgresLimits::scans`](crate::PostgresLimits::scans) at once.
     pub fn scan(&self, filter: &Filter) -> Result<Records> {
         let _span = tracing::debug_span!("idemstore.scan").entered();
         filter.check()?;
@@ -1217,7 +1222,8 @@ impl Store {
     /// # Errors
     /// [`Error::CorruptRecord`] when a stored record fails its checksum
     /// (the export stops: run `idemstore check`); [`Error::Storage`] when
-    /// `out` fails or the file cannot be read; [`Error::CorruptFile`].
+    /// `out` fails or the file cannot be read; [`Error::CorruptFile`]; on
+    /// PostgreSQL [`Error::Unavailable`] as for [`Store::scan`].
     pub fn export(
         &self,
         out: impl std::io::Write,
@@ -1356,7 +1362,10 @@ impl Store {
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the file cannot be
     /// read; on PostgreSQL [`Error::Unavailable`] when the connection
     /// breaks or a page of the scan takes longer than
-    /// [`PostgresLimits::call_timeout`](crate::PostgresLimits::call_timeout).
+    /// [`PostgresLimits::call_timeout`](crate::PostgresLimits::call_timeout),
+    /// or when every one of the
+    /// [`PostgresLimits::scans`](crate::PostgresLimits::scans) connections
+    /// is held by another scan for that long.
     /// Damaged records and bindings are reported in the [`CheckReport`],
     /// not as errors.
     pub fn verify(&self, progress: impl FnMut(Progress)) -> Result<CheckReport> {

@@ -577,6 +577,55 @@ fn lifecycle_async(store: &Store, id: &str) {
     });
 }
 
+/// Each scan holds a connection of its own (one snapshot) until it is
+/// dropped, at most `PostgresLimits::scans` of them: one more waits for a
+/// scan to end until its deadline and is refused `Unavailable` naming the
+/// limit, and starts once one ends. The store never holds more than
+/// `postgres_connections` + 1 + `scans` sessions.
+#[test]
+fn scans_hold_at_most_their_limit_of_connections() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_scans");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let app = schema.clone();
+    let sessions = Sessions::new(&url, &app);
+    let mut limits = PostgresLimits::default();
+    limits.scans = 2;
+    limits.call_timeout = Duration::from_secs(3);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(1)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Store::connect(&with_app(&url, &app), config).expect("connect");
+    for i in 0..3 {
+        let k = key(&format!("scan-{i}"));
+        assert!(matches!(
+            store.claim(&k, &fp(), &ClaimOptions::new()),
+            Ok(ClaimOutcome::Acquired(_))
+        ));
+    }
+    let filter = idemstore::Filter::new();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut records = store.scan(&filter).expect("scan");
+        assert!(records.next().is_some());
+        held.push(records);
+    }
+    match store.scan(&filter) {
+        Err(Error::Unavailable { detail }) => {
+            assert!(detail.contains("PostgresLimits::scans"), "{detail}")
+        }
+        other => panic!("a third scan while two are held: {:?}", other.map(|_| ())),
+    }
+    // One worker, one sync caller's direct connection, two scans.
+    let open = sessions.count();
+    assert!(open <= 1 + 1 + 2, "{open} sessions");
+    drop(held.pop());
+    let records = store.scan(&filter).expect("a scan once one has ended");
+    assert_eq!(records.count(), 3);
+}
+
 #[test]
 fn a_lone_sequential_caller_is_served_by_one_connection() {
     let Some(url) = pg::url() else { return };

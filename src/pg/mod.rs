@@ -455,6 +455,9 @@ pub(crate) struct Postgres {
     room: Arc<tokio::sync::Semaphore>,
     /// The driver thread's runtime, for scans.
     handle: tokio::runtime::Handle,
+    /// The scans that may hold a connection of their own at once
+    /// ([`PostgresLimits::scans`]).
+    scans: Arc<ScanRoom>,
     /// The store's identity, from the meta table.
     store_id: u128,
     /// What connecting found the schema to be.
@@ -3302,6 +3305,7 @@ impl Postgres {
             jobs: Some(jobs),
             room: Arc::new(tokio::sync::Semaphore::new(limits.queue)),
             handle,
+            scans: Arc::new(ScanRoom::new(limits.scans)),
             store_id: 0,
             found: Found::Current,
             thread: Some(thread),
@@ -3697,20 +3701,43 @@ impl Postgres {
 
     /// The scan behind [`Postgres::entries`] and
     /// [`Postgres::checked_entries`].
+    /// Each scan holds a connection of its own until it ends or is
+    /// dropped, one of at most [`PostgresLimits::scans`]: a scan that finds
+    /// them all in use waits for one until its first page's deadline
+    /// (`call_timeout`), then fails with [`Error::Unavailable`] naming the
+    /// limit.
     fn scan(&self, ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>, checked: bool) -> Result<Entries> {
+        let timeout = self.shared.limits.call_timeout;
+        let started = Instant::now();
+        let deadline = started.checked_add(timeout).unwrap_or(started);
+        let permit = ScanRoom::take(&self.scans, deadline).ok_or_else(|| Error::Unavailable {
+            detail: format!(
+                "every one of the {} connections scans may hold (PostgresLimits::scans) was in \
+                 use for call_timeout ({} ms): scans, exports, checks and compensation listings \
+                 hold one each until they end or are dropped",
+                self.shared.limits.scans,
+                timeout.as_millis()
+            ),
+        })?;
         let ranges = merge_ranges(ranges);
         let (req_tx, req_rx) = unbounded_channel::<PageRequest>();
         let shared = Arc::clone(&self.shared);
-        self.handle
-            .spawn(async move { scan_task(&shared, ranges, checked, req_rx).await });
+        self.handle.spawn(async move {
+            scan_task(&shared, ranges, checked, req_rx).await;
+            // The connection is closed with the task's client: the room is
+            // given back after it.
+            drop(permit);
+        });
         let mut entries = Entries {
             requests: req_tx,
             buffered: VecDeque::new(),
             done: false,
-            timeout: self.shared.limits.call_timeout,
+            // The first page within what is left of the call's deadline.
+            timeout: deadline.saturating_duration_since(Instant::now()),
         };
         // The snapshot is taken with the first page, before returning.
         entries.fill()?;
+        entries.timeout = timeout;
         Ok(entries)
     }
 
@@ -4318,6 +4345,46 @@ fn bindings_counted(rows: &[Row], stored: &mut PairDigest) -> Result<Vec<ScanIte
         page.push(Ok(Scanned::Binding));
     }
     Ok(page)
+}
+
+/// The room for scans' own connections ([`PostgresLimits::scans`]): a
+/// counting semaphore a sync caller waits on with a deadline.
+struct ScanRoom {
+    /// How many more scans may start.
+    free: parking_lot::Mutex<usize>,
+    /// Wakes a waiting scan when a permit is given back.
+    freed: parking_lot::Condvar,
+}
+
+/// One scan's place in a [`ScanRoom`], given back when dropped.
+struct ScanPermit(Arc<ScanRoom>);
+
+impl ScanRoom {
+    fn new(scans: usize) -> ScanRoom {
+        ScanRoom {
+            free: parking_lot::Mutex::new(scans),
+            freed: parking_lot::Condvar::new(),
+        }
+    }
+
+    /// A permit, waiting for one until `deadline`; `None` past it.
+    fn take(room: &Arc<ScanRoom>, deadline: Instant) -> Option<ScanPermit> {
+        let mut free = room.free.lock();
+        while *free == 0 {
+            if room.freed.wait_until(&mut free, deadline).timed_out() && *free == 0 {
+                return None;
+            }
+        }
+        *free -= 1;
+        Some(ScanPermit(Arc::clone(room)))
+    }
+}
+
+impl Drop for ScanPermit {
+    fn drop(&mut self) {
+        *self.0.free.lock() += 1;
+        self.0.freed.notify_one();
+    }
 }
 
 /// The iterator of [`Postgres::entries`].
