@@ -116,14 +116,20 @@ pub fn check_file(
     Ok(report)
 }
 
+/// The [`Problem::key`](crate::Problem::key) of the problem
+/// [`check_file`] reports for a write-ahead log that recovery needs and
+/// cannot use: the store does not open, so its records were not checked.
+pub const LOG_PROBLEM: &str = "(write-ahead log)";
+
 /// What `check_file` reports for a write-ahead log at `log` that recovery
 /// needs and cannot use ([`Error::CorruptLog`]).
 fn log_problem(log: &Path, offset: u64, detail: &str) -> Problem {
     Problem::other(
-        "(write-ahead log)".into(),
+        LOG_PROBLEM.into(),
         format!(
             "{} at offset {offset}: {detail}; the store does not open, and its records \
-             were not checked: restore the latest export into a new store",
+             were not checked: if the log was moved or renamed, put it back (in place of \
+             the empty one an open leaves), else restore the latest export into a new store",
             log.display()
         ),
     )

@@ -218,11 +218,12 @@ pub struct PostgresLimits {
     /// [`Store::verify`](crate::Store::verify), the `list`, `export` and
     /// `check` commands) reads one snapshot, so it holds one connection,
     /// beside the workers' and the sync caller's, from its first page until
-    /// it ends or is dropped. One that finds them all in use waits for one
+    /// it is read to its end, meets an error or is dropped. One that finds them all in use waits for one
     /// to be given back until its deadline (`call_timeout`), then gets
     /// [`Error::Unavailable`] naming this limit. A store holds at most
     /// [`Config::postgres_connections`] + 1 + `scans` server sessions:
-    /// size a pooler's pool for that. At least 1. Default 2.
+    /// size a pooler's pool for that (a session just given back may take
+    /// a moment more to close). At least 1, no upper bound. Default 2.
     pub scans: usize,
 }
 

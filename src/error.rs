@@ -185,10 +185,12 @@ pub enum Error {
 
     /// The write-ahead log beside the store file is damaged where recovery
     /// needs it: a frame that was already durable fails its checksum while
-    /// later frames are intact, or the log's header is unreadable after an
-    /// unclean shutdown. A torn last frame (a write cut by a crash) is not
-    /// corruption: recovery ends before it. Nothing is replayed and the
-    /// store does not open; acknowledged changes may be in the damaged part.
+    /// later frames are intact, or, after an unclean shutdown, the log is
+    /// missing, empty or its header unreadable. A torn last frame (a write
+    /// cut by a crash) is not corruption: recovery ends before it. Nothing
+    /// is replayed and the store does not open; acknowledged changes may be
+    /// in the damaged or missing part. [`check_file`](crate::check_file)
+    /// reports it as damage in its report, not as this error.
     #[error("corrupt write-ahead log {} at offset {offset}: {detail}", path.display())]
     CorruptLog {
         /// The log file (`<store file>-wal`).

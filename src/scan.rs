@@ -144,6 +144,13 @@ impl Filter {
 /// ([`Error::CorruptRecord`], naming the key; the scan goes on with the
 /// next record) and for a storage error (after which it ends). Records of
 /// one scope come out together, ordered by id bytes.
+///
+/// On PostgreSQL it holds a connection of its own (with the snapshot's
+/// transaction), one of at most
+/// [`PostgresLimits::scans`](crate::PostgresLimits::scans), until it is
+/// read to its end, meets an error, or is dropped: drop one read in part
+/// promptly. A scan started while this thread holds such an iterator,
+/// with no other place free, waits `call_timeout` and fails.
 pub struct Records {
     entries: Entries,
     filter: Filter,

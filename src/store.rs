@@ -1106,7 +1106,8 @@ impl Store {
     ///
     /// # Errors
     /// [`Error::CorruptFile`] or [`Error::Storage`] when the snapshot cannot
-    /// be opened; the iterator yields per-record errors.
+    /// be opened; on PostgreSQL [`Error::Unavailable`] as for
+    /// [`Store::scan`]; the iterator yields per-record errors.
     pub fn compensation(&self, older_than: Option<Duration>) -> Result<Records> {
         let _span = tracing::debug_span!("idemstore.compensation").entered();
         self.scan(&Filter::needs_compensation(older_than))

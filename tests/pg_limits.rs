@@ -577,10 +577,10 @@ fn lifecycle_async(store: &Store, id: &str) {
     });
 }
 
-/// Each scan holds a connection of its own (one snapshot) until it is
-/// dropped, at most `PostgresLimits::scans` of them: one more waits for a
-/// scan to end until its deadline and is refused `Unavailable` naming the
-/// limit, and starts once one ends. The store never holds more than
+/// Each scan holds a connection of its own (one snapshot) until it is read
+/// to its end or dropped, at most `PostgresLimits::scans` of them: one more
+/// waits for a scan to end until its deadline and is refused `Unavailable`
+/// naming the limit, and starts once one ends. The store never holds more than
 /// `postgres_connections` + 1 + `scans` sessions.
 #[test]
 fn scans_hold_at_most_their_limit_of_connections() {
@@ -591,7 +591,7 @@ fn scans_hold_at_most_their_limit_of_connections() {
     let sessions = Sessions::new(&url, &app);
     let mut limits = PostgresLimits::default();
     limits.scans = 2;
-    limits.call_timeout = Duration::from_secs(3);
+    limits.call_timeout = Duration::from_secs(5);
     let config = Config::new()
         .postgres_schema(&schema)
         .postgres_connections(1)
@@ -621,9 +621,16 @@ fn scans_hold_at_most_their_limit_of_connections() {
     // One worker, one sync caller's direct connection, two scans.
     let open = sessions.count();
     assert!(open <= 1 + 1 + 2, "{open} sessions");
+    // A scan read to its end gives its connection back at once, while
+    // the caller still holds the iterator.
     drop(held.pop());
-    let records = store.scan(&filter).expect("a scan once one has ended");
+    let mut used = store.scan(&filter).expect("a scan once one was dropped");
+    assert_eq!(used.by_ref().count(), 3);
+    let records = store
+        .scan(&filter)
+        .expect("a scan beside one read to its end");
     assert_eq!(records.count(), 3);
+    drop(used);
 }
 
 #[test]

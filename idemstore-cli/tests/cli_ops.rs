@@ -1093,12 +1093,16 @@ fn check_reports_a_lost_write_ahead_log_as_damage_with_exit_1() {
 
     let report = idemstore::check_file(&path, |_| {}).expect("damage is a report");
     assert!(!report.is_clean());
-    assert_eq!(report.problems[0].key, "(write-ahead log)");
+    assert_eq!(report.problems[0].key, idemstore::LOG_PROBLEM);
 
     let out = idemstore(&["check", p(&path)]);
     assert_eq!(code(&out), 1, "{}{}", stdout(&out), stderr(&out));
     let text = stdout(&out);
     assert!(text.contains("(write-ahead log)"), "{text}");
+    assert!(
+        text.contains("not checked (the store does not open)"),
+        "{text}"
+    );
     assert!(text.contains("import --create"), "{text}");
     assert!(text.trim_end().ends_with("DAMAGED"), "{text}");
 
@@ -1106,7 +1110,8 @@ fn check_reports_a_lost_write_ahead_log_as_damage_with_exit_1() {
     assert_eq!(code(&out), 1, "{}", stderr(&out));
     let v = json(&out);
     assert_eq!(v["clean"], false);
-    assert_eq!(v["problems"][0]["key"], "(write-ahead log)", "{v}");
+    assert_eq!(v["records_checked"], false, "{v}");
+    assert_eq!(v["problems"][0]["key"], idemstore::LOG_PROBLEM, "{v}");
     assert!(
         v["problems"][0]["detail"]
             .as_str()
@@ -1241,6 +1246,7 @@ fn check_exits_0_when_sound_and_1_naming_a_damaged_record() {
     assert_eq!(code(&out), 1, "{}", stderr(&out));
     let v = json(&out);
     assert_eq!(v["clean"], false);
+    assert_eq!(v["records_checked"], true);
     assert_eq!(v["problems_found"], 1);
     assert_eq!(v["problems"][0]["key"], "acme/tickets/done");
     assert_eq!(v["problems"][0]["scope"], "acme/tickets");

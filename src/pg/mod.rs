@@ -3719,21 +3719,32 @@ impl Postgres {
                 timeout.as_millis()
             ),
         })?;
+        // A permit had at the deadline leaves the first page no time.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Unavailable {
+                detail: format!(
+                    "a connection for the scan was free only at its deadline (call_timeout, {} \
+                     ms): PostgresLimits::scans ({}) were all in use until then",
+                    timeout.as_millis(),
+                    self.shared.limits.scans
+                ),
+            });
+        }
         let ranges = merge_ranges(ranges);
         let (req_tx, req_rx) = unbounded_channel::<PageRequest>();
         let shared = Arc::clone(&self.shared);
-        self.handle.spawn(async move {
-            scan_task(&shared, ranges, checked, req_rx).await;
-            // The connection is closed with the task's client: the room is
-            // given back after it.
-            drop(permit);
-        });
+        let task = self
+            .handle
+            .spawn(async move { scan_task(&shared, ranges, checked, req_rx, permit).await })
+            .abort_handle();
         let mut entries = Entries {
             requests: req_tx,
             buffered: VecDeque::new(),
             done: false,
             // The first page within what is left of the call's deadline.
-            timeout: deadline.saturating_duration_since(Instant::now()),
+            timeout: left,
+            task,
         };
         // The snapshot is taken with the first page, before returning.
         entries.fill()?;
@@ -3962,15 +3973,23 @@ type PageRequest = oneshot::Sender<Page>;
 /// page of rows is followed by what [`checked_bindings`] finds, and the
 /// rows by the business-key bindings in keyset pages, as
 /// [`bindings_checked`] checks them.
+///
+/// The connection and `permit` (the scan's place among
+/// [`PostgresLimits::scans`]) are given back as soon as the scan ends: after
+/// its last (empty) page, or after an error, before the error is handed
+/// to the next request (the request being answered when it happened is
+/// dropped unanswered; [`Entries::fill`] asks again for the error).
 async fn scan_task(
     shared: &Shared,
     ranges: Vec<(Vec<u8>, Option<Vec<u8>>)>,
     checked: bool,
     mut requests: UnboundedReceiver<PageRequest>,
+    permit: ScanPermit,
 ) {
     let mut client = match open_client(shared).await {
         Ok(c) => c,
         Err(f) => {
+            drop(permit);
             if let Some(tx) = requests.recv().await {
                 let _ = tx.send(Err(f.error()));
             }
@@ -4053,19 +4072,25 @@ async fn scan_task(
             )
             .await?;
         }
-        // Every source is done: answer with an empty page from now on.
-        if let Some(tx) = pending {
-            let _ = tx.send(Ok(Vec::new()));
-        }
-        while let Some(tx) = requests.recv().await {
+        // Every source is done: the empty page ends the iterator, which
+        // asks for no more.
+        let last = match pending {
+            Some(tx) => Some(tx),
+            None => requests.recv().await,
+        };
+        if let Some(tx) = last {
             let _ = tx.send(Ok(Vec::new()));
         }
         Ok::<(), Fail>(())
     };
     let ended = run.await;
+    // The snapshot's transaction ended with `run`; the connection and the
+    // scan's place go now, whatever the iterator does next.
+    drop(client);
+    drop(permit);
     if let Err(f) = ended {
         // The error goes to the next request (the one that waited, if any,
-        // was dropped with its sender: the iterator sees the channel close).
+        // was dropped with its sender: the iterator asks again).
         if let Some(tx) = requests.recv().await {
             let _ = tx.send(Err(f.error()));
         }
@@ -4397,6 +4422,16 @@ struct Entries {
     done: bool,
     /// How long one page may take.
     timeout: Duration,
+    /// The scan's task, aborted when the iterator is dropped or a page
+    /// times out: its connection and its place among
+    /// [`PostgresLimits::scans`] are not held past the caller's interest.
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Entries {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl Entries {
@@ -4415,6 +4450,7 @@ impl Entries {
             Ok(answer) => Ok(answer),
             Err(oneshot::RecvTimeoutError::Timeout) => {
                 self.done = true;
+                self.task.abort();
                 return Err(Error::Unavailable {
                     detail: "a page of the scan took longer than PostgresLimits::call_timeout"
                         .into(),
@@ -4436,10 +4472,25 @@ impl Entries {
             }
             Err(_) => {
                 self.done = true;
-                Err(Error::Unavailable {
-                    detail: "the scan's connection ended".into(),
-                })
+                Err(self.dropped_request())
             }
+        }
+    }
+
+    /// Why the scan's task dropped a request unanswered: on an error, which
+    /// it hands to the next request (see [`scan_task`]); asked for once,
+    /// within the page's time.
+    fn dropped_request(&mut self) -> Error {
+        let ended = || Error::Unavailable {
+            detail: "the scan's connection ended".into(),
+        };
+        let (tx, rx) = oneshot::channel();
+        if self.requests.send(tx).is_err() {
+            return ended();
+        }
+        match rx.recv_timeout(self.timeout) {
+            Ok(Err(e)) => e,
+            _ => ended(),
         }
     }
 }

@@ -62,6 +62,13 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         other => format!("{other:?}"),
     };
     let next_step = (!report.is_clean()).then_some(next_step);
+    // A file whose pages or log keep it from opening has its records
+    // unread: not "0 checked".
+    let records_checked = !matches!(report.integrity, Integrity::Failed(_))
+        && !report
+            .problems
+            .iter()
+            .any(|p| p.key == idemstore::LOG_PROBLEM);
     if args.json {
         let problems: Vec<_> = report
             .problems
@@ -83,6 +90,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 "clean": report.is_clean(),
                 "integrity": integrity,
                 "records": report.records,
+                "records_checked": records_checked,
                 "bindings": report.bindings,
                 "problems": problems,
                 "problems_found": report.problems_found,
@@ -92,8 +100,14 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     } else {
         writeln!(out, "{:<16} {name}", "store")?;
         writeln!(out, "{:<16} {integrity}", "redb integrity")?;
-        writeln!(out, "{:<16} {} checked", "records", report.records)?;
-        writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
+        if records_checked {
+            writeln!(out, "{:<16} {} checked", "records", report.records)?;
+            writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
+        } else {
+            let unread = "not checked (the store does not open)";
+            writeln!(out, "{:<16} {unread}", "records")?;
+            writeln!(out, "{:<16} {unread}", "business keys")?;
+        }
         writeln!(out, "{:<16} {}", "problems", report.problems_found)?;
         // A record's key as `scope "…" id "…"`, which pastes into `get`
         // whatever `/` the scope or the id holds.
