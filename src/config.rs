@@ -185,9 +185,15 @@ pub struct PostgresLimits {
     pub statement_timeout: Duration,
     /// The server's `lock_timeout` on the engine's own sessions: a wait for
     /// a row (one held by a caller's open `complete_in` transaction, say)
-    /// or for the token lock longer than this fails the batch that waits,
-    /// with [`Error::Unavailable`], instead of holding every request of
-    /// that batch. Default 5 s.
+    /// or for the token lock longer than this fails the requests that
+    /// need the lock with [`Error::Unavailable`] (SQLSTATE `55P03`)
+    /// instead of holding them. A group commit that waited so while it
+    /// carried requests of several keys applied nothing and runs them
+    /// again, each key's in a transaction of its own, one key after
+    /// another, each within its requests' deadlines (`call_timeout`): the
+    /// requests of other keys are decided (after that wait, and those of
+    /// the keys before them), and only those of a locked key are refused.
+    /// Default 5 s.
     pub lock_timeout: Duration,
     /// The server's `idle_in_transaction_session_timeout` on the engine's
     /// own sessions: the server ends a session of the engine that sits in

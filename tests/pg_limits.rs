@@ -13,7 +13,9 @@
 //!   opening no longer than `connect_timeout`;
 //! - a caller's `complete_in` transaction that holds a row longer than
 //!   `lock_timeout` holds a batch that includes that row no longer than
-//!   that, and no other key at all;
+//!   that, and no other key at all; a claim of another key group-committed
+//!   with a claim of the held key is decided, and only the held key's is
+//!   refused;
 //! - the worker connections follow the load (counted in
 //!   `pg_stat_activity` by an application name of the test's own): none
 //!   before the first call, one for a lone sequential caller, more (never
@@ -1018,4 +1020,159 @@ fn an_abandoned_claim_on_a_locked_row_holds_no_claim_of_another_key() {
         matches!(answer, Ok(ClaimOutcome::Acquired(_))),
         "{answer:?}"
     );
+}
+
+/// A row held by another session (a caller's open `complete_in`
+/// transaction, any `SELECT … FOR UPDATE`) fails only the requests that
+/// need it: the claim of another key, group-committed with a claim of the
+/// held key, is decided (the batch, refused the lock past `lock_timeout`,
+/// runs again a key at a time), and the claim of the held key gets the
+/// lock wait's `Unavailable`. Both claims are takeovers (of a retryable
+/// failure), which the hot path leaves to the general transaction.
+#[test]
+fn a_locked_row_fails_no_claim_of_another_key_in_its_batch() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_neighbour");
+    let mut limits = PostgresLimits::default();
+    limits.lock_timeout = Duration::from_secs(2);
+    // One worker, so that claims queued while it is busy are taken as one
+    // batch.
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(1)
+        .postgres_limits(limits)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&url, config).expect("connect"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    // A round holds the worker on a row of its own until both claims are
+    // queued; should a loaded machine take longer than `lock_timeout` to
+    // queue them, the worker was freed meanwhile and the round proves
+    // nothing: the next one runs on fresh keys.
+    for round in 0..5 {
+        if let Some((locked, free)) = neighbours_of_a_locked_row(&store, &rt, &url, &schema, round)
+        {
+            assert!(matches!(free, Ok(ClaimOutcome::Acquired(_))), "{free:?}");
+            match locked {
+                Err(Error::Unavailable { detail }) => {
+                    assert!(detail.contains("55P03"), "{detail}");
+                }
+                other => panic!("expected Unavailable, got {other:?}"),
+            }
+            // The refused claim applied nothing: the key is claimed now
+            // that its row is free.
+            assert!(matches!(
+                claim(&store, &format!("locked{round}")),
+                Ok(ClaimOutcome::Acquired(_))
+            ));
+            return;
+        }
+    }
+    panic!("the worker was never held until both claims were queued");
+}
+
+/// One round of `a_locked_row_fails_no_claim_of_another_key_in_its_batch`:
+/// the answers to the claims of `locked<round>` (its row locked by a
+/// transaction of the test's own, rolled back once they answered) and of
+/// `free<round>`, made by two callers and taken as one batch by the
+/// store's one worker, which a claim of `gate<round>` holds (waiting for
+/// its row, locked by another transaction of the test's) until both are
+/// queued. `None` if the worker was freed before that (the gate's claim
+/// was refused its lock).
+fn neighbours_of_a_locked_row(
+    store: &Arc<Store>,
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    schema: &str,
+    round: usize,
+) -> Option<(
+    idemstore::Result<ClaimOutcome>,
+    idemstore::Result<ClaimOutcome>,
+)> {
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    let [locked, free, gate] = ["locked", "free", "gate"].map(|id| format!("{id}{round}"));
+    // Each key failed retryably: its next claim takes it over, a write of
+    // its row.
+    let mut tokens = Vec::new();
+    for id in [&locked, &free, &gate] {
+        let lease = match claim(store, id) {
+            Ok(ClaimOutcome::Acquired(lease)) => lease,
+            other => panic!("{other:?}"),
+        };
+        store.fail(&lease, b"boom", true).expect("fail");
+        tokens.push(i64::try_from(lease.token()).expect("token"));
+    }
+    let open = || {
+        let (client, connection) = rt
+            .block_on(tokio_postgres::connect(url, NoTls))
+            .expect("connect");
+        rt.spawn(connection);
+        client
+    };
+    let (mut holder, mut gatekeeper) = (open(), open());
+    let lock_row = |tx: &tokio_postgres::Transaction<'_>, token: i64| {
+        let n = rt
+            .block_on(tx.execute(
+                &format!("SELECT 1 FROM \"{schema}\".records WHERE token = $1 FOR UPDATE"),
+                &[&token],
+            ))
+            .expect("lock the row");
+        assert_eq!(n, 1);
+    };
+    let held = rt.block_on(holder.transaction()).expect("begin");
+    lock_row(&held, tokens[0]);
+    let gatekeeper_pid: i32 = rt
+        .block_on(gatekeeper.query_one("SELECT pg_backend_pid()", &[]))
+        .expect("pid")
+        .get(0);
+    let gate_tx = rt.block_on(gatekeeper.transaction()).expect("begin");
+    lock_row(&gate_tx, tokens[2]);
+    // The gate's claim holds the one worker while it waits for its row.
+    let (gate_answer, gate_rx) = channel();
+    {
+        let (store, k) = (Arc::clone(store), key(&gate));
+        std::thread::spawn(move || {
+            let answer =
+                futures_lite::future::block_on(store.claim_async(&k, &fp(), &ClaimOptions::new()));
+            let _ = gate_answer.send(answer);
+        });
+    }
+    let since = std::time::Instant::now();
+    loop {
+        let waiting: i64 = rt
+            .block_on(held.query_one(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted \
+                 AND $1 = ANY(pg_blocking_pids(pid))",
+                &[&gatekeeper_pid],
+            ))
+            .expect("pg_locks")
+            .get(0);
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            since.elapsed() < HANG_GUARD,
+            "the gate's claim never waited"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Both claims are queued (a first poll sends each), then the worker
+    // is freed: it takes them as one batch.
+    let (k1, k2, f, o) = (key(&locked), key(&free), fp(), ClaimOptions::new());
+    let mut first = Box::pin(store.claim_async(&k1, &f, &o));
+    let mut second = Box::pin(store.claim_async(&k2, &f, &o));
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(first.as_mut().poll(&mut cx).is_pending());
+    assert!(second.as_mut().poll(&mut cx).is_pending());
+    rt.block_on(gate_tx.rollback()).expect("rollback");
+    let gate_answer = gate_rx.recv_timeout(HANG_GUARD).expect("the gate's claim");
+    let answers = futures_lite::future::block_on(futures_lite::future::zip(first, second));
+    rt.block_on(held.rollback()).expect("rollback");
+    // Held until the gate's row was released: the claims were queued
+    // while the worker was busy.
+    matches!(gate_answer, Ok(ClaimOutcome::Acquired(_))).then_some(answers)
 }

@@ -77,7 +77,11 @@
 //!   answer was lost gets [`Error::OutcomeUnknown`]. The next batch opens a
 //!   new connection. A statement the server refuses (a deadlock is tried
 //!   again first) also leaves the batch unapplied and answers
-//!   [`Error::Unavailable`].
+//!   [`Error::Unavailable`], except a lock wait past `lock_timeout`
+//!   (SQLSTATE 55P03) in a batch of several keys: its requests run again,
+//!   each key's in a transaction of its own ([`run_apart`]), so that only
+//!   the requests of a locked key (a row held by another session) are
+//!   refused.
 //! - **Bounded waits** ([`PostgresLimits`]): every call carries a
 //!   deadline (`call_timeout` from when it is made) that covers the wait
 //!   for room in the bounded queue, for a worker, for a connection and
@@ -629,6 +633,12 @@ enum Fail {
     Unknown(String),
     /// The server refused a statement or the commit: nothing applied.
     Refused(String),
+    /// A wait for a lock (a row held by another session, a business key's
+    /// binding, the token lock) passed `lock_timeout` (SQLSTATE 55P03):
+    /// nothing applied. A batch of several keys refused so is run again a
+    /// key at a time ([`run_apart`]), so that only the requests that wait
+    /// for the lock are refused.
+    Locked(String),
     /// The server refused a write as read-only (SQLSTATE 25006): nothing
     /// applied, and the connection is dropped, since only a new one can
     /// reach a host that takes writes (see [`read_only`]).
@@ -649,6 +659,7 @@ impl Fail {
             | Fail::Contended(d)
             | Fail::Lost(d)
             | Fail::Refused(d)
+            | Fail::Locked(d)
             | Fail::ReadOnly(d) => Error::Unavailable { detail: d.clone() },
             Fail::Unknown(d) => Error::OutcomeUnknown { detail: d.clone() },
             Fail::Storage(d) => Error::Storage(d.clone()),
@@ -792,6 +803,8 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
         || err.code() == Some(&SqlState::SEQUENCE_GENERATOR_LIMIT_EXCEEDED)
     {
         Fail::Retry(detail)
+    } else if err.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
+        Fail::Locked(detail)
     } else if err.as_db_error().is_some() {
         Fail::Refused(detail)
     } else {
@@ -1981,6 +1994,7 @@ async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
             Fail::Retry(_)
             | Fail::Contended(_)
             | Fail::Refused(_)
+            | Fail::Locked(_)
             | Fail::Storage(_)
             | Fail::Config(..),
         ) => !conn.client.is_closed() && conn.client.batch_execute("ROLLBACK").await.is_ok(),
@@ -2643,6 +2657,8 @@ enum Work {
         replies: Vec<oneshot::Sender<Result<Reply>>>,
         /// Their places in the bounded queue, given back once answered.
         permits: Vec<tokio::sync::OwnedSemaphorePermit>,
+        /// Each request's deadline (its call's).
+        deadlines: Vec<Instant>,
         /// The earliest of their deadlines.
         due: Instant,
     },
@@ -2665,6 +2681,7 @@ fn take_work(
     let mut hot_ok = Vec::new();
     let mut replies = Vec::new();
     let mut permits = Vec::new();
+    let mut deadlines = Vec::new();
     let mut due: Option<Instant> = None;
     let mut next = Some(first);
     while let Some(queued) = next.take() {
@@ -2690,6 +2707,7 @@ fn take_work(
                 hot_ok.push(hot);
                 replies.push(reply);
                 permits.push(permit);
+                deadlines.push(deadline);
                 due = Some(due.map_or(deadline, |d| d.min(deadline)));
                 if ops.len() < MAX_BATCH {
                     next = queue.try_recv().ok();
@@ -2713,6 +2731,7 @@ fn take_work(
         hot_ok,
         replies,
         permits,
+        deadlines,
         due,
     })
 }
@@ -2905,9 +2924,11 @@ async fn worker(
                 hot_ok,
                 replies,
                 permits,
+                deadlines,
                 due,
             } => {
-                run_apply(&shared, &mut conn, due, (ops, hot_ok), replies).await;
+                let calls = Calls { replies, deadlines };
+                run_apply(&shared, &mut conn, due, (ops, hot_ok), calls).await;
                 drop(permits);
             }
             Work::One(queued) => run_job(&shared, &mut conn, queued).await,
@@ -2918,14 +2939,25 @@ async fn worker(
     }
 }
 
+/// The callers of a batch's requests, in the requests' order.
+struct Calls {
+    /// Each request's answer channel.
+    replies: Vec<oneshot::Sender<Result<Reply>>>,
+    /// Each request's deadline (its call's).
+    deadlines: Vec<Instant>,
+}
+
 /// Runs a batch of requests under its deadline: the hot path first (its
-/// answers given at once), then the rest in one general transaction.
+/// answers given at once), then the rest in one general transaction; if
+/// that transaction is refused a lock it waited for past `lock_timeout`
+/// while it held requests of more than one key, those requests are run
+/// again a key at a time ([`run_apart`]).
 async fn run_apply(
     shared: &Shared,
     conn: &mut Option<Conn>,
     due: Instant,
     (batch, hot_ok): (Vec<(Key, Op)>, Vec<bool>),
-    replies: Vec<oneshot::Sender<Result<Reply>>>,
+    Calls { replies, deadlines }: Calls,
 ) {
     not_committing(conn);
     let run = run_hot(shared, conn, &batch, &hot_ok);
@@ -2947,15 +2979,19 @@ async fn run_apply(
         }
     };
     let mut rest = Vec::new();
-    let mut rest_replies = Vec::new();
-    for ((op, tx), answer) in batch.into_iter().zip(replies).zip(hot) {
+    let mut rest_calls = Calls {
+        replies: Vec::new(),
+        deadlines: Vec::new(),
+    };
+    for (((op, tx), deadline), answer) in batch.into_iter().zip(replies).zip(deadlines).zip(hot) {
         match answer {
             Some(answer) => {
                 let _ = tx.send(answer);
             }
             None => {
                 rest.push(op);
-                rest_replies.push(tx);
+                rest_calls.replies.push(tx);
+                rest_calls.deadlines.push(deadline);
             }
         }
     }
@@ -2969,10 +3005,103 @@ async fn run_apply(
         Ok(result) => result,
         Err(_) => Err(expire(conn)),
     };
-    if let Ok((answers, _)) = &result {
-        shared.remember(&rest, answers);
+    match result {
+        // Nothing was applied (the transaction was rolled back), so every
+        // request can run again, a pure read too; the tokens the attempt
+        // drew are skipped (a sequence value is never handed out twice).
+        Err(Fail::Locked(_)) if !one_key(&rest) => {
+            run_apart(shared, conn, rest, rest_calls).await;
+        }
+        result => {
+            if let Ok((answers, _)) = &result {
+                shared.remember(&rest, answers);
+            }
+            answer_batch(shared, rest_calls.replies, result, started);
+        }
     }
-    answer_batch(shared, rest_replies, result, started);
+}
+
+/// A request of a batch with its caller: the request, its answer channel
+/// and its deadline (the call's).
+type Call = ((Key, Op), oneshot::Sender<Result<Reply>>, Instant);
+
+/// Whether every request of `ops` is on one key (a batch of one, say).
+fn one_key(ops: &[(Key, Op)]) -> bool {
+    ops.split_first()
+        .is_none_or(|((first, _), others)| others.iter().all(|(k, _)| k == first))
+}
+
+/// Runs the requests of a batch that was refused a lock past
+/// `lock_timeout` (nothing of it applied) again, those of each key in a
+/// transaction of their own, so that a row held by another session (a
+/// caller's open `complete_in` transaction, any `SELECT … FOR UPDATE`)
+/// fails only the requests that need it, with the lock wait's
+/// `Unavailable`, and not those of other keys that were group-committed
+/// with them.
+///
+/// The keys run one after another in the order of their first request,
+/// each key's requests in arrival order (a later request on a key sees an
+/// earlier one, as in the batch), each transaction under the earliest
+/// deadline of its requests: a request whose deadline passed before its
+/// key's turn is answered as a call whose deadline passed in the queue
+/// (and left out), those of a transaction whose deadline passes while it
+/// runs as a batch whose deadline passed.
+async fn run_apart(shared: &Shared, conn: &mut Option<Conn>, ops: Vec<(Key, Op)>, calls: Calls) {
+    // Each key's requests (places in `ops`), keys in the order of their
+    // first request.
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut group_of: HashMap<&Key, usize> = HashMap::new();
+    for (at, (key, _)) in ops.iter().enumerate() {
+        match group_of.get(key) {
+            Some(&g) => {
+                if let Some(group) = groups.get_mut(g) {
+                    group.push(at);
+                }
+            }
+            None => {
+                group_of.insert(key, groups.len());
+                groups.push(vec![at]);
+            }
+        }
+    }
+    drop(group_of);
+    // Each request once, taken by its key's turn.
+    let mut pending: Vec<Option<Call>> = ops
+        .into_iter()
+        .zip(calls.replies)
+        .zip(calls.deadlines)
+        .map(|((op, tx), deadline)| Some((op, tx, deadline)))
+        .collect();
+    for group in groups {
+        let mut group_ops = Vec::with_capacity(group.len());
+        let mut group_replies = Vec::with_capacity(group.len());
+        let mut due: Option<Instant> = None;
+        let now = Instant::now();
+        for at in group {
+            let Some((op, tx, deadline)) = pending.get_mut(at).and_then(Option::take) else {
+                continue;
+            };
+            if deadline <= now {
+                let _ = tx.send(Err(expired_in_queue()));
+                continue;
+            }
+            group_ops.push(op);
+            group_replies.push(tx);
+            due = Some(due.map_or(deadline, |d| d.min(deadline)));
+        }
+        let Some(due) = due else { continue };
+        not_committing(conn);
+        let started = Instant::now();
+        let run = run_batch(shared, conn, &group_ops, None);
+        let result = match tokio::time::timeout_at(due.into(), run).await {
+            Ok(result) => result,
+            Err(_) => Err(expire(conn)),
+        };
+        if let Ok((answers, _)) = &result {
+            shared.remember(&group_ops, answers);
+        }
+        answer_batch(shared, group_replies, result, started);
+    }
 }
 
 /// Marks the connection as not committing, before a job starts on it.
