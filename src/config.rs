@@ -190,10 +190,12 @@ pub struct PostgresLimits {
     /// instead of holding them. A group commit that waited so while it
     /// carried requests of several keys applied nothing and runs them
     /// again, each key's in a transaction of its own, one key after
-    /// another, each within its requests' deadlines (`call_timeout`): the
-    /// requests of other keys are decided (after that wait, and those of
-    /// the keys before them), and only those of a locked key are refused.
-    /// Default 5 s.
+    /// another, each within its requests' deadlines (`call_timeout`) and
+    /// waiting at most 100 ms for a lock, all of them within one more
+    /// `lock_timeout`: the requests of other keys are decided (after that
+    /// wait, and the short ones of the keys before them), and only those
+    /// of a locked key are refused (with those whose turn comes after that
+    /// second `lock_timeout`). Default 5 s.
     pub lock_timeout: Duration,
     /// The server's `idle_in_transaction_session_timeout` on the engine's
     /// own sessions: the server ends a session of the engine that sits in

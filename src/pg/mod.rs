@@ -1778,7 +1778,7 @@ async fn attempt(
     shared: &Shared,
     conn: &Conn,
     ops: &[(Key, Op)],
-    token_floor: Option<u64>,
+    (token_floor, lock_wait): (Option<u64>, Option<Duration>),
     optimistic: bool,
 ) -> Result<Decisions, Fail> {
     let c = &conn.client;
@@ -1828,7 +1828,15 @@ async fn attempt(
     // and the results are checked in that order, so the first failure is
     // the one reported (the statements after it answer 25P02, which names
     // nothing).
-    let begin = c.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED");
+    let begin_sql = match lock_wait {
+        // Whole milliseconds, at least one (0 would mean no bound).
+        Some(wait) => format!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}",
+            wait.as_millis().max(1)
+        ),
+        None => "BEGIN ISOLATION LEVEL READ COMMITTED".to_string(),
+    };
+    let begin = c.batch_execute(&begin_sql);
     let lock_table = async {
         match floor {
             Some(_) => c.batch_execute(&shared.sql.lock_for_raise).await,
@@ -2006,17 +2014,22 @@ async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
 }
 
 /// Runs a batch as one transaction, trying again after deadlocks.
+///
+/// `lock_wait`, when given, bounds each of its waits for a lock (the
+/// transaction's `SET LOCAL lock_timeout`) below the session's
+/// `lock_timeout` ([`run_apart`]).
 async fn run_batch(
     shared: &Shared,
     slot: &mut Option<Conn>,
     ops: &[(Key, Op)],
     token_floor: Option<u64>,
+    lock_wait: Option<Duration>,
 ) -> Result<Decisions, Fail> {
     let mut last = Fail::Storage("no attempt".into());
     let mut optimistic = true;
     for _ in 0..MAX_ATTEMPTS {
         let conn = ensure(shared, slot).await?;
-        match attempt(shared, conn, ops, token_floor, optimistic).await {
+        match attempt(shared, conn, ops, (token_floor, lock_wait), optimistic).await {
             Ok(done) => return Ok(done),
             Err(f) => {
                 recover(slot, &f).await;
@@ -3000,7 +3013,7 @@ async fn run_apply(
     }
     not_committing(conn);
     let started = Instant::now();
-    let run = run_batch(shared, conn, &rest, None);
+    let run = run_batch(shared, conn, &rest, None, None);
     let result = match tokio::time::timeout_at(due.into(), run).await {
         Ok(result) => result,
         Err(_) => Err(expire(conn)),
@@ -3025,6 +3038,11 @@ async fn run_apply(
 /// and its deadline (the call's).
 type Call = ((Key, Op), oneshot::Sender<Result<Reply>>, Instant);
 
+/// The longest a transaction of [`run_apart`] waits for a lock: long enough
+/// for another batch of the engine's own to commit, short against
+/// `lock_timeout`.
+const SPLIT_LOCK_WAIT: Duration = Duration::from_millis(100);
+
 /// Whether every request of `ops` is on one key (a batch of one, say).
 fn one_key(ops: &[(Key, Op)]) -> bool {
     ops.split_first()
@@ -3046,7 +3064,19 @@ fn one_key(ops: &[(Key, Op)]) -> bool {
 /// key's turn is answered as a call whose deadline passed in the queue
 /// (and left out), those of a transaction whose deadline passes while it
 /// runs as a batch whose deadline passed.
+///
+/// Each of these transactions waits at most [`SPLIT_LOCK_WAIT`] for a lock
+/// (the locked requests already waited `lock_timeout` in the batch), and
+/// the split as a whole one more `lock_timeout`: the keys whose turn comes
+/// after that are answered as refused a lock, without running. So a lock
+/// on the whole table or on the token lock (an import's), which every key
+/// waits for, holds the worker about one `lock_timeout` more, not one per
+/// key.
 async fn run_apart(shared: &Shared, conn: &mut Option<Conn>, ops: Vec<(Key, Op)>, calls: Calls) {
+    let lock_timeout = shared.limits.lock_timeout;
+    let lock_wait = lock_timeout.min(SPLIT_LOCK_WAIT);
+    let split_start = Instant::now();
+    let budget_end = split_start.checked_add(lock_timeout).unwrap_or(split_start);
     // Each key's requests (places in `ops`), keys in the order of their
     // first request.
     let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -3090,9 +3120,19 @@ async fn run_apart(shared: &Shared, conn: &mut Option<Conn>, ops: Vec<(Key, Op)>
             due = Some(due.map_or(deadline, |d| d.min(deadline)));
         }
         let Some(due) = due else { continue };
+        if Instant::now() >= budget_end {
+            let refused = Fail::Locked(format!(
+                "a lock this batch needed was held past lock_timeout ({} ms), and its requests, \
+                 run again a key at a time, waited another lock_timeout in all before this \
+                 key's turn",
+                lock_timeout.as_millis()
+            ));
+            answer_batch(shared, group_replies, Err(refused), split_start);
+            continue;
+        }
         not_committing(conn);
         let started = Instant::now();
-        let run = run_batch(shared, conn, &group_ops, None);
+        let run = run_batch(shared, conn, &group_ops, None, Some(lock_wait));
         let result = match tokio::time::timeout_at(due.into(), run).await {
             Ok(result) => result,
             Err(_) => Err(expire(conn)),
@@ -3140,7 +3180,10 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
         Job::Apply { key, op, reply, .. } => {
             let started = Instant::now();
             let ops = [(key, op)];
-            let result = until(due, conn, async |c| run_batch(shared, c, &ops, None).await).await;
+            let result = until(due, conn, async |c| {
+                run_batch(shared, c, &ops, None, None).await
+            })
+            .await;
             if let Ok((answers, _)) = &result {
                 shared.remember(&ops, answers);
             }
@@ -3153,7 +3196,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
         } => {
             let started = Instant::now();
             let result = until(due, conn, async |c| {
-                run_batch(shared, c, &ops, token_floor).await
+                run_batch(shared, c, &ops, token_floor, None).await
             })
             .await;
             let answer = match result {
