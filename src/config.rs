@@ -187,15 +187,17 @@ pub struct PostgresLimits {
     /// a row (one held by a caller's open `complete_in` transaction, say)
     /// or for the token lock longer than this fails the requests that
     /// need the lock with [`Error::Unavailable`] (SQLSTATE `55P03`)
-    /// instead of holding them. A group commit that waited so while it
-    /// carried requests of several keys applied nothing and runs them
-    /// again, each key's in a transaction of its own, one key after
-    /// another, each within its requests' deadlines (`call_timeout`) and
-    /// waiting at most 100 ms for a lock, all of them within one more
-    /// `lock_timeout`: the requests of other keys are decided (after that
-    /// wait, and the short ones of the keys before them), and only those
-    /// of a locked key are refused (with those whose turn comes after that
-    /// second `lock_timeout`). Default 5 s.
+    /// instead of holding them. A group commit (or its one-statement hot
+    /// path) that waited so while it carried requests of several keys
+    /// applied nothing and runs them again, each key's in a transaction of
+    /// its own, one key after another, each within its requests' deadlines
+    /// (`call_timeout`) and waiting at most 500 ms for a lock: the
+    /// requests of other keys are decided (after that wait, and the short
+    /// ones of the keys before them), and only those of a locked key are
+    /// refused, with those whose turn comes after two keys in a row were
+    /// refused, or after the refused keys' waits add up to this limit (a
+    /// lock every key waits for). `claim_many` and `import` are one
+    /// transaction each and fail as a whole. Default 5 s.
     pub lock_timeout: Duration,
     /// The server's `idle_in_transaction_session_timeout` on the engine's
     /// own sessions: the server ends a session of the engine that sits in

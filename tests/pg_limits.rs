@@ -628,6 +628,8 @@ fn scans_hold_at_most_their_limit_of_connections() {
     drop(held.pop());
     let mut used = store.scan(&filter).expect("a scan once one was dropped");
     assert_eq!(used.by_ref().count(), 3);
+    // Its session ends too: a worker, the direct connection, one held scan.
+    sessions.wait_for("a scan read to its end", |n| n <= 3);
     let records = store
         .scan(&filter)
         .expect("a scan beside one read to its end");

@@ -1829,9 +1829,13 @@ async fn attempt(
     // the one reported (the statements after it answer 25P02, which names
     // nothing).
     let begin_sql = match lock_wait {
-        // Whole milliseconds, at least one (0 would mean no bound).
+        // The shorter of `wait` and the session's own (the limits', or the
+        // URL's `-c lock_timeout`, which wins), in whole milliseconds, at
+        // least one; for this transaction only.
         Some(wait) => format!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}",
+            "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT pg_catalog.set_config('lock_timeout', \
+             LEAST(NULLIF(setting::bigint, 0), {})::text, true) FROM pg_catalog.pg_settings \
+             WHERE name = 'lock_timeout'",
             wait.as_millis().max(1)
         ),
         None => "BEGIN ISOLATION LEVEL READ COMMITTED".to_string(),
@@ -2015,9 +2019,9 @@ async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
 
 /// Runs a batch as one transaction, trying again after deadlocks.
 ///
-/// `lock_wait`, when given, bounds each of its waits for a lock (the
-/// transaction's `SET LOCAL lock_timeout`) below the session's
-/// `lock_timeout` ([`run_apart`]).
+/// `lock_wait`, when given, bounds each of its waits for a lock below the
+/// session's `lock_timeout` (the transaction's own `lock_timeout`, the
+/// shorter of the two: [`run_apart`]).
 async fn run_batch(
     shared: &Shared,
     slot: &mut Option<Conn>,
@@ -2064,6 +2068,16 @@ struct HotOp<'a> {
 /// decided there, for the general path).
 type HotAnswers = Vec<Option<Result<Reply>>>;
 
+/// What the hot path gives the general path: its answers, and whether a
+/// hot statement was refused a lock past `lock_timeout` (its requests then
+/// go straight to [`run_apart`] when they are of several keys: a general
+/// transaction would wait for the same lock again).
+struct HotRun {
+    answers: HotAnswers,
+    /// The refusal's detail.
+    locked: Option<String>,
+}
+
 /// Runs the hot path's part of a batch ([`hot`]): the claims of keys that
 /// may be absent in one autocommit statement, the completions and failures
 /// by a holder of this process in another, pipelined. A request whose key
@@ -2078,8 +2092,9 @@ async fn run_hot(
     slot: &mut Option<Conn>,
     ops: &[(Key, Op)],
     hot_ok: &[bool],
-) -> Result<HotAnswers, Fail> {
+) -> Result<HotRun, Fail> {
     let mut answers: HotAnswers = ops.iter().map(|_| None).collect();
+    let mut locked = None;
     let mut seen: HashMap<Vec<u8>, usize> = HashMap::with_capacity(ops.len());
     for (key, _) in ops {
         *seen.entry(key.to_bytes()).or_default() += 1;
@@ -2131,7 +2146,7 @@ async fn run_hot(
         }
     }
     if claims.is_empty() && finishes.is_empty() {
-        return Ok(answers);
+        return Ok(HotRun { answers, locked });
     }
     let conn = ensure(shared, slot).await?;
     let c = &conn.client;
@@ -2219,7 +2234,7 @@ async fn run_hot(
                 }
             }
         }
-        Err(e) => lost |= hot_failed(&e, &claims, &mut answers),
+        Err(e) => lost |= hot_failed(&e, &claims, &mut answers, &mut locked),
     }
     match finished {
         Ok(rows) => {
@@ -2242,7 +2257,7 @@ async fn run_hot(
                 answers[h.at] = Some(answer.map(|(reply, _)| reply));
             }
         }
-        Err(e) => lost |= hot_failed(&e, &finishes, &mut answers),
+        Err(e) => lost |= hot_failed(&e, &finishes, &mut answers, &mut locked),
     }
     if lost {
         *slot = None;
@@ -2252,14 +2267,21 @@ async fn run_hot(
         shared.counters.publish(events);
         shared.counters.group_commit(started.elapsed(), decided);
     }
-    Ok(answers)
+    Ok(HotRun { answers, locked })
 }
 
 /// After a hot statement failed: a lost connection leaves its requests'
 /// outcome unknown (answered so); a refusal applied nothing, so they go the
-/// general way. Returns whether the connection is to be dropped: lost, or
-/// on a host that turned read-only (the general way then opens a new one).
-fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAnswers) -> bool {
+/// general way (`locked` holds the refusal when it was a lock wait past
+/// `lock_timeout`). Returns whether the connection is to be dropped: lost,
+/// or on a host that turned read-only (the general way then opens a new
+/// one).
+fn hot_failed(
+    e: &tokio_postgres::Error,
+    hots: &[HotOp<'_>],
+    answers: &mut HotAnswers,
+    locked: &mut Option<String>,
+) -> bool {
     match fail(e) {
         Fail::ReadOnly(_) => true,
         Fail::Lost(detail) | Fail::Unknown(detail) => {
@@ -2269,6 +2291,10 @@ fn hot_failed(e: &tokio_postgres::Error, hots: &[HotOp<'_>], answers: &mut HotAn
                 }));
             }
             true
+        }
+        Fail::Locked(detail) => {
+            *locked = Some(detail);
+            false
         }
         _ => false,
     }
@@ -2974,7 +3000,10 @@ async fn run_apply(
 ) {
     not_committing(conn);
     let run = run_hot(shared, conn, &batch, &hot_ok);
-    let hot = match tokio::time::timeout_at(due.into(), run).await {
+    let HotRun {
+        answers: hot,
+        locked,
+    } = match tokio::time::timeout_at(due.into(), run).await {
         Ok(Ok(hot)) => hot,
         Ok(Err(f)) => {
             recover(conn, &f).await;
@@ -3011,6 +3040,12 @@ async fn run_apply(
     if rest.is_empty() {
         return;
     }
+    // A hot statement refused a lock applied nothing: its requests (and
+    // the others left) would wait for that lock again in one transaction.
+    if let Some(first) = locked.filter(|_| !one_key(&rest)) {
+        run_apart(shared, conn, (rest, rest_calls), &first).await;
+        return;
+    }
     not_committing(conn);
     let started = Instant::now();
     let run = run_batch(shared, conn, &rest, None, None);
@@ -3022,8 +3057,8 @@ async fn run_apply(
         // Nothing was applied (the transaction was rolled back), so every
         // request can run again, a pure read too; the tokens the attempt
         // drew are skipped (a sequence value is never handed out twice).
-        Err(Fail::Locked(_)) if !one_key(&rest) => {
-            run_apart(shared, conn, rest, rest_calls).await;
+        Err(Fail::Locked(first)) if !one_key(&rest) => {
+            run_apart(shared, conn, (rest, rest_calls), &first).await;
         }
         result => {
             if let Ok((answers, _)) = &result {
@@ -3039,9 +3074,9 @@ async fn run_apply(
 type Call = ((Key, Op), oneshot::Sender<Result<Reply>>, Instant);
 
 /// The longest a transaction of [`run_apart`] waits for a lock: long enough
-/// for another batch of the engine's own to commit, short against
-/// `lock_timeout`.
-const SPLIT_LOCK_WAIT: Duration = Duration::from_millis(100);
+/// for another batch of the engine's own to commit on a loaded server,
+/// short against `lock_timeout`.
+const SPLIT_LOCK_WAIT: Duration = Duration::from_millis(500);
 
 /// Whether every request of `ops` is on one key (a batch of one, say).
 fn one_key(ops: &[(Key, Op)]) -> bool {
@@ -3061,22 +3096,28 @@ fn one_key(ops: &[(Key, Op)]) -> bool {
 /// each key's requests in arrival order (a later request on a key sees an
 /// earlier one, as in the batch), each transaction under the earliest
 /// deadline of its requests: a request whose deadline passed before its
-/// key's turn is answered as a call whose deadline passed in the queue
-/// (and left out), those of a transaction whose deadline passes while it
+/// key's turn is answered `Unavailable`, its deadline passed while its
+/// group commit waited for a lock (and left out), those of a transaction whose deadline passes while it
 /// runs as a batch whose deadline passed.
 ///
-/// Each of these transactions waits at most [`SPLIT_LOCK_WAIT`] for a lock
-/// (the locked requests already waited `lock_timeout` in the batch), and
-/// the split as a whole one more `lock_timeout`: the keys whose turn comes
-/// after that are answered as refused a lock, without running. So a lock
-/// on the whole table or on the token lock (an import's), which every key
-/// waits for, holds the worker about one `lock_timeout` more, not one per
-/// key.
-async fn run_apart(shared: &Shared, conn: &mut Option<Conn>, ops: Vec<(Key, Op)>, calls: Calls) {
+/// Each of these transactions waits for a lock at most [`SPLIT_LOCK_WAIT`]
+/// or the session's `lock_timeout`, the shorter (the locked requests
+/// already waited `lock_timeout`). Once two keys in a row are refused a
+/// lock, the sign of a lock every key waits for (a lock on the whole
+/// table, or the token lock an import holds), or the refused keys' waits
+/// add up to `lock_timeout`, the keys after them are answered as refused
+/// (`first`, the first refusal's detail, says why) without running: such
+/// locks hold the worker at most about one `lock_timeout` more, not one
+/// short wait per key.
+async fn run_apart(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    (ops, calls): (Vec<(Key, Op)>, Calls),
+    first: &str,
+) {
+    let mut refused_in_a_row = 0u32;
+    let mut refused_wait = Duration::ZERO;
     let lock_timeout = shared.limits.lock_timeout;
-    let lock_wait = lock_timeout.min(SPLIT_LOCK_WAIT);
-    let split_start = Instant::now();
-    let budget_end = split_start.checked_add(lock_timeout).unwrap_or(split_start);
     // Each key's requests (places in `ops`), keys in the order of their
     // first request.
     let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -3112,7 +3153,12 @@ async fn run_apart(shared: &Shared, conn: &mut Option<Conn>, ops: Vec<(Key, Op)>
                 continue;
             };
             if deadline <= now {
-                let _ = tx.send(Err(expired_in_queue()));
+                let _ = tx.send(Err(Error::Unavailable {
+                    detail: format!(
+                        "the call's deadline (PostgresLimits::call_timeout) passed while its \
+                         group commit waited for a lock held by another session ({first})"
+                    ),
+                }));
                 continue;
             }
             group_ops.push(op);
@@ -3120,22 +3166,27 @@ async fn run_apart(shared: &Shared, conn: &mut Option<Conn>, ops: Vec<(Key, Op)>
             due = Some(due.map_or(deadline, |d| d.min(deadline)));
         }
         let Some(due) = due else { continue };
-        if Instant::now() >= budget_end {
+        let started = Instant::now();
+        if refused_in_a_row >= 2 || refused_wait >= lock_timeout {
             let refused = Fail::Locked(format!(
-                "a lock this batch needed was held past lock_timeout ({} ms), and its requests, \
-                 run again a key at a time, waited another lock_timeout in all before this \
-                 key's turn",
-                lock_timeout.as_millis()
+                "{first}; run again a key at a time, other keys were refused a lock too (two \
+                 in a row, or lock_timeout in all), so this key's requests were not run again"
             ));
-            answer_batch(shared, group_replies, Err(refused), split_start);
+            answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
         not_committing(conn);
-        let started = Instant::now();
-        let run = run_batch(shared, conn, &group_ops, None, Some(lock_wait));
+        let run = run_batch(shared, conn, &group_ops, None, Some(SPLIT_LOCK_WAIT));
         let result = match tokio::time::timeout_at(due.into(), run).await {
             Ok(result) => result,
             Err(_) => Err(expire(conn)),
+        };
+        refused_in_a_row = match result {
+            Err(Fail::Locked(_)) => {
+                refused_wait = refused_wait.saturating_add(started.elapsed());
+                refused_in_a_row.saturating_add(1)
+            }
+            _ => 0,
         };
         if let Ok((answers, _)) = &result {
             shared.remember(&group_ops, answers);
@@ -3674,7 +3725,7 @@ impl Postgres {
             tokio::task::yield_now().await;
             not_committing(conn);
             match tokio::time::timeout_at(due.into(), run_hot(shared, conn, &ops, &[true])).await {
-                Ok(Ok(mut answers)) => answers.pop().flatten(),
+                Ok(Ok(mut hot)) => hot.answers.pop().flatten(),
                 Ok(Err(f)) => {
                     recover(conn, &f).await;
                     Some(Err(f.error()))
