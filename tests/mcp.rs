@@ -658,6 +658,66 @@ async fn the_sep_wire_form_over_stdio_framing() {
     }
     assert_eq!(answers[0], answers[1]);
     assert_eq!(h.tools.lines(), vec!["wire", "null meta"]);
+    // Each answer below within a hang guard: a request left unanswered
+    // fails the test rather than hanging it.
+    let mut next = async || -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .expect("no answer")
+            .unwrap()
+            .unwrap();
+        serde_json::from_str(&line).unwrap()
+    };
+    // `"idempotencyKey": null` is no key, as `"_meta": null` is no meta:
+    // the call passes through, not refused, and a null key never hides one
+    // under `_meta` (which replays).
+    send(
+        json!({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {
+        "name": "append", "arguments": {"line": "no key"}, "idempotencyKey": null}}),
+    )
+    .await;
+    let answer = next().await;
+    assert!(answer["result"].is_object(), "{answer}");
+    // A request rmcp cannot read (`_meta` not an object) is answered, by
+    // its id, not skipped; nothing runs.
+    send(
+        json!({"jsonrpc": "2.0", "id": 6, "method": "tools/call", "params": {
+        "name": "append", "arguments": {"line": "malformed"}, "_meta": 5,
+        "idempotencyKey": "sep-3"}}),
+    )
+    .await;
+    let answer = next().await;
+    assert_eq!(answer["id"], 6, "{answer}");
+    assert_eq!(answer["error"]["code"], -32600, "{answer}");
+    // An invalid key's message names the problem once.
+    send(
+        json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+        "name": "append", "arguments": {"line": "bad key"}, "idempotencyKey": "bad\u{1}"}}),
+    )
+    .await;
+    let answer = next().await;
+    let message = answer["error"]["message"].as_str().unwrap_or_default();
+    assert_eq!(
+        message.matches("invalid idempotency key").count(),
+        1,
+        "{answer}"
+    );
+    // A null SEP key beside a key under `_meta`: the `_meta` key counts.
+    let mut answers = Vec::new();
+    for id in 8..=9 {
+        send(
+            json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {
+            "name": "append", "arguments": {"line": "meta key"}, "idempotencyKey": null,
+            "_meta": {"idempotencyKey": "sep-4"}}}),
+        )
+        .await;
+        answers.push(next().await["result"].clone());
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert_eq!(
+        h.tools.lines(),
+        vec!["wire", "null meta", "no key", "meta key"]
+    );
     serving.abort();
 }
 

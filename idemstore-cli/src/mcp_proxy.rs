@@ -18,7 +18,9 @@
 //! The proxy ends when the client closes its stdin or the child exits.
 //! Calls still running when the client leaves are let finish and their
 //! outcomes recorded first (so that the client's retry on a new connection
-//! replays them); then the child is stopped.
+//! replays them); then the child is stopped. Every wait for the child (its
+//! handshake, its answer to a call) ends at `--call-timeout`: a call not
+//! answered by then is answered IN_DOUBT, its key left in progress.
 //!
 //! With `--listen ADDR` the proxy serves MCP's streamable HTTP transport at
 //! `http://ADDR/mcp` instead of stdio, to any number of clients at once,
@@ -82,6 +84,17 @@ pub struct Args {
     /// call's outcome before it answers "in progress".
     #[arg(long, value_name = "DURATION", value_parser = humantime::parse_duration, default_value = "0s")]
     wait: Duration,
+    /// How long the proxy waits for the server's answer to a forwarded
+    /// call (and for its handshake). A call not answered by then is
+    /// cancelled at the server and answered IN_DOUBT (-32042): the tool may
+    /// have acted, so its key stays in progress and, once its lease lapses,
+    /// in doubt. This bounds the wait for an answer that never comes (the
+    /// server answered something that is neither a result nor an error, or
+    /// a line over rmcp's 16 MiB limit, which rmcp drops), and so how long
+    /// the proxy takes to end once its client left. Set it above the
+    /// slowest tool's run time (at least 1ms).
+    #[arg(long, value_name = "DURATION", value_parser = call_timeout, default_value = "10m")]
+    call_timeout: Duration,
     /// Run a tool again when an earlier call with the key may have acted
     /// but recorded nothing (its proxy died); without it, such a call is
     /// refused for a person to decide (`idemstore resolve`).
@@ -137,10 +150,21 @@ fn renewed_lease(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `--call-timeout`: a human duration of at least 1 ms.
+fn call_timeout(text: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(1) {
+        return Err("a call timeout is at least 1ms".into());
+    }
+    Ok(d)
+}
+
 /// The child server, as a handler for the client's requests.
 struct Forward {
     child: Peer<RoleClient>,
     info: ServerConfig,
+    /// `--call-timeout`: the longest wait for the child's answer to a call.
+    call_timeout: Duration,
 }
 
 /// A failure to reach the child, as the JSON-RPC error the client gets.
@@ -176,6 +200,43 @@ fn forward_call_error(error: ServiceError) -> ErrorData {
     }
 }
 
+impl Forward {
+    /// A request other than `tools/call` forwarded to the child, answered
+    /// within `--call-timeout` (else an internal error: a read, nothing is
+    /// in doubt).
+    async fn bounded<T>(
+        &self,
+        forwarded: impl std::future::Future<Output = Result<T, ServiceError>>,
+    ) -> Result<T, ErrorData> {
+        match tokio::time::timeout(self.call_timeout, forwarded).await {
+            Ok(answer) => answer.map_err(forward_error),
+            Err(_) => Err(ErrorData::internal_error(
+                format!(
+                    "the MCP server behind the proxy gave no answer within --call-timeout ({})",
+                    humantime::format_duration(self.call_timeout)
+                ),
+                None,
+            )),
+        }
+    }
+}
+
+/// A `tools/call` the child did not answer within `--call-timeout`: sent,
+/// so the tool may have acted ([`IN_DOUBT`](idemstore::mcp::IN_DOUBT), as
+/// [`forward_call_error`] says).
+fn unanswered_call(timeout: Duration) -> ErrorData {
+    ErrorData::new(
+        rmcp::model::ErrorCode(idemstore::mcp::IN_DOUBT),
+        format!(
+            "the MCP server behind the proxy gave no answer to the call within --call-timeout \
+             ({}): the call was handed to the connection to the server and then cancelled, the \
+             tool may have acted, and is not run again",
+            humantime::format_duration(timeout)
+        ),
+        Some(serde_json::json!({ "reason": "outcome unknown" })),
+    )
+}
+
 impl ServerHandler for Forward {
     fn get_info(&self) -> ServerConfig {
         self.info.clone()
@@ -186,7 +247,7 @@ impl ServerHandler for Forward {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
-        self.child.list_tools(request).await.map_err(forward_error)
+        self.bounded(self.child.list_tools(request)).await
     }
 
     async fn call_tool(
@@ -194,10 +255,12 @@ impl ServerHandler for Forward {
         request: CallToolRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
-        self.child
-            .call_tool_once(request)
-            .await
-            .map_err(forward_call_error)
+        // Dropped at the deadline, the request is cancelled at the child
+        // (rmcp sends `notifications/cancelled`).
+        match tokio::time::timeout(self.call_timeout, self.child.call_tool_once(request)).await {
+            Ok(answer) => answer.map_err(forward_call_error),
+            Err(_) => Err(unanswered_call(self.call_timeout)),
+        }
     }
 
     async fn list_resources(
@@ -205,10 +268,7 @@ impl ServerHandler for Forward {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourcesResult, ErrorData> {
-        self.child
-            .list_resources(request)
-            .await
-            .map_err(forward_error)
+        self.bounded(self.child.list_resources(request)).await
     }
 
     async fn list_resource_templates(
@@ -216,10 +276,8 @@ impl ServerHandler for Forward {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListResourceTemplatesResult, ErrorData> {
-        self.child
-            .list_resource_templates(request)
+        self.bounded(self.child.list_resource_templates(request))
             .await
-            .map_err(forward_error)
     }
 
     async fn read_resource(
@@ -227,10 +285,7 @@ impl ServerHandler for Forward {
         request: ReadResourceRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<ReadResourceResponse, ErrorData> {
-        self.child
-            .read_resource_once(request)
-            .await
-            .map_err(forward_error)
+        self.bounded(self.child.read_resource_once(request)).await
     }
 
     async fn list_prompts(
@@ -238,10 +293,7 @@ impl ServerHandler for Forward {
         request: Option<PaginatedRequestParams>,
         _context: RequestContext<RoleServer>,
     ) -> Result<ListPromptsResult, ErrorData> {
-        self.child
-            .list_prompts(request)
-            .await
-            .map_err(forward_error)
+        self.bounded(self.child.list_prompts(request)).await
     }
 
     async fn get_prompt(
@@ -249,10 +301,7 @@ impl ServerHandler for Forward {
         request: GetPromptRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<GetPromptResponse, ErrorData> {
-        self.child
-            .get_prompt_once(request)
-            .await
-            .map_err(forward_error)
+        self.bounded(self.child.get_prompt_once(request)).await
     }
 
     async fn complete(
@@ -260,7 +309,7 @@ impl ServerHandler for Forward {
         request: CompleteRequestParams,
         _context: RequestContext<RoleServer>,
     ) -> Result<CompleteResult, ErrorData> {
-        self.child.complete(request).await.map_err(forward_error)
+        self.bounded(self.child.complete(request)).await
     }
 }
 
@@ -514,11 +563,19 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
                 e,
             )
         })?;
-        let child = ().serve(child).await.map_err(|e| {
-            CliError::Failed(format!(
-                "the MCP server did not complete the handshake: {e}"
-            ))
-        })?;
+        let child = match tokio::time::timeout(args.call_timeout, ().serve(child)).await {
+            Ok(served) => served.map_err(|e| {
+                CliError::Failed(format!(
+                    "the MCP server did not complete the handshake: {e}"
+                ))
+            })?,
+            Err(_) => {
+                return Err(CliError::Failed(format!(
+                    "the MCP server did not complete the handshake within --call-timeout ({})",
+                    humantime::format_duration(args.call_timeout)
+                )));
+            }
+        };
         let info = match child.peer_info() {
             Some(peer) => {
                 let mut info = ServerConfig::default();
@@ -535,12 +592,14 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
         let forward = Forward {
             child: child.peer().clone(),
             info,
+            call_timeout: args.call_timeout,
         };
         let (in_flight, mut watching) = watch::channel(0_usize);
         let front = Draining {
             inner: IdempotentServer::with_options(forward, store, options),
             in_flight,
         };
+        let stop_child = child.cancellation_token();
         let mut child = std::pin::pin!(child.waiting());
         match args.listen {
             None => {
@@ -600,8 +659,15 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
         // retry through the next proxy replays them), unless the child dies.
         tokio::select! {
             _ = watching.wait_for(|n| *n == 0) => {}
-            _ = &mut child => {}
+            _ = &mut child => return Ok(std::process::ExitCode::SUCCESS),
         }
+        // Stop the child and wait for it: rmcp closes its stdin, then sends
+        // SIGTERM, then kills it. Left to the service's drop, the kill is a
+        // task the runtime's shutdown may never run, and a child still
+        // running a tool (one the proxy stopped waiting for) would outlive
+        // the proxy.
+        stop_child.cancel();
+        let _ = tokio::time::timeout(CHILD_STOP, &mut child).await;
         Ok(std::process::ExitCode::SUCCESS)
     });
     // The workers drop the tasks left (the front's, holding the store)
@@ -614,6 +680,11 @@ pub fn run(args: &Args) -> Result<std::process::ExitCode, CliError> {
     drop(kept);
     ended
 }
+
+/// How long the proxy's end waits for its child to stop (rmcp's graceful
+/// shutdown: up to 3 s after its stdin closes, then SIGTERM and up to 3 s,
+/// then SIGKILL).
+const CHILD_STOP: Duration = Duration::from_secs(10);
 
 /// How long the proxy's end waits for its stdin reader (a blocking read
 /// of a client that has not closed its end) once everything else stopped.

@@ -477,6 +477,64 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
     assert_eq!(s.lines(), vec!["refund"], "the tool ran once");
 }
 
+/// A call the server does not answer within `--call-timeout` (here a tool
+/// held on its FIFO; as well a server whose answer rmcp drops, being
+/// neither a result nor an error) is answered IN_DOUBT and cancelled at
+/// the server, and its key stays in progress: the retry does not run the
+/// tool again. The proxy then ends once its client leaves, instead of
+/// waiting for that answer for ever with the store held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_not_answered_within_the_call_timeout_is_in_doubt() {
+    let s = Setup::new();
+    let (started, released) = (s.fifo("started"), s.fifo("release"));
+    let (mut proxy, client) = s.proxy_with(false, &["--call-timeout", "5s"]).await;
+    let held = append("charge", Some("task-5:call-1"), Some((&started, &released)));
+    let peer = client.peer().clone();
+    let sent = tokio::spawn({
+        let held = held.clone();
+        async move { peer.call_tool(held).await }
+    });
+    // Hang guard only: a tool cancelled before it started never opens it.
+    tokio::time::timeout(std::time::Duration::from_secs(60), wait_started(&started))
+        .await
+        .expect("the held tool never started");
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(60), sent)
+        .await
+        .expect("no answer 60 s after the call was sent: the proxy waits for ever");
+    let lost = rpc_error(answer.unwrap().unwrap_err());
+    assert_eq!(lost.code.0, IN_DOUBT, "{lost:?}");
+    drop(client);
+    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), proxy.wait()).await;
+    assert!(
+        ended
+            .expect("the proxy did not end once its client left")
+            .unwrap()
+            .success()
+    );
+    // Its server, still running the tool, was stopped with it.
+    let pid = proxy.id();
+    assert!(pid.is_none(), "the proxy was reaped");
+    let lines = s.path("lines.txt").to_string_lossy().into_owned();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|entry| std::fs::read(entry.ok()?.path().join("cmdline")).ok())
+        .map(|cmdline| String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        .filter(|cmdline| cmdline.contains(&lines))
+        .collect();
+    assert!(left.is_empty(), "the proxy's server outlived it: {left:?}");
+
+    let (_proxy, client) = s.proxy(false).await;
+    let retry = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        client.call_tool(held.clone()),
+    )
+    .await
+    .expect("the retry ran the tool again (it waits on its FIFO)");
+    let busy = rpc_error(retry.unwrap_err());
+    assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
+    assert_eq!(s.lines(), vec!["charge"], "the tool ran once");
+}
+
 /// `--max-value-bytes` sets the store's limits: under it, an answer goes
 /// back but is not recorded, so a retry finds the key in progress (the
 /// tool does not run again); the flag did not exist, and a large answer

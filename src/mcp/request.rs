@@ -33,11 +33,14 @@ pub(crate) fn idempotency_key(
     params: &CallToolRequestParams,
     request_meta: &RequestMetaObject,
 ) -> Result<Option<String>, Error> {
+    // `null` reads as absent, as rmcp reads `"_meta": null`: many
+    // serializers write an absent optional field so.
     let found = params
         .meta
         .as_ref()
         .and_then(|m| m.get(META_KEY))
-        .or_else(|| request_meta.get(META_KEY));
+        .filter(|v| !v.is_null())
+        .or_else(|| request_meta.get(META_KEY).filter(|v| !v.is_null()));
     match found {
         None => Ok(None),
         Some(Value::String(key)) => Ok(Some(key.clone())),

@@ -161,7 +161,7 @@ impl<S: ServerHandler> IdempotentServer<S> {
         let idempotency_key = match request::idempotency_key(params, &context.meta) {
             Ok(Some(key)) => key,
             Ok(None) => return self.pass(call, context).await,
-            Err(e) => return Err(codes::invalid_key(e.to_string())),
+            Err(e) => return Err(codes::invalid_key(key_problem(e))),
         };
         if params.input_responses.is_some() || params.request_state.is_some() {
             tracing::debug!(tool = %params.name, "a multi-round-trip continuation passes through");
@@ -182,7 +182,7 @@ impl<S: ServerHandler> IdempotentServer<S> {
             &tool,
             &idempotency_key,
         )
-        .map_err(|e| codes::invalid_key(e.to_string()))?;
+        .map_err(|e| codes::invalid_key(key_problem(e)))?;
         let fingerprint = request::fingerprint(&tool, params.arguments.as_ref())
             .map_err(|e| ErrorData::invalid_params(e.to_string(), None))?;
 
@@ -357,5 +357,14 @@ impl<S: ServerHandler> Service<RoleServer> for IdempotentServer<S> {
 
     fn supported_protocol_versions(&self) -> Cow<'static, [ProtocolVersion]> {
         Service::supported_protocol_versions(&self.inner)
+    }
+}
+
+/// What is wrong with a request's idempotency key, without the error's
+/// own "invalid idempotency key" prefix, which [`codes::invalid_key`] adds.
+fn key_problem(error: crate::Error) -> String {
+    match error {
+        crate::Error::InvalidKey { reason } => reason,
+        other => other.to_string(),
     }
 }

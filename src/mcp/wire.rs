@@ -42,8 +42,10 @@ pub fn sep_key_to_meta(message: &mut Value) -> bool {
     let Some(params) = message.get_mut("params").and_then(Value::as_object_mut) else {
         return false;
     };
-    let Some(key) = params.remove("idempotencyKey") else {
-        return false;
+    // A `null` key is no key, and never overwrites one under `_meta`.
+    let key = match params.remove("idempotencyKey") {
+        None | Some(Value::Null) => return false,
+        Some(key) => key,
     };
     let meta = params
         .entry("_meta")
@@ -66,7 +68,8 @@ pub fn sep_key_to_meta(message: &mut Value) -> bool {
         }
         None => {
             // `_meta` is not an object: the request is malformed, and
-            // rmcp refuses it; keep the key beside it so nothing is lost.
+            // rmcp cannot read it (the transport answers it -32600); keep
+            // the key beside it so nothing is lost.
             params.insert("idempotencyKey".to_string(), key);
             return false;
         }
@@ -244,6 +247,12 @@ where
             // `sep_key_to_meta` read (a member given twice, the last), so
             // the layer and `rmcp` see one message.
             sep_key_to_meta(&mut value);
+            // A request's id, to answer it should rmcp not read it.
+            let request_id = value
+                .get("method")
+                .and(value.get("id"))
+                .filter(|id| id.is_string() || id.is_number())
+                .cloned();
             let bytes = serde_json::to_vec(&value);
             drop(value);
             let parsed = bytes.and_then(|bytes| serde_json::from_slice(&bytes));
@@ -251,6 +260,32 @@ where
                 Ok(message) => return Some(message),
                 Err(e) => {
                     tracing::warn!(error = %e, "an MCP message of unknown shape was skipped");
+                    // A request is answered, so that its caller does not
+                    // wait for ever (JSON-RPC 2.0: -32600, Invalid Request).
+                    if let Some(id) = request_id {
+                        let refusal = serde_json::json!({
+                            "jsonrpc": "2.0",
+                            "id": id,
+                            "error": {
+                                "code": -32600,
+                                "message": format!("invalid request: {e}"),
+                            },
+                        });
+                        let mut bytes = refusal.to_string().into_bytes();
+                        bytes.push(b'\n');
+                        // Written by a task of its own, under the writer's
+                        // lock as `send`'s lines are: `receive` is dropped
+                        // whenever rmcp has something else to do, and must
+                        // not be cut in the middle of a line, nor stop
+                        // reading while the client does not read.
+                        let writer = Arc::clone(&self.writer);
+                        tokio::spawn(async move {
+                            let mut writer = writer.lock().await;
+                            if writer.write_all(&bytes).await.is_ok() {
+                                let _ = writer.flush().await;
+                            }
+                        });
+                    }
                 }
             }
         }
