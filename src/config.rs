@@ -232,8 +232,10 @@ pub struct PostgresLimits {
     /// to be given back until its deadline (`call_timeout`), then gets
     /// [`Error::Unavailable`] naming this limit. A store holds at most
     /// [`Config::postgres_connections`] + 1 + `scans` server sessions:
-    /// size a pooler's pool for that (a session just given back may take
-    /// a moment more to close). At least 1, no upper bound. Default 2.
+    /// size a pooler's pool for that (a scan whose page timed out gives its
+    /// place back at once, but its session lasts until the statement in
+    /// flight ends, at most `statement_timeout`). At least 1, no upper
+    /// bound. Default 2.
     pub scans: usize,
 }
 

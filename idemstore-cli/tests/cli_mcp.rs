@@ -463,9 +463,14 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
             .success()
     );
 
+    retry_is_in_progress(&s, &held, "refund").await;
+}
+
+/// Retries `held` through a new proxy: the key is in progress, and the
+/// tool ran once, writing `line`. A run of the tool would wait on its
+/// FIFO: the bound fails the test instead of hanging it.
+async fn retry_is_in_progress(s: &Setup, held: &CallToolRequestParams, line: &str) {
     let (_proxy, client) = s.proxy(false).await;
-    // A run of the tool would wait on its FIFO: the bound fails the test
-    // instead of hanging it.
     let retry = tokio::time::timeout(
         std::time::Duration::from_secs(60),
         client.call_tool(held.clone()),
@@ -474,7 +479,7 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
     .expect("the retry ran the tool again (it waits on its FIFO)");
     let busy = rpc_error(retry.unwrap_err());
     assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
-    assert_eq!(s.lines(), vec!["refund"], "the tool ran once");
+    assert_eq!(s.lines(), vec![line], "the tool ran once");
 }
 
 /// A call the server does not answer within `--call-timeout` (here a tool
@@ -523,16 +528,7 @@ async fn a_call_not_answered_within_the_call_timeout_is_in_doubt() {
         .collect();
     assert!(left.is_empty(), "the proxy's server outlived it: {left:?}");
 
-    let (_proxy, client) = s.proxy(false).await;
-    let retry = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        client.call_tool(held.clone()),
-    )
-    .await
-    .expect("the retry ran the tool again (it waits on its FIFO)");
-    let busy = rpc_error(retry.unwrap_err());
-    assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
-    assert_eq!(s.lines(), vec!["charge"], "the tool ran once");
+    retry_is_in_progress(&s, &held, "charge").await;
 }
 
 /// `--max-value-bytes` sets the store's limits: under it, an answer goes
