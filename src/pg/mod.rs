@@ -3046,13 +3046,11 @@ async fn run_apply(
         run_apart(shared, conn, (rest, rest_calls), &first).await;
         return;
     }
-    not_committing(conn);
     let started = Instant::now();
-    let run = run_batch(shared, conn, &rest, None, None);
-    let result = match tokio::time::timeout_at(due.into(), run).await {
-        Ok(result) => result,
-        Err(_) => Err(expire(conn)),
-    };
+    let result = until(due, conn, async |c| {
+        run_batch(shared, c, &rest, None, None).await
+    })
+    .await;
     match result {
         // Nothing was applied (the transaction was rolled back), so every
         // request can run again, a pure read too; the tokens the attempt
@@ -3060,13 +3058,23 @@ async fn run_apply(
         Err(Fail::Locked(first)) if !one_key(&rest) => {
             run_apart(shared, conn, (rest, rest_calls), &first).await;
         }
-        result => {
-            if let Ok((answers, _)) = &result {
-                shared.remember(&rest, answers);
-            }
-            answer_batch(shared, rest_calls.replies, result, started);
-        }
+        result => answer_general(shared, &rest, rest_calls.replies, result, started),
     }
+}
+
+/// Answers the requests `ops` of a general transaction, remembering the
+/// records it wrote for the hot path.
+fn answer_general(
+    shared: &Shared,
+    ops: &[(Key, Op)],
+    replies: Vec<oneshot::Sender<Result<Reply>>>,
+    result: Result<Decisions, Fail>,
+    started: Instant,
+) {
+    if let Ok((answers, _)) = &result {
+        shared.remember(ops, answers);
+    }
+    answer_batch(shared, replies, result, started);
 }
 
 /// A request of a batch with its caller: the request, its answer channel
@@ -3175,12 +3183,11 @@ async fn run_apart(
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
-        not_committing(conn);
-        let run = run_batch(shared, conn, &group_ops, None, Some(SPLIT_LOCK_WAIT));
-        let result = match tokio::time::timeout_at(due.into(), run).await {
-            Ok(result) => result,
-            Err(_) => Err(expire(conn)),
-        };
+        let wait = Some(SPLIT_LOCK_WAIT);
+        let result = until(due, conn, async |c| {
+            run_batch(shared, c, &group_ops, None, wait).await
+        })
+        .await;
         refused_in_a_row = match result {
             Err(Fail::Locked(_)) => {
                 refused_wait = refused_wait.saturating_add(started.elapsed());
@@ -3188,10 +3195,7 @@ async fn run_apart(
             }
             _ => 0,
         };
-        if let Ok((answers, _)) = &result {
-            shared.remember(&group_ops, answers);
-        }
-        answer_batch(shared, group_replies, result, started);
+        answer_general(shared, &group_ops, group_replies, result, started);
     }
 }
 
@@ -3235,10 +3239,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
                 run_batch(shared, c, &ops, None, None).await
             })
             .await;
-            if let Ok((answers, _)) = &result {
-                shared.remember(&ops, answers);
-            }
-            answer_batch(shared, vec![reply], result, started);
+            answer_general(shared, &ops, vec![reply], result, started);
         }
         Job::Many {
             ops,
