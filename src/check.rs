@@ -129,7 +129,10 @@ fn log_problem(log: &Path, offset: u64, detail: &str) -> Problem {
         format!(
             "{} at offset {offset}: {detail}; the store does not open, and its records \
              were not checked: if the log was moved or renamed, put it back (in place of \
-             the empty one an open leaves), else restore the latest export into a new store",
+             the empty one an open leaves); else restore the latest export into a new store, \
+             or, when it is older than what this file holds, salvage this file's records \
+             (`idemstore export --accept-log-loss`, `salvage_file`: the changes past the \
+             damage are lost, and their keys run again once imported)",
             log.display()
         ),
     )

@@ -356,6 +356,11 @@ pub struct Config {
     pub(crate) integrity_check_interval: Option<Duration>,
     pub(crate) scrub_rate: Option<u32>,
     pub(crate) read_only: bool,
+    /// Opens a store whose write-ahead log recovery needs and cannot use
+    /// (lost, blank, or damaged where a durable frame was) with what its
+    /// index and the log's intact frames hold, instead of refusing with
+    /// `CorruptLog`. Set only by `crate::salvage`, on a copy, read-only.
+    pub(crate) accept_log_loss: bool,
 }
 
 impl Default for Config {
@@ -376,6 +381,7 @@ impl Default for Config {
             integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
             scrub_rate: Some(DEFAULT_SCRUB_RATE),
             read_only: false,
+            accept_log_loss: false,
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,

@@ -190,7 +190,9 @@ pub enum Error {
     /// cut by a crash) is not corruption: recovery ends before it. Nothing
     /// is replayed and the store does not open; acknowledged changes may be
     /// in the damaged or missing part. [`check_file`](crate::check_file)
-    /// reports it as damage in its report, not as this error.
+    /// reports it as damage in its report, not as this error;
+    /// [`salvage_file`](crate::salvage_file) exports what the index and the
+    /// log's intact frames hold, taking that loss.
     #[error("corrupt write-ahead log {} at offset {offset}: {detail}", path.display())]
     CorruptLog {
         /// The log file (`<store file>-wal`).

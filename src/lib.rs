@@ -154,6 +154,7 @@ mod pg;
 pub mod postgres;
 mod record;
 mod report;
+mod salvage;
 mod scan;
 mod stats;
 mod store;
@@ -178,6 +179,7 @@ pub use record::{AcquiredFrom, ClaimOutcome, Lease, Record, Resolution, State};
 /// The redb storage seam re-exported for [`Store::open_with_backend`].
 pub use redb::{BackendError, StorageBackend};
 pub use report::{CheckReport, Integrity, MAX_LISTED_PROBLEMS, Problem, Progress, ScrubReport};
+pub use salvage::{Salvage, salvage_file};
 pub use scan::{Filter, Records};
 pub use stats::{Counters, StateCounts, Stats};
 pub use store::Store;

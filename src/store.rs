@@ -310,6 +310,16 @@ impl Store {
         })
     }
 
+    /// What of the write-ahead log an open with `Config::accept_log_loss`
+    /// (a salvage's copy) could not replay; `None` otherwise.
+    pub(crate) fn log_lost(&self) -> Option<&str> {
+        match &*self.engine {
+            Engine::Embedded(e) => e.log_lost(),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { .. } => None,
+        }
+    }
+
     /// The file this store holds. On a PostgreSQL store: its server and
     /// schema as `postgresql://host[:port]/db?schema=name`, without the
     /// user, the password or the TLS options.

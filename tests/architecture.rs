@@ -17,6 +17,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("store", 6),
     ("check", 6),
     ("compact", 6),
+    ("salvage", 6),
     ("agent", 6),
     ("mcp", 6),
     ("http", 6),

@@ -546,3 +546,192 @@ fn a_damaged_stored_record_stops_an_import_with_what_it_wrote() {
     }
     assert_eq!(store.len().unwrap(), 250);
 }
+
+// ---------------------------------------------------------------------------
+// Salvage of a store whose write-ahead log recovery cannot use
+
+const SALVAGED: &str = "a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy";
+
+/// The frames of a log's chain from its first frame position: (offset,
+/// length) each.
+fn log_frames(log: &[u8]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = 4096;
+    while log.len() >= at + 36 && log[at..at + 4] == *b"IWF\x01" {
+        let len = u32::from_le_bytes(log[at + 4..at + 8].try_into().unwrap()) as usize;
+        out.push((at, 36 + len));
+        at += 36 + len;
+    }
+    out
+}
+
+/// A new store `name` in `dir` with `export` imported into it.
+fn imported(dir: &Path, name: &str, export: &[u8]) -> Store {
+    let store = Store::open_with(
+        dir.join(name),
+        Config::new().sweep_interval(None).scrub_rate(None),
+    )
+    .unwrap();
+    store.import(export, |_| {}).unwrap();
+    store
+}
+
+/// A service SIGKILLed with completions acknowledged since its last
+/// checkpoint (in the write-ahead log only), whose log is then lost, or
+/// damaged in a durable frame: the store refuses to open (`CorruptLog`);
+/// `salvage_file` exports what the index and the log's intact frames hold,
+/// says what was lost, and writes neither original file. The export
+/// imports into a new store, where the keys finished before the checkpoint
+/// (and, with a damaged frame, the frames before it) replay, the lost keys
+/// are absent, and a new claim of a lost key gets a token above every token
+/// the crashed store handed out.
+#[test]
+fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
+    if common::child_role(SALVAGED) {
+        let store = Store::open_with(
+            common::child_var("STORE"),
+            Config::new().sweep_interval(None).scrub_rate(None),
+        )
+        .unwrap();
+        for i in 0..10 {
+            let l = acquire(&store, &key(&format!("before-{i}")), &ClaimOptions::new());
+            store.complete(&l, b"kept").unwrap();
+        }
+        store.checkpoint().unwrap();
+        let mut last = 0;
+        for i in 0..20 {
+            let l = acquire(&store, &key(&format!("after-{i}")), &ClaimOptions::new());
+            store.complete(&l, b"logged").unwrap();
+            last = l.token();
+        }
+        common::report("LAST_TOKEN", last);
+        common::ready_and_wait();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let crashed = dir.path().join("crashed.redb");
+    let mut child = common::spawn_child(SALVAGED, &[("STORE", common::path_var(&crashed))]);
+    let last_token: u64 = child.wait_ready()["LAST_TOKEN"].parse().unwrap();
+    child.kill();
+    let wal = |p: &Path| {
+        let mut w = p.as_os_str().to_owned();
+        w.push("-wal");
+        std::path::PathBuf::from(w)
+    };
+    let index = std::fs::read(&crashed).unwrap();
+    let log = std::fs::read(wal(&crashed)).unwrap();
+
+    // Damaged: a copy of the crashed store with a byte of after-10's claim
+    // frame flipped; later frames record that it was durable.
+    let damaged = dir.path().join("damaged.redb");
+    std::fs::write(&damaged, &index).unwrap();
+    let frames = log_frames(&log);
+    assert!(frames.len() >= 40, "{} frames", frames.len());
+    let (at, _) = frames[frames.len() - 20];
+    let mut bad_log = log.clone();
+    bad_log[at + 36 + 2] ^= 0x40;
+    std::fs::write(wal(&damaged), &bad_log).unwrap();
+    // Lost: the crashed store's own log removed.
+    let lost = crashed;
+    std::fs::remove_file(wal(&lost)).unwrap();
+
+    for (path, what, kept_after) in [(&lost, "empty or missing", 0), (&damaged, "damaged", 10)] {
+        let before_index = std::fs::read(path).unwrap();
+        let before_log = std::fs::read(wal(path)).ok();
+        match Store::open_existing(
+            path,
+            Config::new()
+                .sweep_interval(None)
+                .scrub_rate(None)
+                .read_only(true),
+        ) {
+            Err(Error::CorruptLog { .. }) => {}
+            other => panic!("{what}: expected CorruptLog, got {:?}", other.map(|_| ())),
+        }
+        // The refused read-only open wrote nothing that matters; start the
+        // salvage from the files as the crash left them.
+        std::fs::write(path, &before_index).unwrap();
+        match &before_log {
+            Some(bytes) => std::fs::write(wal(path), bytes).unwrap(),
+            None => {
+                let _ = std::fs::remove_file(wal(path));
+            }
+        }
+
+        let mut export = Vec::new();
+        let salvage = idemstore::salvage_file(path, &mut export, |_| {}).unwrap();
+        let said = salvage.lost.as_deref().expect("a loss is reported");
+        assert!(said.contains(what), "{what}: {said}");
+        assert_eq!(
+            std::fs::read(path).unwrap(),
+            before_index,
+            "{what}: store file written"
+        );
+        assert_eq!(
+            std::fs::read(wal(path)).ok(),
+            before_log,
+            "{what}: log written"
+        );
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("salvage"))
+            .collect();
+        assert!(leftovers.is_empty(), "{what}: copy left: {leftovers:?}");
+
+        let name = format!("restored-{}.redb", kept_after);
+        let restored = imported(dir.path(), &name, &export);
+        for i in 0..10 {
+            let r = restored.get(&key(&format!("before-{i}"))).unwrap();
+            assert_eq!(
+                r.map(|r| r.state()),
+                Some(State::Succeeded),
+                "{what}: before-{i}"
+            );
+        }
+        for i in 0..20 {
+            let r = restored.get(&key(&format!("after-{i}"))).unwrap();
+            if i < kept_after {
+                assert_eq!(
+                    r.map(|r| r.state()),
+                    Some(State::Succeeded),
+                    "{what}: after-{i}"
+                );
+            } else if i > kept_after {
+                assert!(r.is_none(), "{what}: after-{i} survived the loss: {r:?}");
+            }
+        }
+        let again = acquire(&restored, &key("after-19"), &ClaimOptions::new());
+        assert!(
+            again.token() > last_token,
+            "{what}: token {} handed out again (the crashed store reached {last_token})",
+            again.token()
+        );
+    }
+}
+
+/// `salvage_file` refuses a store a service holds (the copy would not be
+/// consistent), and on a store whose log is sound reports no loss and
+/// exports what `Store::export` does.
+#[test]
+fn a_salvage_refuses_a_held_store_and_loses_nothing_of_a_sound_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+    for i in 0..5 {
+        let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
+        store.complete(&l, b"done").unwrap();
+    }
+    let mut sink = Vec::new();
+    match idemstore::salvage_file(&path, &mut sink, |_| {}) {
+        Err(Error::AlreadyOpen { .. }) => {}
+        other => panic!("expected AlreadyOpen, got {other:?}"),
+    }
+    assert!(sink.is_empty());
+    drop(store);
+    let mut export = Vec::new();
+    let salvage = idemstore::salvage_file(&path, &mut export, |_| {}).unwrap();
+    assert_eq!(salvage.lost, None);
+    assert_eq!(salvage.export.records, 5);
+    let restored = imported(dir.path(), "restored.redb", &export);
+    assert_eq!(restored.len().unwrap(), 5);
+}

@@ -434,6 +434,14 @@ pub fn open_error(path: &Path, err: Error) -> CliError {
              first, or read live numbers from the service's Store::stats()",
             path.display()
         )),
+        Error::CorruptLog { .. } => CliError::store(
+            format!(
+                "cannot open the store (`idemstore check {}` says what to do; \
+                 `idemstore export --accept-log-loss` salvages what the file itself holds)",
+                path.display()
+            ),
+            err,
+        ),
         other => CliError::store("cannot open the store", other),
     }
 }

@@ -1079,6 +1079,9 @@ fn check_reports_a_lost_write_ahead_log_as_damage_with_exit_1() {
         for i in 0..20 {
             let l = acquire(&store, &key(&format!("k{i}")), &ClaimOptions::new());
             store.complete(&l, b"done").unwrap();
+            if i == 9 {
+                store.checkpoint().unwrap();
+            }
         }
         common::ready_and_wait();
     }
@@ -1123,6 +1126,54 @@ fn check_reports_a_lost_write_ahead_log_as_damage_with_exit_1() {
         v["next_step"].as_str().unwrap().contains("import --create"),
         "{v}"
     );
+    assert!(
+        v["problems"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("export --accept-log-loss"),
+        "{v}"
+    );
+
+    // A plain export cannot open the store, and says what salvages it.
+    let export = dir.path().join("salvage.export");
+    let out = idemstore(&["export", p(&path), "--output", p(&export)]);
+    assert_eq!(code(&out), 2, "{}{}", stdout(&out), stderr(&out));
+    assert!(
+        stderr(&out).contains("--accept-log-loss"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(!export.exists());
+    // The salvage: the ten keys finished before the checkpoint, the loss
+    // said on stderr and in the JSON summary.
+    let out = idemstore(&[
+        "export",
+        "--accept-log-loss",
+        p(&path),
+        "--output",
+        p(&export),
+        "--json",
+    ]);
+    assert_eq!(code(&out), 0, "{}{}", stdout(&out), stderr(&out));
+    assert!(
+        stderr(&out).contains("run again once it is imported"),
+        "{}",
+        stderr(&out)
+    );
+    let v = json(&out);
+    assert_eq!(v["records"], 10, "{v}");
+    assert!(
+        v["log_lost"].as_str().unwrap().contains("empty or missing"),
+        "{v}"
+    );
+    let restored = dir.path().join("restored.redb");
+    let out = idemstore(&["import", "--create", p(&restored), p(&export)]);
+    assert_eq!(code(&out), 0, "{}{}", stdout(&out), stderr(&out));
+    let store = Store::open_with(&restored, Config::new().sweep_interval(None)).unwrap();
+    for i in 0..20 {
+        let record = store.get(&key(&format!("k{i}"))).unwrap();
+        assert_eq!(record.is_some(), i < 10, "k{i}: {record:?}");
+    }
 }
 
 /// A damaged page that makes the storage engine (redb) panic is answered

@@ -17,6 +17,7 @@ pub(crate) mod expiry;
 pub(crate) mod expiry_counts;
 pub(crate) mod fence;
 pub(crate) mod pending;
+pub(crate) mod salvage;
 pub(crate) mod schema;
 pub(crate) mod scrub;
 pub(crate) mod wal;
@@ -63,6 +64,9 @@ pub(crate) struct Embedded {
     scrub: Mutex<scrub::Cursor>,
     /// Whether this open created the store (see `schema::Meta::created`).
     created: bool,
+    /// Opened with `Config::accept_log_loss` only: what of the write-ahead
+    /// log recovery needed could not be replayed (see `wal::Opened`).
+    log_lost: Option<String>,
 }
 
 /// What a read outside the writer found.
@@ -229,8 +233,15 @@ fn holds_changes(log: &Path, meta: &schema::Meta, unreadable: bool) -> Option<bo
         _ => return None,
     }
     Some(
-        wal::recover(&file, log, meta.store_id, meta.log_epoch, meta.log_base)
-            .map_or(unreadable, |found| found.count_after(meta.applied_seq) > 0),
+        wal::recover(
+            &file,
+            log,
+            meta.store_id,
+            meta.log_epoch,
+            meta.log_base,
+            false,
+        )
+        .map_or(unreadable, |found| found.count_after(meta.applied_seq) > 0),
     )
 }
 
@@ -378,7 +389,9 @@ impl Embedded {
             }
         };
         let log_is_file = log.is_none();
-        if file_backed && log_is_file && !meta.clean {
+        // A salvage's copy opens with the log copied beside it, whatever
+        // the original's other logs hold.
+        if file_backed && log_is_file && !meta.clean && !config.accept_log_loss {
             refuse_stray_log(&path, &log_path, &db, &meta)?;
         }
         // The log file is opened (or created) only once the index is known
@@ -409,6 +422,7 @@ impl Embedded {
             &meta,
             config.max_log_bytes,
             (file_backed && log_is_file).then_some(log_path.as_path()),
+            config.accept_log_loss,
             |clock_hwm| {
                 let floor = if meta.clean {
                     meta.clock_floor.unwrap_or(clock_hwm)
@@ -433,6 +447,10 @@ impl Embedded {
         }
         if opened.replayed > 0 {
             tracing::info!(path = %path.display(), frames = opened.replayed, "replayed the write-ahead log");
+        }
+        let log_lost = opened.log_lost.clone();
+        if let Some(lost) = &log_lost {
+            tracing::warn!(path = %path.display(), log = %log_path.display(), "opened without what the write-ahead log lost: {lost}");
         }
         let shared = Arc::new(Shared {
             db: Arc::new(db),
@@ -481,7 +499,15 @@ impl Embedded {
             writer,
             scrub: Mutex::default(),
             created,
+            log_lost,
         })
+    }
+
+    /// What of the write-ahead log recovery needed could not be replayed
+    /// (an open with `Config::accept_log_loss` only; `None` otherwise and
+    /// when nothing was lost).
+    pub(crate) fn log_lost(&self) -> Option<&str> {
+        self.log_lost.as_deref()
     }
 
     /// The store file.

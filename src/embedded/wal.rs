@@ -593,6 +593,10 @@ pub(crate) struct Opened {
     pub token_reserved: u64,
     /// How many frames were replayed.
     pub replayed: usize,
+    /// Opened with `accept_loss` only: what of the log recovery needed
+    /// could not be replayed (changes acknowledged after the last
+    /// checkpoint that the index lacks), or `None` when nothing was lost.
+    pub log_lost: Option<String>,
 }
 
 /// Opens the log of the store whose metadata is `meta`, replays the frames
@@ -608,6 +612,11 @@ pub(crate) struct Opened {
 ///
 /// `record_log`, the canonical path of a file log, is recorded in the same
 /// checkpoint (`schema::META_LOG_PATH`).
+///
+/// With `accept_loss` (a salvage's copy, `crate::salvage`), a log that is
+/// missing, blank or damaged where a durable frame was opens the store with
+/// the index and the frames before the damage, and [`Opened::log_lost`]
+/// says what was lost, instead of the [`Error::CorruptLog`] below.
 ///
 /// # Errors
 /// - [`Error::IncompatibleFile`] naming the log: it belongs to another store
@@ -627,6 +636,7 @@ pub(crate) fn open<T>(
     meta: &super::schema::Meta,
     max_len: u64,
     record_log: Option<&Path>,
+    accept_loss: bool,
     reserve_time: impl FnOnce(u64) -> (u64, T),
 ) -> Result<(Opened, T)> {
     use super::pending::Pending;
@@ -641,6 +651,8 @@ pub(crate) fn open<T>(
              checkpoint cannot be recovered"
         ),
     };
+    // With `accept_loss`: what the log could not give back.
+    let mut log_lost = None;
     match header {
         HeaderState::Valid { store_id } if store_id == meta.store_id => {}
         HeaderState::Valid { store_id } => {
@@ -665,11 +677,22 @@ pub(crate) fn open<T>(
         HeaderState::Damaged if meta.clean => {
             LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
         }
+        HeaderState::Blank | HeaderState::Damaged if accept_loss => {
+            let what = if matches!(header, HeaderState::Blank) {
+                "the write-ahead log is empty or missing"
+            } else {
+                "the write-ahead log's header is damaged"
+            };
+            log_lost = Some(format!(
+                "{what} after an unclean shutdown: no frame of it was replayed"
+            ));
+            LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
+        }
         HeaderState::Blank => return Err(lost("the write-ahead log is empty or missing")),
         HeaderState::Damaged => return Err(lost("the write-ahead log's header is damaged")),
     }
 
-    let recovered = if meta.clean {
+    let recovered = if meta.clean || log_lost.is_some() {
         None
     } else {
         Some(recover(
@@ -678,8 +701,14 @@ pub(crate) fn open<T>(
             meta.store_id,
             meta.log_epoch,
             meta.log_base,
+            accept_loss,
         )?)
     };
+    if let Some((offset, detail)) = recovered.as_ref().and_then(|r| r.lost.as_ref()) {
+        log_lost = Some(format!(
+            "at offset {offset}: {detail}; frames from there on were not replayed"
+        ));
+    }
     let replayed = recovered
         .as_ref()
         .map_or(0, |r| r.count_after(meta.applied_seq));
@@ -766,6 +795,7 @@ pub(crate) fn open<T>(
         next_token,
         token_reserved: reserve_tokens(next_token),
         replayed: usize::try_from(replayed).unwrap_or(usize::MAX),
+        log_lost,
     };
     Ok((opened, made))
 }
@@ -791,6 +821,9 @@ pub(crate) struct Recovered {
     /// Whether non-zero bytes follow the chain (a torn tail, or frames of
     /// an earlier epoch): they are ignored; recovery logs the fact.
     pub discarded_tail: bool,
+    /// Recovered with `accept_loss` only: the offset where the chain broke
+    /// and why frames past it, durable ones among them, are not replayed.
+    pub lost: Option<(u64, String)>,
 }
 
 /// One frame of the chain, decoded.
@@ -928,6 +961,10 @@ fn read_frame(
 /// frame was damaged, and recovery stops with [`Error::CorruptLog`] rather
 /// than silently losing acknowledged changes.
 ///
+/// With `accept_loss` (a salvage: `crate::salvage`), the chain is kept
+/// and what the damage cost is returned as [`Recovered::lost`] instead of
+/// the [`Error::CorruptLog`] below.
+///
 /// # Errors
 /// [`Error::CorruptLog`] as above (naming the log and the offset where the
 /// chain broke), [`Error::Storage`] when the log cannot be read.
@@ -937,6 +974,7 @@ pub(crate) fn recover(
     store_id: u128,
     epoch: u64,
     base: u64,
+    accept_loss: bool,
 ) -> Result<Recovered> {
     let len = log.len().map_err(|e| io_err(path, "read", &e))?;
 
@@ -964,7 +1002,9 @@ pub(crate) fn recover(
     let mut chunk = Vec::new();
     let budget = len.saturating_mul(2);
     let mut verified: u64 = 0;
-    while pos < len {
+    // With `accept_loss`: where the chain broke and what was lost there.
+    let mut lost: Option<(u64, String)> = None;
+    'scan: while pos < len {
         let n = usize::try_from((len - pos).min(SCAN_CHUNK as u64)).unwrap_or(SCAN_CHUNK);
         chunk.resize(n, 0);
         log.read_at(pos, &mut chunk)
@@ -1002,30 +1042,40 @@ pub(crate) fn recover(
             }
             verified = verified.saturating_add(body_len);
             if verified > budget {
+                let detail = format!(
+                    "past the end of the log's chain, damaged frame headers claim more \
+                     than twice the log's {len} bytes of frames: the log is not a torn \
+                     write of this store"
+                );
+                if accept_loss {
+                    lost = Some((cand, detail));
+                    break 'scan;
+                }
                 return Err(Error::CorruptLog {
                     path: path.to_path_buf(),
                     offset: cand,
-                    detail: format!(
-                        "past the end of the log's chain, damaged frame headers claim more \
-                         than twice the log's {len} bytes of frames: the log is not a torn \
-                         write of this store"
-                    ),
+                    detail,
                 });
             }
             match read_frame(log, path, cand, len, store_id)? {
                 Some((h, _)) if h.epoch == epoch && h.seq > last => {
                     discarded_tail = true;
                     if h.synced_through > last {
+                        let detail = format!(
+                            "frame {} is missing or damaged, but frame {} at offset {cand} \
+                             records that frames up to {} were durable",
+                            last + 1,
+                            h.seq,
+                            h.synced_through
+                        );
+                        if accept_loss {
+                            lost = Some((end, detail));
+                            break 'scan;
+                        }
                         return Err(Error::CorruptLog {
                             path: path.to_path_buf(),
                             offset: end,
-                            detail: format!(
-                                "frame {} is missing or damaged, but frame {} at offset {cand} \
-                                 records that frames up to {} were durable",
-                                last + 1,
-                                h.seq,
-                                h.synced_through
-                            ),
+                            detail,
                         });
                     }
                     let after = cand.saturating_add(h.total_len() as u64);
@@ -1061,6 +1111,7 @@ pub(crate) fn recover(
         last,
         end,
         discarded_tail,
+        lost,
     })
 }
 
@@ -1265,7 +1316,7 @@ mod tests {
     #[test]
     fn chain_is_read_in_order() {
         let (log, _) = log_with(5, |s| s - 1);
-        let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
+        let r = recover(&log, Path::new("t"), 7, 3, 10, false).unwrap();
         assert_eq!(r.last_seq(10), 15);
         let mut seqs = Vec::new();
         r.replay_after(&log, Path::new("t"), 12, |f| {
@@ -1278,13 +1329,13 @@ mod tests {
         assert!(!r.discarded_tail);
         // Another store or another epoch sees no frame.
         assert_eq!(
-            recover(&log, Path::new("t"), 8, 3, 10)
+            recover(&log, Path::new("t"), 8, 3, 10, false)
                 .unwrap()
                 .last_seq(10),
             10
         );
         assert_eq!(
-            recover(&log, Path::new("t"), 7, 4, 10)
+            recover(&log, Path::new("t"), 7, 4, 10, false)
                 .unwrap()
                 .last_seq(10),
             10
@@ -1300,7 +1351,7 @@ mod tests {
             *b ^= 0xff;
         }
         log.set_contents(bytes);
-        let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
+        let r = recover(&log, Path::new("t"), 7, 3, 10, false).unwrap();
         assert_eq!(r.last_seq(10), 14);
         assert_eq!(r.end, offsets[4]);
         assert!(r.discarded_tail);
@@ -1314,7 +1365,7 @@ mod tests {
         let mut bytes = log.contents();
         bytes[offsets[1] as usize + 40] ^= 1;
         log.set_contents(bytes);
-        let r = recover(&log, Path::new("t"), 7, 3, 10).unwrap();
+        let r = recover(&log, Path::new("t"), 7, 3, 10, false).unwrap();
         assert_eq!(r.last_seq(10), 11);
         assert!(r.discarded_tail);
     }
@@ -1325,7 +1376,7 @@ mod tests {
         let mut bytes = log.contents();
         bytes[offsets[2] as usize + 40] ^= 1;
         log.set_contents(bytes);
-        match recover(&log, Path::new("t"), 7, 3, 10) {
+        match recover(&log, Path::new("t"), 7, 3, 10, false) {
             Err(Error::CorruptLog { offset, .. }) => assert_eq!(offset, offsets[2]),
             other => panic!("expected corruption, got {:?}", other.map(|r| r.end)),
         }
@@ -1362,7 +1413,7 @@ mod tests {
     #[test]
     fn packed_fake_headers_past_the_chain_cost_a_bounded_read() {
         let (log, _) = log_with(2, |s| s - 1);
-        let start = recover(&log, Path::new("t"), 7, 3, 10).unwrap().end as usize + 64;
+        let start = recover(&log, Path::new("t"), 7, 3, 10, false).unwrap().end as usize + 64;
         let mut bytes = log.contents();
         let len = bytes.len();
         let mut at = start;
@@ -1380,7 +1431,7 @@ mod tests {
             log: log.clone(),
             read: Arc::default(),
         };
-        let result = recover(&counted, Path::new("t"), 7, 3, 10);
+        let result = recover(&counted, Path::new("t"), 7, 3, 10, false);
         let read = counted.read.load(std::sync::atomic::Ordering::Relaxed);
         assert!(
             read <= 4 * len as u64,
@@ -1397,7 +1448,7 @@ mod tests {
     #[test]
     fn packed_foreign_magics_are_read_once() {
         let (log, _) = log_with(2, |s| s - 1);
-        let mut at = recover(&log, Path::new("t"), 7, 3, 10).unwrap().end as usize + 64;
+        let mut at = recover(&log, Path::new("t"), 7, 3, 10, false).unwrap().end as usize + 64;
         let mut bytes = log.contents();
         let len = bytes.len();
         while at + 4 <= len {
@@ -1409,7 +1460,7 @@ mod tests {
             log: log.clone(),
             read: Arc::default(),
         };
-        let r = recover(&counted, Path::new("t"), 7, 3, 10).unwrap();
+        let r = recover(&counted, Path::new("t"), 7, 3, 10, false).unwrap();
         assert_eq!(r.last_seq(10), 12);
         let read = counted.read.load(std::sync::atomic::Ordering::Relaxed);
         assert!(

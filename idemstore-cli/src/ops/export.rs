@@ -36,6 +36,16 @@ pub struct Args {
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
+    /// Export what can be saved of a store file that does not open because
+    /// its write-ahead log is lost or damaged (`check` reports
+    /// "(write-ahead log)"): the records of its last checkpoint and the
+    /// log's frames before the damage, read from a copy made beside the
+    /// store (as much free disk as the store and its log take); the
+    /// original is not written. Changes acknowledged after the damage are
+    /// lost: once the export is imported, their keys run again. Look for
+    /// a moved `-wal` first. A store file only.
+    #[arg(long)]
+    accept_log_loss: bool,
 }
 
 /// Runs `idemstore export`.
@@ -58,9 +68,12 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     if let Some(target) = &args.output {
         refuse_special_files(target)?;
     }
+    if args.accept_log_loss {
+        return salvage(args, out);
+    }
     let store = ops::open_to_read(&args.store)?;
     if let Some(target) = &args.output {
-        refuse_store_files(&store, target)?;
+        refuse_store_files(target, store.path(), store.log_path())?;
     }
     let total = store
         .len()
@@ -68,7 +81,11 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     let bar = ops::progress(Some(total), "exporting", ops::Unit::Records);
     let tick = |p: idemstore::Progress| bar.set_position(p.records);
     let summary = match &args.output {
-        Some(target) => export_to_file(&store, target, tick)?,
+        Some(target) => export_to_file(target, |w| {
+            store
+                .export(w, tick)
+                .map_err(|e| CliError::store("export failed", e))
+        })?,
         None => {
             let mut watched = ops::PipeWatch::new(&mut *out);
             match store.export(&mut watched, tick) {
@@ -83,13 +100,89 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         }
     };
     bar.finish_and_clear();
-    let report = json!({
+    report(args, out, &summary, None)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `export --accept-log-loss`: the salvage of a store file whose log
+/// recovery cannot use ([`idemstore::salvage_file`]).
+fn salvage(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
+    let path = match args.store.target()? {
+        ops::Target::File(path) => path,
+        ops::Target::Postgres { .. } => {
+            return Err(CliError::Usage(
+                "--accept-log-loss salvages a store file whose write-ahead log is lost or \
+                 damaged; a PostgreSQL store has no such log: export it without the flag"
+                    .into(),
+            ));
+        }
+    };
+    if let Some(target) = &args.output {
+        let mut log = std::fs::canonicalize(&path)
+            .unwrap_or_else(|_| path.clone())
+            .into_os_string();
+        log.push("-wal");
+        refuse_store_files(target, &path, Path::new(&log))?;
+    }
+    let bar = ops::progress(None, "salvaging", ops::Unit::Records);
+    let tick = |p: idemstore::Progress| bar.set_position(p.records);
+    let salvaged = |w: &mut dyn Write| {
+        idemstore::salvage_file(&path, w, tick).map_err(|e| match e {
+            idemstore::Error::AlreadyOpen { .. } => ops::open_error(&path, e),
+            e => CliError::store("salvage failed", e),
+        })
+    };
+    let salvage = match &args.output {
+        Some(target) => export_to_file(target, salvaged)?,
+        None => {
+            let mut watched = ops::PipeWatch::new(&mut *out);
+            match salvaged(&mut watched) {
+                Ok(salvage) => salvage,
+                Err(_) if watched.closed() => {
+                    bar.finish_and_clear();
+                    return Err(CliError::Output(std::io::ErrorKind::BrokenPipe.into()));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    bar.finish_and_clear();
+    if let Some(lost) = &salvage.lost {
+        eprintln!(
+            "warning: {} lost changes acknowledged after its last checkpoint ({lost}); \
+             keys claimed or finished after that are missing from this export, or in an \
+             earlier state, and run again once it is imported",
+            path.display()
+        );
+    }
+    report(args, out, &salvage.export, Some(salvage.lost.as_deref()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The summary of an export: to `out` when the stream went to a file, to
+/// stderr when it went to stdout. `lost` (a salvage only) is what the
+/// write-ahead log could not give back, `Some(None)` for nothing.
+fn report(
+    args: &Args,
+    out: &mut impl Write,
+    summary: &ExportSummary,
+    lost: Option<Option<&str>>,
+) -> Result<(), CliError> {
+    let mut report = json!({
         "records": summary.records,
         "bytes": summary.bytes,
         "next_token": summary.next_token,
     });
+    if let Some(lost) = lost {
+        report["log_lost"] = json!(lost);
+    }
     let text = format!(
-        "exported {} records ({}) to {}",
+        "{} {} records ({}) to {}",
+        if lost.is_some() {
+            "salvaged"
+        } else {
+            "exported"
+        },
         summary.records,
         ops::size(summary.bytes),
         args.output
@@ -102,7 +195,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         (None, true) => eprintln!("{report}"),
         (None, false) => eprintln!("{text}"),
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// Refuses an output (or its temporary name) that exists and is not a
@@ -131,12 +224,9 @@ fn refuse_special_files(target: &Path) -> Result<(), CliError> {
 /// Refuses an output that is (or whose temporary name is) the store file
 /// or its write-ahead log, by whatever name (a symlink, a hard link, another
 /// spelling): the export would replace the store it reads.
-fn refuse_store_files(store: &idemstore::Store, target: &Path) -> Result<(), CliError> {
+fn refuse_store_files(target: &Path, store: &Path, log: &Path) -> Result<(), CliError> {
     for written in [target.to_path_buf(), partial_of(target)] {
-        for (what, file) in [
-            ("store file", store.path()),
-            ("write-ahead log", store.log_path()),
-        ] {
+        for (what, file) in [("store file", store), ("write-ahead log", log)] {
             // A name that does not exist (or cannot be compared) is no
             // file of the store's.
             if same_file::is_same_file(&written, file).unwrap_or(false) {
@@ -158,19 +248,19 @@ fn partial_of(target: &Path) -> PathBuf {
     PathBuf::from(partial)
 }
 
-fn export_to_file(
-    store: &idemstore::Store,
+/// Writes `export`'s stream to `target`: under a temporary name, synced,
+/// renamed into place, its directory synced; nothing is left at either
+/// name when `export` fails.
+fn export_to_file<T>(
     target: &Path,
-    tick: impl FnMut(idemstore::Progress),
-) -> Result<ExportSummary, CliError> {
+    export: impl FnOnce(&mut dyn Write) -> Result<T, CliError>,
+) -> Result<T, CliError> {
     let partial = partial_of(target);
-    let write = || -> Result<ExportSummary, CliError> {
+    let write = || -> Result<T, CliError> {
         let file = File::create(&partial)
             .map_err(|e| CliError::io(format!("cannot create {}", partial.display()), e))?;
         let mut writer = BufWriter::new(file);
-        let summary = store
-            .export(&mut writer, tick)
-            .map_err(|e| CliError::store("export failed", e))?;
+        let summary = export(&mut writer)?;
         let file = writer.into_inner().map_err(|e| {
             CliError::io(
                 format!("cannot write {}", partial.display()),

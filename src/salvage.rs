@@ -1,0 +1,87 @@
+//! The salvage of a store file whose write-ahead log recovery needs and
+//! cannot use: an export of what the index and the log's intact frames
+//! hold, read from a copy, the original left as it was.
+
+use std::path::Path;
+
+use crate::backup::ExportSummary;
+use crate::config::Config;
+use crate::error::Result;
+use crate::report::Progress;
+use crate::store::Store;
+
+/// What [`salvage_file`] wrote, and what it could not give back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Salvage {
+    /// The export written: a stream [`Store::import`] reads like any
+    /// other.
+    pub export: ExportSummary,
+    /// What of the write-ahead log could not be replayed, as
+    /// [`Error::CorruptLog`](crate::Error::CorruptLog) would have said it (the log lost, blank or
+    /// with a damaged header after an unclean shutdown; or the offset
+    /// where a durable frame is damaged, every frame from there on left
+    /// out). `None` when the log gave back everything recovery needed:
+    /// the export is then what [`Store::export`] would have written.
+    pub lost: Option<String>,
+}
+
+/// Exports what can be saved of the store file at `path` when its
+/// write-ahead log is unusable, which [`Store::open`] refuses with
+/// [`Error::CorruptLog`](crate::Error::CorruptLog) (and `idemstore check` reports as a problem keyed
+/// [`LOG_PROBLEM`](crate::LOG_PROBLEM)): every record of the index as of
+/// its last checkpoint, plus the changes of the log's frames up to the
+/// damage. Changes acknowledged after that are lost: a key claimed or
+/// finished since is absent from the export (or in an earlier state), so
+/// once the export is imported into a new store
+/// (`idemstore import --create`) its next claim runs the work again. That
+/// is the loss the open refuses to take silently; take it only when the
+/// log cannot be found (a `-wal` file moved or renamed: put it back and
+/// open the store instead) and the latest export is older than what the
+/// index holds.
+///
+/// The original files are not written: the store file and its log
+/// (`<path>-wal`) are copied into a directory beside the store file,
+/// opened there read-only (no time persisted, as [`Config::read_only`]),
+/// exported from the copy with `progress` called after each record, and
+/// the copy removed. So the salvage needs as much free disk beside the
+/// store as the store file and its log take, and time to copy them; the
+/// original can still be opened, checked or salvaged again afterwards.
+/// The store file is held (shared lock) while it is copied, so no service
+/// opens it meanwhile. No token in the export is one the lost changes may
+/// have handed out: the export's token counter is the copy's, raised past
+/// the reservation the store made before its unclean shutdown.
+///
+/// # Errors
+/// - [`Error::Missing`](crate::Error::Missing): no file at `path`.
+/// - [`Error::AlreadyOpen`](crate::Error::AlreadyOpen): a `Store` (a running service) holds the file.
+/// - [`Error::IncompatibleFile`](crate::Error::IncompatibleFile): not a regular file, not an idemstore
+///   file, of a newer format, or its log belongs to another store.
+/// - [`Error::CorruptFile`](crate::Error::CorruptFile): the index itself is damaged (run
+///   `idemstore check`).
+/// - [`Error::CorruptRecord`](crate::Error::CorruptRecord): a stored record fails its checksum; the
+///   export stops.
+/// - [`Error::Storage`](crate::Error::Storage): the directory beside the store cannot hold the
+///   copy (read-only, full), a file cannot be read, or `out` fails.
+pub fn salvage_file(
+    path: impl AsRef<Path>,
+    out: impl std::io::Write,
+    progress: impl FnMut(Progress),
+) -> Result<Salvage> {
+    let path = path.as_ref();
+    crate::embedded::check_existing(path)?;
+    let copy = crate::embedded::salvage::copy_for_salvage(path)?;
+    let config = Config {
+        accept_log_loss: true,
+        ..Config::new()
+    }
+    .sweep_interval(None)
+    .scrub_rate(None)
+    .read_only(true);
+    let store = Store::open_existing(copy.store(), config)?;
+    let lost = store.log_lost().map(str::to_owned);
+    let export = store.export(out, progress)?;
+    drop(store);
+    copy.remove()?;
+    Ok(Salvage { export, lost })
+}
