@@ -395,9 +395,12 @@ pub enum ConfigFault {
     /// The schema was created or upgraded by a newer idemstore than this
     /// build reads: deploy the newer build (a schema is never downgraded).
     SchemaTooNew,
-    /// The schema holds no store at this build's version, and the role
-    /// that connected may not create it: run `idemstore migrate` (or
-    /// `idemstore::postgres::migrate`) once with a role that may.
+    /// The schema holds a store of an older schema version, which a
+    /// connect never upgrades (replicas of the older build may still be
+    /// running, and would read this build's rows as corrupt); or it holds
+    /// no store, and the role that connected may not create one. Run
+    /// `idemstore migrate` (or `idemstore::postgres::migrate`) once with a
+    /// role that may, after stopping the older build's replicas.
     SchemaNotMigrated,
     /// An object the store needs is missing or of another form: its
     /// schema, a table (`records`, `bindings`, `meta`), a column, or the

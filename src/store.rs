@@ -224,7 +224,9 @@ impl Store {
     ///   retry).
     /// - [`Error::Misconfigured`]: no such database, the role refused or
     ///   its password wrong or missing, a privilege missing, the server's
-    ///   certificate refused, the schema written by a newer idemstore, or a
+    ///   certificate refused, the schema written by a newer idemstore, or
+    ///   by an older one ([`ConfigFault::SchemaNotMigrated`](crate::ConfigFault):
+    ///   a connect never upgrades it, `idemstore migrate` does), or a
     ///   store's schema missing its records, bindings or token sequence
     ///   ([`ConfigFault::SchemaDamaged`](crate::ConfigFault); never retry
     ///   as is).

@@ -1107,16 +1107,33 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     time_from(shared, rows.as_deref()).map_err(|f| f.error())?;
     if !shared.migrate {
         match read_current(shared, &client).await? {
-            Some(id) => {
+            Current::Store(id) => {
                 check_objects(shared, &client).await?;
                 return Ok((id, Found::Current));
             }
-            None if shared.must_exist => {
+            // Upgraded only by `migrate`: replicas of the older build may
+            // still be running, and would read this build's rows as
+            // corrupt (docs/operations.md, "Schema changes apart from the
+            // service").
+            Current::Older(version) => {
+                let schema = &shared.sql.schema;
+                return Err(Error::Misconfigured {
+                    fault: ConfigFault::SchemaNotMigrated,
+                    detail: format!(
+                        "schema {schema} holds a store at schema version {version}, written \
+                         by an older idemstore; this build reads and writes version \
+                         {SCHEMA_VERSION}, which builds of version {version} read as corrupt: \
+                         stop the replicas of the older build, then run `idemstore migrate \
+                         URL --schema {schema}` (or idemstore::postgres::migrate)"
+                    ),
+                });
+            }
+            Current::Absent if shared.must_exist => {
                 return Err(Error::Missing {
                     path: std::path::PathBuf::new(),
                 });
             }
-            None => {}
+            Current::Absent => {}
         }
     }
     match create_or_check(shared, &client).await {
@@ -1138,15 +1155,24 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     }
 }
 
+/// What [`read_current`] found in a schema.
+enum Current {
+    /// A store at this build's version, with its identity.
+    Store(u128),
+    /// No store: no schema, meta table or version row.
+    Absent,
+    /// A store at this older schema version.
+    Older(u32),
+}
+
 /// The store's identity when the schema is at this build's version, with
-/// one read and no lock (`None` when the schema, its meta table or its
-/// version row is absent, or the version is older).
+/// one read and no lock, or what else the schema holds.
 ///
 /// # Errors
 /// [`Error::Misconfigured`] for a newer version or a missing privilege,
 /// [`Error::IncompatibleSchema`] for malformed meta rows, and the errors of
 /// the connection.
-async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> {
+async fn read_current(shared: &Shared, client: &Client) -> Result<Current> {
     let sql = &shared.sql;
     let rows = match client.query(&sql.read_meta_all(), &[]).await {
         Ok(rows) => rows,
@@ -1154,7 +1180,7 @@ async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> 
             if e.code() == Some(&SqlState::UNDEFINED_TABLE)
                 || e.code() == Some(&SqlState::INVALID_SCHEMA_NAME) =>
         {
-            return Ok(None);
+            return Ok(Current::Absent);
         }
         Err(e) => return Err(fail(&e).error()),
     };
@@ -1173,12 +1199,15 @@ async fn read_current(shared: &Shared, client: &Client) -> Result<Option<u128>> 
             _ => {}
         }
     }
-    let Some(v) = version else { return Ok(None) };
-    if meta_version(&sql.schema, &v)? < SCHEMA_VERSION {
-        return Ok(None);
+    let Some(v) = version else {
+        return Ok(Current::Absent);
+    };
+    let version = meta_version(&sql.schema, &v)?;
+    if version < SCHEMA_VERSION {
+        return Ok(Current::Older(version));
     }
     let id = id.ok_or_else(|| incompatible("the store_id row is missing".into()))?;
-    Ok(Some(meta_store_id(&sql.schema, &id)?))
+    Ok(Current::Store(meta_store_id(&sql.schema, &id)?))
 }
 
 /// The relations every store's schema holds beside its meta table.

@@ -1000,6 +1000,38 @@ fn a_version_1_schema_is_upgraded_in_place() {
     raw_sql(&format!(
         "UPDATE \"{name}\".meta SET value = '\\x00000001'::bytea WHERE name = 'version'"
     ));
+    // A connect (a replica of this build, an operator command) does not
+    // upgrade it: replicas of the older build may still be running.
+    let plain = PgOptions {
+        schema: name.clone(),
+        connections: 1,
+        ..PgOptions::default()
+    };
+    for must_exist in [false, true] {
+        let err = Postgres::connect(
+            server().url(),
+            PgOptions {
+                must_exist,
+                ..plain.clone()
+            },
+        )
+        .unwrap_err();
+        match &err {
+            Error::Misconfigured {
+                fault: ConfigFault::SchemaNotMigrated,
+                detail,
+            } => assert!(
+                detail.contains("schema version 1") && detail.contains("idemstore migrate"),
+                "{detail}"
+            ),
+            other => panic!("expected SchemaNotMigrated, got {other:?}"),
+        }
+    }
+    let rows = raw_sql(&format!(
+        "SELECT encode(value, 'hex') FROM \"{name}\".meta WHERE name = 'version'"
+    ));
+    let version: String = rows[0].get(0);
+    assert_eq!(version, "00000001", "a connect upgraded the schema");
     let migrate = PgOptions {
         schema: name.clone(),
         connections: 1,
