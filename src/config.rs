@@ -359,8 +359,9 @@ pub struct Config {
     /// Opens a store whose write-ahead log recovery needs and cannot use
     /// (lost, blank, or damaged where a durable frame was) with what its
     /// index and the log's intact frames hold, instead of refusing with
-    /// `CorruptLog`. Set only by `crate::salvage`, on a copy, read-only.
-    pub(crate) accept_log_loss: bool,
+    /// `CorruptLog`. Set only by `crate::salvage`, on a copy, read-only:
+    /// the original store file the copy was made from.
+    pub(crate) accept_log_loss: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -381,7 +382,7 @@ impl Default for Config {
             integrity_check_interval: Some(DEFAULT_INTEGRITY_CHECK_INTERVAL),
             scrub_rate: Some(DEFAULT_SCRUB_RATE),
             read_only: false,
-            accept_log_loss: false,
+            accept_log_loss: None,
             clock_given: false,
             postgres_schema: None,
             postgres_connections: None,

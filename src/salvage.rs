@@ -41,22 +41,40 @@ pub struct Salvage {
 /// index holds.
 ///
 /// The original files are not written: the store file and its log
-/// (`<path>-wal`) are copied into a directory beside the store file,
-/// opened there read-only (no time persisted, as [`Config::read_only`]),
+/// (`<path>-wal`) are copied into a hidden directory
+/// (`.idemstore-salvage-XXXXXX`) beside the file `path` leads to, opened
+/// there read-only (no time persisted, as [`Config::read_only`]),
 /// exported from the copy with `progress` called after each record, and
-/// the copy removed. So the salvage needs as much free disk beside the
-/// store as the store file and its log take, and time to copy them; the
-/// original can still be opened, checked or salvaged again afterwards.
-/// The store file is held (shared lock) while it is copied, so no service
-/// opens it meanwhile. No token in the export is one the lost changes may
-/// have handed out: the export's token counter is the copy's, raised past
-/// the reservation the store made before its unclean shutdown.
+/// the copy removed (a copy that cannot be removed is logged as a warning,
+/// and the salvage still succeeds). So the salvage needs about as much free
+/// disk beside the store as the store file and its log take (plus a
+/// megabyte or so for the copy's new log), and time to copy them; the
+/// original can still be opened, checked or salvaged again afterwards. The
+/// store file is held (a shared lock) while it is copied; a running store
+/// holds it exclusively, which refuses the salvage on Linux, but not on a
+/// file system that does not keep such locks (NFS): stop the service first.
+/// A log of the store's found by another name (one the store records, a
+/// hard link's) that holds its changes is not given up: the salvage
+/// refuses, naming it, as [`Store::open`] does. No token in the export is
+/// one the lost changes may have handed out: the export's token counter is
+/// the copy's, raised past the reservation the store made before its
+/// unclean shutdown.
+///
+/// A log whose header is blank or damaged still gives back the frames
+/// after it (their checksums are keyed by the store's identity); since the
+/// header no longer says what the log held, a loss is reported all the
+/// same.
 ///
 /// # Errors
 /// - [`Error::Missing`](crate::Error::Missing): no file at `path`.
 /// - [`Error::AlreadyOpen`](crate::Error::AlreadyOpen): a `Store` (a running service) holds the file.
 /// - [`Error::IncompatibleFile`](crate::Error::IncompatibleFile): not a regular file, not an idemstore
-///   file, of a newer format, or its log belongs to another store.
+///   file, of a newer format, its log belongs to another store, or
+///   another log of the store's holds its changes (move it into place and
+///   open the store instead).
+/// - [`Error::CorruptLog`](crate::Error::CorruptLog): a frame of the log passed its checksum but
+///   does not decode (not damage a crash leaves: a bug, or a log written
+///   on purpose); nothing is exported.
 /// - [`Error::CorruptFile`](crate::Error::CorruptFile): the index itself is damaged (run
 ///   `idemstore check`).
 /// - [`Error::CorruptRecord`](crate::Error::CorruptRecord): a stored record fails its checksum; the
@@ -72,7 +90,7 @@ pub fn salvage_file(
     crate::embedded::check_existing(path)?;
     let copy = crate::embedded::salvage::copy_for_salvage(path)?;
     let config = Config {
-        accept_log_loss: true,
+        accept_log_loss: Some(path.to_path_buf()),
         ..Config::new()
     }
     .sweep_interval(None)
@@ -82,6 +100,7 @@ pub fn salvage_file(
     let lost = store.log_lost().map(str::to_owned);
     let export = store.export(out, progress)?;
     drop(store);
-    copy.remove()?;
+    // The export is whole: a copy left behind is said, not an error.
+    copy.remove();
     Ok(Salvage { export, lost })
 }

@@ -579,8 +579,11 @@ fn imported(dir: &Path, name: &str, export: &[u8]) -> Store {
 /// A service SIGKILLed with completions acknowledged since its last
 /// checkpoint (in the write-ahead log only), whose log is then lost, or
 /// damaged in a durable frame: the store refuses to open (`CorruptLog`);
-/// `salvage_file` exports what the index and the log's intact frames hold,
-/// says what was lost, and writes neither original file. The export
+/// `salvage_file` exports what the index and the log's intact frames hold
+/// (with a blank header, the frames after it), says what was lost, and
+/// writes neither original file; of a crashed store whose log is sound it
+/// loses nothing; a copy made without its log, while the original's log
+/// holds the changes, is refused as an open refuses it. The export
 /// imports into a new store, where the keys finished before the checkpoint
 /// (and, with a damaged frame, the frames before it) replay, the lost keys
 /// are absent, and a new claim of a lost key gets a token above every token
@@ -619,48 +622,81 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
     };
     let index = std::fs::read(&crashed).unwrap();
     let log = std::fs::read(wal(&crashed)).unwrap();
+    let copy = |name: &str, log: Option<&[u8]>| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, &index).unwrap();
+        if let Some(log) = log {
+            std::fs::write(wal(&path), log).unwrap();
+        }
+        path
+    };
 
-    // Damaged: a copy of the crashed store with a byte of after-10's claim
-    // frame flipped; later frames record that it was durable.
-    let damaged = dir.path().join("damaged.redb");
-    std::fs::write(&damaged, &index).unwrap();
+    // A copy made without its log, while the original's log holds the
+    // changes: refused, naming that log, as an open is.
+    let without = copy("without.redb", None);
+    match idemstore::salvage_file(&without, &mut Vec::new(), |_| {}) {
+        Err(Error::IncompatibleFile { path, detail }) => {
+            assert!(path.ends_with("crashed.redb-wal"), "{path:?}: {detail}");
+        }
+        other => panic!("expected IncompatibleFile, got {other:?}"),
+    }
+    // Damaged: a byte of after-10's claim frame flipped; later frames
+    // record that it was durable.
     let frames = log_frames(&log);
     assert!(frames.len() >= 40, "{} frames", frames.len());
     let (at, _) = frames[frames.len() - 20];
-    let mut bad_log = log.clone();
-    bad_log[at + 36 + 2] ^= 0x40;
-    std::fs::write(wal(&damaged), &bad_log).unwrap();
+    let mut bad_frame = log.clone();
+    bad_frame[at + 36 + 2] ^= 0x40;
+    let damaged = copy("damaged.redb", Some(&bad_frame));
+    // A blank header: the frames after it are still replayed.
+    let mut bad_header = log.clone();
+    bad_header[..4096].fill(0);
+    let blank = copy("blank.redb", Some(&bad_header));
+    // The log as the crash left it: nothing lost.
+    let sound = copy("sound.redb", Some(&log));
     // Lost: the crashed store's own log removed.
     let lost = crashed;
     std::fs::remove_file(wal(&lost)).unwrap();
 
-    for (path, what, kept_after) in [(&lost, "empty or missing", 0), (&damaged, "damaged", 10)] {
+    let cases = [
+        (&lost, Some("empty or missing"), 0),
+        (&damaged, Some("missing or damaged"), 10),
+        (&blank, Some("empty or missing"), 20),
+        (&sound, None, 20),
+    ];
+    for (path, loss, kept_after) in cases {
+        let what = path.file_name().unwrap().to_string_lossy().into_owned();
         let before_index = std::fs::read(path).unwrap();
         let before_log = std::fs::read(wal(path)).ok();
-        match Store::open_existing(
-            path,
-            Config::new()
-                .sweep_interval(None)
-                .scrub_rate(None)
-                .read_only(true),
-        ) {
-            Err(Error::CorruptLog { .. }) => {}
-            other => panic!("{what}: expected CorruptLog, got {:?}", other.map(|_| ())),
-        }
-        // The refused read-only open wrote nothing that matters; start the
-        // salvage from the files as the crash left them.
-        std::fs::write(path, &before_index).unwrap();
-        match &before_log {
-            Some(bytes) => std::fs::write(wal(path), bytes).unwrap(),
-            None => {
-                let _ = std::fs::remove_file(wal(path));
+        if loss.is_some() {
+            match Store::open_existing(
+                path,
+                Config::new()
+                    .sweep_interval(None)
+                    .scrub_rate(None)
+                    .read_only(true),
+            ) {
+                Err(Error::CorruptLog { .. }) => {}
+                other => panic!("{what}: expected CorruptLog, got {:?}", other.map(|_| ())),
+            }
+            // Start the salvage from the files as the crash left them (the
+            // refused open leaves an empty log where there was none).
+            std::fs::write(path, &before_index).unwrap();
+            match &before_log {
+                Some(bytes) => std::fs::write(wal(path), bytes).unwrap(),
+                None => {
+                    let _ = std::fs::remove_file(wal(path));
+                }
             }
         }
 
         let mut export = Vec::new();
         let salvage = idemstore::salvage_file(path, &mut export, |_| {}).unwrap();
-        let said = salvage.lost.as_deref().expect("a loss is reported");
-        assert!(said.contains(what), "{what}: {said}");
+        match (loss, salvage.lost.as_deref()) {
+            (Some(loss), Some(said)) => assert!(said.contains(loss), "{what}: {said}"),
+            (None, None) => {}
+            (loss, said) => panic!("{what}: expected a loss {loss:?}, said {said:?}"),
+        }
         assert_eq!(
             std::fs::read(path).unwrap(),
             before_index,
@@ -678,8 +714,7 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
             .collect();
         assert!(leftovers.is_empty(), "{what}: copy left: {leftovers:?}");
 
-        let name = format!("restored-{}.redb", kept_after);
-        let restored = imported(dir.path(), &name, &export);
+        let restored = imported(dir.path(), &format!("restored-{what}"), &export);
         for i in 0..10 {
             let r = restored.get(&key(&format!("before-{i}"))).unwrap();
             assert_eq!(
@@ -696,16 +731,18 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
                     Some(State::Succeeded),
                     "{what}: after-{i}"
                 );
-            } else if i > kept_after {
+            } else {
                 assert!(r.is_none(), "{what}: after-{i} survived the loss: {r:?}");
             }
         }
-        let again = acquire(&restored, &key("after-19"), &ClaimOptions::new());
-        assert!(
-            again.token() > last_token,
-            "{what}: token {} handed out again (the crashed store reached {last_token})",
-            again.token()
-        );
+        if kept_after < 20 {
+            let again = acquire(&restored, &key("after-19"), &ClaimOptions::new());
+            assert!(
+                again.token() > last_token,
+                "{what}: token {} handed out again (the crashed store reached {last_token})",
+                again.token()
+            );
+        }
     }
 }
 

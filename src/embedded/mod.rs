@@ -138,6 +138,11 @@ pub(crate) fn identity_of(path: &Path) -> PathBuf {
 /// index is passed over; one whose frames past the checkpoint cannot be
 /// read may hold changes, and refuses too.
 ///
+/// A salvage's copy (`salvaged`: the original store file it was copied
+/// from, whose log was copied beside it) is judged as the original: its
+/// log is the original's, which may be damaged (the salvage takes that
+/// loss), and every other log is looked at.
+///
 /// # Errors
 /// [`Error::IncompatibleFile`] naming the other log and how to move it
 /// into place; [`Error::CorruptFile`] or [`Error::Storage`] when the index
@@ -147,8 +152,9 @@ fn refuse_stray_log(
     log_path: &Path,
     db: &redb::Database,
     meta: &schema::Meta,
+    salvaged: Option<&Path>,
 ) -> Result<()> {
-    if holds_changes(log_path, meta, false) == Some(true) {
+    if salvaged.is_none() && holds_changes(log_path, meta, false) == Some(true) {
         return Ok(());
     }
     let mut others = vec![log_path_of(path)];
@@ -157,9 +163,19 @@ fn refuse_stray_log(
         Ok(None) => {}
         Err(malformed) => tracing::warn!(path = %path.display(), "{malformed}: ignored"),
     }
-    let ours = identity_of(log_path);
+    // A salvage's copy stands for the original store and its log; the
+    // copy's own log is passed over too (its frames are the original's).
+    let copy_log = identity_of(log_path);
+    let (path, ours) = match salvaged {
+        Some(original) => {
+            others.push(log_path_of(original));
+            (original, identity_of(&log_path_of_file(original)))
+        }
+        None => (path, copy_log.clone()),
+    };
     for other in others {
-        if identity_of(&other) == ours || holds_changes(&other, meta, true) != Some(true) {
+        let id = identity_of(&other);
+        if id == ours || id == copy_log || holds_changes(&other, meta, true) != Some(true) {
             continue;
         }
         // The file the other log was written beside: this one by another
@@ -389,10 +405,14 @@ impl Embedded {
             }
         };
         let log_is_file = log.is_none();
-        // A salvage's copy opens with the log copied beside it, whatever
-        // the original's other logs hold.
-        if file_backed && log_is_file && !meta.clean && !config.accept_log_loss {
-            refuse_stray_log(&path, &log_path, &db, &meta)?;
+        if file_backed && log_is_file && !meta.clean {
+            refuse_stray_log(
+                &path,
+                &log_path,
+                &db,
+                &meta,
+                config.accept_log_loss.as_deref(),
+            )?;
         }
         // The log file is opened (or created) only once the index is known
         // to be this store's and held by this process.
@@ -422,7 +442,7 @@ impl Embedded {
             &meta,
             config.max_log_bytes,
             (file_backed && log_is_file).then_some(log_path.as_path()),
-            config.accept_log_loss,
+            config.accept_log_loss.is_some(),
             |clock_hwm| {
                 let floor = if meta.clean {
                     meta.clock_floor.unwrap_or(clock_hwm)

@@ -21,26 +21,26 @@ impl SalvageCopy {
         &self.store
     }
 
-    /// Removes the copy.
-    ///
-    /// # Errors
-    /// [`Error::Storage`] naming the directory left behind.
-    pub(crate) fn remove(self) -> Result<()> {
+    /// Removes the copy; one that cannot be removed is logged (a warning
+    /// naming the directory left behind).
+    pub(crate) fn remove(self) {
         let dir = self.dir.path().to_path_buf();
-        self.dir.close().map_err(|e| {
-            Error::Storage(format!(
-                "{}: cannot remove the salvage's copy of the store: {e}",
-                dir.display()
-            ))
-        })
+        if let Err(e) = self.dir.close() {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the salvage's copy of the store: remove it by hand");
+        }
     }
 }
 
 /// Copies the store file at `path` (which exists: `check_existing`) and
-/// its log, when there is one, into a new hidden directory beside it
-/// (`.<name>.salvage-XXXXXX`), holding a shared lock on the store file
-/// meanwhile: a store open on it holds it exclusively, so a running
-/// service is refused and none opens it during the copy.
+/// its log, when there is one, into a new hidden directory beside the file
+/// the path leads to (`.idemstore-salvage-XXXXXX`, symlinks followed),
+/// holding a shared lock on the store file meanwhile. A store open on the
+/// file holds an exclusive lock that conflicts with it on Linux (redb's
+/// whole-file `flock`), so a running service is refused and none opens
+/// the file during the copy; where the file system does not keep such
+/// locks (NFS), the service must be stopped first. The copies are made
+/// writable by their owner (the open repairs and checkpoints them), whatever
+/// the originals' modes.
 ///
 /// # Errors
 /// - [`Error::AlreadyOpen`]: a store holds the file.
@@ -50,10 +50,9 @@ impl SalvageCopy {
 pub(crate) fn copy_for_salvage(path: &Path) -> Result<SalvageCopy> {
     let log = super::log_path_of_file(path);
     super::require_regular(&log, "write-ahead log")?;
-    let io = |what: &str, p: &Path, e: std::io::Error| {
-        Error::Storage(format!("{}: cannot {what}: {e}", p.display()))
-    };
-    let held = File::open(path).map_err(|e| io("open the store file", path, e))?;
+    let fail = |what: String, e: std::io::Error| Error::Storage(format!("{what}: {e}"));
+    let held = File::open(path)
+        .map_err(|e| fail(format!("cannot open {} to copy it", path.display()), e))?;
     match held.try_lock_shared() {
         Ok(()) => {}
         Err(TryLockError::WouldBlock) => {
@@ -61,25 +60,54 @@ pub(crate) fn copy_for_salvage(path: &Path) -> Result<SalvageCopy> {
                 path: path.to_path_buf(),
             });
         }
-        Err(TryLockError::Error(e)) => return Err(io("lock the store file", path, e)),
+        Err(TryLockError::Error(e)) => {
+            return Err(fail(format!("cannot lock {}", path.display()), e));
+        }
     }
-    let parent = match path.parent() {
+    let file = super::identity_of(path);
+    let parent = match file.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let name = path
-        .file_name()
-        .map_or_else(|| "store".into(), |n| n.to_string_lossy().into_owned());
     let dir = tempfile::Builder::new()
-        .prefix(&format!(".{name}.salvage-"))
+        .prefix(".idemstore-salvage-")
         .tempdir_in(parent)
-        .map_err(|e| io("make a directory for the salvage's copy", parent, e))?;
+        .map_err(|e| {
+            fail(
+                format!(
+                    "cannot make a directory in {} for the salvage's copy of the store",
+                    parent.display()
+                ),
+                e,
+            )
+        })?;
+    let copy = |from: &Path, to: &Path| {
+        std::fs::copy(from, to).map_err(|e| {
+            fail(
+                format!("cannot copy {} to {}", from.display(), to.display()),
+                e,
+            )
+        })?;
+        writable(to).map_err(|e| fail(format!("cannot make {} writable", to.display()), e))
+    };
     let store = dir.path().join("store");
-    std::fs::copy(path, &store).map_err(|e| io("copy the store file", path, e))?;
+    copy(path, &store)?;
     if std::fs::symlink_metadata(&log).is_ok() {
-        let copied = super::log_path_of_file(&store);
-        std::fs::copy(&log, &copied).map_err(|e| io("copy the write-ahead log", &log, e))?;
+        copy(&log, &super::log_path_of_file(&store))?;
     }
     drop(held);
     Ok(SalvageCopy { dir, store })
+}
+
+/// Makes the file at `path` readable and writable by its owner only.
+#[cfg(unix)]
+fn writable(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+}
+
+/// Elsewhere the copy keeps the original's permissions.
+#[cfg(not(unix))]
+fn writable(_path: &Path) -> std::io::Result<()> {
+    Ok(())
 }

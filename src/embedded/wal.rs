@@ -651,8 +651,10 @@ pub(crate) fn open<T>(
              checkpoint cannot be recovered"
         ),
     };
-    // With `accept_loss`: what the log could not give back.
-    let mut log_lost = None;
+    // With `accept_loss` after an unclean shutdown: what became of the
+    // log's header (its frames are still read: their checksums are keyed
+    // by the store's identity, not by the header).
+    let mut header_lost = None;
     match header {
         HeaderState::Valid { store_id } if store_id == meta.store_id => {}
         HeaderState::Valid { store_id } => {
@@ -664,6 +666,12 @@ pub(crate) fn open<T>(
                     path.display()
                 ),
             });
+        }
+        HeaderState::Foreign(detail) if accept_loss && !meta.clean => {
+            header_lost = Some(format!(
+                "the write-ahead log's header is unreadable ({detail})"
+            ));
+            LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
         }
         HeaderState::Foreign(detail) => {
             return Err(Error::IncompatibleFile {
@@ -678,21 +686,22 @@ pub(crate) fn open<T>(
             LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
         }
         HeaderState::Blank | HeaderState::Damaged if accept_loss => {
-            let what = if matches!(header, HeaderState::Blank) {
-                "the write-ahead log is empty or missing"
-            } else {
-                "the write-ahead log's header is damaged"
-            };
-            log_lost = Some(format!(
-                "{what} after an unclean shutdown: no frame of it was replayed"
-            ));
+            header_lost = Some(
+                if matches!(header, HeaderState::Blank) {
+                    "the write-ahead log is empty or missing"
+                } else {
+                    "the write-ahead log's header is damaged"
+                }
+                .to_string(),
+            );
+            // A new header over the old; the frames after it stay.
             LogWriter::initialise(log.as_ref(), log_path, meta.store_id, max_len)?;
         }
         HeaderState::Blank => return Err(lost("the write-ahead log is empty or missing")),
         HeaderState::Damaged => return Err(lost("the write-ahead log's header is damaged")),
     }
 
-    let recovered = if meta.clean || log_lost.is_some() {
+    let recovered = if meta.clean {
         None
     } else {
         Some(recover(
@@ -704,11 +713,25 @@ pub(crate) fn open<T>(
             accept_loss,
         )?)
     };
-    if let Some((offset, detail)) = recovered.as_ref().and_then(|r| r.lost.as_ref()) {
-        log_lost = Some(format!(
-            "at offset {offset}: {detail}; frames from there on were not replayed"
-        ));
-    }
+    let chain_lost = recovered
+        .as_ref()
+        .and_then(|r| r.lost.as_ref())
+        .map(|(offset, detail)| {
+            format!("at offset {offset}: {detail}; no frame from there on was replayed")
+        });
+    // Without its header, the log cannot say what it held: what it still
+    // holds is replayed, and the rest is taken as lost.
+    let log_lost = match (header_lost, chain_lost) {
+        (Some(header), chain) => Some(format!(
+            "{header} after an unclean shutdown: the {} frames found after it were replayed, \
+             and any change past them is lost{}",
+            recovered
+                .as_ref()
+                .map_or(0, |r| r.count_after(meta.applied_seq)),
+            chain.map(|c| format!(" ({c})")).unwrap_or_default()
+        )),
+        (None, chain) => chain,
+    };
     let replayed = recovered
         .as_ref()
         .map_or(0, |r| r.count_after(meta.applied_seq));
@@ -1048,7 +1071,7 @@ pub(crate) fn recover(
                      write of this store"
                 );
                 if accept_loss {
-                    lost = Some((cand, detail));
+                    lost = Some((end, detail));
                     break 'scan;
                 }
                 return Err(Error::CorruptLog {

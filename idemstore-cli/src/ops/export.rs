@@ -149,9 +149,9 @@ fn salvage(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     bar.finish_and_clear();
     if let Some(lost) = &salvage.lost {
         eprintln!(
-            "warning: {} lost changes acknowledged after its last checkpoint ({lost}); \
-             keys claimed or finished after that are missing from this export, or in an \
-             earlier state, and run again once it is imported",
+            "warning: the write-ahead log of {} could not be replayed in full ({lost}); \
+             keys claimed or finished in the changes lost are missing from this export, or \
+             in an earlier state, and run again once it is imported",
             path.display()
         );
     }
