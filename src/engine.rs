@@ -166,7 +166,7 @@ impl Engine {
     }
 
     /// [`Engine::apply_async`] under `deadline`, as [`Engine::apply_many_by`].
-    #[cfg(feature = "agent")]
+    #[cfg(any(feature = "agent", feature = "http"))]
     pub(crate) async fn apply_async_by(
         &self,
         key: &Key,

@@ -153,6 +153,8 @@ mod pg;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod record;
+#[cfg(any(feature = "agent", feature = "http"))]
+mod renewal;
 mod report;
 mod salvage;
 mod scan;

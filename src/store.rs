@@ -846,7 +846,7 @@ impl Store {
     }
 
     /// [`Store::write_outcome_by`] from async code.
-    #[cfg(feature = "agent")]
+    #[cfg(any(feature = "agent", feature = "http"))]
     pub(crate) async fn write_outcome_by_async(
         &self,
         lease: &Lease,
@@ -857,8 +857,9 @@ impl Store {
     }
 
     /// [`Store::extend_async`] that a PostgreSQL store ends by `deadline`
-    /// (see `Engine::apply_many_by`): `execute_async`'s lease renewals.
-    #[cfg(feature = "agent")]
+    /// (see `Engine::apply_many_by`): `execute_async`'s and the HTTP
+    /// layer's lease renewals.
+    #[cfg(any(feature = "agent", feature = "http"))]
     pub(crate) async fn extend_by_async(
         &self,
         lease: &Lease,

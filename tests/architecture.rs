@@ -18,6 +18,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("check", 6),
     ("compact", 6),
     ("salvage", 6),
+    ("renewal", 6),
     ("agent", 6),
     ("mcp", 6),
     ("http", 6),

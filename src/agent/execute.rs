@@ -632,7 +632,7 @@ impl Store {
         let record = Recorder::new(lease, in_doubt, stage)?;
         let length = lease_length(&record.lease);
         let done = match self.outcome_op(&record) {
-            Ok(Some(op)) => write_outcome(self, &record.lease, op, length),
+            Ok(Some(op)) => crate::renewal::write_outcome(self, &record.lease, op, length),
             Ok(None) => Ok(()),
             Err(e) => Err(e),
         };
@@ -750,7 +750,9 @@ impl Store {
             };
             let record = Recorder::new(lease, in_doubt, stage)?;
             let done = match self.outcome_op(&record) {
-                Ok(Some(op)) => write_outcome_async(self, &record.lease, op, length).await,
+                Ok(Some(op)) => {
+                    crate::renewal::write_outcome_async(self, &record.lease, op, length).await
+                }
                 Ok(None) => Ok(()),
                 Err(e) => Err(e),
             };
@@ -941,127 +943,6 @@ impl Store {
     }
 }
 
-/// Writes `op`, the outcome of `lease` (of `length`), while the lease is
-/// kept alive: each attempt must end within a third of the lease (on
-/// PostgreSQL a connection that has not answered by then is dropped), and
-/// one that did not reach the store or lost its answer (`Unavailable`,
-/// `OutcomeUnknown`) is tried again a ninth of the lease later (at most a
-/// second), on another connection, for up to the lease's length (at most a
-/// minute). A retry that finds the lease
-/// stale after an unknown outcome looks the record up: finished under this
-/// lease, the earlier attempt was applied. The last error otherwise
-/// (`OutcomeUnknown` if any attempt's outcome was unknown).
-fn write_outcome(store: &Store, lease: &Lease, op: Op, length: Duration) -> Result<(), Error> {
-    let mut attempts = Attempts::new(length);
-    loop {
-        let result = store.write_outcome_by(lease, op.clone(), attempts.deadline());
-        match attempts.after(store, lease, result) {
-            Some(done) => return done,
-            None => std::thread::sleep(attempts.pause()),
-        }
-    }
-}
-
-/// [`write_outcome`] from async code.
-async fn write_outcome_async(
-    store: &Store,
-    lease: &Lease,
-    op: Op,
-    length: Duration,
-) -> Result<(), Error> {
-    let mut attempts = Attempts::new(length);
-    loop {
-        let result = store
-            .write_outcome_by_async(lease, op.clone(), attempts.deadline())
-            .await;
-        match attempts.after(store, lease, result) {
-            Some(done) => return done,
-            None => futures_timer::Delay::new(attempts.pause()).await,
-        }
-    }
-}
-
-/// How long [`write_outcome`] tries at most, whatever the lease: a lease
-/// of hours (`ExecuteOptions::lease` allows 30 days) must not hold
-/// `execute` for as long while the store is down.
-const MAX_OUTCOME_WINDOW: Duration = Duration::from_secs(60);
-
-/// The longest wait between two attempts of [`write_outcome`].
-const MAX_OUTCOME_PAUSE: Duration = Duration::from_secs(1);
-
-/// The attempts of [`write_outcome`]: their deadlines, and what each
-/// answer means.
-struct Attempts {
-    length: Duration,
-    end: Instant,
-    unknown: bool,
-}
-
-impl Attempts {
-    /// The attempts for a lease of `length`: for up to that long, at most
-    /// [`MAX_OUTCOME_WINDOW`].
-    fn new(length: Duration) -> Attempts {
-        let now = Instant::now();
-        Attempts {
-            length,
-            end: now
-                .checked_add(length.min(MAX_OUTCOME_WINDOW))
-                .unwrap_or(now),
-            unknown: false,
-        }
-    }
-
-    /// The next attempt's deadline: a third of the lease from now, not past
-    /// the end.
-    fn deadline(&self) -> Instant {
-        let now = Instant::now();
-        now.checked_add(super::extender::period_of(self.length))
-            .map_or(self.end, |d| d.min(self.end))
-            .max(now)
-    }
-
-    /// The wait before the next attempt: a ninth of the lease, at most
-    /// [`MAX_OUTCOME_PAUSE`], not past the end.
-    fn pause(&self) -> Duration {
-        let step = super::extender::period_of(super::extender::period_of(self.length));
-        step.min(MAX_OUTCOME_PAUSE)
-            .min(self.end.saturating_duration_since(Instant::now()))
-    }
-
-    /// `Some(answer)` once the outcome is written or cannot be; `None` to
-    /// try again.
-    fn after(
-        &mut self,
-        store: &Store,
-        lease: &Lease,
-        result: Result<Record, Error>,
-    ) -> Option<Result<(), Error>> {
-        let error = match result {
-            Ok(_) => return Some(Ok(())),
-            Err(error) => error,
-        };
-        match error {
-            Error::StaleLease { .. } if self.unknown => {
-                let applied =
-                    store.get(lease.key()).ok().flatten().is_some_and(|r| {
-                        r.token() == lease.token() && r.state() != State::Processing
-                    });
-                Some(if applied { Ok(()) } else { Err(error) })
-            }
-            Error::Unavailable { .. } | Error::OutcomeUnknown { .. }
-                if Instant::now() < self.end =>
-            {
-                self.unknown |= matches!(error, Error::OutcomeUnknown { .. });
-                None
-            }
-            Error::Unavailable { detail } if self.unknown => {
-                Some(Err(Error::OutcomeUnknown { detail }))
-            }
-            error => Some(Err(error)),
-        }
-    }
-}
-
 /// How long `record` is kept past its last change, in ms: the store's
 /// retention for a finished record, and at least the retention for one
 /// just acquired (its retention ends no earlier than its lease).
@@ -1184,7 +1065,7 @@ fn keep_alive<R>(
 
 /// Runs `work` beside a future that extends `lease` every third of its
 /// length, until `work` is done, on the extender's schedule
-/// ([`next_renewal`](super::extender::next_renewal)): a renewal that could
+/// ([`next_renewal`](crate::renewal::next_renewal)): a renewal that could
 /// not reach the store is tried again a third of the period later, until
 /// one is answered; after any other failure the lease is not renewed
 /// again (recording the outcome then fails as the docs of
@@ -1204,14 +1085,14 @@ async fn keep_alive_async<R>(
 /// Runs `work` beside a loop that calls `renew` every third of `length` on
 /// the extender's schedule, until `work` is done (see
 /// [`keep_alive_async`]); each renewal is given the extender's deadline
-/// ([`renewal_deadline`](super::extender::renewal_deadline)).
+/// ([`renewal_deadline`](crate::renewal::renewal_deadline)).
 async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
     key: &Key,
     length: Duration,
     work: impl Future<Output = R>,
     mut renew: impl FnMut(Instant) -> F,
 ) -> R {
-    let period = super::extender::period_of(length);
+    let period = crate::renewal::period_of(length);
     let keep = async {
         let mut wait = period;
         let mut unreachable = false;
@@ -1220,12 +1101,12 @@ async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
         loop {
             futures_timer::Delay::new(wait).await;
             let sent = Instant::now();
-            let deadline = super::extender::renewal_deadline(sent, expires, period);
+            let deadline = crate::renewal::renewal_deadline(sent, expires, period);
             let result = renew(deadline).await;
             if result.is_ok() {
                 expires = sent.checked_add(length).unwrap_or(sent);
             }
-            match super::extender::after_renewal(key, period, &result, &mut unreachable) {
+            match crate::renewal::after_renewal(key, period, &result, &mut unreachable) {
                 Some(after) => wait = after,
                 None => break,
             }
@@ -1239,68 +1120,6 @@ async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
-
-    /// An outcome write whose answer was lost, retried, finds the lease
-    /// stale: if the record is finished under this lease, the lost attempt
-    /// was applied and the outcome counts as written; otherwise (another
-    /// holder's token) the stale lease is the answer. Without an unknown
-    /// outcome before, a stale lease is never looked up. A lost answer is
-    /// retried while the lease lasts; past it, a refusal after an unknown
-    /// outcome is still unknown.
-    #[test]
-    fn a_retried_outcome_write_settles_a_lost_answer() {
-        let dir = tempfile::tempdir().expect("dir");
-        let store = Store::open(dir.path().join("s.redb")).expect("open");
-        let key = Key::new("t", "written").expect("key");
-        let lease = match store.claim(&key, &Fingerprint::of(b"p"), &ClaimOptions::new()) {
-            Ok(ClaimOutcome::Acquired(lease)) => lease,
-            other => panic!("{other:?}"),
-        };
-        store.complete(&lease, b"r").expect("complete");
-        let stale = || Error::StaleLease {
-            key: key.to_string(),
-            token: lease.token(),
-        };
-        let lost = || Error::OutcomeUnknown {
-            detail: "lost".into(),
-        };
-        let mut attempts = Attempts::new(Duration::from_secs(60));
-        assert!(matches!(
-            attempts.after(&store, &lease, Err(stale())),
-            Some(Err(Error::StaleLease { .. }))
-        ));
-        assert!(attempts.after(&store, &lease, Err(lost())).is_none());
-        assert!(matches!(
-            attempts.after(&store, &lease, Err(stale())),
-            Some(Ok(()))
-        ));
-        let other = Lease::from_parts(key.clone(), lease.token() + 1);
-        assert!(matches!(
-            attempts.after(&store, &other, Err(stale())),
-            Some(Err(Error::StaleLease { .. }))
-        ));
-        // Past the lease's length, nothing is retried; a refusal after an
-        // unknown outcome is still unknown.
-        let mut ending = Attempts::new(Duration::from_millis(50));
-        assert!(ending.after(&store, &lease, Err(lost())).is_none());
-        std::thread::sleep(Duration::from_millis(60));
-        let down = || Error::Unavailable {
-            detail: "down".into(),
-        };
-        assert!(matches!(
-            ending.after(&store, &lease, Err(down())),
-            Some(Err(Error::OutcomeUnknown { .. }))
-        ));
-        assert!(matches!(
-            Attempts::new(Duration::ZERO).after(&store, &lease, Err(down())),
-            Some(Err(Error::Unavailable { .. }))
-        ));
-        // A lease of 30 days holds the write for a minute at most, with a
-        // second at most between attempts.
-        let long = Attempts::new(crate::MAX_LEASE);
-        assert!(long.end <= Instant::now() + MAX_OUTCOME_WINDOW);
-        assert!(long.pause() <= MAX_OUTCOME_PAUSE);
-    }
 
     /// `execute_async`'s renewals follow the extender's schedule: a renewal
     /// that could not reach the store (a PostgreSQL restart) is tried again
@@ -1341,28 +1160,5 @@ mod tests {
             renewing(&key, Duration::from_millis(9), work, renew),
             guard,
         ));
-    }
-
-    /// The schedule itself: a period after a renewal, a third of it after
-    /// one that did not reach the store, none after a stale lease.
-    #[test]
-    fn a_stale_lease_ends_the_renewals() {
-        let period = Duration::from_millis(300);
-        let stale: Result<u64, Error> = Err(Error::StaleLease {
-            key: "t/k".into(),
-            token: 1,
-        });
-        let lost: Result<u64, Error> = Err(Error::OutcomeUnknown {
-            detail: "answer lost".into(),
-        });
-        assert_eq!(
-            super::super::extender::next_renewal(period, &Ok(1)),
-            Some(period)
-        );
-        assert_eq!(
-            super::super::extender::next_renewal(period, &lost),
-            Some(Duration::from_millis(100))
-        );
-        assert_eq!(super::super::extender::next_renewal(period, &stale), None);
     }
 }

@@ -47,15 +47,12 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::Error;
 use crate::record::Lease;
+use crate::renewal::{after_renewal, period_of, renewal_deadline};
 
 /// Renews many leases at once, each by its duration, ending by the
 /// deadline (see [`renewal_deadline`]): one answer per lease, in order (the
 /// new lease deadline in ms since the epoch, or why not).
 type Renew = dyn Fn(&[(Lease, Duration)], Instant) -> Vec<Result<u64, Error>> + Send + Sync;
-
-/// The shortest renewal period: leases of under 3 ms are renewed every
-/// millisecond.
-const MIN_PERIOD: Duration = Duration::from_millis(1);
 
 /// One store's lease extender (see the module docs).
 pub(crate) struct Extender {
@@ -296,67 +293,6 @@ fn take_due(state: &mut State, now: Instant) -> Vec<(u64, Lease, Duration)> {
         }
     }
     batch
-}
-
-/// How long after a renewal answered `result` the lease is renewed next,
-/// for a lease renewed every `period`: a period after a renewal; a third of
-/// it (at least 1 ms) after one that could not reach the store or lost its
-/// answer ([`Error::Unavailable`], [`Error::OutcomeUnknown`]: it says
-/// nothing of the lease); `None` after any other failure (a stale lease, a
-/// storage error), when it is not renewed again. The schedule of the
-/// extender's thread and of `execute_async`'s renewals alike.
-pub(crate) fn next_renewal<T>(period: Duration, result: &Result<T, Error>) -> Option<Duration> {
-    match result {
-        Ok(_) => Some(period),
-        Err(Error::Unavailable { .. } | Error::OutcomeUnknown { .. }) => Some(period_of(period)),
-        Err(_) => None,
-    }
-}
-
-/// The deadline of a renewal sent at `now` of a lease that ends at
-/// `expires` at the earliest and is renewed every `period`: half the time
-/// left of the lease, at least a third of the period. A PostgreSQL store
-/// drops the connection of a renewal past its deadline (a half-open
-/// connection answers nothing until `call_timeout`, which may be longer
-/// than the lease), so that the retry, a third of the period later, runs
-/// on another connection while the lease still lasts.
-pub(crate) fn renewal_deadline(now: Instant, expires: Instant, period: Duration) -> Instant {
-    let left = expires.saturating_duration_since(now);
-    let budget = (left / 2).max(period / 3);
-    now.checked_add(budget).unwrap_or(now)
-}
-
-/// The period a lease of `length` is renewed at: a third of it, at least
-/// 1 ms.
-pub(crate) fn period_of(length: Duration) -> Duration {
-    (length / 3).max(MIN_PERIOD)
-}
-
-/// [`next_renewal`], and the renewal's failure logged: a warning for the
-/// first renewal of a run that did not reach the store (`unreachable`
-/// tracks the run), a debug line for the next ones, a warning for one
-/// that ends the renewals.
-pub(crate) fn after_renewal<T>(
-    key: &crate::key::Key,
-    period: Duration,
-    result: &Result<T, Error>,
-    unreachable: &mut bool,
-) -> Option<Duration> {
-    let next = next_renewal(period, result);
-    match (result, next) {
-        (Ok(_), _) => *unreachable = false,
-        (Err(e), Some(_)) if *unreachable => {
-            tracing::debug!(key = %key, error = %e, "lease extension failed again");
-        }
-        (Err(e), Some(_)) => {
-            tracing::warn!(key = %key, error = %e, "lease extension failed; trying again");
-            *unreachable = true;
-        }
-        (Err(e), None) => {
-            tracing::warn!(key = %key, error = %e, "lease extension failed");
-        }
-    }
-    next
 }
 
 /// Records the answers of a batch: a renewed lease is due again a period

@@ -4,7 +4,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures_timer::Delay;
@@ -111,8 +111,9 @@ pin_project! {
         // The handler runs under the lease.
         Run { #[pin] future: F, held: Option<Held>, heartbeat: Heartbeat },
         // Releasing the key, or recording a response whose body will not
-        // be read, before the response is returned.
-        Settle { future: SyncFuture<Response<IdempotencyBody<B>>> },
+        // be read, before the response is returned; the lease is extended
+        // until then.
+        Settle { future: SyncFuture<Response<IdempotencyBody<B>>>, heartbeat: Heartbeat },
         Done,
     }
 }
@@ -182,7 +183,7 @@ where
                 }
                 StateProj::Claim { future } => match ready!(future.as_mut().poll(cx)) {
                     Ok((future, held)) => {
-                        let heartbeat = Heartbeat::new(held.settings.lease);
+                        let heartbeat = Heartbeat::new(&held);
                         state.set(State::Run {
                             future,
                             held: Some(held),
@@ -199,9 +200,7 @@ where
                     held,
                     heartbeat,
                 } => {
-                    if let Some(held) = held.as_ref() {
-                        heartbeat.poll(cx, held);
-                    }
+                    heartbeat.poll(cx);
                     let result = ready!(future.poll(cx));
                     let Some(held) = held.take() else {
                         panic!("ResponseFuture polled after completion")
@@ -216,11 +215,14 @@ where
                             // acquisitions and recovery point). `finish`
                             // records a retryable failure instead.
                             if held.releases(outcome, parts.status) && !held.lease.is_takeover() {
+                                let mut heartbeat = heartbeat.take();
+                                heartbeat.set_recording();
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
                                         held.release().await;
                                         Response::from_parts(parts, IdempotencyBody::stream(body))
                                     }),
+                                    heartbeat,
                                 });
                                 continue;
                             }
@@ -236,15 +238,19 @@ where
                                 );
                                 let kept =
                                     stored.len_without_body() <= held.settings.max_response_bytes;
+                                let mut heartbeat = heartbeat.take();
+                                heartbeat.set_recording();
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
                                         held.finish(outcome, stored, kept).await;
                                         Response::from_parts(parts, IdempotencyBody::stream(body))
                                     }),
+                                    heartbeat,
                                 });
                                 continue;
                             }
-                            let recorder = Recorder::new(held, outcome, &parts, &body);
+                            let heartbeat = heartbeat.take();
+                            let recorder = Recorder::new(held, heartbeat, outcome, &parts, &body);
                             state.set(State::Done);
                             return Poll::Ready(Ok(Response::from_parts(
                                 parts,
@@ -258,8 +264,11 @@ where
                         }
                     }
                 }
-                StateProj::Settle { future } => {
-                    let response = ready!(future.poll(cx));
+                StateProj::Settle { future, heartbeat } => {
+                    let Poll::Ready(response) = future.poll(cx) else {
+                        heartbeat.poll(cx);
+                        return Poll::Pending;
+                    };
                     state.set(State::Done);
                     return Poll::Ready(Ok(response));
                 }
@@ -316,6 +325,8 @@ impl Held {
     /// so a recovery point saved by a task the handler spawned, up to the
     /// release, is kept too.
     async fn release(mut self) {
+        // Handed to the store from here on (see `fail_retryable`).
+        self.finished = true;
         let reason = "the handler answered a releasing status after saving a recovery point; \
                       a retry runs it again as a takeover";
         let result = self
@@ -326,22 +337,43 @@ impl Held {
         if let Ok(false) = result {
             tracing::warn!(key = %self.lease.key(), reason, "recorded a retryable failure");
         }
-        self.finished = true;
         self.report(result.map(drop));
     }
 
     /// Records a retryable failure, waiting for it to be durable.
     async fn fail_retryable(mut self, reason: String) {
+        // Handed to the store from here on: dropped while it is written
+        // (the client went away), nothing more is queued.
+        self.finished = true;
         tracing::warn!(key = %self.lease.key(), reason, "recording a retryable failure");
         let store = &self.settings.store;
-        let result = match store.fail_async(&self.lease, reason.as_bytes(), true).await {
+        let result = match self
+            .write(store.fail_op(&self.lease, reason.as_bytes(), true))
+            .await
+        {
             // The reason is over the store's failure limit: the failure
             // matters, not its text.
-            Err(Error::TooLarge { .. }) => store.fail_async(&self.lease, &[], true).await,
+            Err(Error::TooLarge { .. }) => self.write(store.fail_op(&self.lease, &[], true)).await,
             other => other,
         };
-        self.finished = true;
-        self.report(result.map(drop));
+        self.report(result);
+    }
+
+    /// Writes `op`, the outcome, as [`Store::execute`](crate::Store::execute)
+    /// does ([`crate::renewal::write_outcome_async`]): each attempt under a
+    /// deadline of a third of the lease, one that did not reach the store
+    /// or lost its answer tried again (on PostgreSQL on another connection)
+    /// while the lease lasts, at most a minute; the heartbeat extends the
+    /// lease meanwhile. `op` is the error when it could not be built (a
+    /// value over the store's limit).
+    async fn write(&self, op: Result<crate::record::Op>) -> Result<()> {
+        crate::renewal::write_outcome_async(
+            &self.settings.store,
+            &self.lease,
+            op?,
+            self.settings.lease,
+        )
+        .await
     }
 
     /// Records the response the client got: a retryable failure for a 1xx
@@ -357,6 +389,8 @@ impl Held {
         stored: StoredResponse,
         kept: bool,
     ) {
+        // Handed to the store from here on (see `fail_retryable`).
+        self.finished = true;
         let status = stored.status;
         // Only a takeover reaches here with a releasing answer (see the
         // `Run` state): it keeps its record, as a retryable failure.
@@ -387,22 +421,15 @@ impl Held {
             };
             let bytes = stored.encode().filter(|_| kept);
             let failure = bytes.as_deref().unwrap_or(reason.as_bytes());
-            let result = match self
-                .settings
-                .store
-                .fail_async(&self.lease, failure, true)
-                .await
-            {
+            let store = &self.settings.store;
+            let result = match self.write(store.fail_op(&self.lease, failure, true)).await {
                 Err(Error::TooLarge { .. }) => {
-                    self.settings
-                        .store
-                        .fail_async(&self.lease, reason.as_bytes(), true)
+                    self.write(store.fail_op(&self.lease, reason.as_bytes(), true))
                         .await
                 }
                 other => other,
             };
-            self.finished = true;
-            return self.report(result.map(drop));
+            return self.report(result);
         }
         let location = stored
             .headers
@@ -429,7 +456,6 @@ impl Held {
         if is_marker {
             tracing::warn!(key = %self.lease.key(), %status, "the response was too large to keep; a retry is answered 410");
         }
-        self.finished = true;
         self.report(result);
     }
 
@@ -437,9 +463,9 @@ impl Held {
     async fn store_outcome(&self, status: http::StatusCode, bytes: &[u8]) -> Result<()> {
         let store = &self.settings.store;
         if status.is_client_error() || status.is_server_error() {
-            store.fail_async(&self.lease, bytes, false).await.map(drop)
+            self.write(store.fail_op(&self.lease, bytes, false)).await
         } else {
-            store.complete_async(&self.lease, bytes).await.map(drop)
+            self.write(store.complete_op(&self.lease, bytes)).await
         }
     }
 
@@ -498,6 +524,7 @@ pub(crate) struct Recorder {
 impl Recorder {
     fn new<B: Body>(
         mut held: Held,
+        heartbeat: Heartbeat,
         outcome: Option<IdempotencyOutcome>,
         parts: &http::response::Parts,
         body: &B,
@@ -510,7 +537,7 @@ impl Recorder {
             .checked_sub(stored.len_without_body());
         let declared = declared_length(&parts.headers).or_else(|| body.size_hint().exact());
         Box::new(Recorder {
-            heartbeat: Heartbeat::new(settings.lease),
+            heartbeat,
             held: Some(held),
             outcome,
             stored: Some(stored),
@@ -542,18 +569,19 @@ impl Recorder {
     pub(crate) fn poll_recording(&mut self, cx: &mut Context<'_>) -> Option<Poll<OutFrame>> {
         let recording = self.recording.as_mut()?;
         if recording.poll(cx).is_pending() {
+            // The lease is extended until the outcome is recorded.
+            self.heartbeat.poll(cx);
             return Some(Poll::Pending);
         }
         self.recording = None;
+        self.heartbeat.stop();
         self.done = true;
         Some(Poll::Ready(self.then.take()))
     }
 
     /// Extends the lease when it is time to.
     pub(crate) fn heartbeat(&mut self, cx: &mut Context<'_>) {
-        if let Some(held) = self.held.as_ref() {
-            self.heartbeat.poll(cx, held);
-        }
+        self.heartbeat.poll(cx);
     }
 
     /// Keeps a data frame; `true` when it is the last one the response
@@ -602,6 +630,7 @@ impl Recorder {
             return;
         };
         stored.body = std::mem::take(&mut self.body).freeze();
+        self.heartbeat.set_recording();
         self.recording = Some(SyncFuture::new(held.finish(
             self.outcome,
             stored,
@@ -623,62 +652,138 @@ impl Recorder {
             "the response body failed after {} bytes: {error}",
             self.sent
         );
+        self.heartbeat.set_recording();
         self.recording = Some(SyncFuture::new(held.fail_retryable(reason)));
         self.then = Some(Err(error));
     }
 }
 
-/// Extends the lease every third of its duration while the handler runs and
-/// while the response body streams.
-/// Timers come from `futures-timer`, which needs no async runtime.
+/// Extends the lease while the handler runs, while the response body
+/// streams and while the outcome is recorded, on the schedule of
+/// [`Store::execute`](crate::Store::execute)'s renewals
+/// ([`crate::renewal`]): every third of the lease, each renewal under a
+/// deadline of half the lease left (a PostgreSQL store drops a connection
+/// that has not answered by then, so that a half-open one cannot hold the
+/// renewal past the lease), one that did not reach the store tried again a
+/// third of that later, until one is answered; after any other failure (a
+/// stale lease) it stops. Timers come from `futures-timer`, which needs no
+/// async runtime.
 pub(crate) struct Heartbeat {
-    lease: Duration,
+    /// `None` once handed on ([`Heartbeat::take`]).
+    beat: Option<Beat>,
+}
+
+/// A running [`Heartbeat`].
+struct Beat {
+    store: Arc<crate::store::Store>,
+    /// A copy of the held lease (its key and token).
+    lease: Lease,
+    length: Duration,
+    period: Duration,
+    /// When the lease ends at the earliest: its last renewal's sending
+    /// time plus its length.
+    expires: Instant,
     delay: Delay,
-    extending: Option<SyncFuture<Result<u64>>>,
-    lost: bool,
+    /// The renewal in flight and when it was sent.
+    extending: Option<(Instant, SyncFuture<Result<u64>>)>,
+    /// Whether the last renewal did not reach the store (see
+    /// [`crate::renewal::after_renewal`]).
+    unreachable: bool,
+    /// While the outcome is recorded: a renewal's failure is not logged
+    /// (the recording's own result is), since one that meets the recorded
+    /// outcome fails as a stale lease.
+    recording: bool,
+    stopped: bool,
 }
 
 impl Heartbeat {
-    fn new(lease: Duration) -> Heartbeat {
-        let lease = lease.max(Duration::from_millis(1));
+    fn new(held: &Held) -> Heartbeat {
+        let length = held.settings.lease.max(Duration::from_millis(1));
+        let period = crate::renewal::period_of(length);
+        let now = Instant::now();
         Heartbeat {
-            lease,
-            delay: Delay::new(lease / 3),
-            extending: None,
-            lost: false,
+            beat: Some(Beat {
+                store: held.settings.store.clone(),
+                lease: Lease::from_parts(held.lease.key().clone(), held.lease.token()),
+                length,
+                period,
+                expires: now.checked_add(length).unwrap_or(now),
+                delay: Delay::new(period),
+                extending: None,
+                unreachable: false,
+                recording: false,
+                stopped: false,
+            }),
         }
     }
 
-    /// Drives the timer and any extension in flight; never finishes.
-    fn poll(&mut self, cx: &mut Context<'_>, held: &Held) {
-        while !self.lost {
-            if let Some(extending) = self.extending.as_mut() {
+    /// Moves the heartbeat out, leaving one that does nothing.
+    fn take(&mut self) -> Heartbeat {
+        Heartbeat {
+            beat: self.beat.take(),
+        }
+    }
+
+    /// The outcome is being recorded: renewals go on, their failures
+    /// unlogged.
+    fn set_recording(&mut self) {
+        if let Some(beat) = self.beat.as_mut() {
+            beat.recording = true;
+        }
+    }
+
+    /// Stops the renewals (one in flight is dropped).
+    fn stop(&mut self) {
+        self.beat = None;
+    }
+
+    /// Drives the timer and any renewal in flight; never finishes.
+    fn poll(&mut self, cx: &mut Context<'_>) {
+        let Some(beat) = self.beat.as_mut() else {
+            return;
+        };
+        while !beat.stopped {
+            if let Some((sent, extending)) = beat.extending.as_mut() {
                 let Poll::Ready(result) = extending.poll(cx) else {
                     return;
                 };
-                self.extending = None;
-                match result {
-                    Ok(_) => {}
-                    Err(error @ Error::StaleLease { .. }) => {
-                        tracing::warn!(key = %held.lease.key(), %error, "lease lost while the request held it");
-                        self.lost = true;
+                let sent = *sent;
+                beat.extending = None;
+                if result.is_ok() {
+                    beat.expires = sent.checked_add(beat.length).unwrap_or(sent);
+                }
+                let next = if beat.recording {
+                    crate::renewal::next_renewal(beat.period, &result)
+                } else {
+                    crate::renewal::after_renewal(
+                        beat.lease.key(),
+                        beat.period,
+                        &result,
+                        &mut beat.unreachable,
+                    )
+                };
+                match next {
+                    Some(after) => beat.delay.reset(after),
+                    None => {
+                        beat.stopped = true;
                         return;
                     }
-                    Err(error) => {
-                        tracing::warn!(key = %held.lease.key(), %error, "lease extension failed; trying again");
-                    }
                 }
-                self.delay.reset(self.lease / 3);
             }
-            if Pin::new(&mut self.delay).poll(cx).is_pending() {
+            if Pin::new(&mut beat.delay).poll(cx).is_pending() {
                 return;
             }
-            let store = held.settings.store.clone();
-            let lease = held.lease.clone();
-            let duration = self.lease;
-            self.extending = Some(SyncFuture::new(async move {
-                store.extend_async(&lease, duration).await
-            }));
+            let sent = Instant::now();
+            let deadline = crate::renewal::renewal_deadline(sent, beat.expires, beat.period);
+            let store = beat.store.clone();
+            let lease = beat.lease.clone();
+            let length = beat.length;
+            beat.extending = Some((
+                sent,
+                SyncFuture::new(
+                    async move { store.extend_by_async(&lease, length, deadline).await },
+                ),
+            ));
         }
     }
 }
