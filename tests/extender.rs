@@ -296,3 +296,71 @@ fn the_extender_starts_on_first_need_and_stops_with_the_store() {
     assert!(run(&store).is_replayed());
     assert_eq!(extenders(), 0);
 }
+
+/// A renewal that reaches the store just after the call's own outcome
+/// (the record is finished: it fails as a stale lease) is no loss and logs
+/// no warning. Each call's work lasts about one renewal period, so that a
+/// renewal is under way while the outcome is written; across the calls,
+/// some renewals meet the finished record (each logged a "lease extension
+/// failed" warning after a successful call), on the sync and the async
+/// forms alike.
+#[test]
+fn a_renewal_that_meets_the_calls_own_outcome_logs_nothing() {
+    let _serial = serial();
+    let _ = warnings();
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path().join("quiet.redb")).unwrap();
+    let fingerprint = Fingerprint::of_json(&json!({"n": 1})).unwrap();
+    let lease = Duration::from_millis(100);
+    let keys: Vec<Key> = (0..120)
+        .map(|i| Key::new("acme/quiet", format!("call-{i}")).unwrap())
+        .collect();
+    std::thread::scope(|s| {
+        for (n, chunk) in keys.chunks(12).enumerate() {
+            let (store, fingerprint) = (&store, &fingerprint);
+            s.spawn(move || {
+                for (i, key) in chunk.iter().enumerate() {
+                    // A period and a few milliseconds: the first renewal is
+                    // sent about when the outcome is.
+                    let work = Duration::from_millis(33 + ((n + i) % 4) as u64);
+                    let options = ExecuteOptions::new().lease(lease);
+                    let value = if (n + i) % 2 == 0 {
+                        store
+                            .execute(key, fingerprint, options, |_: &Lease| {
+                                std::thread::sleep(work);
+                                Ok::<_, Failure<String>>("done".to_string())
+                            })
+                            .unwrap()
+                    } else {
+                        futures_lite::future::block_on(store.execute_async(
+                            key,
+                            fingerprint,
+                            options,
+                            async move |_: &Lease| {
+                                futures_timer::Delay::new(work).await;
+                                Ok::<_, Failure<String>>("done".to_string())
+                            },
+                        ))
+                        .unwrap()
+                    };
+                    assert_eq!(value.into_value(), "done");
+                }
+            });
+        }
+    });
+    // Renewals under way at the end have been answered once the store
+    // drops (the extender thread is joined).
+    drop(store);
+    let warned: Vec<_> = warnings()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e.get("key").is_some_and(|k| k.starts_with("acme/quiet"))
+                && e.get("message")
+                    .is_some_and(|m| m.starts_with("lease extension failed"))
+        })
+        .cloned()
+        .collect();
+    assert!(warned.is_empty(), "{} warnings: {warned:?}", warned.len());
+}

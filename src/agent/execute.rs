@@ -5,6 +5,7 @@
 //! that outcome to every later call with the same key and fingerprint.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -631,6 +632,7 @@ impl Store {
         };
         let record = Recorder::new(lease, in_doubt, stage)?;
         let length = lease_length(&record.lease);
+        kept.recording();
         let done = match self.outcome_op(&record) {
             Ok(Some(op)) => crate::renewal::write_outcome(self, &record.lease, op, length),
             Ok(None) => Ok(()),
@@ -739,6 +741,9 @@ impl Store {
         // it: the lease itself goes into the record.
         let renewed = Lease::from_parts(lease.key().clone(), lease.token());
         let length = lease_length(&lease);
+        // Set once the outcome is being written: renewals go on, their
+        // failures unlogged (see `renewing`).
+        let recording = &AtomicBool::new(false);
         let run_and_record = async move {
             let stage = match policy {
                 InDoubt::Probe(probe) => match probe.probe(&lease).await {
@@ -749,6 +754,7 @@ impl Store {
                 _ => Stage::Ran(work(&lease).await),
             };
             let record = Recorder::new(lease, in_doubt, stage)?;
+            recording.store(true, Ordering::Relaxed);
             let done = match self.outcome_op(&record) {
                 Ok(Some(op)) => {
                     crate::renewal::write_outcome_async(self, &record.lease, op, length).await
@@ -758,7 +764,7 @@ impl Store {
             };
             record.finish(self, done)
         };
-        keep_alive_async(self, &renewed, length, run_and_record).await
+        keep_alive_async(self, &renewed, length, recording, run_and_record).await
     }
 }
 
@@ -1074,9 +1080,10 @@ async fn keep_alive_async<R>(
     store: &Store,
     lease: &Lease,
     length: Duration,
+    recording: &AtomicBool,
     work: impl Future<Output = R>,
 ) -> R {
-    renewing(lease.key(), length, work, |deadline| {
+    renewing(lease.key(), length, recording, work, |deadline| {
         store.extend_by_async(lease, length, deadline)
     })
     .await
@@ -1085,10 +1092,14 @@ async fn keep_alive_async<R>(
 /// Runs `work` beside a loop that calls `renew` every third of `length` on
 /// the extender's schedule, until `work` is done (see
 /// [`keep_alive_async`]); each renewal is given the extender's deadline
-/// ([`renewal_deadline`](crate::renewal::renewal_deadline)).
+/// ([`renewal_deadline`](crate::renewal::renewal_deadline)). Once
+/// `recording` is set (the outcome is being written), a renewal's failure
+/// is not logged: one that meets the recorded outcome fails as a stale
+/// lease, which is no loss.
 async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
     key: &Key,
     length: Duration,
+    recording: &AtomicBool,
     work: impl Future<Output = R>,
     mut renew: impl FnMut(Instant) -> F,
 ) -> R {
@@ -1106,7 +1117,12 @@ async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
             if result.is_ok() {
                 expires = sent.checked_add(length).unwrap_or(sent);
             }
-            match crate::renewal::after_renewal(key, period, &result, &mut unreachable) {
+            let next = if recording.load(Ordering::Relaxed) {
+                crate::renewal::next_renewal(period, &result)
+            } else {
+                crate::renewal::after_renewal(key, period, &result, &mut unreachable)
+            };
+            match next {
                 Some(after) => wait = after,
                 None => break,
             }
@@ -1119,7 +1135,7 @@ async fn renewing<R, T, F: Future<Output = Result<T, Error>>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
 
     /// `execute_async`'s renewals follow the extender's schedule: a renewal
     /// that could not reach the store (a PostgreSQL restart) is tried again
@@ -1157,7 +1173,13 @@ mod tests {
         };
         futures_lite::future::block_on(futures_lite::future::or(
             // A lease of 9 ms: renewed every 3 ms.
-            renewing(&key, Duration::from_millis(9), work, renew),
+            renewing(
+                &key,
+                Duration::from_millis(9),
+                &AtomicBool::new(false),
+                work,
+                renew,
+            ),
             guard,
         ));
     }

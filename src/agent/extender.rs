@@ -14,7 +14,9 @@
 //!   time to the store's `now + L` ([`Store::extend`](crate::Store::extend)).
 //! - **Failure**: a renewal that fails (a stale lease: the key was taken
 //!   over, released or finished by someone else; a storage error) is logged
-//!   as a warning and that lease is not renewed again. The call learns of it
+//!   as a warning (not once the call records its outcome, when one that
+//!   meets that outcome fails as a stale lease, which is no loss) and that
+//!   lease is not renewed again. The call learns of it
 //!   as it always has: recording its outcome fails, with
 //!   [`Error::StaleLease`] when the lease is no longer current. A renewal
 //!   that could not reach the store or lost its answer
@@ -47,7 +49,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::error::Error;
 use crate::record::Lease;
-use crate::renewal::{after_renewal, period_of, renewal_deadline};
+use crate::renewal::{after_renewal, next_renewal, period_of, renewal_deadline};
 
 /// Renews many leases at once, each by its duration, ending by the
 /// deadline (see [`renewal_deadline`]): one answer per lease, in order (the
@@ -104,6 +106,10 @@ struct Entry {
     in_flight: bool,
     /// Its last renewal did not reach the store (warned once per run).
     unreachable: bool,
+    /// Its outcome is being recorded ([`Registration::recording`]): a
+    /// renewal's failure is not logged, since one that meets the recorded
+    /// outcome fails as a stale lease.
+    recording: bool,
     /// When the lease ends at the earliest, as far as this thread knows:
     /// `length` after the registration, then after each renewal was sent.
     expires: Instant,
@@ -162,6 +168,7 @@ impl Extender {
                 due: Some(due),
                 in_flight: false,
                 unreachable: false,
+                recording: false,
                 expires: now.checked_add(length).unwrap_or(now),
             },
         );
@@ -216,6 +223,19 @@ impl Drop for Extender {
 pub(crate) struct Registration {
     shared: Arc<Shared>,
     id: u64,
+}
+
+impl Registration {
+    /// The call is recording its outcome: the lease is still renewed until
+    /// the registration drops, but a renewal that fails meanwhile is not
+    /// logged (one that reaches the store after the outcome fails as a
+    /// stale lease, which is no loss; the outcome's write reports its own
+    /// failure).
+    pub(crate) fn recording(&self) {
+        if let Some(entry) = self.shared.state.lock().entries.get_mut(&self.id) {
+            entry.recording = true;
+        }
+    }
 }
 
 impl Drop for Registration {
@@ -319,7 +339,11 @@ fn settle(
         if result.is_ok() {
             entry.expires = sent.checked_add(entry.length).unwrap_or(sent);
         }
-        let next = after_renewal(lease.key(), entry.period, &result, &mut entry.unreachable);
+        let next = if entry.recording {
+            next_renewal(entry.period, &result)
+        } else {
+            after_renewal(lease.key(), entry.period, &result, &mut entry.unreachable)
+        };
         if let Some(after) = next {
             let due = now.checked_add(after).unwrap_or(now);
             entry.due = Some(due);
