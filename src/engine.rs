@@ -184,6 +184,44 @@ impl Engine {
         }
     }
 
+    /// [`Engine::apply_async`], waited for until `deadline` at most: past
+    /// it, [`Error::OutcomeUnknown`], the request left to the engine (on
+    /// PostgreSQL it may still be applied; its connection is not dropped,
+    /// since others' requests may share its transaction). The file engine
+    /// has no network to wait on, and is waited for.
+    #[cfg(any(feature = "agent", feature = "http"))]
+    pub(crate) async fn apply_async_within(
+        &self,
+        key: &Key,
+        op: Op,
+        #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
+        deadline: std::time::Instant,
+    ) -> Result<Reply> {
+        match self {
+            Engine::Embedded(e) => e.apply_async(key, op).await,
+            #[cfg(feature = "postgres")]
+            Engine::Postgres { engine, .. } => {
+                let mut answer = std::pin::pin!(engine.apply_async(key, op));
+                let wait = deadline.saturating_duration_since(std::time::Instant::now());
+                let mut timer = futures_timer::Delay::new(wait);
+                std::future::poll_fn(|cx| {
+                    if let std::task::Poll::Ready(reply) = answer.as_mut().poll(cx) {
+                        return std::task::Poll::Ready(reply);
+                    }
+                    std::pin::Pin::new(&mut timer).poll(cx).map(|()| {
+                        Err(crate::error::Error::OutcomeUnknown {
+                            detail: format!(
+                                "no answer within {wait:?} (the attempt's deadline): the write \
+                                 may still be applied"
+                            ),
+                        })
+                    })
+                })
+                .await
+            }
+        }
+    }
+
     /// Queues `op` without waiting for its answer (a best-effort write
     /// whose caller has gone, or a lease given back).
     pub(crate) fn apply_detached(&self, key: &Key, op: Op) {

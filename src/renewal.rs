@@ -106,7 +106,9 @@ pub(crate) fn write_outcome(
     }
 }
 
-/// [`write_outcome`] from async code.
+/// [`write_outcome`] from async code; the first attempt is
+/// group-committed with other requests (see [`Attempts::attempt_async`]).
+#[cfg(feature = "agent")]
 pub(crate) async fn write_outcome_async(
     store: &Store,
     lease: &Lease,
@@ -115,10 +117,8 @@ pub(crate) async fn write_outcome_async(
 ) -> Result<(), Error> {
     let mut attempts = Attempts::new(length);
     loop {
-        let result = store
-            .write_outcome_by_async(lease, op.clone(), attempts.deadline())
-            .await;
-        match attempts.after(store, lease, result) {
+        let result = attempts.attempt_async(store, lease, op.clone()).await;
+        match attempts.after_async(store, lease, result).await {
             Some(done) => return done,
             None => futures_timer::Delay::new(attempts.pause()).await,
         }
@@ -135,16 +135,18 @@ const MAX_OUTCOME_PAUSE: Duration = Duration::from_secs(1);
 
 /// The attempts of [`write_outcome`]: their deadlines, and what each
 /// answer means.
-struct Attempts {
+pub(crate) struct Attempts {
     length: Duration,
     end: Instant,
     unknown: bool,
+    /// Attempts made so far.
+    made: u32,
 }
 
 impl Attempts {
     /// The attempts for a lease of `length`: for up to that long, at most
     /// [`MAX_OUTCOME_WINDOW`].
-    fn new(length: Duration) -> Attempts {
+    pub(crate) fn new(length: Duration) -> Attempts {
         let now = Instant::now();
         Attempts {
             length,
@@ -152,12 +154,37 @@ impl Attempts {
                 .checked_add(length.min(MAX_OUTCOME_WINDOW))
                 .unwrap_or(now),
             unknown: false,
+            made: 0,
+        }
+    }
+
+    /// Makes the next attempt from async code, by its
+    /// [`deadline`](Attempts::deadline). The first is sent as any write is
+    /// (on PostgreSQL group-committed with other requests, on the hot path
+    /// when it can be), and no longer waited for past the deadline: its
+    /// outcome is then unknown, and it may still land. Later ones run in a
+    /// transaction of their own, which a PostgreSQL store ends at the
+    /// deadline by dropping its connection (a half-open one), so that the
+    /// one after runs on another. (A write alone takes the general
+    /// transaction: only a retry pays for it.)
+    pub(crate) async fn attempt_async(
+        &mut self,
+        store: &Store,
+        lease: &Lease,
+        op: Op,
+    ) -> Result<Record, Error> {
+        let deadline = self.deadline();
+        self.made = self.made.saturating_add(1);
+        if self.made == 1 {
+            store.write_outcome_within_async(lease, op, deadline).await
+        } else {
+            store.write_outcome_by_async(lease, op, deadline).await
         }
     }
 
     /// The next attempt's deadline: a third of the lease from now, not past
     /// the end.
-    fn deadline(&self) -> Instant {
+    pub(crate) fn deadline(&self) -> Instant {
         let now = Instant::now();
         now.checked_add(period_of(self.length))
             .map_or(self.end, |d| d.min(self.end))
@@ -166,7 +193,7 @@ impl Attempts {
 
     /// The wait before the next attempt: a ninth of the lease, at most
     /// [`MAX_OUTCOME_PAUSE`], not past the end.
-    fn pause(&self) -> Duration {
+    pub(crate) fn pause(&self) -> Duration {
         let step = period_of(period_of(self.length));
         step.min(MAX_OUTCOME_PAUSE)
             .min(self.end.saturating_duration_since(Instant::now()))
@@ -174,36 +201,79 @@ impl Attempts {
 
     /// `Some(answer)` once the outcome is written or cannot be; `None` to
     /// try again.
+    #[cfg_attr(not(feature = "agent"), allow(dead_code))]
     fn after(
         &mut self,
         store: &Store,
         lease: &Lease,
         result: Result<Record, Error>,
     ) -> Option<Result<(), Error>> {
+        match self.next(result) {
+            Next::Done(done) => Some(done),
+            Next::Again => None,
+            Next::LookUp(error) => Some(settled(store.get(lease.key()), lease, error)),
+        }
+    }
+
+    /// [`Attempts::after`] from async code: the record is looked up
+    /// without blocking the thread.
+    pub(crate) async fn after_async(
+        &mut self,
+        store: &Store,
+        lease: &Lease,
+        result: Result<Record, Error>,
+    ) -> Option<Result<(), Error>> {
+        match self.next(result) {
+            Next::Done(done) => Some(done),
+            Next::Again => None,
+            Next::LookUp(error) => Some(settled(store.get_async(lease.key()).await, lease, error)),
+        }
+    }
+
+    /// What an attempt's answer means: a retry that finds the lease stale
+    /// after an unknown outcome must look the record up.
+    fn next(&mut self, result: Result<Record, Error>) -> Next {
         let error = match result {
-            Ok(_) => return Some(Ok(())),
+            Ok(_) => return Next::Done(Ok(())),
             Err(error) => error,
         };
         match error {
-            Error::StaleLease { .. } if self.unknown => {
-                let applied =
-                    store.get(lease.key()).ok().flatten().is_some_and(|r| {
-                        r.token() == lease.token() && r.state() != State::Processing
-                    });
-                Some(if applied { Ok(()) } else { Err(error) })
-            }
+            Error::StaleLease { .. } if self.unknown => Next::LookUp(error),
             Error::Unavailable { .. } | Error::OutcomeUnknown { .. }
                 if Instant::now() < self.end =>
             {
                 self.unknown |= matches!(error, Error::OutcomeUnknown { .. });
-                None
+                Next::Again
             }
             Error::Unavailable { detail } if self.unknown => {
-                Some(Err(Error::OutcomeUnknown { detail }))
+                Next::Done(Err(Error::OutcomeUnknown { detail }))
             }
-            error => Some(Err(error)),
+            error => Next::Done(Err(error)),
         }
     }
+}
+
+/// What [`Attempts::next`] makes of an answer.
+enum Next {
+    /// Written, or cannot be.
+    Done(Result<(), Error>),
+    /// Try again after the pause.
+    Again,
+    /// A stale lease after an unknown outcome: the record says whether an
+    /// earlier attempt was applied.
+    LookUp(Error),
+}
+
+/// The answer once the record of `lease`'s key was looked up after a
+/// stale lease (`error`) that followed an unknown outcome: written when
+/// the record is finished under this lease (an earlier attempt was
+/// applied), else `error`. A lookup that fails leaves `error`.
+fn settled(found: Result<Option<Record>, Error>, lease: &Lease, error: Error) -> Result<(), Error> {
+    let applied = found
+        .ok()
+        .flatten()
+        .is_some_and(|r| r.token() == lease.token() && r.state() != State::Processing);
+    if applied { Ok(()) } else { Err(error) }
 }
 
 #[cfg(test)]

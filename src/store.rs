@@ -845,6 +845,32 @@ impl Store {
         expect_record(self.engine.apply_by(lease.key(), op, deadline))
     }
 
+    /// Writes `op`, the outcome of `lease`, as any write is (on PostgreSQL
+    /// group-committed, on the hot path when it can be), waiting for its
+    /// answer until `deadline` at most: past it, [`Error::OutcomeUnknown`]
+    /// (the write may still land). The first attempt of an outcome's write
+    /// (`renewal::Attempts::attempt_async`).
+    #[cfg(any(feature = "agent", feature = "http"))]
+    pub(crate) async fn write_outcome_within_async(
+        &self,
+        lease: &Lease,
+        op: Op,
+        deadline: std::time::Instant,
+    ) -> Result<Record> {
+        expect_record(
+            self.engine
+                .apply_async_within(lease.key(), op, deadline)
+                .await,
+        )
+    }
+
+    /// Queues `op`, the outcome of `lease`, without waiting for it: the
+    /// write of a caller that went away before it was sent.
+    #[cfg(feature = "http")]
+    pub(crate) fn write_outcome_detached(&self, lease: &Lease, op: Op) {
+        self.engine.apply_detached(lease.key(), op);
+    }
+
     /// [`Store::write_outcome_by`] from async code.
     #[cfg(any(feature = "agent", feature = "http"))]
     pub(crate) async fn write_outcome_by_async(

@@ -134,8 +134,8 @@ fn client() -> HttpClient {
     Client::builder(TokioExecutor::new()).build_http()
 }
 
-/// Replica A's connections go half-open 200 ms into a handler of 4 s under
-/// a lease of 1.5 s, while each call may wait 5 s: its renewals, each under
+/// Replica A's connections go half-open 200 ms into a handler of 7 s under
+/// a lease of 3 s, while each call may wait 8 s: its renewals, each under
 /// a deadline, go on over new connections, so replica B's retries of the
 /// key get 409 until A has answered, then A's replay; the handler runs
 /// once. (Each renewal waited out `call_timeout` on the half-open
@@ -146,13 +146,13 @@ fn a_half_open_connection_does_not_lose_the_lease_of_a_running_handler() {
     let schema = pg::schema("http_halfopen_lease");
     idemstore::postgres::migrate(&url, &schema).expect("migrate");
     let proxy = Proxy::start(upstream_of(&url));
-    let a = connect(&via(&url, &proxy), &schema, 5000);
-    let b = connect(&url, &schema, 5000);
+    let a = connect(&via(&url, &proxy), &schema, 8000);
+    let b = connect(&url, &schema, 8000);
     runtime().block_on(async {
-        let lease = Duration::from_millis(1500);
+        let lease = Duration::from_secs(3);
         let (addr_a, handler_a) = serve(IdempotencyLayer::new(a.clone()).lease(lease), "A").await;
         let (addr_b, handler_b) = serve(IdempotencyLayer::new(b.clone()).lease(lease), "B").await;
-        handler_a.delay_ms.store(4000, Ordering::SeqCst);
+        handler_a.delay_ms.store(7000, Ordering::SeqCst);
         let c = client();
         let first = tokio::spawn({
             let c = c.clone();
@@ -256,7 +256,11 @@ fn a_client_gone_while_the_outcome_is_written_queues_no_failure_behind_it() {
             let c = c.clone();
             async move { tokio::time::timeout(Duration::from_millis(900), send(&c, addr, id)).await }
         });
-        tokio::time::sleep(Duration::from_millis(150)).await;
+        let started = Instant::now();
+        while handler.runs.load(Ordering::SeqCst) == 0 {
+            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         // Every answer from the statement naming the key on is held: the
         // outcome's write reaches the server, its answer does not come back.
         proxy.hold_answers_after(id.as_bytes());
@@ -290,4 +294,61 @@ fn a_client_gone_while_the_outcome_is_written_queues_no_failure_behind_it() {
         tokio::time::sleep(Duration::from_secs(1)).await;
     });
     assert_eq!(a.stats().expect("stats").counters.stale_lease_rejections, 0);
+}
+
+/// A client that goes away in the pause between two attempts of the
+/// outcome's write (the first attempt's connection half-open, dropped at
+/// its deadline): nothing of the write is out then, so the layer queues it
+/// as it is, and the outcome lands. (Nothing was queued: the key stayed in
+/// progress until its lease lapsed, and the retry ran the handler again.)
+/// Lease 9 s: the first attempt ends 3 s into the write, the next comes a
+/// second later; the client gives up half-way between.
+#[test]
+fn a_client_gone_between_two_attempts_of_the_outcome_leaves_it_queued() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("http_gone_between");
+    idemstore::postgres::migrate(&url, &schema).expect("migrate");
+    let proxy = Proxy::start(upstream_of(&url));
+    let a = connect(&via(&url, &proxy), &schema, 6000);
+    let id = "gone-between-attempts";
+    runtime().block_on(async {
+        let layer = IdempotencyLayer::new(a.clone()).lease(Duration::from_secs(9));
+        let (addr, handler) = serve(layer, "A").await;
+        handler.delay_ms.store(400, Ordering::SeqCst);
+        let c = client();
+        let first = tokio::spawn({
+            let c = c.clone();
+            async move { tokio::time::timeout(Duration::from_millis(3900), send(&c, addr, id)).await }
+        });
+        let started = Instant::now();
+        while handler.runs.load(Ordering::SeqCst) == 0 {
+            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        proxy.pause_existing();
+        assert!(
+            first.await.expect("first request").is_err(),
+            "the client was answered before it gave up"
+        );
+        let key = Key::new("POST /work", id).expect("key");
+        let started = Instant::now();
+        loop {
+            let store = a.clone();
+            let key = key.clone();
+            let state = tokio::task::spawn_blocking(move || store.get(&key))
+                .await
+                .expect("get")
+                .expect("get")
+                .map(|r| r.state());
+            if state == Some(State::Succeeded) {
+                break;
+            }
+            assert!(started.elapsed() < HANG_GUARD, "the outcome never landed: {state:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let retry = send(&c, addr, id).await;
+        assert!(retry.replayed, "{} {}", retry.status, retry.body);
+        assert_eq!(handler.runs.load(Ordering::SeqCst), 1);
+    });
+    proxy.resume();
 }

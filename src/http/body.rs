@@ -33,7 +33,9 @@ pin_project! {
     /// the whole response that retries is answered by a replay. If the
     /// body fails, a retryable failure is recorded and the error handed
     /// on; if the body is dropped before its end (the client went away),
-    /// a retryable failure is queued. Either way a retry runs the handler
+    /// a retryable failure is queued (once the outcome's write has begun,
+    /// the write is left to land instead, and a retry gets its replay).
+    /// Either way a retry runs the handler
     /// again as a takeover ([`IdempotencyContext::is_takeover`](super::IdempotencyContext::is_takeover)),
     /// which looks its effect up by key: the first client saw only part of
     /// the response, so there is no whole response to replay.

@@ -284,6 +284,9 @@ pub(crate) struct Held {
     settings: Arc<Settings>,
     lease: Lease,
     finished: bool,
+    /// The outcome's write while no attempt of it is out (before the
+    /// first, between two): dropped then, the write is queued as it is.
+    unsent: Option<crate::record::Op>,
     /// What a retryable failure recorded on drop says.
     dropped: &'static str,
 }
@@ -294,6 +297,7 @@ impl Held {
             settings,
             lease,
             finished: false,
+            unsent: None,
             dropped: "the request was dropped while its handler ran",
         }
     }
@@ -342,11 +346,11 @@ impl Held {
 
     /// Records a retryable failure, waiting for it to be durable.
     async fn fail_retryable(mut self, reason: String) {
-        // Handed to the store from here on: dropped while it is written
-        // (the client went away), nothing more is queued.
+        // Handed to `write` from here on: dropped while it writes (the
+        // client went away), no failure is queued (see `write`).
         self.finished = true;
         tracing::warn!(key = %self.lease.key(), reason, "recording a retryable failure");
-        let store = &self.settings.store;
+        let store = self.settings.store.clone();
         let result = match self
             .write(store.fail_op(&self.lease, reason.as_bytes(), true))
             .await
@@ -366,14 +370,29 @@ impl Held {
     /// while the lease lasts, at most a minute; the heartbeat extends the
     /// lease meanwhile. `op` is the error when it could not be built (a
     /// value over the store's limit).
-    async fn write(&self, op: Result<crate::record::Op>) -> Result<()> {
-        crate::renewal::write_outcome_async(
-            &self.settings.store,
-            &self.lease,
-            op?,
-            self.settings.lease,
-        )
-        .await
+    ///
+    /// Dropped while an attempt is out (the client went away), the attempt
+    /// is left to land; dropped while none is (in the pause between two),
+    /// the write is queued as it is (see `Drop`).
+    async fn write(&mut self, op: Result<crate::record::Op>) -> Result<()> {
+        let op = op?;
+        let store = self.settings.store.clone();
+        let mut attempts = crate::renewal::Attempts::new(self.settings.lease);
+        loop {
+            // Sent by the attempt's first poll (a PostgreSQL store queues it
+            // at once; the file engine, once its writer's queue has room).
+            self.unsent = None;
+            let result = attempts
+                .attempt_async(&store, &self.lease, op.clone())
+                .await;
+            match attempts.after_async(&store, &self.lease, result).await {
+                Some(done) => return done,
+                None => {
+                    self.unsent = Some(op.clone());
+                    Delay::new(attempts.pause()).await;
+                }
+            }
+        }
     }
 
     /// Records the response the client got: a retryable failure for a 1xx
@@ -421,7 +440,7 @@ impl Held {
             };
             let bytes = stored.encode().filter(|_| kept);
             let failure = bytes.as_deref().unwrap_or(reason.as_bytes());
-            let store = &self.settings.store;
+            let store = self.settings.store.clone();
             let result = match self.write(store.fail_op(&self.lease, failure, true)).await {
                 Err(Error::TooLarge { .. }) => {
                     self.write(store.fail_op(&self.lease, reason.as_bytes(), true))
@@ -460,8 +479,8 @@ impl Held {
     }
 
     /// Completes the key (status below 400) or fails it for good.
-    async fn store_outcome(&self, status: http::StatusCode, bytes: &[u8]) -> Result<()> {
-        let store = &self.settings.store;
+    async fn store_outcome(&mut self, status: http::StatusCode, bytes: &[u8]) -> Result<()> {
+        let store = self.settings.store.clone();
         if status.is_client_error() || status.is_server_error() {
             self.write(store.fail_op(&self.lease, bytes, false)).await
         } else {
@@ -489,6 +508,9 @@ impl Drop for Held {
             self.settings
                 .store
                 .fail_detached(&self.lease, self.dropped.as_bytes());
+        } else if let Some(op) = self.unsent.take() {
+            // The outcome's write, between two attempts: queued as it is.
+            self.settings.store.write_outcome_detached(&self.lease, op);
         }
     }
 }
