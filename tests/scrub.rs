@@ -372,6 +372,52 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
     assert_refused_with_marker(&t);
 }
 
+/// A stored key damaged on disk so that it sorts past every other key (the
+/// first byte of its id flipped, in a closed file whose clean reopen runs
+/// no check): the walk meets it before the pass's last key, which is still
+/// stored, and reports keys out of order, which poisons the store before a
+/// claim of a key the damage hides. (The walk's range ended at the pass's
+/// last key: it stopped at the damaged key, and the pass finished having
+/// walked half the records and found nothing, every pass alike.)
+#[test]
+fn a_key_damaged_to_sort_past_the_last_is_found_by_the_scrub() {
+    let t = TestDir::new();
+    let n = 300;
+    {
+        let store = t.open();
+        populate(&store, n, None);
+    }
+    drop(t.open());
+    let victim = id(150);
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, victim.as_bytes());
+    assert!(!at.is_empty());
+    for offset in at {
+        // 'k' (0x6b) becomes '{' (0x7b), above every other id's first byte.
+        flip(&t.path, offset, 0x10);
+    }
+    let store = t.open();
+    let mut damaged = false;
+    let mut named = Vec::new();
+    loop {
+        let step = store.scrub(usize::MAX).unwrap();
+        damaged |= step.damaged;
+        named.extend(step.problems.into_iter().map(|p| p.detail));
+        if step.pass_finished {
+            break;
+        }
+    }
+    assert!(damaged, "the pass found nothing: {named:?}");
+    assert!(
+        named.iter().any(|d| d.contains("keys out of order")),
+        "{named:?}"
+    );
+    assert!(matches!(
+        store.claim(&key(&victim), &fp(&victim), &lease_of(secs(60))),
+        Err(Error::Poisoned { .. })
+    ));
+}
+
 /// Flips a bit in every stored id on a branch page of the closed store
 /// file at `path` (redb's page type 2, 4 KiB pages) whose last digit is
 /// odd: clearing its lowest bit makes the separator sort lower, which

@@ -211,7 +211,12 @@ pub(crate) fn unreadable(path: &Path, cursor: &mut Cursor, detail: &str) -> Scru
 }
 
 /// Walks up to `max` records of the pass `cursor` is in (starting one when
-/// it is at the first key); whether the walk reached the pass's end.
+/// it is at the first key); whether the walk reached the pass's end. The
+/// walk is not bounded by the pass's last key: a key that sorts past it,
+/// met before it while it is still stored (or the table's end met so), is
+/// keys out of order, which a bounded range would take for the pass's end
+/// (a damaged key byte that moves a record past the last key hid every
+/// record after it from every pass).
 fn walk_records(
     path: &Path,
     txn: &redb::ReadTransaction,
@@ -235,11 +240,36 @@ fn walk_records(
         None => Bound::Unbounded,
     };
     let range = records
-        .range::<&[u8]>((start, Bound::Included(end)))
+        .range::<&[u8]>((start, Bound::Unbounded))
         .map_err(|e| map_err(path, e))?;
+    // The pass's last key, when still stored, must be met before any key
+    // past it.
+    let end_stored =
+        || -> Result<bool> { Ok(records.get(end).map_err(|e| map_err(path, e))?.is_some()) };
+    let mut walked = 0usize;
     for entry in range.take(max) {
         let (k, v) = entry.map_err(|e| map_err(path, e))?;
         let (kb, vb) = (k.value(), v.value());
+        walked += 1;
+        if kb > end {
+            if end_stored()? {
+                walk.records += 1;
+                let detail = format!(
+                    "the walk of the index met this key before {}, the last key when the pass \
+                     began, which is still stored: keys out of order, a damaged page (a record \
+                     moved past the last key by a damaged key byte hides every record after \
+                     it)",
+                    Key::describe_bytes(end)
+                );
+                walk.problem(
+                    Problem::of_record(kb, Key::describe_bytes(kb), detail),
+                    true,
+                );
+            }
+            // Keys past it were stored after the pass began: the next one
+            // walks them.
+            return Ok(true);
+        }
         walk.records += 1;
         let name = || Key::describe_bytes(kb);
         if let Some(last) = walk.last.as_deref()
@@ -282,8 +312,21 @@ fn walk_records(
             Err(other) => return Err(other),
         }
         walk.last = Some(kb.to_vec());
+        if kb == end {
+            return Ok(true);
+        }
     }
-    Ok(walk.last.as_deref() == Some(end))
+    if walked < max && end_stored()? {
+        // The table ended before the pass's last key, which is stored.
+        let detail = format!(
+            "the walk of the index ended before {}, the last key when the pass began, which \
+             is still stored: a damaged page",
+            Key::describe_bytes(end)
+        );
+        walk.problem(Problem::other(place(walk.last.as_deref()), detail), true);
+        return Ok(true);
+    }
+    Ok(walked < max)
 }
 
 // ---------------------------------------------------------------------------
