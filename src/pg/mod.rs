@@ -1350,7 +1350,9 @@ async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
         return Err(Error::Misconfigured {
             fault: ConfigFault::SchemaDamaged,
             detail: format!(
-                "schema {schema} holds a store whose columns were altered outside idemstore                  ({}); restore the schema from a backup or an export (idemstore import), or                  drop schema {schema} to start an empty store",
+                "schema {schema} holds a store whose columns were altered outside idemstore \
+                 ({}); restore the schema from a backup or an export (idemstore import), or \
+                 drop schema {schema} to start an empty store",
                 altered.join(", ")
             ),
         });

@@ -2693,8 +2693,9 @@ fn a_schema_created_again_never_hands_out_an_earlier_token() {
 /// is a damaged schema, not a storage error that a retry might mend: a
 /// running store's requests that read it answer
 /// `Misconfigured(SchemaDamaged)`, and a connect refuses the schema,
-/// naming the column. Before, those requests answered `Storage("error
-/// deserializing column …")` and a connect succeeded.
+/// naming the column (in a message without runs of spaces). Before, those
+/// requests answered `Storage("error deserializing column …")` and a
+/// connect succeeded.
 #[test]
 fn a_column_altered_outside_idemstore_is_a_damaged_schema() {
     if skipped() {
@@ -2743,5 +2744,7 @@ fn a_column_altered_outside_idemstore_is_a_damaged_schema() {
         refused.to_string().contains("records.token is numeric"),
         "{refused}"
     );
+    // One sentence, without the indentation of its source lines.
+    assert!(!refused.to_string().contains("  "), "{refused}");
     damaged(refused);
 }
