@@ -320,10 +320,15 @@ pub enum Error {
         detail: String,
     },
 
-    /// The database schema does not look like an idemstore schema (its
-    /// version or identity row is malformed). Nothing was changed. (A
-    /// schema created by a newer idemstore is [`Error::Misconfigured`] with
-    /// [`ConfigFault::SchemaTooNew`].)
+    /// The database schema does not look like an idemstore schema: its
+    /// version or identity row is malformed, or it holds no store (no
+    /// version row) but relations of another program under the names a
+    /// store uses (`records` or `bindings` that is not a table of the
+    /// store's columns, `tokens` that is not a sequence): choose another
+    /// schema for the store. Nothing was changed. (A schema created by a
+    /// newer idemstore is [`Error::Misconfigured`] with
+    /// [`ConfigFault::SchemaTooNew`]; a store's own relations without its
+    /// version row are [`ConfigFault::SchemaDamaged`].)
     #[error("schema {schema} is not a store this version can open: {detail}")]
     IncompatibleSchema {
         /// The schema name.

@@ -259,7 +259,9 @@ impl Migration {
 ///   [`ConfigFault::SchemaDamaged`](crate::ConfigFault) for a store's
 ///   schema missing its records, bindings or token sequence (never created
 ///   again empty).
-/// - [`Error::IncompatibleSchema`]: the schema's meta rows are malformed.
+/// - [`Error::IncompatibleSchema`]: the schema's meta rows are malformed,
+///   or the schema holds no store but another program's relations named
+///   `records`, `bindings` or `tokens` (choose another schema).
 pub fn migrate(url: &str, schema: &str) -> Result<Migration> {
     let _span = tracing::debug_span!("idemstore.migrate").entered();
     let options = crate::pg::PgOptions {

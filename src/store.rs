@@ -231,7 +231,9 @@ impl Store {
     ///   ([`ConfigFault::SchemaDamaged`](crate::ConfigFault); never retry
     ///   as is).
     /// - [`Error::IncompatibleSchema`]: the schema is not an idemstore
-    ///   schema.
+    ///   schema (malformed meta rows, or another program's relations
+    ///   named `records`, `bindings` or `tokens` in a schema without a
+    ///   store: choose another schema).
     #[cfg(feature = "postgres")]
     pub fn connect(url: &str, config: Config) -> Result<Store> {
         let _span = tracing::debug_span!("idemstore.connect").entered();

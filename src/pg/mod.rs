@@ -1327,6 +1327,43 @@ async fn altered_columns(shared: &Shared, client: &Client) -> Result<Vec<String>
         .collect())
 }
 
+/// Of the relations named as [`OBJECTS`] that the schema holds, those not
+/// of a store's form, described for a message: `records` or `bindings`
+/// that is not a table with the columns [`COLUMNS`] gives (another
+/// program's table of that name), `tokens` that is not a sequence (two
+/// catalog reads).
+async fn foreign_objects(shared: &Shared, client: &Client) -> Result<Vec<String>> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text, c.relkind::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = ANY($2) ORDER BY c.relname",
+            &[&shared.sql.schema, &OBJECTS.as_slice()],
+        )
+        .await
+        .map_err(|e| fail(&e).error())?;
+    let altered = altered_columns(shared, client).await?;
+    let mut foreign = Vec::new();
+    for row in &rows {
+        let get = |i: usize| row.try_get::<_, String>(i).map_err(|e| fail(&e).error());
+        let (name, kind) = (get(0)?, get(1)?);
+        let what = match (name.as_str(), kind.as_str()) {
+            ("tokens", "S") => continue,
+            ("tokens", _) => "not a sequence",
+            (_, "r" | "p") => {
+                let prefix = format!("{name}.");
+                if !altered.iter().any(|a| a.starts_with(&prefix)) {
+                    continue;
+                }
+                "a table of other columns"
+            }
+            _ => "not a table",
+        };
+        foreign.push(format!("{name} ({what})"));
+    }
+    Ok(foreign)
+}
+
 /// Checks that a schema whose version row says it holds a store still has
 /// every object of one, with the columns its statements read and write
 /// (two catalog reads).
@@ -1490,6 +1527,18 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
             let present = present_objects(shared, client).await?;
             if !present.is_empty() {
                 let schema = &sql.schema;
+                // Another program's relations under the names a store
+                // uses are not a store's: nothing of them is the store's
+                // to restore or drop.
+                let foreign = foreign_objects(shared, client).await?;
+                if !foreign.is_empty() {
+                    return Err(incompatible(format!(
+                        "it holds no store (no version row) but relations of another \
+                         program under a store's names: {}; nothing was changed: choose \
+                         another schema for the store (`--schema`, `Config::postgres_schema`)",
+                        foreign.join(", ")
+                    )));
+                }
                 return Err(Error::Misconfigured {
                     fault: ConfigFault::SchemaDamaged,
                     detail: format!(

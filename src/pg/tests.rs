@@ -1860,6 +1860,64 @@ fn objects_dropped_under_a_store_are_schema_damaged() {
     assert!(!exists("meta"), "a connect created the meta table");
 }
 
+/// A schema without a store that holds another program's table named
+/// `records` (not a store's: other columns) is not called a store's
+/// damaged schema: a connect or a migration answers `IncompatibleSchema`
+/// telling to choose another schema, never to drop it, and changes
+/// nothing (the table and its row stay, no meta table is made). A store's
+/// own objects without the version row are still `SchemaDamaged`.
+#[test]
+fn another_programs_table_named_records_is_not_a_stores() {
+    if skipped() {
+        return;
+    }
+    let name = schema("app_tables");
+    for sql in [
+        format!("CREATE SCHEMA \"{name}\""),
+        format!("CREATE TABLE \"{name}\".records (id bigint PRIMARY KEY, body text)"),
+        format!("INSERT INTO \"{name}\".records VALUES (1, 'customer data')"),
+    ] {
+        raw_sql(&sql);
+    }
+    for migrate in [false, true] {
+        let options = PgOptions {
+            schema: name.clone(),
+            connections: 1,
+            migrate,
+            ..PgOptions::default()
+        };
+        match Postgres::connect(server().url(), options).map(drop) {
+            Err(Error::IncompatibleSchema { detail, .. }) => {
+                assert!(
+                    detail.contains("records (a table of other columns)"),
+                    "{detail}"
+                );
+                assert!(detail.contains("choose another schema"), "{detail}");
+                assert!(!detail.contains("drop"), "{detail}");
+            }
+            other => panic!("migrate {migrate}: expected IncompatibleSchema, got {other:?}"),
+        }
+    }
+    let rows = raw_sql(&format!("SELECT body FROM \"{name}\".records"));
+    assert_eq!(rows.len(), 1);
+    let meta: bool = raw_sql(&format!(
+        "SELECT to_regclass('\"{name}\".meta') IS NOT NULL"
+    ))[0]
+        .get(0);
+    assert!(!meta, "a connect created the meta table");
+    // A store's own tables without their meta table: damaged.
+    raw_sql(&format!("DROP SCHEMA \"{name}\" CASCADE"));
+    drop(open_with(&name, None));
+    raw_sql(&format!("DROP TABLE \"{name}\".meta"));
+    match Postgres::connect(server().url(), options(&name, None)).map(drop) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail,
+        }) => assert!(detail.contains("holds a store's"), "{detail}"),
+        other => panic!("expected SchemaDamaged, got {other:?}"),
+    }
+}
+
 /// A holder's completion of its row damaged in a column the completion
 /// does not rewrite (state, creation time, lease) answers `CorruptRecord`,
 /// as every other request on the key does, instead of writing over the
