@@ -42,8 +42,9 @@ pub struct StoreArg {
     /// of that name exists). A password is never printed.
     #[arg(value_name = "STORE")]
     pub store: PathBuf,
-    /// The PostgreSQL schema that holds the store [default: idemstore]. For
-    /// a PostgreSQL store only.
+    /// The PostgreSQL schema that holds the store [default: idemstore, or
+    /// the URL's `schema=NAME` parameter, as messages name a store]. For a
+    /// PostgreSQL store only.
     #[arg(long, value_name = "NAME")]
     pub schema: Option<String>,
 }
@@ -74,6 +75,8 @@ pub const DEFAULT_SCHEMA: &str = "idemstore";
 impl StoreArg {
     /// Where the store lives: a PostgreSQL store when STORE starts with
     /// `postgresql://` or `postgres://`, else a file. `--schema` on a file
+    /// is refused. A URL's `schema=NAME` query parameter (the store's name
+    /// as messages print it) names the schema; `--schema` naming another
     /// is refused.
     pub fn target(&self) -> Result<Target, CliError> {
         let text = self.store.to_str();
@@ -91,7 +94,25 @@ impl StoreArg {
         });
         match url {
             Some(url) => {
-                let schema = self.schema.as_deref().unwrap_or(DEFAULT_SCHEMA).to_owned();
+                // The store's name as messages print it (`…?schema=NAME`)
+                // names its schema in the URL: taken from there, so that
+                // the name pasted back opens the same store.
+                let (url, in_url) = if is_key_value(&url) {
+                    (url, None)
+                } else {
+                    take_schema(&url)?
+                };
+                let schema = match (self.schema.as_deref(), in_url) {
+                    (Some(flag), Some(given)) if flag != given => {
+                        return Err(CliError::Usage(format!(
+                            "--schema {flag} and the URL's schema={given} name different \
+                             schemas; give one (see --help)"
+                        )));
+                    }
+                    (Some(flag), _) => flag.to_owned(),
+                    (None, Some(given)) => given,
+                    (None, None) => DEFAULT_SCHEMA.to_owned(),
+                };
                 let name = if is_key_value(&url) {
                     redacted_key_value(&url, &schema)
                 } else {
@@ -118,6 +139,59 @@ impl StoreArg {
             }
         }
     }
+}
+
+/// Takes the `schema=NAME` query parameter out of a PostgreSQL URL (the
+/// driver knows no such option): the URL without it, and the schema it
+/// names, if any. Refused (exit 2) when it names two different schemas. A
+/// URL whose authority holds no `@` while the rest does (a password with
+/// an unescaped `/`, `?` or `#` may have cut the authority short) is left
+/// as it is: what follows a `?` there may be part of a password.
+fn take_schema(url: &str) -> Result<(String, Option<String>), CliError> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Ok((url.to_owned(), None));
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, after) = rest.split_at(end);
+    let Some((path, query)) = after.split_once('?') else {
+        return Ok((url.to_owned(), None));
+    };
+    if !authority.contains('@') && after.contains('@') {
+        return Ok((url.to_owned(), None));
+    }
+    let (query, fragment) = match query.split_once('#') {
+        Some((q, f)) => (q, Some(f)),
+        None => (query, None),
+    };
+    let mut schema: Option<&str> = None;
+    let mut kept = Vec::new();
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("schema", value)) => match schema {
+                Some(first) if first != value => {
+                    return Err(CliError::Usage(format!(
+                        "the URL names two schemas, schema={first} and schema={value}; give \
+                         one (see --help)"
+                    )));
+                }
+                _ => schema = Some(value),
+            },
+            _ => kept.push(pair),
+        }
+    }
+    let Some(schema) = schema else {
+        return Ok((url.to_owned(), None));
+    };
+    let mut out = format!("{scheme}://{authority}{path}");
+    if !kept.is_empty() {
+        out.push('?');
+        out.push_str(&kept.join("&"));
+    }
+    if let Some(fragment) = fragment {
+        out.push('#');
+        out.push_str(fragment);
+    }
+    Ok((out, Some(schema.to_owned())))
 }
 
 /// Refuses a run whose standard output is the store file at `path` or its
@@ -846,6 +920,65 @@ mod tests {
             let name = redacted_key_value(conn, "s");
             assert_eq!(name, format!("{shown}?schema=s"), "{conn}");
         }
+    }
+
+    /// The store's name as messages print it (`…?schema=NAME`), pasted
+    /// back as STORE, names that schema: the parameter is taken out of the
+    /// URL the driver gets, and `--schema` naming another is refused.
+    #[test]
+    fn a_schema_in_the_url_names_the_store() {
+        let with = |store: &str, schema: Option<&str>| {
+            StoreArg {
+                store: PathBuf::from(store),
+                schema: schema.map(str::to_owned),
+            }
+            .target()
+        };
+        let postgres = |store: &str, flag: Option<&str>| match with(store, flag) {
+            Ok(Target::Postgres { url, schema, name }) => (url, schema, name),
+            other => panic!("{store}: {other:?}"),
+        };
+        assert_eq!(
+            postgres("postgresql://db1:5432/app?schema=Orders_2", None),
+            (
+                "postgresql://db1:5432/app".to_owned(),
+                "Orders_2".to_owned(),
+                "postgresql://db1:5432/app?schema=Orders_2".to_owned()
+            )
+        );
+        let (url, schema, _) = postgres(
+            "postgresql://svc:pw@db1/app?sslmode=disable&schema=s1&application_name=x#f",
+            Some("s1"),
+        );
+        assert_eq!(
+            (url.as_str(), schema.as_str()),
+            (
+                "postgresql://svc:pw@db1/app?sslmode=disable&application_name=x#f",
+                "s1"
+            )
+        );
+        // Without the parameter: --schema, else the default.
+        assert_eq!(postgres("postgresql://db1/app", Some("s2")).1, "s2");
+        assert_eq!(
+            postgres("postgresql://db1/app?sslmode=disable", None).1,
+            "idemstore"
+        );
+        // Two schemas named: refused.
+        for (store, flag) in [
+            ("postgresql://db1/app?schema=s1", Some("s2")),
+            ("postgresql://db1/app?schema=s1&schema=s2", None),
+        ] {
+            match with(store, flag) {
+                Err(CliError::Usage(msg)) => assert!(msg.contains("s1") && msg.contains("s2")),
+                other => panic!("{store}: {other:?}"),
+            }
+        }
+        // What follows a `?` that may be part of a password is left alone.
+        let (url, schema, _) = postgres("postgresql://svc:pw?schema=x@db1/app", None);
+        assert_eq!(
+            (url.as_str(), schema.as_str()),
+            ("postgresql://svc:pw?schema=x@db1/app", "idemstore")
+        );
     }
 
     #[test]

@@ -327,6 +327,44 @@ fn migration_file_to_postgres_to_file() {
     assert_eq!(get(p(&second), None), get(p(&first), None));
 }
 
+/// The store's name as the commands print it
+/// (`postgresql://host:port/db?schema=NAME`) names that store again when
+/// given back as STORE: its `schema` parameter names the schema (the
+/// driver gets the URL without it), a message names that schema, and
+/// `--schema` naming another is refused on one line.
+#[test]
+fn the_stores_printed_name_names_its_schema() {
+    let Some(url) = server() else { return };
+    let (schema, _) = populated_schema(&url, "pasted");
+    let out = idemstore(&["stats", &url, "--schema", &schema, "--json"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let path = json(&out)["path"].as_str().unwrap().to_owned();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let named = format!("{url}{sep}schema={schema}");
+    for extra in [None, Some(schema.as_str())] {
+        let mut args = vec!["stats", named.as_str(), "--json"];
+        args.extend(extra.map(|s| ["--schema", s]).into_iter().flatten());
+        let out = idemstore(&args);
+        assert_eq!(code(&out), 0, "{args:?}: {}", stderr(&out));
+        let v = json(&out);
+        assert_eq!(v["path"], path.as_str());
+        assert_eq!(v["records"]["total"], 4);
+    }
+    // The name itself holds no user: where that cannot connect, the
+    // message names this store's schema.
+    let out = idemstore(&["stats", &path]);
+    if code(&out) != 0 {
+        let err = stderr(&out);
+        assert!(err.contains(&format!("?schema={schema}")), "{err}");
+        assert!(!err.contains("schema=idemstore"), "{err}");
+    }
+    let out = idemstore(&["stats", &named, "--schema", "other"]);
+    assert_eq!(code(&out), 2, "{}", stdout(&out));
+    let err = stderr(&out);
+    assert!(err.contains("different schemas"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+}
+
 #[test]
 fn a_schema_without_a_store_is_refused_and_not_created() {
     let Some(url) = server() else { return };
