@@ -526,6 +526,19 @@ impl ImportLimits<'_> {
                 ),
             ));
         }
+        // Retention counts from the last update: a record past retention
+        // at its own update time is one no store writes, and one that a
+        // claim (judged at that time at least) would find absent while a
+        // read at an earlier store time finds it live.
+        if r.expires_ms <= r.updated_ms {
+            return Err((
+                ImportRule::TimesOutOfOrder,
+                format!(
+                    "expiring at {} ms, not after its last update at {} ms",
+                    r.expires_ms, r.updated_ms
+                ),
+            ));
+        }
         self.time("its update time", r.updated_ms)?;
         let max_lease = crate::clock::duration_ms(MAX_LEASE);
         if r.updated_ms

@@ -489,7 +489,11 @@ pub enum ImportRule {
     /// ([`ImportOptions::clock_tolerance`](crate::ImportOptions::clock_tolerance),
     /// 5 minutes by default).
     ClockAhead,
-    /// A record was created after its last update.
+    /// A record's times contradict each other: it was created after its
+    /// last update, or it expires at or before its last update (retention
+    /// counts from the update, so no store writes such a record, and a
+    /// claim, judged at the record's last update at least, would find it
+    /// absent while a read found it live).
     TimesOutOfOrder,
     /// A record's time (creation, update, lease end or expiry) is above
     /// `i64::MAX` milliseconds, the largest a PostgreSQL `bigint` column

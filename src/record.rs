@@ -124,9 +124,15 @@ impl Record {
     pub fn acquisitions(&self) -> u32 {
         self.acquisitions
     }
-    /// Whether the lease is valid at `now_ms`.
+    /// Whether the lease is valid at `now_ms` (ms since the epoch), judged
+    /// as a claim judges it: at `now_ms` or the record's last update,
+    /// whichever is later. A record updated later than `now_ms` (imported
+    /// from a clock ahead, or written by another replica at a later
+    /// database time) whose lease ended before that update, as after a
+    /// recovery point saved once the lease had lapsed, is lapsed: a claim
+    /// takes it over.
     pub fn lease_valid_at(&self, now_ms: u64) -> bool {
-        self.state == State::Processing && now_ms < self.lease_until_ms
+        self.state == State::Processing && now_ms.max(self.updated_ms) < self.lease_until_ms
     }
     /// Whether retention has ended at `now_ms` (the record is then absent).
     pub fn is_expired_at(&self, now_ms: u64) -> bool {

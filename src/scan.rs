@@ -76,9 +76,10 @@ impl Filter {
         self
     }
 
-    /// Only Processing records whose lease has lapsed (`now ≥
-    /// lease_until_ms`): abandoned or slow work that any claim could take
-    /// over.
+    /// Only Processing records whose lease has lapsed (`max(now,
+    /// updated_ms) ≥ lease_until_ms`, as a claim judges it; see
+    /// [`Record::lease_valid_at`]): abandoned or slow work that any claim
+    /// could take over.
     #[must_use]
     pub fn lapsed(mut self) -> Filter {
         self.lapsed = true;

@@ -211,7 +211,11 @@ pub struct StateCounts {
     /// Live Processing records (work in flight, or abandoned with a lapsed
     /// lease: see [`Store::compensation`](crate::Store::compensation)).
     pub processing: u64,
-    /// Of `processing`, those whose lease has lapsed.
+    /// Of `processing`, those whose lease has lapsed: on the file engine
+    /// judged as a claim judges it ([`Record::lease_valid_at`](crate::Record::lease_valid_at)),
+    /// on PostgreSQL from the rows' lease column at the database's time
+    /// (a row updated later than that time, whose lease ended before its
+    /// update, is counted as not lapsed).
     pub lapsed: u64,
     /// Live Succeeded records.
     pub succeeded: u64,

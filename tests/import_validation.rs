@@ -4,13 +4,17 @@
 //! before it; refused frames change nothing and earlier batches stay.
 
 mod common;
+#[cfg(feature = "postgres")]
+mod pg;
 
 use std::time::Duration;
 
-use common::{RawRecord, TestDir, acquired, export_frame_offsets, export_stream, fp, key};
+use common::{
+    RawRecord, TestDir, acquired, export_frame_offsets, export_stream, fp, key, lease_of, secs,
+};
 use idemstore::{
-    ClaimOptions, Clock, Config, DEFAULT_CLOCK_TOLERANCE, Error, ImportOptions, ImportRule,
-    MAX_LEASE, MAX_RETENTION, MAX_TOKEN, Resolution, Store,
+    AcquiredFrom, ClaimOptions, Clock, Config, DEFAULT_CLOCK_TOLERANCE, Error, Filter, Fingerprint,
+    ImportOptions, ImportRule, MAX_LEASE, MAX_RETENTION, MAX_TOKEN, ManualClock, Resolution, Store,
 };
 
 const HOUR: u64 = 3_600_000;
@@ -138,6 +142,14 @@ fn each_record_invariant_is_checked() {
             "created after updated",
             RawRecord {
                 created_ms: now + 1,
+                ..base()
+            },
+            ImportRule::TimesOutOfOrder,
+        ),
+        (
+            "expiring at its last update",
+            RawRecord {
+                expires_ms: now,
                 ..base()
             },
             ImportRule::TimesOutOfOrder,
@@ -487,4 +499,121 @@ fn a_store_that_took_records_from_a_clock_ahead_exports_what_imports_again() {
     assert_eq!(summary.imported, 2);
     let r = restored.get(&key("done")).unwrap().unwrap();
     assert_eq!(r.result(), Some(&b"fixed"[..]));
+}
+
+/// A record that expires before its own last update (which no store
+/// writes: retention counts from the update) is refused on both engines,
+/// naming the rule, and nothing is written. Imported, the store would
+/// disagree with itself: a read at the store's time shows a live
+/// Succeeded record, while a claim, judged at the record's last update at
+/// least, finds the key past retention and runs the work again.
+#[test]
+fn a_record_expiring_before_its_last_update_is_refused_on_both_engines() {
+    let t = TestDir::new();
+    let now = t.now_ms();
+    let mut ghost = RawRecord::succeeded("ghost", 5, now + 240_000);
+    ghost.expires_ms = now + 120_000;
+    let stream = export_stream(10, now, &[ghost]);
+    let offsets = export_frame_offsets(&stream);
+    let check = |store: &Store, what: &str| {
+        let (offset, rule, imported) = refused(store.import(stream.as_slice(), |_| {}));
+        assert_eq!(
+            (offset, rule, imported),
+            (offsets[1] as u64, ImportRule::TimesOutOfOrder, 0),
+            "{what}"
+        );
+        assert!(store.is_empty().unwrap(), "{what}");
+    };
+    check(&t.open(), "file");
+    #[cfg(feature = "postgres")]
+    if let Some(url) = pg::url() {
+        let config = Config::new()
+            .postgres_schema(pg::schema("import_expiry"))
+            .sweep_interval(None);
+        check(&Store::connect(&url, config).unwrap(), "postgres");
+    }
+}
+
+/// A Processing record from a clock an hour ahead whose lease ended
+/// before its last update (a recovery point saved after the lease lapsed,
+/// as a holder may while nobody took the key over), imported with
+/// `accept_clock_ahead`: the store's time stays behind both, and every
+/// reader judges the lease as a claim does, at the record's last update:
+/// lapsed to `get`, `list --lapsed`, the compensation scan and `stats`,
+/// and a claim takes it over.
+#[test]
+fn a_lease_that_ended_before_its_update_is_lapsed_to_readers_as_to_claims() {
+    let t = TestDir::new();
+    let store = t.open();
+    let now = t.now_ms();
+    let mut r = RawRecord::processing("ahead", 5, now + HOUR, 0);
+    r.created_ms = now;
+    r.lease_until_ms = now + 20 * 60_000;
+    r.recovery_point = Some(b"step-1".to_vec());
+    let stream = export_stream(10, now, &[r]);
+    let accept = ImportOptions::new().accept_clock_ahead(true);
+    store
+        .import_with(stream.as_slice(), &accept, |_| {})
+        .unwrap();
+    let k = key("ahead");
+    let got = store.get(&k).unwrap().unwrap();
+    assert!(store.now_ms() < got.lease_until_ms(), "{got:?}");
+    assert!(!got.lease_valid_at(store.now_ms()), "{got:?}");
+    assert_eq!(store.scan(&Filter::new().lapsed()).unwrap().count(), 1);
+    assert_eq!(store.compensation(None).unwrap().count(), 1);
+    assert_eq!(store.stats().unwrap().records.lapsed, 1);
+    // The fingerprint `RawRecord` holds.
+    let same = Fingerprint::from_bytes(b"fingerprint".to_vec()).unwrap();
+    let taken = acquired(store.claim(&k, &same, &ClaimOptions::new()).unwrap());
+    assert_eq!(taken.acquired_from(), Some(AcquiredFrom::LapsedLease));
+}
+
+/// A recovery point saved after the lease lapsed leaves a Processing
+/// record whose lease ends before its last update: a store writes it, so
+/// its export imports (no rule refuses it), on both engines. A store whose
+/// time is behind that update (PostgreSQL's time is the database's, which
+/// an import never raises) judges it lapsed to readers as to a claim.
+#[test]
+fn a_recovery_point_saved_after_the_lease_lapsed_imports_and_is_lapsed_alike() {
+    let t = TestDir::new();
+    let t0 = t.now_ms();
+    let source = t.open();
+    let k = key("late");
+    let lease = acquired(source.claim(&k, &fp("p"), &lease_of(secs(1))).unwrap());
+    t.clock.advance(secs(2));
+    source.set_recovery_point(&lease, b"step-2").unwrap();
+    let r = source.get(&k).unwrap().unwrap();
+    assert!(r.lease_until_ms() < r.updated_ms(), "{r:?}");
+    let mut export = Vec::new();
+    source.export(&mut export, |_| {}).unwrap();
+    let check = |store: &Store, what: &str| {
+        let summary = store.import(export.as_slice(), |_| {}).unwrap();
+        assert_eq!(summary.imported, 1, "{what}");
+        let got = store.get(&k).unwrap().unwrap();
+        assert!(!got.lease_valid_at(store.now_ms()), "{what}: {got:?}");
+        assert_eq!(
+            store.scan(&Filter::new().lapsed()).unwrap().count(),
+            1,
+            "{what}"
+        );
+        let taken = acquired(store.claim(&k, &fp("p"), &ClaimOptions::new()).unwrap());
+        assert_eq!(
+            taken.acquired_from(),
+            Some(AcquiredFrom::LapsedLease),
+            "{what}"
+        );
+    };
+    let mut dest = TestDir::new();
+    dest.clock = ManualClock::new(t0);
+    check(&dest.open(), "file");
+    #[cfg(feature = "postgres")]
+    if let Some(url) = pg::url() {
+        let config = Config::new()
+            .clock(ManualClock::new(t0))
+            .postgres_schema(pg::schema("import_late_point"))
+            .sweep_interval(None);
+        let store = Store::connect(&url, config).unwrap();
+        assert!(store.now_ms() < r.lease_until_ms());
+        check(&store, "postgres");
+    }
 }
