@@ -76,7 +76,10 @@ pub struct ImportSummary {
     /// business key.
     pub business_key_taken: u64,
     /// The store's token counter after the import: above every token the
-    /// stream holds, so no token is handed out twice.
+    /// stream holds and the stream's own counter, and at least the latest
+    /// of the stream's times and the store's clock, in milliseconds, times
+    /// 1,024 (at most 2^52), so that no token is handed out twice, also
+    /// none that the source handed out after its export.
     pub next_token: u64,
 }
 
@@ -716,15 +719,22 @@ pub(crate) fn import(
     // The byte offset of each batched record's frame, for errors.
     let mut batch_at: Vec<u64> = Vec::new();
     let mut batch_bytes = 0usize;
+    // The counter is raised by the clock too, as a new PostgreSQL schema's
+    // sequence starts: a source that kept handing out tokens after its
+    // export (a replica serving until the cutover) hands out fewer than
+    // `TOKENS_PER_MS` a millisecond, so none of them is handed out again
+    // here (`config::TOKENS_PER_MS`).
+    let store_ms = (limits.now_ms)().max(limits.wall_ms);
     let mut flush = |batch: &mut Vec<Record>,
                      batch_at: &mut Vec<u64>,
                      token_floor: u64,
                      clock_floor: u64,
                      summary: &mut ImportSummary|
      -> Result<()> {
+        let by_clock = crate::config::clock_tokens(clock_floor.max(store_ms));
         let results = apply(ImportBatch {
             records: std::mem::take(batch),
-            token_floor,
+            token_floor: token_floor.max(by_clock),
             clock_floor,
         })?;
         let offsets = std::mem::take(batch_at);

@@ -38,6 +38,28 @@ pub const MAX_RETENTION: Duration = Duration::from_secs(36_500 * 24 * 3600);
 /// ([`Error::ImportRefused`]). Token arithmetic never wraps.
 pub const MAX_TOKEN: u64 = i64::MAX as u64;
 
+/// Tokens per millisecond of the clock that a token counter is started or
+/// raised at: a new PostgreSQL schema's sequence starts at the database
+/// clock's milliseconds times this, and an import raises a store's counter
+/// to the latest of the stream's times and the store's clock, in
+/// milliseconds, times this. A store created or filled again (over a
+/// schema dropped under running replicas, or from an export whose source
+/// kept serving) then never hands out a token of the other life, unless
+/// that life drew more than this many tokens a millisecond on average.
+pub(crate) const TOKENS_PER_MS: u64 = 1 << 10;
+
+/// The latest clock reading (ms since the epoch, 2^42: in the year 2109)
+/// that [`TOKENS_PER_MS`] counts; later readings count as this one, so
+/// that a counter from the clock stays below 2^52 (exact in any JSON
+/// reader, with room for 2^52 more tokens).
+pub(crate) const TOKEN_CLOCK_CAP_MS: u64 = 1 << 42;
+
+/// The token counter a clock reading of `ms` (ms since the epoch) gives:
+/// `min(ms, TOKEN_CLOCK_CAP_MS) × TOKENS_PER_MS`, at most 2^52.
+pub(crate) fn clock_tokens(ms: u64) -> u64 {
+    ms.min(TOKEN_CLOCK_CAP_MS) * TOKENS_PER_MS
+}
+
 /// When a change is acknowledged, relative to the fsync of the write-ahead
 /// log.
 ///

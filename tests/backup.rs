@@ -188,7 +188,8 @@ fn import_raises_the_token_counter_above_everything_it_imports() {
     let b_path = dir.path().join("b.redb");
     let b = open(&b_path, &clock);
     let summary = b.import(stream.as_slice(), |_| {}).unwrap();
-    assert_eq!(summary.next_token, highest + 1);
+    // Raised by the clock too: the store's time in ms × 1,024.
+    assert_eq!(summary.next_token, (highest + 1).max(T0 * 1024));
     let fresh = acquire(&b, &key("fresh"), &ClaimOptions::new());
     assert!(fresh.token() > highest, "{} <= {highest}", fresh.token());
     drop(b);
@@ -326,6 +327,38 @@ fn a_large_import_goes_in_atomic_batches() {
     );
 }
 
+/// A source that keeps serving after its export (a replica until the
+/// cutover) hands out tokens the export does not carry. The destination's
+/// counter is raised by the clock as well (the latest of the stream's
+/// times and its own, in ms, × 1,024), so the source's later holder cannot
+/// complete the destination's claim of the same key: its token was never
+/// handed out there.
+#[test]
+fn a_holder_of_the_source_after_the_export_cannot_complete_a_destination_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(T0);
+    let a = open(&dir.path().join("a.redb"), &clock);
+    let l = acquire(&a, &key("k1"), &ClaimOptions::new());
+    a.complete(&l, b"ok").unwrap();
+    let mut stream = Vec::new();
+    a.export(&mut stream, |_| {}).unwrap();
+    let zombie = acquire(&a, &key("k2"), &ClaimOptions::new());
+    let b = open(&dir.path().join("b.redb"), &clock);
+    let summary = b.import(stream.as_slice(), |_| {}).unwrap();
+    let fresh = acquire(&b, &key("k2"), &ClaimOptions::new());
+    let late = b.complete(&zombie, b"zombie");
+    assert!(
+        matches!(late, Err(Error::StaleLease { .. })),
+        "the source's holder (token {}) completed the destination's claim (token {}): {late:?}",
+        zombie.token(),
+        fresh.token()
+    );
+    assert_eq!(summary.next_token, T0 * 1024);
+    assert_eq!(fresh.token(), T0 * 1024);
+    let done = b.complete(&fresh, b"new").unwrap();
+    assert_eq!(done.result(), Some(&b"new"[..]));
+}
+
 /// An export whose records are all gone (claimed, then released) still
 /// carries the token counter, and importing it raises the counter even
 /// though no record is written: a token is never handed out twice.
@@ -348,7 +381,8 @@ fn importing_only_a_token_counter_still_raises_it_durably() {
     let b_path = dir.path().join("b.redb");
     let b = open(&b_path, &clock);
     let summary = b.import(stream.as_slice(), |_| {}).unwrap();
-    assert_eq!(summary.next_token, highest + 1);
+    // Raised by the clock too: the store's time in ms × 1,024.
+    assert_eq!(summary.next_token, (highest + 1).max(T0 * 1024));
     let fresh = acquire(&b, &key("fresh"), &ClaimOptions::new());
     assert!(fresh.token() > highest, "{} <= {highest}", fresh.token());
     drop(b);

@@ -391,8 +391,8 @@ impl Sql {
                 END IF;
              END $ddl$;",
             max = crate::MAX_TOKEN - 1,
-            cap = 1_u64 << 42,
-            per_ms = 1_u64 << 10
+            cap = crate::config::TOKEN_CLOCK_CAP_MS,
+            per_ms = crate::config::TOKENS_PER_MS
         )
     }
 
