@@ -389,6 +389,31 @@ pub(crate) enum Reply {
     Imported(ImportResult),
 }
 
+impl Reply {
+    /// Whether the transition that gave this answer wrote a change to its
+    /// record (an acquisition, a completion, a failure, a release, an
+    /// extension, a recovery point, a resolve or amend, a written import):
+    /// every answer but a replay, "in progress", and an import that kept
+    /// the stored record or skipped its own.
+    pub(crate) fn wrote(&self) -> bool {
+        match self {
+            Reply::Claim(ClaimOutcome::Acquired(_)) | Reply::Record(_) | Reply::Released => true,
+            Reply::Claim(ClaimOutcome::InProgress { .. } | ClaimOutcome::Replay(_)) => false,
+            Reply::Imported(result) => *result == ImportResult::Written,
+        }
+    }
+}
+
+/// How many of `answers` wrote a change ([`Reply::wrote`]; a refusal
+/// wrote nothing): what a group commit that made them durable counts in
+/// `idemstore_commit_batch_size`.
+pub(crate) fn writes<'a>(answers: impl IntoIterator<Item = &'a Result<Reply>>) -> usize {
+    answers
+        .into_iter()
+        .filter(|answer| answer.as_ref().is_ok_and(Reply::wrote))
+        .count()
+}
+
 /// A request as an engine took it: answered at once (a claim's fast path,
 /// a refusal), or sent, its answer to come from a future that owns what it
 /// needs (the engine's reply channel), so that it can outlive its caller

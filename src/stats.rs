@@ -87,11 +87,14 @@ impl LiveCounters {
         }
     }
 
-    /// One group commit made `requests` requests durable in `took`.
+    /// One group commit made the writes of `requests` requests durable in
+    /// `took` ([`crate::record::writes`]). A commit that made no request's
+    /// write durable (only answers that wrote nothing, evictions, a
+    /// checkpoint) is not observed.
     #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
     pub(crate) fn group_commit(&self, took: std::time::Duration, requests: usize) {
         #[cfg(feature = "metrics")]
-        if let Some(h) = &self.handles {
+        if let Some(h) = self.handles.as_ref().filter(|_| requests > 0) {
             h.group_commit(took, requests);
         }
     }

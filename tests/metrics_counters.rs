@@ -8,12 +8,14 @@
 //! `Stats` value.
 
 mod common;
+#[cfg(feature = "postgres")]
+mod pg;
 
 use std::collections::BTreeMap;
 
 use common::{TestDir, acquired, fp, key, lease_of, secs};
-use idemstore::{ClaimOptions, ClaimOutcome, Error};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use idemstore::{ClaimOptions, ClaimOutcome, Error, Store};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 /// The samples of a Prometheus text exposition: `name{labels}` → value.
 fn samples(text: &str) -> BTreeMap<String, f64> {
@@ -163,5 +165,135 @@ fn metrics_counters_and_gauges_agree_with_stats() {
     assert_eq!(
         value("idemstore_oldest_in_progress_age_seconds") * 1000,
         stats.oldest_processing_age_ms.unwrap()
+    );
+}
+
+/// `idemstore_commit_batch_size`: its sum and its number of observations.
+fn batch_size(handle: &PrometheusHandle) -> (f64, f64) {
+    let s = samples(&handle.render());
+    let get = |name: &str| s.get(name).copied().unwrap_or(0.0);
+    (
+        get("idemstore_commit_batch_size_sum"),
+        get("idemstore_commit_batch_size_count"),
+    )
+}
+
+/// Requests that write, and requests answered without a write, on
+/// `store`: `idemstore_commit_batch_size` ("requests made durable by one
+/// group commit") counts each of the first (an acquisition, an extension,
+/// a completion) and none of the second (a replay, a fingerprint refused,
+/// a stale completion, release and extension); a commit that made no
+/// write durable is not observed at all.
+fn only_writes_are_counted(store: &Store, handle: &PrometheusHandle) {
+    let before = batch_size(handle);
+    let k = key("written");
+    let l = acquired(store.claim(&k, &fp("p"), &lease_of(secs(10))).unwrap());
+    store.extend(&l, secs(20)).unwrap();
+    store.complete(&l, b"ok").unwrap();
+    let (sum, count) = batch_size(handle);
+    assert_eq!(sum - before.0, 3.0, "three requests wrote");
+    assert!(count > before.1);
+    for _ in 0..5 {
+        let out = store.claim(&k, &fp("p"), &ClaimOptions::new()).unwrap();
+        assert!(matches!(out, ClaimOutcome::Replay(_)), "{out:?}");
+    }
+    let err = store.claim(&k, &fp("other"), &ClaimOptions::new());
+    assert!(
+        matches!(err, Err(Error::FingerprintMismatch { .. })),
+        "{err:?}"
+    );
+    let stale = [
+        store.complete(&l, b"again").map(drop),
+        store.extend(&l, secs(5)).map(drop),
+        store.release(l.clone()),
+    ];
+    for answer in stale {
+        assert!(
+            matches!(answer, Err(Error::StaleLease { .. })),
+            "{answer:?}"
+        );
+    }
+    assert_eq!(
+        batch_size(handle),
+        (sum, count),
+        "answers that wrote nothing were counted as made durable"
+    );
+}
+
+#[test]
+fn the_commit_batch_size_counts_only_requests_that_wrote() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let t = TestDir::new();
+    let store = metrics::with_local_recorder(&recorder, || t.open());
+    only_writes_are_counted(&store, &handle);
+    // An import batch counts each record it wrote, not the one it kept.
+    let source = TestDir::new();
+    let other = source.open();
+    for id in ["written", "new-1", "new-2"] {
+        let l = acquired(
+            other
+                .claim(&key(id), &fp("p"), &ClaimOptions::new())
+                .unwrap(),
+        );
+        other.complete(&l, b"ok").unwrap();
+    }
+    let mut export = Vec::new();
+    other.export(&mut export, |_| {}).unwrap();
+    let (sum, _) = batch_size(&handle);
+    let summary = store.import(export.as_slice(), |_| {}).unwrap();
+    assert_eq!((summary.imported, summary.present), (2, 1));
+    assert_eq!(batch_size(&handle).0 - sum, 2.0);
+}
+
+/// With `Durability::Buffered` a request is answered before its write is
+/// durable: the fsync (or checkpoint) that makes it durable counts it.
+#[test]
+fn buffered_writes_count_in_the_commit_that_makes_them_durable() {
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let t = TestDir::new();
+    let config = t.config().durability(idemstore::Durability::Buffered {
+        max_delay: secs(3600),
+    });
+    let store = metrics::with_local_recorder(&recorder, || t.open_with(config));
+    let k = key("buffered");
+    let l = acquired(store.claim(&k, &fp("p"), &ClaimOptions::new()).unwrap());
+    store.complete(&l, b"ok").unwrap();
+    let out = store.claim(&k, &fp("p"), &ClaimOptions::new()).unwrap();
+    assert!(matches!(out, ClaimOutcome::Replay(_)), "{out:?}");
+    store.flush().unwrap();
+    assert_eq!(batch_size(&handle).0, 2.0);
+}
+
+/// The same on PostgreSQL (the hot path and the general transaction), and
+/// a claim whose statement's answer was lost (`OutcomeUnknown`): not a
+/// group commit made durable, so nothing is observed.
+#[cfg(feature = "postgres")]
+#[test]
+fn the_commit_batch_size_counts_only_requests_that_wrote_on_postgres() {
+    use pg::proxy::{Proxy, upstream_of, via};
+    let Some(url) = pg::url() else { return };
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let proxy = Proxy::start(upstream_of(&url));
+    let config = idemstore::Config::new()
+        .postgres_schema(pg::schema("metrics_writes"))
+        .sweep_interval(None);
+    let store =
+        metrics::with_local_recorder(&recorder, || Store::connect(&via(&url, &proxy), config))
+            .unwrap();
+    only_writes_are_counted(&store, &handle);
+    let before = batch_size(&handle);
+    proxy.lose_answer_to(b"lost-claim-key");
+    let lost = store.claim(&key("lost-claim-key"), &fp("p"), &ClaimOptions::new());
+    assert!(
+        matches!(lost, Err(Error::OutcomeUnknown { .. })),
+        "{lost:?}"
+    );
+    assert_eq!(
+        batch_size(&handle),
+        before,
+        "a commit whose answer was lost was counted as made durable"
     );
 }

@@ -280,11 +280,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Notes one group commit that made `callers` callers' writes durable
-    /// in `took`, of which its `fdatasync` of the log took `fsync` (a
-    /// commit that woke no caller is not counted as the disk's).
-    fn synced(&self, took: Duration, fsync: Duration, callers: usize) {
-        self.counters.group_commit(took, callers);
+    /// Notes one group commit that made the writes of `writes` requests
+    /// durable in `took` (see [`writes`]), of which its `fdatasync` of the
+    /// log took `fsync`, and woke `callers` callers (a commit that woke no
+    /// caller is not counted as the disk's).
+    fn synced(&self, took: Duration, fsync: Duration, callers: usize, writes: usize) {
+        self.counters.group_commit(took, writes);
         if callers > 0 {
             self.log_latency.lock().observe(Instant::now(), fsync);
         }
@@ -422,6 +423,21 @@ pub(crate) fn damage_cause(marker: Option<&Path>) -> String {
 
 type Replier = (oneshot::Sender<Result<Answer>>, Result<Answer>);
 
+/// How many requests of `replies` wrote a change to a record
+/// ([`crate::record::writes`]): each transition of a [`Command::Many`] (an
+/// import batch, `claim_many`) on its own; a sweep, a checkpoint or a
+/// commit, none.
+fn writes(replies: &[Replier]) -> usize {
+    replies
+        .iter()
+        .map(|(_, answer)| match answer {
+            Ok(Answer::Reply(reply)) => usize::from(reply.wrote()),
+            Ok(Answer::Many(replies)) => crate::record::writes(replies),
+            _ => 0,
+        })
+        .sum()
+}
+
 /// Answers of one batch, waiting until the log is durable up to `dep`.
 struct Parked {
     dep: u64,
@@ -454,6 +470,12 @@ struct ProgressState {
     writer_syncing: bool,
     /// When the oldest frame not yet synced was written.
     unsynced_since: Option<Instant>,
+    /// Buffered mode: the frames answered before they were durable, by
+    /// sequence number, and how many requests of each wrote; counted by
+    /// the commit that makes them durable.
+    answered_early: VecDeque<(u64, usize)>,
+    /// Of `answered_early`, the writes made durable and not yet counted.
+    durable_writes: usize,
 }
 
 /// How far the log is written and durable, and who waits for it.
@@ -597,8 +619,13 @@ impl Progress {
         self.wait_durable(target)
     }
 
-    fn wrote(&self, seq: u64) {
+    /// Frame `seq` is written; `early_writes` of its requests wrote and
+    /// are answered before it is durable (buffered mode).
+    fn wrote(&self, seq: u64, early_writes: usize) {
         let mut st = self.state.lock();
+        if early_writes > 0 {
+            st.answered_early.push_back((seq, early_writes));
+        }
         st.written = st.written.max(seq);
         st.unsynced_since.get_or_insert_with(Instant::now);
         self.work.notify_all();
@@ -612,6 +639,13 @@ impl Progress {
             self.synced.store(seq, Ordering::SeqCst);
         }
         st.written = st.written.max(seq);
+        while let Some(&(early, n)) = st.answered_early.front() {
+            if early > st.synced {
+                break;
+            }
+            st.answered_early.pop_front();
+            st.durable_writes = st.durable_writes.saturating_add(n);
+        }
         let mut ready = Vec::new();
         while st.parked.front().is_some_and(|p| p.dep <= st.synced) {
             ready.extend(st.parked.pop_front());
@@ -620,17 +654,21 @@ impl Progress {
         ready
     }
 
-    /// A checkpoint made everything up to `seq` durable.
-    fn checkpointed(&self, seq: u64, shared: &Shared) {
-        let ready = {
+    /// A checkpoint made everything up to `seq` durable. Returns how many
+    /// requests answered before their frames were durable (buffered mode)
+    /// it made durable.
+    fn checkpointed(&self, seq: u64, shared: &Shared) -> usize {
+        let (ready, early) = {
             let mut st = self.state.lock();
             let ready = self.advance(&mut st, seq);
             if st.written <= st.synced {
                 st.unsynced_since = None;
             }
-            ready
+            (ready, std::mem::take(&mut st.durable_writes))
         };
+        let writes = early.saturating_add(ready.iter().map(|p| writes(&p.replies)).sum());
         answer(shared, ready);
+        writes
     }
 
     /// Answers `replies` once `dep` is durable (at once if it is).
@@ -1691,7 +1729,10 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
         && shared.sync_inline.load(Ordering::Relaxed)
         && shared.progress.take_inline_sync(seq);
     if !inline {
-        shared.progress.wrote(seq);
+        // Buffered: answered before the frame is durable; the commit that
+        // makes it durable counts its writes.
+        let early = if gated { 0 } else { writes(&replies) };
+        shared.progress.wrote(seq, early);
     }
     state.last_seq = seq;
     open.batches += 1;
@@ -1718,7 +1759,8 @@ fn process(shared: &Shared, state: &mut WriterState, first: Request, rx: Option<
                 let mut ready = shared.progress.inline_synced(seq);
                 ready.push(parked);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
-                shared.synced(started.elapsed(), fsync, callers);
+                let writes = ready.iter().map(|p| writes(&p.replies)).sum();
+                shared.synced(started.elapsed(), fsync, callers, writes);
                 answer(shared, ready);
             }
             Err(err) => {
@@ -1816,12 +1858,12 @@ fn commit_checkpoint(
     shared.owe_sweep(evictions_share(paused.elapsed(), changes));
     state.since_checkpoint = Changes::default();
     shared.progress.committed.store(seq, Ordering::SeqCst);
-    shared.progress.checkpointed(seq, shared);
+    let early = shared.progress.checkpointed(seq, shared);
     shared.cache.end_write(&keys, seq);
-    // This batch was made durable by the checkpoint itself.
-    shared
-        .counters
-        .group_commit(started.elapsed(), replies.len());
+    // This batch was made durable by the checkpoint itself, with the
+    // earlier ones it covered.
+    let writes = writes(&replies).saturating_add(early);
+    shared.counters.group_commit(started.elapsed(), writes);
     answer(
         shared,
         vec![Parked {
@@ -2211,17 +2253,23 @@ fn sync_loop(
 
         match result {
             Ok(()) => {
-                let ready = {
+                let (ready, early) = {
                     let mut st = p.state.lock();
                     let ready = p.advance(&mut st, target);
                     st.unsynced_since = (st.written > st.synced).then_some(started);
-                    ready
+                    (ready, std::mem::take(&mut st.durable_writes))
                 };
                 // The writer may be holding a batch open until the disk is
                 // free; if the queue is full it has work anyway.
                 let _ = nudge.try_send(Msg::Nudge);
                 let callers: usize = ready.iter().map(|p| p.replies.len()).sum();
-                shared.synced(started.elapsed(), fsync, callers);
+                let writes = ready.iter().map(|p| writes(&p.replies)).sum::<usize>();
+                shared.synced(
+                    started.elapsed(),
+                    fsync,
+                    callers,
+                    writes.saturating_add(early),
+                );
                 if callers <= WAKE_INLINE {
                     answer(shared, ready);
                 } else if let Err(unsent) = waker.send(ready) {

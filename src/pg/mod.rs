@@ -2345,7 +2345,10 @@ async fn run_hot(
     let decided = answers.iter().filter(|a| a.is_some()).count();
     if decided > 0 {
         shared.counters.publish(events);
-        shared.counters.group_commit(started.elapsed(), decided);
+        // Only the requests that wrote, and never one whose statement's
+        // answer was lost (its answer is `OutcomeUnknown`).
+        let writes = crate::record::writes(answers.iter().flatten());
+        shared.counters.group_commit(started.elapsed(), writes);
     }
     Ok(HotRun { answers, locked })
 }
@@ -2750,7 +2753,7 @@ fn answer_batch(
             shared.counters.publish(events);
             shared
                 .counters
-                .group_commit(started.elapsed(), replies.len());
+                .group_commit(started.elapsed(), crate::record::writes(&answers));
             for (tx, answer) in replies.into_iter().zip(answers) {
                 let _ = tx.send(answer);
             }
@@ -3335,7 +3338,8 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
                 Ok((answers, events)) => {
                     shared.remember(&ops, &answers);
                     shared.counters.publish(events);
-                    shared.counters.group_commit(started.elapsed(), ops.len());
+                    let writes = crate::record::writes(&answers);
+                    shared.counters.group_commit(started.elapsed(), writes);
                     Ok(answers)
                 }
                 Err(f) => Err(f.error()),
