@@ -457,7 +457,10 @@ impl Config {
 
     /// The default lease duration of a claim (whole milliseconds, 1 ms to
     /// [`MAX_LEASE`]): how long an in-progress claim is honoured before
-    /// another caller may take it over. `Store::execute` (and the MCP
+    /// another caller may take it over. Keep it (and every
+    /// [`ClaimOptions::lease`]) shorter than the retention, or an abandoned
+    /// claim is forgotten when its lease lapses instead of taken over (see
+    /// [`ClaimOptions::lease`]). `Store::execute` (and the MCP
     /// server), which renew the lease themselves, refuse a lease under
     /// [`MIN_RENEWED_LEASE`] (100 ms), this default included; they check it
     /// before the key is looked up, so with a shorter default even their
@@ -998,6 +1001,17 @@ impl ClaimOptions {
 
     /// The lease duration of this claim (whole milliseconds, 1 ms to
     /// [`MAX_LEASE`]); the store's configured lease when unset.
+    ///
+    /// Keep it shorter than the store's retention. A claimed record
+    /// expires at `max(now + retention, lease_until)` (`docs/design.md`):
+    /// with a lease shorter than the retention, an abandoned claim stays
+    /// for the compensation scan and is taken over (in doubt, with its
+    /// recovery point) once its lease lapses; with one as long or longer,
+    /// it expires the moment its lease lapses, the next claim finds the
+    /// key absent (a first attempt: no recovery point, no in-doubt check),
+    /// and the late holder's completion is refused as a stale lease. Not
+    /// refused: a retention shorter than a lease is how a test or a
+    /// benchmark makes records due at once.
     pub fn lease(mut self, lease: Duration) -> ClaimOptions {
         self.lease = Some(lease);
         self
