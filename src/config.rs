@@ -498,7 +498,8 @@ impl Config {
     /// an idle sweeper sweeps when its expiry index has a record due, so
     /// the interval matters there only after a failed sweep or when the
     /// index cannot be read.
-    /// The sweeper's thread ticks at least every second. The first sweep
+    /// The sweeper's thread ticks at least every second and at most every
+    /// 10 ms, at the interval when it is between the two. The first sweep
     /// runs at the first tick after open, and after a sweep that evicted
     /// records the next one runs at the next tick, so that under steady
     /// churn what awaits eviction stays near one second of arrivals; after
@@ -514,8 +515,10 @@ impl Config {
     /// sweep, and an idle file store is not swept (nor its log written).
     /// On PostgreSQL an idle store is swept once per interval. The sweeper
     /// stops when the store is dropped, or when the store refuses writes. Its thread also runs the online
-    /// scrub ([`Config::scrub_rate`]), and a sweep waits for a scrub step
-    /// in progress.
+    /// scrub ([`Config::scrub_rate`]): a sweep waits for a scrub step in
+    /// progress, and runs one between its slices when one is due, so that
+    /// a sweep that lasts while records keep coming due does not hold the
+    /// scrub back.
     pub fn sweep_interval(mut self, interval: Option<Duration>) -> Config {
         self.sweep_interval = interval;
         self

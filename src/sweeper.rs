@@ -81,6 +81,9 @@ pub(crate) const SWEEP_SHARES: [(u32, u32); 5] = [(8, 1), (4, 1), (3, 1), (2, 1)
 /// interval.
 pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 
+/// The shortest tick of the background thread, whatever `sweep_interval`.
+pub(crate) const MIN_TICK: Duration = Duration::from_millis(10);
+
 /// The background thread `config` asks for over `engine`, if any: sweeps
 /// [`SWEEP_CATCH_UP`] after open and after a sweep that evicted records;
 /// after a sweep that found nothing due, on the file engine at the first
@@ -94,7 +97,11 @@ pub(crate) const SWEEP_CATCH_UP: Duration = Duration::from_secs(1);
 /// second (at most; a slow step delays the next), until the store refuses
 /// writes. Failures are logged (warn); a failed scrub step is retried at
 /// the next tick, a failed sweep after the interval. The thread ticks at
-/// the shortest of the periods (at least every second).
+/// the shortest of the periods (at least every second, at most every
+/// [`MIN_TICK`]: an idle file store is looked at for a record come due at
+/// each tick, which a `sweep_interval` of microseconds made a spin). A
+/// sweep runs a scrub step between its slices when one is due, so that a
+/// sweep that lasts while records keep coming due does not stop the scrub.
 pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Sweeper>> {
     // A read-only store neither sweeps nor scrubs in the background.
     if config.read_only {
@@ -111,7 +118,8 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         (Some(every), None) => every.min(SWEEP_CATCH_UP),
         (None, Some(_)) => SCRUB_TICK,
         (Some(every), Some(_)) => every.min(SCRUB_TICK).min(SWEEP_CATCH_UP),
-    };
+    }
+    .max(MIN_TICK);
     let mut last_sweep = Instant::now();
     // The wait before the next sweep: the interval, or `SWEEP_CATCH_UP`
     // after a sweep that evicted records and for the first one (a store
@@ -124,14 +132,20 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
     let stopping = Arc::new(AtomicBool::new(false));
     let stop = stopping.clone();
     Sweeper::start(engine, interval, stopping, move |engine: &Engine| {
-        if let Some(rate) = scrub
-            && last_scrub.elapsed() >= SCRUB_TICK
-        {
-            last_scrub = Instant::now();
-            if let Some(Err(err)) = engine.scrub(rate, false) {
-                tracing::warn!(error = %err, "background scrub step failed; retried at the next tick");
+        // A scrub step once a `SCRUB_TICK`: at each tick, and between the
+        // slices of a sweep, which lasts as long as records keep coming
+        // due (the scrub stopped for as long).
+        let mut scrub_when_due = |engine: &Engine| {
+            if let Some(rate) = scrub
+                && last_scrub.elapsed() >= SCRUB_TICK
+            {
+                last_scrub = Instant::now();
+                if let Some(Err(err)) = engine.scrub(rate, false) {
+                    tracing::warn!(error = %err, "background scrub step failed; retried at the next tick");
+                }
             }
-        }
+        };
+        scrub_when_due(engine);
         let Some(every) = sweep_every else { return };
         if engine.refuses_writes() {
             return;
@@ -149,7 +163,7 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
         last_sweep = Instant::now();
         wait = every;
         idle = false;
-        match sweep_paced(engine, batch, &stop) {
+        match sweep_paced_with(engine, batch, &stop, &mut scrub_when_due) {
             Ok(n) if n > 0 => {
                 tracing::debug!(evicted = n, "sweep");
                 wait = every.min(SWEEP_CATCH_UP);
@@ -200,6 +214,17 @@ fn due_since_idle(engine: &Engine) -> Option<bool> {
 /// failed (the store is then poisoned; records past retention read as
 /// absent either way).
 pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> Result<usize> {
+    sweep_paced_with(engine, batch, stop, &mut |_| {})
+}
+
+/// [`sweep_paced`], calling `between` after each slice (the background
+/// thread's scrub step, when one is due).
+fn sweep_paced_with(
+    engine: &Engine,
+    batch: usize,
+    stop: &AtomicBool,
+    between: &mut dyn FnMut(&Engine),
+) -> Result<usize> {
     let mut total = 0usize;
     let started = Instant::now();
     let mut share = 0;
@@ -223,6 +248,7 @@ pub(crate) fn sweep_paced(engine: &Engine, batch: usize, stop: &AtomicBool) -> R
         let submitted = Instant::now();
         let slice = engine.sweep_slice(max, budget)?;
         total = total.saturating_add(slice.evicted);
+        between(engine);
         if !slice.more || stop.load(Ordering::SeqCst) {
             if paced {
                 // Durable: answered behind every slice's batch.

@@ -628,6 +628,82 @@ fn the_background_scrub_finds_damage_without_being_asked() {
     }
 }
 
+/// The background scrub keeps its pace while a sweep lasts: records come
+/// due faster than a sweep of one-record slices evicts them (two threads of
+/// churn, retention 50 ms), so the sweep never ends, and a record in flight
+/// damaged on disk meanwhile is found while the churn goes on. (The sweep ran on
+/// the scrub's thread until nothing was due: the scrub stopped for as long
+/// as records kept coming due, and the store kept taking writes over the
+/// damage.)
+#[test]
+fn the_background_scrub_keeps_its_pace_during_a_sweep_that_lasts() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let t = TestDir::new();
+    let store = Arc::new(
+        t.open_with(
+            t.config()
+                .cache_bytes(0)
+                .read_cache_bytes(0)
+                .retention(Duration::from_millis(50))
+                .sweep_interval(Some(Duration::from_secs(1)))
+                .sweep_batch(1)
+                .scrub_rate(Some(100_000)),
+        ),
+    );
+    // The victim stays in flight (a finished record would be evicted),
+    // its recovery point the bytes damaged below.
+    // Scopes apart, so that the churn's inserts and evictions rewrite no
+    // page of the victim's (which would write its damaged bytes over).
+    let victim = key_in("zz/victim", "v");
+    let held = acquired(
+        store
+            .claim(&victim, &fp("victim"), &lease_of(secs(7200)))
+            .unwrap(),
+    );
+    store.set_recovery_point(&held, MARKER).unwrap();
+    store.checkpoint().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let churn: Vec<_> = (0..2)
+        .map(|thread| {
+            let (store, stop, clock) = (store.clone(), stop.clone(), t.clock.clone());
+            std::thread::spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Ordering::SeqCst) {
+                    let k = key_in("aa/churn", &format!("{thread}-{i}"));
+                    i += 1;
+                    let Ok(ClaimOutcome::Acquired(lease)) =
+                        store.claim(&k, &fp("c"), &lease_of(secs(30)))
+                    else {
+                        break;
+                    };
+                    if store.complete(&lease, b"c").is_err() {
+                        break;
+                    }
+                    clock.advance(Duration::from_millis(1));
+                }
+            })
+        })
+        .collect();
+    // The first sweep starts a second after the open, and lasts.
+    std::thread::sleep(Duration::from_millis(2500));
+    damage_the_marked_result(&t.path);
+    // A liveness bound, not a timing figure: a scrub step runs every
+    // second.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !marker_of(&t.path).exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the background scrub never found the damage while records kept coming due"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::SeqCst);
+    for handle in churn {
+        handle.join().unwrap();
+    }
+}
+
 /// A rate of zero or over the limit is refused at open, naming the
 /// setting, and creates nothing; `None` and the limit itself are accepted.
 #[test]
