@@ -1300,9 +1300,11 @@ impl Store {
     ///
     /// - A record is written only where its key is absent or past
     ///   retention; a live record is never overwritten, so importing the same
-    ///   stream twice changes nothing the second time (import is
-    ///   idempotent). Records already past retention and records whose
-    ///   business key another live key holds are skipped.
+    ///   stream twice changes no record the second time (import is
+    ///   idempotent; the token counter may still move on with the clock, see
+    ///   [`ImportSummary::next_token`](crate::ImportSummary::next_token)).
+    ///   Records already past retention and records whose business key
+    ///   another live key holds are skipped.
     /// - The stream is validated input. The meta frame is checked before
     ///   anything is written: its token counter must not be above
     ///   [`MAX_TOKEN`](crate::MAX_TOKEN), and its clock high-water mark not more than

@@ -139,10 +139,12 @@ pub(crate) fn start(engine: &Arc<Engine>, config: &Config) -> Result<Option<Swee
             if let Some(rate) = scrub
                 && last_scrub.elapsed() >= SCRUB_TICK
             {
-                last_scrub = Instant::now();
                 if let Some(Err(err)) = engine.scrub(rate, false) {
                     tracing::warn!(error = %err, "background scrub step failed; retried at the next tick");
                 }
+                // From the step's end: a step of a second or more (a cold
+                // disk, `MAX_SCRUB_RATE`) leaves a second to the sweep.
+                last_scrub = Instant::now();
             }
         };
         scrub_when_due(engine);
@@ -248,7 +250,9 @@ fn sweep_paced_with(
         let submitted = Instant::now();
         let slice = engine.sweep_slice(max, budget)?;
         total = total.saturating_add(slice.evicted);
-        between(engine);
+        if !stop.load(Ordering::SeqCst) {
+            between(engine);
+        }
         if !slice.more || stop.load(Ordering::SeqCst) {
             if paced {
                 // Durable: answered behind every slice's batch.

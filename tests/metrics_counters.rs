@@ -263,6 +263,13 @@ fn buffered_writes_count_in_the_commit_that_makes_them_durable() {
     let out = store.claim(&k, &fp("p"), &ClaimOptions::new()).unwrap();
     assert!(matches!(out, ClaimOutcome::Replay(_)), "{out:?}");
     store.flush().unwrap();
+    // `flush` returns once the fsync is done; the syncer observes the
+    // commit just after it wakes the waiters (a liveness bound, not a
+    // timing figure).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while batch_size(&handle).0 < 2.0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     assert_eq!(batch_size(&handle).0, 2.0);
 }
 

@@ -374,9 +374,10 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
 
 /// A stored key damaged on disk so that it sorts past every other key (the
 /// first byte of its id flipped, in a closed file whose clean reopen runs
-/// no check): the walk meets it before the pass's last key, which is still
-/// stored, and reports keys out of order, which poisons the store before a
-/// claim of a key the damage hides. (The walk's range ended at the pass's
+/// no check): the walk meets it before the pass's last key, and reports it
+/// (its lookup misses; had it not, the last key, still stored, not met
+/// first), which poisons the store before a claim of a key the damage
+/// hides. (The walk's range ended at the pass's
 /// last key: it stopped at the damaged key, and the pass finished having
 /// walked half the records and found nothing, every pass alike.)
 #[test]
@@ -409,7 +410,7 @@ fn a_key_damaged_to_sort_past_the_last_is_found_by_the_scrub() {
     }
     assert!(damaged, "the pass found nothing: {named:?}");
     assert!(
-        named.iter().any(|d| d.contains("keys out of order")),
+        named.iter().any(|d| d.contains("past the last key")),
         "{named:?}"
     );
     assert!(matches!(
@@ -687,6 +688,10 @@ fn the_background_scrub_keeps_its_pace_during_a_sweep_that_lasts() {
         .collect();
     // The first sweep starts a second after the open, and lasts.
     std::thread::sleep(Duration::from_millis(2500));
+    assert!(
+        churn.iter().all(|h| !h.is_finished()),
+        "the churn ended before the damage was made"
+    );
     damage_the_marked_result(&t.path);
     // A liveness bound, not a timing figure: a scrub step runs every
     // second.

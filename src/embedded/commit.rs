@@ -1928,6 +1928,7 @@ fn close(shared: &Shared, state: &mut WriterState) {
     }
     let path = &shared.path;
     let open = state.open.take();
+    let started = Instant::now();
     let done = guard(path, || {
         let mut txn = match open {
             Some(mut open) => {
@@ -1971,7 +1972,9 @@ fn close(shared: &Shared, state: &mut WriterState) {
                 .progress
                 .committed
                 .store(state.last_seq, Ordering::SeqCst);
-            shared.progress.checkpointed(state.last_seq, shared);
+            // Buffered writes made durable by the closing checkpoint.
+            let writes = shared.progress.checkpointed(state.last_seq, shared);
+            shared.counters.group_commit(started.elapsed(), writes);
         }
         Err(err) => {
             tracing::error!(path = %path.display(), error = %err, "closing checkpoint failed; the log will be replayed at the next open");

@@ -252,7 +252,21 @@ fn walk_records(
         let (kb, vb) = (k.value(), v.value());
         walked += 1;
         if kb > end {
-            if end_stored()? {
+            // A key past the last one is a key stored after the pass began,
+            // unless its lookup misses (a damaged key byte moved it here)
+            // or the last key, still stored, was not met before it.
+            let found = records.get(kb).map_err(|e| map_err(path, e))?;
+            if found.as_ref().map(|g| g.value()) != Some(vb) {
+                walk.records += 1;
+                let detail = "a lookup of this stored key, past the last key when the pass \
+                              began, does not find its record: a damaged page (a record moved \
+                              past the last key by a damaged key byte hides every record after \
+                              it)";
+                walk.problem(
+                    Problem::of_record(kb, Key::describe_bytes(kb), detail.into()),
+                    true,
+                );
+            } else if end_stored()? {
                 walk.records += 1;
                 let detail = format!(
                     "the walk of the index met this key before {}, the last key when the pass \

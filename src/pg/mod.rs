@@ -1529,9 +1529,11 @@ async fn create_or_check(shared: &Shared, client: &Client) -> Result<(u128, Foun
                 let schema = &sql.schema;
                 // Another program's relations under the names a store
                 // uses are not a store's: nothing of them is the store's
-                // to restore or drop.
+                // to restore or drop. One of them in a store's form beside
+                // them says a store was there (damaged twice over: its
+                // version row lost and a column altered): restore it.
                 let foreign = foreign_objects(shared, client).await?;
-                if !foreign.is_empty() {
+                if !foreign.is_empty() && foreign.len() == present.len() {
                     return Err(incompatible(format!(
                         "it holds no store (no version row) but relations of another \
                          program under a store's names: {}; nothing was changed: choose \
