@@ -54,6 +54,40 @@ async fn work(AxState(handler): AxState<Arc<Handler>>, _body: Bytes) -> Response
     (StatusCode::CREATED, format!("{}-run{run}", handler.name)).into_response()
 }
 
+impl Handler {
+    /// Waits until the handler has run once (under the hang guard).
+    async fn ran(&self) {
+        let started = Instant::now();
+        while self.runs.load(Ordering::SeqCst) == 0 {
+            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Waits until the record of `POST /work` key `id` in `store` has
+/// succeeded (under the hang guard).
+async fn landed(store: &Arc<Store>, id: &str) {
+    let key = Key::new("POST /work", id).expect("key");
+    let started = Instant::now();
+    loop {
+        let (store, key) = (store.clone(), key.clone());
+        let state = tokio::task::spawn_blocking(move || store.get(&key))
+            .await
+            .expect("get")
+            .expect("get")
+            .map(|r| r.state());
+        if state == Some(State::Succeeded) {
+            return;
+        }
+        assert!(
+            started.elapsed() < HANG_GUARD,
+            "the outcome never landed: {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// A store in `schema` at `url`, each call bounded by `call_ms`.
 fn connect(url: &str, schema: &str, call_ms: u64) -> Arc<Store> {
     let mut limits = PostgresLimits::default();
@@ -158,11 +192,7 @@ fn a_half_open_connection_does_not_lose_the_lease_of_a_running_handler() {
             let c = c.clone();
             async move { send(&c, addr_a, "half-open-lease").await }
         });
-        let started = Instant::now();
-        while handler_a.runs.load(Ordering::SeqCst) == 0 {
-            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        handler_a.ran().await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         proxy.pause_existing();
         let mut conflicts = 0;
@@ -213,11 +243,7 @@ fn a_half_open_connection_does_not_lose_the_outcome() {
             let c = c.clone();
             async move { send(&c, addr, "half-open-outcome").await }
         });
-        let started = Instant::now();
-        while handler.runs.load(Ordering::SeqCst) == 0 {
-            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        handler.ran().await;
         proxy.pause_existing();
         let answer = first.await.expect("first request");
         assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
@@ -256,11 +282,7 @@ fn a_client_gone_while_the_outcome_is_written_queues_no_failure_behind_it() {
             let c = c.clone();
             async move { tokio::time::timeout(Duration::from_millis(900), send(&c, addr, id)).await }
         });
-        let started = Instant::now();
-        while handler.runs.load(Ordering::SeqCst) == 0 {
-            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        handler.ran().await;
         // Every answer from the statement naming the key on is held: the
         // outcome's write reaches the server, its answer does not come back.
         proxy.hold_answers_after(id.as_bytes());
@@ -269,22 +291,7 @@ fn a_client_gone_while_the_outcome_is_written_queues_no_failure_behind_it() {
             "the client was answered before it gave up"
         );
         proxy.resume();
-        let key = Key::new("POST /work", id).expect("key");
-        let started = Instant::now();
-        loop {
-            let store = a.clone();
-            let key = key.clone();
-            let state = tokio::task::spawn_blocking(move || store.get(&key))
-                .await
-                .expect("get")
-                .expect("get")
-                .map(|r| r.state());
-            if state == Some(State::Succeeded) {
-                break;
-            }
-            assert!(started.elapsed() < HANG_GUARD, "the outcome never landed: {state:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        landed(&a, id).await;
         let retry = send(&c, addr, id).await;
         assert!(retry.replayed, "{} {}", retry.status, retry.body);
         assert_eq!(handler.runs.load(Ordering::SeqCst), 1);
@@ -320,32 +327,13 @@ fn a_client_gone_between_two_attempts_of_the_outcome_leaves_it_queued() {
             let c = c.clone();
             async move { tokio::time::timeout(Duration::from_millis(3900), send(&c, addr, id)).await }
         });
-        let started = Instant::now();
-        while handler.runs.load(Ordering::SeqCst) == 0 {
-            assert!(started.elapsed() < HANG_GUARD, "the handler never ran");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        handler.ran().await;
         proxy.pause_existing();
         assert!(
             first.await.expect("first request").is_err(),
             "the client was answered before it gave up"
         );
-        let key = Key::new("POST /work", id).expect("key");
-        let started = Instant::now();
-        loop {
-            let store = a.clone();
-            let key = key.clone();
-            let state = tokio::task::spawn_blocking(move || store.get(&key))
-                .await
-                .expect("get")
-                .expect("get")
-                .map(|r| r.state());
-            if state == Some(State::Succeeded) {
-                break;
-            }
-            assert!(started.elapsed() < HANG_GUARD, "the outcome never landed: {state:?}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        landed(&a, id).await;
         let retry = send(&c, addr, id).await;
         assert!(retry.replayed, "{} {}", retry.status, retry.body);
         assert_eq!(handler.runs.load(Ordering::SeqCst), 1);
