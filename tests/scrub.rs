@@ -419,6 +419,60 @@ fn a_key_damaged_to_sort_past_the_last_is_found_by_the_scrub() {
     ));
 }
 
+/// The same damage, with the pass's last key released while the pass runs
+/// (its steps of 100 records end before the damaged key): the key past the
+/// last one can no longer be told from a key stored since by the last key's
+/// presence, and is told by its lookup, which misses. (Taken for a key
+/// stored since, it ended the pass with nothing found.)
+#[test]
+fn a_key_damaged_past_the_last_is_found_when_the_last_is_gone() {
+    let t = TestDir::new();
+    // The last key, k-00300, stays in flight (every third record does).
+    let n = 301;
+    {
+        let store = t.open();
+        populate(&store, n, None);
+    }
+    drop(t.open());
+    let victim = id(150);
+    let bytes = std::fs::read(&t.path).unwrap();
+    for offset in find_all(&bytes, victim.as_bytes()) {
+        flip(&t.path, offset, 0x10);
+    }
+    let store = t.open();
+    let first = store.scrub(100).unwrap();
+    assert!(
+        !first.pass_finished && !first.damaged,
+        "{:?}",
+        first.problems
+    );
+    // The last key's lease lapses; a takeover releases it, so it is gone.
+    t.clock.advance(secs(601));
+    let last = key(&id(n - 1));
+    let taken = acquired(
+        store
+            .claim(&last, &fp(last.id()), &lease_of(secs(60)))
+            .unwrap(),
+    );
+    store.release(taken).unwrap();
+    assert!(store.get(&last).unwrap().is_none());
+    let mut damaged = false;
+    let mut named = Vec::new();
+    loop {
+        let step = store.scrub(100).unwrap();
+        damaged |= step.damaged;
+        named.extend(step.problems.into_iter().map(|p| p.detail));
+        if step.pass_finished {
+            break;
+        }
+    }
+    assert!(damaged, "the pass found nothing: {named:?}");
+    assert!(
+        named.iter().any(|d| d.contains("does not find its record")),
+        "{named:?}"
+    );
+}
+
 /// Flips a bit in every stored id on a branch page of the closed store
 /// file at `path` (redb's page type 2, 4 KiB pages) whose last digit is
 /// odd: clearing its lowest bit makes the separator sort lower, which
