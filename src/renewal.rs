@@ -108,19 +108,28 @@ pub(crate) fn write_outcome(
 
 /// [`write_outcome`] from async code; the first attempt is
 /// group-committed with other requests (see [`Attempts::attempt_async`]).
-#[cfg(feature = "agent")]
+/// `unsent` holds `op` while no attempt of it is out (in the pause between
+/// two), `None` otherwise: a caller whose future is dropped meanwhile (the
+/// HTTP layer's) queues it from there.
 pub(crate) async fn write_outcome_async(
     store: &Store,
     lease: &Lease,
     op: Op,
     length: Duration,
+    unsent: &mut Option<Op>,
 ) -> Result<(), Error> {
     let mut attempts = Attempts::new(length);
     loop {
+        // Sent by the attempt's first poll (a PostgreSQL store queues it at
+        // once; the file engine, once its writer's queue has room).
+        *unsent = None;
         let result = attempts.attempt_async(store, lease, op.clone()).await;
         match attempts.after_async(store, lease, result).await {
             Some(done) => return done,
-            None => futures_timer::Delay::new(attempts.pause()).await,
+            None => {
+                *unsent = Some(op.clone());
+                futures_timer::Delay::new(attempts.pause()).await;
+            }
         }
     }
 }
@@ -135,7 +144,7 @@ const MAX_OUTCOME_PAUSE: Duration = Duration::from_secs(1);
 
 /// The attempts of [`write_outcome`]: their deadlines, and what each
 /// answer means.
-pub(crate) struct Attempts {
+struct Attempts {
     length: Duration,
     end: Instant,
     unknown: bool,
@@ -146,7 +155,7 @@ pub(crate) struct Attempts {
 impl Attempts {
     /// The attempts for a lease of `length`: for up to that long, at most
     /// [`MAX_OUTCOME_WINDOW`].
-    pub(crate) fn new(length: Duration) -> Attempts {
+    fn new(length: Duration) -> Attempts {
         let now = Instant::now();
         Attempts {
             length,
@@ -167,7 +176,7 @@ impl Attempts {
     /// deadline by dropping its connection (a half-open one), so that the
     /// one after runs on another. (A write alone takes the general
     /// transaction: only a retry pays for it.)
-    pub(crate) async fn attempt_async(
+    async fn attempt_async(
         &mut self,
         store: &Store,
         lease: &Lease,
@@ -184,7 +193,7 @@ impl Attempts {
 
     /// The next attempt's deadline: a third of the lease from now, not past
     /// the end.
-    pub(crate) fn deadline(&self) -> Instant {
+    fn deadline(&self) -> Instant {
         let now = Instant::now();
         now.checked_add(period_of(self.length))
             .map_or(self.end, |d| d.min(self.end))
@@ -193,7 +202,7 @@ impl Attempts {
 
     /// The wait before the next attempt: a ninth of the lease, at most
     /// [`MAX_OUTCOME_PAUSE`], not past the end.
-    pub(crate) fn pause(&self) -> Duration {
+    fn pause(&self) -> Duration {
         let step = period_of(period_of(self.length));
         step.min(MAX_OUTCOME_PAUSE)
             .min(self.end.saturating_duration_since(Instant::now()))
@@ -217,7 +226,7 @@ impl Attempts {
 
     /// [`Attempts::after`] from async code: the record is looked up
     /// without blocking the thread.
-    pub(crate) async fn after_async(
+    async fn after_async(
         &mut self,
         store: &Store,
         lease: &Lease,

@@ -586,19 +586,6 @@ fn a_damaged_stored_record_stops_an_import_with_what_it_wrote() {
 
 const SALVAGED: &str = "a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy";
 
-/// The frames of a log's chain from its first frame position: (offset,
-/// length) each.
-fn log_frames(log: &[u8]) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut at = 4096;
-    while log.len() >= at + 36 && log[at..at + 4] == *b"IWF\x01" {
-        let len = u32::from_le_bytes(log[at + 4..at + 8].try_into().unwrap()) as usize;
-        out.push((at, 36 + len));
-        at += 36 + len;
-    }
-    out
-}
-
 /// A new store `name` in `dir` with `export` imported into it.
 fn imported(dir: &Path, name: &str, export: &[u8]) -> Store {
     let store = Store::open_with(
@@ -676,7 +663,7 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
     }
     // Damaged: a byte of after-10's claim frame flipped; later frames
     // record that it was durable.
-    let frames = log_frames(&log);
+    let frames = common::log_frames(&log);
     assert!(frames.len() >= 40, "{} frames", frames.len());
     let (at, _) = frames[frames.len() - 20];
     let mut bad_frame = log.clone();

@@ -382,32 +382,9 @@ fn a_branch_page_damaged_on_disk_is_found_by_the_scrub_before_a_second_claim() {
 /// walked half the records and found nothing, every pass alike.)
 #[test]
 fn a_key_damaged_to_sort_past_the_last_is_found_by_the_scrub() {
-    let t = TestDir::new();
-    let n = 300;
-    {
-        let store = t.open();
-        populate(&store, n, None);
-    }
-    drop(t.open());
-    let victim = id(150);
-    let bytes = std::fs::read(&t.path).unwrap();
-    let at = find_all(&bytes, victim.as_bytes());
-    assert!(!at.is_empty());
-    for offset in at {
-        // 'k' (0x6b) becomes '{' (0x7b), above every other id's first byte.
-        flip(&t.path, offset, 0x10);
-    }
+    let (t, victim) = moved_past_the_last(300);
     let store = t.open();
-    let mut damaged = false;
-    let mut named = Vec::new();
-    loop {
-        let step = store.scrub(usize::MAX).unwrap();
-        damaged |= step.damaged;
-        named.extend(step.problems.into_iter().map(|p| p.detail));
-        if step.pass_finished {
-            break;
-        }
-    }
+    let (damaged, named) = pass_problems(&store, usize::MAX);
     assert!(damaged, "the pass found nothing: {named:?}");
     assert!(
         named.iter().any(|d| d.contains("past the last key")),
@@ -426,19 +403,9 @@ fn a_key_damaged_to_sort_past_the_last_is_found_by_the_scrub() {
 /// stored since, it ended the pass with nothing found.)
 #[test]
 fn a_key_damaged_past_the_last_is_found_when_the_last_is_gone() {
-    let t = TestDir::new();
     // The last key, k-00300, stays in flight (every third record does).
     let n = 301;
-    {
-        let store = t.open();
-        populate(&store, n, None);
-    }
-    drop(t.open());
-    let victim = id(150);
-    let bytes = std::fs::read(&t.path).unwrap();
-    for offset in find_all(&bytes, victim.as_bytes()) {
-        flip(&t.path, offset, 0x10);
-    }
+    let (t, _) = moved_past_the_last(n);
     let store = t.open();
     let first = store.scrub(100).unwrap();
     assert!(
@@ -456,21 +423,48 @@ fn a_key_damaged_past_the_last_is_found_when_the_last_is_gone() {
     );
     store.release(taken).unwrap();
     assert!(store.get(&last).unwrap().is_none());
-    let mut damaged = false;
-    let mut named = Vec::new();
-    loop {
-        let step = store.scrub(100).unwrap();
-        damaged |= step.damaged;
-        named.extend(step.problems.into_iter().map(|p| p.detail));
-        if step.pass_finished {
-            break;
-        }
-    }
+    let (damaged, named) = pass_problems(&store, 100);
     assert!(damaged, "the pass found nothing: {named:?}");
     assert!(
         named.iter().any(|d| d.contains("does not find its record")),
         "{named:?}"
     );
+}
+
+/// A closed store of `n` records (see [`populate`]) whose record `k-00150`
+/// has the first byte of its stored id flipped on disk ('k' becomes '{'),
+/// so that it sorts past every other key; the store's last open was clean
+/// and recent, so the next one runs no check. Returns the victim's id.
+fn moved_past_the_last(n: usize) -> (TestDir, String) {
+    let t = TestDir::new();
+    {
+        let store = t.open();
+        populate(&store, n, None);
+    }
+    drop(t.open());
+    let victim = id(150);
+    let bytes = std::fs::read(&t.path).unwrap();
+    let at = find_all(&bytes, victim.as_bytes());
+    assert!(!at.is_empty());
+    for offset in at {
+        flip(&t.path, offset, 0x10);
+    }
+    (t, victim)
+}
+
+/// Scrub steps of `max` records to the end of the pass under way: whether
+/// any found damage, and the details of the problems found.
+fn pass_problems(store: &Store, max: usize) -> (bool, Vec<String>) {
+    let mut damaged = false;
+    let mut named = Vec::new();
+    loop {
+        let step = store.scrub(max).unwrap();
+        damaged |= step.damaged;
+        named.extend(step.problems.into_iter().map(|p| p.detail));
+        if step.pass_finished {
+            return (damaged, named);
+        }
+    }
 }
 
 /// Flips a bit in every stored id on a branch page of the closed store

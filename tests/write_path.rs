@@ -235,19 +235,6 @@ fn acquire(store: &Store, k: &Key) -> Lease {
     }
 }
 
-/// (offset, total length) of every frame in a log image, in order from the
-/// first frame position (the layout of docs/design.md).
-fn frames(log: &[u8]) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut at = 4096;
-    while log.len() >= at + 36 && log[at..at + 4] == *b"IWF\x01" {
-        let len = u32::from_le_bytes(log[at + 4..at + 8].try_into().unwrap()) as usize;
-        out.push((at, 36 + len));
-        at += 36 + len;
-    }
-    out
-}
-
 // ---------------------------------------------------------------------------
 // Sync and async forms
 
@@ -553,7 +540,7 @@ fn power_loss_keeps_every_acknowledged_change_in_immediate_mode() {
 fn chain_bytes(log: &[u8]) -> usize {
     let epoch_of = |at: usize| &log[at + 16..at + 24];
     let mut total = 0;
-    for (at, len) in frames(log) {
+    for (at, len) in common::log_frames(log) {
         if epoch_of(at) != epoch_of(4096) {
             break;
         }
@@ -673,7 +660,7 @@ fn a_torn_last_frame_is_cut_and_recovery_keeps_the_frames_before_it() {
     let disk2 = disk.power_cut();
     let mut image = log.durable();
     drop(store);
-    let fr = frames(&image);
+    let fr = common::log_frames(&image);
     assert_eq!(fr.len(), 10, "one frame per lone claim");
     // The last write was cut in the middle.
     let (at, len) = fr[9];
@@ -701,7 +688,7 @@ fn a_damaged_frame_followed_by_valid_ones_is_corruption() {
     let disk2 = disk.power_cut();
     let mut image = log.durable();
     drop(store);
-    let fr = frames(&image);
+    let fr = common::log_frames(&image);
     let (at, len) = fr[4];
     image[at + len - 3] ^= 0x40;
     match open_sim(&disk2, &SimLog::from_bytes(image), config()) {
@@ -980,9 +967,9 @@ fn in_buffered_mode_reads_see_acknowledged_changes_before_the_fsync() {
     let k = key("visible");
     let lease = acquire(&store, &k);
     assert_eq!(store.get(&k).unwrap().unwrap().token(), lease.token());
-    assert!(frames(&log.durable()).is_empty());
+    assert!(common::log_frames(&log.durable()).is_empty());
     store.flush().unwrap();
-    assert_eq!(frames(&log.durable()).len(), 1);
+    assert_eq!(common::log_frames(&log.durable()).len(), 1);
 }
 
 // ---------------------------------------------------------------------------

@@ -757,7 +757,8 @@ impl Store {
             recording.store(true, Ordering::Relaxed);
             let done = match self.outcome_op(&record) {
                 Ok(Some(op)) => {
-                    crate::renewal::write_outcome_async(self, &record.lease, op, length).await
+                    crate::renewal::write_outcome_async(self, &record.lease, op, length, &mut None)
+                        .await
                 }
                 Ok(None) => Ok(()),
                 Err(e) => Err(e),

@@ -375,24 +375,15 @@ impl Held {
     /// is left to land; dropped while none is (in the pause between two),
     /// the write is queued as it is (see `Drop`).
     async fn write(&mut self, op: Result<crate::record::Op>) -> Result<()> {
-        let op = op?;
         let store = self.settings.store.clone();
-        let mut attempts = crate::renewal::Attempts::new(self.settings.lease);
-        loop {
-            // Sent by the attempt's first poll (a PostgreSQL store queues it
-            // at once; the file engine, once its writer's queue has room).
-            self.unsent = None;
-            let result = attempts
-                .attempt_async(&store, &self.lease, op.clone())
-                .await;
-            match attempts.after_async(&store, &self.lease, result).await {
-                Some(done) => return done,
-                None => {
-                    self.unsent = Some(op.clone());
-                    Delay::new(attempts.pause()).await;
-                }
-            }
-        }
+        crate::renewal::write_outcome_async(
+            &store,
+            &self.lease,
+            op?,
+            self.settings.lease,
+            &mut self.unsent,
+        )
+        .await
     }
 
     /// Records the response the client got: a retryable failure for a 1xx

@@ -616,3 +616,17 @@ pub fn export_frame_offsets(stream: &[u8]) -> Vec<usize> {
     }
     out
 }
+
+/// The frames of a write-ahead log's chain from its first frame position
+/// (4096, the layout of docs/design.md): (offset, total length) each,
+/// until a position holds no frame.
+pub fn log_frames(log: &[u8]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut at = 4096;
+    while log.len() >= at + 36 && log[at..at + 4] == *b"IWF\x01" {
+        let len = u32::from_le_bytes(log[at + 4..at + 8].try_into().unwrap()) as usize;
+        out.push((at, 36 + len));
+        at += 36 + len;
+    }
+    out
+}
