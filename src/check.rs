@@ -32,7 +32,8 @@ use crate::store::Store;
 /// not open because of them (redb's "Primary is corrupted despite 2-phase
 /// commit", or a panic inside redb), as [`Integrity::Failed`] with what
 /// failed. A write-ahead log that recovery needs and cannot use (damaged
-/// where a durable frame was, or missing or blank after an unclean
+/// where a durable frame was, cut short of the length its header records,
+/// or missing or blank after an unclean
 /// shutdown: what [`Store::open`] refuses with [`Error::CorruptLog`]) is a
 /// [`Problem`](crate::Problem) keyed `(write-ahead log)` naming the log,
 /// the offset and what failed; its records are not checked then, since the

@@ -186,7 +186,8 @@ pub enum Error {
     /// The write-ahead log beside the store file is damaged where recovery
     /// needs it: a frame that was already durable fails its checksum while
     /// later frames are intact, or, after an unclean shutdown, the log is
-    /// missing, empty or its header unreadable. A torn last frame (a write
+    /// missing, empty, its header unreadable, or shorter than the length
+    /// its header records (cut: a crash never shortens it). A torn last frame (a write
     /// cut by a crash) is not corruption: recovery ends before it. Nothing
     /// is replayed and the store does not open; acknowledged changes may be
     /// in the damaged or missing part. [`check_file`](crate::check_file)

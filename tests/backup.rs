@@ -598,8 +598,9 @@ fn imported(dir: &Path, name: &str, export: &[u8]) -> Store {
 }
 
 /// A service SIGKILLed with completions acknowledged since its last
-/// checkpoint (in the write-ahead log only), whose log is then lost, or
-/// damaged in a durable frame: the store refuses to open (`CorruptLog`);
+/// checkpoint (in the write-ahead log only), whose log is then lost,
+/// damaged in a durable frame, or cut short before one: the store refuses
+/// to open (`CorruptLog`);
 /// `salvage_file` exports what the index and the log's intact frames hold
 /// (with a blank header, the frames after it), says what was lost, and
 /// writes neither original file; of a crashed store whose log is sound it
@@ -673,6 +674,10 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
     let mut bad_header = log.clone();
     bad_header[..4096].fill(0);
     let blank = copy("blank.redb", Some(&bad_header));
+    // Cut short (a copy that stopped early) at the start of that same
+    // frame: a crash never shortens the log, whose header records its
+    // length.
+    let cut = copy("cut.redb", Some(&log[..at]));
     // The log as the crash left it: nothing lost.
     let sound = copy("sound.redb", Some(&log));
     // Lost: the crashed store's own log removed.
@@ -683,6 +688,7 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
         (&lost, Some("empty or missing"), 0),
         (&damaged, Some("missing or damaged"), 10),
         (&blank, Some("empty or missing"), 20),
+        (&cut, Some("cut short"), 10),
         (&sound, None, 20),
     ];
     for (path, loss, kept_after) in cases {

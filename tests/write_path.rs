@@ -754,11 +754,12 @@ fn a_checkpoint_leaves_nothing_to_replay() {
     store.checkpoint().unwrap();
     let disk2 = disk.power_cut();
     drop(store);
-    // The index alone holds everything: even an empty log loses nothing
-    // once the log header is there (a blank log after a crash is refused,
-    // so keep the header).
+    // The index alone holds everything: a log whose frames are all gone
+    // loses nothing once the log header is there (a blank log after a
+    // crash is refused, so keep the header; a log cut shorter than its
+    // header records is refused too, so keep its length).
     let mut image = log.durable();
-    image.truncate(4096);
+    image[4096..].fill(0);
     let store = open_sim(&disk2, &SimLog::from_bytes(image), config()).unwrap();
     for i in 0..5 {
         assert!(store.get(&key(format!("ck-{i}"))).unwrap().is_some());
@@ -1219,10 +1220,21 @@ fn a_lone_caller_commits_its_own_batch_on_its_own_thread() {
             .unwrap();
     });
     let syncs = log.syncs.lock().unwrap().clone();
-    // 40 writes, each synced by the caller that made it (the store's own
-    // time reservations may add a few syncs elsewhere).
+    // The caller leads whenever it finds the writer's state free. The
+    // writer thread, woken to apply led batches to the index, may still
+    // hold it when the next request comes (how often depends on the
+    // machine's load): that request's batch is then the writer thread's,
+    // also a batch of one that it syncs itself. Either way no lone batch
+    // waits for the syncer thread.
     let own = syncs.iter().filter(|n| *n == "lone-caller").count();
-    assert!(own >= 40, "syncs by thread: {syncs:?}");
+    assert!(own >= 1, "no batch synced by its caller: {syncs:?}");
+    assert!(
+        syncs
+            .iter()
+            .all(|n| n == "lone-caller" || n == "idemstore-writer"),
+        "a lone batch was handed to another thread: {syncs:?}"
+    );
+    assert!(syncs.len() >= 40, "40 writes, {} syncs", syncs.len());
     // Durable: a power cut now loses none of them.
     let cut = disk.power_cut();
     let cut_log = log.inner.power_cut();

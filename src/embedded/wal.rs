@@ -272,8 +272,20 @@ pub(crate) const HEADER_LEN: u64 = 4096;
 /// The log format this build writes and reads.
 pub(crate) const LOG_VERSION: u32 = 1;
 const LOG_MAGIC: [u8; 8] = *b"IDEMWAL\0";
-/// The header bytes that carry data (the rest of [`HEADER_LEN`] is zero).
+/// The header bytes that carry data (the rest of [`HEADER_LEN`] is zero,
+/// but for the length record).
 const HEADER_USED: usize = 32;
+/// Where the header records the log's length: a tag, the length in bytes
+/// (u64 LE) and a crc32 of both. The log only grows, and only by zeros
+/// made durable before the record names the new length, so a log shorter
+/// than its record was cut (a partial copy, a truncation): a crash never
+/// shortens it. A log written before the record existed has zeros here,
+/// and is not judged by it until an open writes one.
+const LENGTH_AT: u64 = HEADER_USED as u64;
+/// Bytes of the length record.
+const LENGTH_RECORD_LEN: usize = 16;
+/// The length record's tag.
+const LENGTH_TAG: [u8; 4] = *b"LEN1";
 
 /// Marks the start of a frame: "IWF" and the frame format version 1.
 const FRAME_MAGIC: [u8; 4] = [b'I', b'W', b'F', 1];
@@ -457,7 +469,9 @@ fn le_u32(b: &[u8]) -> u32 {
 /// passed but whose body does not decode: a bug or a foreign writer).
 pub(crate) fn decode_body(buf: &[u8]) -> Option<Body<'_>> {
     let mut r = Reader { buf, at: 0 };
-    let next_token = r.u64()?;
+    // A token counter past the cap was never written (the writer stops at
+    // it): a body that says so is not one the store wrote.
+    let next_token = r.u64().filter(|t| *t <= crate::config::MAX_TOKEN)?;
     let clock_hwm = r.u64()?;
     let count = r.u32()? as usize;
     // Each change takes at least 6 bytes: never trust `count` for capacity.
@@ -530,6 +544,40 @@ pub(crate) fn encode_header(store_id: u128) -> Vec<u8> {
     let crc = crc32fast::hash(&out[0..28]);
     out[28..32].copy_from_slice(&crc.to_le_bytes());
     out
+}
+
+/// The length record for a log of `len` bytes (see [`LENGTH_AT`]).
+fn encode_length(len: u64) -> [u8; LENGTH_RECORD_LEN] {
+    let mut out = [0u8; LENGTH_RECORD_LEN];
+    out[0..4].copy_from_slice(&LENGTH_TAG);
+    out[4..12].copy_from_slice(&len.to_le_bytes());
+    let crc = crc32fast::hash(&out[0..12]);
+    out[12..16].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The length the header of `log` (of `len` bytes) records, or `None`
+/// when it records none (a log written before the record existed, or a
+/// record torn or damaged: then the log is not judged by it).
+fn recorded_len(log: &dyn LogFile, len: u64) -> io::Result<Option<u64>> {
+    let end = LENGTH_AT + LENGTH_RECORD_LEN as u64;
+    if len < end {
+        return Ok(None);
+    }
+    let mut rec = [0u8; LENGTH_RECORD_LEN];
+    log.read_at(LENGTH_AT, &mut rec)?;
+    if rec[0..4] != LENGTH_TAG || crc32fast::hash(&rec[0..12]) != le_u32(&rec[12..16]) {
+        return Ok(None);
+    }
+    Ok(Some(le_u64(&rec[4..12])))
+}
+
+/// Records `len` as the log's length in its header, and syncs. Called only
+/// once the log's `len` bytes are durable (see [`LENGTH_AT`]).
+fn record_len(file: &dyn LogFile, path: &Path, len: u64) -> Result<()> {
+    file.write_at(LENGTH_AT, &encode_length(len))
+        .map_err(|e| io_err(path, "write", &e))?;
+    file.sync_data().map_err(|e| io_err(path, "fsync", &e))
 }
 
 /// What the first bytes of a log file say.
@@ -1128,6 +1176,26 @@ pub(crate) fn recover(
             .map_err(|e| io_err(path, "read", &e))?;
         discarded_tail |= next.iter().any(|&b| b != 0);
     }
+    // A log shorter than the length its header records was cut: the
+    // frames it held past its end may have been durable, and nothing
+    // after the chain can tell.
+    if let Some(recorded) = recorded_len(log, len).map_err(|e| io_err(path, "read", &e))?
+        && recorded > len
+    {
+        let detail = format!(
+            "the log is {len} bytes long, but the store made it {recorded} bytes: it was \
+             cut short (a partial copy, a truncation), and the changes it held past byte \
+             {len} are lost"
+        );
+        if !accept_loss {
+            return Err(Error::CorruptLog {
+                path: path.to_path_buf(),
+                offset: len,
+                detail,
+            });
+        }
+        lost = lost.or(Some((end, detail)));
+    }
     Ok(Recovered {
         store_id,
         base,
@@ -1184,6 +1252,14 @@ impl LogWriter {
         if w.len < initial {
             w.grow_to(initial)?;
         }
+        // A log of an older build, or one whose growth a crash cut before
+        // its record: the length it has now is durable (the open's
+        // recovery read it), so it is recorded.
+        let recorded =
+            recorded_len(w.file.as_ref(), w.len).map_err(|e| io_err(&w.path, "read", &e))?;
+        if recorded != Some(w.len) {
+            record_len(w.file.as_ref(), &w.path, w.len)?;
+        }
         Ok(w)
     }
 
@@ -1201,7 +1277,9 @@ impl LogWriter {
         let initial = INITIAL_LOG_BYTES.min(max_len);
         let len = file.len().map_err(|e| io_err(path, "stat", &e))?;
         zero_fill(file, path, len.max(HEADER_LEN), initial)?;
-        file.sync_data().map_err(|e| io_err(path, "fsync", &e))
+        file.sync_data().map_err(|e| io_err(path, "fsync", &e))?;
+        let len = file.len().map_err(|e| io_err(path, "stat", &e))?;
+        record_len(file, path, len)
     }
 
     /// The epoch frames are written in.
@@ -1268,7 +1346,7 @@ impl LogWriter {
             .sync_data()
             .map_err(|e| io_err(&self.path, "fsync", &e))?;
         self.len = len;
-        Ok(())
+        record_len(self.file.as_ref(), &self.path, len)
     }
 }
 
@@ -1334,6 +1412,66 @@ mod tests {
         for cut in 0..b.len() {
             assert!(decode_body(&b[..cut]).is_none(), "cut at {cut}");
         }
+    }
+
+    #[test]
+    fn a_body_whose_token_counter_is_past_the_cap_is_malformed() {
+        let mut w = BodyWriter::new();
+        w.insert(LogTable::Records, &[b"key"], b"value");
+        let at_cap = w.finish(crate::config::MAX_TOKEN, 99);
+        assert!(decode_body(&at_cap).is_some());
+        let mut w = BodyWriter::new();
+        w.insert(LogTable::Records, &[b"key"], b"value");
+        assert!(decode_body(&w.finish(crate::config::MAX_TOKEN + 1, 99)).is_none());
+    }
+
+    #[test]
+    fn the_header_records_the_length_and_a_shorter_log_was_cut() {
+        let (grown, _) = log_with(3, |s| s - 1);
+        let len = grown.len().unwrap();
+        assert_eq!(recorded_len(&grown, len).unwrap(), Some(1 << 20));
+        // Grown by a full log's checkpoint: the record follows.
+        let mut w = LogWriter::start(Arc::new(grown.clone()), "t".into(), 7, 4, 1 << 22).unwrap();
+        w.wrap(5, true).unwrap();
+        assert_eq!(
+            recorded_len(&grown, grown.len().unwrap()).unwrap(),
+            Some(2 << 20)
+        );
+        // Cut at the last frame: refused, or with `accept_loss` the chain
+        // before the cut is kept and the loss said.
+        let (log, offsets) = log_with(3, |s| s - 1);
+        let mut bytes = log.contents();
+        bytes.truncate(usize::try_from(offsets[2]).unwrap());
+        log.set_contents(bytes);
+        match recover(&log, Path::new("t"), 7, 3, 10, false) {
+            Err(Error::CorruptLog { offset, detail, .. }) => {
+                assert_eq!(offset, offsets[2]);
+                assert!(detail.contains("cut short"), "{detail}");
+            }
+            other => panic!("expected CorruptLog, got {:?}", other.map(|r| r.last)),
+        }
+        let r = recover(&log, Path::new("t"), 7, 3, 10, true).unwrap();
+        assert_eq!(r.last_seq(10), 12);
+        assert!(
+            r.lost
+                .is_some_and(|(at, d)| at == offsets[2] && d.contains("cut short"))
+        );
+        // A log of an older build (no record) is not judged by it, and its
+        // next writer records the length it has.
+        let (old, _) = log_with(1, |s| s - 1);
+        let mut bytes = old.contents();
+        bytes[32..48].fill(0);
+        bytes.truncate(8192);
+        old.set_contents(bytes);
+        assert_eq!(recorded_len(&old, 8192).unwrap(), None);
+        assert_eq!(
+            recover(&old, Path::new("t"), 7, 3, 10, false)
+                .unwrap()
+                .last_seq(10),
+            11
+        );
+        LogWriter::start(Arc::new(old.clone()), "t".into(), 7, 4, 1 << 20).unwrap();
+        assert_eq!(recorded_len(&old, 1 << 20).unwrap(), Some(1 << 20));
     }
 
     #[test]
