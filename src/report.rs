@@ -36,9 +36,13 @@ pub enum Integrity {
     /// The file's pages are damaged: redb found damage it could not repair,
     /// or the file does not open at all because of it (redb's message, such
     /// as "Primary is corrupted despite 2-phase commit", names what
-    /// failed). Records were not checked. The next step is a restore from
-    /// the latest export into a new file (`idemstore import --create NEW
-    /// EXPORT`).
+    /// failed). The records of a file that was closed cleanly are still
+    /// checked, as far as its pages give them, and each damaged one named:
+    /// [`check_file`](crate::check_file) reads them from the index before
+    /// redb's check, without opening the store. Those of another file are
+    /// not ([`CheckReport::records_checked`] is `false`). The next step is
+    /// a restore from the latest export into a new file (`idemstore import
+    /// --create NEW EXPORT`).
     Failed(String),
 }
 
@@ -127,6 +131,11 @@ pub const MAX_LISTED_PROBLEMS: usize = 10_000;
 pub struct CheckReport {
     /// redb's page-level check.
     pub integrity: Integrity,
+    /// Whether the records were read and checked: `false` when the file
+    /// does not open, its write-ahead log keeps the store from opening, or
+    /// its pages are damaged and it was not closed cleanly (then `records`
+    /// and `bindings` are 0, unread). See [`Integrity::Failed`].
+    pub records_checked: bool,
     /// Stored records read (live, expired and damaged).
     pub records: u64,
     /// Business-key bindings read.
@@ -149,6 +158,7 @@ impl CheckReport {
     pub(crate) fn new(integrity: Integrity) -> CheckReport {
         CheckReport {
             integrity,
+            records_checked: true,
             records: 0,
             bindings: 0,
             problems: Vec::new(),

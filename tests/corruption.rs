@@ -217,8 +217,9 @@ fn flipped_key_byte_in_a_closed_file_fails_the_open() {
 /// `check_file` on a file with a damaged page (the byte flips of the two
 /// tests above, and one in the commit slot of redb's header, which makes
 /// the open itself fail with "Primary is corrupted despite 2-phase
-/// commit") reports the damage instead of failing (issue 10, point 7): a
-/// report that is not clean, whose integrity names what failed.
+/// commit") reports the damage instead of failing: a report that is not
+/// clean, whose integrity names what failed, and, for a file that still
+/// opens, whose records were read from the index alone, naming the victim.
 #[test]
 fn check_file_reports_a_damaged_page_as_damage() {
     for what in ["result", "key", "header"] {
@@ -253,6 +254,24 @@ fn check_file_reports_a_damaged_page_as_damage() {
                 }
             }
             other => panic!("{what}: {other:?}"),
+        }
+        // The records of the damaged page are still read, from the index
+        // alone (the store is not opened over damaged pages), and the
+        // damaged one is named; a file that does not open has none read.
+        let named: Vec<_> = report
+            .problems
+            .iter()
+            .filter(|p| p.key.to_ascii_lowercase().contains(VICTIM_ID))
+            .collect();
+        if what == "header" {
+            assert!(!report.records_checked, "{report:?}");
+            assert_eq!(report.records, 0);
+        } else {
+            assert!(report.records_checked, "{what}: {report:?}");
+            assert!(
+                !named.is_empty(),
+                "{what}: the victim is not named: {report:?}"
+            );
         }
     }
 }

@@ -64,11 +64,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     let next_step = (!report.is_clean()).then_some(next_step);
     // A file whose pages or log keep it from opening has its records
     // unread: not "0 checked".
-    let records_checked = !matches!(report.integrity, Integrity::Failed(_))
-        && !report
-            .problems
-            .iter()
-            .any(|p| p.key == idemstore::LOG_PROBLEM);
+    let records_checked = report.records_checked;
     if args.json {
         let problems: Vec<_> = report
             .problems
