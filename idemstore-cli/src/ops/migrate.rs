@@ -13,7 +13,8 @@ use crate::ops::{StoreArg, Target};
 /// Arguments of `idemstore migrate`.
 #[derive(Debug, clap::Args)]
 #[command(
-    after_help = "Run it with a role that may create the schema (CREATE on the database, or the \
+    after_help = "STORE is a PostgreSQL connection URL or key=value connection string; a store \
+file is refused (a file store's format is upgraded by its open). Run it with a role that may create the schema (CREATE on the database, or the \
 schema's owner), before the service starts; idempotent, and safe to run from several deploys at \
 once. The service's runtime role then needs only USAGE on the schema, SELECT, INSERT, UPDATE \
 and DELETE on its tables, and USAGE on its sequence (docs/operations.md)."
