@@ -9,14 +9,10 @@ use crate::error::{Error, Result};
 use crate::report::{CheckReport, Integrity, Problem, Progress};
 use crate::store::Store;
 
-/// Checks the store file at `path`: redb's own integrity check of every
-/// page (which needs the file to itself, and repairs what it can), and
-/// every record as [`Store::verify`] does: for a file closed cleanly, read
-/// from its index before redb's check, without opening the store (the
-/// index then holds every change); for another (after a crash, or of an
-/// older format), through the store opened read-only once the pages are
-/// known sound, with its write-ahead log replayed; and again so when redb
-/// repaired the file. `progress` is called after each record. Opens the file only if it exists and no one else holds it.
+/// Checks the store file at `path`: first redb's own integrity check of
+/// every page (which needs the file to itself, and repairs what it can),
+/// then every record as [`Store::verify`] does. `progress` is called after
+/// each record. Opens the file only if it exists and no one else holds it.
 /// A file the online scrub marked damaged (`<path>-damaged`, see
 /// [`Config::scrub_rate`](crate::Config::scrub_rate)) is checked too, and
 /// the marker is reported as a problem: a check is how an operator decides
@@ -35,9 +31,12 @@ use crate::store::Store;
 /// record as a [`Problem`](crate::Problem), and damaged pages, including a file that does
 /// not open because of them (redb's "Primary is corrupted despite 2-phase
 /// commit", or a panic inside redb), as [`Integrity::Failed`] with what
-/// failed; the records of such a file that was closed cleanly are still
-/// checked (read from its index before redb's check, without opening the
-/// store), and each damaged one named. A write-ahead log that recovery needs and cannot use (damaged
+/// failed. The records of such a file are still checked as far as its
+/// pages give them, read from its index as of its last checkpoint without
+/// opening the store or writing the file (the changes in its write-ahead
+/// log are not read: a cleanly closed store has none), and each damaged
+/// one is named; when even that read fails, none are
+/// ([`CheckReport::records_checked`] is `false`). A write-ahead log that recovery needs and cannot use (damaged
 /// where a durable frame was, cut short of the length its header records,
 /// or missing or blank after an unclean
 /// shutdown: what [`Store::open`] refuses with [`Error::CorruptLog`]) is a
@@ -64,47 +63,44 @@ pub fn check_file(
         .then(|| marker_problem(&marker))
         .into_iter()
         .collect();
-    // A cleanly closed file's records are read first, from its index
-    // through redb's read-only open, which writes nothing: redb's check
-    // below opens the file for writing and leaves one whose pages it finds
-    // damaged marked for repair, which no read-only open reads (and an
-    // open of the store would write a checkpoint over them). A file not
-    // read so (after a crash, of an older format, unreadable) is read
-    // through the store below, once its pages are known sound.
-    let early = match crate::embedded::check::verify_index(path, &mut progress) {
-        Ok(report) => Some(report),
-        Err(e @ Error::AlreadyOpen { .. }) => return Err(e),
-        Err(_) => None,
-    };
     let finish = |mut report: CheckReport, integrity| {
         report.integrity = integrity;
         marked.iter().cloned().for_each(|p| report.found_listed(p));
         report
     };
-    // Damaged pages: the records read first, or none.
-    let damaged = |early: Option<CheckReport>, detail| match early {
-        Some(report) => finish(report, Integrity::Failed(detail)),
-        None => {
-            let mut report = finish(
-                CheckReport::new(Integrity::NotRun),
-                Integrity::Failed(detail),
-            );
-            report.records_checked = false;
-            report
+    let unread = |integrity| {
+        let mut report = finish(CheckReport::new(Integrity::NotRun), integrity);
+        report.records_checked = false;
+        report
+    };
+    // Damaged pages: the store is not opened (its opening checkpoint could
+    // copy a damaged page under a fresh checksum), but its index is read as
+    // it is, through a view that keeps redb's writes in memory, and the
+    // records its pages still give are checked; none when even that fails.
+    let damaged = |progress: &mut dyn FnMut(Progress), detail| {
+        let read = crate::embedded::check::verify_index(path, progress);
+        match read {
+            Ok((report, recorded)) => {
+                let mut report = finish(report, Integrity::Failed(detail));
+                if let Some(named) = recorded
+                    && named != marker
+                {
+                    report.found_listed(marker_problem(&named));
+                }
+                report
+            }
+            Err(_) => unread(Integrity::Failed(detail)),
         }
     };
     let integrity = match crate::embedded::check::integrity(path) {
-        Ok(Integrity::Failed(detail)) => return Ok(damaged(early, detail)),
-        Err(Error::CorruptFile { detail, .. }) => {
-            return Ok(damaged(early, format!("the file does not open: {detail}")));
-        }
-        // Sound pages, read already: the store holds nothing more.
-        Ok(Integrity::Clean) if let Some(report) = early => {
-            return Ok(finish(report, Integrity::Clean));
-        }
-        // Sound pages, or repaired (the records read first may be gone):
-        // the store is opened and read below.
+        Ok(Integrity::Failed(detail)) => return Ok(damaged(&mut progress, detail)),
         Ok(integrity) => integrity,
+        Err(Error::CorruptFile { detail, .. }) => {
+            return Ok(damaged(
+                &mut progress,
+                format!("the file does not open: {detail}"),
+            ));
+        }
         Err(e) => return Err(e),
     };
     // A file the scrub marked damaged opens read-only: the check reads it,
@@ -117,7 +113,10 @@ pub fn check_file(
     let store = match Store::open_existing(path, config) {
         Ok(store) => store,
         Err(Error::CorruptFile { detail, .. }) => {
-            return Ok(damaged(None, format!("the store does not open: {detail}")));
+            return Ok(damaged(
+                &mut progress,
+                format!("the store does not open: {detail}"),
+            ));
         }
         // The pages are sound (checked above), but the log recovery needs
         // is not: the store does not open, records are not checked.
@@ -126,8 +125,7 @@ pub fn check_file(
             offset,
             detail,
         }) => {
-            let mut report = finish(CheckReport::new(Integrity::NotRun), integrity);
-            report.records_checked = false;
+            let mut report = unread(integrity);
             report.found_listed(log_problem(&log, offset, &detail));
             return Ok(report);
         }

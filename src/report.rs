@@ -36,13 +36,12 @@ pub enum Integrity {
     /// The file's pages are damaged: redb found damage it could not repair,
     /// or the file does not open at all because of it (redb's message, such
     /// as "Primary is corrupted despite 2-phase commit", names what
-    /// failed). The records of a file that was closed cleanly are still
-    /// checked, as far as its pages give them, and each damaged one named:
-    /// [`check_file`](crate::check_file) reads them from the index before
-    /// redb's check, without opening the store. Those of another file are
-    /// not ([`CheckReport::records_checked`] is `false`). The next step is
-    /// a restore from the latest export into a new file (`idemstore import
-    /// --create NEW EXPORT`).
+    /// failed). The records are still checked as far as the pages give
+    /// them, from the index as of its last checkpoint, without opening the
+    /// store or writing the file, and each damaged one is named; when even
+    /// that read fails, none are ([`CheckReport::records_checked`] is
+    /// `false`). The next step is a restore from the latest export into a
+    /// new file (`idemstore import --create NEW EXPORT`).
     Failed(String),
 }
 
@@ -131,10 +130,10 @@ pub const MAX_LISTED_PROBLEMS: usize = 10_000;
 pub struct CheckReport {
     /// redb's page-level check.
     pub integrity: Integrity,
-    /// Whether the records were read and checked: `false` when the file
-    /// does not open, its write-ahead log keeps the store from opening, or
-    /// its pages are damaged and it was not closed cleanly (then `records`
-    /// and `bindings` are 0, unread). See [`Integrity::Failed`].
+    /// Whether the records were read and checked: `false` when the write-
+    /// ahead log keeps the store from opening, or the pages are damaged and
+    /// not even the index could be read (then `records` and `bindings` are
+    /// 0, unread). See [`Integrity::Failed`].
     pub records_checked: bool,
     /// Stored records read (live, expired and damaged).
     pub records: u64,

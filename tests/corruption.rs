@@ -218,8 +218,9 @@ fn flipped_key_byte_in_a_closed_file_fails_the_open() {
 /// tests above, and one in the commit slot of redb's header, which makes
 /// the open itself fail with "Primary is corrupted despite 2-phase
 /// commit") reports the damage instead of failing: a report that is not
-/// clean, whose integrity names what failed, and, for a file that still
-/// opens, whose records were read from the index alone, naming the victim.
+/// clean, whose integrity names what failed, and, for a file whose index
+/// still reads, whose records were read from it, naming the victim, the
+/// same at a second check.
 #[test]
 fn check_file_reports_a_damaged_page_as_damage() {
     for what in ["result", "key", "header"] {
@@ -271,6 +272,15 @@ fn check_file_reports_a_damaged_page_as_damage() {
             assert!(
                 !named.is_empty(),
                 "{what}: the victim is not named: {report:?}"
+            );
+            // redb's check leaves a file it found damaged marked for
+            // repair: a second check still reads the records, and finds the
+            // same.
+            let again = idemstore::check_file(&t.path, |_| {}).unwrap();
+            assert_eq!(
+                (again.records_checked, again.records, &again.problems),
+                (true, report.records, &report.problems),
+                "{what}: a second check differs"
             );
         }
     }

@@ -1198,10 +1198,13 @@ impl LogFile for ThreadLog {
     }
 }
 
-/// A lone caller finds the writer idle and decides, writes and syncs its
+/// A lone caller that finds the writer idle decides, writes and syncs its
 /// own batch on its own thread (LevelDB's leader): no hand-off to the
-/// writer thread and no wake-up back. Its changes are durable as before:
-/// a power cut right after keeps them.
+/// writer thread and no wake-up back. When the writer thread still holds
+/// its state (woken to apply a led batch to the index), the request is
+/// the writer thread's, a batch of one that it syncs itself: a lone batch
+/// never waits for the syncer. Its changes are durable either way: a
+/// power cut right after keeps them.
 #[test]
 fn a_lone_caller_commits_its_own_batch_on_its_own_thread() {
     let disk = SimDisk::default();

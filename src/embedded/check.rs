@@ -3,9 +3,11 @@
 //! binding of a snapshot.
 
 use std::hash::RandomState;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata};
+
+use super::overlay::Overlay;
 
 use super::expiry_counts;
 use super::schema::{
@@ -41,65 +43,61 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
 }
 
 /// Verifies the records and bindings of the store file at `path` from its
-/// index alone, through redb's read-only open, which writes nothing. A
-/// cleanly closed file's index holds every change, so this is what a
-/// verification of the opened store finds; and it is the only read of a
-/// file whose pages are damaged that copies none of them: an open of the
-/// store writes a checkpoint, and redb's integrity check opens the file
-/// for writing and leaves one it finds damaged marked for repair. Only a
-/// file closed cleanly, of this format, that records no damage marker:
-/// redb refuses a read-only open of a file that needs its repair, the
-/// store's own flag must say that the index holds every change, and a
-/// recorded marker is found by the store's open. Leases, ages and bindings are judged at
-/// the store's time as the file records it. Its memory is bounded by
-/// [`CHECK_CACHE_BYTES`] of page cache.
+/// index alone, without writing the file: redb opens it through an
+/// [`Overlay`], which keeps in memory what redb writes (its repair of a
+/// file marked for repair, as redb's integrity check leaves a file it
+/// finds damaged), so no damaged page is copied under a fresh checksum, as
+/// an open of the store, which writes a checkpoint, could. For a file
+/// whose pages redb's check found damaged: the records its pages still
+/// give, as of the index's last checkpoint (the write-ahead log is not
+/// read; a cleanly closed store's index holds every change). Leases, ages
+/// and bindings are judged at the store's time as the file records it.
+/// Returns the report and the damage marker the store records, when that
+/// file exists (found so by whatever name the store was opened). Its
+/// memory: [`CHECK_CACHE_BYTES`] of page cache, and the pages redb's
+/// repair writes.
 ///
 /// # Errors
 /// [`Error::AlreadyOpen`] when a store holds the file; [`Error::CorruptFile`]
-/// when redb does not open it read-only (a crash or damage), its metadata
-/// does not read, it is of an older format, it was not closed cleanly, or
-/// it records a damage marker;
+/// when redb does not open it (its repair fails on the damage), its
+/// metadata does not read, or it is of an older format (whose records
+/// this build reads only once an open has migrated them);
 /// [`Error::Storage`] when it cannot be read; those of [`verify`].
-pub(crate) fn verify_index(path: &Path, mut progress: impl FnMut(Progress)) -> Result<CheckReport> {
+pub(crate) fn verify_index(
+    path: &Path,
+    mut progress: impl FnMut(Progress),
+) -> Result<(CheckReport, Option<PathBuf>)> {
+    let view = Overlay::open(path)?;
     guard(path, || {
-        let db = redb::Builder::new()
+        let db = Database::builder()
             .set_cache_size(CHECK_CACHE_BYTES)
-            .open_read_only(path)
+            .create_with_backend(view)
             .map_err(|e| open_error(path, e))?;
-        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
-        let (meta, marker) = {
-            let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
-            let marker = table
-                .get(schema::META_DAMAGE_MARKER)
-                .map_err(|e| map_err(path, e))?
-                .is_some();
-            (schema::read_meta(path, &table)?, marker)
+        let marker = match schema::recorded_damage_marker(path, &db)? {
+            Ok(Some(recorded)) if super::scrub::is_present(&recorded) => Some(recorded),
+            _ => None,
         };
-        let refuse = |detail: &str| Error::CorruptFile {
-            path: path.to_path_buf(),
-            detail: detail.into(),
+        let txn = db.begin_read().map_err(|e| map_err(path, e))?;
+        let meta = {
+            let table = txn.open_table(META).map_err(|e| map_err(path, e))?;
+            schema::read_meta(path, &table)?
         };
         if meta.format != schema::FORMAT_VERSION {
-            return Err(refuse(
-                "the file is of an older format (an open migrates it)",
-            ));
-        }
-        // The marker a scrub recorded is found by the store's open, by
-        // whatever name the file is opened (a hard link too).
-        if marker {
-            return Err(refuse("the store records a damage marker"));
-        }
-        if !meta.clean {
-            return Err(refuse(
-                "the store was not closed cleanly: its write-ahead log may hold changes \
-                 its index lacks",
-            ));
+            return Err(Error::CorruptFile {
+                path: path.to_path_buf(),
+                detail: format!(
+                    "the file is of format {}, whose records this build reads once an open \
+                     has migrated them",
+                    meta.format
+                ),
+            });
         }
         // For a progress display's total: redb keeps each table's length.
         let total = txn.open_table(RECORDS).and_then(|t| Ok(t.len()?)).ok();
-        verify(path, &txn, meta.clock_hwm, |p| {
+        let report = verify(path, &txn, meta.clock_hwm, |p| {
             progress(Progress { total, ..p });
-        })
+        })?;
+        Ok((report, marker))
     })
 }
 

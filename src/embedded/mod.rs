@@ -16,6 +16,7 @@ pub(crate) mod create;
 pub(crate) mod expiry;
 pub(crate) mod expiry_counts;
 pub(crate) mod fence;
+pub(crate) mod overlay;
 pub(crate) mod pending;
 pub(crate) mod salvage;
 pub(crate) mod schema;

@@ -572,9 +572,12 @@ fn recorded_len(log: &dyn LogFile, len: u64) -> io::Result<Option<u64>> {
     Ok(Some(le_u64(&rec[4..12])))
 }
 
-/// Records `len` as the log's length in its header, and syncs. Called only
-/// once the log's `len` bytes are durable (see [`LENGTH_AT`]).
+/// Makes the log's `len` bytes durable, then records `len` as its length
+/// in its header, and syncs that: one `fdatasync` orders nothing among the
+/// writes it makes durable, so a record synced with the growth it names
+/// could reach the disk before the file's new length (see [`LENGTH_AT`]).
 fn record_len(file: &dyn LogFile, path: &Path, len: u64) -> Result<()> {
+    file.sync_data().map_err(|e| io_err(path, "fsync", &e))?;
     file.write_at(LENGTH_AT, &encode_length(len))
         .map_err(|e| io_err(path, "write", &e))?;
     file.sync_data().map_err(|e| io_err(path, "fsync", &e))
@@ -1253,8 +1256,8 @@ impl LogWriter {
             w.grow_to(initial)?;
         }
         // A log of an older build, or one whose growth a crash cut before
-        // its record: the length it has now is durable (the open's
-        // recovery read it), so it is recorded.
+        // its record: the length it has now is recorded once made durable
+        // (a killed process's growth may be in the page cache only).
         let recorded =
             recorded_len(w.file.as_ref(), w.len).map_err(|e| io_err(&w.path, "read", &e))?;
         if recorded != Some(w.len) {
@@ -1277,7 +1280,6 @@ impl LogWriter {
         let initial = INITIAL_LOG_BYTES.min(max_len);
         let len = file.len().map_err(|e| io_err(path, "stat", &e))?;
         zero_fill(file, path, len.max(HEADER_LEN), initial)?;
-        file.sync_data().map_err(|e| io_err(path, "fsync", &e))?;
         let len = file.len().map_err(|e| io_err(path, "stat", &e))?;
         record_len(file, path, len)
     }
@@ -1342,11 +1344,9 @@ impl LogWriter {
             self.len.max(HEADER_LEN),
             len,
         )?;
-        self.file
-            .sync_data()
-            .map_err(|e| io_err(&self.path, "fsync", &e))?;
+        record_len(self.file.as_ref(), &self.path, len)?;
         self.len = len;
-        record_len(self.file.as_ref(), &self.path, len)
+        Ok(())
     }
 }
 
@@ -1458,20 +1458,20 @@ mod tests {
         );
         // A log of an older build (no record) is not judged by it, and its
         // next writer records the length it has.
-        let (old, _) = log_with(1, |s| s - 1);
-        let mut bytes = old.contents();
-        bytes[32..48].fill(0);
-        bytes.truncate(8192);
-        old.set_contents(bytes);
-        assert_eq!(recorded_len(&old, 8192).unwrap(), None);
-        assert_eq!(
-            recover(&old, Path::new("t"), 7, 3, 10, false)
-                .unwrap()
-                .last_seq(10),
-            11
-        );
-        LogWriter::start(Arc::new(old.clone()), "t".into(), 7, 4, 1 << 20).unwrap();
-        assert_eq!(recorded_len(&old, 1 << 20).unwrap(), Some(1 << 20));
+        for cut in [8192, 1 << 20] {
+            let (old, _) = log_with(1, |s| s - 1);
+            let mut bytes = old.contents();
+            bytes[32..48].fill(0);
+            bytes.truncate(cut);
+            old.set_contents(bytes);
+            assert_eq!(recorded_len(&old, cut as u64).unwrap(), None);
+            let r = recover(&old, Path::new("t"), 7, 3, 10, false).unwrap();
+            assert_eq!(r.last_seq(10), 11);
+            // Cut to 8192 bytes: grown back to the initial 1 MiB, which is
+            // recorded; as long already: its length recorded as it is.
+            LogWriter::start(Arc::new(old.clone()), "t".into(), 7, 4, 1 << 20).unwrap();
+            assert_eq!(recorded_len(&old, 1 << 20).unwrap(), Some(1 << 20));
+        }
     }
 
     #[test]
