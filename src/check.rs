@@ -32,11 +32,13 @@ use crate::store::Store;
 /// not open because of them (redb's "Primary is corrupted despite 2-phase
 /// commit", or a panic inside redb), as [`Integrity::Failed`] with what
 /// failed. The records of such a file are still checked as far as its
-/// pages give them, read from its index as of its last checkpoint without
-/// opening the store or writing the file (the changes in its write-ahead
-/// log are not read: a cleanly closed store has none), and each damaged
-/// one is named; when even that read fails, none are
-/// ([`CheckReport::records_checked`] is `false`). A write-ahead log that recovery needs and cannot use (damaged
+/// pages give them, read from its index as of its last checkpoint through
+/// a view that keeps redb's writes in memory (the file is not written by
+/// this read), and each damaged one is named. The write-ahead log is not
+/// read then: a cleanly closed store has nothing in it; for another, a
+/// problem keyed [`UNREAD_PROBLEM`] says so. When even the index does not
+/// read, no record is checked ([`CheckReport::records_checked`] is
+/// `false`) and that problem says why. A write-ahead log that recovery needs and cannot use (damaged
 /// where a durable frame was, cut short of the length its header records,
 /// or missing or blank after an unclean
 /// shutdown: what [`Store::open`] refuses with [`Error::CorruptLog`]) is a
@@ -76,30 +78,46 @@ pub fn check_file(
     // Damaged pages: the store is not opened (its opening checkpoint could
     // copy a damaged page under a fresh checksum), but its index is read as
     // it is, through a view that keeps redb's writes in memory, and the
-    // records its pages still give are checked; none when even that fails.
-    let damaged = |progress: &mut dyn FnMut(Progress), detail| {
+    // records its pages still give are checked; none when even that fails,
+    // and the problems say why.
+    let damaged = |progress: &mut dyn FnMut(Progress), detail| -> Result<CheckReport> {
         let read = crate::embedded::check::verify_index(path, progress);
-        match read {
-            Ok((report, recorded)) => {
+        Ok(match read {
+            Ok((report, recorded, clean)) => {
                 let mut report = finish(report, Integrity::Failed(detail));
                 if let Some(named) = recorded
                     && named != marker
                 {
                     report.found_listed(marker_problem(&named));
                 }
+                if !clean {
+                    report.found_listed(Problem::other(
+                        UNREAD_PROBLEM.into(),
+                        "the store was not closed cleanly: the changes since its last \
+                         checkpoint are in its write-ahead log, which was not read (the \
+                         records above are the index's, as of that checkpoint)"
+                            .into(),
+                    ));
+                }
                 report
             }
-            Err(_) => unread(Integrity::Failed(detail)),
-        }
+            // A store took the file meanwhile, or it cannot be read.
+            Err(e @ (Error::AlreadyOpen { .. } | Error::Storage(_))) => return Err(e),
+            Err(e) => {
+                let mut report = unread(Integrity::Failed(detail));
+                report.found_listed(Problem::other(
+                    UNREAD_PROBLEM.into(),
+                    format!("the records were not read: {e}"),
+                ));
+                report
+            }
+        })
     };
     let integrity = match crate::embedded::check::integrity(path) {
-        Ok(Integrity::Failed(detail)) => return Ok(damaged(&mut progress, detail)),
+        Ok(Integrity::Failed(detail)) => return damaged(&mut progress, detail),
         Ok(integrity) => integrity,
         Err(Error::CorruptFile { detail, .. }) => {
-            return Ok(damaged(
-                &mut progress,
-                format!("the file does not open: {detail}"),
-            ));
+            return damaged(&mut progress, format!("the file does not open: {detail}"));
         }
         Err(e) => return Err(e),
     };
@@ -113,10 +131,7 @@ pub fn check_file(
     let store = match Store::open_existing(path, config) {
         Ok(store) => store,
         Err(Error::CorruptFile { detail, .. }) => {
-            return Ok(damaged(
-                &mut progress,
-                format!("the store does not open: {detail}"),
-            ));
+            return damaged(&mut progress, format!("the store does not open: {detail}"));
         }
         // The pages are sound (checked above), but the log recovery needs
         // is not: the store does not open, records are not checked.
@@ -146,6 +161,12 @@ pub fn check_file(
     }
     Ok(report)
 }
+
+/// The [`Problem::key`](crate::Problem::key) of what [`check_file`] could
+/// not read of a file whose pages are damaged: the records, when not even
+/// the index reads (the detail says why), or the write-ahead log of a
+/// store that was not closed cleanly.
+pub const UNREAD_PROBLEM: &str = "(not checked)";
 
 /// The [`Problem::key`](crate::Problem::key) of the problem
 /// [`check_file`] reports for a write-ahead log that recovery needs and

@@ -215,14 +215,17 @@ pub enum Error {
     },
 
     /// The file is already open, by this process or another one. redb locks
-    /// the file; a second open is refused rather than waiting.
+    /// the store file, and a store locks its write-ahead log; a second open
+    /// is refused rather than waiting. `path` is the write-ahead log when
+    /// the store file is free but its log is held: the file at the store's
+    /// path was replaced (a copy moved over it) under a running store.
     #[error(
         "{} is already open by another Store (in this or another process); \
          only one Store may hold a file at a time",
         path.display()
     )]
     AlreadyOpen {
-        /// The store file.
+        /// The store file (or its write-ahead log, as above).
         path: PathBuf,
     },
 

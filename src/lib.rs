@@ -163,7 +163,7 @@ mod store;
 mod sweeper;
 
 pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary};
-pub use check::{LOG_PROBLEM, check_file};
+pub use check::{LOG_PROBLEM, UNREAD_PROBLEM, check_file};
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use compact::{Compaction, compact_file};
 pub use config::{

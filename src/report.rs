@@ -37,10 +37,11 @@ pub enum Integrity {
     /// or the file does not open at all because of it (redb's message, such
     /// as "Primary is corrupted despite 2-phase commit", names what
     /// failed). The records are still checked as far as the pages give
-    /// them, from the index as of its last checkpoint, without opening the
-    /// store or writing the file, and each damaged one is named; when even
+    /// them, from the index as of its last checkpoint, through a view that
+    /// writes nothing to the file, and each damaged one is named; when even
     /// that read fails, none are ([`CheckReport::records_checked`] is
-    /// `false`). The next step is a restore from the latest export into a
+    /// `false`, and a problem keyed [`UNREAD_PROBLEM`](crate::UNREAD_PROBLEM)
+    /// says why). The next step is a restore from the latest export into a
     /// new file (`idemstore import --create NEW EXPORT`).
     Failed(String),
 }
@@ -133,7 +134,7 @@ pub struct CheckReport {
     /// Whether the records were read and checked: `false` when the write-
     /// ahead log keeps the store from opening, or the pages are damaged and
     /// not even the index could be read (then `records` and `bindings` are
-    /// 0, unread). See [`Integrity::Failed`].
+    /// 0, unread, and a problem says why). See [`Integrity::Failed`].
     pub records_checked: bool,
     /// Stored records read (live, expired and damaged).
     pub records: u64,

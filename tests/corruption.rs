@@ -286,6 +286,53 @@ fn check_file_reports_a_damaged_page_as_damage() {
     }
 }
 
+/// A crash image (the store file and its log copied while the store ran)
+/// with a damaged page: the records are read from the index as of its last
+/// checkpoint, the damaged one named, and a problem says that the changes
+/// since, in the write-ahead log, were not read.
+#[test]
+fn a_crash_image_with_a_damaged_page_names_the_record_and_the_unread_log() {
+    let t = TestDir::new();
+    let store = t.open();
+    populate(&store);
+    store.checkpoint().unwrap();
+    let after = key("after-the-checkpoint");
+    let lease = acquired(
+        store
+            .claim(&after, &fp("after"), &lease_of(secs(600)))
+            .unwrap(),
+    );
+    store.complete(&lease, b"in the log only").unwrap();
+    let image = t.dir.path().join("image.redb");
+    std::fs::copy(&t.path, &image).unwrap();
+    let mut log = t.path.as_os_str().to_owned();
+    log.push("-wal");
+    std::fs::copy(&log, t.dir.path().join("image.redb-wal")).unwrap();
+    drop(store);
+    let bytes = std::fs::read(&image).unwrap();
+    flip(&image, find_all(&bytes, MARKER)[0] + 9, 0x01);
+    let report = idemstore::check_file(&image, |_| {}).unwrap();
+    assert!(
+        matches!(report.integrity, idemstore::Integrity::Failed(_)),
+        "{report:?}"
+    );
+    assert!(report.records_checked, "{report:?}");
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.key.to_ascii_lowercase().contains(VICTIM_ID)),
+        "the victim is not named: {report:?}"
+    );
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.key == idemstore::UNREAD_PROBLEM && p.detail.contains("write-ahead log")),
+        "the unread log is not said: {report:?}"
+    );
+}
+
 /// Damage that reaches a record while the store is open (redb verifies page
 /// checksums only in its integrity check, which runs at open) is caught by the record checksum:
 /// `get` and `claim` of that key fail with CorruptRecord naming it, and every

@@ -718,6 +718,82 @@ fn a_log_from_another_store_is_refused() {
     }
 }
 
+/// A store file replaced by a copy of itself under a running store (a
+/// restore or copy-back: `mv s.redb moved.redb; cp moved.redb s.redb`) is
+/// a new file redb's lock does not cover, beside the running store's log:
+/// an open of it is refused (`AlreadyOpen`, naming the log) instead of
+/// replaying and writing the log the running store writes, which made two
+/// live stores that each acquired the same key.
+#[test]
+fn a_copy_put_in_place_of_a_held_store_is_refused_while_its_log_is_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let log = dir.path().join("s.redb-wal");
+    let running = Store::open_with(&path, config()).unwrap();
+    let lease = acquire(&running, &key("k-1"));
+    running.complete(&lease, b"first").unwrap();
+    let moved = dir.path().join("moved.redb");
+    std::fs::rename(&path, &moved).unwrap();
+    std::fs::copy(&moved, &path).unwrap();
+    match Store::open_with(&path, config()) {
+        Err(Error::AlreadyOpen { path: held }) => assert_eq!(held, log),
+        other => panic!(
+            "expected AlreadyOpen naming the log, got {:?}",
+            other.map(|_| ())
+        ),
+    }
+    // The running store goes on, and once it is closed its file opens by
+    // its new name with everything, its log put back beside it.
+    let lease = acquire(&running, &key("k-2"));
+    running.complete(&lease, b"second").unwrap();
+    drop(running);
+    std::fs::remove_file(&path).unwrap();
+    std::fs::rename(&log, dir.path().join("moved.redb-wal")).unwrap();
+    let reopened = Store::open_with(&moved, config()).unwrap();
+    for id in ["k-1", "k-2"] {
+        let record = reopened.get(&key(id)).unwrap();
+        assert_eq!(record.map(|r| r.state()), Some(State::Succeeded), "{id}");
+    }
+}
+
+/// A log deleted, or replaced by another file (a copy moved over it),
+/// under a running store: the store wrote on into a file no restart reads,
+/// and acknowledged changes that a restart lost. Now the next sync finds
+/// the log gone from its path and fails: nothing more is acknowledged (the
+/// store is poisoned, as after a failed fsync), and the error says why.
+#[test]
+fn a_log_deleted_or_replaced_under_a_running_store_stops_its_acknowledgements() {
+    for how in ["deleted", "replaced"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.redb");
+        let log = dir.path().join("s.redb-wal");
+        let store = Store::open_with(&path, config()).unwrap();
+        let lease = acquire(&store, &key("before"));
+        store.complete(&lease, b"kept").unwrap();
+        if how == "deleted" {
+            std::fs::remove_file(&log).unwrap();
+        } else {
+            let copy = dir.path().join("copy");
+            std::fs::copy(&log, &copy).unwrap();
+            std::fs::rename(&copy, &log).unwrap();
+        }
+        match store.claim(&key("after"), &fp(), &ClaimOptions::new()) {
+            Err(Error::Storage(detail)) => {
+                assert!(detail.contains(how), "{how}: {detail}");
+                assert!(detail.contains("s.redb-wal"), "{how}: {detail}");
+            }
+            other => panic!("{how}: expected a storage error, got {other:?}"),
+        }
+        assert!(
+            matches!(
+                store.claim(&key("later"), &fp(), &ClaimOptions::new()),
+                Err(Error::Poisoned { .. })
+            ),
+            "{how}: a later claim was not refused"
+        );
+    }
+}
+
 #[test]
 fn a_missing_log_is_recreated_after_a_clean_close_and_refused_after_a_crash() {
     let dir = tempfile::tempdir().unwrap();

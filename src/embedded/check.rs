@@ -52,8 +52,10 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
 /// give, as of the index's last checkpoint (the write-ahead log is not
 /// read; a cleanly closed store's index holds every change). Leases, ages
 /// and bindings are judged at the store's time as the file records it.
-/// Returns the report and the damage marker the store records, when that
-/// file exists (found so by whatever name the store was opened). Its
+/// Returns the report, the damage marker the store records, when that
+/// file exists (found so by whatever name the store was opened), and
+/// whether the store was closed cleanly (else its log may hold changes
+/// this read did not see). Its
 /// memory: [`CHECK_CACHE_BYTES`] of page cache, and the pages redb's
 /// repair writes.
 ///
@@ -66,7 +68,7 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
 pub(crate) fn verify_index(
     path: &Path,
     mut progress: impl FnMut(Progress),
-) -> Result<(CheckReport, Option<PathBuf>)> {
+) -> Result<(CheckReport, Option<PathBuf>, bool)> {
     let view = Overlay::open(path)?;
     guard(path, || {
         let db = Database::builder()
@@ -97,7 +99,7 @@ pub(crate) fn verify_index(
         let report = verify(path, &txn, meta.clock_hwm, |p| {
             progress(Progress { total, ..p });
         })?;
-        Ok((report, marker))
+        Ok((report, marker, meta.clean))
     })
 }
 

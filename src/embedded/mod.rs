@@ -420,8 +420,15 @@ impl Embedded {
         let (log, log_fresh): (Arc<dyn LogFile>, bool) = match log {
             Some(log) => (log, true),
             None => {
-                let file = FileLog::open(&log_path).map_err(|e| {
-                    Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
+                let file = FileLog::open(&log_path).map_err(|e| match e.kind() {
+                    // Its store file was replaced (a copy moved over it)
+                    // under the store that holds this log.
+                    std::io::ErrorKind::WouldBlock => Error::AlreadyOpen {
+                        path: log_path.clone(),
+                    },
+                    _ => {
+                        Error::Storage(format!("{}: cannot open the log: {e}", log_path.display()))
+                    }
                 })?;
                 let fresh = file.fresh();
                 (Arc::new(file), fresh)

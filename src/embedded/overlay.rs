@@ -24,7 +24,9 @@ const PAGE: u64 = 4096;
 
 /// A store file seen with the writes made through the view laid over it.
 /// Holds a shared lock on the file (`flock`), which the exclusive lock of
-/// an open store conflicts with. Its memory grows with the distinct pages
+/// an open store conflicts with on Linux (where redb takes a whole-file
+/// `flock`; elsewhere redb locks byte ranges, and the service must be
+/// stopped, as `check` needs anyway). Its memory grows with the distinct pages
 /// written (redb's repair writes its allocation state: a small part of
 /// the file).
 #[derive(Debug)]
@@ -108,7 +110,7 @@ impl Overlay {
         }
         for (&page, bytes) in st.pages.range(offset / PAGE..=(end - 1) / PAGE) {
             let start = page * PAGE;
-            let (from, to) = (start.max(offset), (start + PAGE).min(end));
+            let (from, to) = (start.max(offset), start.saturating_add(PAGE).min(end));
             let src = &bytes[usize::try_from(from - start).map_err(|_| past_end())?
                 ..usize::try_from(to - start).map_err(|_| past_end())?];
             let dst = usize::try_from(from - offset).map_err(|_| past_end())?;
@@ -165,18 +167,19 @@ impl StorageBackend for Overlay {
         if n == 0 {
             return Ok(());
         }
-        st.len = st.len.max(end);
         for page in offset / PAGE..=(end - 1) / PAGE {
             let start = page * PAGE;
+            let page_end = start.saturating_add(PAGE);
             if !st.pages.contains_key(&page) {
-                // A new page starts as what the view shows there.
+                // A new page starts as what the view shows there (zeros
+                // past the view's end).
                 let mut bytes = vec![0u8; PAGE as usize].into_boxed_slice();
-                let shown = st.len.min(start + PAGE).saturating_sub(start);
+                let shown = st.len.min(page_end).saturating_sub(start);
                 let shown = usize::try_from(shown).map_err(|_| past_end())?;
                 self.read_in(&st, start, &mut bytes[..shown])?;
                 st.pages.insert(page, bytes);
             }
-            let (from, to) = (start.max(offset), (start + PAGE).min(end));
+            let (from, to) = (start.max(offset), page_end.min(end));
             let dst = usize::try_from(from - start).map_err(|_| past_end())?;
             let src = usize::try_from(from - offset).map_err(|_| past_end())?;
             let len = usize::try_from(to - from).map_err(|_| past_end())?;
@@ -184,6 +187,7 @@ impl StorageBackend for Overlay {
                 bytes[dst..dst + len].copy_from_slice(&data[src..src + len]);
             }
         }
+        st.len = st.len.max(end);
         Ok(())
     }
 }

@@ -87,18 +87,31 @@ pub struct FileLog {
     file: File,
     /// The file was absent or empty when opened: no store has written it.
     fresh: bool,
+    /// For a log opened to be written: its path and its identity then
+    /// (device and inode), which every sync checks (see
+    /// [`FileLog::still_in_place`]).
+    #[cfg(unix)]
+    placed: Option<(PathBuf, (u64, u64))>,
     #[cfg(not(unix))]
     cursor: Mutex<()>,
 }
 
 impl FileLog {
     /// Opens the file at `path` for reading and writing, creating it when it
-    /// is absent. A newly created file's directory entry is made durable
-    /// (the parent directory is synced on Unix) before this returns.
+    /// is absent, and takes an exclusive lock on it (`flock`, held until the
+    /// `FileLog` is dropped): one writer per log, even when its store file
+    /// was replaced by a copy under a running store, whose open would
+    /// otherwise replay and write the running store's log. A newly created
+    /// file's directory entry is made durable (the parent directory is
+    /// synced on Unix) before this returns. On Unix every
+    /// [`sync_data`](LogFile::sync_data) then checks that `path` still
+    /// names this file (see `still_in_place`).
     ///
     /// # Errors
-    /// Any I/O error from opening or creating the file or syncing its
-    /// directory.
+    /// [`io::ErrorKind::WouldBlock`] when another open file holds the lock
+    /// (another process's store, or this process's); any I/O error from
+    /// opening, creating or locking the file (a platform without locks is
+    /// not an error) or syncing its directory.
     pub fn open(path: impl AsRef<Path>) -> io::Result<FileLog> {
         let path = path.as_ref();
         let (file, created) = match OpenOptions::new()
@@ -113,17 +126,68 @@ impl FileLog {
             }
             Err(e) => return Err(e),
         };
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    "another store holds this write-ahead log",
+                ));
+            }
+            Err(std::fs::TryLockError::Error(e)) if e.kind() == io::ErrorKind::Unsupported => {}
+            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+        }
         if created {
             file.sync_all()?;
             sync_parent_dir(path)?;
         }
-        let fresh = created || file.metadata()?.len() == 0;
+        let meta = file.metadata()?;
+        let fresh = created || meta.len() == 0;
         Ok(FileLog {
+            #[cfg(unix)]
+            placed: {
+                use std::os::unix::fs::MetadataExt;
+                Some((path.to_path_buf(), (meta.dev(), meta.ino())))
+            },
             file,
             fresh,
             #[cfg(not(unix))]
             cursor: Mutex::new(()),
         })
+    }
+
+    /// After a sync: whether the log is still where a restart looks for
+    /// it. A log deleted, or replaced by another file (a copy moved over
+    /// it), while the store holds it takes every later frame into a file
+    /// no recovery reads: its syncs then fail, so nothing more is
+    /// acknowledged (the store is poisoned, as after a failed `fsync`). A
+    /// log whose path is gone (its directory renamed with the store file)
+    /// is still found by the store's new name, and passes.
+    #[cfg(unix)]
+    fn still_in_place(&self) -> io::Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        let Some((path, placed)) = &self.placed else {
+            return Ok(());
+        };
+        let lost = |how: &str| {
+            io::Error::other(format!(
+                "the write-ahead log {} was {how} while this store held it: what the store \
+                 writes now is in a file no restart reads, so nothing more is acknowledged; \
+                 stop the service, and put the log back (a copy of /proc/<pid>/fd of this \
+                 process's open log) before it restarts",
+                path.display()
+            ))
+        };
+        match std::fs::metadata(path) {
+            Ok(m) if (m.dev(), m.ino()) != *placed => Err(lost("replaced by another file")),
+            _ if self.file.metadata()?.nlink() == 0 => Err(lost("deleted")),
+            _ => Ok(()),
+        }
+    }
+
+    #[cfg(not(unix))]
+    fn still_in_place(&self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -136,6 +200,8 @@ impl FileLog {
         Ok(FileLog {
             file,
             fresh,
+            #[cfg(unix)]
+            placed: None,
             #[cfg(not(unix))]
             cursor: Mutex::new(()),
         })
@@ -193,7 +259,8 @@ impl LogFile for FileLog {
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        self.file.sync_data()
+        self.file.sync_data()?;
+        self.still_in_place()
     }
 
     fn len(&self) -> io::Result<u64> {

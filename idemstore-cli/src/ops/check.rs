@@ -100,7 +100,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             writeln!(out, "{:<16} {} checked", "records", report.records)?;
             writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
         } else {
-            let unread = "not checked (the store does not open)";
+            let unread = if report
+                .problems
+                .iter()
+                .any(|p| p.key == idemstore::LOG_PROBLEM)
+            {
+                "not checked (the store does not open)"
+            } else {
+                "not checked (the damaged pages keep even the index from reading)"
+            };
             writeln!(out, "{:<16} {unread}", "records")?;
             writeln!(out, "{:<16} {unread}", "business keys")?;
         }
