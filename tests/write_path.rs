@@ -758,9 +758,10 @@ fn a_copy_put_in_place_of_a_held_store_is_refused_while_its_log_is_held() {
 
 /// A log deleted, or replaced by another file (a copy moved over it),
 /// under a running store: the store wrote on into a file no restart reads,
-/// and acknowledged changes that a restart lost. Now the next sync finds
-/// the log gone from its path and fails: nothing more is acknowledged (the
-/// store is poisoned, as after a failed fsync), and the error says why.
+/// and acknowledged changes that a restart lost. Now a sync finds the log
+/// gone from its path (syncs look at most every 200 ms) and fails: nothing
+/// more is acknowledged (the store is poisoned, as after a failed fsync),
+/// and the error says why.
 #[test]
 fn a_log_deleted_or_replaced_under_a_running_store_stops_its_acknowledgements() {
     for how in ["deleted", "replaced"] {
@@ -777,13 +778,27 @@ fn a_log_deleted_or_replaced_under_a_running_store_stops_its_acknowledgements() 
             std::fs::copy(&log, &copy).unwrap();
             std::fs::rename(&copy, &log).unwrap();
         }
-        match store.claim(&key("after"), &fp(), &ClaimOptions::new()) {
-            Err(Error::Storage(detail)) => {
-                assert!(detail.contains(how), "{how}: {detail}");
-                assert!(detail.contains("s.redb-wal"), "{how}: {detail}");
+        // Lifecycles go on until a sync looks (a hang guard, not a bound
+        // on the time it takes).
+        let started = std::time::Instant::now();
+        let detail = loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(60),
+                "{how}: the store never noticed"
+            );
+            let k = key(format!("after-{}", started.elapsed().as_nanos()));
+            match store.claim(&k, &fp(), &ClaimOptions::new()) {
+                Ok(ClaimOutcome::Acquired(lease)) => match store.complete(&lease, b"x") {
+                    Ok(_) => {}
+                    Err(Error::Storage(detail)) => break detail,
+                    Err(other) => panic!("{how}: expected a storage error, got {other:?}"),
+                },
+                Err(Error::Storage(detail)) => break detail,
+                other => panic!("{how}: expected a storage error, got {other:?}"),
             }
-            other => panic!("{how}: expected a storage error, got {other:?}"),
-        }
+        };
+        assert!(detail.contains(how), "{how}: {detail}");
+        assert!(detail.contains("s.redb-wal"), "{how}: {detail}");
         assert!(
             matches!(
                 store.claim(&key("later"), &fp(), &ClaimOptions::new()),
