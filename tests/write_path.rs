@@ -756,6 +756,79 @@ fn a_copy_put_in_place_of_a_held_store_is_refused_while_its_log_is_held() {
     }
 }
 
+/// The child of [`an_open_racing_a_close_is_refused_by_the_file_never_by_its_log`].
+const RACING_OPENS: &str = "an_open_racing_a_close_is_refused_by_the_file_never_by_its_log";
+/// The processes and the rounds of that test.
+const RACERS: usize = 6;
+const ROUNDS: usize = 20;
+
+/// Processes opening one new store at once, each round, and closing it in
+/// turn (as a restarting service's old and new process do): an open that
+/// takes the file's lock finds its log free too, since a closing store
+/// releases its log before its file. So every refusal names the store
+/// file (a refusal naming the log says the file was replaced under a
+/// running store), and each key is acquired once.
+#[test]
+fn an_open_racing_a_close_is_refused_by_the_file_never_by_its_log() {
+    if common::child_role(RACING_OPENS) {
+        let dir = std::path::PathBuf::from(common::child_var("DIR"));
+        let id = common::child_var("ID");
+        let (mut by_log, mut acquired) = (0, 0);
+        for round in 0..ROUNDS {
+            // All start the round together (a hang guard, not a bound).
+            std::fs::write(dir.join(format!("ready-{round}-{id}")), b"").unwrap();
+            let started = std::time::Instant::now();
+            while (0..RACERS).any(|i| !dir.join(format!("ready-{round}-{i}")).exists()) {
+                assert!(started.elapsed() < Duration::from_secs(60), "round {round}");
+                std::thread::yield_now();
+            }
+            let path = dir.join(format!("s{round}.redb"));
+            let store = loop {
+                match Store::open_with(&path, config()) {
+                    Ok(store) => break store,
+                    Err(Error::AlreadyOpen { path: refused }) => {
+                        by_log += usize::from(refused != path);
+                    }
+                    Err(other) => panic!("child {id}: {other:?}"),
+                }
+            };
+            for k in 0..4 {
+                if let ClaimOutcome::Acquired(lease) = store
+                    .claim(&key(format!("{round}-{k}")), &fp(), &ClaimOptions::new())
+                    .unwrap()
+                {
+                    store.complete(&lease, b"once").unwrap();
+                    acquired += 1;
+                }
+            }
+        }
+        common::report("BY_LOG", by_log);
+        common::report("ACQUIRED", acquired);
+        common::ready_and_wait();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut children: Vec<_> = (0..RACERS)
+        .map(|id| {
+            common::spawn_child(
+                RACING_OPENS,
+                &[
+                    ("DIR", common::path_var(dir.path())),
+                    ("ID", id.to_string()),
+                ],
+            )
+        })
+        .collect();
+    let (mut by_log, mut acquired) = (0, 0);
+    for child in &mut children {
+        let said = child.wait_ready();
+        by_log += said["BY_LOG"].parse::<usize>().unwrap();
+        acquired += said["ACQUIRED"].parse::<usize>().unwrap();
+    }
+    children.into_iter().for_each(|c| c.kill());
+    assert_eq!(by_log, 0, "opens refused by the log of a closing store");
+    assert_eq!(acquired, ROUNDS * 4, "each key acquired once");
+}
+
 /// A log deleted, or replaced by another file (a copy moved over it),
 /// under a running store: the store wrote on into a file no restart reads,
 /// and acknowledged changes that a restart lost. Now a sync finds the log

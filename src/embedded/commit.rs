@@ -997,8 +997,12 @@ struct Lead {
 pub(crate) struct Writer {
     tx: Option<SyncSender<Msg>>,
     space: Arc<Space>,
-    shared: Arc<Shared>,
+    /// Dropped before `shared` (fields drop in order): the writer's state
+    /// holds the log, whose lock goes before the index's (held by `db` in
+    /// `shared`), so that an open that takes the index's lock next finds
+    /// the log free too, not held by a store that is closing.
     lead: Arc<Lead>,
+    shared: Arc<Shared>,
     handle: Option<JoinHandle<()>>,
     syncer: Option<JoinHandle<()>>,
     waker: Option<JoinHandle<()>>,
