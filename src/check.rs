@@ -101,8 +101,8 @@ pub fn check_file(
                 }
                 report
             }
-            // A store took the file meanwhile, or it cannot be read.
-            Err(e @ (Error::AlreadyOpen { .. } | Error::Storage(_))) => return Err(e),
+            // A store took the file meanwhile.
+            Err(e @ Error::AlreadyOpen { .. }) => return Err(e),
             Err(e) => {
                 let mut report = unread(Integrity::Failed(detail));
                 report.found_listed(Problem::other(

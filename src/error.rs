@@ -218,7 +218,8 @@ pub enum Error {
     /// the store file, and a store locks its write-ahead log; a second open
     /// is refused rather than waiting. `path` is the write-ahead log when
     /// the store file is free but its log is held: the file at the store's
-    /// path was replaced (a copy moved over it) under a running store.
+    /// path was replaced (a copy moved over it) under a running store, or
+    /// this process holds a [`FileLog`](crate::FileLog) of that log.
     #[error(
         "{} is already open by another Store (in this or another process); \
          only one Store may hold a file at a time",

@@ -829,59 +829,6 @@ fn an_open_racing_a_close_is_refused_by_the_file_never_by_its_log() {
     assert_eq!(acquired, ROUNDS * 4, "each key acquired once");
 }
 
-/// A log deleted, or replaced by another file (a copy moved over it),
-/// under a running store: the store wrote on into a file no restart reads,
-/// and acknowledged changes that a restart lost. Now a sync finds the log
-/// gone from its path (syncs look at most every 200 ms) and fails: nothing
-/// more is acknowledged (the store is poisoned, as after a failed fsync),
-/// and the error says why.
-#[test]
-fn a_log_deleted_or_replaced_under_a_running_store_stops_its_acknowledgements() {
-    for how in ["deleted", "replaced"] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("s.redb");
-        let log = dir.path().join("s.redb-wal");
-        let store = Store::open_with(&path, config()).unwrap();
-        let lease = acquire(&store, &key("before"));
-        store.complete(&lease, b"kept").unwrap();
-        if how == "deleted" {
-            std::fs::remove_file(&log).unwrap();
-        } else {
-            let copy = dir.path().join("copy");
-            std::fs::copy(&log, &copy).unwrap();
-            std::fs::rename(&copy, &log).unwrap();
-        }
-        // Lifecycles go on until a sync looks (a hang guard, not a bound
-        // on the time it takes).
-        let started = std::time::Instant::now();
-        let detail = loop {
-            assert!(
-                started.elapsed() < Duration::from_secs(60),
-                "{how}: the store never noticed"
-            );
-            let k = key(format!("after-{}", started.elapsed().as_nanos()));
-            match store.claim(&k, &fp(), &ClaimOptions::new()) {
-                Ok(ClaimOutcome::Acquired(lease)) => match store.complete(&lease, b"x") {
-                    Ok(_) => {}
-                    Err(Error::Storage(detail)) => break detail,
-                    Err(other) => panic!("{how}: expected a storage error, got {other:?}"),
-                },
-                Err(Error::Storage(detail)) => break detail,
-                other => panic!("{how}: expected a storage error, got {other:?}"),
-            }
-        };
-        assert!(detail.contains(how), "{how}: {detail}");
-        assert!(detail.contains("s.redb-wal"), "{how}: {detail}");
-        assert!(
-            matches!(
-                store.claim(&key("later"), &fp(), &ClaimOptions::new()),
-                Err(Error::Poisoned { .. })
-            ),
-            "{how}: a later claim was not refused"
-        );
-    }
-}
-
 #[test]
 fn a_missing_log_is_recreated_after_a_clean_close_and_refused_after_a_crash() {
     let dir = tempfile::tempdir().unwrap();

@@ -502,6 +502,21 @@ pub fn open(arg: &StoreArg, retention: Option<Duration>) -> Result<Store, CliErr
 /// format).
 pub fn open_error(path: &Path, err: Error) -> CliError {
     match err {
+        // The store file is free but its log is held: the file at the
+        // path was replaced under a running store.
+        Error::AlreadyOpen { path: held }
+            if held != path && held.to_string_lossy().ends_with("-wal") =>
+        {
+            CliError::Failed(format!(
+                "{}'s write-ahead log {} is held by a running store: the file at {} is not the \
+             one that store has open (it was replaced, a copy moved over it, while the store \
+             ran). Stop that service first; its clean close writes its changes into the file \
+             it holds (the one moved away), not into this one",
+                path.display(),
+                held.display(),
+                path.display()
+            ))
+        }
         Error::AlreadyOpen { .. } => CliError::Failed(format!(
             "{} is in use: another process holds the store (redb locks the file while a Store \
              has it open). Operator commands need the file to themselves: stop the service \

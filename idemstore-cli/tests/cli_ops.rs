@@ -1529,6 +1529,30 @@ fn a_store_held_by_a_service_is_reported_as_in_use() {
     assert_eq!(code(&idemstore(&["stats", p(&path)])), 0);
 }
 
+/// A copy of the store file moved into place under a running service (a
+/// restore or copy-back while it runs): the commands are refused, naming
+/// the log the service holds and saying that the file was replaced,
+/// instead of opening the copy and writing the service's log.
+#[test]
+fn a_store_file_replaced_under_a_service_is_refused_naming_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let service = Store::open(&path).unwrap();
+    let moved = dir.path().join("moved.redb");
+    std::fs::rename(&path, &moved).unwrap();
+    std::fs::copy(&moved, &path).unwrap();
+    for cmd in ["stats", "check", "list"] {
+        let out = idemstore(&[cmd, p(&path)]);
+        assert_eq!(code(&out), 2, "{cmd}");
+        let err = stderr(&out);
+        assert!(
+            err.contains("s.redb-wal is held by a running store") && err.contains("replaced"),
+            "{cmd}: {err}"
+        );
+    }
+    drop(service);
+}
+
 /// A store damaged throughout: `check` lists the first
 /// `MAX_LISTED_PROBLEMS` problems and says how many more it found.
 #[test]

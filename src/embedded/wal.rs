@@ -80,10 +80,6 @@ pub trait LogFile: Send + Sync + 'static {
     fn len(&self) -> io::Result<u64>;
 }
 
-/// How often a [`FileLog`]'s syncs check that its path still names it
-/// (deleted or replaced under a running store).
-pub(crate) const PLACE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
-
 /// A [`LogFile`] on a file of the operating system, the one the store uses
 /// for `<file>-wal`.
 #[derive(Debug)]
@@ -91,17 +87,6 @@ pub struct FileLog {
     file: File,
     /// The file was absent or empty when opened: no store has written it.
     fresh: bool,
-    /// For a log opened to be written: its path and its identity then
-    /// (device and inode), which a sync checks at most once per
-    /// [`PLACE_CHECK_EVERY`] (see [`FileLog::still_in_place`]).
-    #[cfg(unix)]
-    placed: Option<(PathBuf, (u64, u64))>,
-    /// When the file was opened, and the last check of its place (ms
-    /// after that).
-    #[cfg(unix)]
-    opened: std::time::Instant,
-    #[cfg(unix)]
-    place_checked_ms: std::sync::atomic::AtomicU64,
     #[cfg(not(unix))]
     cursor: Mutex<()>,
 }
@@ -113,15 +98,15 @@ impl FileLog {
     /// was replaced by a copy under a running store, whose open would
     /// otherwise replay and write the running store's log. A newly created
     /// file's directory entry is made durable (the parent directory is
-    /// synced on Unix) before this returns. On Unix its syncs then check,
-    /// at most every 200 ms, that `path` still names this file (see
-    /// `still_in_place`).
+    /// synced on Unix) before this returns.
     ///
     /// # Errors
     /// [`io::ErrorKind::WouldBlock`] when another open file holds the lock
-    /// (another process's store, or this process's); any I/O error from
-    /// opening, creating or locking the file (a platform without locks is
-    /// not an error) or syncing its directory.
+    /// (another process's store, this process's, or a `FileLog` of the same
+    /// file opened earlier and still alive); any I/O error from opening or
+    /// creating the file or syncing its directory. A lock the file system
+    /// cannot take (no `flock`: as redb, which also locks by byte ranges,
+    /// the store then goes on without it) is not an error.
     pub fn open(path: impl AsRef<Path>) -> io::Result<FileLog> {
         let path = path.as_ref();
         let (file, created) = match OpenOptions::new()
@@ -144,78 +129,20 @@ impl FileLog {
                     "another store holds this write-ahead log",
                 ));
             }
-            Err(std::fs::TryLockError::Error(e)) if e.kind() == io::ErrorKind::Unsupported => {}
-            Err(std::fs::TryLockError::Error(e)) => return Err(e),
+            // No lock on this file system: as redb, go on without it.
+            Err(std::fs::TryLockError::Error(_)) => {}
         }
         if created {
             file.sync_all()?;
             sync_parent_dir(path)?;
         }
-        let meta = file.metadata()?;
-        let fresh = created || meta.len() == 0;
+        let fresh = created || file.metadata()?.len() == 0;
         Ok(FileLog {
-            #[cfg(unix)]
-            placed: {
-                use std::os::unix::fs::MetadataExt;
-                Some((path.to_path_buf(), (meta.dev(), meta.ino())))
-            },
-            #[cfg(unix)]
-            opened: std::time::Instant::now(),
-            #[cfg(unix)]
-            place_checked_ms: std::sync::atomic::AtomicU64::new(0),
             file,
             fresh,
             #[cfg(not(unix))]
             cursor: Mutex::new(()),
         })
-    }
-
-    /// After a sync, at most once per [`PLACE_CHECK_EVERY`]: whether the
-    /// log is still where a restart looks for it. A log deleted, or
-    /// replaced by another file (a copy moved over it), while the store
-    /// holds it takes every later frame into a file no recovery reads: its
-    /// syncs then fail, so nothing more is acknowledged (the store is
-    /// poisoned, as after a failed `fsync`); what was acknowledged before
-    /// the check is lost with it. A log whose path is gone (its directory
-    /// renamed with the store file) is still found by the store's new
-    /// name, and passes. Not at every sync: the two `stat` calls cost 0.7×
-    /// the lifecycles of one caller on this machine's file system.
-    #[cfg(unix)]
-    fn still_in_place(&self) -> io::Result<()> {
-        use std::os::unix::fs::MetadataExt;
-        use std::sync::atomic::Ordering;
-        let Some((path, placed)) = &self.placed else {
-            return Ok(());
-        };
-        let now = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
-        let last = self.place_checked_ms.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < crate::clock::duration_ms(PLACE_CHECK_EVERY)
-            || self
-                .place_checked_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
-            return Ok(());
-        }
-        let lost = |how: &str| {
-            io::Error::other(format!(
-                "the write-ahead log {} was {how} while this store held it: what the store \
-                 writes now is in a file no restart reads, so nothing more is acknowledged; \
-                 stop the service, and put the log back (a copy of /proc/<pid>/fd of this \
-                 process's open log) before it restarts",
-                path.display()
-            ))
-        };
-        match std::fs::metadata(path) {
-            Ok(m) if (m.dev(), m.ino()) != *placed => Err(lost("replaced by another file")),
-            _ if self.file.metadata()?.nlink() == 0 => Err(lost("deleted")),
-            _ => Ok(()),
-        }
-    }
-
-    #[cfg(not(unix))]
-    fn still_in_place(&self) -> io::Result<()> {
-        Ok(())
     }
 }
 
@@ -228,12 +155,6 @@ impl FileLog {
         Ok(FileLog {
             file,
             fresh,
-            #[cfg(unix)]
-            placed: None,
-            #[cfg(unix)]
-            opened: std::time::Instant::now(),
-            #[cfg(unix)]
-            place_checked_ms: std::sync::atomic::AtomicU64::new(0),
             #[cfg(not(unix))]
             cursor: Mutex::new(()),
         })
@@ -291,8 +212,7 @@ impl LogFile for FileLog {
     }
 
     fn sync_data(&self) -> io::Result<()> {
-        self.file.sync_data()?;
-        self.still_in_place()
+        self.file.sync_data()
     }
 
     fn len(&self) -> io::Result<u64> {
