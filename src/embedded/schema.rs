@@ -1640,9 +1640,21 @@ pub(crate) fn next_token(path: &Path, db: &Database) -> Result<u64> {
     })
 }
 
+/// Whether the file at `path` looks like redb's setup of it was cut:
+/// redb writes its 9-byte magic number last, so such a file has zeros
+/// there and its header's next bytes (the god byte, the page size) set.
+fn setup_cut(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 16];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok_and(|()| head[..9].iter().all(|&b| b == 0) && head[9..].iter().any(|&b| b != 0))
+}
+
 /// Maps an error of opening the redb file at `path`: held by another
 /// store ([`Error::AlreadyOpen`]), not a redb file
-/// ([`Error::IncompatibleFile`]), or what [`map_err`] makes of it.
+/// ([`Error::IncompatibleFile`], which says when the file is the remains of
+/// a cut setup), or what [`map_err`] makes of it.
 pub(crate) fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
     match err {
         redb::DatabaseError::Storage(redb::StorageError::Io(io))
@@ -1658,7 +1670,18 @@ pub(crate) fn open_error(path: &Path, err: redb::DatabaseError) -> Error {
         {
             Error::IncompatibleFile {
                 path: path.to_path_buf(),
-                detail: format!("not a redb file, so not an idemstore file ({io})"),
+                detail: if setup_cut(path) {
+                    format!(
+                        "not a redb file ({io}), but the remains of a setup that was cut: \
+                         redb writes its magic number last, and the file has zeros there \
+                         and redb's header after them (an open of an empty file at this \
+                         path killed midway). It holds no store and nothing was \
+                         acknowledged in it: if nothing else wrote this file, remove it and \
+                         open again"
+                    )
+                } else {
+                    format!("not a redb file, so not an idemstore file ({io})")
+                },
             }
         }
         other => map_err(path, other),
