@@ -38,9 +38,9 @@ use crate::store::Store;
 /// read then: a cleanly closed store has nothing in it; for another, a
 /// problem keyed [`UNREAD_PROBLEM`] says so. When even the index does not
 /// read, no record is checked ([`CheckReport::records_checked`] is
-/// `false`) and that problem says why. A write-ahead log that recovery needs and cannot use (damaged
-/// where a durable frame was, cut short of the length its header records,
-/// or missing or blank after an unclean
+/// `false`) and that problem says why. A write-ahead log that recovery
+/// needs and cannot use (damaged where a durable frame was, cut short of
+/// the length its header records, or missing or blank after an unclean
 /// shutdown: what [`Store::open`] refuses with [`Error::CorruptLog`]) is a
 /// [`Problem`](crate::Problem) keyed `(write-ahead log)` naming the log,
 /// the offset and what failed; its records are not checked then, since the
@@ -65,13 +65,21 @@ pub fn check_file(
         .then(|| marker_problem(&marker))
         .into_iter()
         .collect();
-    let finish = |mut report: CheckReport, integrity| {
+    // The report with its integrity and the markers: the one beside the
+    // path, and the one the store names when the file was opened by a name
+    // it is not beside (a hard link).
+    let finish = |mut report: CheckReport, integrity, named: Option<&Path>| {
         report.integrity = integrity;
         marked.iter().cloned().for_each(|p| report.found_listed(p));
+        if let Some(named) = named
+            && named != marker
+        {
+            report.found_listed(marker_problem(named));
+        }
         report
     };
     let unread = |integrity| {
-        let mut report = finish(CheckReport::new(Integrity::NotRun), integrity);
+        let mut report = finish(CheckReport::new(Integrity::NotRun), integrity, None);
         report.records_checked = false;
         report
     };
@@ -84,12 +92,7 @@ pub fn check_file(
         let read = crate::embedded::check::verify_index(path, progress);
         Ok(match read {
             Ok((report, recorded, clean)) => {
-                let mut report = finish(report, Integrity::Failed(detail));
-                if let Some(named) = recorded
-                    && named != marker
-                {
-                    report.found_listed(marker_problem(&named));
-                }
+                let mut report = finish(report, Integrity::Failed(detail), recorded.as_deref());
                 if !clean {
                     report.found_listed(Problem::other(
                         UNREAD_PROBLEM.into(),
@@ -149,17 +152,8 @@ pub fn check_file(
     // Counted once the pages are known sound (the count reads the store's
     // metadata), for a progress display's total.
     let total = store.len().ok();
-    let mut report = store.verify(|p| progress(Progress { total, ..p }))?;
-    report.integrity = integrity;
-    marked.into_iter().for_each(|p| report.found_listed(p));
-    // The marker the store names, when the file was opened by a name it is
-    // not beside (a hard link).
-    if let Some(named) = store.damage_marker()
-        && named != marker
-    {
-        report.found_listed(marker_problem(named));
-    }
-    Ok(report)
+    let report = store.verify(|p| progress(Progress { total, ..p }))?;
+    Ok(finish(report, integrity, store.damage_marker()))
 }
 
 /// The [`Problem::key`](crate::Problem::key) of what [`check_file`] could

@@ -55,9 +55,8 @@ pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
 /// Returns the report, the damage marker the store records, when that
 /// file exists (found so by whatever name the store was opened), and
 /// whether the store was closed cleanly (else its log may hold changes
-/// this read did not see). Its
-/// memory: [`CHECK_CACHE_BYTES`] of page cache, and the pages redb's
-/// repair writes.
+/// this read did not see). Its memory: [`CHECK_CACHE_BYTES`] of page
+/// cache, and the pages redb's repair writes.
 ///
 /// # Errors
 /// [`Error::AlreadyOpen`] when a store holds the file; [`Error::CorruptFile`]
