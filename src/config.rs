@@ -218,13 +218,22 @@ pub struct PostgresLimits {
     /// ones of the keys before them), and only those of a locked key are
     /// refused, with those whose turn comes after two keys in a row were
     /// refused, or after the refused keys' waits add up to this limit (a
-    /// lock every key waits for). `claim_many` and `import` are one
-    /// transaction each and fail as a whole. Default 5 s.
+    /// lock every key waits for). A batch of lease renewals (`execute`'s
+    /// extender) waits a quarter of its time at most (at most 500 ms),
+    /// then renews each key apart the same way, with no cut-off but its
+    /// deadline. `claim_many` and `import`
+    /// are one transaction each and fail as a whole. Default 5 s.
     pub lock_timeout: Duration,
     /// The server's `idle_in_transaction_session_timeout` on the engine's
     /// own sessions: the server ends a session of the engine that sits in
     /// an open transaction this long (a client gone half-open), so that
-    /// its row locks are released. Default 60 s.
+    /// its row locks are released. A transaction with a deadline of its
+    /// own, shorter than `call_timeout` (a lease renewal; a write that
+    /// must end while a lease lasts, such as `execute`'s outcome) sets half
+    /// the time left of its call for itself when that is shorter (at least
+    /// 20 ms),
+    /// so that a renewal whose connection went half-open holds its rows no
+    /// longer than the lease allows a retry. Default 60 s.
     pub idle_in_transaction_timeout: Duration,
     /// TCP keepalive: idle time before the first probe (probes then every
     /// 10 s, 3 unanswered ones end the connection). Default 30 s.

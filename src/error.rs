@@ -429,8 +429,10 @@ pub enum ConfigFault {
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an
     /// empty store. Through `complete_in` or `fail_in`, a caller's
-    /// connection to another database than the store's gets the same
-    /// codes: check which connection answered before restoring anything.
+    /// connection to another database than the store's, without such a
+    /// schema, gets the same codes: check which connection answered
+    /// before restoring anything (one with another store there is
+    /// [`ConfigFault::OtherStore`]).
     /// No command of idemstore reads such a schema (every connection
     /// prepares statements over all of its objects): save what is left
     /// with PostgreSQL's own tools (`pg_dump --schema`).
@@ -453,6 +455,16 @@ pub enum ConfigFault {
     /// probe can miss such a pool (a pooler that picks server sessions
     /// round robin), so the entry's mode is the operator's to check.
     TransactionPooling,
+    /// `complete_in` or `fail_in` was given a connection whose schema of
+    /// the store's name holds another store (another identity: the
+    /// caller's connection is to another database, a staging copy say),
+    /// found before anything was written; the caller's transaction is
+    /// aborted. Without this check the other store's row would be judged
+    /// instead: a lease it does not hold there answered
+    /// [`Error::StaleLease`], and a transaction reading one snapshot was
+    /// told to run again, every time. Give them a connection to the
+    /// store's own database.
+    OtherStore,
 }
 
 impl ConfigFault {
@@ -470,6 +482,7 @@ impl ConfigFault {
             ConfigFault::SchemaDamaged => "schema-damaged",
             ConfigFault::ConnectionString => "connection-string",
             ConfigFault::TransactionPooling => "transaction-pooling",
+            ConfigFault::OtherStore => "other-store",
         }
     }
 }

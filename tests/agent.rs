@@ -1489,3 +1489,72 @@ fn a_retryable_failure_that_cannot_be_kept_as_is_is_still_recorded() {
         assert_eq!(again.origin(), Origin::Ran, "{name}");
     }
 }
+
+/// The recipe of docs/agents.md ("The other end of the network"): a call
+/// whose sends all timed out while the gateway charged (its queries
+/// failing too) ends in doubt, and is recorded as a retryable failure, so
+/// that the next `execute`, once the gateway answers again, sends with the
+/// same key and gets the charge made the first time: one charge, returned.
+/// (Recorded as a permanent failure, as the recipe once did, the failure
+/// was replayed to every later call, though the card was charged.)
+#[test]
+fn a_call_that_may_have_charged_is_recorded_retryable_and_found_by_the_next() {
+    let (_dir, _path, _clock, store) = fixture();
+    let params = json!({"order": "A-17", "amount_cents": 4200});
+    let key = Key::for_intent("acme/payments.charge", "task-42", "charge", &params).unwrap();
+    // The gateway: charges per key (a repeated key returns the first
+    // charge, as Stripe's idempotency keys do); while `down`, every answer
+    // is lost after the charge is made, and every query fails.
+    let charges: Mutex<HashMap<String, String>> = Mutex::new(HashMap::new());
+    let down = std::sync::atomic::AtomicBool::new(true);
+    let charge = |k: &Key| -> Result<String, RemoteError<String>> {
+        let mut charges = charges.lock().unwrap();
+        let next = format!("ch_{}", charges.len() + 1);
+        let id = charges.entry(k.to_string()).or_insert(next).clone();
+        if down.load(Ordering::SeqCst) {
+            Err(RemoteError::TimedOut)
+        } else {
+            Ok(id)
+        }
+    };
+    let status = |k: &Key| -> Result<RemoteStatus<String>, RemoteError<String>> {
+        if down.load(Ordering::SeqCst) {
+            return Err(RemoteError::TimedOut);
+        }
+        Ok(match charges.lock().unwrap().get(&k.to_string()) {
+            Some(id) => RemoteStatus::Done(id.clone()),
+            None => RemoteStatus::NotFound,
+        })
+    };
+    let charge_once = || {
+        store.execute(&key, &fp(&params), ExecuteOptions::new(), |lease| {
+            call(lease.key(), &fast_policy(3), charge, status).map_err(|e| {
+                if e.is_in_doubt() {
+                    Failure::retryable(e.to_string())
+                } else {
+                    Failure::permanent(e.to_string())
+                }
+            })
+        })
+    };
+    match charge_once() {
+        Err(ExecuteError::Failed {
+            error, retryable, ..
+        }) => {
+            assert!(retryable, "{error}");
+            assert!(error.contains("may have acted"), "{error}");
+        }
+        other => panic!("expected a retryable failure, got {other:?}"),
+    }
+    down.store(false, Ordering::SeqCst);
+    let charged = charge_once().expect("the next call");
+    assert_eq!(charged.value(), "ch_1");
+    assert_eq!(charges.lock().unwrap().len(), 1, "charged twice");
+    // Recorded now: replayed, no call made.
+    down.store(true, Ordering::SeqCst);
+    let replayed = charge_once().expect("replayed");
+    assert_eq!(
+        (replayed.value().as_str(), replayed.origin()),
+        ("ch_1", Origin::Replayed)
+    );
+}

@@ -599,8 +599,9 @@ fn imported(dir: &Path, name: &str, export: &[u8]) -> Store {
 
 /// A service SIGKILLed with completions acknowledged since its last
 /// checkpoint (in the write-ahead log only), whose log is then lost,
-/// damaged in a durable frame, or cut short before one: the store refuses
-/// to open (`CorruptLog`);
+/// damaged in a durable frame or in its header's magic number, or cut
+/// short before one: the store refuses to open (`CorruptLog`, not a
+/// foreign file for a damaged magic number);
 /// `salvage_file` exports what the index and the log's intact frames hold
 /// (with a blank header, the frames after it), says what was lost, and
 /// writes neither original file; of a crashed store whose log is sound it
@@ -674,6 +675,11 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
     let mut bad_header = log.clone();
     bad_header[..4096].fill(0);
     let blank = copy("blank.redb", Some(&bad_header));
+    // A flipped bit in the header's magic number: this store's log,
+    // damaged (the header still names the store), not a foreign file.
+    let mut bad_magic = log.clone();
+    bad_magic[0] ^= 0x01;
+    let magic = copy("magic.redb", Some(&bad_magic));
     // Cut short (a copy that stopped early) at the start of that same
     // frame: a crash never shortens the log, whose header records its
     // length.
@@ -688,6 +694,7 @@ fn a_store_whose_log_is_lost_or_damaged_is_salvaged_from_a_copy() {
         (&lost, Some("empty or missing"), 0),
         (&damaged, Some("missing or damaged"), 10),
         (&blank, Some("empty or missing"), 20),
+        (&magic, Some("header is damaged"), 20),
         (&cut, Some("cut short"), 10),
         (&sound, None, 20),
     ];

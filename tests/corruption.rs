@@ -217,7 +217,8 @@ fn flipped_key_byte_in_a_closed_file_fails_the_open() {
 /// `check_file` on a file with a damaged page (the byte flips of the two
 /// tests above, and one in the commit slot of redb's header, which makes
 /// the open itself fail with "Primary is corrupted despite 2-phase
-/// commit") reports the damage instead of failing: a report that is not
+/// commit") reports the damage instead of failing, and writes nothing to
+/// the file (redb's check marked it for repair): a report that is not
 /// clean, whose integrity names what failed, and, for a file whose index
 /// still reads, whose records were read from it, naming the victim, the
 /// same at a second check.
@@ -241,11 +242,18 @@ fn check_file_reports_a_damaged_page_as_damage() {
             // and 192 is primary).
             _ => flip(&t.path, 64 + 128 * usize::from(bytes[9] & 1) + 6, 0x10),
         }
+        let damaged = std::fs::read(&t.path).unwrap();
         let report = match idemstore::check_file(&t.path, |_| {}) {
             Ok(report) => report,
             Err(err) => panic!("{what}: check_file failed instead of reporting: {err}"),
         };
         assert!(!report.is_clean(), "{what}: {report:?}");
+        // Nothing of the damaged file changed: redb's check, which marks a
+        // file it finds damaged for repair, ran over an overlay.
+        assert!(
+            std::fs::read(&t.path).unwrap() == damaged,
+            "{what}: the check wrote to the damaged file"
+        );
         match &report.integrity {
             idemstore::Integrity::Failed(detail) => {
                 assert!(!detail.is_empty(), "{what}");
@@ -273,9 +281,7 @@ fn check_file_reports_a_damaged_page_as_damage() {
                 !named.is_empty(),
                 "{what}: the victim is not named: {report:?}"
             );
-            // redb's check leaves a file it found damaged marked for
-            // repair: a second check still reads the records, and finds the
-            // same.
+            // A second check reads the records again, and finds the same.
             let again = idemstore::check_file(&t.path, |_| {}).unwrap();
             assert_eq!(
                 (again.records_checked, again.records, &again.problems),
@@ -284,6 +290,53 @@ fn check_file_reports_a_damaged_page_as_damage() {
             );
         }
     }
+}
+
+/// A store file older than its write-ahead log (an older copy of the file
+/// put back beside the newer log, as a restore of the file alone does; or
+/// redb falling back to its older commit slot when a byte of its header is
+/// damaged) is refused by an open and reported by `check` as damage: its
+/// last commit names an earlier epoch than the log's first frame, and the
+/// changes committed since are in neither. (The older copy, closed
+/// cleanly, opened without them, and `check` said clean: a completed key
+/// read as absent, and its work would run again.)
+#[test]
+fn a_store_file_older_than_its_log_is_refused_not_opened_without_the_changes_since() {
+    let t = TestDir::new();
+    let complete = |store: &Store, id: &str| {
+        let lease = acquired(
+            store
+                .claim(&key(id), &fp("p"), &ClaimOptions::new())
+                .unwrap(),
+        );
+        store.complete(&lease, b"done").unwrap();
+    };
+    let store = t.open();
+    complete(&store, "before-the-copy");
+    drop(store);
+    let older = std::fs::read(&t.path).unwrap();
+    let store = t.open();
+    complete(&store, "after-the-copy");
+    drop(store);
+    std::fs::write(&t.path, &older).unwrap();
+    match Store::open_with(&t.path, checked(&t)) {
+        Err(Error::CorruptFile { path, detail }) => {
+            assert_eq!(path, t.path);
+            assert!(
+                detail.contains("older than its write-ahead log"),
+                "{detail}"
+            );
+        }
+        Ok(store) => panic!(
+            "opened; after-the-copy reads {:?}",
+            store
+                .get(&key("after-the-copy"))
+                .map(|r| r.map(|r| r.state()))
+        ),
+        Err(other) => panic!("expected CorruptFile, got {other}"),
+    }
+    let report = idemstore::check_file(&t.path, |_| {}).unwrap();
+    assert!(!report.is_clean(), "{report:?}");
 }
 
 /// A crash image (the store file and its log copied while the store ran)

@@ -94,6 +94,32 @@ fn a_creation_killed_at_any_moment_leaves_no_store_or_one_that_opens() {
     );
 }
 
+/// A store whose file name is too long for `.<name>.creating-<16 hex>`
+/// (the name and its `-wal` fit the file system's 255 bytes) is created
+/// and reopens; its creation's temporary names are
+/// `.idemstore-<crc32 of the name>.creating-<16 hex>`, and a leftover of
+/// that form is removed by the next open. (The creation failed: "File name
+/// too long".)
+#[test]
+fn a_store_with_a_long_file_name_is_created_and_its_leftovers_removed() {
+    let dir = TestDir::new();
+    let name = format!("{}.redb", "n".repeat(246));
+    assert_eq!(name.len() + "-wal".len(), 255);
+    let path = dir.dir.path().join(&name);
+    let store = Store::open_with(&path, config()).expect("create");
+    assert!(store.was_created());
+    drop(store);
+    let leftover = dir.dir.path().join(format!(
+        ".idemstore-{:08x}.creating-00000000deadbeef",
+        crc32(&[name.as_bytes()])
+    ));
+    std::fs::write(&leftover, b"half a header").expect("write");
+    let store = Store::open_with(&path, config()).expect("reopen");
+    assert!(!store.was_created());
+    drop(store);
+    assert!(!leftover.exists(), "the leftover stayed");
+}
+
 /// The temporary name a creation of `path` uses (`docs/design.md` 2.8).
 fn temp_of(path: &Path, suffix: &str) -> PathBuf {
     let name = path.file_name().expect("file name").to_string_lossy();

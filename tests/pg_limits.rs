@@ -733,24 +733,6 @@ fn concurrent_callers_open_connections_up_to_the_max_and_idle_ones_close() {
     lifecycle_async(&store, "after");
 }
 
-/// `url` with its database replaced by `db` (a URL's path, or a
-/// key=value string's `dbname`).
-fn with_db(url: &str, db: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let (authority, query) = match rest.find(['/', '?']) {
-                Some(at) => {
-                    let (authority, tail) = rest.split_at(at);
-                    (authority, tail.find('?').map_or("", |q| &tail[q..]))
-                }
-                None => (rest, ""),
-            };
-            format!("{scheme}://{authority}/{db}{query}")
-        }
-        None => format!("{url} dbname={db}"),
-    }
-}
-
 /// A sync caller's direct connection (its claims and completions run on
 /// its own thread) is closed once `connection_idle_timeout` has passed
 /// unused, as a worker's is, although no call drives it meanwhile, and
@@ -771,7 +753,7 @@ fn a_sync_callers_direct_connection_closes_when_idle_too() {
             .await
             .expect("create the test's database");
     });
-    let db_url = with_db(&url, &app);
+    let db_url = pg::with_db(&url, &app);
     idemstore::postgres::migrate(&db_url, &schema).expect("migrate");
     let sessions = Sessions::new(&url, &app);
     // Sessions to the test's database: all, and those ended by a lost
@@ -960,6 +942,191 @@ fn renew_past_a_half_open_connection(asynchronous: bool) {
     assert_eq!(executed, Ok(Origin::Ran), "async {asynchronous}");
     let record = other.get(&key).expect("get").expect("recorded");
     assert_eq!(record.state(), State::Succeeded);
+}
+
+/// Runs `execute` of each of `ids` on `store` at once, each doing `work`
+/// long (sync, so that one extender thread renews their leases, due
+/// together, in one batch), and returns each one's origin or error once
+/// all have returned. `started` counts the works that began.
+#[cfg(feature = "agent")]
+fn execute_each(
+    store: &Arc<Store>,
+    ids: &[String],
+    work: Duration,
+    started: &Arc<std::sync::atomic::AtomicUsize>,
+) -> std::thread::JoinHandle<Vec<(String, Result<idemstore::agent::Origin, String>)>> {
+    use idemstore::agent::{ExecuteOptions, Failure};
+    use std::sync::atomic::Ordering;
+    let (store, ids, started) = (Arc::clone(store), ids.to_vec(), Arc::clone(started));
+    std::thread::spawn(move || {
+        let barrier = Arc::new(std::sync::Barrier::new(ids.len()));
+        let runners: Vec<_> = ids
+            .into_iter()
+            .map(|id| {
+                let (store, started, barrier) = (store.clone(), started.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let executed = store.execute(&key(&id), &fp(), ExecuteOptions::new(), |_| {
+                        started.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(work);
+                        Ok::<_, Failure<String>>("done".to_string())
+                    });
+                    (id, executed.map(|e| e.origin()).map_err(|e| e.to_string()))
+                })
+            })
+            .collect();
+        runners
+            .into_iter()
+            .map(|r| r.join().expect("runner"))
+            .collect()
+    })
+}
+
+/// While `runner` runs, tries to claim each of `ids` on `other` (another
+/// replica), and returns those it acquired: leases that lapsed while their
+/// work still ran.
+#[cfg(feature = "agent")]
+fn taken_over_while<T>(
+    other: &Store,
+    ids: &[String],
+    runner: &std::thread::JoinHandle<T>,
+) -> Vec<String> {
+    let mut taken = Vec::new();
+    while !runner.is_finished() {
+        for id in ids {
+            if !taken.contains(id)
+                && let Ok(ClaimOutcome::Acquired(_)) =
+                    other.claim(&key(id), &fp(), &ClaimOptions::new())
+            {
+                taken.push(id.clone());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    taken
+}
+
+/// A row locked by another session (any `SELECT … FOR UPDATE`, a caller's
+/// open transaction) fails the renewal of its own lease only: the leases of
+/// the `execute` calls renewed in the same batch are renewed (the batch
+/// waits for the lock a quarter of the renewal's time, then runs each
+/// key's renewal on its own), so none lapses while its work runs and no
+/// other replica takes one over. (The batch waited for the lock until its
+/// deadline and failed every lease in it, at each retry, until they
+/// lapsed: other replicas took them over, and the work ran twice.)
+#[cfg(feature = "agent")]
+#[test]
+fn a_row_locked_by_another_session_fails_only_its_own_renewal() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const LEASE: Duration = Duration::from_millis(900);
+    const WORK: Duration = Duration::from_secs(3);
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_locked_renewal");
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .lease(LEASE)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&url, config.clone()).expect("connect"));
+    let other = Store::connect(&url, config).expect("connect");
+    let victims: Vec<String> = (0..8).map(|i| format!("renewed-{i}")).collect();
+    let mut ids = victims.clone();
+    ids.push("locked".to_string());
+    let started = Arc::new(AtomicUsize::new(0));
+    let runner = execute_each(&store, &ids, WORK, &started);
+    while started.load(Ordering::SeqCst) < ids.len() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The row of `locked` held until the works end, before its first
+    // renewal (a third of the lease).
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (mut client, connection) = rt
+        .block_on(tokio_postgres::connect(&url, NoTls))
+        .expect("connect");
+    rt.spawn(connection);
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    let locked = rt
+        .block_on(tx.query(
+            &format!(
+                "SELECT 1 FROM \"{schema}\".records WHERE position('locked'::bytea in key) > 0 \
+                 FOR UPDATE"
+            ),
+            &[],
+        ))
+        .expect("lock the row");
+    assert_eq!(locked.len(), 1);
+    let taken = taken_over_while(&other, &victims, &runner);
+    let executed = runner.join().expect("runner");
+    rt.block_on(tx.rollback()).expect("rollback");
+    assert!(
+        taken.is_empty(),
+        "taken over while their work ran: {taken:?}; {executed:?}"
+    );
+    for (id, origin) in &executed {
+        if victims.contains(id) {
+            assert_eq!(
+                origin,
+                &Ok(idemstore::agent::Origin::Ran),
+                "{id}: {executed:?}"
+            );
+        }
+    }
+}
+
+/// A lease renewal whose connection went half-open once its locking read
+/// had reached the server (the server is never told: the session sits
+/// inside the transaction, holding the rows it locked) holds those rows
+/// about half the time the renewal had left, not the session's
+/// `idle_in_transaction_timeout` (60 s by default): the renewal's retry on
+/// another connection renews the leases while they last, no other replica
+/// takes a key over while its work runs, and each outcome is recorded.
+/// (The rows stayed locked for a minute: the retries and then the
+/// outcome's write waited for them, the outcome was answered
+/// `OutcomeUnknown`, and once the lock went another replica could run the
+/// work again.)
+#[cfg(feature = "agent")]
+#[test]
+fn a_renewal_whose_session_keeps_its_row_locks_is_retried_while_the_lease_lasts() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const LEASE: Duration = Duration::from_secs(3);
+    const WORK: Duration = Duration::from_secs(5);
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_kept_locks");
+    let proxy = Proxy::start(upstream_of(&url));
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .lease(LEASE)
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&via(&url, &proxy), config.clone()).expect("connect"));
+    let other = Store::connect(&url, config).expect("connect");
+    let ids: Vec<String> = (0..3).map(|i| format!("kept-{i}")).collect();
+    let started = Arc::new(AtomicUsize::new(0));
+    let runner = execute_each(&store, &ids, WORK, &started);
+    while started.load(Ordering::SeqCst) < ids.len() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The next message that names `kept-0` is the renewal's locking read.
+    proxy.half_open_after(b"kept-0");
+    let taken = taken_over_while(&other, &ids, &runner);
+    let executed = runner.join().expect("runner");
+    assert!(proxy.went_half_open(), "the renewal never went half-open");
+    assert!(
+        taken.is_empty(),
+        "taken over while their work ran: {taken:?}; {executed:?}"
+    );
+    for (id, origin) in &executed {
+        assert_eq!(
+            origin,
+            &Ok(idemstore::agent::Origin::Ran),
+            "{id}: {executed:?}"
+        );
+        let record = other.get(&key(id)).expect("get").expect("recorded");
+        assert_eq!(record.state(), State::Succeeded, "{id}");
+    }
 }
 
 /// A claim abandoned while it waits on a row lock (a caller's

@@ -466,11 +466,15 @@ fn a_snapshot_completions_store_read_does_not_wait_for_the_callers_own_locks() {
             .expect("complete_in");
         let (s, held) = (std::sync::Arc::clone(&store), first.clone());
         let extension = std::thread::spawn(move || s.extend(&held, LEASE));
+        // This store's session, by its statement's schema: the other
+        // tests of this binary run stores of their own on the server.
         wait_until(
             &monitor,
             "the extension waits for the row",
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND application_name = 'idemstore'",
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND application_name = 'idemstore' AND position('{schema}' in query) > 0"
+            ),
         )
         .await;
         let err = complete_in(&tx, &store, &second, b"2").await.unwrap_err();

@@ -520,3 +520,71 @@ fn a_lost_answer_of_an_autocommit_completion_is_outcome_unknown() {
         }
     }
 }
+
+/// `complete_in` given a connection to another database, whose schema of
+/// the store's name holds another store (a staging copy, say), is refused
+/// with `Misconfigured` (`ConfigFault::OtherStore`) under READ COMMITTED
+/// and REPEATABLE READ alike, aborts the caller's transaction, and writes
+/// nothing: the key is still Processing under its lease in the store's own
+/// database, and a connection to it completes it. (The other store's row
+/// was judged instead: `StaleLease` for the current lease under READ
+/// COMMITTED, and "run the transaction again" at every try under
+/// REPEATABLE READ.)
+#[test]
+fn a_connection_to_another_store_is_refused_as_such() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_other_store");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let rt = runtime();
+    let db = schema.clone();
+    rt.block_on(async {
+        let mut admin = connect(&url).await;
+        sqlx::query(&format!("CREATE DATABASE \"{db}\""))
+            .execute(&mut admin)
+            .await
+            .expect("create the other database");
+    });
+    let other_url = pg::with_db(&url, &db);
+    idemstore::postgres::migrate(&other_url, &schema).expect("a store of the same schema there");
+    let k = key("other-store");
+    let lease = acquire(&store, &k);
+    for isolation in ["READ COMMITTED", "REPEATABLE READ"] {
+        rt.block_on(async {
+            let mut conn = connect(&other_url).await;
+            let mut tx = conn.begin().await.expect("begin");
+            sqlx::query(&format!("SET TRANSACTION ISOLATION LEVEL {isolation}"))
+                .execute(&mut *tx)
+                .await
+                .expect("isolation");
+            match complete_in(&mut tx, &store, &lease, b"1").await {
+                Err(Error::Misconfigured {
+                    fault: idemstore::ConfigFault::OtherStore,
+                    detail,
+                }) => assert!(detail.contains("another store"), "{detail}"),
+                other => panic!("{isolation}: expected OtherStore, got {other:?}"),
+            }
+            assert!(is_aborted(&mut tx).await, "{isolation}: not aborted");
+            tx.rollback().await.expect("rollback");
+        });
+    }
+    let record = store.get(&k).expect("get").expect("record");
+    assert_eq!(
+        (record.state(), record.token()),
+        (State::Processing, lease.token())
+    );
+    rt.block_on(async {
+        let mut conn = connect(&url).await;
+        let mut tx = conn.begin().await.expect("begin");
+        complete_in(&mut tx, &store, &lease, b"1")
+            .await
+            .expect("the store's own database");
+        tx.commit().await.expect("commit");
+        let mut admin = connect(&url).await;
+        sqlx::query(&format!("DROP DATABASE \"{db}\" WITH (FORCE)"))
+            .execute(&mut admin)
+            .await
+            .expect("drop the other database");
+    });
+    assert_eq!(store.get(&k).unwrap().unwrap().state(), State::Succeeded);
+}

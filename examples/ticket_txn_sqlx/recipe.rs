@@ -32,8 +32,8 @@ pub async fn create_table(conn: &mut PgConnection, table: &str) -> Result<(), Bo
 ///
 /// # Errors
 /// `idemstore::Error::StaleLease` (boxed) when the lease was taken over
-/// meanwhile: the transaction rolls back (dropped on `?`) and no ticket is
-/// created; a database error rolls back too.
+/// meanwhile: the transaction is rolled back and no ticket is created; a
+/// database error rolls back too.
 pub async fn create_ticket(
     conn: &mut PgConnection,
     store: &Store,
@@ -43,14 +43,29 @@ pub async fn create_ticket(
     between: impl Future<Output = ()>,
 ) -> Result<i64, BoxError> {
     let mut tx = conn.begin().await?;
-    let id = insert_ticket(&mut tx, table, &lease.key().to_string(), title).await?;
-    between.await;
-    // Fails the transaction (and returns StaleLease) if the lease is no
-    // longer current.
-    idemstore::postgres::sqlx::complete_in(&mut tx, store, lease, id.to_string().as_bytes())
-        .await?;
-    tx.commit().await?;
-    Ok(id)
+    let written = async {
+        let id = insert_ticket(&mut tx, table, &lease.key().to_string(), title).await?;
+        between.await;
+        // Fails the transaction (and returns StaleLease) if the lease is
+        // no longer current.
+        idemstore::postgres::sqlx::complete_in(&mut tx, store, lease, id.to_string().as_bytes())
+            .await?;
+        Ok::<_, BoxError>(id)
+    }
+    .await;
+    match written {
+        Ok(id) => {
+            tx.commit().await?;
+            Ok(id)
+        }
+        // Rolled back now: a dropped sqlx transaction is rolled back only
+        // at the connection's next use, and until then it keeps the key's
+        // row locked (a connection of one's own may sit idle for long).
+        Err(e) => {
+            tx.rollback().await?;
+            Err(e)
+        }
+    }
 }
 
 /// Inserts the ticket row and returns its id.

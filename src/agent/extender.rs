@@ -30,7 +30,15 @@
 //!   period, see [`renewal_deadline`]): a PostgreSQL store drops a
 //!   connection that has not answered by then (a half-open one answers
 //!   nothing until `call_timeout`, longer than the lease may be), so the
-//!   retry runs on another connection while the lease lasts.
+//!   retry runs on another connection while the lease lasts, and the
+//!   server ends the dropped one's session, releasing its row locks, once
+//!   it has sat inside the transaction for half the renewal's time. A
+//!   batch on PostgreSQL waits at most a quarter of its time for a row
+//!   lock, then renews each lease in a transaction of its own, so a row
+//!   another session holds fails its own lease's renewal and the others
+//!   are renewed (several locked rows may use up the batch's time first;
+//!   the leases they leave are tried again a ninth of their length later;
+//!   see `pg::renewal_lock_wait`).
 //! - **Deregistration** waits while a renewal of that lease is under way
 //!   (until the batch it is in is answered: one group commit, as a rule)
 //!   and removes it, so no lease is ever

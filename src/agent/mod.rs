@@ -130,7 +130,11 @@
 //!     Err(_) => Err("gateway unreachable".to_string()),
 //! });
 //! let charged = store.execute(&key, &Fingerprint::of_json(&params)?, options, |lease| {
-//!     call(lease.key(), &policy, &mut charge, lookup).map_err(|e| Failure::permanent(e.to_string()))
+//!     call(lease.key(), &policy, &mut charge, lookup).map_err(|e| match e.is_in_doubt() {
+//!         // The service may have acted: the next call asks again.
+//!         true => Failure::retryable(e.to_string()),
+//!         false => Failure::permanent(e.to_string()),
+//!     })
 //! })?;
 //! assert_eq!(charged.value(), "ch_1");
 //! assert_eq!(charges.borrow().len(), 1); // charged once, though the response was lost

@@ -27,16 +27,22 @@ pub(crate) const CHECK_CACHE_BYTES: usize = 64 * 1024 * 1024;
 
 /// redb's integrity check of the store file at `path` (which no store may
 /// hold open): `Integrity::Failed` when the pages are damaged beyond repair.
-/// Its memory is bounded by [`CHECK_CACHE_BYTES`] of page cache.
+/// The file is opened through an [`Overlay`], so nothing redb writes while
+/// it checks (the mark a damaged file gets for repair, the repair of its
+/// allocator state or of a header field) reaches the file: a damaged file
+/// is left as it was found, for a later repair or forensic look. Its
+/// memory is bounded by [`CHECK_CACHE_BYTES`] of page cache, plus the
+/// pages redb writes.
 ///
 /// # Errors
 /// [`Error::CorruptFile`] when the file does not open as a redb file of
 /// this format; [`Error::AlreadyOpen`], [`Error::Storage`] as the open.
 pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
+    let view = Overlay::open(path)?;
     guard(path, || {
         let mut db = Database::builder()
             .set_cache_size(CHECK_CACHE_BYTES)
-            .open(path)
+            .create_with_backend(view)
             .map_err(|e| open_error(path, e))?;
         Ok(integrity_of(&mut db))
     })

@@ -22,13 +22,32 @@ use crate::error::{Error, Result};
 /// the link (another opener cleaned it up as a leftover).
 const ATTEMPTS: usize = 8;
 
+/// The longest file name most file systems take (bytes: ext4, XFS, btrfs,
+/// tmpfs; NTFS counts 255 UTF-16 units).
+const MAX_NAME_BYTES: usize = 255;
+
 /// The prefix of the temporary names of `path`'s creation:
-/// `.<file name>.creating-`.
+/// `.<file name>.creating-`, which 16 hex digits end. A file name too long
+/// for that to fit in [`MAX_NAME_BYTES`] (a store name of 229 bytes or
+/// more, whose own name and `-wal` fit) gets
+/// `.idemstore-<crc32 of the name, 8 hex digits>.creating-` instead: the
+/// same for every creation of that path, so its leftovers are found. A
+/// store of another long name whose crc32 is the same may then remove a
+/// creation's temporary file as a leftover; that creation starts over, as
+/// after any such removal.
 fn temp_prefix(path: &Path) -> Option<OsString> {
+    const SUFFIX: &str = ".creating-";
     let name = path.file_name()?;
     let mut prefix = OsString::from(".");
-    prefix.push(name);
-    prefix.push(".creating-");
+    if 1 + name.len() + SUFFIX.len() + 16 <= MAX_NAME_BYTES {
+        prefix.push(name);
+    } else {
+        prefix.push(format!(
+            "idemstore-{:08x}",
+            crc32fast::hash(name.as_encoded_bytes())
+        ));
+    }
+    prefix.push(SUFFIX);
     Some(prefix)
 }
 

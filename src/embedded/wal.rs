@@ -650,6 +650,19 @@ pub(crate) fn read_header(log: &dyn LogFile) -> io::Result<HeaderState> {
     })
 }
 
+/// Whether `log`'s header, whose magic number is not this format's, holds
+/// `store_id` where a valid header keeps the store's identity (bytes
+/// 12..28): a header damaged in its magic number is then this store's, not
+/// a foreign file's (128 random bits do not match by chance). A header
+/// with this format's magic and another version stays foreign.
+fn names_store(log: &dyn LogFile, store_id: u128) -> bool {
+    let mut head = [0u8; 28];
+    log.len().is_ok_and(|len| len >= 28)
+        && log.read_at(0, &mut head).is_ok()
+        && head[0..8] != LOG_MAGIC
+        && head[12..28] == store_id.to_le_bytes()
+}
+
 // ---------------------------------------------------------------------------
 // Opening: header checks, replay, the opening checkpoint.
 
@@ -725,6 +738,13 @@ pub(crate) fn open<T>(
     // log's header (its frames are still read: their checksums are keyed
     // by the store's identity, not by the header).
     let mut header_lost = None;
+    let header_valid = matches!(header, HeaderState::Valid { .. });
+    // A header whose magic number is damaged but that names this store
+    // is this store's, damaged: not another file.
+    let header = match header {
+        HeaderState::Foreign(_) if names_store(log.as_ref(), meta.store_id) => HeaderState::Damaged,
+        other => other,
+    };
     match header {
         HeaderState::Valid { store_id } if store_id == meta.store_id => {}
         HeaderState::Valid { store_id } => {
@@ -771,7 +791,43 @@ pub(crate) fn open<T>(
         HeaderState::Damaged => return Err(lost("the write-ahead log's header is damaged")),
     }
 
-    let recovered = if meta.clean {
+    // A checkpoint commits its new epoch to the index before the log is
+    // written in it, and every epoch writes from the log's start: the
+    // frame there is of the index's epoch or an earlier one. One of a
+    // later epoch means the index is older than its log: redb fell back to
+    // an older commit (its header damaged), or an older copy of the file
+    // was put beside a newer log. The changes committed since are in
+    // neither (the log was wrapped over them), so the store is refused,
+    // clean flag or not: a clean older commit skipped the log, and a
+    // recovery stopped at the first frame of another epoch, and both
+    // opened without them.
+    let mut index_behind = None;
+    if header_valid {
+        let len = log.len().map_err(|e| io_err(log_path, "stat", &e))?;
+        if let Some((h, _)) = read_frame(log.as_ref(), log_path, HEADER_LEN, len, meta.store_id)?
+            && h.epoch > meta.log_epoch
+        {
+            let detail = format!(
+                "the store's last commit (log epoch {}) is older than its write-ahead log, \
+                 whose first frame is of epoch {} ({}): the file fell back to an older \
+                 commit (damage to its header) or is an older copy beside a newer log, and \
+                 the changes committed after it are lost (a copy put back on purpose goes \
+                 with the log that was beside it when it was made, or with none; else \
+                 restore a backup, or salvage what is left: docs/operations.md)",
+                meta.log_epoch,
+                h.epoch,
+                log_path.display()
+            );
+            if !accept_loss {
+                return Err(Error::CorruptFile {
+                    path: path.to_path_buf(),
+                    detail,
+                });
+            }
+            index_behind = Some(detail);
+        }
+    }
+    let recovered = if meta.clean || index_behind.is_some() {
         None
     } else {
         Some(recover(
@@ -791,6 +847,7 @@ pub(crate) fn open<T>(
         });
     // Without its header, the log cannot say what it held: what it still
     // holds is replayed, and the rest is taken as lost.
+    let chain_lost = index_behind.or(chain_lost);
     let log_lost = match (header_lost, chain_lost) {
         (Some(header), chain) => Some(format!(
             "{header} after an unclean shutdown: the {} frames found after it were replayed, \

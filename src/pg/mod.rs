@@ -240,6 +240,17 @@ enum Job {
     Many {
         ops: Vec<(Key, Op)>,
         token_floor: Option<u64>,
+        /// The transaction's own `lock_timeout` (a renewal batch's: see
+        /// [`renewal_lock_wait`]); refused a lock past it while it held
+        /// requests of several keys, they run again a key at a time
+        /// ([`run_apart`]). `None`: the session's, and the batch fails as
+        /// a whole.
+        lock_wait: Option<Duration>,
+        /// Whether the job's deadline is its own, shorter than
+        /// `call_timeout` (a lease renewal, a write that must end while a
+        /// lease lasts): its transaction then sets its
+        /// `idle_in_transaction_session_timeout` from it ([`idle_wait`]).
+        own_deadline: bool,
         reply: oneshot::Sender<Result<Vec<Result<Reply>>>>,
     },
     /// Reads one record at the store's time.
@@ -317,6 +328,8 @@ fn alone(key: &Key, op: Op, reply: oneshot::Sender<Result<Vec<Result<Reply>>>>) 
     Job::Many {
         ops: vec![(key.clone(), op)],
         token_floor: None,
+        lock_wait: None,
+        own_deadline: true,
         reply,
     }
 }
@@ -768,7 +781,9 @@ fn connection_lost(err: &tokio_postgres::Error) -> bool {
     }
     if let Some(code) = err.code() {
         let c = code.code();
-        return c.starts_with("08") || c.starts_with("57P") || c == "53300";
+        // 25P03: the server ended a session idle inside a transaction
+        // past its `idle_in_transaction_session_timeout`.
+        return c.starts_with("08") || c.starts_with("57P") || c == "53300" || c == "25P03";
     }
     let mut source = err.source();
     while let Some(s) = source {
@@ -1860,7 +1875,7 @@ async fn attempt(
     shared: &Shared,
     conn: &Conn,
     ops: &[(Key, Op)],
-    (token_floor, lock_wait): (Option<u64>, Option<Duration>),
+    (token_floor, waits): (Option<u64>, Waits),
     optimistic: bool,
 ) -> Result<Decisions, Fail> {
     let c = &conn.client;
@@ -1910,18 +1925,27 @@ async fn attempt(
     // and the results are checked in that order, so the first failure is
     // the one reported (the statements after it answer 25P02, which names
     // nothing).
-    let begin_sql = match lock_wait {
+    let mut begin_sql = String::from("BEGIN ISOLATION LEVEL READ COMMITTED");
+    for (name, wait) in [
+        ("lock_timeout", waits.lock),
+        ("idle_in_transaction_session_timeout", waits.idle),
+    ] {
         // The shorter of `wait` and the session's own (the limits', or the
-        // URL's `-c lock_timeout`, which wins), in whole milliseconds, at
-        // least one; for this transaction only.
-        Some(wait) => format!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT pg_catalog.set_config('lock_timeout', \
-             LEAST(NULLIF(setting::bigint, 0), {})::text, true) FROM pg_catalog.pg_settings \
-             WHERE name = 'lock_timeout'",
-            wait.as_millis().max(1)
-        ),
-        None => "BEGIN ISOLATION LEVEL READ COMMITTED".to_string(),
-    };
+        // URL's `-c` setting, which wins), in whole milliseconds, at least
+        // one; for this transaction only. Read with `current_setting` (the
+        // value with its unit, as an interval), not from `pg_settings`, a
+        // view over every setting that took a minimal transaction (begin,
+        // a locking read, commit) to 0.42× its rate (pgbench, 2 clients,
+        // median of 5 alternated runs; this form 0.92×).
+        if let Some(wait) = wait {
+            begin_sql.push_str(&format!(
+                "; SELECT pg_catalog.set_config('{name}', (extract(epoch FROM \
+                 LEAST(NULLIF(pg_catalog.current_setting('{name}')::interval, interval '0'), \
+                 interval '{} ms')) * 1000)::bigint::text, true)",
+                wait.as_millis().max(1)
+            ));
+        }
+    }
     let begin = c.batch_execute(&begin_sql);
     let lock_table = async {
         match floor {
@@ -2099,23 +2123,68 @@ async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
     }
 }
 
-/// Runs a batch as one transaction, trying again after deadlocks.
-///
-/// `lock_wait`, when given, bounds each of its waits for a lock below the
-/// session's `lock_timeout` (the transaction's own `lock_timeout`, the
-/// shorter of the two: [`run_apart`]).
+/// Bounds a transaction sets for itself below its session's settings
+/// (each the shorter of the two), for that transaction only.
+#[derive(Debug, Clone, Copy, Default)]
+struct Waits {
+    /// Its `lock_timeout`: each wait for a lock ([`run_apart`], a renewal
+    /// batch).
+    lock: Option<Duration>,
+    /// Its `idle_in_transaction_session_timeout`: how long the server lets
+    /// it sit open between statements, holding its row locks. A job with a
+    /// deadline sets it from that deadline ([`idle_wait`]): past the
+    /// deadline the worker drops the connection, and a connection gone
+    /// half-open (its client's packets lost, the server never told) would
+    /// hold the rows it locked until the session's setting (60 s by
+    /// default), while a renewal's retry on another connection waits for
+    /// them and the lease lapses.
+    idle: Option<Duration>,
+}
+
+/// The `idle_in_transaction_session_timeout` of a transaction run by
+/// `due`, at `now`: half the time left (at least [`MIN_IDLE_WAIT`]), so
+/// that the server ends a session left half-open inside it, and releases
+/// its row locks, about half the time left after its last statement: a
+/// renewal's retry on another connection still finds the lease current.
+/// The engine's own transactions sit idle only for a round trip and the
+/// decisions between their statements.
+fn idle_wait(due: Instant, now: Instant) -> Duration {
+    (due.saturating_duration_since(now) / 2).max(MIN_IDLE_WAIT)
+}
+
+/// The shortest `idle_in_transaction_session_timeout` [`idle_wait`] sets.
+const MIN_IDLE_WAIT: Duration = Duration::from_millis(20);
+
+/// The `lock_timeout` of a lease renewal batch that must end by
+/// `deadline`, at `now`: a quarter of the time left, at most
+/// [`SPLIT_LOCK_WAIT`] (at least 1 ms). A row locked by another session (a
+/// caller's open transaction, any `SELECT … FOR UPDATE`) then refuses the
+/// batch early enough for each key's renewal to run again on its own
+/// ([`run_apart`]) before the deadline: the other leases of the batch are
+/// renewed, and only the locked one is answered `Unavailable` (its
+/// extender tries again later). Waiting for the lock until the deadline
+/// instead failed every lease of the batch, at each retry, until they
+/// lapsed and were taken over while their work still ran.
+fn renewal_lock_wait(deadline: Instant, now: Instant) -> Duration {
+    (deadline.saturating_duration_since(now) / 4)
+        .min(SPLIT_LOCK_WAIT)
+        .max(Duration::from_millis(1))
+}
+
+/// Runs a batch as one transaction, trying again after deadlocks, under
+/// `waits`.
 async fn run_batch(
     shared: &Shared,
     slot: &mut Option<Conn>,
     ops: &[(Key, Op)],
     token_floor: Option<u64>,
-    lock_wait: Option<Duration>,
+    waits: Waits,
 ) -> Result<Decisions, Fail> {
     let mut last = Fail::Storage("no attempt".into());
     let mut optimistic = true;
     for _ in 0..MAX_ATTEMPTS {
         let conn = ensure(shared, slot).await?;
-        match attempt(shared, conn, ops, (token_floor, lock_wait), optimistic).await {
+        match attempt(shared, conn, ops, (token_floor, waits), optimistic).await {
             Ok(done) => return Ok(done),
             Err(f) => {
                 recover(slot, &f).await;
@@ -3128,12 +3197,12 @@ async fn run_apply(
     // A hot statement refused a lock applied nothing: its requests (and
     // the others left) would wait for that lock again in one transaction.
     if let Some(first) = locked.filter(|_| !one_key(&rest)) {
-        run_apart(shared, conn, (rest, rest_calls), &first).await;
+        split_group_commit(shared, conn, (rest, rest_calls), &first).await;
         return;
     }
     let started = Instant::now();
     let result = until(due, conn, async |c| {
-        run_batch(shared, c, &rest, None, None).await
+        run_batch(shared, c, &rest, None, Waits::default()).await
     })
     .await;
     match result {
@@ -3141,7 +3210,7 @@ async fn run_apply(
         // request can run again, a pure read too; the tokens the attempt
         // drew are skipped (a sequence value is never handed out twice).
         Err(Fail::Locked(first)) if !one_key(&rest) => {
-            run_apart(shared, conn, (rest, rest_calls), &first).await;
+            split_group_commit(shared, conn, (rest, rest_calls), &first).await;
         }
         result => answer_general(shared, &rest, rest_calls.replies, result, started),
     }
@@ -3171,6 +3240,51 @@ type Call = ((Key, Op), oneshot::Sender<Result<Reply>>, Instant);
 /// short against `lock_timeout`.
 const SPLIT_LOCK_WAIT: Duration = Duration::from_millis(500);
 
+/// The bounds of a transaction of [`run_apart`] for a group commit.
+const SPLIT_WAITS: Waits = Waits {
+    lock: Some(SPLIT_LOCK_WAIT),
+    idle: None,
+};
+
+/// [`run_apart`] for a group commit refused a lock: each transaction under
+/// [`SPLIT_WAITS`], with the cut-off.
+async fn split_group_commit(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    batch: (Vec<(Key, Op)>, Calls),
+    first: &str,
+) {
+    run_apart(shared, conn, batch, first, (SPLIT_WAITS, true)).await;
+}
+
+/// Runs the requests of a [`Job::Many`] that was refused a lock again, a
+/// key at a time ([`run_apart`], each transaction under `waits` and `due`),
+/// and gathers their answers in order.
+async fn apart_answers(
+    shared: &Shared,
+    conn: &mut Option<Conn>,
+    ops: Vec<(Key, Op)>,
+    due: Instant,
+    waits: Waits,
+    first: &str,
+) -> Vec<Result<Reply>> {
+    let (senders, receivers): (Vec<_>, Vec<_>) = ops.iter().map(|_| oneshot::channel()).unzip();
+    let calls = Calls {
+        replies: senders,
+        deadlines: vec![due; ops.len()],
+    };
+    run_apart(shared, conn, (ops, calls), first, (waits, false)).await;
+    let mut answers = Vec::with_capacity(receivers.len());
+    for rx in receivers {
+        answers.push(rx.await.unwrap_or_else(|_| {
+            Err(Error::Storage(
+                "no answer to a request run on its own".into(),
+            ))
+        }));
+    }
+    answers
+}
+
 /// Whether every request of `ops` is on one key (a batch of one, say).
 fn one_key(ops: &[(Key, Op)]) -> bool {
     ops.split_first()
@@ -3193,20 +3307,27 @@ fn one_key(ops: &[(Key, Op)]) -> bool {
 /// group commit waited for a lock (and left out), those of a transaction whose deadline passes while it
 /// runs as a batch whose deadline passed.
 ///
-/// Each of these transactions waits for a lock at most [`SPLIT_LOCK_WAIT`]
-/// or the session's `lock_timeout`, the shorter (the locked requests
-/// already waited `lock_timeout`). Once two keys in a row are refused a
-/// lock, the sign of a lock every key waits for (a lock on the whole
-/// table, or the token lock an import holds), or the refused keys' waits
-/// add up to `lock_timeout`, the keys after them are answered as refused
-/// (`first`, the first refusal's detail, says why) without running: such
-/// locks hold the worker at most about one `lock_timeout` more, not one
-/// short wait per key.
+/// Each of these transactions runs under `waits`: a group commit's wait
+/// for a lock at most [`SPLIT_LOCK_WAIT`] or the session's `lock_timeout`,
+/// the shorter (the locked requests already waited `lock_timeout`); a
+/// lease renewal batch's as long as its batch waited
+/// ([`renewal_lock_wait`]). With `cut_off` (a group commit), once two
+/// keys in a row are refused a lock, the sign of a lock every key waits
+/// for (a lock on the whole table, or the token lock an import holds), or
+/// the refused keys' waits add up to `lock_timeout`, the keys after them
+/// are answered as refused (`first`, the first refusal's detail, says
+/// why) without running: such locks hold the worker at most about one
+/// `lock_timeout` more, not one short wait per key. A renewal batch has
+/// no cut-off: its deadline bounds it, and each key's renewal that runs
+/// before the deadline is decided (each locked row costs a quarter of the
+/// batch's time, so behind several the later leases miss the deadline and
+/// are tried again).
 async fn run_apart(
     shared: &Shared,
     conn: &mut Option<Conn>,
     (ops, calls): (Vec<(Key, Op)>, Calls),
     first: &str,
+    (waits, cut_off): (Waits, bool),
 ) {
     let mut refused_in_a_row = 0u32;
     let mut refused_wait = Duration::ZERO;
@@ -3248,8 +3369,8 @@ async fn run_apart(
             if deadline <= now {
                 let _ = tx.send(Err(Error::Unavailable {
                     detail: format!(
-                        "the call's deadline (PostgresLimits::call_timeout) passed while its \
-                         group commit waited for a lock held by another session ({first})"
+                        "the call's deadline passed while its batch waited for a lock held by \
+                         another session ({first})"
                     ),
                 }));
                 continue;
@@ -3260,7 +3381,7 @@ async fn run_apart(
         }
         let Some(due) = due else { continue };
         let started = Instant::now();
-        if refused_in_a_row >= 2 || refused_wait >= lock_timeout {
+        if cut_off && (refused_in_a_row >= 2 || refused_wait >= lock_timeout) {
             let refused = Fail::Locked(format!(
                 "{first}; run again a key at a time, other keys were refused a lock too (two \
                  in a row, or lock_timeout in all), so this key's requests were not run again"
@@ -3268,9 +3389,8 @@ async fn run_apart(
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
-        let wait = Some(SPLIT_LOCK_WAIT);
         let result = until(due, conn, async |c| {
-            run_batch(shared, c, &group_ops, None, wait).await
+            run_batch(shared, c, &group_ops, None, waits).await
         })
         .await;
         refused_in_a_row = match result {
@@ -3321,7 +3441,7 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
             let started = Instant::now();
             let ops = [(key, op)];
             let result = until(due, conn, async |c| {
-                run_batch(shared, c, &ops, None, None).await
+                run_batch(shared, c, &ops, None, Waits::default()).await
             })
             .await;
             answer_general(shared, &ops, vec![reply], result, started);
@@ -3329,13 +3449,31 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
         Job::Many {
             ops,
             token_floor,
+            lock_wait,
+            own_deadline,
             reply,
         } => {
             let started = Instant::now();
+            let waits = Waits {
+                lock: lock_wait,
+                idle: own_deadline.then(|| idle_wait(due, started)),
+            };
             let result = until(due, conn, async |c| {
-                run_batch(shared, c, &ops, token_floor, None).await
+                run_batch(shared, c, &ops, token_floor, waits).await
             })
             .await;
+            let result = match result {
+                // Nothing was applied: each key's requests run again on
+                // their own, so that a row held by another session fails
+                // only the renewal that needs it.
+                Err(Fail::Locked(first)) if lock_wait.is_some() && !one_key(&ops) => {
+                    let _ = reply.send(Ok(
+                        apart_answers(shared, conn, ops, due, waits, &first).await
+                    ));
+                    return;
+                }
+                result => result,
+            };
             let answer = match result {
                 Ok((answers, events)) => {
                     shared.remember(&ops, &answers);
@@ -3870,14 +4008,27 @@ impl Postgres {
 
     /// Applies `ops` in one transaction of their own, each decided on its
     /// own in input order (a later request on a key sees an earlier one).
+    /// Refused a lock past `lock_timeout`, the transaction fails as a
+    /// whole (`claim_many` is one transaction).
     pub(crate) fn apply_many(&self, ops: Vec<(Key, Op)>) -> Result<Vec<Result<Reply>>> {
-        self.apply_many_by(ops, self.deadline())
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.ask(|reply| Job::Many {
+            ops,
+            token_floor: None,
+            lock_wait: None,
+            own_deadline: false,
+            reply,
+        })
     }
 
-    /// [`Postgres::apply_many`] under `deadline` when it comes before
-    /// `call_timeout` from now (a lease renewal, which must end while the
-    /// lease lasts): past it the connection is dropped, so that a retry
-    /// runs on another.
+    /// [`Postgres::apply_many`] for a batch of lease renewals, under
+    /// `deadline` when it comes before `call_timeout` from now (a renewal
+    /// must end while the lease lasts): past it the connection is dropped,
+    /// so that a retry runs on another. Unlike `apply_many`, the batch
+    /// waits for a row lock at most [`renewal_lock_wait`], then renews
+    /// each key apart ([`run_apart`]).
     pub(crate) fn apply_many_by(
         &self,
         ops: Vec<(Key, Op)>,
@@ -3886,9 +4037,12 @@ impl Postgres {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
-        self.ask_by(deadline.min(self.deadline()), |reply| Job::Many {
+        let deadline = deadline.min(self.deadline());
+        self.ask_by(deadline, |reply| Job::Many {
             ops,
             token_floor: None,
+            lock_wait: Some(renewal_lock_wait(deadline, Instant::now())),
+            own_deadline: true,
             reply,
         })
     }
@@ -3903,6 +4057,8 @@ impl Postgres {
         self.ask(|reply| Job::Many {
             ops,
             token_floor: Some(token_floor),
+            lock_wait: None,
+            own_deadline: false,
             reply,
         })
     }

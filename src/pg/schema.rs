@@ -210,11 +210,13 @@ impl Sql {
                  ORDER BY binding FOR UPDATE"
             ),
             clock: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint".into(),
-            txn_probe: "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
-                        pg_current_xact_id_if_assigned() IS NOT NULL, \
-                        current_setting('transaction_isolation') IN ('repeatable read', \
-                        'serializable')"
-                .into(),
+            txn_probe: format!(
+                "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint, \
+                 pg_current_xact_id_if_assigned() IS NOT NULL, \
+                 current_setting('transaction_isolation') IN ('repeatable read', \
+                 'serializable'), \
+                 (SELECT value FROM {s}.meta WHERE name = 'store_id')"
+            ),
             // Never past the end in one statement: a draw that fails half
             // way would lose the tokens it already took.
             draw_tokens: format!(

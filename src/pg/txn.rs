@@ -67,6 +67,9 @@ pub(super) struct Probe {
     /// READ or SERIALIZABLE; READ UNCOMMITTED runs as READ COMMITTED), so
     /// that a row written after its first statement may not be seen.
     pub snapshot: bool,
+    /// The identity of the store in the schema the session reaches (its
+    /// `meta` row `store_id`), `None` without that row.
+    pub store_id: Option<Vec<u8>>,
 }
 
 /// How long a completion under a snapshot that shows no row waits for the
@@ -187,6 +190,7 @@ impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
             db_ms: row.try_get(0).map_err(read_error)?,
             in_block: row.try_get(1).map_err(read_error)?,
             snapshot: row.try_get(2).map_err(read_error)?,
+            store_id: row.try_get(3).map_err(read_error)?,
         })
     }
 
@@ -280,7 +284,31 @@ async fn decide_and_write<S: Session>(
         db_ms,
         in_block,
         snapshot,
+        store_id,
     } = session.probe(&sql.txn_probe).await?;
+    // The caller's connection may reach another database whose schema of
+    // the same name holds another store: its row is not this store's.
+    let ours = engine.store_id().to_be_bytes();
+    if store_id.as_deref() != Some(ours.as_slice()) {
+        let theirs = match store_id {
+            Some(id) => format!(
+                "store {}",
+                id.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ),
+            None => "no store identity".to_string(),
+        };
+        return Err(Refusal::Decision(Error::Misconfigured {
+            fault: crate::error::ConfigFault::OtherStore,
+            detail: format!(
+                "the transaction's connection reaches another store than this Store's \
+                 ({:032x}): its schema \"{}\" holds {theirs}; give complete_in / fail_in \
+                 a connection to the store's own database (nothing was written, and the \
+                 transaction is aborted)",
+                engine.store_id(),
+                sql.schema,
+            ),
+        }));
+    }
     let reading = match &shared.clock {
         Some(clock) => clock.now_ms(),
         None => to_u64("the database clock", db_ms)?,

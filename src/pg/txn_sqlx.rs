@@ -64,6 +64,7 @@ impl Session for Sqlx<'_> {
             db_ms: get(row, 0)?,
             in_block: get(row, 1)?,
             snapshot: get(row, 2)?,
+            store_id: get(row, 3)?,
         })
     }
 

@@ -61,8 +61,15 @@ use crate::store::Store;
 /// # Errors
 ///
 /// Those of [`crate::postgres::complete_in`], and after **any** of them the
-/// caller's transaction is aborted: roll it back (dropping a sqlx
-/// `Transaction` does); its `commit` rolls back, too. Inside a savepoint
+/// caller's transaction is aborted: roll it back (`rollback().await`); its
+/// `commit` rolls back, too. Dropping a sqlx `Transaction` only queues its
+/// `ROLLBACK`, which sqlx sends with the connection's next use (a pooled
+/// connection's, when it goes back to its `PgPool`): on a `PgConnection`
+/// of your own left idle, the transaction stays open until then, and so
+/// does its lock on the key's row, which every later claim or write of the
+/// key waits for (up to `lock_timeout`, then
+/// [`Error::Unavailable`](crate::Error::Unavailable)). The same holds for
+/// a transaction dropped after this returned `Ok` without its `commit`. Inside a savepoint
 /// (a sqlx transaction begun inside another) only the savepoint is
 /// aborted, as [`crate::postgres::complete_in`] says: committing the outer
 /// transaction then commits its effect without the completion.

@@ -50,3 +50,21 @@ pub fn schema_of(store: &idemstore::Store) -> String {
         .map(|(_, s)| s.to_string())
         .expect("a PostgreSQL store's path names its schema")
 }
+
+/// `url` with its database replaced by `db` (a URL's path, or a
+/// key=value string's `dbname`).
+pub fn with_db(url: &str, db: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let (authority, query) = match rest.find(['/', '?']) {
+                Some(at) => {
+                    let (authority, tail) = rest.split_at(at);
+                    (authority, tail.find('?').map_or("", |q| &tail[q..]))
+                }
+                None => (rest, ""),
+            };
+            format!("{scheme}://{authority}/{db}{query}")
+        }
+        None => format!("{url} dbname={db}"),
+    }
+}

@@ -15,7 +15,12 @@
 //!   half-open, while new connections work);
 //! - [`Proxy::hold_answers_after`] forwards everything the client sends,
 //!   and from the client chunk that contains a pattern on holds the
-//!   server's answers (nothing closed) until [`Proxy::resume`].
+//!   server's answers (nothing closed) until [`Proxy::resume`];
+//! - [`Proxy::half_open_after`] lets the client chunk that contains a
+//!   pattern reach the server, then forwards nothing more on that
+//!   connection, either way, and never closes its server side: the server
+//!   is never told the client went (a session left inside a transaction
+//!   keeps its row locks).
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -54,6 +59,13 @@ struct State {
     accepted: AtomicU64,
     /// Connections numbered below this are paused for good.
     dead_below: AtomicU64,
+    /// The pattern of [`Proxy::half_open_after`], until it is seen.
+    half_open_pattern: Mutex<Option<Vec<u8>>>,
+    /// The connection [`Proxy::half_open_after`] left half-open, once it
+    /// did (its number).
+    half_open: Mutex<Option<u64>>,
+    /// The server sides of half-open connections, kept open for good.
+    kept: Mutex<Vec<TcpStream>>,
 }
 
 impl State {
@@ -136,6 +148,18 @@ impl Proxy {
         std::mem::take(&mut self.state.turns.lock().expect("proxy lock").1)
     }
 
+    /// Arms the half-open fault: the next client chunk that contains
+    /// `pattern` reaches the server, then its connection forwards nothing
+    /// more either way and its server side is never closed.
+    pub fn half_open_after(&self, pattern: &[u8]) {
+        *self.state.half_open_pattern.lock().expect("proxy lock") = Some(pattern.to_vec());
+    }
+
+    /// Whether the half-open fault fired.
+    pub fn went_half_open(&self) -> bool {
+        self.state.half_open.lock().expect("proxy lock").is_some()
+    }
+
     /// Whether answers are being held.
     pub fn holding(&self) -> bool {
         *self.state.holding.lock().expect("proxy lock")
@@ -204,10 +228,26 @@ fn client_to_server(mut client: TcpStream, mut server: TcpStream, state: &State,
         if hold {
             *state.holding.lock().expect("proxy lock") = true;
         }
+        if *state.half_open.lock().expect("proxy lock") == Some(id) {
+            continue;
+        }
         state.turns.lock().expect("proxy lock").0 = true;
         if server.write_all(chunk).is_err() {
             break;
         }
+        let mut pattern = state.half_open_pattern.lock().expect("proxy lock");
+        if pattern
+            .as_ref()
+            .is_some_and(|p| chunk.windows(p.len()).any(|w| w == p.as_slice()))
+        {
+            *pattern = None;
+            *state.half_open.lock().expect("proxy lock") = Some(id);
+        }
+    }
+    if *state.half_open.lock().expect("proxy lock") == Some(id) {
+        // The server is never told.
+        state.kept.lock().expect("proxy lock").push(server);
+        return;
     }
     let _ = server.shutdown(Shutdown::Write);
 }
@@ -222,6 +262,9 @@ fn server_to_client(mut server: TcpStream, mut client: TcpStream, state: &State,
         state.wait_unpaused(id);
         while *state.holding.lock().expect("proxy lock") {
             std::thread::sleep(Duration::from_millis(5));
+        }
+        if *state.half_open.lock().expect("proxy lock") == Some(id) {
+            continue;
         }
         if state.cut.load(Ordering::SeqCst) {
             // The answer is lost: the client sees its connection end.
