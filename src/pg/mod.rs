@@ -2132,7 +2132,9 @@ struct Waits {
     lock: Option<Duration>,
     /// Its `idle_in_transaction_session_timeout`: how long the server lets
     /// it sit open between statements, holding its row locks. A job with a
-    /// deadline sets it from that deadline ([`idle_wait`]): past the
+    /// deadline of its own, shorter than `call_timeout` (a renewal, a write
+    /// under a lease: `Job::Many`'s `own_deadline`), sets it from that
+    /// deadline ([`idle_wait`]): past the
     /// deadline the worker drops the connection, and a connection gone
     /// half-open (its client's packets lost, the server never told) would
     /// hold the rows it locked until the session's setting (60 s by
