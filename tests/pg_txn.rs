@@ -696,19 +696,26 @@ fn a_claim_that_waited_for_locks_gets_a_lease_from_after_the_wait() {
         // The import's lock on the records table (or, after it, on the
         // row) waits for the caller's transaction.
         let import = s.spawn(|| replica.import(&export[..], |_| {}));
+        // Sessions of this test's schema only, by their statements: the
+        // other tests of this binary run stores of their own on the server.
         rt.block_on(wait_until(
             &monitor,
             "the import waits for the table or the row",
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-             AND wait_event IN ('relation', 'transactionid', 'tuple')",
+            &format!(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                 AND wait_event IN ('relation', 'transactionid', 'tuple') \
+                 AND position('{schema}' in query) > 0"
+            ),
         ));
         // A claim of another key waits behind the import.
         let claim = s.spawn(|| acquire(&store, &key("lapse-fresh")));
         rt.block_on(wait_until(
             &monitor,
             "the claim waits behind the import",
-            "SELECT (count(*) >= 2)::int::bigint FROM pg_stat_activity \
-             WHERE wait_event_type = 'Lock'",
+            &format!(
+                "SELECT (count(*) >= 2)::int::bigint FROM pg_stat_activity \
+                 WHERE wait_event_type = 'Lock' AND position('{schema}' in query) > 0"
+            ),
         ));
         // Longer than the lease passes while the claim waits.
         let waiting_since = rt.block_on(db_now(&monitor));
