@@ -51,6 +51,20 @@ fn fp() -> Fingerprint {
     Fingerprint::of(b"payload")
 }
 
+/// A runtime of its own and a client connected to `url` on it (the
+/// connection driven by the runtime), for the test's own statements.
+fn client_of(url: &str) -> (tokio::runtime::Runtime, tokio_postgres::Client) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (client, connection) = rt
+        .block_on(tokio_postgres::connect(url, NoTls))
+        .expect("connect");
+    rt.spawn(connection);
+    (rt, client)
+}
+
 /// Runs `call` on a thread of its own and returns its answer, failing the
 /// test if it has not returned within the hang guard.
 fn guarded<T: Send + 'static>(what: &str, call: impl FnOnce() -> T + Send + 'static) -> T {
@@ -188,14 +202,7 @@ fn held_key(
         Ok(ClaimOutcome::Acquired(lease)) => lease,
         other => panic!("{other:?}"),
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let (client, connection) = rt
-        .block_on(tokio_postgres::connect(url, NoTls))
-        .expect("connect");
-    rt.spawn(connection);
+    let (rt, client) = client_of(url);
     (store, lease, rt, client)
 }
 
@@ -507,14 +514,7 @@ struct Sessions {
 
 impl Sessions {
     fn new(url: &str, app: &str) -> Sessions {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let (client, connection) = rt
-            .block_on(tokio_postgres::connect(url, NoTls))
-            .expect("connect");
-        rt.spawn(connection);
+        let (rt, client) = client_of(url);
         Sessions {
             rt,
             client,
@@ -946,19 +946,22 @@ fn renew_past_a_half_open_connection(asynchronous: bool) {
 
 /// Runs `execute` of each of `ids` on `store` at once, each doing `work`
 /// long (sync, so that one extender thread renews their leases, due
-/// together, in one batch), and returns each one's origin or error once
-/// all have returned. `started` counts the works that began.
+/// together, in one batch). Returns once every work has begun (or the
+/// calls have all returned), with the thread that answers each one's
+/// origin or error once all have returned.
 #[cfg(feature = "agent")]
 fn execute_each(
     store: &Arc<Store>,
     ids: &[String],
     work: Duration,
-    started: &Arc<std::sync::atomic::AtomicUsize>,
 ) -> std::thread::JoinHandle<Vec<(String, Result<idemstore::agent::Origin, String>)>> {
     use idemstore::agent::{ExecuteOptions, Failure};
-    use std::sync::atomic::Ordering;
-    let (store, ids, started) = (Arc::clone(store), ids.to_vec(), Arc::clone(started));
-    std::thread::spawn(move || {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let started = Arc::new(AtomicUsize::new(0));
+    let count = ids.len();
+    let (store, ids, begun) = (Arc::clone(store), ids.to_vec(), Arc::clone(&started));
+    let runner = std::thread::spawn(move || {
+        let started = begun;
         let barrier = Arc::new(std::sync::Barrier::new(ids.len()));
         let runners: Vec<_> = ids
             .into_iter()
@@ -979,7 +982,11 @@ fn execute_each(
             .into_iter()
             .map(|r| r.join().expect("runner"))
             .collect()
-    })
+    });
+    while started.load(Ordering::SeqCst) < count && !runner.is_finished() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    runner
 }
 
 /// While `runner` runs, tries to claim each of `ids` on `other` (another
@@ -1017,8 +1024,6 @@ fn taken_over_while<T>(
 #[cfg(feature = "agent")]
 #[test]
 fn a_row_locked_by_another_session_fails_only_its_own_renewal() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
     const LEASE: Duration = Duration::from_millis(900);
     const WORK: Duration = Duration::from_secs(3);
     let Some(url) = pg::url() else { return };
@@ -1032,21 +1037,10 @@ fn a_row_locked_by_another_session_fails_only_its_own_renewal() {
     let victims: Vec<String> = (0..8).map(|i| format!("renewed-{i}")).collect();
     let mut ids = victims.clone();
     ids.push("locked".to_string());
-    let started = Arc::new(AtomicUsize::new(0));
-    let runner = execute_each(&store, &ids, WORK, &started);
-    while started.load(Ordering::SeqCst) < ids.len() {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let runner = execute_each(&store, &ids, WORK);
     // The row of `locked` held until the works end, before its first
     // renewal (a third of the lease).
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let (mut client, connection) = rt
-        .block_on(tokio_postgres::connect(&url, NoTls))
-        .expect("connect");
-    rt.spawn(connection);
+    let (rt, mut client) = client_of(&url);
     let tx = rt.block_on(client.transaction()).expect("begin");
     let locked = rt
         .block_on(tx.query(
@@ -1090,8 +1084,6 @@ fn a_row_locked_by_another_session_fails_only_its_own_renewal() {
 #[cfg(feature = "agent")]
 #[test]
 fn a_renewal_whose_session_keeps_its_row_locks_is_retried_while_the_lease_lasts() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
     const LEASE: Duration = Duration::from_secs(3);
     const WORK: Duration = Duration::from_secs(5);
     let Some(url) = pg::url() else { return };
@@ -1104,11 +1096,7 @@ fn a_renewal_whose_session_keeps_its_row_locks_is_retried_while_the_lease_lasts(
     let store = Arc::new(Store::connect(&via(&url, &proxy), config.clone()).expect("connect"));
     let other = Store::connect(&url, config).expect("connect");
     let ids: Vec<String> = (0..3).map(|i| format!("kept-{i}")).collect();
-    let started = Arc::new(AtomicUsize::new(0));
-    let runner = execute_each(&store, &ids, WORK, &started);
-    while started.load(Ordering::SeqCst) < ids.len() {
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let runner = execute_each(&store, &ids, WORK);
     // The next message that names `kept-0` is the renewal's locking read.
     proxy.half_open_after(b"kept-0");
     let taken = taken_over_while(&other, &ids, &runner);
@@ -1158,14 +1146,7 @@ fn an_abandoned_claim_on_a_locked_row_holds_no_claim_of_another_key() {
         other => panic!("{other:?}"),
     };
     store.fail(&lease, b"boom", true).expect("fail");
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let (mut client, connection) = rt
-        .block_on(tokio_postgres::connect(&url, NoTls))
-        .expect("connect");
-    rt.spawn(connection);
+    let (rt, mut client) = client_of(&url);
     let tx = rt.block_on(client.transaction()).expect("begin");
     rt.block_on(tx.execute(
         &format!("SELECT 1 FROM \"{schema}\".records FOR UPDATE"),

@@ -40,12 +40,22 @@ pub(crate) const CHECK_CACHE_BYTES: usize = 64 * 1024 * 1024;
 pub(crate) fn integrity(path: &Path) -> Result<Integrity> {
     let view = Overlay::open(path)?;
     guard(path, || {
-        let mut db = Database::builder()
-            .set_cache_size(CHECK_CACHE_BYTES)
-            .create_with_backend(view)
-            .map_err(|e| open_error(path, e))?;
+        let mut db = open_view(path, view)?;
         Ok(integrity_of(&mut db))
     })
+}
+
+/// redb's database over `view`, the overlay of the store file at `path`,
+/// with [`CHECK_CACHE_BYTES`] of page cache: what redb writes stays in
+/// memory. Call it inside [`guard`] (redb may panic on a damaged file).
+///
+/// # Errors
+/// As [`open_error`] says for the file.
+fn open_view(path: &Path, view: Overlay) -> Result<Database> {
+    Database::builder()
+        .set_cache_size(CHECK_CACHE_BYTES)
+        .create_with_backend(view)
+        .map_err(|e| open_error(path, e))
 }
 
 /// Verifies the records and bindings of the store file at `path` from its
@@ -76,10 +86,7 @@ pub(crate) fn verify_index(
 ) -> Result<(CheckReport, Option<PathBuf>, bool)> {
     let view = Overlay::open(path)?;
     guard(path, || {
-        let db = Database::builder()
-            .set_cache_size(CHECK_CACHE_BYTES)
-            .create_with_backend(view)
-            .map_err(|e| open_error(path, e))?;
+        let db = open_view(path, view)?;
         let marker = match schema::recorded_damage_marker(path, &db)? {
             Ok(Some(recorded)) if super::scrub::is_present(&recorded) => Some(recorded),
             _ => None,

@@ -2134,12 +2134,11 @@ struct Waits {
     /// it sit open between statements, holding its row locks. A job with a
     /// deadline of its own, shorter than `call_timeout` (a renewal, a write
     /// under a lease: `Job::Many`'s `own_deadline`), sets it from that
-    /// deadline ([`idle_wait`]): past the
-    /// deadline the worker drops the connection, and a connection gone
-    /// half-open (its client's packets lost, the server never told) would
-    /// hold the rows it locked until the session's setting (60 s by
-    /// default), while a renewal's retry on another connection waits for
-    /// them and the lease lapses.
+    /// deadline ([`idle_wait`]): past the deadline the worker drops the
+    /// connection, and a connection gone half-open (its client's packets
+    /// lost, the server never told) would hold the rows it locked until the
+    /// session's setting (60 s by default), while a renewal's retry on
+    /// another connection waits for them and the lease lapses.
     idle: Option<Duration>,
 }
 
@@ -3464,19 +3463,13 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
                 run_batch(shared, c, &ops, token_floor, waits).await
             })
             .await;
-            let result = match result {
+            let answer = match result {
                 // Nothing was applied: each key's requests run again on
                 // their own, so that a row held by another session fails
                 // only the renewal that needs it.
                 Err(Fail::Locked(first)) if lock_wait.is_some() && !one_key(&ops) => {
-                    let _ = reply.send(Ok(
-                        apart_answers(shared, conn, ops, due, waits, &first).await
-                    ));
-                    return;
+                    Ok(apart_answers(shared, conn, ops, due, waits, &first).await)
                 }
-                result => result,
-            };
-            let answer = match result {
                 Ok((answers, events)) => {
                     shared.remember(&ops, &answers);
                     shared.counters.publish(events);
