@@ -44,7 +44,9 @@ struct Tools {
 
 /// The server: `append` (writes a line), `count` (read-only), `reject`
 /// (a tool error), `flaky` (a JSON-RPC error, then a result), `lost` (an
-/// answer of unknown outcome, `IN_DOUBT`).
+/// answer of unknown outcome, `IN_DOUBT`), `careful` (writes a line, then
+/// answers a JSON-RPC error once its call is cancelled; a later run
+/// answers at once).
 #[derive(Clone)]
 struct AppendServer(Arc<Tools>);
 
@@ -66,6 +68,7 @@ fn tools() -> Vec<Tool> {
         Tool::new("reject", "Always a tool error", schema()),
         Tool::new("flaky", "A JSON-RPC error, then a result", schema()),
         Tool::new("lost", "Does not know whether it acted", schema()),
+        Tool::new("careful", "Acts, then stops when cancelled", schema()),
     ]
 }
 
@@ -101,7 +104,7 @@ impl ServerHandler for AppendServer {
     async fn call_tool(
         &self,
         request: CallToolRequestParams,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
         let tools = &self.0;
         tools.runs.fetch_add(1, Ordering::SeqCst);
@@ -135,6 +138,22 @@ impl ServerHandler for AppendServer {
                     return Err(ErrorData::internal_error("upstream unavailable", None));
                 }
                 text("flaky worked".to_string())
+            }
+            "careful" => {
+                let mut lines = tools.lines();
+                let again = lines.iter().any(|l| l == "careful");
+                lines.push("careful".to_string());
+                std::fs::write(&tools.file, lines.join("\n") + "\n")
+                    .map_err(|e| ErrorData::internal_error(e.to_string(), None))?;
+                let gate = tools.gate.lock().take();
+                if let Some(gate) = gate {
+                    let _ = gate.started.send(());
+                }
+                if again {
+                    return text("careful ran again".to_string());
+                }
+                context.ct.cancelled().await;
+                Err(ErrorData::internal_error("cancelled", None))
             }
             "lost" => Err(ErrorData::new(
                 rmcp::model::ErrorCode(IN_DOUBT),
@@ -438,6 +457,41 @@ async fn an_answer_of_unknown_outcome_leaves_the_key_in_doubt() {
     };
     assert_eq!(doubt.code.0, IN_DOUBT);
     assert_eq!(doubt.data.unwrap()["idempotencyKey"], "k-lost");
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1, "the tool ran once");
+}
+
+/// A call cancelled while its tool runs (the client gave up on it, and
+/// `rmcp` sent `notifications/cancelled`), whose tool then stops with a
+/// JSON-RPC error after it acted, may have acted: nothing is recorded, the
+/// key stays in progress under its lease and is then in doubt; the retry
+/// does not run the tool again. (The error was recorded as a retryable
+/// failure, and the retry ran the tool a second time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cancelled_while_its_tool_runs_is_in_doubt_not_run_again() {
+    let h = Harness::new(McpOptions::new().lease(Duration::from_millis(300)));
+    let (client, _server) = h.connect().await;
+    let (started, _release) = h.hold_next();
+    let peer = client.peer().clone();
+    let sent =
+        tokio::spawn(async move { peer.call_tool(call("careful", json!({}), "k-cancel")).await });
+    started.await.unwrap(); // the tool acted
+    sent.abort(); // the client gives up: rmcp cancels the request
+    assert!(sent.await.unwrap_err().is_cancelled());
+    let doubt = loop {
+        let answer = match client
+            .call_tool(call("careful", json!({}), "k-cancel"))
+            .await
+        {
+            Ok(result) => panic!("the retry ran the tool again: {}", text_of(&result)),
+            Err(e) => rpc_error(e),
+        };
+        if answer.code.0 != IN_PROGRESS {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(doubt.code.0, IN_DOUBT, "{doubt:?}");
+    assert_eq!(h.tools.lines(), vec!["careful"], "the tool acted once");
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1, "the tool ran once");
 }
 

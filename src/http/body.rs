@@ -30,7 +30,9 @@ pin_project! {
     /// the task). The outcome is recorded, durably, before the last frame
     /// is handed on (the frame after which the inner body is at its end or
     /// has sent its declared `Content-Length`), so that a client holding
-    /// the whole response that retries is answered by a replay. If the
+    /// the whole response that retries is answered by a replay (a write
+    /// that still fails when its tries end is logged, and the frame handed
+    /// on all the same: a retry after the lease is then a takeover). If the
     /// body fails, a retryable failure is recorded and the error handed
     /// on; if the body is dropped before its end (the client went away),
     /// a retryable failure is queued (once the outcome's write has begun,

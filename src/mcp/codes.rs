@@ -41,8 +41,12 @@ pub const KEY_CONFLICT: i32 = -32041;
 pub const IN_DOUBT: i32 = -32042;
 
 /// The idempotency store failed (I/O, corruption, an unreachable
-/// database). Whether the tool ran is told by a retry with the same key
-/// once the store is back.
+/// database) before the tool ran. Retry with the same key once the store is
+/// back. If the claim was applied but its answer lost (on PostgreSQL, a
+/// failure after its `COMMIT` was sent), the retry finds the key in progress
+/// ([`IN_PROGRESS`]) until the claim's lease lapses, then in doubt
+/// ([`IN_DOUBT`]): the store cannot tell a lost answer from a crash mid-call
+/// (`docs/mcp.md`, "What is and is not safe").
 pub const STORE_FAILED: i32 = -32043;
 
 /// The `data.reason` of each error, in words.

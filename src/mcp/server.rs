@@ -93,7 +93,13 @@ pub fn announce(capabilities: &mut ServerCapabilities) {
 /// the wrapped server says it does not know whether the tool acted (a
 /// proxy whose server died or answered garbage mid-call, say). Nothing is
 /// recorded and that error is answered: the key stays in progress until
-/// its lease lapses, and is then in doubt, as after a crash. When the
+/// its lease lapses, and is then in doubt, as after a crash. A JSON-RPC
+/// error answered after the call was cancelled (the client sent
+/// `notifications/cancelled`, or its connection closed and `rmcp`
+/// cancelled its calls) is taken the same way, whatever its code: a tool
+/// that stops when cancelled may have acted first. A tool that knows it
+/// did not act can answer a tool error that
+/// [`McpOptions::retryable_tool_error`] marks retryable instead. When the
 /// tool ran in this call, its own answer is returned even if recording it
 /// failed (the failure is logged; later calls then find the key in progress
 /// and, after the lease, in doubt).
@@ -204,14 +210,19 @@ impl<S: ServerHandler> IdempotentServer<S> {
         let run =
             self.store
                 .execute_async(&key, &fingerprint, options, async move |_lease: &Lease| {
+                    let cancelled = context.ct.clone();
                     let answer = Service::handle_request(
                         inner,
                         ClientRequest::CallToolRequest(call),
                         context,
                     )
                     .await;
+                    // A JSON-RPC error is a retryable failure, but not one
+                    // answered after the call was cancelled (the client's
+                    // notifications/cancelled, or its connection closed): a
+                    // tool that stops when cancelled may have acted first.
                     if let Err(error) = &answer
-                        && error.code.0 == codes::IN_DOUBT
+                        && (error.code.0 == codes::IN_DOUBT || cancelled.is_cancelled())
                     {
                         let _ = doubt_tx.send(error.clone());
                         return std::future::pending().await;
@@ -232,8 +243,10 @@ impl<S: ServerHandler> IdempotentServer<S> {
             Err(error) => {
                 tracing::warn!(
                     key = %key,
-                    "the wrapped server does not know whether the tool acted: nothing is \
-                     recorded, and the key is in doubt once its lease lapses"
+                    code = error.code.0,
+                    "the tool may have acted (an answer of unknown outcome, or an error after \
+                     the call was cancelled): nothing is recorded, and the key is in doubt once \
+                     its lease lapses"
                 );
                 return Err(error);
             }
