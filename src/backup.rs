@@ -520,6 +520,23 @@ impl ImportLimits<'_> {
                 ));
             }
         }
+        // A later write stamps its times at the record's last update at
+        // least, and adds a lease and a retention to it: an update time
+        // within the longest retention of the largest time would make that
+        // write's lease end and expiry overflow what a `bigint` holds.
+        let max_retention = crate::clock::duration_ms(MAX_RETENTION);
+        let latest_update = largest.saturating_sub(max_retention);
+        if r.updated_ms > latest_update {
+            return Err((
+                ImportRule::TimeOutOfRange,
+                format!(
+                    "its update time {} ms is above {latest_update} ms, the largest time less \
+                     the longest retention, past which a later write's lease end and expiry \
+                     would not fit",
+                    r.updated_ms
+                ),
+            ));
+        }
         if r.created_ms > r.updated_ms {
             return Err((
                 ImportRule::TimesOutOfOrder,
@@ -575,7 +592,6 @@ impl ImportLimits<'_> {
                 ),
             ));
         }
-        let max_retention = crate::clock::duration_ms(MAX_RETENTION);
         if r.updated_ms
             .checked_add(max_retention)
             .is_none_or(|m| r.expires_ms > m)

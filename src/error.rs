@@ -517,7 +517,10 @@ pub enum ImportRule {
     /// `i64::MAX` milliseconds, the largest a PostgreSQL `bigint` column
     /// holds: refused by both engines, so that a stream one engine takes
     /// the other takes too (about 292 million years ahead, so no clock
-    /// ever made it).
+    /// ever made it); or its last update is later than that less
+    /// [`MAX_RETENTION`](crate::MAX_RETENTION), so that a later write to it
+    /// (stamped at its last update at least, plus a lease or a retention)
+    /// could not fit.
     TimeOutOfRange,
     /// A record's lease ends more than [`MAX_LEASE`](crate::MAX_LEASE)
     /// after its last update.

@@ -433,6 +433,70 @@ fn a_time_beyond_a_bigint_is_refused_before_its_batch_is_written() {
     }
 }
 
+/// A record whose last update is within the longest retention of the
+/// largest time (`i64::MAX` ms) is refused (`TimeOutOfRange`) even with
+/// far-ahead times accepted, on both engines, and nothing is written. One
+/// at that bound imports; a claim retries it and completes it, its times
+/// still fit a `bigint`, and the store's export imports again. Before, the
+/// file engine took the later record, the claim wrote a lease end and an
+/// expiry above `i64::MAX`, and the store's own export was refused;
+/// PostgreSQL refused the claim, so the key was blocked until its expiry.
+#[test]
+fn a_record_updated_too_late_for_a_later_write_to_fit_is_refused_on_both_engines() {
+    let largest = u64::try_from(i64::MAX).unwrap();
+    let bound = largest - u64::try_from(MAX_RETENTION.as_millis()).unwrap();
+    let retryable_at = |id: &str, at: u64| RawRecord {
+        state: 3,
+        output: Some(b"try again".to_vec()),
+        lease_until_ms: at,
+        ..RawRecord::succeeded(id, 5, at)
+    };
+    let accept = ImportOptions::new().accept_clock_ahead(true);
+    let check = |store: &Store, what: &str| {
+        let late = export_stream(10, 1, &[retryable_at("late", bound + 1)]);
+        let offsets = export_frame_offsets(&late);
+        assert_eq!(
+            refused(store.import_with(late.as_slice(), &accept, |_| {})),
+            (offsets[1] as u64, ImportRule::TimeOutOfRange, 0),
+            "{what}"
+        );
+        assert!(store.is_empty().unwrap(), "{what}");
+
+        let edge = export_stream(10, 1, &[retryable_at("edge", bound)]);
+        let summary = store.import_with(edge.as_slice(), &accept, |_| {}).unwrap();
+        assert_eq!(summary.imported, 1, "{what}");
+        let fingerprint = Fingerprint::from_bytes(b"fingerprint".to_vec()).unwrap();
+        let lease = acquired(
+            store
+                .claim(&key("edge"), &fingerprint, &ClaimOptions::new())
+                .unwrap(),
+        );
+        store.complete(&lease, b"done").unwrap();
+        let r = store.get(&key("edge")).unwrap().unwrap();
+        assert!(
+            r.lease_until_ms() <= largest && r.expires_ms() <= largest,
+            "{what}: {r:?}"
+        );
+        let mut export = Vec::new();
+        store.export(&mut export, |_| {}).unwrap();
+        let t2 = TestDir::new();
+        let restored = t2
+            .open()
+            .import_with(export.as_slice(), &accept, |_| {})
+            .unwrap();
+        assert_eq!(restored.imported, 1, "{what}");
+    };
+    let t = TestDir::new();
+    check(&t.open(), "file");
+    #[cfg(feature = "postgres")]
+    if let Some(url) = pg::url() {
+        let config = Config::new()
+            .postgres_schema(pg::schema("import_late"))
+            .sweep_interval(None);
+        check(&Store::connect(&url, config).unwrap(), "postgres");
+    }
+}
+
 /// A record with token 0 (which no store issues) is refused with the token
 /// rule, and a stream header of format version 0 (none exists) is a
 /// damaged stream; both were imported. Nothing is written.
