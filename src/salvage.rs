@@ -58,7 +58,10 @@ pub struct Salvage {
 /// refuses, naming it, as [`Store::open`] does. No token in the export is
 /// one the lost changes may have handed out: the export's token counter is
 /// the copy's, raised past the reservation the store made before its
-/// unclean shutdown.
+/// unclean shutdown; for a store file older than its log (refused by an
+/// open with [`Error::CorruptFile`](crate::Error::CorruptFile)), raised
+/// too past a reservation beyond the highest counter the log's frames
+/// record, though their changes are lost.
 ///
 /// A log whose header is blank or damaged still gives back the frames
 /// after it (their checksums are keyed by the store's identity); since the

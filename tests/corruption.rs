@@ -339,6 +339,52 @@ fn a_store_file_older_than_its_log_is_refused_not_opened_without_the_changes_sin
     assert!(!report.is_clean(), "{report:?}");
 }
 
+/// A salvage of a store file older than its log (the open refuses it:
+/// above) reports the loss, and its export's token counter is past every
+/// token the store handed out after the copy: the lost changes' tokens are
+/// never handed out again.
+/// (The counter was the older file's: 2, with tokens up to 51 handed out.)
+#[test]
+fn a_salvage_of_a_store_file_older_than_its_log_stays_past_the_tokens_since() {
+    let t = TestDir::new();
+    let store = t.open();
+    let first = acquired(
+        store
+            .claim(&key("before-the-copy"), &fp("p"), &ClaimOptions::new())
+            .unwrap(),
+    );
+    store.complete(&first, b"done").unwrap();
+    drop(store);
+    let older = std::fs::read(&t.path).unwrap();
+    let store = t.open();
+    let mut handed_out = 0;
+    for i in 0..50 {
+        let lease = acquired(
+            store
+                .claim(&key(&format!("after-{i}")), &fp("p"), &ClaimOptions::new())
+                .unwrap(),
+        );
+        handed_out = handed_out.max(lease.token());
+        store.complete(&lease, b"done").unwrap();
+    }
+    drop(store);
+    std::fs::write(&t.path, &older).unwrap();
+    let mut out = Vec::new();
+    let salvage = idemstore::salvage_file(&t.path, &mut out, |_| {}).unwrap();
+    assert!(
+        salvage
+            .lost
+            .as_deref()
+            .is_some_and(|l| l.contains("older than its write-ahead log")),
+        "{salvage:?}"
+    );
+    assert!(
+        salvage.export.next_token > handed_out,
+        "the export's counter {} is not past token {handed_out}, handed out after the copy",
+        salvage.export.next_token
+    );
+}
+
 /// A crash image (the store file and its log copied while the store ran)
 /// with a damaged page: the records are read from the index as of its last
 /// checkpoint, the damaged one named, and a problem says that the changes

@@ -424,9 +424,15 @@ fn import_names_create_and_a_failed_create_leaves_nothing_behind() {
     );
     assert!(!fresh_log.exists(), "and its log");
 
-    // An existing store that fails an import keeps its files and records.
+    // An existing store that fails an import keeps its files and records,
+    // and the error says that the batches before the damage stay.
     let out = idemstore(&["import", p(&path), p(&damaged_path), "--create"]);
     assert_eq!(code(&out), 2);
+    let err = stderr(&out);
+    assert!(
+        err.contains("records of the stream were read before the damage, and the batches written before it stay"),
+        "{err}"
+    );
     assert!(path.exists() && dir.path().join("s.redb-wal").exists());
     assert_eq!(
         code(&idemstore(&["get", p(&path), "acme/tickets", "done"])),

@@ -16,8 +16,9 @@ use crate::ops::{self, StoreArg};
 #[derive(Debug, clap::Args)]
 #[command(
     after_help = "Import is idempotent: a record is written only where its key is \
-absent (or past retention), never over a live record, so running it twice changes nothing. \
-The store's token counter and clock are raised above everything imported. A damaged frame \
+absent (or past retention), never over a live record, so running it twice changes no record \
+(only the token counter may move on with the clock). The store's token counter and clock are \
+raised above everything imported. A damaged frame \
 stops the import with its byte offset; batches before it stay imported (and, when the store's \
 own record of a key is damaged, the rest of that record's batch). The stream is \
 validated: a token counter above i64::MAX, a record that breaks the store's rules (a lease \
@@ -117,6 +118,9 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                     | idemstore::Error::Unavailable { .. }
                     | idemstore::Error::OutcomeUnknown { .. }
             );
+            // A damaged stream: the batches before the damage stay, and
+            // the error does not count them (`ImportRefused` does).
+            let damaged = matches!(e, idemstore::Error::CorruptExport { .. });
             let mut err = CliError::store(format!("cannot import {}", args.input.display()), e);
             if hint {
                 err = CliError::Failed(format!(
@@ -166,6 +170,14 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                         "{}; {read} records of the stream were read before the failure, and \
                          the batches written before it may stay (import is idempotent: import \
                          again once that is fixed)",
+                        err.one_line()
+                    ));
+                }
+                Created::Nothing if damaged && read > 0 => {
+                    err = CliError::Failed(format!(
+                        "{}; {read} records of the stream were read before the damage, and \
+                         the batches written before it stay (import is idempotent: import a \
+                         sound copy of the stream again)",
                         err.one_line()
                     ));
                 }
