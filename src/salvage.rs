@@ -61,7 +61,8 @@ pub struct Salvage {
 /// unclean shutdown; for a store file older than its log (refused by an
 /// open with [`Error::CorruptFile`](crate::Error::CorruptFile)), raised
 /// too past a reservation beyond the highest counter the log's frames
-/// record, though their changes are lost.
+/// record, and its clock to the latest time they record, though their
+/// changes are lost.
 ///
 /// A log whose header is blank or damaged still gives back the frames
 /// after it (their checksums are keyed by the store's identity); since the

@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use common::*;
 
@@ -340,10 +341,12 @@ fn a_store_file_older_than_its_log_is_refused_not_opened_without_the_changes_sin
 }
 
 /// A salvage of a store file older than its log (the open refuses it:
-/// above) reports the loss, and its export's token counter is past every
-/// token the store handed out after the copy: the lost changes' tokens are
-/// never handed out again.
-/// (The counter was the older file's: 2, with tokens up to 51 handed out.)
+/// above) reports the loss; its export's token counter is past a token
+/// reservation beyond every token the store handed out after the copy, and
+/// its clock mark is not behind the times they were handed out at: the lost
+/// changes' tokens are never handed out again, and time does not run back.
+/// (The counter was the older file's: 2, with tokens up to 51 handed out;
+/// the clock was the older file's too.)
 #[test]
 fn a_salvage_of_a_store_file_older_than_its_log_stays_past_the_tokens_since() {
     let t = TestDir::new();
@@ -356,6 +359,8 @@ fn a_salvage_of_a_store_file_older_than_its_log_stays_past_the_tokens_since() {
     store.complete(&first, b"done").unwrap();
     drop(store);
     let older = std::fs::read(&t.path).unwrap();
+    // Later than the salvage's own clock (the host's) will read.
+    t.clock.advance(Duration::from_secs(3600));
     let store = t.open();
     let mut handed_out = 0;
     for i in 0..50 {
@@ -367,6 +372,7 @@ fn a_salvage_of_a_store_file_older_than_its_log_stays_past_the_tokens_since() {
         handed_out = handed_out.max(lease.token());
         store.complete(&lease, b"done").unwrap();
     }
+    let latest_ms = t.now_ms();
     drop(store);
     std::fs::write(&t.path, &older).unwrap();
     let mut out = Vec::new();
@@ -378,10 +384,21 @@ fn a_salvage_of_a_store_file_older_than_its_log_stays_past_the_tokens_since() {
             .is_some_and(|l| l.contains("older than its write-ahead log")),
         "{salvage:?}"
     );
+    // A reservation (2^20 tokens) past them: tokens of frames lost past
+    // the log's chain are skipped too.
     assert!(
-        salvage.export.next_token > handed_out,
-        "the export's counter {} is not past token {handed_out}, handed out after the copy",
+        salvage.export.next_token > handed_out + (1 << 20),
+        "the export's counter {} is not a reservation past token {handed_out}, handed out \
+         after the copy",
         salvage.export.next_token
+    );
+    // The meta frame after the stream's 24-byte header: length, crc32,
+    // kind, store id (16 bytes), token counter, clock mark.
+    let clock_mark = u64::from_le_bytes(out[57..65].try_into().unwrap());
+    assert!(
+        clock_mark >= latest_ms,
+        "the export's clock mark {clock_mark} is behind {latest_ms}, a time handed out after \
+         the copy"
     );
 }
 

@@ -477,7 +477,14 @@ async fn a_call_cancelled_while_its_tool_runs_is_in_doubt_not_run_again() {
     started.await.unwrap(); // the tool acted
     sent.abort(); // the client gives up: rmcp cancels the request
     assert!(sent.await.unwrap_err().is_cancelled());
+    // A hang guard: were the cancel never to reach the server, its lease
+    // would be renewed and the key stay in progress for good.
+    let guard = std::time::Instant::now();
     let doubt = loop {
+        assert!(
+            guard.elapsed() < Duration::from_secs(60),
+            "HANG: the key stayed in progress for a minute"
+        );
         let answer = match client
             .call_tool(call("careful", json!({}), "k-cancel"))
             .await

@@ -333,10 +333,17 @@ impl<S: Service<RoleServer>> Service<RoleServer> for Draining<S> {
     async fn handle_request(
         &self,
         request: ClientRequest,
-        context: RequestContext<RoleServer>,
+        mut context: RequestContext<RoleServer>,
     ) -> Result<ServerResult, ErrorData> {
         self.in_flight.send_modify(|n| *n = n.saturating_add(1));
         let _guard = InFlight(&self.in_flight);
+        // The proxy lets a call finish after its client cancelled it or
+        // went away, and does not tell the child (`Forward` ignores the
+        // token): the child's answer means what it says. With the client's
+        // token, the run-once layer would take the child's JSON-RPC error
+        // (a call that did nothing) for one answered after a cancellation,
+        // which may have acted, and leave the key in doubt.
+        context.ct = Default::default();
         self.inner.handle_request(request, context).await
     }
 
@@ -721,5 +728,151 @@ mod tests {
             idemstore::mcp::SepTransportError::from(std::io::Error::other("pipe closed")),
         ));
         assert_eq!(code(unsent), rmcp::model::ErrorCode::INTERNAL_ERROR.0);
+    }
+
+    /// The child for the test below: `work` waits until told, then answers
+    /// a JSON-RPC error (it did nothing); later runs answer it at once.
+    struct Failing {
+        runs: Arc<std::sync::atomic::AtomicUsize>,
+        started: Arc<tokio::sync::Notify>,
+        go: Arc<tokio::sync::Notify>,
+    }
+
+    fn tools_only() -> ServerConfig {
+        let mut info = ServerConfig::default();
+        info.capabilities = rmcp::model::ServerCapabilities::builder()
+            .enable_tools()
+            .build();
+        info
+    }
+
+    impl ServerHandler for Failing {
+        fn get_info(&self) -> ServerConfig {
+            tools_only()
+        }
+
+        async fn call_tool(
+            &self,
+            _request: CallToolRequestParams,
+            _context: RequestContext<RoleServer>,
+        ) -> Result<CallToolResponse, ErrorData> {
+            let run = self.runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if run == 0 {
+                self.started.notify_one();
+                self.go.notified().await;
+            }
+            Err(ErrorData::internal_error("upstream unavailable", None))
+        }
+    }
+
+    /// The proxy's front, which tells `cancelled` when the client's token
+    /// of a request fires.
+    struct Watching<S> {
+        inner: S,
+        cancelled: Arc<tokio::sync::Notify>,
+    }
+
+    impl<S: Service<RoleServer>> Service<RoleServer> for Watching<S> {
+        async fn handle_request(
+            &self,
+            request: ClientRequest,
+            context: RequestContext<RoleServer>,
+        ) -> Result<ServerResult, ErrorData> {
+            let ct = context.ct.clone();
+            let cancelled = Arc::clone(&self.cancelled);
+            tokio::spawn(async move {
+                ct.cancelled().await;
+                cancelled.notify_one();
+            });
+            self.inner.handle_request(request, context).await
+        }
+
+        async fn handle_notification(
+            &self,
+            notification: ClientNotification,
+            context: NotificationContext<RoleServer>,
+        ) -> Result<(), ErrorData> {
+            self.inner.handle_notification(notification, context).await
+        }
+
+        fn get_info(&self) -> ServerConfig {
+            self.inner.get_info()
+        }
+    }
+
+    /// A call whose client cancelled it while the child ran it, and which
+    /// the child then answers with a JSON-RPC error (it did nothing), is a
+    /// retryable failure, as the child means it: the next call with the key
+    /// runs the tool again. The child is never told of the cancel, so the
+    /// error is not one a tool gave because it was cancelled. (The layer
+    /// took it for one, which may have acted, and left the key in progress,
+    /// then in doubt.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_child_error_to_a_call_its_client_cancelled_runs_again() {
+        let (runs, started, go, cancelled) = (
+            Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(tokio::sync::Notify::new()),
+        );
+        let child = Failing {
+            runs: Arc::clone(&runs),
+            started: Arc::clone(&started),
+            go: Arc::clone(&go),
+        };
+        let (child_io, proxy_io) = tokio::io::duplex(1 << 16);
+        let (_child, to_child) = tokio::join!(child.serve(child_io), ().serve(proxy_io));
+        let to_child = to_child.unwrap();
+        let forward = Forward {
+            child: to_child.peer().clone(),
+            info: tools_only(),
+            call_timeout: Duration::from_secs(600),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Store::open(dir.path().join("proxy.redb")).unwrap());
+        let front = Watching {
+            inner: Draining {
+                // A short lease: were the key left in progress, it would
+                // be in doubt soon after.
+                inner: IdempotentServer::with_options(
+                    forward,
+                    store,
+                    McpOptions::new().lease(Duration::from_millis(300)),
+                ),
+                in_flight: watch::channel(0_usize).0,
+            },
+            cancelled: Arc::clone(&cancelled),
+        };
+        let (client_io, front_io) = tokio::io::duplex(1 << 16);
+        let (_front, client) = tokio::join!(front.serve(front_io), ().serve(client_io));
+        let client = client.unwrap();
+        let key = idemstore::Key::new("agent", "call-1").unwrap();
+        let call = idemstore::mcp::attach_key(CallToolRequestParams::new("work"), &key);
+
+        let peer = client.peer().clone();
+        let sent = tokio::spawn({
+            let call = call.clone();
+            async move { peer.call_tool(call).await }
+        });
+        started.notified().await;
+        sent.abort(); // the client gives up: rmcp cancels the request
+        cancelled.notified().await; // the proxy has seen the cancel
+        go.notify_one(); // the child answers its error
+
+        let retry = loop {
+            match client.call_tool(call.clone()).await {
+                Err(ServiceError::McpError(e)) if e.code.0 == idemstore::mcp::IN_PROGRESS => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => break other,
+            }
+        };
+        match retry {
+            Err(ServiceError::McpError(e)) => {
+                assert_eq!(e.message, "upstream unavailable", "{e:?}")
+            }
+            other => panic!("expected the child's error from a second run, got {other:?}"),
+        }
+        assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
 }

@@ -875,14 +875,13 @@ pub(crate) fn open<T>(
     if index_is_behind {
         // The log's frames were written after the index's last commit:
         // their changes are lost, but the tokens they handed out must not
-        // be handed out again. Tokens up to the newer index's reservation
-        // may have gone to frames past the chain: skip a reservation beyond
-        // the highest counter the chain records.
-        next_token = next_token.max(reserve_tokens(chain_token_counter(
-            log.as_ref(),
-            log_path,
-            meta.store_id,
-        )?));
+        // be handed out again, and the store's time must not run back
+        // behind theirs. Tokens up to the newer index's reservation may
+        // have gone to frames past the chain: skip a reservation beyond the
+        // highest counter the chain records.
+        let (token, hwm) = chain_counters(log.as_ref(), log_path, meta.store_id)?;
+        next_token = next_token.max(reserve_tokens(token));
+        clock_hwm = clock_hwm.max(hwm);
     }
     if let Some(r) = &recovered {
         tracing::info!(
@@ -1111,30 +1110,32 @@ fn read_frame(
     Ok(Some((header, body)))
 }
 
-/// The highest token counter recorded by the chain of frames at the log's
-/// start, whatever its epoch (0 for a log with none): what a store whose
-/// index is older than its log had handed out since that index's last
-/// commit. Reads each frame of the chain once, one at a time; a frame whose
-/// body does not decode counts for nothing.
+/// The highest token counter and clock high-water mark recorded by the
+/// chain of frames at the log's start, whatever its epoch (`(0, 0)` for a
+/// log with none): what a store whose index is older than its log had
+/// handed out since that index's last commit. Reads each frame of the
+/// chain once, one at a time; a frame whose body does not decode counts for
+/// nothing.
 ///
 /// # Errors
 /// [`Error::Storage`] when the log cannot be read.
-fn chain_token_counter(log: &dyn LogFile, path: &Path, store_id: u128) -> Result<u64> {
+fn chain_counters(log: &dyn LogFile, path: &Path, store_id: u128) -> Result<(u64, u64)> {
     let len = log.len().map_err(|e| io_err(path, "read", &e))?;
     let mut at = HEADER_LEN;
     let mut last: Option<(u64, u64)> = None;
-    let mut token = 0u64;
+    let (mut token, mut hwm) = (0u64, 0u64);
     while let Some((h, body)) = read_frame(log, path, at, len, store_id)? {
         if last.is_some_and(|(epoch, seq)| h.epoch != epoch || Some(h.seq) != seq.checked_add(1)) {
             break;
         }
         if let Some(b) = decode_body(&body) {
             token = token.max(b.next_token);
+            hwm = hwm.max(b.clock_hwm);
         }
         last = Some((h.epoch, h.seq));
         at = at.saturating_add(h.total_len() as u64);
     }
-    Ok(token)
+    Ok((token, hwm))
 }
 
 /// Reads the log after the checkpoint that began `epoch` at sequence

@@ -75,6 +75,10 @@ impl Failed {
 ///   client asks for;
 /// - anything else (an `InputRequiredResult`) → a retryable failure, since
 ///   the call has not finished.
+///
+/// Two JSON-RPC errors never reach it: `IN_DOUBT`, and any error answered
+/// after the call was cancelled; the server records nothing for them
+/// (`IdempotentServer`).
 pub(crate) fn classify(
     answer: &Result<ServerResult, ErrorData>,
     retryable: impl Fn(&CallToolResult) -> bool,

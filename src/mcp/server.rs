@@ -96,10 +96,15 @@ pub fn announce(capabilities: &mut ServerCapabilities) {
 /// its lease lapses, and is then in doubt, as after a crash. A JSON-RPC
 /// error answered after the call was cancelled (the client sent
 /// `notifications/cancelled`, or its connection closed and `rmcp`
-/// cancelled its calls) is taken the same way, whatever its code: a tool
-/// that stops when cancelled may have acted first. A tool that knows it
-/// did not act can answer a tool error that
-/// [`McpOptions::retryable_tool_error`] marks retryable instead. When the
+/// cancelled its calls, 5 s after the close; or this server's own
+/// `RunningService::cancel`) is taken the same way, whatever its code: a
+/// tool that stops when cancelled may have acted first, and this layer
+/// cannot tell it from a tool that ignores cancellation, whose error after
+/// a cancel is left in doubt too. A tool that knows it did not act can
+/// answer a tool error that [`McpOptions::retryable_tool_error`] marks
+/// retryable instead. (`idemstore mcp-proxy` lets a call finish after a
+/// cancel and does not tell its server, so its server's errors keep their
+/// meaning there.) When the
 /// tool ran in this call, its own answer is returned even if recording it
 /// failed (the failure is logged; later calls then find the key in progress
 /// and, after the lease, in doubt).

@@ -176,7 +176,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 Created::Nothing if damaged && read > 0 => {
                     err = CliError::Failed(format!(
                         "{}; {read} records of the stream were read before the damage, and \
-                         the batches written before it stay (import is idempotent: import a \
+                         any batches written before it stay (import is idempotent: import a \
                          sound copy of the stream again)",
                         err.one_line()
                     ));
