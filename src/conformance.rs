@@ -255,7 +255,10 @@ pub fn recovery_points(h: &dyn Harness) {
 
 /// A business key held by a live record of another key refuses the claim
 /// (HTTP 409) and is free again once that record is released; `verify`
-/// finds the one binding, and it agrees with its record.
+/// finds the one binding, and it agrees with its record. A record past
+/// retention whose business key another key takes is evicted in that
+/// write: it never reads as live again beside the new holder, even after
+/// the clock steps back.
 pub fn business_keys(h: &dyn Harness) {
     let clock = ManualClock::new(START_MS);
     let store = h.open("business_keys", config(&clock));
@@ -271,13 +274,35 @@ pub fn business_keys(h: &dyn Harness) {
     }
     assert!(store.get(&key("bk-2")).expect("get").is_none());
     store.release(first).expect("release");
-    assert!(matches!(
-        store.claim(&key("bk-2"), &f, &with_bk),
-        Ok(ClaimOutcome::Acquired(_))
-    ));
+    let second = match store.claim(&key("bk-2"), &f, &with_bk) {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("a released business key is free, got {other:?}"),
+    };
     let report = store.verify(|_| {}).expect("verify");
     assert!(report.is_clean(), "{report:?}");
     assert_eq!(report.bindings, 1, "the business key's binding is read");
+
+    // A record past retention whose business key another key takes is
+    // evicted in that write, as a sweep would evict it, so that it never
+    // reads as live again beside the new holder: not even after the clock
+    // steps back (the file engine's time does not; PostgreSQL's, the
+    // server's clock, does).
+    store.complete(&second, b"done").expect("complete");
+    clock.advance(RETENTION + Duration::from_secs(10));
+    assert!(matches!(
+        store.claim(&key("bk-3"), &f, &with_bk),
+        Ok(ClaimOutcome::Acquired(_))
+    ));
+    assert_eq!(store.len().expect("len"), 1, "bk-2 is evicted, not kept");
+    clock.step_back(Duration::from_secs(60));
+    assert!(store.get(&key("bk-2")).expect("get").is_none());
+    match store.claim(&key("bk-4"), &f, &with_bk) {
+        Err(Error::BusinessKeyConflict { existing, .. }) => assert_eq!(existing, key("bk-3")),
+        other => panic!("the business key is bk-3's, got {other:?}"),
+    }
+    let report = store.verify(|_| {}).expect("verify");
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(store.stats().expect("stats").counters.evictions, 1);
 }
 
 /// A sweep evicts exactly the records past retention.

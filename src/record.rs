@@ -571,6 +571,26 @@ fn business_key_free(key: &Key, business_key: &str, ctx: &Ctx) -> Result<()> {
     }
 }
 
+/// The record past retention whose business key a put of `new` takes from
+/// it: `holder`, the binding's holder read with the request, when `new`
+/// binds its business key. Both engines evict it in the same write, as a
+/// sweep would: a record whose binding has moved to another key must never
+/// read as live again beside that key (on PostgreSQL a server clock that
+/// steps back would bring it back, two live records then holding one
+/// business key).
+pub(crate) fn taken_from<'a>(
+    holder: Option<&'a Record>,
+    new: &Record,
+    now_ms: u64,
+) -> Option<&'a Record> {
+    holder.filter(|h| {
+        h.key != new.key
+            && h.is_expired_at(now_ms)
+            && new.business_key.is_some()
+            && h.business_key == new.business_key
+    })
+}
+
 fn import(key: &Key, current: Option<&Record>, record: &Record, ctx: &Ctx) -> (Effect, Reply) {
     let result = if current.is_some() {
         ImportResult::Present

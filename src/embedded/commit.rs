@@ -85,7 +85,7 @@ use crate::codec;
 use crate::config::{Durability, MAX_TOKEN};
 use crate::error::{Error, Result};
 use crate::key::Key;
-use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, transition};
+use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, taken_from, transition};
 use crate::stats::LiveCounters;
 
 /// A batch renews the time reservation when its time comes this close to
@@ -2120,6 +2120,12 @@ fn apply_op(
             tables.insert_expiry(slot, &kb)?;
             tables.put_record(&kb, &codec::encode_record(&kb, new))?;
             rebind(tables, key, stored.as_ref(), new, fresh)?;
+            if let Some(h) = taken_from(holder.as_ref(), new, now) {
+                let hkb = h.key.to_bytes();
+                tables.remove_expiry(schema::expiry_slot(h.state, h.expires_ms), &hkb)?;
+                tables.remove_record(&hkb)?;
+                events.push(Event::evicted(h));
+            }
             if let (true, Some(after)) = (acquires, after) {
                 *next_token = after;
             }

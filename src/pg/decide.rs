@@ -13,7 +13,7 @@ use crate::audit::Event;
 use crate::codec;
 use crate::error::{Error, Result};
 use crate::key::Key;
-use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, State, transition};
+use crate::record::{ClaimOutcome, Ctx, Effect, Op, Record, Reply, State, taken_from, transition};
 
 /// One stored row as the engine knows it.
 #[derive(Debug, Clone)]
@@ -317,6 +317,14 @@ fn decide_one(
             }
             ov.records.insert(kb.clone(), Slot::Present(new.clone()));
             ov.rebind(key, stored.as_ref(), new, fresh);
+            // The holder past retention whose business key this put took is
+            // evicted with it (the embedded writer's rule): were its row
+            // kept, a server clock stepping back would make it live again
+            // beside this record.
+            if let Some(h) = taken_from(holder.as_ref(), new, now) {
+                ov.records.insert(h.key.to_bytes(), Slot::Absent);
+                events.push(Event::evicted(h));
+            }
             if acquires && drawn.is_some() {
                 *used += 1;
             }
