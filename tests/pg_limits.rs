@@ -285,6 +285,70 @@ fn a_row_held_past_lock_timeout_holds_no_batch_longer() {
     assert_eq!(r.state(), State::Succeeded);
 }
 
+/// A claim that takes a business key from a record past retention whose
+/// row another transaction holds locked (a sweep about to evict it, a batch
+/// on its key) does not wait for that row: it takes the key and leaves the
+/// record to its locker (here, to the sweep after it). Were it to evict the
+/// record itself, it would lock that row after the binding's lock, the
+/// other order than every other transaction: it waited for the locker, and
+/// deadlocked with a sweep, which locks the row and then the binding.
+#[test]
+fn a_claim_taking_a_business_key_waits_for_no_row_it_does_not_name() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("limits_holder");
+    let clock = ManualClock::new(1_700_000_000_000);
+    let mut limits = PostgresLimits::default();
+    limits.call_timeout = Duration::from_secs(2);
+    let config = Config::new()
+        .postgres_schema(&schema)
+        .postgres_limits(limits)
+        .clock(clock.clone())
+        .retention(Duration::from_secs(60))
+        .sweep_interval(None);
+    let store = Arc::new(Store::connect(&url, config).expect("connect"));
+    let lease = match claim_bk(&store, "old") {
+        Ok(ClaimOutcome::Acquired(lease)) => lease,
+        other => panic!("{other:?}"),
+    };
+    store.complete(&lease, b"done").expect("complete");
+    clock.advance(Duration::from_secs(120));
+
+    // Another transaction locks the old record's row and stays open.
+    let (rt, mut client) = client_of(&url);
+    let tx = rt.block_on(client.transaction()).expect("begin");
+    let locked = rt
+        .block_on(tx.query(
+            &format!("SELECT key FROM \"{schema}\".records FOR UPDATE"),
+            &[],
+        ))
+        .expect("lock");
+    assert_eq!(locked.len(), 1);
+    let s = Arc::clone(&store);
+    let answer = guarded("the claim", move || {
+        s.claim(
+            &key("new"),
+            &fp(),
+            &ClaimOptions::new().business_key("bk-old"),
+        )
+    });
+    assert!(
+        matches!(answer, Ok(ClaimOutcome::Acquired(_))),
+        "the claim waited for a row it does not name: {answer:?}"
+    );
+    rt.block_on(tx.rollback()).expect("rollback");
+
+    // The old record was left to its locker; the sweep evicts it, and the
+    // business key stays the new record's.
+    assert_eq!(store.len().expect("len"), 2);
+    assert_eq!(store.sweep(100).expect("sweep"), 1);
+    match claim_bk(&store, "old") {
+        Err(Error::BusinessKeyConflict { existing, .. }) => assert_eq!(existing, key("new")),
+        other => panic!("the business key is the new record's, got {other:?}"),
+    }
+    let report = store.verify(|_| {}).expect("verify");
+    assert!(report.is_clean(), "{report:?}");
+}
+
 /// A server that accepts the connection and then says nothing (the proxy,
 /// paused) holds opening a connection no longer than `connect_timeout`,
 /// which bounds TCP, TLS and the server's start-up (`tokio-postgres`'s own

@@ -7,7 +7,7 @@
 //! the rows, so that a later request of the batch sees the effect of an
 //! earlier one on the same key (or on the same business key).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::audit::Event;
 use crate::codec;
@@ -126,6 +126,11 @@ pub(crate) fn slot_of(row: &RowColumns) -> Slot {
 pub(crate) struct Base {
     pub records: HashMap<Vec<u8>, Slot>,
     pub bindings: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    /// The rows this transaction holds locked: the batch's keys, and the
+    /// holders past retention it locked without waiting. Only these are
+    /// evicted when the batch takes their business key; another holder's
+    /// row is its locker's to change.
+    pub locked: HashSet<Vec<u8>>,
 }
 
 /// The decisions of one pass over a batch.
@@ -320,8 +325,12 @@ fn decide_one(
             // The holder past retention whose business key this put took is
             // evicted with it (the embedded writer's rule): were its row
             // kept, a server clock stepping back would make it live again
-            // beside this record.
-            if let Some(h) = taken_from(holder.as_ref(), new, now) {
+            // beside this record. Only a row this transaction holds locked:
+            // one locked elsewhere is being changed by its locker (a sweep
+            // evicting it, a batch on its key).
+            if let Some(h) = taken_from(holder.as_ref(), new, now)
+                && ov.base.locked.contains(&h.key.to_bytes())
+            {
                 ov.records.insert(h.key.to_bytes(), Slot::Absent);
                 events.push(Event::evicted(h));
             }

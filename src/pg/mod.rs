@@ -867,6 +867,7 @@ fn storage(what: &str, err: impl std::fmt::Display + std::any::Any) -> Fail {
 struct Stmts {
     lock_records: Statement,
     read_records: Statement,
+    lock_expired_holders: Statement,
     lock_bindings: Statement,
     clock: Statement,
     draw_tokens: Statement,
@@ -1044,15 +1045,17 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
         p("SELECT pg_advisory_xact_lock($1::bigint)"),
         p("SELECT pg_advisory_xact_lock_shared($1::bigint)"),
     )?;
-    let (draw_estimate, insert_records_strict, hot_claim, hot_finish) = tokio::try_join!(
+    let (draw_estimate, insert_records_strict, hot_claim, hot_finish, lock_expired_holders) = tokio::try_join!(
         p(&q.draw_estimate),
         p(&q.insert_records_strict),
         p(&q.hot_claim),
-        p(&q.hot_finish)
+        p(&q.hot_finish),
+        p(&q.lock_expired_holders)
     )?;
     let st = Stmts {
         lock_records: a,
         read_records: b,
+        lock_expired_holders,
         lock_bindings: cc,
         clock: d,
         draw_tokens: e,
@@ -1648,11 +1651,12 @@ async fn read_time(shared: &Shared, conn: &Conn) -> Result<u64, Fail> {
     time_from(shared, rows.as_deref())
 }
 
-/// Fills `base` with the rows read for `keys` (sorted, distinct); absent
-/// keys are `Absent`.
+/// Fills `base` with the rows read, locked, for `keys` (sorted, distinct);
+/// absent keys are `Absent`.
 fn fill_records(keys: &[Vec<u8>], rows: &[Row], base: &mut Base) -> Result<(), Fail> {
     for k in keys {
         base.records.insert(k.clone(), Slot::Absent);
+        base.locked.insert(k.clone());
     }
     for row in rows {
         let rc = row_columns(row)?;
@@ -1715,11 +1719,27 @@ async fn load_bindings(
         return Ok(Some(now));
     }
     let holders: Vec<Vec<u8>> = holders.into_iter().collect();
-    let rows = conn
-        .client
-        .query(&conn.st.read_records, &[&holders])
-        .await
-        .map_err(|e| fail(&e))?;
+    // The holders past retention are locked first, where no other
+    // transaction holds them (never waiting: these locks come after the
+    // bindings'), so that one whose business key the batch takes can be
+    // evicted with it; then every holder is read (pipelined, in that
+    // order), the locked ones as they stay until the commit.
+    let at = i64::try_from(now).unwrap_or(i64::MAX);
+    let lock_params: [&(dyn ToSql + Sync); 2] = [&holders, &at];
+    let read_params: [&(dyn ToSql + Sync); 1] = [&holders];
+    let (locked, rows) = tokio::join!(
+        conn.client
+            .query(&conn.st.lock_expired_holders, &lock_params),
+        conn.client.query(&conn.st.read_records, &read_params)
+    );
+    let locked = locked.map_err(|e| fail(&e))?;
+    let rows = rows.map_err(|e| fail(&e))?;
+    for row in &locked {
+        let k: Vec<u8> = row
+            .try_get(0)
+            .map_err(|e| storage("reading a locked holder's key", e))?;
+        base.locked.insert(k);
+    }
     for k in &holders {
         base.records.insert(k.clone(), Slot::Absent);
     }

@@ -87,6 +87,13 @@ pub(crate) struct Sql {
     pub lock_records: String,
     /// Reads rows without locking them (business-key holders, `get`).
     pub read_records: String,
+    /// Locks, in key order and without waiting, the rows among `$1` past
+    /// retention at `$2` (ms) that no other transaction holds, and returns
+    /// their keys: the business-key holders a batch may evict. A row
+    /// locked elsewhere is skipped: its locker (a sweep, a batch on that
+    /// key) changes it, and waiting for it here, after the bindings' locks,
+    /// would take locks in the other order than every other transaction.
+    pub lock_expired_holders: String,
     /// Locks and reads business-key bindings, in binding order.
     pub lock_bindings: String,
     /// The database clock, ms since the epoch.
@@ -205,6 +212,10 @@ impl Sql {
                 "SELECT {cols} FROM {s}.records WHERE key = ANY($1) ORDER BY key FOR UPDATE"
             ),
             read_records: format!("SELECT {cols} FROM {s}.records WHERE key = ANY($1)"),
+            lock_expired_holders: format!(
+                "SELECT key FROM {s}.records WHERE key = ANY($1) AND expires_ms <= $2 \
+                 ORDER BY key FOR UPDATE SKIP LOCKED"
+            ),
             lock_bindings: format!(
                 "SELECT binding, key FROM {s}.bindings WHERE binding = ANY($1) \
                  ORDER BY binding FOR UPDATE"
