@@ -451,3 +451,82 @@ pub(crate) fn bindings_needed(base: &Base, ops: &[(Key, Op)]) -> BTreeSet<Vec<u8
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::Fingerprint;
+
+    /// A claim of `new` with business key `bk`, whose binding names the
+    /// record `old` past retention, over a base that holds `old`'s row
+    /// locked or not: the answer is an acquisition either way, and `old` is
+    /// evicted (its row deleted, an evict event) only when locked. A row
+    /// locked elsewhere is its locker's to change: evicting it would take
+    /// its lock after the binding's, the other order than a sweep's.
+    #[test]
+    fn a_holder_past_retention_is_evicted_only_when_its_row_is_locked() {
+        let old = Key::new("s", "old").unwrap();
+        let new = Key::new("s", "new").unwrap();
+        let claim = || Op::Claim {
+            fingerprint: Fingerprint::of(b"p"),
+            lease_ms: 1_000,
+            business_key: Some("bk".into()),
+        };
+        let pass = |now_ms, tokens| Pass {
+            now_ms,
+            retention_ms: 60_000,
+            tokens,
+            exhausted: false,
+        };
+        // The old record: claimed at 1,000, expiring at 61,000.
+        let mut empty = Base::default();
+        empty.records.insert(old.to_bytes(), Slot::Absent);
+        empty.bindings.insert(old.business_binding("bk"), None);
+        let first = decide(&empty, &[(old.clone(), claim())], &pass(1_000, &[1]));
+        let Some(Slot::Present(held)) = first.records.get(&old.to_bytes()).cloned() else {
+            panic!("the old record was not claimed: {:?}", first.replies);
+        };
+        let later = |locked: bool| {
+            let mut base = Base::default();
+            base.records.insert(new.to_bytes(), Slot::Absent);
+            base.records
+                .insert(old.to_bytes(), Slot::Present(held.clone()));
+            base.bindings
+                .insert(old.business_binding("bk"), Some(old.to_bytes()));
+            base.locked.insert(new.to_bytes());
+            if locked {
+                base.locked.insert(old.to_bytes());
+            }
+            decide(&base, &[(new.clone(), claim())], &pass(120_000, &[2]))
+        };
+        for locked in [true, false] {
+            let d = later(locked);
+            assert!(
+                matches!(d.replies[..], [Ok(Reply::Claim(ClaimOutcome::Acquired(_)))]),
+                "{:?}",
+                d.replies
+            );
+            let evicted = matches!(d.records.get(&old.to_bytes()), Some(Slot::Absent));
+            assert_eq!(evicted, locked, "locked: {locked}");
+            let events = d
+                .events
+                .iter()
+                .filter(|e| {
+                    matches!(
+                        e,
+                        Event::Transition {
+                            cause: crate::audit::Cause::Evict,
+                            ..
+                        }
+                    )
+                })
+                .count();
+            assert_eq!(events, usize::from(locked), "locked: {locked}");
+            assert_eq!(
+                d.bindings.get(&old.business_binding("bk")),
+                Some(&Some(new.to_bytes())),
+                "the binding moves either way"
+            );
+        }
+    }
+}

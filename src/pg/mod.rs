@@ -1723,7 +1723,11 @@ async fn load_bindings(
     // transaction holds them (never waiting: these locks come after the
     // bindings'), so that one whose business key the batch takes can be
     // evicted with it; then every holder is read (pipelined, in that
-    // order), the locked ones as they stay until the commit.
+    // order), the locked ones as they stay until the commit. The order
+    // matters: `join!` polls the lock first, and a query on a prepared
+    // statement sends its messages at its first poll, so the server runs
+    // the lock before the read, whose snapshot then sees the locked rows
+    // as they stay (no test can tell a read taken before the lock).
     let at = i64::try_from(now).unwrap_or(i64::MAX);
     let lock_params: [&(dyn ToSql + Sync); 2] = [&holders, &at];
     let read_params: [&(dyn ToSql + Sync); 1] = [&holders];
