@@ -415,7 +415,18 @@ pub enum ConfigFault {
     /// An object the store needs is missing or of another form: its
     /// schema, a table (`records`, `bindings`, `meta`), a column, or the
     /// token sequence was dropped or altered outside idemstore (SQLSTATE
-    /// `3F000`, `42P01`, `42703` or `42804` on a request; or found by a
+    /// `3F000`, `42P01`, `42703` or `42804` on a request). Or something
+    /// added or taken away outside idemstore refuses the store's statements
+    /// or voids a guarantee: the unique index of `records.key` or
+    /// `bindings.binding` dropped (without it two replicas could both
+    /// acquire one key; `42P10` on a request, and found by a connect, whose
+    /// message gives the query that finds keys held by two rows and the
+    /// `ALTER TABLE … ADD PRIMARY KEY` that restores it), a column's `NOT
+    /// NULL` dropped (a NULL read), a `CHECK`, a foreign key, a column `NOT
+    /// NULL` without a default or a raising trigger added (`23514`,
+    /// `23503`, `23502`, `P0001`), the sequence replaced (`42809`) or set
+    /// back below a key's fencing token (a takeover is refused: raise it
+    /// with `setval` to the records table's largest token). (Or found by a
     /// connect or a migration: a version row without `records`, `bindings`
     /// or `tokens`, or those without a version row; it refuses rather than
     /// create the missing objects empty, or a new store over old rows; or
@@ -424,7 +435,9 @@ pub enum ConfigFault {
     /// exceptions: a hot statement, which commits on its own, whose answer
     /// cannot be read so is [`Error::OutcomeUnknown`] naming this fault,
     /// and `complete_in`/`fail_in` answer [`Error::Storage`] and abort the
-    /// caller's transaction). The records it held may be gone, and with
+    /// caller's transaction). What was added (a constraint, a trigger) is
+    /// undone by dropping it: nothing was applied. When objects were
+    /// dropped, the records they held may be gone, and with
     /// them the outcomes that stop a key's work from running twice:
     /// restore the schema from a database backup or an export
     /// (`idemstore import`), or drop it so that a migration creates an

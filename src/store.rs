@@ -1397,8 +1397,11 @@ impl Store {
     /// columns (token, state, creation, lease and expiry times, which
     /// eviction, `stats` and the compare-and-set read) agree with its
     /// record, as a request on that key checks, that its token is below
-    /// the token sequence, and that business-key bindings and records
-    /// agree. [`CheckReport::bindings`] counts the bindings read.
+    /// the token sequence, that business-key bindings and records
+    /// agree, that no key is held by two rows, and that the key columns
+    /// of the records and bindings tables still have their unique index
+    /// (a primary key dropped outside idemstore).
+    /// [`CheckReport::bindings`] counts the bindings read.
     /// Reads one snapshot while the store keeps serving. redb's own page
     /// integrity check needs the file to itself: see [`check_file`](crate::check_file).
     ///

@@ -1306,6 +1306,48 @@ async fn post_to(
     )
 }
 
+/// A body over the limit of a layer outside this one (tower-http's
+/// `RequestBodyLimitLayer`), sent without `content-length` (chunked, so
+/// that the outer layer cannot refuse it from its head), is 413 as one over
+/// the layer's own limit, not 400: the handler does not run and the key is
+/// not claimed.
+#[tokio::test]
+async fn a_chunked_body_over_an_outer_limit_is_413() {
+    use axum::routing::post;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_d, store, _c) = manual_store();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = {
+        let runs = runs.clone();
+        move || {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { StatusCode::CREATED }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/big", post(counted))
+        .layer(IdempotencyLayer::new(store.clone()))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(16));
+    let addr = serve(app).await;
+    let chunk = "x".repeat(40);
+    let request = format!(
+        "POST /big HTTP/1.1\r\nhost: test\r\nidempotency-key: over\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{chunk}\r\n0\r\n\r\n",
+        chunk.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    let response = String::from_utf8_lossy(&response);
+    assert!(response.starts_with("HTTP/1.1 413"), "{response}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        store.get(&Key::new("POST /big", "over").unwrap()).unwrap(),
+        None
+    );
+}
+
 #[tokio::test]
 async fn responses_sent_without_a_body_are_recorded_over_a_real_connection() {
     use axum::routing::post;

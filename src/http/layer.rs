@@ -455,8 +455,14 @@ impl IdempotencyLayer {
     /// While the handler runs, and then while its response body is sent,
     /// the layer extends the lease every third of this duration, so a slow
     /// handler or a long stream keeps its key until its outcome is
-    /// recorded. An out-of-range lease makes every keyed request fail with
-    /// 500.
+    /// recorded. The extensions run in the request's own task: a handler
+    /// that blocks its thread for longer than the lease (a synchronous call
+    /// in an `async` handler; use `tokio::task::spawn_blocking`) lets the
+    /// lease lapse, and a retry then runs the handler a second time. So
+    /// does a wall clock stepping forward by more than what is left of the
+    /// lease (the store's time follows it ahead): choose a lease longer
+    /// than the steps the hosts' clocks may take. An out-of-range lease
+    /// makes every keyed request fail with 500.
     pub fn lease(mut self, lease: Duration) -> IdempotencyLayer {
         self.settings.lease = lease;
         self

@@ -53,7 +53,8 @@
 //! |---|---|---|
 //! | method not in [`methods`](IdempotencyLayer::methods) (default: all but `POST`, `PATCH`) | the handler's response, untouched | yes |
 //! | no key, two keys, or a key that is empty, over 255 bytes or not visible ASCII | 400 | no |
-//! | body over [`max_request_bytes`](IdempotencyLayer::max_request_bytes) | 413 | no |
+//! | body over [`max_request_bytes`](IdempotencyLayer::max_request_bytes), or over the limit of a layer outside (tower-http's `RequestBodyLimitLayer`) | 413 | no |
+//! | body that fails before its end (the client's connection reset) | 400 | no |
 //! | key held by a live request | 409 with `Retry-After` (seconds until its lease lapses, rounded up) | no |
 //! | key used before with a different payload | 422 | no |
 //! | the request's [business key](IdempotencyLayer::business_key) is held by another key of the scope | 409 naming that key (`existing_idempotency_key`) and its state | no |

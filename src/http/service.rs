@@ -234,6 +234,16 @@ where
     let bytes = match collect_limited(body, settings.max_request_bytes).await {
         Collected::Complete(bytes) => bytes,
         Collected::Over => return Err(too_large(settings.max_request_bytes)),
+        // A limit of a layer outside this one (tower-http's
+        // `RequestBodyLimitLayer` on a body without `content-length`) is
+        // the same refusal as this layer's own.
+        Collected::Failed { error } if over_a_length_limit(&*error) => {
+            return Err(problem(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "Request body too large",
+                &error.to_string(),
+            ));
+        }
         Collected::Failed { error } => {
             return Err(problem(
                 StatusCode::BAD_REQUEST,
@@ -403,6 +413,21 @@ fn problem_with<B>(
         HeaderValue::from_static("application/problem+json"),
     );
     response
+}
+
+/// Whether a request body's error, or one of its causes, is
+/// `http-body-util`'s `LengthLimitError` (what a `Limited` body, such as
+/// tower-http's `RequestBodyLimitLayer` wraps the body in, fails with once
+/// more bytes arrive than its limit).
+fn over_a_length_limit(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 fn too_large<B>(limit: usize) -> Response<IdempotencyBody<B>> {

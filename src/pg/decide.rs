@@ -299,6 +299,28 @@ fn decide_one(
         Err(e) => return Err(rejected(key, e, events)),
     };
     let acquires = matches!(reply, Reply::Claim(ClaimOutcome::Acquired(_)));
+    // Fencing tokens only grow per key: a drawn token not above the one
+    // the key's record holds means the sequence was set back outside
+    // idemstore (`ALTER SEQUENCE … RESTART`, a table restored without its
+    // sequence). Handing it out would let a downstream system that
+    // refuses tokens below the last it saw refuse the new holder, and
+    // accept the old one.
+    if acquires
+        && let (Some(token), Some(old)) = (drawn, stored.as_ref())
+        && token <= old.token()
+    {
+        let err = Error::Misconfigured {
+            fault: crate::error::ConfigFault::SchemaDamaged,
+            detail: format!(
+                "the store's token sequence drew {token}, not above the fencing token {} of \
+                 this key's record: the sequence `tokens` was set back outside idemstore; \
+                 raise it above the largest token of the records table (SELECT setval on it \
+                 to SELECT max(token) of the table)",
+                old.token()
+            ),
+        };
+        return Err(rejected(key, err, events));
+    }
     if acquires && drawn.is_none() {
         if pass.exhausted {
             let err = Error::TokensExhausted {

@@ -33,8 +33,9 @@
 //!
 //! The envelope's checksum covers the template under its key; the digest,
 //! computed by the server in the same statement, covers the two columns the
-//! record is completed from; the other columns must agree with the
-//! completed record as for any row. Reads complete the record in the app
+//! record is completed from; the mask, covered by neither, must be one of
+//! the two the templates use (a claim's, a completion's); the other columns
+//! must agree with the completed record as for any row. Reads complete the record in the app
 //! ([`decode`]); a scan hands out the completed record's ordinary envelope.
 //!
 //! # Tokens above imported ones
@@ -337,7 +338,10 @@ pub(crate) fn decode(
             "the digest of the token and expiry columns does not match".into(),
         ));
     }
-    if mask & EXPIRES == 0 || mask & !CLAIM_MASK != 0 {
+    // Only the two templates' masks are ever written; neither the
+    // envelope's checksum nor the digest covers this byte, so any other
+    // value (a byte changed outside idemstore) is damage, not a form.
+    if *mask != CLAIM_MASK && *mask != FINISH_MASK {
         return Err(corrupt(format!("hot-form mask {mask:#04x}")));
     }
     let t = codec::decode_record(key_bytes, envelope)?;
@@ -378,6 +382,16 @@ mod tests {
             // Another token or expiry fails the digest.
             assert!(decode(&kb, &bytes, c.token + 1, c.expires_ms).is_err());
             assert!(decode(&kb, &bytes, c.token, c.expires_ms + 1).is_err());
+            // The mask byte, covered by no checksum: any bit flipped in it
+            // is damage.
+            for bit in 0..8 {
+                let mut flipped = bytes.clone();
+                flipped[1] ^= 1 << bit;
+                assert!(
+                    decode(&kb, &flipped, c.token, c.expires_ms).is_err(),
+                    "mask bit {bit}"
+                );
+            }
         }
     }
 

@@ -713,6 +713,11 @@ fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
         if s.is::<tokio_postgres::types::WrongType>() {
             return Some(ConfigFault::SchemaDamaged);
         }
+        // A NULL in a column the store made `NOT NULL`: the constraint
+        // dropped outside idemstore.
+        if s.is::<tokio_postgres::types::WasNull>() {
+            return Some(ConfigFault::SchemaDamaged);
+        }
         if tls_refused(s) {
             return Some(ConfigFault::Tls);
         }
@@ -741,6 +746,16 @@ pub(crate) fn sqlstate_fault(code: &str) -> Option<ConfigFault> {
         // undefined_column, datatype_mismatch: the schema's objects were
         // dropped or altered under the store.
         "3F000" | "42P01" | "42703" | "42804" => Some(ConfigFault::SchemaDamaged),
+        // invalid_column_reference (an `ON CONFLICT (key)` with no unique
+        // index to infer: the primary key dropped), wrong_object_type (the
+        // token sequence replaced by a table), and the refusals of what
+        // was added to the store's tables (a column `NOT NULL` without a
+        // default, a `CHECK`, a foreign key, a trigger that raises): no
+        // statement of idemstore meets them on its own schema, and a retry
+        // meets them again.
+        "42P10" | "42809" | "23502" | "23503" | "23514" | "P0001" => {
+            Some(ConfigFault::SchemaDamaged)
+        }
         _ => None,
     }
 }
@@ -1313,13 +1328,14 @@ const COLUMNS: [(&str, &str, &str); 9] = [
     ("bindings", "key", "bytea"),
 ];
 
-/// The store's columns that are missing or of another type than
-/// [`COLUMNS`] gives, as `table.column (type)` (one catalog read).
+/// The store's columns that are missing, of another type than [`COLUMNS`]
+/// gives, or that allow NULL (every column of the DDL is `NOT NULL`), as
+/// `table.column …` (one catalog read).
 async fn altered_columns(shared: &Shared, client: &Client) -> Result<Vec<String>> {
     let rows = client
         .query(
-            "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod) \
-             FROM pg_catalog.pg_attribute a \
+            "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod), \
+             a.attnotnull FROM pg_catalog.pg_attribute a \
              JOIN pg_catalog.pg_class c ON c.oid = a.attrelid \
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relname IN ('records', 'bindings') \
@@ -1331,18 +1347,84 @@ async fn altered_columns(shared: &Shared, client: &Client) -> Result<Vec<String>
     let mut found = Vec::with_capacity(rows.len());
     for row in &rows {
         let get = |i: usize| row.try_get::<_, String>(i).map_err(|e| fail(&e).error());
-        found.push((get(0)?, get(1)?, get(2)?));
+        let not_null = row.try_get::<_, bool>(3).map_err(|e| fail(&e).error())?;
+        found.push((get(0)?, get(1)?, get(2)?, not_null));
     }
     Ok(COLUMNS
         .iter()
         .filter_map(|&(table, column, ty)| {
-            match found.iter().find(|(t, c, _)| t == table && c == column) {
-                Some((_, _, found_ty)) if found_ty == ty => None,
-                Some((_, _, found_ty)) => Some(format!("{table}.{column} is {found_ty}, not {ty}")),
+            match found.iter().find(|(t, c, _, _)| t == table && c == column) {
+                Some((_, _, found_ty, _)) if found_ty != ty => {
+                    Some(format!("{table}.{column} is {found_ty}, not {ty}"))
+                }
+                Some((_, _, _, false)) => Some(format!("{table}.{column} allows NULL")),
+                Some(_) => None,
                 None => Some(format!("{table}.{column} is missing")),
             }
         })
         .collect())
+}
+
+/// The columns whose values the store's correctness needs unique, with
+/// the table that holds each: a key is claimed by inserting its row, and
+/// only a unique index makes the second of two concurrent inserts fail (a
+/// batch's `INSERT` that carries the `COMMIT` has no `ON CONFLICT`).
+const UNIQUE_COLUMNS: [(&str, &str); 2] = [("records", "key"), ("bindings", "binding")];
+
+/// Of [`UNIQUE_COLUMNS`], those with no valid, immediate, unique index on
+/// that column alone (the `PRIMARY KEY` of the DDL, dropped outside
+/// idemstore), as `table.column` (one catalog read). On such a table two
+/// replicas claiming one key at once would both insert it, and both run
+/// its work.
+async fn unkeyed_columns(
+    schema: &str,
+    client: &impl tokio_postgres::GenericClient,
+) -> std::result::Result<Vec<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text, a.attname::text FROM pg_catalog.pg_index i \
+             JOIN pg_catalog.pg_class c ON c.oid = i.indrelid \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum = i.indkey[0] \
+             WHERE n.nspname = $1 AND i.indisunique AND i.indisvalid AND i.indimmediate \
+             AND i.indnkeyatts = 1 AND i.indpred IS NULL AND i.indexprs IS NULL",
+            &[&schema],
+        )
+        .await?;
+    let mut keyed = Vec::with_capacity(rows.len());
+    for row in &rows {
+        keyed.push((row.try_get::<_, String>(0)?, row.try_get::<_, String>(1)?));
+    }
+    Ok(UNIQUE_COLUMNS
+        .iter()
+        .filter(|&&(table, column)| !keyed.iter().any(|(t, c)| t == table && c == column))
+        .map(|(table, column)| format!("{table}.{column}"))
+        .collect())
+}
+
+/// What a schema whose `unkeyed` columns ([`unkeyed_columns`]) lost their
+/// unique index needs, for a message: the rows to look at, and the
+/// statements that restore the indexes.
+fn unkeyed_remedy(schema: &str, unkeyed: &[String]) -> String {
+    let restore: Vec<String> = unkeyed
+        .iter()
+        .filter_map(|tc| tc.split_once('.'))
+        .map(|(table, column)| {
+            format!(
+                "SELECT {column} FROM \"{schema}\".{table} GROUP BY {column} HAVING count(*) > \
+                 1 (keys held by two rows: their work may have run twice; keep the row to \
+                 replay and delete the other), then ALTER TABLE \"{schema}\".{table} ADD \
+                 PRIMARY KEY ({column})"
+            )
+        })
+        .collect();
+    format!(
+        "{} lost its unique index outside idemstore, and with it the guarantee that two \
+         claims of one key cannot both acquire it; the store refuses to run on it until it is \
+         restored: {}",
+        unkeyed.join(" and "),
+        restore.join("; ")
+    )
 }
 
 /// Of the relations named as [`OBJECTS`] that the schema holds, those not
@@ -1400,7 +1482,19 @@ async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
     if missing.is_empty() {
         let altered = altered_columns(shared, client).await?;
         if altered.is_empty() {
-            return Ok(());
+            let unkeyed = unkeyed_columns(schema, client)
+                .await
+                .map_err(|e| fail(&e).error())?;
+            if unkeyed.is_empty() {
+                return Ok(());
+            }
+            return Err(Error::Misconfigured {
+                fault: ConfigFault::SchemaDamaged,
+                detail: format!(
+                    "schema {schema} holds a store whose {}",
+                    unkeyed_remedy(schema, &unkeyed)
+                ),
+            });
         }
         return Err(Error::Misconfigured {
             fault: ConfigFault::SchemaDamaged,
@@ -2344,6 +2438,7 @@ async fn run_hot(
     let mut ffloor = Vec::with_capacity(finishes.len());
     let mut fcreated = Vec::with_capacity(finishes.len());
     let mut flease = Vec::with_capacity(finishes.len());
+    let mut fexpires = Vec::with_capacity(finishes.len());
     for h in &finishes {
         let held = h
             .held
@@ -2354,6 +2449,7 @@ async fn run_hot(
         ffloor.push(to_i64("a record's time", held.record.updated_ms)?);
         fcreated.push(to_i64("a record's time", held.record.created_ms)?);
         flease.push(to_i64("a record's time", held.record.lease_until_ms)?);
+        fexpires.push(to_i64("a record's time", held.record.expires_ms)?);
     }
     let fh: Vec<Vec<u8>> = finishes.iter().map(|h| h.template.head()).collect();
     let fe: Vec<&[u8]> = finishes
@@ -2369,8 +2465,8 @@ async fn run_hot(
         .map(|h| h.template.expires_offset())
         .collect();
     let p_claim: [&(dyn ToSql + Sync); 6] = [&test_now, &ck, &ch, &ct, &cl, &ce];
-    let p_finish: [&(dyn ToSql + Sync); 11] = [
-        &test_now, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor, &fcreated, &flease,
+    let p_finish: [&(dyn ToSql + Sync); 12] = [
+        &test_now, &fk, &ft, &fseen, &fh, &fe, &fs, &fx, &ffloor, &fcreated, &flease, &fexpires,
     ];
     // Each statement commits on its own: once sent, a lost answer leaves
     // its outcome unknown.
@@ -2450,8 +2546,9 @@ async fn run_hot(
 }
 
 /// After a hot statement failed: a lost connection leaves its requests'
-/// outcome unknown (answered so); a refusal applied nothing, so they go the
-/// general way (`locked` holds the refusal when it was a lock wait past
+/// outcome unknown (answered so); a configuration fault (a schema altered
+/// outside idemstore) applied nothing and is their answer; any other
+/// refusal applied nothing, so they go the general way (`locked` holds the refusal when it was a lock wait past
 /// `lock_timeout`). Returns whether the connection is to be dropped: lost,
 /// or on a host that turned read-only (the general way then opens a new
 /// one).
@@ -2473,6 +2570,16 @@ fn hot_failed(
         }
         Fail::Locked(detail) => {
             *locked = Some(detail);
+            false
+        }
+        // Nothing was applied, and the general way would meet the same
+        // fault, or worse: with the primary key dropped (42P10 here), its
+        // `INSERT` without `ON CONFLICT` would let a second claim of a key
+        // acquire it too.
+        Fail::Config(fault, detail) => {
+            for h in hots {
+                answers[h.at] = Some(Err(Fail::Config(fault, detail.clone()).error()));
+            }
             false
         }
         _ => false,
@@ -4128,7 +4235,9 @@ impl Postgres {
     /// (as a request on its key checks), each token is below the token
     /// sequence, each live record's business key is bound to it, and each
     /// binding names a record that carries it (as the file engine's check
-    /// does); `progress` is called once per row. Pages are not checked
+    /// does); no key is held by two rows, and the key columns still have
+    /// their unique index ([`unkeyed_columns`]); `progress` is called once
+    /// per row. Pages are not checked
     /// (the server's `data_checksums`).
     ///
     /// # Errors
@@ -4518,6 +4627,28 @@ async fn scan_task(
         let hashers = [std::hash::RandomState::new(), std::hash::RandomState::new()];
         let mut confirmed = PairDigest::new(&hashers);
         let mut pending: Option<PageRequest> = None;
+        // The checks of the schema's objects that the rows cannot show: a
+        // key column that lost its unique index (found by a connect, but
+        // not by a store connected before it was dropped).
+        if checked {
+            let unkeyed = unkeyed_columns(&shared.sql.schema, &txn)
+                .await
+                .map_err(|e| fail(&e))?;
+            if !unkeyed.is_empty() {
+                let Some(tx) = next_request(&mut pending, &mut requests).await else {
+                    return Ok(());
+                };
+                let problem = Problem::other(
+                    format!("(schema {})", shared.sql.schema),
+                    unkeyed_remedy(&shared.sql.schema, &unkeyed),
+                );
+                let _ = tx.send(Ok(vec![Ok(Scanned::Problem(problem))]));
+            }
+        }
+        // The last row's key: rows come in key order, so a key held by
+        // two rows (possible only without the unique index) is two rows
+        // in a row.
+        let mut last_key: Option<Vec<u8>> = None;
         for (start, end) in &ranges {
             let portal = match end {
                 Some(end) => txn.bind(&bounded, &[start, end]).await,
@@ -4536,13 +4667,31 @@ async fn scan_task(
                     pending = Some(tx);
                     break;
                 }
-                let page = match &read_bindings {
+                let mut page = match &read_bindings {
                     Some(read) => checked_bindings(&txn, read, &rows, now, &mut confirmed).await?,
                     None => rows
                         .iter()
                         .map(|row| scanned(row, false).map(|item| item.map(|(row, _)| row)))
                         .collect::<Result<_, Fail>>()?,
                 };
+                if checked {
+                    for row in &rows {
+                        let Ok(kb) = row.try_get::<_, Vec<u8>>(0) else {
+                            continue;
+                        };
+                        if last_key.as_deref() == Some(kb.as_slice()) {
+                            page.push(Ok(Scanned::Problem(Problem::of_record(
+                                &kb,
+                                Key::describe_bytes(&kb),
+                                "two rows hold this key (the records table lost its unique \
+                                 index): two claims of it may both have acquired it, and its \
+                                 work run twice"
+                                    .into(),
+                            ))));
+                        }
+                        last_key = Some(kb);
+                    }
+                }
                 let _ = tx.send(Ok(page));
             }
         }
@@ -4684,9 +4833,12 @@ fn scanned(row: &Row, checked: bool) -> Result<Result<(Scanned, Option<Record>)>
             Scanned::Damaged(Problem::of_record(&rc.key, name, detail)),
             None,
         )),
-        // A hot row that does not complete (a reader finds that its bytes
-        // do not decode); `slot_of` gives no `Absent` for a row.
-        Slot::Corrupt(..) | Slot::Absent => Ok((Scanned::Row(rc.key, rc.record), None)),
+        // An unchecked scan's damaged hot row: its bytes are no envelope,
+        // so its reader is told what `slot_of` found, not that the form
+        // byte is an unknown version.
+        Slot::Corrupt(key, detail) => Err(Error::CorruptRecord { key, detail }),
+        // `slot_of` gives no `Absent` for a row.
+        Slot::Absent => Ok((Scanned::Row(rc.key, rc.record), None)),
     })
 }
 

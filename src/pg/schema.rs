@@ -155,8 +155,8 @@ pub(crate) struct Sql {
     /// The hot path's completions and failures: at the store's time (as
     /// `hot_claim`, and no earlier than the row's floor), rewrites each row
     /// (`$3`) whose token and record are still the ones the holder wrote,
-    /// whose state, creation and lease columns still agree with that
-    /// record (a row damaged there goes the general way, which answers
+    /// whose state, creation, lease and expiry columns still agree with
+    /// that record (a row damaged there goes the general way, which answers
     /// `CorruptRecord`), and that is not past retention. Rows: key, time.
     pub hot_finish: String,
     /// Number of stored rows.
@@ -330,15 +330,16 @@ impl Sql {
                 "WITH v AS (SELECT COALESCE($1::bigint, {clock_ms}) AS now), \
                  u AS (SELECT u.*, GREATEST(v.now, u.floor) AS at FROM unnest($2::bytea[], \
                  $3::bigint[], $4::bytea[], $5::bytea[], $6::bytea[], $7::smallint[], \
-                 $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[]) \
-                 AS u(key, token, seen, head, tmpl, state, exp_off, floor, created, lease) \
+                 $8::bigint[], $9::bigint[], $10::bigint[], $11::bigint[], $12::bigint[]) \
+                 AS u(key, token, seen, head, tmpl, state, exp_off, floor, created, lease, \
+                 expires) \
                  CROSS JOIN v) \
                  UPDATE {s}.records AS r SET record = u.head || substring(sha256(u.key || \
                  int8send(u.token) || int8send(u.at + u.exp_off)) FROM 1 FOR 8) || u.tmpl, \
                  state = u.state, expires_ms = u.at + u.exp_off \
                  FROM u WHERE r.key = u.key AND r.token = u.token AND r.record = u.seen \
                  AND r.state = 0 AND r.created_ms = u.created AND r.lease_until_ms = u.lease \
-                 AND r.expires_ms > u.at RETURNING r.key, u.at"
+                 AND r.expires_ms = u.expires AND r.expires_ms > u.at RETURNING r.key, u.at"
             ),
             count: format!("SELECT count(*) FROM {s}.records"),
             // Each aggregate's filter is a comparison or two: cheaper than

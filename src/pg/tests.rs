@@ -1860,6 +1860,206 @@ fn objects_dropped_under_a_store_are_schema_damaged() {
     assert!(!exists("meta"), "a connect created the meta table");
 }
 
+/// A key column that lost its unique index (a primary key dropped by a
+/// migration or by hand) is a damaged schema: without it two replicas
+/// claiming one key at once both insert it and both run its work. A
+/// running store's claim answers `SchemaDamaged` (its hot statement's `ON
+/// CONFLICT` finds no index; the general way's `INSERT` would not notice),
+/// `verify` names the schema and a key held by two rows, and a connect or
+/// a migration refuses the schema, saying how to restore the index; once
+/// restored, the store runs again.
+#[test]
+fn a_key_column_without_its_unique_index_is_a_damaged_schema() {
+    if skipped() {
+        return;
+    }
+    let name = schema("unkeyed");
+    let pg = open_with(&name, None);
+    let l = acquired(pg.apply(&key("before"), claim(b"a")).unwrap());
+    complete(&pg, &key("before"), &l, b"r");
+    let records = format!("\"{name}\".records");
+    raw_sql(&format!(
+        "ALTER TABLE {records} DROP CONSTRAINT records_pkey"
+    ));
+    match pg.apply(&key("after"), claim(b"a")) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            ..
+        }) => {}
+        other => panic!("a claim without the unique index: {other:?}"),
+    }
+    let rows: i64 = raw_sql(&format!("SELECT count(*) FROM {records}"))[0].get(0);
+    assert_eq!(rows, 1, "the refused claim inserted a row");
+    // A second row of one key, as two claims racing would leave.
+    raw_sql(&format!(
+        "INSERT INTO {records} SELECT * FROM {records} WHERE key = '\\x{}'::bytea",
+        hex(&key("before").to_bytes())
+    ));
+    let report = pg.verify(|_| {}).unwrap();
+    let details: Vec<String> = report
+        .problems
+        .iter()
+        .map(|p| format!("{}: {}", p.key, p.detail))
+        .collect();
+    assert_eq!(report.problems.len(), 2, "{details:#?}");
+    assert!(
+        details[0].starts_with(&format!("(schema {name})"))
+            && details[0].contains("records.key lost its unique index"),
+        "{details:#?}"
+    );
+    assert_eq!(report.problems[1].idempotency_key, Some(key("before")));
+    assert!(
+        details[1].contains("two rows hold this key"),
+        "{details:#?}"
+    );
+    for migrate in [false, true] {
+        let options = PgOptions {
+            schema: name.clone(),
+            connections: 1,
+            migrate,
+            ..PgOptions::default()
+        };
+        match Postgres::connect(server().url(), options).map(drop) {
+            Err(Error::Misconfigured {
+                fault: ConfigFault::SchemaDamaged,
+                detail,
+            }) => assert!(
+                detail.contains("records.key lost its unique index")
+                    && detail.contains("ADD PRIMARY KEY (key)"),
+                "{detail}"
+            ),
+            other => panic!("migrate {migrate}: expected SchemaDamaged, got {other:?}"),
+        }
+    }
+    // Restored as the message says: the duplicate removed, the key added.
+    raw_sql(&format!(
+        "DELETE FROM {records} a USING {records} b WHERE a.ctid > b.ctid AND a.key = b.key"
+    ));
+    raw_sql(&format!("ALTER TABLE {records} ADD PRIMARY KEY (key)"));
+    drop(pg);
+    let pg = open_with(&name, None);
+    acquired(pg.apply(&key("after"), claim(b"a")).unwrap());
+    // The bindings' key too.
+    raw_sql(&format!(
+        "ALTER TABLE \"{name}\".bindings DROP CONSTRAINT bindings_pkey"
+    ));
+    match Postgres::connect(server().url(), options(&name, None)).map(drop) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail,
+        }) => assert!(detail.contains("bindings.binding lost"), "{detail}"),
+        other => panic!("expected SchemaDamaged, got {other:?}"),
+    }
+}
+
+/// What was added to or taken from the store's tables outside idemstore
+/// and refuses its statements is a damaged schema, not `Unavailable`
+/// (which a service retries as is, for ever): a `CHECK` constraint, a
+/// trigger that raises, a `NOT NULL` dropped and a NULL written. A
+/// connect names a column that allows NULL.
+#[test]
+fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
+    if skipped() {
+        return;
+    }
+    let damaged = |what: &str, answer: Result<Reply, Error>| match answer {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            ..
+        }) => {}
+        other => panic!("{what}: expected SchemaDamaged, got {other:?}"),
+    };
+    // A CHECK that no completed row passes: the completion is refused.
+    let (pg, _clock) = open("check_added");
+    let records = format!("\"{}\".records", pg.shared.sql.schema);
+    let l = acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+    raw_sql(&format!(
+        "ALTER TABLE {records} ADD CONSTRAINT no_done CHECK (state = 0)"
+    ));
+    let done = Op::Complete {
+        token: l.token(),
+        result: b"r".to_vec(),
+    };
+    damaged("a completion under a CHECK", pg.apply(&key("k"), done));
+    // A trigger that raises on every insert: the claim is refused.
+    let (pg, _clock) = open("trigger_added");
+    let name = pg.shared.sql.schema.clone();
+    raw_sql(&format!(
+        "CREATE FUNCTION \"{name}\".refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN RAISE EXCEPTION 'refused'; END$$"
+    ));
+    raw_sql(&format!(
+        "CREATE TRIGGER refuse BEFORE INSERT ON \"{name}\".records \
+         FOR EACH ROW EXECUTE FUNCTION \"{name}\".refuse()"
+    ));
+    damaged(
+        "a claim under a raising trigger",
+        pg.apply(&key("k"), claim(b"a")),
+    );
+    // A NULL where the store keeps a value: a read is refused, and so is
+    // a connect, naming the column.
+    let (pg, _clock) = open("null_allowed");
+    let name = pg.shared.sql.schema.clone();
+    let l = acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+    complete(&pg, &key("k"), &l, b"r");
+    raw_sql(&format!(
+        "ALTER TABLE \"{name}\".records ALTER COLUMN created_ms DROP NOT NULL"
+    ));
+    raw_sql(&format!("UPDATE \"{name}\".records SET created_ms = NULL"));
+    match pg.get(&key("k")) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            ..
+        }) => {}
+        other => panic!("a read of a NULL: expected SchemaDamaged, got {other:?}"),
+    }
+    match Postgres::connect(server().url(), options(&name, None)).map(drop) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail,
+        }) => assert!(
+            detail.contains("records.created_ms allows NULL"),
+            "{detail}"
+        ),
+        other => panic!("expected SchemaDamaged, got {other:?}"),
+    }
+}
+
+/// Fencing tokens only grow per key: a takeover whose drawn token is not
+/// above the record's (the token sequence set back outside idemstore) is
+/// refused as a damaged schema, and the record keeps its holder's token.
+#[test]
+fn a_token_sequence_set_back_is_refused_not_handed_out() {
+    if skipped() {
+        return;
+    }
+    let (pg, clock) = open("sequence_back");
+    let first = acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+    assert!(first.token() > 1, "{first:?}");
+    raw_sql(&format!(
+        "ALTER SEQUENCE \"{}\".tokens RESTART WITH 1",
+        pg.shared.sql.schema
+    ));
+    // The lease (1 s) lapses: the next claim is a takeover.
+    clock.advance(Duration::from_secs(2));
+    match pg.apply(&key("k"), claim(b"a")) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail,
+        }) => assert!(detail.contains("set back"), "{detail}"),
+        other => panic!("a takeover with a token set back: {other:?}"),
+    }
+    let kept = pg.get(&key("k")).unwrap().expect("the record");
+    assert_eq!(kept.token, first.token());
+    // Raised again as the message says, the takeover runs.
+    raw_sql(&format!(
+        "SELECT setval('\"{0}\".tokens', (SELECT max(token) FROM \"{0}\".records))",
+        pg.shared.sql.schema
+    ));
+    let second = acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+    assert!(second.token() > first.token(), "{second:?} after {first:?}");
+}
+
 /// A schema without a store that holds another program's table named
 /// `records` (not a store's: other columns) is not called a store's
 /// damaged schema: a connect or a migration answers `IncompatibleSchema`
@@ -1919,7 +2119,8 @@ fn another_programs_table_named_records_is_not_a_stores() {
 }
 
 /// A holder's completion of its row damaged in a column the completion
-/// does not rewrite (state, creation time, lease) answers `CorruptRecord`,
+/// does not rewrite (state, creation time, lease, expiry) or in the hot
+/// form's mask byte answers `CorruptRecord`,
 /// as every other request on the key does, instead of writing over the
 /// damage.
 #[test]
@@ -1934,6 +2135,15 @@ fn a_completion_of_a_row_damaged_in_its_columns_is_corrupt_record() {
         ("state", "state = 9"),
         ("created", "created_ms = created_ms - 1"),
         ("lease", "lease_until_ms = lease_until_ms + 1"),
+        // Later: the hot completion checked only that the row was not
+        // past retention, and wrote over the digest's mismatch.
+        ("expiry", "expires_ms = expires_ms + 1000"),
+        // The hot form's mask byte, which no checksum covers: the update
+        // time's bit cleared.
+        (
+            "mask",
+            "record = set_byte(record, 1, get_byte(record, 1) # 4)",
+        ),
     ] {
         let k = key(&format!("held-{what}"));
         let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
@@ -1957,6 +2167,18 @@ fn a_completion_of_a_row_damaged_in_its_columns_is_corrupt_record() {
             "{what}: the damage was written over"
         );
     }
+    // An unchecked scan (export, list) names what is wrong with each
+    // damaged hot row, not that its form byte is an unknown version.
+    let errors: Vec<String> = pg
+        .entries(vec![(Vec::new(), None)])
+        .unwrap()
+        .filter_map(|item| item.err().map(|e| e.to_string()))
+        .collect();
+    assert_eq!(errors.len(), 5, "{errors:#?}");
+    assert!(
+        errors.iter().all(|e| !e.contains("unknown record version")),
+        "{errors:#?}"
+    );
 }
 
 #[test]
