@@ -135,7 +135,7 @@ impl Engine {
     /// lease renewal, which must end while the lease lasts so that a retry
     /// on another connection still can. The file engine has no network to
     /// wait on, and no deadline.
-    #[cfg(feature = "agent")]
+    #[cfg(any(feature = "agent", feature = "http"))]
     pub(crate) fn apply_many_by(
         &self,
         ops: Vec<(Key, Op)>,

@@ -424,7 +424,8 @@ pub enum ConfigFault {
     /// `ALTER TABLE … ADD PRIMARY KEY` that restores it), a column's `NOT
     /// NULL` dropped (a NULL read), a `CHECK`, a foreign key, a column `NOT
     /// NULL` without a default or a raising trigger added (`23514`,
-    /// `23503`, `23502`, `P0001`), the sequence replaced (`42809`) or set
+    /// `23503`, `23502`, `P0001`; also another table's foreign key to the
+    /// store's rows, which eviction and release delete), the sequence replaced (`42809`) or set
     /// back below a key's fencing token (a takeover is refused: raise it
     /// with `setval` to the records table's largest token). (Or found by a
     /// connect or a migration: a version row without `records`, `bindings`

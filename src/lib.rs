@@ -119,7 +119,9 @@ pub mod docs_doctests {
 // The layers, top to bottom; a module imports only from its own layer or
 // below (tests/architecture.rs checks it):
 // - the public face: `store` (`Store`), `check` (`check_file`), `agent`, `mcp`,
-//   `http`, `postgres` (`complete_in`, `fail_in`), `conformance`;
+//   `http`, `postgres` (`complete_in`, `fail_in`), `conformance`, and what
+//   `agent` and `http` share to keep a lease while work runs: `renewal` (its
+//   schedule) and `extender` (the store's thread that renews leases);
 // - operations written once over any engine: `backup` (export and import
 //   framing), `scan`, `sweeper`;
 // - the engine boundary: `engine`;
@@ -142,6 +144,8 @@ pub mod conformance;
 mod embedded;
 mod engine;
 mod error;
+#[cfg(any(feature = "agent", feature = "http"))]
+mod extender;
 #[cfg(feature = "http")]
 pub mod http;
 mod key;

@@ -51,10 +51,11 @@ pub struct Store {
     // (and are joined) before the engine, whose drop then ends the writer
     // on this thread.
     _sweeper: Option<Sweeper>,
-    /// Keeps the leases of `execute` calls in flight alive: one thread,
-    /// started on first need, stopped on drop (feature `agent`).
-    #[cfg(feature = "agent")]
-    pub(crate) extender: crate::agent::Extender,
+    /// Keeps the leases of `execute` calls and of HTTP handlers in flight
+    /// alive: one thread, started on first need, stopped on drop (features
+    /// `agent`, `http`).
+    #[cfg(any(feature = "agent", feature = "http"))]
+    pub(crate) extender: crate::extender::Extender,
     /// Claims whose `claim_async` future was dropped in flight (they hold
     /// the engine: dropped before it).
     orphans: Orphans,
@@ -304,8 +305,8 @@ impl Store {
         Ok(Store {
             _sweeper: sweeper,
             // `Store::extend` for a batch, in one write.
-            #[cfg(feature = "agent")]
-            extender: crate::agent::Extender::new(&engine, extend_many),
+            #[cfg(any(feature = "agent", feature = "http"))]
+            extender: crate::extender::Extender::new(&engine, extend_many),
             orphans: Orphans::default(),
             engine,
             config,
@@ -1476,7 +1477,7 @@ impl Store {
 /// [`Store::extend`] for a batch of leases, in one write (one commit):
 /// each lease's new deadline or its error, in order. A PostgreSQL store
 /// ends the write by `deadline` (see `Engine::apply_many_by`).
-#[cfg(feature = "agent")]
+#[cfg(any(feature = "agent", feature = "http"))]
 fn extend_many(
     engine: &Engine,
     leases: &[(Lease, Duration)],

@@ -19,6 +19,7 @@ const LAYERS: &[(&str, u8)] = &[
     ("compact", 6),
     ("salvage", 6),
     ("renewal", 6),
+    ("extender", 6),
     ("agent", 6),
     ("mcp", 6),
     ("http", 6),

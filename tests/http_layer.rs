@@ -1306,6 +1306,48 @@ async fn post_to(
     )
 }
 
+/// A handler that blocks its thread (a synchronous call inside an `async`
+/// handler) for longer than its lease keeps its key: the store's extender
+/// thread renews the lease while the runtime cannot poll the request, so a
+/// retry meanwhile gets 409, and once the handler has answered, a replay.
+/// (Renewed by the request's task alone, the lease lapsed under the
+/// blocked thread and the retry ran the handler a second time.) A real
+/// server on two worker threads, the store on the system clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_blocks_its_thread_keeps_its_key() {
+    use axum::routing::post;
+    let (_d, store) = store_with(Config::new());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            async move {
+                if run == 1 {
+                    // Two and a half leases with the thread blocked.
+                    std::thread::sleep(Duration::from_millis(2_500));
+                }
+                (StatusCode::CREATED, format!("run {run}"))
+            }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/blocking", post(handler))
+        .layer(IdempotencyLayer::new(store).lease(Duration::from_secs(1)));
+    let addr = serve(app).await;
+    let first = tokio::spawn(async move { post_to(addr, "/blocking", "b-1").await });
+    // Past the first lease's end, while the handler still blocks.
+    tokio::time::sleep(Duration::from_millis(1_600)).await;
+    let (retry, headers, _) = post_to(addr, "/blocking", "b-1").await;
+    assert_eq!(retry, StatusCode::CONFLICT, "the retry ran: {headers:?}");
+    let (status, _, body) = first.await.unwrap();
+    assert_eq!((status, &body[..]), (StatusCode::CREATED, &b"run 1"[..]));
+    let (again, headers, body) = post_to(addr, "/blocking", "b-1").await;
+    assert_eq!((again, &body[..]), (StatusCode::CREATED, &b"run 1"[..]));
+    assert!(replayed(&headers));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// A body over the limit of a layer outside this one (tower-http's
 /// `RequestBodyLimitLayer`), sent without `content-length` (chunked, so
 /// that the outer layer cannot refuse it from its head), is 413 as one over

@@ -1064,7 +1064,7 @@ fn keep_alive<R>(
     store: &Store,
     lease: &Lease,
     f: impl FnOnce() -> R,
-) -> Result<(R, super::extender::Registration), Error> {
+) -> Result<(R, crate::extender::Registration), Error> {
     let registration = store.extender.register(lease, lease_length(lease))?;
     let out = f();
     Ok((out, registration))

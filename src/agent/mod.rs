@@ -153,7 +153,6 @@
 
 mod call;
 mod execute;
-mod extender;
 mod finite;
 pub(crate) mod keys;
 mod notify;
@@ -162,7 +161,6 @@ pub use call::{CallError, Limit, RemoteError, RemoteStatus, RetryPolicy, call, c
 pub use execute::{
     AsyncProbe, ExecuteError, ExecuteOptions, Executed, Failure, InDoubt, NoProbe, Origin, Probe,
 };
-pub(crate) use extender::Extender;
 pub(crate) use notify::Waiters;
 
 #[cfg(doc)]

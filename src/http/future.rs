@@ -183,7 +183,7 @@ where
                 }
                 StateProj::Claim { future } => match ready!(future.as_mut().poll(cx)) {
                     Ok((future, held)) => {
-                        let heartbeat = Heartbeat::new(&held);
+                        let heartbeat = Heartbeat::running(&held);
                         state.set(State::Run {
                             future,
                             held: Some(held),
@@ -215,7 +215,7 @@ where
                             // acquisitions and recovery point). `finish`
                             // records a retryable failure instead.
                             if held.releases(outcome, parts.status) && !held.lease.is_takeover() {
-                                let mut heartbeat = heartbeat.take();
+                                let mut heartbeat = heartbeat.answered(&held);
                                 heartbeat.set_recording();
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
@@ -238,7 +238,7 @@ where
                                 );
                                 let kept =
                                     stored.len_without_body() <= held.settings.max_response_bytes;
-                                let mut heartbeat = heartbeat.take();
+                                let mut heartbeat = heartbeat.answered(&held);
                                 heartbeat.set_recording();
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
@@ -249,7 +249,7 @@ where
                                 });
                                 continue;
                             }
-                            let heartbeat = heartbeat.take();
+                            let heartbeat = heartbeat.answered(&held);
                             let recorder = Recorder::new(held, heartbeat, outcome, &parts, &body);
                             state.set(State::Done);
                             return Poll::Ready(Ok(Response::from_parts(
@@ -679,11 +679,23 @@ impl Recorder {
 /// that has not answered by then, so that a half-open one cannot hold the
 /// renewal past the lease), one that did not reach the store tried again a
 /// third of that later, until one is answered; after any other failure (a
-/// stale lease) it stops. Timers come from `futures-timer`, which needs no
-/// async runtime.
+/// stale lease) it stops.
+///
+/// While the handler runs, the store's extender thread renews the lease
+/// ([`crate::extender`], as for `Store::execute`), so that a handler that
+/// blocks its thread, which stops the runtime from polling this request's
+/// task, still keeps its key. From the response on, the renewals run when
+/// the request's task is polled (a body that is not read lets the lease
+/// lapse: docs/http.md, Limits), with timers from `futures-timer`, which
+/// needs no async runtime.
 pub(crate) struct Heartbeat {
-    /// `None` once handed on ([`Heartbeat::take`]).
+    /// `None` once handed on ([`Heartbeat::take`]), or while the
+    /// extender renews the lease.
     beat: Option<Beat>,
+    /// While the handler runs: the lease registered with the store's
+    /// extender thread (dropped without waiting, see
+    /// [`crate::extender::Extender::register_unwaited`]).
+    registered: Option<crate::extender::Registration>,
 }
 
 /// A running [`Heartbeat`].
@@ -710,6 +722,47 @@ struct Beat {
 }
 
 impl Heartbeat {
+    /// The heartbeat of a handler that starts running under `held`: the
+    /// store's extender thread renews the lease, or, when that thread
+    /// cannot be started (the system is out of threads), the request's own
+    /// task does.
+    fn running(held: &Held) -> Heartbeat {
+        let length = held.settings.lease.max(Duration::from_millis(1));
+        match held
+            .settings
+            .store
+            .extender
+            .register_unwaited(&held.lease, length)
+        {
+            Ok(registration) => Heartbeat {
+                beat: None,
+                registered: Some(registration),
+            },
+            Err(e) => {
+                tracing::warn!(
+                    key = %held.lease.key(),
+                    error = %e,
+                    "the lease extender cannot start; the request's task renews the lease"
+                );
+                Heartbeat::new(held)
+            }
+        }
+    }
+
+    /// The heartbeat once the handler has answered: renewed by the
+    /// request's task from now on (a registration with the extender is
+    /// dropped; a heartbeat already renewed by the task is moved out).
+    fn answered(&mut self, held: &Held) -> Heartbeat {
+        match self.registered.take() {
+            Some(registration) => {
+                let beat = Heartbeat::new(held);
+                drop(registration);
+                beat
+            }
+            None => self.take(),
+        }
+    }
+
     fn new(held: &Held) -> Heartbeat {
         let length = held.settings.lease.max(Duration::from_millis(1));
         let period = crate::renewal::period_of(length);
@@ -727,6 +780,7 @@ impl Heartbeat {
                 recording: false,
                 stopped: false,
             }),
+            registered: None,
         }
     }
 
@@ -734,6 +788,7 @@ impl Heartbeat {
     fn take(&mut self) -> Heartbeat {
         Heartbeat {
             beat: self.beat.take(),
+            registered: self.registered.take(),
         }
     }
 
@@ -748,6 +803,7 @@ impl Heartbeat {
     /// Stops the renewals (one in flight is dropped).
     fn stop(&mut self) {
         self.beat = None;
+        self.registered = None;
     }
 
     /// Drives the timer and any renewal in flight; never finishes.

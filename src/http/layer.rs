@@ -455,14 +455,16 @@ impl IdempotencyLayer {
     /// While the handler runs, and then while its response body is sent,
     /// the layer extends the lease every third of this duration, so a slow
     /// handler or a long stream keeps its key until its outcome is
-    /// recorded. The extensions run in the request's own task: a handler
-    /// that blocks its thread for longer than the lease (a synchronous call
-    /// in an `async` handler; use `tokio::task::spawn_blocking`) lets the
-    /// lease lapse, and a retry then runs the handler a second time. So
-    /// does a wall clock stepping forward by more than what is left of the
-    /// lease (the store's time follows it ahead): choose a lease longer
-    /// than the steps the hosts' clocks may take. An out-of-range lease
-    /// makes every keyed request fail with 500.
+    /// recorded. While the handler runs, the store's lease extender thread
+    /// extends it (one per `Store`, as for `Store::execute`), so a handler
+    /// that blocks its thread keeps its key; from the response on, the
+    /// request's own task does, when the server polls the body (a body
+    /// that blocks its thread for longer than the lease lets it lapse). A
+    /// wall clock stepping forward by more than what is left of the lease
+    /// ends it at once (the store's time follows it ahead), and a retry
+    /// then runs the handler a second time: choose a lease longer than the
+    /// steps the hosts' clocks may take. An out-of-range lease makes every
+    /// keyed request fail with 500.
     pub fn lease(mut self, lease: Duration) -> IdempotencyLayer {
         self.settings.lease = lease;
         self

@@ -1410,18 +1410,23 @@ fn unkeyed_remedy(schema: &str, unkeyed: &[String]) -> String {
         .iter()
         .filter_map(|tc| tc.split_once('.'))
         .map(|(table, column)| {
+            let twice = if table == "records" {
+                "keys held by two rows: their work may have run twice; keep the row to replay \
+                 and delete the other"
+            } else {
+                "business keys bound twice: keep the binding that names the record carrying \
+                 it and delete the other"
+            };
             format!(
                 "SELECT {column} FROM \"{schema}\".{table} GROUP BY {column} HAVING count(*) > \
-                 1 (keys held by two rows: their work may have run twice; keep the row to \
-                 replay and delete the other), then ALTER TABLE \"{schema}\".{table} ADD \
-                 PRIMARY KEY ({column})"
+                 1 ({twice}), then ALTER TABLE \"{schema}\".{table} ADD PRIMARY KEY ({column})"
             )
         })
         .collect();
     format!(
-        "{} lost its unique index outside idemstore, and with it the guarantee that two \
-         claims of one key cannot both acquire it; the store refuses to run on it until it is \
-         restored: {}",
+        "{} lost its unique index outside idemstore (or a restore has not yet reached its \
+         indexes: let pg_restore finish), and with it the guarantee that two claims of one key \
+         cannot both acquire it; the store refuses to run on it until it is restored: {}",
         unkeyed.join(" and "),
         restore.join("; ")
     )

@@ -115,7 +115,8 @@ pub(crate) struct Sql {
     pub insert_records: String,
     /// Inserts fresh records, failing the transaction with a unique
     /// violation when one is present (for the flight that carries the
-    /// `COMMIT`: a lost compare-and-set must abort, not commit the rest).
+    /// `COMMIT`: a lost compare-and-set must abort, not commit the rest),
+    /// and with 42P10 when the key's unique index is gone.
     pub insert_records_strict: String,
     /// Updates records (compare-and-set: same token as read).
     pub update_records: String,
@@ -250,8 +251,16 @@ impl Sql {
                  $5::bigint[], $6::bigint[], $7::bigint[]) ORDER BY 1 \
                  ON CONFLICT (key) DO NOTHING RETURNING key"
             ),
+            // The guard inserts nothing, but its `ON CONFLICT (key)` must
+            // find the key's unique index when the statement is planned
+            // (42P10 otherwise, a damaged schema): the insert itself relies
+            // on that index to fail a second insert of a key.
             insert_records_strict: format!(
-                "INSERT INTO {s}.records ({cols}) \
+                "WITH guard AS (INSERT INTO {s}.records ({cols}) \
+                 SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
+                 $5::bigint[], $6::bigint[], $7::bigint[]) WHERE false \
+                 ON CONFLICT (key) DO NOTHING) \
+                 INSERT INTO {s}.records ({cols}) \
                  SELECT * FROM unnest($1::bytea[], $2::bytea[], $3::bigint[], $4::smallint[], \
                  $5::bigint[], $6::bigint[], $7::bigint[]) ORDER BY 1 RETURNING key"
             ),

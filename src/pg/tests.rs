@@ -1210,7 +1210,8 @@ fn a_key_inserted_meanwhile_is_decided_again_in_the_same_batch() {
         let rows = rt
             .block_on(client.query(
                 "SELECT count(*) FROM pg_stat_activity \
-                 WHERE query LIKE 'INSERT INTO%' AND wait_event_type = 'Lock' \
+                 WHERE (query LIKE 'INSERT INTO%' OR query LIKE 'WITH guard AS (INSERT%') \
+                 AND wait_event_type = 'Lock' \
                  AND pid <> pg_backend_pid()",
                 &[],
             ))
@@ -1863,8 +1864,9 @@ fn objects_dropped_under_a_store_are_schema_damaged() {
 /// A key column that lost its unique index (a primary key dropped by a
 /// migration or by hand) is a damaged schema: without it two replicas
 /// claiming one key at once both insert it and both run its work. A
-/// running store's claim answers `SchemaDamaged` (its hot statement's `ON
-/// CONFLICT` finds no index; the general way's `INSERT` would not notice),
+/// running store's claim answers `SchemaDamaged`, alone (its hot
+/// statement's `ON CONFLICT` finds no index) or in a batch (the general
+/// way's insert carries a guard with the same `ON CONFLICT`),
 /// `verify` names the schema and a key held by two rows, and a connect or
 /// a migration refuses the schema, saying how to restore the index; once
 /// restored, the store runs again.
@@ -1887,6 +1889,32 @@ fn a_key_column_without_its_unique_index_is_a_damaged_schema() {
             ..
         }) => {}
         other => panic!("a claim without the unique index: {other:?}"),
+    }
+    // A batch goes the general way, whose first insert carries no `ON
+    // CONFLICT` of its own.
+    let batch = pg.apply_many(vec![
+        (key("batch-1"), claim(b"a")),
+        (key("batch-2"), claim(b"a")),
+    ]);
+    let refused = match &batch {
+        Err(e) => vec![e],
+        Ok(answers) => answers.iter().filter_map(|a| a.as_ref().err()).collect(),
+    };
+    assert!(
+        refused.len() == 2 || batch.is_err(),
+        "a batch without the unique index: {batch:?}"
+    );
+    for e in refused {
+        assert!(
+            matches!(
+                e,
+                Error::Misconfigured {
+                    fault: ConfigFault::SchemaDamaged,
+                    ..
+                }
+            ),
+            "a batch without the unique index: {batch:?}"
+        );
     }
     let rows: i64 = raw_sql(&format!("SELECT count(*) FROM {records}"))[0].get(0);
     assert_eq!(rows, 1, "the refused claim inserted a row");

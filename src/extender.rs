@@ -1,6 +1,8 @@
-//! The lease extender of [`Store::execute`](crate::Store::execute): one
-//! background thread per `Store` that keeps the lease of every call in
-//! flight alive.
+//! The lease extender of [`Store::execute`](crate::Store::execute) and of
+//! the HTTP layer's handlers: one background thread per `Store` that keeps
+//! the lease of every call in flight alive, whatever the caller's thread
+//! does meanwhile (work that blocks it, an async runtime that stops
+//! polling the call's task).
 //!
 //! A call registers its lease while its work runs and gets a
 //! [`Registration`]; dropping that deregisters it. The thread keeps the
@@ -43,7 +45,11 @@
 //!   (until the batch it is in is answered: one group commit, as a rule)
 //!   and removes it, so no lease is ever
 //!   renewed after its call deregistered it; it never waits for other
-//!   leases' renewals.
+//!   leases' renewals. A registration made for async code
+//!   ([`Extender::register_unwaited`]) never waits: dropped while its
+//!   renewal is under way, it is removed once that renewal is answered,
+//!   and not renewed again (that one renewal may still land after the
+//!   drop).
 //! - **Lifetime**: the thread (`idemstore-extender`) starts at the first
 //!   registration, so a store that never runs work under `execute` has none,
 //!   and stops when the store drops. It holds the store only weakly.
@@ -121,6 +127,9 @@ struct Entry {
     /// When the lease ends at the earliest, as far as this thread knows:
     /// `length` after the registration, then after each renewal was sent.
     expires: Instant,
+    /// Its registration was dropped without waiting while its renewal was
+    /// under way: removed once that renewal is answered.
+    dropped: bool,
 }
 
 impl Extender {
@@ -159,7 +168,26 @@ impl Extender {
     /// # Errors
     /// [`Error::Storage`] when the thread cannot be started (the system is
     /// out of threads); nothing is registered then.
+    #[cfg(any(feature = "agent", test))]
     pub(crate) fn register(&self, lease: &Lease, length: Duration) -> Result<Registration, Error> {
+        self.enter(lease, length, true)
+    }
+
+    /// [`Extender::register`] for async code: dropping the registration
+    /// never blocks the thread (see [`Registration`]'s `Drop`).
+    ///
+    /// # Errors
+    /// As [`Extender::register`].
+    #[cfg(feature = "http")]
+    pub(crate) fn register_unwaited(
+        &self,
+        lease: &Lease,
+        length: Duration,
+    ) -> Result<Registration, Error> {
+        self.enter(lease, length, false)
+    }
+
+    fn enter(&self, lease: &Lease, length: Duration, wait: bool) -> Result<Registration, Error> {
         self.start()?;
         let period = period_of(length);
         let now = Instant::now();
@@ -178,6 +206,7 @@ impl Extender {
                 unreachable: false,
                 recording: false,
                 expires: now.checked_add(length).unwrap_or(now),
+                dropped: false,
             },
         );
         let earliest = state.due.first().is_none_or(|&(first, _)| due < first);
@@ -189,6 +218,7 @@ impl Extender {
         Ok(Registration {
             shared: self.shared.clone(),
             id,
+            wait,
         })
     }
 
@@ -231,6 +261,8 @@ impl Drop for Extender {
 pub(crate) struct Registration {
     shared: Arc<Shared>,
     id: u64,
+    /// Whether dropping it waits for a renewal under way (see `Drop`).
+    wait: bool,
 }
 
 impl Registration {
@@ -239,6 +271,7 @@ impl Registration {
     /// logged (one that reaches the store after the outcome fails as a
     /// stale lease, which is no loss; the outcome's write reports its own
     /// failure).
+    #[cfg(feature = "agent")]
     pub(crate) fn recording(&self) {
         if let Some(entry) = self.shared.state.lock().entries.get_mut(&self.id) {
             entry.recording = true;
@@ -250,10 +283,18 @@ impl Drop for Registration {
     /// Deregisters the lease: waits while a renewal of it is under way
     /// (until its batch is answered: one group commit, as a rule), then
     /// removes it, so it is never renewed again. Blocks the thread for that
-    /// long, so async code should not drop it on a runtime thread that must
-    /// not block.
+    /// long. One made by [`Extender::register_unwaited`] never blocks: a
+    /// renewal under way is left to be answered (it may land after this),
+    /// and the thread removes the lease then.
     fn drop(&mut self) {
         let mut state = self.shared.state.lock();
+        if !self.wait
+            && let Some(entry) = state.entries.get_mut(&self.id)
+            && entry.in_flight
+        {
+            entry.dropped = true;
+            return;
+        }
         while state.entries.get(&self.id).is_some_and(|e| e.in_flight) {
             self.shared.settled.wait(&mut state);
         }
@@ -327,7 +368,8 @@ fn take_due(state: &mut State, now: Instant) -> Vec<(u64, Lease, Duration)> {
 /// after `now`; one whose renewal did not reach the store is due again a
 /// third of that after `now`; a lease whose renewal failed otherwise is
 /// logged and not renewed again (it stays registered until its call
-/// deregisters it).
+/// deregisters it); a lease whose registration was dropped without waiting
+/// while its renewal was under way is removed.
 fn settle(
     state: &mut State,
     batch: &[(u64, Lease, Duration)],
@@ -343,6 +385,10 @@ fn settle(
         let Some(entry) = state.entries.get_mut(id) else {
             continue;
         };
+        if entry.dropped {
+            state.entries.remove(id);
+            continue;
+        }
         entry.in_flight = false;
         if result.is_ok() {
             entry.expires = sent.checked_add(entry.length).unwrap_or(sent);
@@ -375,6 +421,9 @@ mod tests {
         /// How many more renewals of a token fail as unreachable.
         unreachable: Mutex<HashMap<u64, usize>>,
         slow: AtomicBool,
+        /// While set, a renewal waits (after saying so in `inside`).
+        hold: AtomicBool,
+        inside: AtomicBool,
     }
 
     impl Fake {
@@ -389,6 +438,10 @@ mod tests {
             |fake: &Fake, leases: &[(Lease, Duration)], _: Instant| {
                 if fake.slow.load(Ordering::SeqCst) {
                     std::thread::sleep(Duration::from_millis(50));
+                }
+                fake.inside.store(true, Ordering::SeqCst);
+                while fake.hold.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
                 }
                 leases
                     .iter()
@@ -460,6 +513,33 @@ mod tests {
         assert!(ext.shared.state.lock().entries.len() == 1);
         drop(other);
         assert!(ext.shared.state.lock().due.is_empty());
+    }
+
+    /// A registration for async code dropped while its renewal is under
+    /// way returns at once (the renewal is held until after the drop), and
+    /// the lease is removed once that renewal is answered, never renewed
+    /// again.
+    #[cfg(feature = "http")]
+    #[test]
+    fn an_unwaited_registration_dropped_mid_renewal_returns_at_once() {
+        let fake = Arc::new(Fake::default());
+        let ext = extender(&fake);
+        fake.hold.store(true, Ordering::SeqCst);
+        let reg = ext
+            .register_unwaited(&lease(5), Duration::from_millis(3))
+            .unwrap();
+        eventually(|| fake.inside.load(Ordering::SeqCst));
+        drop(reg);
+        assert!(ext.shared.state.lock().entries[&0].dropped);
+        fake.hold.store(false, Ordering::SeqCst);
+        eventually(|| ext.shared.state.lock().entries.is_empty());
+        let renewed = fake.count(5);
+        assert_eq!(renewed, 1);
+        // Another lease keeps the thread busy; the dropped one stays still.
+        let other = ext.register(&lease(6), Duration::from_millis(3)).unwrap();
+        eventually(|| fake.count(6) >= 20);
+        assert_eq!(fake.count(5), renewed);
+        drop(other);
     }
 
     #[test]
