@@ -7,7 +7,7 @@
 //! A call registers its lease while its work runs and gets a
 //! [`Registration`]; dropping that deregisters it. The thread keeps the
 //! registered leases ordered by their next renewal time, sleeps until the
-//! earliest is due (or a registration or deregistration wakes it), and
+//! earliest is due (or a registration due sooner wakes it), and
 //! renews every lease that is due in one batch: all extensions are queued
 //! before any is waited for, so a batch shares the writer's group commit.
 //!
@@ -51,8 +51,10 @@
 //!   and not renewed again (that one renewal may still land after the
 //!   drop).
 //! - **Lifetime**: the thread (`idemstore-extender`) starts at the first
-//!   registration, so a store that never runs work under `execute` has none,
-//!   and stops when the store drops. It holds the store only weakly.
+//!   registration, so a store that never runs work under `execute` nor
+//!   serves a keyed HTTP request has none, and stops when the store drops.
+//!   It holds the store only weakly (an HTTP registration may outlive the
+//!   store; its renewals then fail with `Error::Closed`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Weak};
@@ -89,8 +91,8 @@ impl std::fmt::Debug for Extender {
 /// What the thread and the registrations share.
 struct Shared {
     state: Mutex<State>,
-    /// Wakes the thread: a registration, a deregistration of the earliest
-    /// due lease, or the stop.
+    /// Wakes the thread: a registration due before every other, or the
+    /// stop.
     wake: Condvar,
     /// Wakes deregistrations waiting for a renewal under way to return.
     settled: Condvar,
@@ -136,7 +138,7 @@ impl Extender {
     /// An extender for the store behind `target`, which it holds weakly:
     /// `renew(target, leases)` extends each lease by its duration and
     /// answers one result per lease, in order. No thread starts until the
-    /// first [`Extender::register`]; once the target is gone every renewal
+    /// first registration; once the target is gone every renewal
     /// fails with [`Error::Closed`].
     pub(crate) fn new<T, F>(target: &Arc<T>, renew: F) -> Extender
     where
@@ -244,8 +246,9 @@ impl Extender {
 }
 
 impl Drop for Extender {
-    /// Stops the thread and waits for it. A store has no call in flight when
-    /// it drops, so there is nothing left to renew.
+    /// Stops the thread and waits for it. A store has no `execute` call in
+    /// flight when it drops; an HTTP request's registration may outlive it,
+    /// and there is no store left to renew it in.
     fn drop(&mut self) {
         self.shared.state.lock().stop = true;
         self.shared.wake.notify_all();
@@ -271,7 +274,6 @@ impl Registration {
     /// logged (one that reaches the store after the outcome fails as a
     /// stale lease, which is no loss; the outcome's write reports its own
     /// failure).
-    #[cfg(feature = "agent")]
     pub(crate) fn recording(&self) {
         if let Some(entry) = self.shared.state.lock().entries.get_mut(&self.id) {
             entry.recording = true;
@@ -301,12 +303,12 @@ impl Drop for Registration {
         let Some(entry) = state.entries.remove(&self.id) else {
             return;
         };
-        let Some(due) = entry.due else { return };
-        let was_first = state.due.first() == Some(&(due, self.id));
-        state.due.remove(&(due, self.id));
-        drop(state);
-        if was_first {
-            self.shared.wake.notify_one();
+        // The thread is not woken: asleep until this lease's time, it then
+        // finds nothing due and sleeps until the next (one wake however
+        // many leases were removed meanwhile, where a wake per removal
+        // would cost a switch per HTTP request).
+        if let Some(due) = entry.due {
+            state.due.remove(&(due, self.id));
         }
     }
 }

@@ -1151,6 +1151,48 @@ async fn a_body_streaming_for_several_leases_keeps_its_key_until_the_last_byte()
     assert_eq!(store.get(&key).unwrap().unwrap().acquisitions(), 1);
 }
 
+/// A client that stops reading the body keeps the key: nothing polls the
+/// response body, and the store's extender thread renews the lease all the
+/// same. The store's time (a manual clock) moves three times by nine
+/// tenths of the 1-s lease, each time followed by a renewal; a retry then
+/// gets 409, not a takeover. (Renewed only when the body was polled, the
+/// lease was never renewed and this test waited for it in vain.) Once the
+/// body is read to its end, a retry replays it.
+#[tokio::test]
+async fn a_client_that_stops_reading_keeps_its_key() {
+    let (_d, store, clock) = manual_store();
+    let layer = IdempotencyLayer::new(store.clone()).lease(Duration::from_millis(1_000));
+    let (svc, runs, mut senders) = streaming(layer, &[]);
+    let response = svc.clone().oneshot(post(Some("k"), "x")).await.unwrap();
+    let tx = senders.recv().await.unwrap();
+    tx.send(chunk(0)).unwrap();
+    let key = Key::new("POST /tickets", "k").unwrap();
+    let lease_until = || store.get(&key).unwrap().unwrap().lease_until_ms();
+    for _ in 0..3 {
+        let before = lease_until();
+        clock.advance(Duration::from_millis(900));
+        // Hang guard only: a renewal comes a third of a lease (333 ms) on,
+        // and extends the lease from the store's time just moved.
+        let mut waited = 0;
+        while lease_until() == before {
+            assert!(waited < 3_000, "the lease was not renewed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            waited += 1;
+        }
+    }
+    assert_eq!(
+        send(&svc, post(Some("k"), "x")).await.0,
+        StatusCode::CONFLICT
+    );
+    drop(tx);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "event 0\n");
+    let (code, headers, replay) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!((code, replayed(&headers)), (StatusCode::CREATED, true));
+    assert_eq!(replay, "event 0\n");
+    assert_eq!(runs.count(), 1);
+}
+
 #[tokio::test]
 async fn a_body_that_fails_halfway_records_a_retryable_failure() {
     let (_d, store, _c) = manual_store();

@@ -69,7 +69,7 @@ fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
 
 /// What the claim step yields: the inner service's future under a held
 /// lease, or a response given without calling the inner service.
-type Prepared<F, B> = std::result::Result<(F, Held), Response<IdempotencyBody<B>>>;
+type Prepared<F, B> = std::result::Result<(F, Held, Heartbeat), Response<IdempotencyBody<B>>>;
 
 pin_project! {
     /// The response future of [`Idempotency`](super::Idempotency).
@@ -78,10 +78,10 @@ pin_project! {
     /// large by its `Content-Length`), a replay, and every other refusal
     /// after the claim (409, 422, 503) are answered without calling the
     /// inner service. When the key is acquired, the inner service runs
-    /// while this future extends the lease every third of its duration.
-    /// Its response is then returned at once, with a body that streams to
-    /// the client while it is kept for storage and that goes on extending
-    /// the lease; the outcome is recorded before the body's last byte is
+    /// while the store's extender thread extends the lease every third of
+    /// its duration. Its response is then returned at once, with a body
+    /// that streams to the client while it is kept for storage, the lease
+    /// extended until the outcome is recorded; the outcome is recorded before the body's last byte is
     /// handed on (see [`IdempotencyBody`]). A response whose status
     /// releases the key ([`DEFAULT_RELEASE_STATUSES`](super::DEFAULT_RELEASE_STATUSES) by default) or that the handler
     /// marked `NoEffect` is returned once the key is released.
@@ -182,8 +182,7 @@ where
                     return Poll::Ready(result.map(|r| r.map(IdempotencyBody::stream)));
                 }
                 StateProj::Claim { future } => match ready!(future.as_mut().poll(cx)) {
-                    Ok((future, held)) => {
-                        let heartbeat = Heartbeat::running(&held);
+                    Ok((future, held, heartbeat)) => {
                         state.set(State::Run {
                             future,
                             held: Some(held),
@@ -215,7 +214,7 @@ where
                             // acquisitions and recovery point). `finish`
                             // records a retryable failure instead.
                             if held.releases(outcome, parts.status) && !held.lease.is_takeover() {
-                                let mut heartbeat = heartbeat.answered(&held);
+                                let mut heartbeat = heartbeat.take();
                                 heartbeat.set_recording();
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
@@ -238,7 +237,7 @@ where
                                 );
                                 let kept =
                                     stored.len_without_body() <= held.settings.max_response_bytes;
-                                let mut heartbeat = heartbeat.answered(&held);
+                                let mut heartbeat = heartbeat.take();
                                 heartbeat.set_recording();
                                 state.set(State::Settle {
                                     future: SyncFuture::new(async move {
@@ -249,7 +248,7 @@ where
                                 });
                                 continue;
                             }
-                            let heartbeat = heartbeat.answered(&held);
+                            let heartbeat = heartbeat.take();
                             let recorder = Recorder::new(held, heartbeat, outcome, &parts, &body);
                             state.set(State::Done);
                             return Poll::Ready(Ok(Response::from_parts(
@@ -681,19 +680,19 @@ impl Recorder {
 /// third of that later, until one is answered; after any other failure (a
 /// stale lease) it stops.
 ///
-/// While the handler runs, the store's extender thread renews the lease
-/// ([`crate::extender`], as for `Store::execute`), so that a handler that
-/// blocks its thread, which stops the runtime from polling this request's
-/// task, still keeps its key. From the response on, the renewals run when
-/// the request's task is polled (a body that is not read lets the lease
-/// lapse: docs/http.md, Limits), with timers from `futures-timer`, which
-/// needs no async runtime.
+/// The store's extender thread renews the lease ([`crate::extender`], as
+/// for `Store::execute`), from before the inner service is called until
+/// the outcome is recorded, so that a handler or a body that blocks its
+/// thread, which stops the runtime from polling this request's task, and a
+/// client that stops reading, keep the key. Only when that thread cannot
+/// be started do the renewals run in the request's task, each time it is
+/// polled, with timers from `futures-timer`, which needs no async runtime.
 pub(crate) struct Heartbeat {
-    /// `None` once handed on ([`Heartbeat::take`]), or while the
-    /// extender renews the lease.
+    /// The renewals run in the request's task (the extender's thread could
+    /// not be started); `None` once handed on ([`Heartbeat::take`]).
     beat: Option<Beat>,
-    /// While the handler runs: the lease registered with the store's
-    /// extender thread (dropped without waiting, see
+    /// The lease registered with the store's extender thread (dropped
+    /// without waiting, see
     /// [`crate::extender::Extender::register_unwaited`]).
     registered: Option<crate::extender::Registration>,
 }
@@ -722,11 +721,11 @@ struct Beat {
 }
 
 impl Heartbeat {
-    /// The heartbeat of a handler that starts running under `held`: the
-    /// store's extender thread renews the lease, or, when that thread
-    /// cannot be started (the system is out of threads), the request's own
-    /// task does.
-    fn running(held: &Held) -> Heartbeat {
+    /// The heartbeat of a key just acquired under `held`, started before
+    /// the inner service is called: the store's extender thread renews the
+    /// lease until the outcome is recorded, or, when that thread cannot be
+    /// started (the system is out of threads), the request's own task does.
+    pub(crate) fn running(held: &Held) -> Heartbeat {
         let length = held.settings.lease.max(Duration::from_millis(1));
         match held
             .settings
@@ -746,20 +745,6 @@ impl Heartbeat {
                 );
                 Heartbeat::new(held)
             }
-        }
-    }
-
-    /// The heartbeat once the handler has answered: renewed by the
-    /// request's task from now on (a registration with the extender is
-    /// dropped; a heartbeat already renewed by the task is moved out).
-    fn answered(&mut self, held: &Held) -> Heartbeat {
-        match self.registered.take() {
-            Some(registration) => {
-                let beat = Heartbeat::new(held);
-                drop(registration);
-                beat
-            }
-            None => self.take(),
         }
     }
 
@@ -797,6 +782,9 @@ impl Heartbeat {
     fn set_recording(&mut self) {
         if let Some(beat) = self.beat.as_mut() {
             beat.recording = true;
+        }
+        if let Some(registered) = &self.registered {
+            registered.recording();
         }
     }
 

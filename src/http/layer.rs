@@ -455,12 +455,11 @@ impl IdempotencyLayer {
     /// While the handler runs, and then while its response body is sent,
     /// the layer extends the lease every third of this duration, so a slow
     /// handler or a long stream keeps its key until its outcome is
-    /// recorded. While the handler runs, the store's lease extender thread
-    /// extends it (one per `Store`, as for `Store::execute`), so a handler
-    /// that blocks its thread keeps its key; from the response on, the
-    /// request's own task does, when the server polls the body (a body
-    /// that blocks its thread for longer than the lease lets it lapse). A
-    /// wall clock stepping forward by more than what is left of the lease
+    /// recorded. The store's lease extender thread extends it (one per
+    /// `Store`, as for `Store::execute`), so a handler or a body that
+    /// blocks its thread, and a client that stops reading, keep the key
+    /// (a request that never ends holds it until its future is dropped: put
+    /// a timeout outside this layer). A wall clock stepping forward by more than what is left of the lease
     /// ends it at once (the store's time follows it ahead), and a retry
     /// then runs the handler a second time: choose a lease longer than the
     /// steps the hosts' clocks may take. An out-of-range lease makes every

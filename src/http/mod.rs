@@ -123,9 +123,10 @@
 //!
 //! The layer awaits the store's futures ([`Store::claim_async`](crate::Store::claim_async)
 //! and the other `_async` methods), which are woken by the store's writer
-//! thread; the lease is extended every third of its duration on a
-//! `futures-timer` timer, while the handler runs and while its response
-//! body streams. Neither needs a particular async runtime.
+//! thread; the lease is extended every third of its duration by the
+//! store's lease extender thread (one per `Store`, started by the first
+//! keyed request, the one `Store::execute` uses), from the claim until the
+//! outcome is recorded. Neither needs a particular async runtime.
 //!
 //! # Limits
 //!
@@ -133,9 +134,11 @@
 //!   the fingerprint before the handler runs; trailers are dropped.
 //! - The response body streams; a copy of up to `max_response_bytes`
 //!   (status and headers included) is kept to store it.
-//! - The lease is extended whenever the server polls the response body; a
-//!   client that stops reading for longer than the lease while the
-//!   server's send buffer is full lets it lapse.
+//! - The lease is extended until the outcome is recorded, whatever the
+//!   handler, the body or the client does: a handler that never answers,
+//!   or a client that stops reading a response that never ends, holds its
+//!   key for as long as the request lives (its connection, a timeout
+//!   layer).
 //! - Keys are at most 255 bytes, scopes at most 128 (a longer route is
 //!   replaced in the scope by a digest).
 //! - A claim that finds nothing to decide from a read alone waits for a

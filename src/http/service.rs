@@ -20,7 +20,7 @@ use crate::record::{ClaimOutcome, Lease, Record};
 use crate::store::Store;
 
 use super::body::{BoxError, Collected, IdempotencyBody, collect_limited};
-use super::future::{Held, ResponseFuture};
+use super::future::{Heartbeat, Held, ResponseFuture};
 use super::layer::{REPLAYED_HEADER, Settings};
 use super::stored::{Stored, fingerprint};
 
@@ -218,14 +218,15 @@ where
 }
 
 /// Reads the body, claims the key, and either calls the service under the
-/// lease or answers without calling it.
+/// lease (renewed from before the call: the returned heartbeat) or answers
+/// without calling it.
 async fn prepare<S, ReqBody, ResBody>(
     settings: Arc<Settings>,
     key: Key,
     mut parts: Parts,
     body: ReqBody,
     mut service: S,
-) -> Result<(S::Future, Held), Response<IdempotencyBody<ResBody>>>
+) -> Result<(S::Future, Held, Heartbeat), Response<IdempotencyBody<ResBody>>>
 where
     S: Service<Request<IdempotencyBody<ReqBody>>, Response = Response<ResBody>>,
     ReqBody: Body + Unpin,
@@ -273,12 +274,15 @@ where
     match settings.store.claim_async(&key, &fp, &options).await {
         Ok(ClaimOutcome::Acquired(lease)) => {
             let held = Held::new(settings.clone(), lease.clone());
+            // Before the call: work a service does in `call` itself, not
+            // in its future, runs under the renewed lease too.
+            let heartbeat = Heartbeat::running(&held);
             parts.extensions.insert(IdempotencyContext {
                 lease,
                 store: settings.store.clone(),
             });
             let request = Request::from_parts(parts, IdempotencyBody::full(bytes));
-            Ok((service.call(request), held))
+            Ok((service.call(request), held, heartbeat))
         }
         Ok(ClaimOutcome::InProgress { retry_after, .. }) => Err(in_progress(&key, retry_after)),
         Ok(ClaimOutcome::Replay(record)) => Err(replay(&record)),
