@@ -128,6 +128,18 @@ fn raw_sql(sql: &str) -> Vec<tokio_postgres::Row> {
     sql_at(server().url(), sql)
 }
 
+/// Panics unless `answer` is `Misconfigured` with `SchemaDamaged` whose
+/// detail holds every one of `words` (`what` names the request).
+fn assert_schema_damaged<T: std::fmt::Debug>(what: &str, answer: Result<T, Error>, words: &[&str]) {
+    match answer {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail,
+        }) => assert!(words.iter().all(|w| detail.contains(w)), "{what}: {detail}"),
+        other => panic!("{what}: expected SchemaDamaged, got {other:?}"),
+    }
+}
+
 /// What the engine keeps of a hot claim for its holder's completion
 /// (`Shared::held`) is the row as the claim's statement wrote it, byte for
 /// byte, also when statements running at the same time on the engine's
@@ -1883,13 +1895,11 @@ fn a_key_column_without_its_unique_index_is_a_damaged_schema() {
     raw_sql(&format!(
         "ALTER TABLE {records} DROP CONSTRAINT records_pkey"
     ));
-    match pg.apply(&key("after"), claim(b"a")) {
-        Err(Error::Misconfigured {
-            fault: ConfigFault::SchemaDamaged,
-            ..
-        }) => {}
-        other => panic!("a claim without the unique index: {other:?}"),
-    }
+    assert_schema_damaged(
+        "a claim without the unique index",
+        pg.apply(&key("after"), claim(b"a")),
+        &[],
+    );
     // A batch goes the general way, whose first insert carries no `ON
     // CONFLICT` of its own.
     let batch = pg.apply_many(vec![
@@ -1947,17 +1957,11 @@ fn a_key_column_without_its_unique_index_is_a_damaged_schema() {
             migrate,
             ..PgOptions::default()
         };
-        match Postgres::connect(server().url(), options).map(drop) {
-            Err(Error::Misconfigured {
-                fault: ConfigFault::SchemaDamaged,
-                detail,
-            }) => assert!(
-                detail.contains("records.key lost its unique index")
-                    && detail.contains("ADD PRIMARY KEY (key)"),
-                "{detail}"
-            ),
-            other => panic!("migrate {migrate}: expected SchemaDamaged, got {other:?}"),
-        }
+        assert_schema_damaged(
+            &format!("a connect, migrate {migrate}"),
+            Postgres::connect(server().url(), options).map(drop),
+            &["records.key lost its unique index", "ADD PRIMARY KEY (key)"],
+        );
     }
     // Restored as the message says: the duplicate removed, the key added.
     raw_sql(&format!(
@@ -1971,13 +1975,11 @@ fn a_key_column_without_its_unique_index_is_a_damaged_schema() {
     raw_sql(&format!(
         "ALTER TABLE \"{name}\".bindings DROP CONSTRAINT bindings_pkey"
     ));
-    match Postgres::connect(server().url(), options(&name, None)).map(drop) {
-        Err(Error::Misconfigured {
-            fault: ConfigFault::SchemaDamaged,
-            detail,
-        }) => assert!(detail.contains("bindings.binding lost"), "{detail}"),
-        other => panic!("expected SchemaDamaged, got {other:?}"),
-    }
+    assert_schema_damaged(
+        "a connect without the bindings' key",
+        Postgres::connect(server().url(), options(&name, None)).map(drop),
+        &["bindings.binding lost"],
+    );
 }
 
 /// What was added to or taken from the store's tables outside idemstore
@@ -1990,13 +1992,6 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
     if skipped() {
         return;
     }
-    let damaged = |what: &str, answer: Result<Reply, Error>| match answer {
-        Err(Error::Misconfigured {
-            fault: ConfigFault::SchemaDamaged,
-            ..
-        }) => {}
-        other => panic!("{what}: expected SchemaDamaged, got {other:?}"),
-    };
     // A CHECK that no completed row passes: the completion is refused.
     let (pg, _clock) = open("check_added");
     let records = format!("\"{}\".records", pg.shared.sql.schema);
@@ -2008,7 +2003,7 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
         token: l.token(),
         result: b"r".to_vec(),
     };
-    damaged("a completion under a CHECK", pg.apply(&key("k"), done));
+    assert_schema_damaged("a completion under a CHECK", pg.apply(&key("k"), done), &[]);
     // A trigger that raises on every insert: the claim is refused.
     let (pg, _clock) = open("trigger_added");
     let name = pg.shared.sql.schema.clone();
@@ -2020,9 +2015,10 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
         "CREATE TRIGGER refuse BEFORE INSERT ON \"{name}\".records \
          FOR EACH ROW EXECUTE FUNCTION \"{name}\".refuse()"
     ));
-    damaged(
+    assert_schema_damaged(
         "a claim under a raising trigger",
         pg.apply(&key("k"), claim(b"a")),
+        &[],
     );
     // A NULL where the store keeps a value: a read is refused, and so is
     // a connect, naming the column.
@@ -2034,23 +2030,12 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
         "ALTER TABLE \"{name}\".records ALTER COLUMN created_ms DROP NOT NULL"
     ));
     raw_sql(&format!("UPDATE \"{name}\".records SET created_ms = NULL"));
-    match pg.get(&key("k")) {
-        Err(Error::Misconfigured {
-            fault: ConfigFault::SchemaDamaged,
-            ..
-        }) => {}
-        other => panic!("a read of a NULL: expected SchemaDamaged, got {other:?}"),
-    }
-    match Postgres::connect(server().url(), options(&name, None)).map(drop) {
-        Err(Error::Misconfigured {
-            fault: ConfigFault::SchemaDamaged,
-            detail,
-        }) => assert!(
-            detail.contains("records.created_ms allows NULL"),
-            "{detail}"
-        ),
-        other => panic!("expected SchemaDamaged, got {other:?}"),
-    }
+    assert_schema_damaged("a read of a NULL", pg.get(&key("k")), &[]);
+    assert_schema_damaged(
+        "a connect",
+        Postgres::connect(server().url(), options(&name, None)).map(drop),
+        &["records.created_ms allows NULL"],
+    );
 }
 
 /// Fencing tokens only grow per key: a takeover whose drawn token is not
@@ -2070,13 +2055,11 @@ fn a_token_sequence_set_back_is_refused_not_handed_out() {
     ));
     // The lease (1 s) lapses: the next claim is a takeover.
     clock.advance(Duration::from_secs(2));
-    match pg.apply(&key("k"), claim(b"a")) {
-        Err(Error::Misconfigured {
-            fault: ConfigFault::SchemaDamaged,
-            detail,
-        }) => assert!(detail.contains("set back"), "{detail}"),
-        other => panic!("a takeover with a token set back: {other:?}"),
-    }
+    assert_schema_damaged(
+        "a takeover with a token set back",
+        pg.apply(&key("k"), claim(b"a")),
+        &["set back"],
+    );
     let kept = pg.get(&key("k")).unwrap().expect("the record");
     assert_eq!(kept.token, first.token());
     // Raised again as the message says, the takeover runs.
