@@ -1,8 +1,8 @@
 //! The lease extender of [`Store::execute`](crate::Store::execute) and of
-//! the HTTP layer's handlers: one background thread per `Store` that keeps
-//! the lease of every call in flight alive, whatever the caller's thread
-//! does meanwhile (work that blocks it, an async runtime that stops
-//! polling the call's task).
+//! the HTTP layer's requests (from the claim to the recorded outcome): one
+//! background thread per `Store` that keeps the lease of every call in
+//! flight alive, whatever the caller's thread does meanwhile (work that
+//! blocks it, an async runtime that stops polling the call's task).
 //!
 //! A call registers its lease while its work runs and gets a
 //! [`Registration`]; dropping that deregisters it. The thread keeps the

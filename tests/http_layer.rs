@@ -277,7 +277,9 @@ async fn the_fingerprint_covers_chosen_headers_only() {
 #[tokio::test]
 async fn a_key_held_by_a_live_request_is_409_with_retry_after() {
     let (_d, store, clock) = manual_store();
-    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(10));
+    // A 60-s lease: its first renewal (20 s on, in real time) never comes
+    // before the retry, and the lease's end stays where the claim put it.
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(60));
     let gate = Arc::new(tokio::sync::Notify::new());
     let started = Arc::new(tokio::sync::Notify::new());
     let (g, s) = (gate.clone(), started.clone());
@@ -298,8 +300,8 @@ async fn a_key_held_by_a_live_request_is_409_with_retry_after() {
     clock.advance(Duration::from_millis(2_500));
     let (code, headers, _) = send(&svc, post(Some("k"), "x")).await;
     assert_eq!(code, StatusCode::CONFLICT);
-    // 7.5 s left on the lease, rounded up to whole seconds.
-    assert_eq!(headers["retry-after"], "8");
+    // 57.5 s left on the lease, rounded up to whole seconds.
+    assert_eq!(headers["retry-after"], "58");
 
     gate.notify_one();
     assert_eq!(first.await.unwrap().0, 201);
@@ -972,14 +974,17 @@ async fn a_request_dropped_while_its_handler_runs_frees_the_key_for_a_takeover()
 #[tokio::test]
 async fn a_crashed_request_is_taken_over_after_its_lease_lapses() {
     let (_d, store, clock) = manual_store();
-    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(60));
     let (svc, runs, _gate, started) = held_handler(layer);
     let fut = Box::pin(svc.clone().oneshot(post(Some("k"), "x")));
     let fut = start(fut, &started).await;
-    // Forgetting the future runs no destructor: like a process that died.
+    // Forgetting the future runs no destructor, as a process that died
+    // runs none. (Unlike a dead process, its registration with the
+    // extender thread lives on: the first renewal, a third of the lease
+    // on in real time, 20 s, comes long after this test's end.)
     std::mem::forget(fut);
 
-    clock.advance(Duration::from_millis(4_999));
+    clock.advance(Duration::from_millis(59_999));
     assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 409);
     clock.advance(Duration::from_millis(2));
     assert_eq!(send(&svc, post(Some("k"), "x")).await.0, 201);

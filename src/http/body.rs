@@ -25,9 +25,10 @@ pin_project! {
     ///
     /// The body of a response whose outcome the layer records streams to
     /// the client frame by frame as the handler's body yields it, while the
-    /// layer keeps a copy for storage and extends the key's lease whenever
-    /// the body is polled (each poll also arms the lease timer, which wakes
-    /// the task). The outcome is recorded, durably, before the last frame
+    /// layer keeps a copy for storage; the store's lease extender thread
+    /// extends the key's lease until the outcome is recorded, whether or
+    /// not the body is polled (the body's task does it, when polled, only
+    /// when that thread cannot be started). The outcome is recorded, durably, before the last frame
     /// is handed on (the frame after which the inner body is at its end or
     /// has sent its declared `Content-Length`), so that a client holding
     /// the whole response that retries is answered by a replay (a write

@@ -109,7 +109,9 @@ pin_project! {
         // calling the inner service (a replay, 409, 413, 422, 503).
         Claim { future: BoxFuture<Prepared<F, B>> },
         // The handler runs under the lease.
-        Run { #[pin] future: F, held: Option<Held>, heartbeat: Heartbeat },
+        // (`heartbeat` first: dropped first, so the renewals stop before a
+        // dropped `held` queues its failure.)
+        Run { heartbeat: Heartbeat, #[pin] future: F, held: Option<Held> },
         // Releasing the key, or recording a response whose body will not
         // be read, before the response is returned; the lease is extended
         // until then.
@@ -257,6 +259,7 @@ where
                             )));
                         }
                         Err(error) => {
+                            heartbeat.stop();
                             held.abandon("the service returned an error instead of a response");
                             state.set(State::Done);
                             return Poll::Ready(Err(error));
@@ -514,8 +517,10 @@ pub(crate) type OutFrame = Option<std::result::Result<Frame<Bytes>, BoxError>>;
 /// handed on, so that a client that has the whole response and retries is
 /// answered by a replay.
 pub(crate) struct Recorder {
-    held: Option<Held>,
+    // Field order is drop order: the lease's renewals stop before a
+    // dropped `held` queues its failure.
     heartbeat: Heartbeat,
+    held: Option<Held>,
     outcome: Option<IdempotencyOutcome>,
     stored: Option<StoredResponse>,
     body: BytesMut,
@@ -637,6 +642,7 @@ impl Recorder {
             return self.fail(error);
         }
         let (Some(held), Some(mut stored)) = (self.held.take(), self.stored.take()) else {
+            self.heartbeat.stop();
             self.done = true;
             self.then = then;
             return;
@@ -656,6 +662,7 @@ impl Recorder {
     pub(crate) fn fail(&mut self, error: BoxError) {
         self.ended = true;
         let Some(held) = self.held.take() else {
+            self.heartbeat.stop();
             self.done = true;
             self.then = Some(Err(error));
             return;
