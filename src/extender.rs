@@ -18,7 +18,8 @@
 //!   over, released or finished by someone else; a storage error) is logged
 //!   as a warning (not once the call records its outcome, when one that
 //!   meets that outcome fails as a stale lease, which is no loss) and that
-//!   lease is not renewed again. The call learns of it
+//!   lease is not renewed again (so is every lease of a batch whose
+//!   renewal panics: the thread goes on). The call learns of it
 //!   as it always has: recording its outcome fails, with
 //!   [`Error::StaleLease`] when the lease is no longer current. A renewal
 //!   that could not reach the store or lost its answer
@@ -342,7 +343,19 @@ fn run(shared: &Shared, renew: &Renew) {
             .map(|e| renewal_deadline(sent, e.expires, e.period))
             .min()
             .unwrap_or(sent);
-        let results = MutexGuard::unlocked(&mut state, || renew(&leases, deadline));
+        // A renewal that panics (a defect in the engine's code) must not
+        // end the thread: its leases would go unrenewed, and a waited
+        // deregistration would wait for ever for the batch in flight. The
+        // batch fails as a storage error instead (not renewed again).
+        let results = MutexGuard::unlocked(&mut state, || {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| renew(&leases, deadline)))
+                .unwrap_or_else(|_| {
+                    leases
+                        .iter()
+                        .map(|_| Err(Error::storage("the lease extension panicked")))
+                        .collect()
+                })
+        });
         settle(&mut state, &batch, results, sent, Instant::now());
         shared.settled.notify_all();
     }
@@ -426,6 +439,8 @@ mod tests {
         /// While set, a renewal waits (after saying so in `inside`).
         hold: AtomicBool,
         inside: AtomicBool,
+        /// How many more renewal batches panic.
+        panics: Mutex<usize>,
     }
 
     impl Fake {
@@ -440,6 +455,14 @@ mod tests {
             |fake: &Fake, leases: &[(Lease, Duration)], _: Instant| {
                 if fake.slow.load(Ordering::SeqCst) {
                     std::thread::sleep(Duration::from_millis(50));
+                }
+                {
+                    let mut panics = fake.panics.lock();
+                    if *panics > 0 {
+                        *panics -= 1;
+                        drop(panics);
+                        panic!("a renewal's defect");
+                    }
                 }
                 fake.inside.store(true, Ordering::SeqCst);
                 while fake.hold.load(Ordering::SeqCst) {
@@ -542,6 +565,30 @@ mod tests {
         eventually(|| fake.count(6) >= 20);
         assert_eq!(fake.count(5), renewed);
         drop(other);
+    }
+
+    /// A renewal batch that panics fails its leases (not renewed again)
+    /// and leaves the thread running: a waited deregistration of one of
+    /// them returns, and a lease registered later is renewed.
+    #[test]
+    fn a_panicking_renewal_fails_its_batch_and_the_thread_goes_on() {
+        let fake = Arc::new(Fake::default());
+        *fake.panics.lock() = 1;
+        let ext = extender(&fake);
+        let hit = ext.register(&lease(1), Duration::from_millis(3)).unwrap();
+        eventually(|| *fake.panics.lock() == 0);
+        eventually(|| {
+            let state = ext.shared.state.lock();
+            state
+                .entries
+                .values()
+                .all(|e| !e.in_flight && e.due.is_none())
+        });
+        drop(hit);
+        let later = ext.register(&lease(2), Duration::from_millis(3)).unwrap();
+        eventually(|| fake.count(2) >= 3);
+        assert_eq!(fake.count(1), 0);
+        drop(later);
     }
 
     #[test]
