@@ -81,8 +81,8 @@ pin_project! {
     /// while the store's extender thread extends the lease every third of
     /// its duration. Its response is then returned at once, with a body
     /// that streams to the client while it is kept for storage, the lease
-    /// extended until the outcome is recorded; the outcome is recorded before the body's last byte is
-    /// handed on (see [`IdempotencyBody`]). A response whose status
+    /// extended until the outcome is recorded; the outcome is recorded
+    /// before the body's last byte is handed on (see [`IdempotencyBody`]). A response whose status
     /// releases the key ([`DEFAULT_RELEASE_STATUSES`](super::DEFAULT_RELEASE_STATUSES) by default) or that the handler
     /// marked `NoEffect` is returned once the key is released.
     ///
@@ -294,6 +294,12 @@ pub(crate) struct Held {
 }
 
 impl Held {
+    /// How far each renewal extends the lease: the layer's lease (at least
+    /// 1 ms).
+    fn lease_length(&self) -> Duration {
+        self.settings.lease.max(Duration::from_millis(1))
+    }
+
     pub(crate) fn new(settings: Arc<Settings>, lease: Lease) -> Held {
         Held {
             settings,
@@ -733,7 +739,7 @@ impl Heartbeat {
     /// lease until the outcome is recorded, or, when that thread cannot be
     /// started (the system is out of threads), the request's own task does.
     pub(crate) fn running(held: &Held) -> Heartbeat {
-        let length = held.settings.lease.max(Duration::from_millis(1));
+        let length = held.lease_length();
         match held
             .settings
             .store
@@ -756,7 +762,7 @@ impl Heartbeat {
     }
 
     fn new(held: &Held) -> Heartbeat {
-        let length = held.settings.lease.max(Duration::from_millis(1));
+        let length = held.lease_length();
         let period = crate::renewal::period_of(length);
         let now = Instant::now();
         Heartbeat {

@@ -453,14 +453,13 @@ impl IdempotencyLayer {
     /// [`MAX_LEASE`](crate::MAX_LEASE); default 30 s): how long a request
     /// whose server died holds its key before a retry may take it over.
     /// While the handler runs, and then while its response body is sent,
-    /// the layer extends the lease every third of this duration, so a slow
-    /// handler or a long stream keeps its key until its outcome is
-    /// recorded. The store's lease extender thread extends it (one per
-    /// `Store`, as for `Store::execute`), so a handler or a body that
-    /// blocks its thread, and a client that stops reading, keep the key
-    /// (a request that never ends holds it until its future is dropped: put
-    /// a timeout outside this layer). A wall clock stepping forward by more than what is left of the lease
-    /// ends it at once (the store's time follows it ahead), and a retry
+    /// the store's lease extender thread (one per `Store`, as for
+    /// `Store::execute`) extends the lease every third of this duration,
+    /// so a slow handler, a long stream, a handler or a body that blocks
+    /// its thread, and a client that stops reading keep the key until its
+    /// outcome is recorded (a request that never ends holds it until its
+    /// future is dropped: put a timeout outside this layer). A wall clock stepping forward by more
+    /// than what is left of the lease ends it at once (the store's time follows it ahead), and a retry
     /// then runs the handler a second time: choose a lease longer than the
     /// steps the hosts' clocks may take. An out-of-range lease makes every
     /// keyed request fail with 500.

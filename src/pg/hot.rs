@@ -35,8 +35,9 @@
 //! computed by the server in the same statement, covers the two columns the
 //! record is completed from; the mask, covered by neither, must be one of
 //! the two the templates use (a claim's, a completion's); the other columns
-//! must agree with the completed record as for any row. Reads complete the record in the app
-//! ([`decode`]); a scan hands out the completed record's ordinary envelope.
+//! must agree with the completed record as for any row. Reads complete the
+//! record in the app ([`decode`]); a scan hands out the completed record's
+//! ordinary envelope.
 //!
 //! # Tokens above imported ones
 //!

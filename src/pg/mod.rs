@@ -2553,8 +2553,8 @@ async fn run_hot(
 /// After a hot statement failed: a lost connection leaves its requests'
 /// outcome unknown (answered so); a configuration fault (a schema altered
 /// outside idemstore) applied nothing and is their answer; any other
-/// refusal applied nothing, so they go the general way (`locked` holds the refusal when it was a lock wait past
-/// `lock_timeout`). Returns whether the connection is to be dropped: lost,
+/// refusal applied nothing, so they go the general way (`locked` holds
+/// the refusal when it was a lock wait past `lock_timeout`). Returns whether the connection is to be dropped: lost,
 /// or on a host that turned read-only (the general way then opens a new
 /// one).
 fn hot_failed(
@@ -4242,8 +4242,7 @@ impl Postgres {
     /// binding names a record that carries it (as the file engine's check
     /// does); no key is held by two rows, and the key columns still have
     /// their unique index ([`unkeyed_columns`]); `progress` is called once
-    /// per row. Pages are not checked
-    /// (the server's `data_checksums`).
+    /// per row. Pages are not checked (the server's `data_checksums`).
     ///
     /// # Errors
     /// As a scan's: [`Error::Unavailable`] when the connection breaks or
