@@ -14,7 +14,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// layer answers [`Error::InvalidKey`] with 400, [`Error::FingerprintMismatch`]
 /// with 422 (as the IETF Idempotency-Key draft asks),
 /// [`Error::BusinessKeyConflict`] with 409, [`Error::TooLarge`] by
-/// recording the response as a failure, and everything about storage with 503.
+/// recording the response as a failure, and everything about storage with
+/// 503 (with `Retry-After` when [`Error::is_transient`] holds).
 ///
 /// Every variant that rejects input ([`InvalidKey`](Error::InvalidKey),
 /// [`InvalidArgument`](Error::InvalidArgument), [`TooLarge`](Error::TooLarge),
@@ -366,6 +367,33 @@ impl Error {
                 | Error::FingerprintMismatch { .. }
                 | Error::StaleLease { .. }
                 | Error::BusinessKeyConflict { .. }
+        )
+    }
+
+    /// Whether the same request, sent again unchanged with the same key
+    /// after a short wait, may succeed without anyone changing anything:
+    /// [`Error::Unavailable`] (nothing was applied; the engine reconnects
+    /// once the server is back) and [`Error::OutcomeUnknown`] (the retry
+    /// finds out: it replays the outcome, or finds the key in progress
+    /// until the lost claim's lease lapses and then takes it over). Both
+    /// come from the PostgreSQL engine; README's retry table says the same.
+    ///
+    /// `false` for every other error: a client error
+    /// ([`Error::is_client_error`]) gets the same answer however often it
+    /// is sent; [`Error::Misconfigured`] and [`Error::IncompatibleSchema`]
+    /// need an operator; [`Error::Poisoned`], [`Error::Storage`] (an I/O
+    /// error of the file engine, or a row or answer the PostgreSQL engine
+    /// cannot read) and the corruption errors need a reopen, a repair or a
+    /// restore; [`Error::Closed`] is a store shutting down;
+    /// [`Error::ReadOnly`] a store opened not to write.
+    ///
+    /// The HTTP layer answers a transient error with 503 and `Retry-After`
+    /// (any other store fault with 503 alone), the MCP layer with
+    /// `data.transient: true` and `data.retryAfterMs`.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            Error::Unavailable { .. } | Error::OutcomeUnknown { .. }
         )
     }
 }

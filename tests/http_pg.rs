@@ -11,7 +11,9 @@
 //!   once);
 //! - a client that goes away while the outcome is written leaves the
 //!   outcome recorded and no failure queued behind it (no stale-lease
-//!   rejection counted for a lease nobody lost).
+//!   rejection counted for a lease nobody lost);
+//! - a store fault that passes on its own is 503 with `Retry-After`, one
+//!   that needs an operator 503 without it.
 //!
 //! The hang guards are generous bounds that only a hang reaches.
 //! `IDEMSTORE_SKIP_POSTGRES=1` skips these tests.
@@ -130,6 +132,7 @@ async fn serve(layer: IdempotencyLayer, name: &str) -> (SocketAddr, Arc<Handler>
 struct Answer {
     status: StatusCode,
     replayed: bool,
+    retry_after: Option<String>,
     body: String,
 }
 
@@ -148,6 +151,10 @@ async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Answer {
             .headers()
             .get("idempotent-replayed")
             .is_some_and(|v| v == "true");
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         let body = response
             .into_body()
             .collect()
@@ -157,6 +164,7 @@ async fn send(client: &HttpClient, addr: SocketAddr, key: &str) -> Answer {
         Answer {
             status,
             replayed,
+            retry_after,
             body: String::from_utf8_lossy(&body).into_owned(),
         }
     })
@@ -339,4 +347,75 @@ fn a_client_gone_between_two_attempts_of_the_outcome_leaves_it_queued() {
         assert_eq!(handler.runs.load(Ordering::SeqCst), 1);
     });
     proxy.resume();
+}
+
+/// A store fault that passes on its own (the database unreachable: the
+/// proxy forwards nothing before the store's first connection, so nothing
+/// is sent) is 503 with the layer's `Retry-After` (1.5 s, rounded up to
+/// "2"), and the handler does not run; once the database is back, the same
+/// request runs it once. A store that needs an operator (its primary key
+/// dropped behind its back: `Misconfigured(SchemaDamaged)`) is 503 without
+/// `Retry-After`.
+#[test]
+fn a_passing_store_fault_is_503_with_retry_after_and_one_that_needs_an_operator_without() {
+    use idemstore::postgres::tokio_postgres::{self, NoTls};
+    let Some(url) = pg::url() else { return };
+    let passing = pg::schema("http_retry_after");
+    let damaged = pg::schema("http_no_retry_after");
+    for schema in [&passing, &damaged] {
+        idemstore::postgres::migrate(&url, schema).expect("migrate");
+    }
+    let proxy = Proxy::start(upstream_of(&url));
+    let a = connect(&via(&url, &proxy), &passing, 1000);
+    let b = connect(&url, &damaged, 1000);
+    runtime().block_on(async {
+        let layer =
+            IdempotencyLayer::new(a.clone()).unavailable_retry_after(Duration::from_millis(1500));
+        let (addr_a, handler_a) = serve(layer, "A").await;
+        let (addr_b, handler_b) = serve(IdempotencyLayer::new(b.clone()), "B").await;
+        let c = client();
+
+        proxy.pause();
+        let refused = send(&c, addr_a, "passing").await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            refused.body
+        );
+        assert_eq!(
+            refused.retry_after.as_deref(),
+            Some("2"),
+            "{}",
+            refused.body
+        );
+        assert!(
+            refused.body.contains("retry with the same idempotency key"),
+            "{}",
+            refused.body
+        );
+        assert_eq!(handler_a.runs.load(Ordering::SeqCst), 0);
+        proxy.resume();
+        let answer = send(&c, addr_a, "passing").await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{}", answer.body);
+        assert_eq!(handler_a.runs.load(Ordering::SeqCst), 1);
+
+        let (admin, connection) = tokio_postgres::connect(&url, NoTls).await.expect("admin");
+        tokio::spawn(connection);
+        admin
+            .batch_execute(&format!(
+                "ALTER TABLE {damaged}.records DROP CONSTRAINT records_pkey"
+            ))
+            .await
+            .expect("drop the primary key");
+        let refused = send(&c, addr_b, "damaged").await;
+        assert_eq!(
+            refused.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            refused.body
+        );
+        assert_eq!(refused.retry_after, None, "{}", refused.body);
+        assert_eq!(handler_b.runs.load(Ordering::SeqCst), 0);
+    });
 }

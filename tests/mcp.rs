@@ -2,6 +2,9 @@
 //! appends a line to a file, behind [`IdempotentServer`], and the `rmcp`
 //! client, over in-memory pipes that a test cuts at will. Every wait is on
 //! a channel or on the store's own wake-up; no test sleeps to order events.
+//! With the `postgres` and `conformance` features, two tests put the layer
+//! over a PostgreSQL store (`IDEMSTORE_SKIP_POSTGRES=1` skips them): a
+//! store fault that passes on its own, and one that needs an operator.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,8 +12,8 @@ use std::time::Duration;
 
 use idemstore::agent::{CallError, RetryPolicy};
 use idemstore::mcp::{
-    CAPABILITY, IN_DOUBT, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, SepTransport,
-    ToolCallError, announces_idempotency, attach_key, call_tool_once,
+    CAPABILITY, IN_DOUBT, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, STORE_FAILED,
+    SepTransport, ToolCallError, announces_idempotency, attach_key, call_tool_once,
 };
 use idemstore::{Config, Key, Store};
 use parking_lot::Mutex;
@@ -25,6 +28,9 @@ use rmcp::service::{RequestContext, RoleClient, RoleServer, RunningService, Serv
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::sync::oneshot;
+
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+mod pg;
 
 /// Holds one call of `append` open: the tool reports that its line is
 /// written on `started`, then waits for `release`.
@@ -884,4 +890,119 @@ async fn a_connection_that_never_opens_ends_at_the_deadline_not_in_doubt() {
         Err(error @ CallError::Exhausted { .. }) => assert!(!error.is_in_doubt(), "{error:?}"),
         other => panic!("expected Exhausted, got {other:?}"),
     }
+}
+
+/// A store over PostgreSQL at `url` in `schema` (migrated here), each call
+/// bounded by 1 s, made off the runtime's threads (connecting blocks).
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+async fn pg_store(url: String, schema: String) -> Arc<Store> {
+    tokio::task::spawn_blocking(move || {
+        idemstore::postgres::migrate(&url, &schema).expect("migrate");
+        let mut limits = idemstore::PostgresLimits::default();
+        limits.call_timeout = Duration::from_secs(1);
+        limits.connect_timeout = Duration::from_secs(1);
+        let config = Config::new()
+            .postgres_schema(&schema)
+            .sweep_interval(None)
+            .postgres_limits(limits);
+        Arc::new(Store::connect(&url, config).expect("connect"))
+    })
+    .await
+    .expect("connecting")
+}
+
+/// The database unreachable (the tests' TCP proxy stops forwarding before
+/// the store's first connection, so nothing is sent) is a store failure
+/// that passes on its own: STORE_FAILED with
+/// `data.transient: true` and the options' `retryAfterMs`; nothing ran,
+/// and the same call once the database is back runs the tool once.
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_is_a_transient_store_failure() {
+    use pg::proxy::{Proxy, upstream_of, via};
+    let Some(url) = pg::url() else { return };
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut h =
+        Harness::new(McpOptions::new().unavailable_retry_after(Duration::from_millis(1500)));
+    h.store = pg_store(via(&url, &proxy), pg::schema("mcp_transient")).await;
+    let (client, _server) = h.connect().await;
+    proxy.pause();
+    let refused = rpc_error(
+        client
+            .call_tool(call("append", json!({"line": "x"}), "k-transient"))
+            .await
+            .unwrap_err(),
+    );
+    assert_eq!(refused.code.0, STORE_FAILED, "{refused:?}");
+    let data = refused.data.as_ref().expect("data");
+    assert_eq!(data["transient"], json!(true), "{refused:?}");
+    assert_eq!(data["retryAfterMs"], json!(1500), "{refused:?}");
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
+    proxy.resume();
+    let done = client
+        .call_tool(call("append", json!({"line": "x"}), "k-transient"))
+        .await
+        .unwrap();
+    assert_eq!(text_of(&done), "appended line 1");
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
+}
+
+/// A store that needs an operator (its primary key dropped behind its
+/// back: `Misconfigured(SchemaDamaged)`) is STORE_FAILED with
+/// `data.transient: false` and no `retryAfterMs`, and `call_tool_once`
+/// stops at that answer (`Rejected`, not in doubt) instead of sending
+/// the call again until its deadline; the tool never ran.
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_needs_an_operator_stops_the_client_helper() {
+    use idemstore::postgres::tokio_postgres::{self, NoTls};
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("mcp_operator");
+    let mut h = Harness::new(McpOptions::new());
+    h.store = pg_store(url.clone(), schema.clone()).await;
+    let (admin, connection) = tokio_postgres::connect(&url, NoTls).await.expect("admin");
+    tokio::spawn(connection);
+    admin
+        .batch_execute(&format!(
+            "ALTER TABLE {schema}.records DROP CONSTRAINT records_pkey"
+        ))
+        .await
+        .expect("drop the primary key");
+    let h = Arc::new(h);
+    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
+    let connect = {
+        let (h, servers) = (h.clone(), servers.clone());
+        move || {
+            let (h, servers) = (h.clone(), servers.clone());
+            async move {
+                let (client, server) = h.connect().await;
+                servers.lock().push(server);
+                Ok::<_, String>(client)
+            }
+        }
+    };
+    let key = Key::for_tool_call("acme/agent", "task-9", "call_1").unwrap();
+    let policy = RetryPolicy::new(1000, Duration::from_millis(1), Duration::from_millis(10))
+        .unwrap()
+        .deadline(Duration::from_secs(5));
+    let params = CallToolRequestParams::new("append")
+        .with_arguments(json!({"line": "never"}).as_object().cloned().unwrap());
+    let error = call_tool_once(&key, params, &policy, connect)
+        .await
+        .unwrap_err();
+    match error {
+        CallError::Rejected {
+            error: ToolCallError::Rpc(e),
+            in_doubt,
+            ..
+        } => {
+            assert_eq!(e.code.0, STORE_FAILED, "{e:?}");
+            let data = e.data.as_ref().expect("data");
+            assert_eq!(data["transient"], json!(false), "{e:?}");
+            assert!(data.get("retryAfterMs").is_none(), "{e:?}");
+            assert!(!in_doubt);
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
 }

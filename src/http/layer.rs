@@ -159,6 +159,7 @@ pub(crate) struct Settings {
     pub(crate) max_response_bytes: usize,
     pub(crate) lease: Duration,
     pub(crate) store_server_errors: bool,
+    pub(crate) unavailable_retry_after: Duration,
 }
 
 impl fmt::Debug for Settings {
@@ -177,6 +178,7 @@ impl fmt::Debug for Settings {
             .field("max_response_bytes", &self.max_response_bytes)
             .field("lease", &self.lease)
             .field("store_server_errors", &self.store_server_errors)
+            .field("unavailable_retry_after", &self.unavailable_retry_after)
             .finish()
     }
 }
@@ -203,6 +205,7 @@ impl fmt::Debug for Settings {
 /// - `lease`: 30 seconds, extended every third of it while the handler runs
 ///   and while the response body is sent, until the outcome is recorded
 /// - a 5xx response is recorded as a retryable failure, not stored
+/// - `unavailable_retry_after`: 1 second
 #[derive(Clone, Debug)]
 pub struct IdempotencyLayer {
     settings: Settings,
@@ -226,6 +229,7 @@ impl IdempotencyLayer {
                 max_response_bytes: 1024 * 1024,
                 lease: Duration::from_secs(30),
                 store_server_errors: false,
+                unavailable_retry_after: Duration::from_secs(1),
             },
         }
     }
@@ -474,6 +478,22 @@ impl IdempotencyLayer {
     /// one response with [`IdempotencyOutcome`](super::IdempotencyOutcome).
     pub fn store_server_errors(mut self, store: bool) -> IdempotencyLayer {
         self.settings.store_server_errors = store;
+        self
+    }
+
+    /// The `Retry-After` of the 503 answered when the store fails for a
+    /// reason that passes on its own ([`Error::is_transient`](crate::Error::is_transient):
+    /// the PostgreSQL server unreachable, or a claim's answer lost), in
+    /// whole seconds, rounded up, at least 1 (default 1 s, a hint: the
+    /// layer cannot know when the server is back). RFC 9110 §10.2.3 lets a
+    /// 503 say how long the client should wait. The retry must carry the
+    /// same key: a claim whose answer was lost holds the key until its
+    /// lease lapses (409 with the lease's own `Retry-After` meanwhile).
+    /// A 503 for a fault that needs an operator (a misconfigured or
+    /// damaged store, one refusing writes after a failed fsync, a closed
+    /// store) has no `Retry-After`.
+    pub fn unavailable_retry_after(mut self, wait: Duration) -> IdempotencyLayer {
+        self.settings.unavailable_retry_after = wait;
         self
     }
 }

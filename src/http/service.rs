@@ -261,7 +261,7 @@ where
         &bytes,
     );
     if let Err(error) = crate::config::check_renewed_lease(settings.lease) {
-        return Err(claim_error(&key, &error));
+        return Err(claim_error(&key, &error, settings.unavailable_retry_after));
     }
     let mut options = ClaimOptions::new().lease(settings.lease);
     if let Some(business_key) = settings
@@ -286,7 +286,7 @@ where
         }
         Ok(ClaimOutcome::InProgress { retry_after, .. }) => Err(in_progress(&key, retry_after)),
         Ok(ClaimOutcome::Replay(record)) => Err(replay(&record)),
-        Err(error) => Err(claim_error(&key, &error)),
+        Err(error) => Err(claim_error(&key, &error, settings.unavailable_retry_after)),
     }
 }
 
@@ -522,7 +522,15 @@ fn not_kept<B>(
     )
 }
 
-fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
+/// The answer to a claim that failed: 400, 409 or 422 for the request's
+/// own faults, 500 for what no retry mends, 503 for the store's faults,
+/// with `Retry-After` (`unavailable_retry_after`, in whole seconds rounded
+/// up, at least 1) when the fault passes on its own ([`Error::is_transient`]).
+fn claim_error<B>(
+    key: &Key,
+    error: &Error,
+    unavailable_retry_after: Duration,
+) -> Response<IdempotencyBody<B>> {
     match error {
         Error::FingerprintMismatch { .. } => problem(
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -576,8 +584,26 @@ fn claim_error<B>(key: &Key, error: &Error) -> Response<IdempotencyBody<B>> {
                 "the request was not processed",
             )
         }
-        _ => {
+        _ if error.is_transient() => {
             tracing::warn!(%key, %error, "idempotency store unavailable");
+            let seconds = unavailable_retry_after.as_millis().div_ceil(1000).max(1);
+            let mut response = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+                &format!(
+                    "the request was not processed; retry with the same idempotency key after {seconds} s"
+                ),
+            );
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(u64::try_from(seconds).unwrap_or(u64::MAX)),
+            );
+            response
+        }
+        _ => {
+            // Not passing on its own: the store must be reopened, repaired
+            // or restored, so no `Retry-After`.
+            tracing::error!(%key, %error, "idempotency store failed");
             problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "Idempotency store unavailable",

@@ -198,8 +198,26 @@ fn sort_rpc(error: ErrorData) -> Sorted {
         | ErrorCode::INVALID_PARAMS
         | ErrorCode::METHOD_NOT_FOUND
         | ErrorCode::INVALID_REQUEST => Sorted::Stop(ToolCallError::Rpc(error)),
+        // The store needs an operator: every request gets this answer
+        // until then, so the driver stops rather than send until its
+        // deadline. (Without `data.transient`, as from an older server,
+        // it is sent again.)
+        ErrorCode(codes::STORE_FAILED) if says_not_transient(&error) => {
+            Sorted::Stop(ToolCallError::Rpc(error))
+        }
         _ => Sorted::Retry(ToolCallError::Rpc(error)),
     }
+}
+
+/// Whether a [`STORE_FAILED`](super::STORE_FAILED) says `data.transient:
+/// false`.
+fn says_not_transient(error: &ErrorData) -> bool {
+    error
+        .data
+        .as_ref()
+        .and_then(|data| data.get("transient"))
+        .and_then(Value::as_bool)
+        == Some(false)
 }
 
 /// Calls a tool once per `key`, across lost answers and new connections:
@@ -224,8 +242,9 @@ fn sort_rpc(error: ErrorData) -> Sorted {
 /// - [`IN_PROGRESS`](super::IN_PROGRESS) to a send → treated as in doubt
 ///   too (another request with the key is running);
 /// - [`KEY_CONFLICT`](super::KEY_CONFLICT), [`IN_DOUBT`](super::IN_DOUBT),
-///   Invalid params, Method not found, Invalid request → stop
-///   ([`CallError::Rejected`]);
+///   Invalid params, Method not found, Invalid request, and
+///   [`STORE_FAILED`](super::STORE_FAILED) with `data.transient: false` (a
+///   store that needs an operator) → stop ([`CallError::Rejected`]);
 /// - any other JSON-RPC error, or a failed `connect` (or one still under
 ///   way at the deadline, which a zero deadline always is) → send again
 ///   after a delay, or end not in doubt at the deadline: a failed

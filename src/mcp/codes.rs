@@ -42,7 +42,14 @@ pub const IN_DOUBT: i32 = -32042;
 
 /// The idempotency store failed (I/O, corruption, an unreachable
 /// database) before the tool ran. Retry with the same key once the store is
-/// back. If the claim was applied but its answer lost (on PostgreSQL, a
+/// back. `data.transient` says whether it comes back on its own
+/// ([`Error::is_transient`](crate::Error::is_transient): the database
+/// unreachable, or a claim's answer lost), in which case
+/// `data.retryAfterMs` (whole milliseconds, at least 1;
+/// [`McpOptions::unavailable_retry_after`](super::McpOptions::unavailable_retry_after))
+/// is a hint of when to retry; `false` means that an operator must act
+/// first (a misconfigured or damaged store, or one that refuses writes
+/// until it is reopened), and a retry before then gets this error again. If the claim was applied but its answer lost (on PostgreSQL, a
 /// failure after its `COMMIT` was sent), the retry finds the key in progress
 /// ([`IN_PROGRESS`]) until the claim's lease lapses, then in doubt
 /// ([`IN_DOUBT`]): the store cannot tell a lost answer from a crash mid-call
@@ -59,9 +66,7 @@ pub(crate) mod reason {
 }
 
 pub(crate) fn in_progress(key: &str, retry_after: Duration) -> ErrorData {
-    let ms = u64::try_from(retry_after.as_millis())
-        .unwrap_or(u64::MAX)
-        .max(1);
+    let ms = whole_ms(retry_after);
     ErrorData::new(
         ErrorCode(IN_PROGRESS),
         "a call with this idempotency key is in progress; retry later with the same key",
@@ -96,15 +101,34 @@ pub(crate) fn in_doubt(key: &str) -> ErrorData {
     )
 }
 
-pub(crate) fn store_failed(key: &str) -> ErrorData {
-    ErrorData::new(
-        ErrorCode(STORE_FAILED),
-        "the idempotency store failed; retry with the same key",
-        Some(json!({
-            "reason": reason::STORE_FAILED,
-            "idempotencyKey": key,
-        })),
-    )
+/// [`STORE_FAILED`]; `retry_after` is `Some` for a transient fault.
+pub(crate) fn store_failed(key: &str, retry_after: Option<Duration>) -> ErrorData {
+    match retry_after {
+        Some(retry_after) => ErrorData::new(
+            ErrorCode(STORE_FAILED),
+            "the idempotency store is unavailable; retry later with the same key",
+            Some(json!({
+                "reason": reason::STORE_FAILED,
+                "idempotencyKey": key,
+                "transient": true,
+                "retryAfterMs": whole_ms(retry_after),
+            })),
+        ),
+        None => ErrorData::new(
+            ErrorCode(STORE_FAILED),
+            "the idempotency store failed and needs an operator; retry with the same key once it is repaired",
+            Some(json!({
+                "reason": reason::STORE_FAILED,
+                "idempotencyKey": key,
+                "transient": false,
+            })),
+        ),
+    }
+}
+
+/// A duration in whole milliseconds, at least 1.
+fn whole_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 /// A malformed key: JSON-RPC's own Invalid params (−32602), as the draft

@@ -29,6 +29,7 @@ type ClientIdentity = Arc<dyn Fn(&RequestContext<RoleServer>) -> Option<String> 
 /// - tool errors (`isError: true` results): permanent, recorded and
 ///   replayed like a result
 /// - client identity: none (the scope is per tool only)
+/// - `unavailable_retry_after`: 1 second
 #[derive(Clone)]
 pub struct McpOptions {
     pub(crate) scope_prefix: String,
@@ -37,6 +38,7 @@ pub struct McpOptions {
     pub(crate) rerun_in_doubt: bool,
     pub(crate) retryable_tool_error: Option<ToolErrorRule>,
     pub(crate) client_identity: Option<ClientIdentity>,
+    pub(crate) unavailable_retry_after: Duration,
 }
 
 impl fmt::Debug for McpOptions {
@@ -48,6 +50,7 @@ impl fmt::Debug for McpOptions {
             .field("rerun_in_doubt", &self.rerun_in_doubt)
             .field("retryable_tool_error", &self.retryable_tool_error.is_some())
             .field("client_identity", &self.client_identity.is_some())
+            .field("unavailable_retry_after", &self.unavailable_retry_after)
             .finish()
     }
 }
@@ -61,6 +64,7 @@ impl Default for McpOptions {
             rerun_in_doubt: false,
             retryable_tool_error: None,
             client_identity: None,
+            unavailable_retry_after: Duration::from_secs(1),
         }
     }
 }
@@ -142,6 +146,18 @@ impl McpOptions {
         identity: impl Fn(&RequestContext<RoleServer>) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
         self.client_identity = Some(Arc::new(identity));
+        self
+    }
+
+    /// The `data.retryAfterMs` of a [`STORE_FAILED`](super::STORE_FAILED)
+    /// answered for a fault that passes on its own
+    /// ([`Error::is_transient`](crate::Error::is_transient): the database
+    /// unreachable, or a claim's answer lost), in whole milliseconds, at
+    /// least 1 (default 1 s): a hint, since the layer cannot know when the
+    /// database is back.
+    #[must_use]
+    pub fn unavailable_retry_after(mut self, wait: Duration) -> Self {
+        self.unavailable_retry_after = wait;
         self
     }
 }

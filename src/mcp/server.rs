@@ -305,7 +305,9 @@ impl<S: ServerHandler> IdempotentServer<S> {
             }
             Err(e) => {
                 tracing::error!(key = %key, error = %e, "idempotency store failed");
-                Err(codes::store_failed(&idempotency_key))
+                let transient = matches!(&e, ExecuteError::Store(s) if s.is_transient());
+                let retry_after = transient.then_some(self.options.unavailable_retry_after);
+                Err(codes::store_failed(&idempotency_key, retry_after))
             }
         }
     }
