@@ -221,8 +221,9 @@ pub struct PostgresLimits {
     /// lock every key waits for). A batch of lease renewals (`execute`'s
     /// extender) waits a quarter of its time at most (at most 500 ms),
     /// then renews each key apart the same way, with no cut-off but its
-    /// deadline. `claim_many` and `import`
-    /// are one transaction each and fail as a whole. Default 5 s.
+    /// deadline. A `claim_many` is one transaction and fails as a whole;
+    /// an `import` is one transaction per batch (up to 1,024 records), and
+    /// the batches before a refused one stay. Default 5 s.
     pub lock_timeout: Duration,
     /// The server's `idle_in_transaction_session_timeout` on the engine's
     /// own sessions: the server ends a session of the engine that sits in

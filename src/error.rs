@@ -455,7 +455,11 @@ pub enum ConfigFault {
     /// `23503`, `23502`, `P0001`; also another table's foreign key to the
     /// store's rows, which eviction and release delete), the sequence replaced (`42809`) or set
     /// back below a key's fencing token (a takeover is refused: raise it
-    /// with `setval` to the records table's largest token). (Or found by a
+    /// with `setval` to the records table's largest token), or row-level
+    /// security made active for the store's role on its tables (a policy
+    /// that hides a row makes a held key or business key look free; found
+    /// by a connect, by `verify`, and by a claim that cannot insert a key
+    /// it cannot see). (Or found by a
     /// connect or a migration: a version row without `records`, `bindings`
     /// or `tokens`, or those without a version row; it refuses rather than
     /// create the missing objects empty, or a new store over old rows; or

@@ -1432,6 +1432,52 @@ fn unkeyed_remedy(schema: &str, unkeyed: &[String]) -> String {
     )
 }
 
+/// Of the store's tables, those on which row-level security is active
+/// for the session's role (`row_security_active`: enabled on the table, and
+/// the role neither a superuser nor `BYPASSRLS`, nor its owner unless the
+/// table forces it), by name (one catalog read). A policy that hides a row
+/// from the store makes a key or a business key another record holds
+/// look free: a claim acquires it, and its work runs twice.
+async fn row_secured_tables(
+    schema: &str,
+    client: &impl tokio_postgres::GenericClient,
+) -> std::result::Result<Vec<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT c.relname::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname IN ('records', 'bindings', 'meta') \
+             AND c.relkind IN ('r', 'p') AND pg_catalog.row_security_active(c.oid) \
+             ORDER BY c.relname",
+            &[&schema],
+        )
+        .await?;
+    rows.iter().map(|row| row.try_get::<_, String>(0)).collect()
+}
+
+/// What a schema whose `tables` have row-level security active for the
+/// store's role ([`row_secured_tables`]) needs, for a message.
+fn row_secured_remedy(schema: &str, tables: &[String]) -> String {
+    let disable: Vec<String> = tables
+        .iter()
+        .map(|table| {
+            format!(
+                "ALTER TABLE \"{schema}\".{table} DISABLE ROW LEVEL SECURITY, NO FORCE ROW LEVEL \
+                 SECURITY"
+            )
+        })
+        .collect();
+    format!(
+        "{} {} row-level security active for this role (enabled outside idemstore): a policy \
+         that hides a row from the store makes a key or business key that another record holds \
+         look free, and a claim would then acquire it and run its work twice; the store \
+         refuses to run on it until it is off: {} (or give the role BYPASSRLS)",
+        tables.join(" and "),
+        if tables.len() == 1 { "has" } else { "have" },
+        disable.join("; ")
+    )
+}
+
 /// Of the relations named as [`OBJECTS`] that the schema holds, those not
 /// of a store's form, described for a message: `records` or `bindings`
 /// that is not a table with the columns [`COLUMNS`] gives (another
@@ -1491,7 +1537,19 @@ async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
                 .await
                 .map_err(|e| fail(&e).error())?;
             if unkeyed.is_empty() {
-                return Ok(());
+                let secured = row_secured_tables(schema, client)
+                    .await
+                    .map_err(|e| fail(&e).error())?;
+                if secured.is_empty() {
+                    return Ok(());
+                }
+                return Err(Error::Misconfigured {
+                    fault: ConfigFault::SchemaDamaged,
+                    detail: format!(
+                        "schema {schema} holds a store whose {}",
+                        row_secured_remedy(schema, &secured)
+                    ),
+                });
             }
             return Err(Error::Misconfigured {
                 fault: ConfigFault::SchemaDamaged,
@@ -2199,6 +2257,22 @@ async fn attempt(
         );
         loaded?;
         now = later?;
+    }
+    // A key that every round reads as absent and cannot insert may be a
+    // row that a row-level security policy hides from this role (enabled
+    // after the store connected): that no retry mends.
+    let secured = row_secured_tables(&shared.sql.schema, &conn.client)
+        .await
+        .map_err(|e| fail(&e))?;
+    if !secured.is_empty() {
+        return Err(Fail::Config(
+            ConfigFault::SchemaDamaged,
+            format!(
+                "schema {} holds a store whose {}",
+                shared.sql.schema,
+                row_secured_remedy(&shared.sql.schema, &secured)
+            ),
+        ));
     }
     Err(Fail::Retry(format!(
         "the batch lost its compare-and-set {MAX_ROUNDS} times in a row"
@@ -4632,8 +4706,9 @@ async fn scan_task(
         let mut confirmed = PairDigest::new(&hashers);
         let mut pending: Option<PageRequest> = None;
         // The checks of the schema's objects that the rows cannot show: a
-        // key column that lost its unique index (found by a connect, but
-        // not by a store connected before it was dropped).
+        // key column that lost its unique index, row-level security active
+        // for this role (found by a connect, but not by a store connected
+        // before the change).
         if checked {
             let unkeyed = unkeyed_columns(&shared.sql.schema, &txn)
                 .await
@@ -4645,6 +4720,19 @@ async fn scan_task(
                 let problem = Problem::other(
                     format!("(schema {})", shared.sql.schema),
                     unkeyed_remedy(&shared.sql.schema, &unkeyed),
+                );
+                let _ = tx.send(Ok(vec![Ok(Scanned::Problem(problem))]));
+            }
+            let secured = row_secured_tables(&shared.sql.schema, &txn)
+                .await
+                .map_err(|e| fail(&e))?;
+            if !secured.is_empty() {
+                let Some(tx) = next_request(&mut pending, &mut requests).await else {
+                    return Ok(());
+                };
+                let problem = Problem::other(
+                    format!("(schema {})", shared.sql.schema),
+                    row_secured_remedy(&shared.sql.schema, &secured),
                 );
                 let _ = tx.send(Ok(vec![Ok(Scanned::Problem(problem))]));
             }

@@ -2300,6 +2300,90 @@ fn a_runtime_role_without_create_runs_a_migrated_store() {
     assert_eq!(fault_of(&as_role, &name), ConfigFault::SchemaTooNew);
 }
 
+/// Row-level security enabled on the store's tables outside idemstore, with
+/// a policy that hides finished records from the store's role, so that a
+/// key or business key another record holds looks free (a second key took
+/// a finished record's business key, and its work ran twice): a connect
+/// refuses the schema, saying how to turn it off; a
+/// store connected before it was enabled finds it when a claim of a hidden
+/// key cannot insert it (was `Unavailable`, "lost its compare-and-set 64
+/// times in a row", which a retry never mends), and `verify` names it.
+/// Turned off, the store runs again and replays the hidden key.
+#[test]
+fn row_level_security_active_for_the_store_is_a_damaged_schema() {
+    if skipped() {
+        return;
+    }
+    let url = server().url();
+    let name = schema("rls");
+    let current: tokio_postgres::Config = url.parse().unwrap();
+    let db = current.get_dbname().unwrap_or("postgres").to_string();
+    let role = format!("rls_{}_{}", std::process::id(), name.len());
+    raw_sql(&format!("CREATE ROLE {role} LOGIN"));
+    let as_role = url_as(url, &role, None, &db);
+    let options = |migrate: bool| PgOptions {
+        schema: name.clone(),
+        connections: 2,
+        migrate,
+        ..PgOptions::default()
+    };
+    drop(Postgres::connect(url, options(true)).unwrap());
+    raw_sql(&format!("GRANT USAGE ON SCHEMA \"{name}\" TO {role}"));
+    raw_sql(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{name}\" TO {role}"
+    ));
+    raw_sql(&format!(
+        "GRANT USAGE ON SEQUENCE \"{name}\".tokens TO {role}"
+    ));
+    let pg = Postgres::connect(&as_role, options(false)).unwrap();
+    let lease = acquired(pg.apply(&key("order"), claim_bk(b"a", "order-1")).unwrap());
+    complete(&pg, &key("order"), &lease, b"r");
+    let records = format!("\"{name}\".records");
+    raw_sql(&format!("ALTER TABLE {records} ENABLE ROW LEVEL SECURITY"));
+    for (policy, command, rule) in [
+        ("sel", "SELECT", "USING (state = 0)"),
+        ("ins", "INSERT", "WITH CHECK (true)"),
+        ("upd", "UPDATE", "USING (true) WITH CHECK (true)"),
+        ("del", "DELETE", "USING (true)"),
+    ] {
+        raw_sql(&format!(
+            "CREATE POLICY {policy} ON {records} FOR {command} TO {role} {rule}"
+        ));
+    }
+    let remedy = [
+        "records has row-level security active",
+        "DISABLE ROW LEVEL SECURITY",
+        "BYPASSRLS",
+    ];
+    assert_schema_damaged(
+        "a claim of a key the policy hides",
+        pg.apply(&key("order"), claim_bk(b"a", "order-1")),
+        &remedy,
+    );
+    let report = pg.verify(|_| {}).unwrap();
+    assert!(
+        report
+            .problems
+            .iter()
+            .any(|p| p.key == format!("(schema {name})")
+                && p.detail.contains("records has row-level security active")),
+        "{:#?}",
+        report.problems
+    );
+    drop(pg);
+    assert_schema_damaged(
+        "a connect",
+        Postgres::connect(&as_role, options(false)).map(drop),
+        &remedy,
+    );
+    raw_sql(&format!("ALTER TABLE {records} DISABLE ROW LEVEL SECURITY"));
+    let pg = Postgres::connect(&as_role, options(false)).unwrap();
+    assert!(matches!(
+        pg.apply(&key("order"), claim_bk(b"a", "order-1")).unwrap(),
+        Reply::Claim(ClaimOutcome::Replay(_))
+    ));
+}
+
 /// Imports that raise the sequence while hot claims draw from it (one
 /// statement each, no advisory lock): every token is handed out once, each
 /// thread's tokens grow, and a claim made after an import returned has a
