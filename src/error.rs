@@ -443,7 +443,9 @@ pub enum ConfigFault {
     /// An object the store needs is missing or of another form: its
     /// schema, a table (`records`, `bindings`, `meta`), a column, or the
     /// token sequence was dropped or altered outside idemstore (SQLSTATE
-    /// `3F000`, `42P01`, `42703` or `42804` on a request). Or something
+    /// `3F000`, `42P01`, `42703` or `42804` on a request; `0A000` "cached
+    /// plan must not change result type" when a column's type was altered
+    /// under a running store). Or something
     /// added or taken away outside idemstore refuses the store's statements
     /// or voids a guarantee: the unique index of `records.key` or
     /// `bindings.binding` dropped (without it two replicas could both

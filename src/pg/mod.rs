@@ -703,6 +703,15 @@ fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
             return Some(ConfigFault::AuthenticationFailed);
         }
     }
+    if let Some(db) = err.as_db_error()
+        && db.code() == &SqlState::FEATURE_NOT_SUPPORTED
+        && db.message() == "cached plan must not change result type"
+    {
+        // A statement this connection prepared reads a column whose type
+        // was altered since (outside idemstore): every later run of it
+        // meets this again.
+        return Some(ConfigFault::SchemaDamaged);
+    }
     if let Some(code) = err.code() {
         return sqlstate_fault(code.code());
     }

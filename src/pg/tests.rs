@@ -1985,8 +1985,9 @@ fn a_key_column_without_its_unique_index_is_a_damaged_schema() {
 /// What was added to or taken from the store's tables outside idemstore
 /// and refuses its statements is a damaged schema, not `Unavailable`
 /// (which a service retries as is, for ever): a `CHECK` constraint, a
-/// trigger that raises, a `NOT NULL` dropped and a NULL written. A
-/// connect names a column that allows NULL.
+/// trigger that raises, a `NOT NULL` dropped and a NULL written, a
+/// column's type altered under a running store. A connect names a column
+/// that allows NULL.
 #[test]
 fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
     if skipped() {
@@ -2036,6 +2037,24 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
         Postgres::connect(server().url(), options(&name, None)).map(drop),
         &["records.created_ms allows NULL"],
     );
+    // A column's type altered under a running store: the statements its
+    // connection prepared no longer fit ("cached plan must not change
+    // result type", 0A000, on every later run; was `Unavailable`).
+    let (pg, _clock) = open("type_altered");
+    let name = pg.shared.sql.schema.clone();
+    let l = acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+    complete(&pg, &key("k"), &l, b"r");
+    assert!(pg.get(&key("k")).unwrap().is_some());
+    raw_sql(&format!(
+        "ALTER TABLE \"{name}\".records ALTER COLUMN created_ms TYPE numeric"
+    ));
+    for attempt in 1..=2 {
+        assert_schema_damaged(
+            &format!("a read after a type change, attempt {attempt}"),
+            pg.get(&key("k")),
+            &[],
+        );
+    }
 }
 
 /// Fencing tokens only grow per key: a takeover whose drawn token is not
