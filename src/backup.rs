@@ -330,6 +330,61 @@ fn parse_record(at: u64, p: &[u8]) -> Result<Record> {
 }
 
 /// Reads until `buf` is full or the input ends; returns the bytes read.
+/// Checks the start of an export stream, its header and its meta frame,
+/// as [`Store::import`](crate::Store::import) checks them, and gives back
+/// a reader that yields the whole stream again from its first byte, for
+/// the import. A restore into a store that does not exist yet checks this
+/// before it creates the store, so that input that is not an export (an
+/// empty or cut one, another file) creates nothing: `idemstore import
+/// --create` does.
+///
+/// Reads the 24-byte header and the first frame (at most 8 + `MAX_FRAME`
+/// bytes, the most an import holds in memory for one frame), and keeps
+/// them in memory; the import reads and checks every later frame, and a
+/// stream damaged after its meta frame still stops it there, with the
+/// batches before the damage imported.
+///
+/// # Errors
+/// [`Error::CorruptExport`] with the byte offset and the fault, as
+/// an import answers it: no export magic, a header failing its crc32 or of
+/// a format version this build does not read, a stream that ends or is
+/// damaged before the end of its meta frame, a first frame that is not the
+/// meta frame. [`Error::Storage`] when reading the input fails.
+pub fn check_export_start<R: Read>(input: R) -> Result<io::Chain<io::Cursor<Vec<u8>>, R>> {
+    let recording = Recording {
+        inner: input,
+        seen: Vec::new(),
+    };
+    let mut reader = FrameReader::new(recording)?;
+    match reader.next_frame()? {
+        Some((_, Frame::Meta(_))) => {}
+        Some((at, _)) => return Err(corrupt(at, "the first frame is not the meta frame")),
+        None => {
+            return Err(corrupt(
+                reader.offset(),
+                "stream ends before its meta frame",
+            ));
+        }
+    }
+    let Recording { inner, seen } = reader.input;
+    Ok(io::Cursor::new(seen).chain(inner))
+}
+
+/// A reader that keeps a copy of every byte read through it.
+struct Recording<R> {
+    inner: R,
+    seen: Vec<u8>,
+}
+
+impl<R: Read> Read for Recording<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.seen
+            .extend_from_slice(buf.get(..n).unwrap_or_default());
+        Ok(n)
+    }
+}
+
 fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
     let mut got = 0;
     while got < buf.len() {
@@ -912,6 +967,49 @@ mod tests {
             Some((_, Frame::End { records: 2 }))
         ));
         assert!(r.next_frame().unwrap().is_none());
+    }
+
+    /// `check_export_start` gives back the whole stream, byte for byte,
+    /// having read no further than the meta frame; it refuses what an
+    /// import refuses at the start (an empty stream, one cut in its header
+    /// or meta frame, another file, a record before the meta frame), and a
+    /// stream damaged after its meta frame passes it (the import stops
+    /// there).
+    #[test]
+    fn the_start_of_a_stream_is_checked_and_given_back_whole() {
+        let bytes = stream(&[sample("a"), sample("b")]);
+        let mut given = Vec::new();
+        check_export_start(bytes.as_slice())
+            .unwrap()
+            .read_to_end(&mut given)
+            .unwrap();
+        assert_eq!(given, bytes);
+        // Read no further than the header and the meta frame (8 + 34).
+        let mut rest = &bytes[..];
+        let start = check_export_start(&mut rest).unwrap();
+        assert_eq!(start.get_ref().0.get_ref().len(), 24 + 8 + 34);
+        drop(start);
+        assert_eq!(rest.len(), bytes.len() - (24 + 8 + 34));
+        let mut record_first = bytes[..24].to_vec();
+        record_first.extend_from_slice(&bytes[24 + 42..]);
+        let refused: [&[u8]; 5] = [
+            &[],
+            &bytes[..10],
+            &bytes[..24 + 20],
+            b"not an idemstore export at all, a text file",
+            &record_first,
+        ];
+        for (i, input) in refused.into_iter().enumerate() {
+            let result = check_export_start(input).map(drop);
+            assert!(
+                matches!(result, Err(Error::CorruptExport { .. })),
+                "case {i}: {result:?}"
+            );
+        }
+        let mut late_damage = bytes.clone();
+        let last = late_damage.len() - 1;
+        late_damage[last] ^= 0x04;
+        assert!(check_export_start(late_damage.as_slice()).is_ok());
     }
 
     #[test]

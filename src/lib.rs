@@ -166,7 +166,9 @@ mod stats;
 mod store;
 mod sweeper;
 
-pub use backup::{DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary};
+pub use backup::{
+    DEFAULT_CLOCK_TOLERANCE, ExportSummary, ImportOptions, ImportSummary, check_export_start,
+};
 pub use check::{LOG_PROBLEM, UNREAD_PROBLEM, check_file};
 pub use clock::{Clock, ManualClock, SystemClock, TIME_RESERVATION};
 pub use compact::{Compaction, compact_file};

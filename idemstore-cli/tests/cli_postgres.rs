@@ -408,6 +408,15 @@ fn schema_on_a_file_store_is_refused() {
 /// and never the password of the URL.
 #[test]
 fn unreachable_server_and_bad_url_never_show_the_password() {
+    // A sound export for `import --create`, which checks its input's start
+    // before it connects.
+    let dir = tempfile::tempdir().unwrap();
+    let export = dir.path().join("export");
+    let source = Store::open(dir.path().join("source.redb")).unwrap();
+    source
+        .export(std::fs::File::create(&export).unwrap(), |_| {})
+        .unwrap();
+    drop(source);
     let cases = [
         ("postgresql://admin:s3cret-pw@127.0.0.1:1/x", "unavailable"),
         (
@@ -433,7 +442,7 @@ fn unreachable_server_and_bad_url_never_show_the_password() {
             vec!["stats", url],
             vec!["check", url, "--json"],
             vec!["list", url, "--schema", "s1"],
-            vec!["import", url, "--create", "/dev/null"],
+            vec!["import", url, "--create", p(&export)],
         ] {
             let out = idemstore(&args);
             assert_eq!(code(&out), 2, "{args:?}: {}", stdout(&out));
@@ -525,4 +534,56 @@ fn migrate_creates_the_schema_once_for_a_deploy() {
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("PostgreSQL"), "{}", stderr(&out));
     assert!(!file.exists());
+}
+
+/// `import --create` of input that is not an export (an empty file, one
+/// cut in its header, a text file, one whose first frame is cut) into a
+/// schema that holds no store creates nothing: exit 2 naming the fault and
+/// saying so, and the schema still holds no store. (The schema was created,
+/// empty, before the input was read.)
+#[test]
+fn import_create_of_input_that_is_not_an_export_creates_nothing() {
+    let Some(url) = server() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let export = dir.path().join("export");
+    let source = Store::open(dir.path().join("source.redb")).unwrap();
+    source
+        .export(std::fs::File::create(&export).unwrap(), |_| {})
+        .unwrap();
+    drop(source);
+    let sound = std::fs::read(&export).unwrap();
+    let schema = schema("not_an_export");
+    let inputs: [(&str, &[u8]); 4] = [
+        ("empty", b""),
+        ("cut", &sound[..10]),
+        ("text", b"ticket,amount\nT-1,10\n"),
+        ("cut-meta", &sound[..30]),
+    ];
+    for (name, bytes) in inputs {
+        let input = dir.path().join(name);
+        std::fs::write(&input, bytes).unwrap();
+        let out = idemstore(&["import", &url, "--schema", &schema, p(&input), "--create"]);
+        assert_eq!(code(&out), 2, "{name}: {}", stdout(&out));
+        let err = stderr(&out);
+        assert!(
+            err.contains("export") && err.contains("nothing was created"),
+            "{name}: {err}"
+        );
+        let out = idemstore(&["stats", &url, "--schema", &schema]);
+        assert_eq!(code(&out), 2, "{name}: {}", stdout(&out));
+        assert!(
+            stderr(&out).contains("no idemstore store in schema"),
+            "{name}: {}",
+            stderr(&out)
+        );
+        // A file store is not created either.
+        let file = dir.path().join(format!("{name}.redb"));
+        let out = idemstore(&["import", p(&file), p(&input), "--create"]);
+        assert_eq!(code(&out), 2, "{name}: {}", stdout(&out));
+        assert!(stderr(&out).contains("nothing was created"), "{name}");
+        assert!(!file.exists(), "{name}");
+    }
+    // The sound export creates the store.
+    let out = idemstore(&["import", &url, "--schema", &schema, p(&export), "--create"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
 }

@@ -34,9 +34,11 @@ pub struct Args {
     #[arg(value_name = "INPUT")]
     input: PathBuf,
     /// Create the store if it does not exist (a restore into a new file, or
-    /// into a schema that holds no store). If the import then fails, a store
-    /// file and its log that this command created are removed again (not
-    /// when the open itself failed: remove them by hand); a
+    /// into a schema that holds no store). The input's header and meta
+    /// frame are checked first: input that is not an export (an empty or
+    /// cut one, another file) creates nothing. If the import then fails, a
+    /// store file and its log that this command created are removed again
+    /// (not when the open itself failed: remove them by hand); a
     /// PostgreSQL store this command created stays, with the records
     /// imported before the failure (the error says so). An existing store
     /// is imported into as without --create.
@@ -77,6 +79,23 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
         let len = meta.map(|m| m.len());
         (Box::new(BufReader::new(file)), len)
     };
+    let target = args.store.target()?;
+    // Before anything is created: input that is not an export (an empty
+    // or cut one, another file) creates no store.
+    let input: Box<dyn Read> = if args.create {
+        match idemstore::check_export_start(input) {
+            Ok(input) => Box::new(input),
+            Err(e) => {
+                return Err(CliError::Failed(format!(
+                    "{}; nothing was created",
+                    CliError::store(format!("cannot import {}", args.input.display()), e)
+                        .one_line()
+                )));
+            }
+        }
+    } else {
+        input
+    };
     let mut config = ops::config(None);
     if let Some(limit) = args.max_value_bytes {
         // Within MAX_VALUE_LIMIT (the flag's range), so it fits a usize.
@@ -86,7 +105,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
             .max_failure_bytes(limit)
             .max_recovery_point_bytes(limit);
     }
-    let (store, created) = match args.store.target()? {
+    let (store, created) = match target {
         ops::Target::File(path) => open_file(&path, args.create, config)?,
         ops::Target::Postgres { url, schema, name } => {
             open_postgres(&url, &schema, &name, args.create, config)?
