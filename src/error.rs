@@ -371,12 +371,16 @@ impl Error {
     }
 
     /// Whether the same request, sent again unchanged with the same key
-    /// after a short wait, may succeed without anyone changing anything:
-    /// [`Error::Unavailable`] (nothing was applied; the engine reconnects
-    /// once the server is back) and [`Error::OutcomeUnknown`] (the retry
-    /// finds out: it replays the outcome, or finds the key in progress
-    /// until the lost claim's lease lapses and then takes it over). Both
-    /// come from the PostgreSQL engine; README's retry table says the same.
+    /// after a short wait, may succeed without an operator: the PostgreSQL
+    /// engine's [`Error::Unavailable`] (nothing was applied; the engine
+    /// reconnects once the server is back) and [`Error::OutcomeUnknown`]
+    /// (the commit's answer was lost: read the key first, as README's
+    /// retry table says; a retry finds the outcome and replays it, or
+    /// finds the key in progress until the lost claim's lease lapses, and
+    /// then takes it over: the HTTP layer runs the handler, `execute` and
+    /// the MCP layer apply their in-doubt policy, which by default refuses),
+    /// and [`Error::Closed`] (this store is shutting down: a retry reaches
+    /// another replica, or this service once it is back).
     ///
     /// `false` for every other error: a client error
     /// ([`Error::is_client_error`]) gets the same answer however often it
@@ -384,8 +388,7 @@ impl Error {
     /// need an operator; [`Error::Poisoned`], [`Error::Storage`] (an I/O
     /// error of the file engine, or a row or answer the PostgreSQL engine
     /// cannot read) and the corruption errors need a reopen, a repair or a
-    /// restore; [`Error::Closed`] is a store shutting down;
-    /// [`Error::ReadOnly`] a store opened not to write.
+    /// restore; [`Error::ReadOnly`] is a store opened not to write.
     ///
     /// The HTTP layer answers a transient error with 503 and `Retry-After`
     /// (any other store fault with 503 alone), the MCP layer with
@@ -393,7 +396,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Error::Unavailable { .. } | Error::OutcomeUnknown { .. }
+            Error::Unavailable { .. } | Error::OutcomeUnknown { .. } | Error::Closed
         )
     }
 }
@@ -459,9 +462,10 @@ pub enum ConfigFault {
     /// back below a key's fencing token (a takeover is refused: raise it
     /// with `setval` to the records table's largest token), or row-level
     /// security made active for the store's role on its tables (a policy
-    /// that hides a row makes a held key or business key look free; found
-    /// by a connect, by `verify`, and by a claim that cannot insert a key
-    /// it cannot see). (Or found by a
+    /// that hides a row makes a held key or business key look free: a
+    /// connect refuses it, and a running store's sessions, which set
+    /// `row_security = off`, have their statements refused, `42501` "query
+    /// would be affected by row-level security policy"). (Or found by a
     /// connect or a migration: a version row without `records`, `bindings`
     /// or `tokens`, or those without a version row; it refuses rather than
     /// create the missing objects empty, or a new store over old rows; or
@@ -618,5 +622,46 @@ impl ImportRule {
 impl std::fmt::Display for ImportRule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The errors that pass on their own: the PostgreSQL engine's
+    /// unreachable server and lost answer, and a store shutting down; none
+    /// that needs an operator or rejects the input.
+    #[test]
+    fn transient_errors_are_those_that_pass_on_their_own() {
+        let detail = || "x".to_owned();
+        for e in [
+            Error::Unavailable { detail: detail() },
+            Error::OutcomeUnknown { detail: detail() },
+            Error::Closed,
+        ] {
+            assert!(e.is_transient(), "{e:?}");
+            assert!(!e.is_client_error(), "{e:?}");
+        }
+        for e in [
+            Error::InvalidKey { reason: detail() },
+            Error::invalid("lease", detail()),
+            Error::Storage(detail()),
+            Error::Poisoned { cause: detail() },
+            Error::Misconfigured {
+                fault: ConfigFault::SchemaDamaged,
+                detail: detail(),
+            },
+            Error::IncompatibleSchema {
+                schema: detail(),
+                detail: detail(),
+            },
+            Error::ReadOnly {
+                path: PathBuf::from("s.redb"),
+                operation: "claim",
+            },
+        ] {
+            assert!(!e.is_transient(), "{e:?}");
+        }
     }
 }

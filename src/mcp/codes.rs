@@ -44,13 +44,14 @@ pub const IN_DOUBT: i32 = -32042;
 /// database) before the tool ran. Retry with the same key once the store is
 /// back. `data.transient` says whether it comes back on its own
 /// ([`Error::is_transient`](crate::Error::is_transient): the database
-/// unreachable, or a claim's answer lost), in which case
-/// `data.retryAfterMs` (whole milliseconds, at least 1;
+/// unreachable, a claim's answer lost, or the store shutting down), in
+/// which case `data.retryAfterMs` (whole milliseconds, at least 1;
 /// [`McpOptions::unavailable_retry_after`](super::McpOptions::unavailable_retry_after))
 /// is a hint of when to retry; `false` means that an operator must act
 /// first (a misconfigured or damaged store, or one that refuses writes
-/// until it is reopened), and a retry before then gets this error again. If the claim was applied but its answer lost (on PostgreSQL, a
-/// failure after its `COMMIT` was sent), the retry finds the key in progress
+/// until it is reopened), and a retry before then gets this error again.
+/// If the claim was applied but its answer lost (on PostgreSQL, a failure
+/// after its `COMMIT` was sent), the retry finds the key in progress
 /// ([`IN_PROGRESS`]) until the claim's lease lapses, then in doubt
 /// ([`IN_DOUBT`]): the store cannot tell a lost answer from a crash mid-call
 /// (`docs/mcp.md`, "What is and is not safe").

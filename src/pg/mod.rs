@@ -92,8 +92,10 @@
 //!   `idle_in_transaction_session_timeout` (so the server ends a session
 //!   left half-open inside a transaction, releasing its row locks), the
 //!   planner settings `plan_cache_mode = force_generic_plan` and
-//!   `enable_seqscan = off` (see `session_settings`; the same through a
-//!   pooler in session mode), and TCP keepalives. `Drop` waits for the
+//!   `enable_seqscan = off`, `row_security = off` (so that a row-level
+//!   security policy refuses the store's statements instead of hiding
+//!   rows from them; see `session_settings`; the same through a pooler in
+//!   session mode), and TCP keepalives. `Drop` waits for the
 //!   jobs in flight, so for at most one `call_timeout`.
 //! - **Durability** is the server's: an answer is given only after the
 //!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
@@ -703,6 +705,9 @@ fn config_fault(err: &tokio_postgres::Error) -> Option<ConfigFault> {
             return Some(ConfigFault::AuthenticationFailed);
         }
     }
+    if row_security_refused(err) {
+        return Some(ConfigFault::SchemaDamaged);
+    }
     if let Some(db) = err.as_db_error()
         && db.code() == &SqlState::FEATURE_NOT_SUPPORTED
         && db.message() == "cached plan must not change result type"
@@ -769,6 +774,18 @@ pub(crate) fn sqlstate_fault(code: &str) -> Option<ConfigFault> {
     }
 }
 
+/// Whether `err` is the server's refusal of a statement that a row-level
+/// security policy would filter, under the engine's `row_security = off`
+/// (42501 with these words; a missing privilege is 42501 too).
+fn row_security_refused(err: &tokio_postgres::Error) -> bool {
+    err.as_db_error().is_some_and(|db| {
+        db.code() == &SqlState::INSUFFICIENT_PRIVILEGE
+            && db
+                .message()
+                .starts_with("query would be affected by row-level security policy")
+    })
+}
+
 /// Whether `err` is tokio-postgres's refusal to connect because the
 /// server asked for a password the connection string does not hold (its
 /// configuration error "password missing"; `PGPASSWORD` and `.pgpass` are
@@ -831,7 +848,16 @@ fn read_only(err: &tokio_postgres::Error) -> bool {
 /// Classifies an error of a statement sent before the commit.
 fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
-    if let Some(fault) = config_fault(err) {
+    if row_security_refused(err) {
+        Fail::Config(
+            ConfigFault::SchemaDamaged,
+            format!(
+                "{detail}: row-level security was made active for the store's role on its \
+                 tables outside idemstore; turn it off (ALTER TABLE … DISABLE ROW LEVEL \
+                 SECURITY, NO FORCE ROW LEVEL SECURITY) or give the role BYPASSRLS"
+            ),
+        )
+    } else if let Some(fault) = config_fault(err) {
         Fail::Config(fault, detail)
     } else if connection_lost(err) {
         Fail::Lost(detail)
@@ -854,6 +880,13 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
 /// Classifies an error of the `COMMIT` itself.
 fn fail_commit(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
+    // A refusal that no retry mends (a deferred constraint or trigger
+    // added outside idemstore): rolled back, as any refused commit.
+    if err.as_db_error().is_some()
+        && let Some(fault) = config_fault(err)
+    {
+        return Fail::Config(fault, detail);
+    }
     match err.as_db_error() {
         // The server answered the commit with an error (not a shutdown):
         // the transaction was rolled back.
@@ -1147,6 +1180,21 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
         ),
     };
     time_from(shared, rows.as_deref()).map_err(|f| f.error())?;
+    // Before the schema is read: a policy may hide its version row, which
+    // would make a store look absent (and a migration call it damaged).
+    let secured = row_secured_tables(&shared.sql.schema, &client)
+        .await
+        .map_err(|e| fail(&e).error())?;
+    if !secured.is_empty() {
+        return Err(Error::Misconfigured {
+            fault: ConfigFault::SchemaDamaged,
+            detail: format!(
+                "schema {}: {}",
+                shared.sql.schema,
+                row_secured_remedy(&shared.sql.schema, &secured)
+            ),
+        });
+    }
     if !shared.migrate {
         match read_current(shared, &client).await? {
             Current::Store(id) => {
@@ -1546,19 +1594,7 @@ async fn check_objects(shared: &Shared, client: &Client) -> Result<()> {
                 .await
                 .map_err(|e| fail(&e).error())?;
             if unkeyed.is_empty() {
-                let secured = row_secured_tables(schema, client)
-                    .await
-                    .map_err(|e| fail(&e).error())?;
-                if secured.is_empty() {
-                    return Ok(());
-                }
-                return Err(Error::Misconfigured {
-                    fault: ConfigFault::SchemaDamaged,
-                    detail: format!(
-                        "schema {schema} holds a store whose {}",
-                        row_secured_remedy(schema, &secured)
-                    ),
-                });
+                return Ok(());
             }
             return Err(Error::Misconfigured {
                 fault: ConfigFault::SchemaDamaged,
@@ -2269,7 +2305,9 @@ async fn attempt(
     }
     // A key that every round reads as absent and cannot insert may be a
     // row that a row-level security policy hides from this role (enabled
-    // after the store connected): that no retry mends.
+    // after the store connected, on sessions whose `row_security` the
+    // URL's options turned back on; otherwise the policy refuses the
+    // statements first): that no retry mends.
     let secured = row_secured_tables(&shared.sql.schema, &conn.client)
         .await
         .map_err(|e| fail(&e))?;
@@ -3758,11 +3796,17 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
 ///   parameters would otherwise be planned again on every call (a custom
 ///   plan looks cheaper for a one-element array than the generic plan's
 ///   estimate).
+/// - `row_security = off`: a statement that a row-level security policy
+///   would filter fails instead (42501, "query would be affected by
+///   row-level security policy"), answered as a damaged schema: a row
+///   hidden from the store would make a held key or business key look
+///   free, and a claim would acquire it again (a connect refuses such a
+///   schema; this covers a policy enabled while the store runs).
 /// - `enable_seqscan = off`: every statement of the engine finds its rows
 ///   through an index (the key, a binding, the expiry); a generic plan made
 ///   while a table is new and small would otherwise scan it in full for as
 ///   long as the connection lives.
-fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 5] {
+fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 6] {
     let ms = |d: Duration| d.as_millis().to_string();
     [
         ("statement_timeout", ms(limits.statement_timeout)),
@@ -3773,6 +3817,7 @@ fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 5] {
         ),
         ("plan_cache_mode", "force_generic_plan".to_owned()),
         ("enable_seqscan", "off".to_owned()),
+        ("row_security", "off".to_owned()),
     ]
 }
 
@@ -4715,9 +4760,8 @@ async fn scan_task(
         let mut confirmed = PairDigest::new(&hashers);
         let mut pending: Option<PageRequest> = None;
         // The checks of the schema's objects that the rows cannot show: a
-        // key column that lost its unique index, row-level security active
-        // for this role (found by a connect, but not by a store connected
-        // before the change).
+        // key column that lost its unique index (found by a connect, but
+        // not by a store connected before it was dropped).
         if checked {
             let unkeyed = unkeyed_columns(&shared.sql.schema, &txn)
                 .await
@@ -4729,19 +4773,6 @@ async fn scan_task(
                 let problem = Problem::other(
                     format!("(schema {})", shared.sql.schema),
                     unkeyed_remedy(&shared.sql.schema, &unkeyed),
-                );
-                let _ = tx.send(Ok(vec![Ok(Scanned::Problem(problem))]));
-            }
-            let secured = row_secured_tables(&shared.sql.schema, &txn)
-                .await
-                .map_err(|e| fail(&e))?;
-            if !secured.is_empty() {
-                let Some(tx) = next_request(&mut pending, &mut requests).await else {
-                    return Ok(());
-                };
-                let problem = Problem::other(
-                    format!("(schema {})", shared.sql.schema),
-                    row_secured_remedy(&shared.sql.schema, &secured),
                 );
                 let _ = tx.send(Ok(vec![Ok(Scanned::Problem(problem))]));
             }

@@ -2021,6 +2021,29 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
         pg.apply(&key("k"), claim(b"a")),
         &[],
     );
+    // A deferred constraint trigger that raises at the commit: the general
+    // way's `COMMIT` is refused (was `Unavailable`), as is the hot way's
+    // statement.
+    let (pg, _clock) = open("deferred_trigger_added");
+    let name = pg.shared.sql.schema.clone();
+    raw_sql(&format!(
+        "CREATE FUNCTION \"{name}\".refuse_late() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN RAISE EXCEPTION 'refused at commit'; END$$"
+    ));
+    raw_sql(&format!(
+        "CREATE CONSTRAINT TRIGGER refuse_late AFTER INSERT ON \"{name}\".records \
+         DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION \"{name}\".refuse_late()"
+    ));
+    assert_schema_damaged(
+        "a business-key claim refused at its commit",
+        pg.apply(&key("k"), claim_bk(b"a", "T-1")),
+        &["refused at commit"],
+    );
+    assert_schema_damaged(
+        "a hot claim refused at its statement's end",
+        pg.apply(&key("h"), claim(b"a")),
+        &["refused at commit"],
+    );
     // A NULL where the store keeps a value: a read is refused, and so is
     // a connect, naming the column.
     let (pg, _clock) = open("null_allowed");
@@ -2322,12 +2345,14 @@ fn a_runtime_role_without_create_runs_a_migrated_store() {
 /// Row-level security enabled on the store's tables outside idemstore, with
 /// a policy that hides finished records from the store's role, so that a
 /// key or business key another record holds looks free (a second key took
-/// a finished record's business key, and its work ran twice): a connect
-/// refuses the schema, saying how to turn it off; a
-/// store connected before it was enabled finds it when a claim of a hidden
-/// key cannot insert it (was `Unavailable`, "lost its compare-and-set 64
-/// times in a row", which a retry never mends), and `verify` names it.
-/// Turned off, the store runs again and replays the hidden key.
+/// a finished record's business key, and its work ran twice; a claim of
+/// the hidden key answered `Unavailable`, which a retry never mends): a
+/// store connected before it was enabled has every statement refused
+/// (its sessions' `row_security = off`), `verify` too, and a connect
+/// refuses the schema, saying how to turn it off. Turned off, the store
+/// runs again and replays the hidden key. On `meta`, hiding the version
+/// row, a connect or a migration says the same (the store was taken for
+/// absent).
 #[test]
 fn row_level_security_active_for_the_store_is_a_damaged_schema() {
     if skipped() {
@@ -2374,21 +2399,26 @@ fn row_level_security_active_for_the_store_is_a_damaged_schema() {
         "DISABLE ROW LEVEL SECURITY",
         "BYPASSRLS",
     ];
+    // The running store's sessions have `row_security = off`: every
+    // statement on the table is refused rather than filtered. (A second
+    // key acquired the hidden record's business key.)
+    let refused = [
+        "row-level security",
+        "DISABLE ROW LEVEL SECURITY",
+        "BYPASSRLS",
+    ];
+    assert_schema_damaged(
+        "a claim of the business key of a record the policy hides",
+        pg.apply(&key("order-dup"), claim_bk(b"a", "order-1")),
+        &refused,
+    );
     assert_schema_damaged(
         "a claim of a key the policy hides",
         pg.apply(&key("order"), claim_bk(b"a", "order-1")),
-        &remedy,
+        &refused,
     );
-    let report = pg.verify(|_| {}).unwrap();
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|p| p.key == format!("(schema {name})")
-                && p.detail.contains("records has row-level security active")),
-        "{:#?}",
-        report.problems
-    );
+    assert_schema_damaged("a read of a hidden key", pg.get(&key("order")), &refused);
+    assert_schema_damaged("a verify", pg.verify(|_| {}).map(drop), &refused);
     drop(pg);
     assert_schema_damaged(
         "a connect",
@@ -2401,6 +2431,23 @@ fn row_level_security_active_for_the_store_is_a_damaged_schema() {
         pg.apply(&key("order"), claim_bk(b"a", "order-1")).unwrap(),
         Reply::Claim(ClaimOutcome::Replay(_))
     ));
+    drop(pg);
+    // Row-level security on `meta` with no policy hides the version row:
+    // the store is not taken for absent (was SchemaNotMigrated, and a
+    // migration called the schema damaged and told to drop it).
+    raw_sql(&format!(
+        "ALTER TABLE \"{name}\".meta ENABLE ROW LEVEL SECURITY"
+    ));
+    for migrate in [false, true] {
+        assert_schema_damaged(
+            &format!("a connect with the version row hidden, migrate {migrate}"),
+            Postgres::connect(&as_role, options(migrate)).map(drop),
+            &[
+                "meta has row-level security active",
+                "DISABLE ROW LEVEL SECURITY",
+            ],
+        );
+    }
 }
 
 /// Imports that raise the sequence while hot claims draw from it (one
