@@ -329,27 +329,32 @@ fn parse_record(at: u64, p: &[u8]) -> Result<Record> {
     codec::decode_record(key, envelope).map_err(|e| corrupt(at, e.to_string()))
 }
 
-/// Reads until `buf` is full or the input ends; returns the bytes read.
 /// Checks the start of an export stream, its header and its meta frame,
-/// as [`Store::import`](crate::Store::import) checks them, and gives back
+/// as [`Store::import`](crate::Store::import) checks their form, and gives back
 /// a reader that yields the whole stream again from its first byte, for
 /// the import. A restore into a store that does not exist yet checks this
 /// before it creates the store, so that input that is not an export (an
 /// empty or cut one, another file) creates nothing: `idemstore import
 /// --create` does.
 ///
-/// Reads the 24-byte header and the first frame (at most 8 + `MAX_FRAME`
-/// bytes, the most an import holds in memory for one frame), and keeps
-/// them in memory; the import reads and checks every later frame, and a
-/// stream damaged after its meta frame still stops it there, with the
-/// batches before the damage imported.
+/// Reads the 24-byte header and the first frame, and keeps at most the
+/// 66 bytes of a header and a meta frame (a first frame that claims more
+/// is read into one buffer of at most 8 + `MAX_FRAME` bytes, as an import
+/// reads any frame, and refused). The import reads and checks every later
+/// frame: a stream damaged after its meta frame still stops it there, with
+/// the batches before the damage imported. Of the meta frame's values, the
+/// token counter is checked against the cap here; its clock high-water
+/// mark is checked by the import against the store's clock, which only
+/// an open store has.
 ///
 /// # Errors
 /// [`Error::CorruptExport`] with the byte offset and the fault, as
 /// an import answers it: no export magic, a header failing its crc32 or of
 /// a format version this build does not read, a stream that ends or is
 /// damaged before the end of its meta frame, a first frame that is not the
-/// meta frame. [`Error::Storage`] when reading the input fails.
+/// meta frame. [`Error::ImportRefused`] with [`ImportRule::TokenCap`] for a
+/// token counter above the cap (nothing imported). [`Error::Storage`] when
+/// reading the input fails.
 pub fn check_export_start<R: Read>(input: R) -> Result<io::Chain<io::Cursor<Vec<u8>>, R>> {
     let recording = Recording {
         inner: input,
@@ -357,6 +362,17 @@ pub fn check_export_start<R: Read>(input: R) -> Result<io::Chain<io::Cursor<Vec<
     };
     let mut reader = FrameReader::new(recording)?;
     match reader.next_frame()? {
+        Some((at, Frame::Meta(meta))) if meta.next_token > MAX_TOKEN => {
+            return Err(Error::ImportRefused {
+                offset: at,
+                rule: ImportRule::TokenCap,
+                detail: format!(
+                    "the token counter {} is above the cap {MAX_TOKEN}",
+                    meta.next_token
+                ),
+                imported: 0,
+            });
+        }
         Some((_, Frame::Meta(_))) => {}
         Some((at, _)) => return Err(corrupt(at, "the first frame is not the meta frame")),
         None => {
@@ -370,7 +386,13 @@ pub fn check_export_start<R: Read>(input: R) -> Result<io::Chain<io::Cursor<Vec<
     Ok(io::Cursor::new(seen).chain(inner))
 }
 
-/// A reader that keeps a copy of every byte read through it.
+/// The bytes of a stream's header and meta frame (8-byte frame head, kind
+/// and 33-byte payload).
+const START_LEN: usize = 24 + 8 + 34;
+
+/// A reader that keeps a copy of the first [`START_LEN`] bytes read
+/// through it (a stream whose start is longer is refused, and its copy not
+/// needed).
 struct Recording<R> {
     inner: R,
     seen: Vec<u8>,
@@ -379,12 +401,15 @@ struct Recording<R> {
 impl<R: Read> Read for Recording<R> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         let n = self.inner.read(buf)?;
+        let read = buf.get(..n).unwrap_or_default();
+        let room = START_LEN.saturating_sub(self.seen.len()).min(read.len());
         self.seen
-            .extend_from_slice(buf.get(..n).unwrap_or_default());
+            .extend_from_slice(read.get(..room).unwrap_or_default());
         Ok(n)
     }
 }
 
+/// Reads until `buf` is full or the input ends; returns the bytes read.
 fn read_full(input: &mut impl Read, buf: &mut [u8]) -> Result<usize> {
     let mut got = 0;
     while got < buf.len() {
@@ -972,9 +997,9 @@ mod tests {
     /// `check_export_start` gives back the whole stream, byte for byte,
     /// having read no further than the meta frame; it refuses what an
     /// import refuses at the start (an empty stream, one cut in its header
-    /// or meta frame, another file, a record before the meta frame), and a
-    /// stream damaged after its meta frame passes it (the import stops
-    /// there).
+    /// or meta frame, another file, a record before the meta frame, a token
+    /// counter above the cap), and a stream damaged after its meta frame
+    /// passes it (the import stops there).
     #[test]
     fn the_start_of_a_stream_is_checked_and_given_back_whole() {
         let bytes = stream(&[sample("a"), sample("b")]);
@@ -1010,6 +1035,28 @@ mod tests {
         let last = late_damage.len() - 1;
         late_damage[last] ^= 0x04;
         assert!(check_export_start(late_damage.as_slice()).is_ok());
+        // A token counter above the cap, refused as an import refuses it.
+        let mut over = Vec::new();
+        let mut w = FrameWriter::new(&mut over).unwrap();
+        w.meta(&StreamMeta {
+            store_id: 9,
+            next_token: MAX_TOKEN + 1,
+            clock_hwm: 11,
+        })
+        .unwrap();
+        w.end(0).unwrap();
+        let result = check_export_start(over.as_slice()).map(drop);
+        assert!(
+            matches!(
+                result,
+                Err(Error::ImportRefused {
+                    rule: ImportRule::TokenCap,
+                    imported: 0,
+                    ..
+                })
+            ),
+            "{result:?}"
+        );
     }
 
     #[test]

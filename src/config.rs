@@ -112,8 +112,11 @@ pub enum PostgresPooler {
     /// sessions of their own. Its session settings (`statement_timeout`,
     /// `lock_timeout`, `idle_in_transaction_session_timeout`, and the
     /// planner's `plan_cache_mode = force_generic_plan` and `enable_seqscan
-    /// = off`, so that every statement finds its rows by index) travel as
-    /// the startup parameter `options`.
+    /// = off`, so that every statement finds its rows by index, and, after
+    /// the URL's own `options`, which cannot change it, `row_security =
+    /// off`, so that a row-level security policy refuses the store's
+    /// statements rather than hide rows from them) travel as the startup
+    /// parameter `options`.
     #[default]
     Direct,
     /// A pooler that gives each of the store's connections one server
@@ -126,7 +129,8 @@ pub enum PostgresPooler {
     /// connection opened; and then each `-c name=value` of the URL's
     /// `options` with `set_config`, so that the URL still wins where the
     /// pooler dropped the startup parameter (except settings only a
-    /// session's start can set, such as `log_connections`). The connect
+    /// session's start can set, such as `log_connections`), and last
+    /// `row_security = off`. The connect
     /// also probes that the entry is in session mode (a marker set in one
     /// connection's session must not show in a second connection's):
     /// a transaction-mode entry found so is refused with

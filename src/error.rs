@@ -378,9 +378,7 @@ impl Error {
     /// retry table says; a retry finds the outcome and replays it, or
     /// finds the key in progress until the lost claim's lease lapses, and
     /// then takes it over: the HTTP layer runs the handler, `execute` and
-    /// the MCP layer apply their in-doubt policy, which by default refuses),
-    /// and [`Error::Closed`] (this store is shutting down: a retry reaches
-    /// another replica, or this service once it is back).
+    /// the MCP layer apply their in-doubt policy, which by default refuses).
     ///
     /// `false` for every other error: a client error
     /// ([`Error::is_client_error`]) gets the same answer however often it
@@ -388,7 +386,10 @@ impl Error {
     /// need an operator; [`Error::Poisoned`], [`Error::Storage`] (an I/O
     /// error of the file engine, or a row or answer the PostgreSQL engine
     /// cannot read) and the corruption errors need a reopen, a repair or a
-    /// restore; [`Error::ReadOnly`] is a store opened not to write.
+    /// restore; [`Error::Closed`] is a store whose writer stopped (a
+    /// panic of the file engine's writer or syncer thread, which only a
+    /// reopen mends, or a store being dropped); [`Error::ReadOnly`] a store
+    /// opened not to write.
     ///
     /// The HTTP layer answers a transient error with 503 and `Retry-After`
     /// (any other store fault with 503 alone), the MCP layer with
@@ -396,7 +397,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         matches!(
             self,
-            Error::Unavailable { .. } | Error::OutcomeUnknown { .. } | Error::Closed
+            Error::Unavailable { .. } | Error::OutcomeUnknown { .. }
         )
     }
 }
@@ -630,15 +631,14 @@ mod tests {
     use super::*;
 
     /// The errors that pass on their own: the PostgreSQL engine's
-    /// unreachable server and lost answer, and a store shutting down; none
-    /// that needs an operator or rejects the input.
+    /// unreachable server and lost answer; none that needs an operator or a
+    /// reopen, or rejects the input.
     #[test]
     fn transient_errors_are_those_that_pass_on_their_own() {
         let detail = || "x".to_owned();
         for e in [
             Error::Unavailable { detail: detail() },
             Error::OutcomeUnknown { detail: detail() },
-            Error::Closed,
         ] {
             assert!(e.is_transient(), "{e:?}");
             assert!(!e.is_client_error(), "{e:?}");
@@ -648,6 +648,7 @@ mod tests {
             Error::invalid("lease", detail()),
             Error::Storage(detail()),
             Error::Poisoned { cause: detail() },
+            Error::Closed,
             Error::Misconfigured {
                 fault: ConfigFault::SchemaDamaged,
                 detail: detail(),

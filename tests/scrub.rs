@@ -703,7 +703,23 @@ fn the_background_scrub_keeps_its_pace_during_a_sweep_that_lasts() {
     // The victim stays in flight (a finished record would be evicted),
     // its recovery point the bytes damaged below.
     // Scopes apart, so that the churn's inserts and evictions rewrite no
-    // page of the victim's (which would write its damaged bytes over).
+    // page of the victim's (which would write its damaged bytes over, or
+    // read them first and refuse writes before the scrub comes by): pages
+    // of records in flight that never change lie between the two, so that
+    // no leaf holds both a churn key and the victim, and none is a
+    // neighbour the churn's splits and merges touch.
+    for i in 0..64 {
+        let pad = acquired(
+            store
+                .claim(
+                    &key_in("mm/pad", &format!("{i}")),
+                    &fp("pad"),
+                    &lease_of(secs(7200)),
+                )
+                .unwrap(),
+        );
+        store.set_recovery_point(&pad, &[b'p'; 1024]).unwrap();
+    }
     let victim = key_in("zz/victim", "v");
     let held = acquired(
         store

@@ -483,16 +483,15 @@ impl IdempotencyLayer {
 
     /// The `Retry-After` of the 503 answered when the store fails for a
     /// reason that passes on its own ([`Error::is_transient`](crate::Error::is_transient):
-    /// the PostgreSQL server unreachable, a claim's answer lost, or the
-    /// store shutting down), in
+    /// the PostgreSQL server unreachable, or a claim's answer lost), in
     /// whole seconds, rounded up, at least 1 (default 1 s, a hint: the
     /// layer cannot know when the server is back). RFC 9110 §10.2.3 lets a
     /// 503 say how long the client should wait. The retry must carry the
     /// same key: a claim whose answer was lost holds the key until its
     /// lease lapses (409 with the lease's own `Retry-After` meanwhile).
     /// A 503 for a fault that needs an operator (a misconfigured or
-    /// damaged store, one refusing writes after a failed fsync) has no
-    /// `Retry-After`.
+    /// damaged store, one refusing writes after a failed fsync, a closed
+    /// store) has no `Retry-After`.
     pub fn unavailable_retry_after(mut self, wait: Duration) -> IdempotencyLayer {
         self.settings.unavailable_retry_after = wait;
         self

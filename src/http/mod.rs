@@ -61,8 +61,8 @@
 //! | business key empty, over 255 bytes or with a control character | 400 | no |
 //! | key finished before, same payload | the stored status, stored headers and body, plus `Idempotent-Replayed: true` | no |
 //! | key finished before, its response too large to keep | 410 with `original_status` and `location`, plus `Idempotent-Replayed: true` | no |
-//! | store failing for a reason that passes on its own ([`Error::is_transient`](crate::Error::is_transient): the database unreachable, a claim's answer lost, the store shutting down) | 503 with `Retry-After` ([`IdempotencyLayer::unavailable_retry_after`]) | no |
-//! | store failing for a reason an operator must mend (I/O error, poisoned, misconfigured) | 503, no `Retry-After` | no |
+//! | store failing for a reason that passes on its own ([`Error::is_transient`](crate::Error::is_transient): the database unreachable, a claim's answer lost) | 503 with `Retry-After` ([`IdempotencyLayer::unavailable_retry_after`]) | no |
+//! | store failing for a reason an operator must mend (I/O error, poisoned, misconfigured, closed) | 503, no `Retry-After` | no |
 //! | stored record or response damaged, bad configuration | 500 | no |
 //! | first attempt, a retry after a retryable failure or a released key, or a takeover after a lapsed lease | the handler's response | yes |
 //!

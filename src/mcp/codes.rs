@@ -44,8 +44,7 @@ pub const IN_DOUBT: i32 = -32042;
 /// database) before the tool ran. Retry with the same key once the store is
 /// back. `data.transient` says whether it comes back on its own
 /// ([`Error::is_transient`](crate::Error::is_transient): the database
-/// unreachable, a claim's answer lost, or the store shutting down), in
-/// which case `data.retryAfterMs` (whole milliseconds, at least 1;
+/// unreachable, or a claim's answer lost), in which case `data.retryAfterMs` (whole milliseconds, at least 1;
 /// [`McpOptions::unavailable_retry_after`](super::McpOptions::unavailable_retry_after))
 /// is a hint of when to retry; `false` means that an operator must act
 /// first (a misconfigured or damaged store, or one that refuses writes

@@ -152,8 +152,7 @@ impl McpOptions {
     /// The `data.retryAfterMs` of a [`STORE_FAILED`](super::STORE_FAILED)
     /// answered for a fault that passes on its own
     /// ([`Error::is_transient`](crate::Error::is_transient): the database
-    /// unreachable, a claim's answer lost, or the store shutting down), in
-    /// whole milliseconds, at
+    /// unreachable, or a claim's answer lost), in whole milliseconds, at
     /// least 1 (default 1 s): a hint, since the layer cannot know when the
     /// database is back.
     #[must_use]

@@ -92,10 +92,11 @@
 //!   `idle_in_transaction_session_timeout` (so the server ends a session
 //!   left half-open inside a transaction, releasing its row locks), the
 //!   planner settings `plan_cache_mode = force_generic_plan` and
-//!   `enable_seqscan = off`, `row_security = off` (so that a row-level
-//!   security policy refuses the store's statements instead of hiding
-//!   rows from them; see `session_settings`; the same through a pooler in
-//!   session mode), and TCP keepalives. `Drop` waits for the
+//!   `enable_seqscan = off` (see `session_settings`), `row_security = off`
+//!   after the URL's own options (so that a row-level security policy
+//!   refuses the store's statements instead of hiding rows from them; see
+//!   `ENFORCED_SETTINGS`), the same through a pooler in session mode, and
+//!   TCP keepalives. `Drop` waits for the
 //!   jobs in flight, so for at most one `call_timeout`.
 //! - **Durability** is the server's: an answer is given only after the
 //!   `COMMIT` returned, so `synchronous_commit` must stay `on` (with `off`
@@ -2303,24 +2304,6 @@ async fn attempt(
         loaded?;
         now = later?;
     }
-    // A key that every round reads as absent and cannot insert may be a
-    // row that a row-level security policy hides from this role (enabled
-    // after the store connected, on sessions whose `row_security` the
-    // URL's options turned back on; otherwise the policy refuses the
-    // statements first): that no retry mends.
-    let secured = row_secured_tables(&shared.sql.schema, &conn.client)
-        .await
-        .map_err(|e| fail(&e))?;
-    if !secured.is_empty() {
-        return Err(Fail::Config(
-            ConfigFault::SchemaDamaged,
-            format!(
-                "schema {} holds a store whose {}",
-                shared.sql.schema,
-                row_secured_remedy(&shared.sql.schema, &secured)
-            ),
-        ));
-    }
     Err(Fail::Retry(format!(
         "the batch lost its compare-and-set {MAX_ROUNDS} times in a row"
     )))
@@ -3796,17 +3779,11 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
 ///   parameters would otherwise be planned again on every call (a custom
 ///   plan looks cheaper for a one-element array than the generic plan's
 ///   estimate).
-/// - `row_security = off`: a statement that a row-level security policy
-///   would filter fails instead (42501, "query would be affected by
-///   row-level security policy"), answered as a damaged schema: a row
-///   hidden from the store would make a held key or business key look
-///   free, and a claim would acquire it again (a connect refuses such a
-///   schema; this covers a policy enabled while the store runs).
 /// - `enable_seqscan = off`: every statement of the engine finds its rows
 ///   through an index (the key, a binding, the expiry); a generic plan made
 ///   while a table is new and small would otherwise scan it in full for as
 ///   long as the connection lives.
-fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 6] {
+fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 5] {
     let ms = |d: Duration| d.as_millis().to_string();
     [
         ("statement_timeout", ms(limits.statement_timeout)),
@@ -3817,9 +3794,20 @@ fn session_settings(limits: &PostgresLimits) -> [(&'static str, String); 6] {
         ),
         ("plan_cache_mode", "force_generic_plan".to_owned()),
         ("enable_seqscan", "off".to_owned()),
-        ("row_security", "off".to_owned()),
     ]
 }
+
+/// The settings of every session the engine opens that the URL's `options`
+/// cannot change: sent after them (a later setting wins).
+/// - `row_security = off`: a statement that a row-level security policy
+///   would filter fails instead (42501, "query would be affected by
+///   row-level security policy"), answered as a damaged schema: a row
+///   hidden from the store would make a held key or business key look
+///   free, and a claim would acquire it again (a connect refuses such a
+///   schema; this covers a policy enabled while the store runs). A role
+///   the policy does not apply to (a superuser, `BYPASSRLS`, the tables'
+///   owner without `FORCE`) runs as before.
+const ENFORCED_SETTINGS: [(&str, &str); 1] = [("row_security", "off")];
 
 /// The settings that `options` (libpq's `options` parameter) gives, with
 /// `-c name=value`, `-cname=value` or `--name=value`, in order, as the
@@ -3937,9 +3925,14 @@ impl Postgres {
                     .map(|(name, value)| format!("-c {name}={value}"))
                     .collect::<Vec<_>>()
                     .join(" ");
+                let enforced = ENFORCED_SETTINGS
+                    .iter()
+                    .map(|(name, value)| format!("-c {name}={value}"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 let options_text = match config.get_options() {
-                    Some(given) => format!("{session} {given}"),
-                    None => session,
+                    Some(given) => format!("{session} {given} {enforced}"),
+                    None => format!("{session} {enforced}"),
                 };
                 config.options(&options_text);
                 None
@@ -3948,7 +3941,7 @@ impl Postgres {
             // to ignore it, drops it): the limits are set after connecting,
             // and then each setting the URL's `options` gives, again, so
             // that the URL wins here too whether or not the pooler passed
-            // the startup parameter on.
+            // the startup parameter on; the enforced settings last.
             PostgresPooler::Session => {
                 let mut set: Vec<String> = settings
                     .iter()
@@ -3969,6 +3962,11 @@ impl Postgres {
                          AND context NOT IN ('user', 'superuser'))"
                     ));
                 }
+                set.extend(
+                    ENFORCED_SETTINGS
+                        .iter()
+                        .map(|(name, value)| format!("SET {name} = {value}")),
+                );
                 Some(set.join("; "))
             }
             PostgresPooler::Transaction => {
