@@ -295,3 +295,39 @@ where
     )
     .await
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn sorted(error: ErrorData) -> &'static str {
+        match sort_rpc(error) {
+            Sorted::Lost => "lost",
+            Sorted::Busy => "busy",
+            Sorted::Retry(_) => "retry",
+            Sorted::Stop(_) => "stop",
+        }
+    }
+
+    /// A store failure is sent again unless the server says it needs an
+    /// operator (`data.transient: false`); one without the member, as from
+    /// an older server, is sent again as before.
+    #[test]
+    fn a_store_failure_is_retried_unless_it_needs_an_operator() {
+        let transient = codes::store_failed("k", Some(Duration::from_secs(1)));
+        assert_eq!(sorted(transient), "retry");
+        assert_eq!(sorted(codes::store_failed("k", None)), "stop");
+        let older = ErrorData::new(
+            ErrorCode(codes::STORE_FAILED),
+            "the idempotency store failed; retry with the same key",
+            Some(serde_json::json!({ "reason": "idempotency store failed" })),
+        );
+        assert_eq!(sorted(older), "retry");
+        assert_eq!(
+            sorted(codes::in_progress("k", Duration::from_secs(1))),
+            "busy"
+        );
+    }
+}
