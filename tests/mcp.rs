@@ -178,6 +178,8 @@ struct Harness {
     store: Arc<Store>,
     tools: Arc<Tools>,
     options: McpOptions,
+    /// The server ends of the connections [`connector`] opened.
+    servers: Mutex<Vec<Server>>,
 }
 
 type Client = RunningService<RoleClient, ()>;
@@ -198,6 +200,7 @@ impl Harness {
             store,
             tools,
             options,
+            servers: Mutex::default(),
         }
     }
 
@@ -508,6 +511,23 @@ async fn a_call_cancelled_while_its_tool_runs_is_in_doubt_not_run_again() {
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1, "the tool ran once");
 }
 
+/// A `connect` for `call_tool_once`: each call opens a new connection to
+/// `h`'s server, whose end is kept with the harness's others (dropping it
+/// would end the connection).
+fn connector(
+    h: &Arc<Harness>,
+) -> impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Client, String>>>> {
+    let h = Arc::clone(h);
+    move || {
+        let h = Arc::clone(&h);
+        Box::pin(async move {
+            let (client, server) = h.connect().await;
+            h.servers.lock().push(server);
+            Ok(client)
+        })
+    }
+}
+
 /// Calls the `append` tool with `key` and asserts the server's fault: an
 /// internal error (no retry helps; not STORE_FAILED, "retry with the same
 /// key", which `call_tool_once` does until its deadline) whose message
@@ -624,18 +644,7 @@ async fn the_client_helper_stops_on_a_conflict_with_the_key() {
         .call_tool(call("append", json!({"line": "first"}), "task-8:call_1"))
         .await
         .unwrap();
-    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
-    let connect = {
-        let (h, servers) = (h.clone(), servers.clone());
-        move || {
-            let (h, servers) = (h.clone(), servers.clone());
-            async move {
-                let (client, server) = h.connect().await;
-                servers.lock().push(server); // dropping it would end the connection
-                Ok::<_, String>(client)
-            }
-        }
-    };
+    let connect = connector(&h);
     let key = Key::for_tool_call("acme/agent", "task-8", "call_1").unwrap();
     let params = CallToolRequestParams::new("append")
         .with_arguments(json!({"line": "second"}).as_object().cloned().unwrap());
@@ -795,18 +804,7 @@ async fn the_sep_wire_form_over_stdio_framing() {
 async fn the_client_helper_ends_at_its_deadline_when_no_answer_comes() {
     let h = Arc::new(Harness::new(McpOptions::new()));
     let (started, release) = h.hold_next();
-    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
-    let connect = {
-        let (h, servers) = (h.clone(), servers.clone());
-        move || {
-            let (h, servers) = (h.clone(), servers.clone());
-            async move {
-                let (client, server) = h.connect().await;
-                servers.lock().push(server);
-                Ok::<_, String>(client)
-            }
-        }
-    };
+    let connect = connector(&h);
     let key = Key::for_tool_call("acme/agent", "task-9", "call_1").unwrap();
     let policy = RetryPolicy::new(3, Duration::from_millis(1), Duration::from_millis(5))
         .unwrap()
@@ -969,18 +967,7 @@ async fn a_store_that_needs_an_operator_stops_the_client_helper() {
         .await
         .expect("drop the primary key");
     let h = Arc::new(h);
-    let servers: Arc<Mutex<Vec<Server>>> = Arc::default();
-    let connect = {
-        let (h, servers) = (h.clone(), servers.clone());
-        move || {
-            let (h, servers) = (h.clone(), servers.clone());
-            async move {
-                let (client, server) = h.connect().await;
-                servers.lock().push(server);
-                Ok::<_, String>(client)
-            }
-        }
-    };
+    let connect = connector(&h);
     let key = Key::for_tool_call("acme/agent", "task-9", "call_1").unwrap();
     let policy = RetryPolicy::new(1000, Duration::from_millis(1), Duration::from_millis(10))
         .unwrap()

@@ -404,6 +404,16 @@ fn schema_on_a_file_store_is_refused() {
     );
 }
 
+/// The export of an empty file store, written in `dir` (as `export`).
+fn sound_export(dir: &Path) -> std::path::PathBuf {
+    let export = dir.join("export");
+    let source = Store::open(dir.join("source.redb")).unwrap();
+    source
+        .export(std::fs::File::create(&export).unwrap(), |_| {})
+        .unwrap();
+    export
+}
+
 /// An unreachable server and a bad URL: exit 2, one line naming the cause,
 /// and never the password of the URL.
 #[test]
@@ -411,12 +421,7 @@ fn unreachable_server_and_bad_url_never_show_the_password() {
     // A sound export for `import --create`, which checks its input's start
     // before it connects.
     let dir = tempfile::tempdir().unwrap();
-    let export = dir.path().join("export");
-    let source = Store::open(dir.path().join("source.redb")).unwrap();
-    source
-        .export(std::fs::File::create(&export).unwrap(), |_| {})
-        .unwrap();
-    drop(source);
+    let export = sound_export(dir.path());
     let cases = [
         ("postgresql://admin:s3cret-pw@127.0.0.1:1/x", "unavailable"),
         (
@@ -545,12 +550,7 @@ fn migrate_creates_the_schema_once_for_a_deploy() {
 fn import_create_of_input_that_is_not_an_export_creates_nothing() {
     let Some(url) = server() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let export = dir.path().join("export");
-    let source = Store::open(dir.path().join("source.redb")).unwrap();
-    source
-        .export(std::fs::File::create(&export).unwrap(), |_| {})
-        .unwrap();
-    drop(source);
+    let export = sound_export(dir.path());
     let sound = std::fs::read(&export).unwrap();
     let schema = schema("not_an_export");
     let inputs: [(&str, &[u8]); 4] = [

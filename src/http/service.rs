@@ -442,10 +442,26 @@ fn too_large<B>(limit: usize) -> Response<IdempotencyBody<B>> {
     )
 }
 
+/// `wait` in whole seconds, rounded up, at least 1: a `Retry-After` value.
+fn retry_after_seconds(wait: Duration) -> u64 {
+    u64::try_from(wait.as_millis().div_ceil(1000).max(1)).unwrap_or(u64::MAX)
+}
+
+/// `response` with `Retry-After: seconds`.
+fn with_retry_after<B>(
+    mut response: Response<IdempotencyBody<B>>,
+    seconds: u64,
+) -> Response<IdempotencyBody<B>> {
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}
+
 /// 409 with `Retry-After` in whole seconds, rounded up (at least 1).
 fn in_progress<B>(key: &Key, retry_after: Duration) -> Response<IdempotencyBody<B>> {
-    let seconds = retry_after.as_millis().div_ceil(1000).max(1);
-    let mut response = problem(
+    let seconds = retry_after_seconds(retry_after);
+    let response = problem(
         StatusCode::CONFLICT,
         "Request in progress",
         &format!(
@@ -453,11 +469,7 @@ fn in_progress<B>(key: &Key, retry_after: Duration) -> Response<IdempotencyBody<
             key.id()
         ),
     );
-    response.headers_mut().insert(
-        header::RETRY_AFTER,
-        HeaderValue::from(u64::try_from(seconds).unwrap_or(u64::MAX)),
-    );
-    response
+    with_retry_after(response, seconds)
 }
 
 /// The stored response with `Idempotent-Replayed: true`; for a response
@@ -586,19 +598,15 @@ fn claim_error<B>(
         }
         _ if error.is_transient() => {
             tracing::warn!(%key, %error, "idempotency store unavailable");
-            let seconds = unavailable_retry_after.as_millis().div_ceil(1000).max(1);
-            let mut response = problem(
+            let seconds = retry_after_seconds(unavailable_retry_after);
+            let response = problem(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "Idempotency store unavailable",
                 &format!(
                     "the request was not processed; retry with the same idempotency key after {seconds} s"
                 ),
             );
-            response.headers_mut().insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(u64::try_from(seconds).unwrap_or(u64::MAX)),
-            );
-            response
+            with_retry_after(response, seconds)
         }
         _ => {
             // Not passing on its own: the store must be reopened, repaired

@@ -849,16 +849,16 @@ fn read_only(err: &tokio_postgres::Error) -> bool {
 /// Classifies an error of a statement sent before the commit.
 fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
-    if row_security_refused(err) {
-        Fail::Config(
-            ConfigFault::SchemaDamaged,
+    if let Some(fault) = config_fault(err) {
+        let detail = if row_security_refused(err) {
             format!(
                 "{detail}: row-level security was made active for the store's role on its \
                  tables outside idemstore; turn it off (ALTER TABLE … DISABLE ROW LEVEL \
                  SECURITY, NO FORCE ROW LEVEL SECURITY) or give the role BYPASSRLS"
-            ),
-        )
-    } else if let Some(fault) = config_fault(err) {
+            )
+        } else {
+            detail
+        };
         Fail::Config(fault, detail)
     } else if connection_lost(err) {
         Fail::Lost(detail)
@@ -1498,7 +1498,7 @@ fn unkeyed_remedy(schema: &str, unkeyed: &[String]) -> String {
 /// look free: a claim acquires it, and its work runs twice.
 async fn row_secured_tables(
     schema: &str,
-    client: &impl tokio_postgres::GenericClient,
+    client: &Client,
 ) -> std::result::Result<Vec<String>, tokio_postgres::Error> {
     let rows = client
         .query(
@@ -3920,21 +3920,17 @@ impl Postgres {
         let settings = session_settings(&limits);
         let session_set = match options.pooler {
             PostgresPooler::Direct => {
-                let session = settings
+                let words: Vec<String> = settings
                     .iter()
                     .map(|(name, value)| format!("-c {name}={value}"))
-                    .collect::<Vec<_>>()
-                    .join(" ");
-                let enforced = ENFORCED_SETTINGS
-                    .iter()
-                    .map(|(name, value)| format!("-c {name}={value}"))
-                    .collect::<Vec<_>>()
-                    .join(" ");
-                let options_text = match config.get_options() {
-                    Some(given) => format!("{session} {given} {enforced}"),
-                    None => format!("{session} {enforced}"),
-                };
-                config.options(&options_text);
+                    .chain(config.get_options().map(str::to_owned))
+                    .chain(
+                        ENFORCED_SETTINGS
+                            .iter()
+                            .map(|(name, value)| format!("-c {name}={value}")),
+                    )
+                    .collect();
+                config.options(words.join(" "));
                 None
             }
             // PgBouncer refuses the startup parameter `options` (or, told
