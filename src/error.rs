@@ -235,7 +235,13 @@ pub enum Error {
     /// the change may or may not be durable: after reopening, `get` tells.
     /// The store refuses further writes (see [`Error::Poisoned`]). On
     /// PostgreSQL: a row or an answer the engine cannot read (a request
-    /// that wrote may have been applied: `get` tells); the store goes on.
+    /// that wrote may have been applied: `get` tells); or a statement the
+    /// server refused for a reason that the same statement meets again, by
+    /// its SQLSTATE class (a data exception `22`, a program limit `54`, the
+    /// server's internal errors `XX`: `XX001` a page of its data found
+    /// corrupted, `XX002` an index), which applied nothing and needs an
+    /// operator (the detail holds the server's words); the store goes on,
+    /// and requests that do not meet the fault are answered.
     #[error("storage error: {0}")]
     Storage(String),
 
@@ -279,9 +285,13 @@ pub enum Error {
     #[error("store is closed")]
     Closed,
 
-    /// The PostgreSQL server could not be reached, or the connection was
-    /// lost before the request's transaction was committed (or the server
-    /// refused the commit): the request was **not applied**. It is safe to
+    /// The PostgreSQL server could not be reached, the connection was
+    /// lost before the request's transaction was committed, or the server
+    /// refused a statement or the commit for a reason that passes (by its
+    /// SQLSTATE class: a deadlock or serialization failure, a lock wait
+    /// past `lock_timeout`, a statement cancelled by `statement_timeout`,
+    /// too few resources such as memory or connections, a host turned
+    /// read-only): the request was **not applied**. It is safe to
     /// retry it as it is; the engine opens a new connection for the next
     /// request once the server is back. Maps to HTTP 503.
     #[error("the database is unavailable; the request was not applied: {detail}")]
@@ -384,9 +394,10 @@ impl Error {
     /// ([`Error::is_client_error`]) gets the same answer however often it
     /// is sent; [`Error::Misconfigured`] and [`Error::IncompatibleSchema`]
     /// need an operator; [`Error::Poisoned`], [`Error::Storage`] (an I/O
-    /// error of the file engine, or a row or answer the PostgreSQL engine
-    /// cannot read) and the corruption errors need a reopen, a repair or a
-    /// restore; [`Error::Closed`] is a store whose writer stopped (a
+    /// error of the file engine; a row or answer the PostgreSQL engine
+    /// cannot read, or a statement its server refused for a reason met
+    /// again, such as a page of its data found corrupted) and the
+    /// corruption errors need a reopen, a repair or a restore; [`Error::Closed`] is a store whose writer stopped (a
     /// panic of the file engine's writer or syncer thread, which only a
     /// reopen mends, or a store being dropped); [`Error::ReadOnly`] a store
     /// opened not to write.
@@ -457,9 +468,17 @@ pub enum ConfigFault {
     /// message gives the query that finds keys held by two rows and the
     /// `ALTER TABLE … ADD PRIMARY KEY` that restores it), a column's `NOT
     /// NULL` dropped (a NULL read), a `CHECK`, a foreign key, a column `NOT
-    /// NULL` without a default or a raising trigger added (`23514`,
-    /// `23503`, `23502`, `P0001`; also another table's foreign key to the
-    /// store's rows, which eviction and release delete), the sequence replaced (`42809`) or set
+    /// NULL` without a default, a unique index on another column or an
+    /// exclusion constraint added (`23514`, `23503`, `23502`, `23505`, any
+    /// other of class `23` outside the system catalogs; also another
+    /// table's foreign key to the store's rows, which eviction and release
+    /// delete), a trigger added whose function raises (`P0001`) or fails
+    /// with any error that a retry meets again (a division by zero,
+    /// `22012`, say; a trigger only slow enough for `statement_timeout` to
+    /// cancel it is [`Error::Unavailable`], and the server's own faults,
+    /// classes `XX` and `58`, are [`Error::Storage`] wherever raised; such
+    /// a refusal in a group commit or a lease renewal batch fails only the
+    /// requests of the key that meets it), the sequence replaced (`42809`) or set
     /// back below a key's fencing token (a takeover is refused: raise it
     /// with `setval` to the records table's largest token), or row-level
     /// security made active for the store's role on its tables (a policy
@@ -495,7 +514,11 @@ pub enum ConfigFault {
     /// cannot send): no host or `hostaddr` (`postgresql:///db`, libpq's
     /// default Unix socket, which `tokio-postgres` does not look for: name
     /// the socket's directory, `host=/var/run/postgresql`), or a value
-    /// holding a NUL byte.
+    /// holding a NUL byte. Or a setting in its `options` the server refuses
+    /// (at the session's start, or behind a session pooler when the
+    /// engine sets it): a parameter it does not know (SQLSTATE `42704`), a
+    /// value it refuses (`22023`), or one only the server's own start may
+    /// set (`55P02`).
     ConnectionString,
     /// A store set for a pooler in session mode (`PostgresPooler::Session`)
     /// reached a pool that hands one client's server session to another

@@ -101,14 +101,21 @@ pub use crate::pg::server;
 /// - [`Error::CorruptRecord`]: the stored row cannot be decoded.
 /// - [`Error::Storage`]: the driver cannot read a stored row's column (a
 ///   column altered outside idemstore: a connect of the store then
-///   refuses the schema as [`ConfigFault::SchemaDamaged`](crate::ConfigFault)).
+///   refuses the schema as [`ConfigFault::SchemaDamaged`](crate::ConfigFault)),
+///   or the server refused a statement for a reason that a retry meets
+///   again (a page of its data found corrupted, `XX001`; see
+///   [`Error::Storage`]): nothing of the caller's transaction is applied.
 /// - [`Error::Misconfigured`]: the role of `client` lacks a privilege on
 ///   the store's schema ([`ConfigFault::PermissionDenied`](crate::ConfigFault)),
 ///   or does not see the store's objects
 ///   ([`ConfigFault::SchemaDamaged`](crate::ConfigFault)): check first that
-///   `client` is connected to the store's database; nothing is applied.
+///   `client` is connected to the store's database; or something added
+///   to the store's tables outside idemstore refused the completion (a
+///   constraint, a trigger's function: `SchemaDamaged` too); nothing is
+///   applied.
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
-///   server refused it): nothing of the caller's transaction is applied.
+///   server refused it for a reason that passes, such as a lock wait or
+///   `statement_timeout`): nothing of the caller's transaction is applied.
 ///   In a REPEATABLE READ or SERIALIZABLE transaction, also when its
 ///   snapshot was taken before the claim was written (its first statement
 ///   came first) and does not show the key's row, which the store's own

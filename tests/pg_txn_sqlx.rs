@@ -356,6 +356,39 @@ fn every_refusal_aborts_the_callers_transaction() {
             let r = store.get(&k).expect("get").expect("record");
             assert_eq!(r.state(), State::Processing, "{case}");
         }
+        // A trigger added outside idemstore whose function fails (a
+        // division by zero, 22012): a damaged schema, which no retry mends
+        // (it was `Unavailable`); the caller's transaction is aborted.
+        for sql in [
+            format!(
+                "CREATE FUNCTION \"{schema}\".audit() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$BEGIN PERFORM 1 / 0; RETURN NEW; END$$"
+            ),
+            format!(
+                "CREATE TRIGGER audit BEFORE UPDATE ON \"{schema}\".records \
+                 FOR EACH ROW EXECUTE FUNCTION \"{schema}\".audit()"
+            ),
+        ] {
+            sqlx::raw_sql(&sql)
+                .execute(&mut c)
+                .await
+                .expect("add the trigger");
+        }
+        let mut tx = c.begin().await.expect("begin");
+        insert_ticket(&mut tx, &table, &k).await;
+        match complete_in(&mut tx, &store, &lease, b"ok").await {
+            Err(Error::Misconfigured { fault, detail }) => {
+                assert_eq!(fault, idemstore::ConfigFault::SchemaDamaged, "{detail}");
+                assert!(detail.contains("22012"), "{detail}");
+            }
+            other => panic!("a completion under a failing trigger: {other:?}"),
+        }
+        assert!(is_aborted(&mut tx).await, "the transaction goes on");
+        drop(tx);
+        sqlx::raw_sql(&format!("DROP TRIGGER audit ON \"{schema}\".records"))
+            .execute(&mut c)
+            .await
+            .expect("drop the trigger");
         // The lease still finishes the key.
         let mut tx = c.begin().await.expect("begin");
         insert_ticket(&mut tx, &table, &k).await;

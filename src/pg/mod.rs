@@ -76,12 +76,19 @@
 //!   [`Error::Unavailable`]; a request whose `COMMIT` was sent and whose
 //!   answer was lost gets [`Error::OutcomeUnknown`]. The next batch opens a
 //!   new connection. A statement the server refuses (a deadlock is tried
-//!   again first) also leaves the batch unapplied and answers
-//!   [`Error::Unavailable`], except a lock wait past `lock_timeout`
-//!   (SQLSTATE 55P03) in a batch of several keys: its requests run again,
-//!   each key's in a transaction of its own ([`run_apart`]), so that only
-//!   the requests of a locked key (a row held by another session) are
-//!   refused.
+//!   again first) also leaves the batch unapplied. The refusal's SQLSTATE
+//!   class says what the request is answered ([`Refusal`]): one that
+//!   passes (a lock wait, `statement_timeout`, too few resources) is
+//!   [`Error::Unavailable`]; one that a retry meets again is
+//!   [`Error::Misconfigured`] when something added to the schema outside
+//!   idemstore raised it (a constraint, a trigger's function) and
+//!   [`Error::Storage`] otherwise (a data exception, the server's data
+//!   found corrupted). A lock wait past `lock_timeout` (SQLSTATE 55P03),
+//!   or a refusal met again, in a group commit or a lease renewal batch of
+//!   several keys runs its requests again, each key's in a transaction of
+//!   its own ([`run_apart`]), so that only the requests of the key that
+//!   meets it (a row held by another session, a trigger that refuses one
+//!   row, a damaged page) are refused.
 //! - **Bounded waits** ([`PostgresLimits`]): every call carries a
 //!   deadline (`call_timeout` from when it is made) that covers the wait
 //!   for room in the bounded queue, for a worker, for a connection and
@@ -647,8 +654,17 @@ enum Fail {
     Lost(String),
     /// The commit was sent and its answer lost.
     Unknown(String),
-    /// The server refused a statement or the commit: nothing applied.
+    /// The server refused a statement or the commit for a reason that
+    /// passes ([`Refusal::Passes`]): nothing applied, try again later.
     Refused(String),
+    /// The server refused a statement or the commit for a reason that the
+    /// same statement meets again ([`Refusal::Lasts`], or
+    /// [`Refusal::Added`] when the `bool` is true): nothing applied, and a
+    /// retry as is gets the same answer. It may be the rows' own (a
+    /// trigger that refuses one key's row, a page of the table corrupted),
+    /// so a batch of several keys refused so is run again a key at a time
+    /// ([`run_apart`]), as a lock wait's is.
+    Rejected(String, bool),
     /// A wait for a lock (a row held by another session, a business key's
     /// binding, the token lock) passed `lock_timeout` (SQLSTATE 55P03):
     /// nothing applied. A batch of several keys refused so is run again a
@@ -668,6 +684,15 @@ enum Fail {
 }
 
 impl Fail {
+    /// The failure of a server's refusal sorted as `refusal`.
+    fn refused(refusal: Refusal, detail: String) -> Fail {
+        match refusal {
+            Refusal::Passes => Fail::Refused(detail),
+            Refusal::Added => Fail::Rejected(detail, true),
+            Refusal::Lasts => Fail::Rejected(detail, false),
+        }
+    }
+
     /// The error a caller gets for this failure.
     fn error(&self) -> Error {
         match self {
@@ -678,7 +703,11 @@ impl Fail {
             | Fail::Locked(d)
             | Fail::ReadOnly(d) => Error::Unavailable { detail: d.clone() },
             Fail::Unknown(d) => Error::OutcomeUnknown { detail: d.clone() },
-            Fail::Storage(d) => Error::Storage(d.clone()),
+            Fail::Storage(d) | Fail::Rejected(d, false) => Error::Storage(d.clone()),
+            Fail::Rejected(d, true) => Error::Misconfigured {
+                fault: ConfigFault::SchemaDamaged,
+                detail: d.clone(),
+            },
             Fail::Config(fault, d) => Error::Misconfigured {
                 fault: *fault,
                 detail: d.clone(),
@@ -762,17 +791,107 @@ pub(crate) fn sqlstate_fault(code: &str) -> Option<ConfigFault> {
         // dropped or altered under the store.
         "3F000" | "42P01" | "42703" | "42804" => Some(ConfigFault::SchemaDamaged),
         // invalid_column_reference (an `ON CONFLICT (key)` with no unique
-        // index to infer: the primary key dropped), wrong_object_type (the
-        // token sequence replaced by a table), and the refusals of what
-        // was added to the store's tables (a column `NOT NULL` without a
-        // default, a `CHECK`, a foreign key, a trigger that raises): no
-        // statement of idemstore meets them on its own schema, and a retry
-        // meets them again.
-        "42P10" | "42809" | "23502" | "23503" | "23514" | "P0001" => {
-            Some(ConfigFault::SchemaDamaged)
-        }
+        // index to infer: the primary key dropped) and wrong_object_type
+        // (the token sequence replaced by a table). (The refusals of what
+        // was added to the store's tables, which may be one row's, are
+        // [`Refusal::Added`].)
+        "42P10" | "42809" => Some(ConfigFault::SchemaDamaged),
         _ => None,
     }
+}
+
+/// What a server's refusal of one of the engine's statements (an error
+/// with a SQLSTATE that names no configuration fault, [`sqlstate_fault`])
+/// means for the request, by the SQLSTATE's class (PostgreSQL's, Appendix
+/// A of its manual) and where it was raised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// It may pass if the same statement is sent again later: the classes
+    /// of a connection (`08`), a transaction rolled back (`40`: a deadlock,
+    /// a serialization failure, a hot standby's conflict), too few
+    /// resources (`53`: memory, disk, connections, `temp_file_limit`), an
+    /// object in use or locked (`55`), an operator's intervention (`57`: a
+    /// statement cancelled by `statement_timeout`, a shutdown), a snapshot
+    /// too old (`72`); the server's system and I/O errors (`58000`,
+    /// `58030`), a host turned read-only (`25006`), a session ended idle
+    /// in a transaction (`25P03`), a sequence at its limit (`2200H`, which
+    /// the engine meets only as it raises the token floor), and a unique
+    /// violation in the system catalogs (two sessions creating one object
+    /// at once). [`Error::Unavailable`].
+    Passes,
+    /// Raised by what was added to the store's tables outside idemstore,
+    /// which the same statement meets again: an integrity constraint's
+    /// refusal (class `23`: a `CHECK`, a foreign key, a column `NOT NULL`
+    /// without a default, a unique index on another column; the store's
+    /// own statements meet none on its schema), a trigger's `RAISE`
+    /// (`P0001`), or any refusal that does not pass raised inside a
+    /// function (its context names one: a trigger's), except the server's
+    /// own faults (classes `XX` and `58`), which are [`Refusal::Lasts`]
+    /// wherever they are raised. [`ConfigFault::SchemaDamaged`].
+    Added,
+    /// Met again, and nothing added explains it: a data exception (`22`),
+    /// a program limit (`54`), a syntax or access rule (`42`), the
+    /// server's internal errors (`XX001`: a page of its data found
+    /// corrupted; `XX002`: an index). [`Error::Storage`].
+    Lasts,
+}
+
+/// Sorts a server's refusal with SQLSTATE `code`, its error's context
+/// (the `where` field), and the schema it names (for the tokio-postgres
+/// and the sqlx forms alike): see [`Refusal`].
+pub(crate) fn refusal(code: &str, context: Option<&str>, schema: Option<&str>) -> Refusal {
+    let class = code.get(..2).unwrap_or(code);
+    let passes = matches!(class, "08" | "40" | "53" | "55" | "57" | "72")
+        || matches!(code, "58000" | "58030" | "25006" | "25P03" | "2200H")
+        || (class == "23" && schema == Some("pg_catalog"));
+    if passes {
+        Refusal::Passes
+    } else if class == "23"
+        || code == "P0001"
+        || (context.is_some_and(in_routine) && !matches!(class, "XX" | "58"))
+    {
+        Refusal::Added
+    } else {
+        Refusal::Lasts
+    }
+}
+
+/// Whether an error's context (its `where` field, a line per frame) says
+/// it was raised inside a function (PL/pgSQL, SQL or another language's),
+/// as a trigger's is: a line that names a function (in English, or
+/// `PL/pgSQL`, which the server's translations keep), other than the
+/// anonymous block of a `DO` (the engine's own migration runs one). The
+/// other contexts the server gives (a parallel worker, a lock wait's row,
+/// a foreign key's check) name none. Under another `lc_messages` a SQL
+/// function's context may be missed: its refusal is then
+/// [`Refusal::Lasts`], not transient either.
+pub(crate) fn in_routine(context: &str) -> bool {
+    context.lines().any(|line| {
+        (line.contains("function") || line.contains("PL/pgSQL"))
+            && !line.contains("inline_code_block")
+    })
+}
+
+/// The failure of a server's refusal, sorted by [`refusal`].
+fn refused(db: &tokio_postgres::error::DbError, detail: String) -> Fail {
+    Fail::refused(refusal(db.code().code(), db.where_(), db.schema()), detail)
+}
+
+/// Whether a server error's severity says its session ended (`FATAL`) or
+/// the server is restarting (`PANIC`): what was in flight is lost, and a
+/// `COMMIT` answered so may have been written first.
+fn session_ended(db: &tokio_postgres::error::DbError) -> bool {
+    matches!(db.severity(), "FATAL" | "PANIC")
+}
+
+/// Whether the server's refusal of a session's settings with SQLSTATE
+/// `code` (the URL's `options`, sent at its start or, behind a session
+/// pooler, with `set_config`) is one of the connection string: a parameter
+/// the server does not know (`42704`), a value it refuses (`22023`), or
+/// one only the server's own start may set (`55P02`), or a name it cannot
+/// take (`42602`).
+fn setting_refused(code: &str) -> bool {
+    matches!(code, "42704" | "42602" | "22023" | "55P02")
 }
 
 /// Whether `err` is the server's refusal of a statement that a row-level
@@ -871,8 +990,12 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
         Fail::Retry(detail)
     } else if err.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) {
         Fail::Locked(detail)
-    } else if err.as_db_error().is_some() {
-        Fail::Refused(detail)
+    } else if let Some(db) = err.as_db_error() {
+        if session_ended(db) {
+            Fail::Lost(detail)
+        } else {
+            refused(db, detail)
+        }
     } else {
         Fail::Storage(detail)
     }
@@ -881,18 +1004,21 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
 /// Classifies an error of the `COMMIT` itself.
 fn fail_commit(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
-    // A refusal that no retry mends (a deferred constraint or trigger
-    // added outside idemstore): rolled back, as any refused commit.
-    if err.as_db_error().is_some()
-        && let Some(fault) = config_fault(err)
-    {
-        return Fail::Config(fault, detail);
-    }
     match err.as_db_error() {
-        // The server answered the commit with an error (not a shutdown):
-        // the transaction was rolled back.
-        Some(db) if !db.code().code().starts_with("57P") && !db.code().code().starts_with("08") => {
-            Fail::Refused(detail)
+        // The server answered the commit with an error (not a shutdown,
+        // not the end of its session or a restart, after which the commit
+        // may have been written): the transaction was rolled back. A
+        // refusal no retry mends (a deferred constraint or trigger added
+        // outside idemstore) is a configuration fault or `Rejected`.
+        Some(db)
+            if !db.code().code().starts_with("57P")
+                && !db.code().code().starts_with("08")
+                && !session_ended(db) =>
+        {
+            match config_fault(err) {
+                Some(fault) => Fail::Config(fault, detail),
+                None => refused(db, detail),
+            }
         }
         _ => Fail::Unknown(detail),
     }
@@ -1037,8 +1163,12 @@ async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
             Fail::Config(ConfigFault::ConnectionString, describe(&e))
         } else if let Some(fault) = config_fault(&e) {
             Fail::Config(fault, describe(&e))
-        } else if e.as_db_error().is_some() && !connection_lost(&e) {
-            Fail::Refused(describe(&e))
+        } else if let Some(db) = e.as_db_error().filter(|_| !connection_lost(&e)) {
+            if setting_refused(db.code().code()) {
+                Fail::Config(ConfigFault::ConnectionString, describe(&e))
+            } else {
+                refused(db, describe(&e))
+            }
         } else {
             Fail::Lost(describe(&e))
         }
@@ -1068,7 +1198,15 @@ async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
 /// otherwise (see `Postgres::connect`).
 async fn apply_session_settings(shared: &Shared, client: &Client) -> Result<(), Fail> {
     if let Some(set) = &shared.session_set {
-        client.batch_execute(set).await.map_err(|e| fail(&e))?;
+        client
+            .batch_execute(set)
+            .await
+            .map_err(|e| match e.code() {
+                Some(code) if setting_refused(code.code()) => {
+                    Fail::Config(ConfigFault::ConnectionString, describe(&e))
+                }
+                _ => fail(&e),
+            })?;
     }
     Ok(())
 }
@@ -2339,6 +2477,7 @@ async fn recover(slot: &mut Option<Conn>, failure: &Fail) {
             Fail::Retry(_)
             | Fail::Contended(_)
             | Fail::Refused(_)
+            | Fail::Rejected(..)
             | Fail::Locked(_)
             | Fail::Storage(_)
             | Fail::Config(..),
@@ -3438,7 +3577,8 @@ async fn run_apply(
     // A hot statement refused a lock applied nothing: its requests (and
     // the others left) would wait for that lock again in one transaction.
     if let Some(first) = locked.filter(|_| !one_key(&rest)) {
-        split_group_commit(shared, conn, (rest, rest_calls), &first).await;
+        let why = waited_for_a_lock(&first);
+        split_group_commit(shared, conn, (rest, rest_calls), &why).await;
         return;
     }
     let started = Instant::now();
@@ -3450,8 +3590,16 @@ async fn run_apply(
         // Nothing was applied (the transaction was rolled back), so every
         // request can run again, a pure read too; the tokens the attempt
         // drew are skipped (a sequence value is never handed out twice).
+        // A refusal met again may be one key's own (a trigger that refuses
+        // one row, a damaged page): the other keys must not be answered
+        // with it, which would tell their callers not to retry.
         Err(Fail::Locked(first)) if !one_key(&rest) => {
-            split_group_commit(shared, conn, (rest, rest_calls), &first).await;
+            let why = waited_for_a_lock(&first);
+            split_group_commit(shared, conn, (rest, rest_calls), &why).await;
+        }
+        Err(Fail::Rejected(first, _)) if !one_key(&rest) => {
+            let why = was_refused(&first);
+            split_group_commit(shared, conn, (rest, rest_calls), &why).await;
         }
         result => answer_general(shared, &rest, rest_calls.replies, result, started),
     }
@@ -3487,34 +3635,48 @@ const SPLIT_WAITS: Waits = Waits {
     idle: None,
 };
 
-/// [`run_apart`] for a group commit refused a lock: each transaction under
-/// [`SPLIT_WAITS`], with the cut-off.
+/// [`run_apart`] for a group commit refused a lock or refused for a
+/// reason met again: each transaction under [`SPLIT_WAITS`], with the
+/// cut-off.
 async fn split_group_commit(
     shared: &Shared,
     conn: &mut Option<Conn>,
     batch: (Vec<(Key, Op)>, Calls),
-    first: &str,
+    why: &str,
 ) {
-    run_apart(shared, conn, batch, first, (SPLIT_WAITS, true)).await;
+    run_apart(shared, conn, batch, why, (SPLIT_WAITS, true)).await;
 }
 
-/// Runs the requests of a [`Job::Many`] that was refused a lock again, a
-/// key at a time ([`run_apart`], each transaction under `waits` and `due`),
-/// and gathers their answers in order.
+/// Why a batch runs again a key at a time: a lock wait past
+/// `lock_timeout` (`first`, the server's words), for [`run_apart`].
+fn waited_for_a_lock(first: &str) -> String {
+    format!("its batch waited for a lock held by another session ({first})")
+}
+
+/// Why a batch runs again a key at a time: a refusal met again (`first`,
+/// the server's words), for [`run_apart`].
+fn was_refused(first: &str) -> String {
+    format!("its batch was refused ({first}) and run again a key at a time")
+}
+
+/// Runs the requests of a [`Job::Many`] that was refused a lock (or
+/// refused for a reason met again) again, a key at a time ([`run_apart`],
+/// each transaction under `waits` and `due`), and gathers their answers in
+/// order; `why` as [`run_apart`]'s.
 async fn apart_answers(
     shared: &Shared,
     conn: &mut Option<Conn>,
     ops: Vec<(Key, Op)>,
     due: Instant,
     waits: Waits,
-    first: &str,
+    why: &str,
 ) -> Vec<Result<Reply>> {
     let (senders, receivers): (Vec<_>, Vec<_>) = ops.iter().map(|_| oneshot::channel()).unzip();
     let calls = Calls {
         replies: senders,
         deadlines: vec![due; ops.len()],
     };
-    run_apart(shared, conn, (ops, calls), first, (waits, false)).await;
+    run_apart(shared, conn, (ops, calls), why, (waits, false)).await;
     let mut answers = Vec::with_capacity(receivers.len());
     for rx in receivers {
         answers.push(rx.await.unwrap_or_else(|_| {
@@ -3533,19 +3695,22 @@ fn one_key(ops: &[(Key, Op)]) -> bool {
 }
 
 /// Runs the requests of a batch that was refused a lock past
-/// `lock_timeout` (nothing of it applied) again, those of each key in a
-/// transaction of their own, so that a row held by another session (a
-/// caller's open `complete_in` transaction, any `SELECT … FOR UPDATE`)
-/// fails only the requests that need it, with the lock wait's
-/// `Unavailable`, and not those of other keys that were group-committed
-/// with them.
+/// `lock_timeout`, or refused for a reason met again ([`Fail::Rejected`]),
+/// (nothing of it applied) again, those of each key in a transaction of
+/// their own, so that a row held by another session (a caller's open
+/// `complete_in` transaction, any `SELECT … FOR UPDATE`) fails only the
+/// requests that need it, with the lock wait's `Unavailable`, and a
+/// refusal that is one key's own (a trigger that refuses its row, a
+/// damaged page) only that key's, and not those of other keys that were
+/// group-committed with them. `why` says why the batch runs again, for
+/// the requests whose deadline passes meanwhile.
 ///
 /// The keys run one after another in the order of their first request,
 /// each key's requests in arrival order (a later request on a key sees an
 /// earlier one, as in the batch), each transaction under the earliest
 /// deadline of its requests: a request whose deadline passed before its
-/// key's turn is answered `Unavailable`, its deadline passed while its
-/// group commit waited for a lock (and left out), those of a transaction whose deadline passes while it
+/// key's turn is answered `Unavailable` (its deadline passed, with
+/// `why`; left out), those of a transaction whose deadline passes while it
 /// runs as a batch whose deadline passed.
 ///
 /// Each of these transactions runs under `waits`: a group commit's wait
@@ -3567,10 +3732,12 @@ async fn run_apart(
     shared: &Shared,
     conn: &mut Option<Conn>,
     (ops, calls): (Vec<(Key, Op)>, Calls),
-    first: &str,
+    why: &str,
     (waits, cut_off): (Waits, bool),
 ) {
     let mut refused_in_a_row = 0u32;
+    // The last lock refusal's words, for the keys the cut-off answers.
+    let mut last_refusal = String::new();
     let mut refused_wait = Duration::ZERO;
     let lock_timeout = shared.limits.lock_timeout;
     // Each key's requests (places in `ops`), keys in the order of their
@@ -3609,10 +3776,7 @@ async fn run_apart(
             };
             if deadline <= now {
                 let _ = tx.send(Err(Error::Unavailable {
-                    detail: format!(
-                        "the call's deadline passed while its batch waited for a lock held by \
-                         another session ({first})"
-                    ),
+                    detail: format!("the call's deadline passed while {why}"),
                 }));
                 continue;
             }
@@ -3624,8 +3788,9 @@ async fn run_apart(
         let started = Instant::now();
         if cut_off && (refused_in_a_row >= 2 || refused_wait >= lock_timeout) {
             let refused = Fail::Locked(format!(
-                "{first}; run again a key at a time, other keys were refused a lock too (two \
-                 in a row, or lock_timeout in all), so this key's requests were not run again"
+                "{last_refusal}; run again a key at a time, other keys were refused a lock too \
+                 (two in a row, or lock_timeout in all), so this key's requests were not run \
+                 again"
             ));
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
@@ -3634,9 +3799,10 @@ async fn run_apart(
             run_batch(shared, c, &group_ops, None, waits).await
         })
         .await;
-        refused_in_a_row = match result {
-            Err(Fail::Locked(_)) => {
+        refused_in_a_row = match &result {
+            Err(Fail::Locked(detail)) => {
                 refused_wait = refused_wait.saturating_add(started.elapsed());
+                last_refusal.clone_from(detail);
                 refused_in_a_row.saturating_add(1)
             }
             _ => 0,
@@ -3708,7 +3874,15 @@ async fn run_job(shared: &Shared, conn: &mut Option<Conn>, queued: Queued) {
                 // their own, so that a row held by another session fails
                 // only the renewal that needs it.
                 Err(Fail::Locked(first)) if lock_wait.is_some() && !one_key(&ops) => {
-                    Ok(apart_answers(shared, conn, ops, due, waits, &first).await)
+                    let why = waited_for_a_lock(&first);
+                    Ok(apart_answers(shared, conn, ops, due, waits, &why).await)
+                }
+                // A refusal met again may be one key's own: the renewals of
+                // the other leases must go on (a lease not renewed lapses,
+                // and another caller may take its key over).
+                Err(Fail::Rejected(first, _)) if lock_wait.is_some() && !one_key(&ops) => {
+                    let why = was_refused(&first);
+                    Ok(apart_answers(shared, conn, ops, due, waits, &why).await)
                 }
                 Ok((answers, events)) => {
                     shared.remember(&ops, &answers);

@@ -1687,6 +1687,21 @@ fn configuration_faults_are_misconfigured_not_unavailable() {
     assert_eq!(fault_of(&nul, &name), ConfigFault::ConnectionString);
     let bound = format!("{} channel_binding=require", url_as(url, &user, None, &db));
     assert_eq!(fault_of(&bound, &name), ConfigFault::AuthenticationFailed);
+    // A setting in the string's options the server does not know, a value
+    // it refuses, and one only its own start may set: FATAL at start-up
+    // (they were Unavailable, which a service retries for ever).
+    for setting in [
+        "no_such_setting=1",
+        "statement_timeout=soon",
+        "shared_buffers=10MB",
+    ] {
+        let set = format!("{} options='-c {setting}'", url_as(url, &user, None, &db));
+        assert_eq!(
+            fault_of(&set, &name),
+            ConfigFault::ConnectionString,
+            "{setting}"
+        );
+    }
     // An unreachable server stays Unavailable (retry as is).
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -2044,6 +2059,59 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
         pg.apply(&key("h"), claim(b"a")),
         &["refused at commit"],
     );
+    // A unique index on a column other than the key: a second claim's
+    // insert is refused (23505 on that index, was `Unavailable`, which a
+    // service retries for ever).
+    let (pg, _clock) = open("unique_added");
+    let name = pg.shared.sql.schema.clone();
+    acquired(pg.apply(&key("a"), claim(b"a")).unwrap());
+    raw_sql(&format!(
+        "CREATE UNIQUE INDEX one_per_state ON \"{name}\".records (state)"
+    ));
+    assert_schema_damaged(
+        "a claim under a unique index of another column",
+        pg.apply(&key("b"), claim(b"a")),
+        &["23505", "one_per_state"],
+    );
+    // A trigger whose function fails with an error of its own (a division
+    // by zero, 22012; was `Unavailable`): refused as what was added.
+    // A trigger that is only slow still answers `Unavailable` when
+    // `statement_timeout` cancels it (57014: that passes).
+    let clock = ManualClock::new(T0);
+    let name = schema("routine_added");
+    let mut slow = options(&name, Some(&clock));
+    slow.limits.statement_timeout = Duration::from_secs(2);
+    let pg = Postgres::connect(server().url(), slow).unwrap();
+    let l = acquired(pg.apply(&key("k"), claim(b"a")).unwrap());
+    raw_sql(&format!(
+        "CREATE FUNCTION \"{name}\".audit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN PERFORM 1 / 0; \
+         RETURN NEW; END$$"
+    ));
+    raw_sql(&format!(
+        "CREATE TRIGGER audit BEFORE UPDATE ON \"{name}\".records \
+         FOR EACH ROW EXECUTE FUNCTION \"{name}\".audit()"
+    ));
+    let done = Op::Complete {
+        token: l.token(),
+        result: b"r".to_vec(),
+    };
+    assert_schema_damaged(
+        "a completion under a trigger that divides by zero",
+        pg.apply(&key("k"), done.clone()),
+        &["22012"],
+    );
+    raw_sql(&format!(
+        "CREATE OR REPLACE FUNCTION \"{name}\".audit() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN PERFORM pg_sleep(60); RETURN NEW; END$$"
+    ));
+    match pg.apply(&key("k"), done) {
+        Err(e @ Error::Unavailable { .. }) => {
+            assert!(e.to_string().contains("57014"), "{e}");
+            assert!(e.is_transient());
+        }
+        other => panic!("a completion cancelled by statement_timeout: {other:?}"),
+    }
     // A NULL where the store keeps a value: a read is refused, and so is
     // a connect, naming the column.
     let (pg, _clock) = open("null_allowed");
@@ -2078,6 +2146,231 @@ fn constraints_and_triggers_added_outside_idemstore_are_a_damaged_schema() {
             &[],
         );
     }
+}
+
+/// A page of the records table the server finds corrupted (XX001, its
+/// header overwritten while the server was down) is `Storage`, which is
+/// not transient: every retry meets it again, so a service must not be
+/// told to retry (it was `Unavailable`, answered with HTTP 503 and
+/// `Retry-After`). Nothing is applied, and the engine goes on: a read
+/// that needs no page of the damaged ones is answered.
+#[test]
+fn a_page_the_server_finds_corrupted_is_storage_not_transient() {
+    if skipped() {
+        return;
+    }
+    let own = match TestServer::start_own(super::server::ServerOptions::default()) {
+        Ok(s) => s,
+        Err(e) => panic!("{e}"),
+    };
+    let clock = ManualClock::new(T0);
+    let name = schema("corrupted_page");
+    let pg = open_at(own.url(), &name, Some(&clock));
+    let k = key("k");
+    let l = acquired(pg.apply(&k, claim(b"a")).unwrap());
+    complete(&pg, &k, &l, b"r");
+    let file: String = sql_at(
+        own.url(),
+        &format!(
+            "SELECT current_setting('data_directory') || '/' || \
+             pg_relation_filepath('\"{name}\".records')"
+        ),
+    )[0]
+    .get(0);
+    // Written to the file, so that the restart replays nothing over it.
+    sql_at(own.url(), "CHECKPOINT");
+    own.kill().unwrap();
+    let mut page = std::fs::read(&file).unwrap();
+    assert!(page.len() >= 8192, "{} bytes in {file}", page.len());
+    page[..24].fill(0xde);
+    std::fs::write(&file, &page).unwrap();
+    own.restart().unwrap();
+    // The first requests may meet the connections the restart broke
+    // (`Unavailable` without the server's verdict); a bounded number of
+    // tries (hang guard).
+    let mut answer = pg.get(&k);
+    for _ in 0..50 {
+        match &answer {
+            Err(Error::Unavailable { detail }) if !detail.contains("XX001") => {
+                std::thread::sleep(Duration::from_millis(100));
+                answer = pg.get(&k);
+            }
+            _ => break,
+        }
+    }
+    for (what, answer) in [
+        ("a read", answer.map(drop)),
+        ("a claim", pg.apply(&k, claim(b"a")).map(drop)),
+    ] {
+        match answer {
+            Err(e @ Error::Storage(_)) => {
+                assert!(e.to_string().contains("XX001"), "{what}: {e}");
+                assert!(!e.is_transient(), "{what}: {e}");
+            }
+            other => panic!("{what} of a key on a corrupted page: {other:?}"),
+        }
+    }
+    assert!(pg.get(&key("never-claimed")).unwrap().is_none());
+}
+
+/// A trigger that refuses one key's row (a division by zero for key `b`
+/// alone, 22012: met again) fails only that key's requests, not those of
+/// other keys batched with them: the batch, refused, runs again a key at
+/// a time. Before, every request of the batch got the refusal, which a
+/// caller must not retry (`Misconfigured`): the other leases of a renewal
+/// batch stopped being renewed and lapsed, and another caller could take
+/// their keys over while their work ran.
+#[test]
+fn one_keys_refusal_fails_no_other_request_in_its_batch() {
+    if skipped() {
+        return;
+    }
+    let clock = ManualClock::new(T0);
+    let name = schema("one_key_refused");
+    let mut one = options(&name, Some(&clock));
+    // One worker, so that requests queued while it is busy are one batch.
+    one.connections = 1;
+    let pg = Arc::new(Postgres::connect(server().url(), one).unwrap());
+    let leases: Vec<Lease> = ["a", "b", "c", "gate1", "gate2"]
+        .iter()
+        .map(|id| acquired(pg.apply(&key(id), claim(b"x")).unwrap()))
+        .collect();
+    raw_sql(&format!(
+        "CREATE FUNCTION \"{name}\".picky() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN \
+         IF NEW.key = '\\x{b}'::bytea THEN PERFORM 1 / 0; END IF; \
+         IF NEW.key IN ('\\x{g1}'::bytea, '\\x{g2}'::bytea) THEN PERFORM pg_sleep(2); \
+         END IF; RETURN NEW; END$$",
+        b = hex(&key("b").to_bytes()),
+        g1 = hex(&key("gate1").to_bytes()),
+        g2 = hex(&key("gate2").to_bytes()),
+    ));
+    raw_sql(&format!(
+        "CREATE TRIGGER picky BEFORE UPDATE ON \"{name}\".records \
+         FOR EACH ROW EXECUTE FUNCTION \"{name}\".picky()"
+    ));
+    // A lease renewal batch.
+    let renewals: Vec<(Key, Op)> = leases[..3]
+        .iter()
+        .map(|l| {
+            let op = Op::Extend {
+                token: l.token(),
+                lease_ms: 5_000,
+            };
+            (l.key().clone(), op)
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let renewed = pg.apply_many_by(renewals, deadline).expect("the batch");
+    let [a, b, c]: [Result<Reply, Error>; 3] = renewed.try_into().expect("three answers");
+    assert!(a.is_ok(), "a: {a:?}");
+    assert_schema_damaged("b's renewal", b, &["22012"]);
+    assert!(c.is_ok(), "c: {c:?}");
+    // A group commit: the completions of `b` and `c`, queued while the
+    // sync callers' direct connection and the one worker complete the
+    // gates (their trigger sleeps), are one batch.
+    let gates: Vec<_> = leases[3..]
+        .iter()
+        .map(|lease| {
+            let (pg, lease) = (Arc::clone(&pg), lease.clone());
+            std::thread::spawn(move || complete(&pg, &lease.key().clone(), &lease, b"g"))
+        })
+        .collect();
+    let sleeping = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' \
+         AND query LIKE '%{name}%'"
+    );
+    let mut tries = 0;
+    while raw_sql(&sleeping)[0].get::<_, i64>(0) < 2 {
+        tries += 1;
+        assert!(
+            tries < 600,
+            "the gates' completions never both reached their trigger"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let finish = |i: usize| {
+        let (pg, lease) = (Arc::clone(&pg), leases[i].clone());
+        std::thread::spawn(move || {
+            pg.apply(
+                lease.key(),
+                Op::Complete {
+                    token: lease.token(),
+                    result: b"r".to_vec(),
+                },
+            )
+        })
+    };
+    let (b, c) = (finish(1), finish(2));
+    let (b, c) = (b.join().unwrap(), c.join().unwrap());
+    for gate in gates {
+        gate.join().unwrap();
+    }
+    assert_schema_damaged("b's completion", b, &["22012"]);
+    assert_eq!(record(c.expect("c's completion")).state, State::Succeeded);
+}
+
+/// Which refusals pass and which are met again, and which name a
+/// configuration fault, by SQLSTATE and where they were raised.
+#[test]
+fn refusals_are_sorted_by_their_sqlstate_class_and_where_they_were_raised() {
+    use super::{Refusal, in_routine, refusal};
+    let trigger = Some("PL/pgSQL function app.audit() line 1 at PERFORM");
+    for passes in [
+        "40001", "40P01", "53100", "53200", "53400", "55P03", "55006", "57014", "57P01", "58030",
+        "08006", "72000", "25006", "25P03", "2200H",
+    ] {
+        assert_eq!(refusal(passes, None, None), Refusal::Passes, "{passes}");
+        // Also when raised inside a trigger's function: a slow trigger
+        // cancelled by statement_timeout is not an object added.
+        assert_eq!(
+            refusal(passes, trigger, Some("app")),
+            Refusal::Passes,
+            "{passes}"
+        );
+    }
+    for lasts in [
+        "22012", "22001", "54000", "42883", "0A000", "21000", "XX001", "XX002", "58P01",
+    ] {
+        assert_eq!(refusal(lasts, None, None), Refusal::Lasts, "{lasts}");
+    }
+    for added in ["22012", "22001", "54000", "42883"] {
+        assert_eq!(
+            refusal(added, trigger, None),
+            Refusal::Added,
+            "{added} in a function"
+        );
+    }
+    // The server's own faults stay its own wherever they are raised.
+    for own in ["XX001", "XX002", "XX000", "58P01"] {
+        assert_eq!(
+            refusal(own, trigger, None),
+            Refusal::Lasts,
+            "{own} in a function"
+        );
+    }
+    for added in [
+        "23505", "23P01", "23502", "23503", "23514", "23001", "P0001",
+    ] {
+        assert_eq!(refusal(added, None, Some("app")), Refusal::Added, "{added}");
+    }
+    // Two sessions creating one object at once: passes.
+    assert_eq!(refusal("23505", None, Some("pg_catalog")), Refusal::Passes);
+    assert!(in_routine(
+        "PL/pgSQL function app.audit() line 1 at PERFORM"
+    ));
+    assert!(in_routine("SQL function \"f\" statement 1"));
+    assert!(in_routine(
+        "PL/pgSQL-Funktion app.audit() Zeile 1 bei PERFORM"
+    ));
+    // The engine's own migration runs a `DO` block.
+    assert!(!in_routine(
+        "PL/pgSQL function inline_code_block line 3 at EXECUTE"
+    ));
+    assert!(!in_routine("parallel worker"));
+    assert!(!in_routine(
+        "while locking tuple (0,1) in relation \"records\""
+    ));
 }
 
 /// Fencing tokens only grow per key: a takeover whose drawn token is not

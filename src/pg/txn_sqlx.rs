@@ -7,7 +7,7 @@
 //! prepared statement in the caller's connection, whose statement cache is
 //! the caller's, and works the same through a pooler in transaction mode.
 
-use sqlx::postgres::{PgConnection, PgDatabaseError, PgRow};
+use sqlx::postgres::{PgConnection, PgDatabaseError, PgRow, PgSeverity};
 use sqlx::{Executor, Postgres as Pg, Row};
 
 use crate::error::Result;
@@ -118,7 +118,8 @@ fn fail(err: &sqlx::Error) -> Fail {
     match err {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            let detail = match db.try_downcast_ref::<PgDatabaseError>() {
+            let pg = db.try_downcast_ref::<PgDatabaseError>();
+            let detail = match pg {
                 Some(pg) => {
                     let severity = format!("{:?}", pg.severity()).to_uppercase();
                     format!("{severity} ({code}): {}", pg.message())
@@ -128,13 +129,23 @@ fn fail(err: &sqlx::Error) -> Fail {
             if let Some(fault) = super::sqlstate_fault(&code) {
                 return Fail::Config(fault, detail);
             }
+            // The end of the session (FATAL) or a restart (PANIC).
+            let ended =
+                pg.is_some_and(|pg| matches!(pg.severity(), PgSeverity::Fatal | PgSeverity::Panic));
             match code.as_str() {
-                c if c.starts_with("08") || c.starts_with("57P") || c == "53300" => {
+                c if c.starts_with("08") || c.starts_with("57P") || c == "53300" || ended => {
                     Fail::Lost(detail)
                 }
                 "40P01" | "40001" | "2200H" => Fail::Retry(detail),
                 "25006" => Fail::ReadOnly(detail),
-                _ => Fail::Refused(detail),
+                c => Fail::refused(
+                    super::refusal(
+                        c,
+                        pg.and_then(|pg| pg.r#where()),
+                        pg.and_then(|pg| pg.schema()),
+                    ),
+                    detail,
+                ),
             }
         }
         sqlx::Error::Io(_)

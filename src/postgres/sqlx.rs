@@ -83,14 +83,20 @@ use crate::store::Store;
 /// - [`Error::CorruptRecord`](crate::Error::CorruptRecord): the stored row
 ///   cannot be decoded.
 /// - [`Error::Storage`](crate::Error::Storage): the driver cannot read a
-///   stored row's column (a column altered outside idemstore).
+///   stored row's column (a column altered outside idemstore), or the
+///   server refused a statement for a reason that a retry meets again (a
+///   page of its data found corrupted, `XX001`): nothing of the caller's
+///   transaction is applied.
 /// - [`Error::Unavailable`](crate::Error::Unavailable): a statement failed
-///   (the connection broke, the server refused it): nothing of the
+///   (the connection broke, the server refused it for a reason that
+///   passes, such as a lock wait or `statement_timeout`): nothing of the
 ///   caller's transaction is applied. In a REPEATABLE READ or SERIALIZABLE
 ///   transaction, also when its snapshot does not show the key's row or
 ///   the row changed after it: run the transaction again.
 /// - [`Error::Misconfigured`](crate::Error::Misconfigured): the caller's
-///   role lacks a grant on the store's tables (`permission-denied`).
+///   role lacks a grant on the store's tables (`permission-denied`), or
+///   something added to them outside idemstore refused the completion (a
+///   constraint, a trigger's function: `schema-damaged`).
 /// - [`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown): only for a
 ///   connection outside a transaction block, whose completion `UPDATE`
 ///   was sent and its answer lost; read the key ([`Store::get`]).
