@@ -304,3 +304,85 @@ fn the_commit_batch_size_counts_only_requests_that_wrote_on_postgres() {
         "a commit whose answer was lost was counted as made durable"
     );
 }
+
+/// Sync callers whose requests queue while the store's connections are
+/// busy (the direct connection and its one worker, each held by a
+/// completion whose trigger sleeps) are group-committed: the six queued
+/// completions take fewer commits than requests. Before, a plain sync
+/// call read its deadline a second time, a little later, took it for a
+/// deadline its caller had shortened, and ran in a transaction of its own:
+/// every call the direct connection could not take lost its group commit.
+#[cfg(feature = "postgres")]
+#[test]
+fn sync_calls_queued_behind_busy_connections_are_group_committed() {
+    use idemstore::postgres::tokio_postgres::{self, NoTls};
+    let Some(url) = pg::url() else { return };
+    let recorder = PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let schema = pg::schema("metrics_group");
+    let config = idemstore::Config::new()
+        .postgres_schema(&schema)
+        .postgres_connections(1)
+        .sweep_interval(None);
+    let store = std::sync::Arc::new(
+        metrics::with_local_recorder(&recorder, || Store::connect(&url, config)).unwrap(),
+    );
+    let lease = |id: &str| {
+        acquired(
+            store
+                .claim(&key(id), &fp("p"), &ClaimOptions::new())
+                .unwrap(),
+        )
+    };
+    let gates = [lease("gate-1"), lease("gate-2")];
+    let queued: Vec<_> = (0..6).map(|i| lease(&format!("queued-{i}"))).collect();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (client, connection) = rt.block_on(tokio_postgres::connect(&url, NoTls)).unwrap();
+    rt.spawn(connection);
+    let tokens = format!("{}, {}", gates[0].token(), gates[1].token());
+    rt.block_on(client.batch_execute(&format!(
+        "CREATE FUNCTION \"{schema}\".gate() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN IF NEW.token IN ({tokens}) THEN PERFORM pg_sleep(2); END IF; \
+         RETURN NEW; END$$; \
+         CREATE TRIGGER gate BEFORE UPDATE ON \"{schema}\".records \
+         FOR EACH ROW EXECUTE FUNCTION \"{schema}\".gate()"
+    )))
+    .unwrap();
+    let before = batch_size(&handle);
+    let complete = |l: &idemstore::Lease| {
+        let (store, l) = (std::sync::Arc::clone(&store), l.clone());
+        std::thread::spawn(move || store.complete(&l, b"ok").map(drop))
+    };
+    let held: Vec<_> = gates.iter().map(complete).collect();
+    // Both gates' completions sleep in their trigger (hang guard: a
+    // bounded number of looks).
+    let sleeping = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' \
+         AND query LIKE '%{schema}%'"
+    );
+    let mut looks = 0;
+    while rt
+        .block_on(client.query_one(&sleeping, &[]))
+        .unwrap()
+        .get::<_, i64>(0)
+        < 2
+    {
+        looks += 1;
+        assert!(looks < 1_000, "the gates never both reached their trigger");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let waiting: Vec<_> = queued.iter().map(complete).collect();
+    for done in held.into_iter().chain(waiting) {
+        done.join().unwrap().expect("a completion");
+    }
+    let (sum, count) = batch_size(&handle);
+    let (requests, commits) = (sum - before.0, count - before.1);
+    assert_eq!(requests, 8.0, "eight completions wrote");
+    assert!(
+        commits < requests,
+        "{requests} requests in {commits} commits: none was group-committed"
+    );
+}

@@ -4304,19 +4304,28 @@ impl Postgres {
     /// The transition's own errors (per request), [`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`], [`Error::Storage`].
     pub(crate) fn apply(&self, key: &Key, op: Op) -> Result<Reply> {
-        self.apply_by(key, op, self.deadline())
+        self.apply_within(key, op, self.deadline(), false)
     }
 
     /// [`Postgres::apply`] under `deadline` when it comes before
     /// `call_timeout` from now (see [`Postgres::apply_many_by`]); then, past
     /// the hot path, in a transaction of its own ([`alone`]).
     pub(crate) fn apply_by(&self, key: &Key, op: Op, deadline: Instant) -> Result<Reply> {
+        let full = self.deadline();
+        self.apply_within(key, op, deadline.min(full), deadline < full)
+    }
+
+    /// [`Postgres::apply`] under `deadline`: group-committed past the hot
+    /// path, or with `shortened` (a deadline the caller set before
+    /// `call_timeout`) in a transaction of its own, which holds no other
+    /// caller's request to that deadline. (A plain call's deadline is
+    /// `call_timeout` from when it was made, never read again here: read
+    /// again, it would be a little later, and every call would look
+    /// shortened and lose its group commit.)
+    fn apply_within(&self, key: &Key, op: Op, deadline: Instant, shortened: bool) -> Result<Reply> {
         // One deadline for the whole call: a request the hot path left
         // undecided (a lock or statement timeout refused it) is queued
         // with what is left of it, not a fresh `call_timeout`.
-        let full = self.deadline();
-        let shortened = deadline < full;
-        let deadline = deadline.min(full);
         let hot = match self.apply_direct(key, &op, deadline) {
             Direct::Answered(answer) => return answer,
             Direct::Undecided => false,
