@@ -476,9 +476,12 @@ pub enum ConfigFault {
     /// with any error that a retry meets again (a division by zero,
     /// `22012`, say; a trigger only slow enough for `statement_timeout` to
     /// cancel it is [`Error::Unavailable`], and the server's own faults,
-    /// classes `XX` and `58`, are [`Error::Storage`] wherever raised; such
-    /// a refusal in a group commit or a lease renewal batch fails only the
-    /// requests of the key that meets it), the sequence replaced (`42809`) or set
+    /// classes `XX` and `58`, are [`Error::Storage`] wherever raised; a
+    /// group commit or a lease renewal batch refused so runs again a key
+    /// at a time, so that the requests of other keys are decided, until
+    /// two keys of a group commit in a row are refused with the same
+    /// words, which is then taken as the table's fault; `claim_many` and
+    /// an import batch are one transaction, refused whole), the sequence replaced (`42809`) or set
     /// back below a key's fencing token (a takeover is refused: raise it
     /// with `setval` to the records table's largest token), or row-level
     /// security made active for the store's role on its tables (a policy
@@ -518,7 +521,8 @@ pub enum ConfigFault {
     /// (at the session's start, or behind a session pooler when the
     /// engine sets it): a parameter it does not know (SQLSTATE `42704`), a
     /// value it refuses (`22023`), or one only the server's own start may
-    /// set (`55P02`).
+    /// set (`55P02`), or a name it cannot take (`42602`, behind a session
+    /// pooler).
     ConnectionString,
     /// A store set for a pooler in session mode (`PostgresPooler::Session`)
     /// reached a pool that hands one client's server session to another

@@ -624,6 +624,11 @@ enum Direct {
     Answered(Result<Reply>),
     /// The hot path sent nothing it could decide: the general path.
     Undecided,
+    /// The hot statement was refused for a reason met again
+    /// ([`Fail::Rejected`]), which may be this key's own: the general path,
+    /// in a transaction of its own ([`alone`]), so that a group commit
+    /// does not meet it for other callers' requests.
+    Rejected,
     /// Not tried (no free direct connection, not a hot request, called
     /// inside a runtime, or no runtime could be built for a closed
     /// connection): the queue, where the hot path may still take it.
@@ -810,7 +815,9 @@ pub(crate) enum Refusal {
     /// of a connection (`08`), a transaction rolled back (`40`: a deadlock,
     /// a serialization failure, a hot standby's conflict), too few
     /// resources (`53`: memory, disk, connections, `temp_file_limit`), an
-    /// object in use or locked (`55`), an operator's intervention (`57`: a
+    /// object locked or in use (`55P03`, `55006`; not the rest of class
+    /// `55`, such as a table without the replica identity its publication
+    /// needs, `55000`), an operator's intervention (`57`: a
     /// statement cancelled by `statement_timeout`, a shutdown), a snapshot
     /// too old (`72`); the server's system and I/O errors (`58000`,
     /// `58030`), a host turned read-only (`25006`), a session ended idle
@@ -841,8 +848,11 @@ pub(crate) enum Refusal {
 /// and the sqlx forms alike): see [`Refusal`].
 pub(crate) fn refusal(code: &str, context: Option<&str>, schema: Option<&str>) -> Refusal {
     let class = code.get(..2).unwrap_or(code);
-    let passes = matches!(class, "08" | "40" | "53" | "55" | "57" | "72")
-        || matches!(code, "58000" | "58030" | "25006" | "25P03" | "2200H")
+    let passes = matches!(class, "08" | "40" | "53" | "57" | "72")
+        || matches!(
+            code,
+            "55P03" | "55006" | "58000" | "58030" | "25006" | "25P03" | "2200H"
+        )
         || (class == "23" && schema == Some("pg_catalog"));
     if passes {
         Refusal::Passes
@@ -1216,9 +1226,17 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
     let client = open_client(shared).await?;
     let q = &shared.sql;
     let c = &client;
+    // A statement of the store's that cannot be prepared (met again: an
+    // operator missing for a column's new type, 42883, say) is the
+    // schema's fault.
     let p = |sql: &str| {
         let sql = sql.to_string();
-        async move { c.prepare(&sql).await.map_err(|e| fail(&e)) }
+        async move {
+            c.prepare(&sql).await.map_err(|e| match fail(&e) {
+                Fail::Rejected(detail, _) => Fail::Config(ConfigFault::SchemaDamaged, detail),
+                other => other,
+            })
+        }
     };
     let (a, b, cc, d, e, f, g, h) = tokio::try_join!(
         p(&q.lock_records),
@@ -2462,7 +2480,14 @@ async fn ensure<'a>(shared: &Shared, slot: &'a mut Option<Conn>) -> Result<&'a C
         *slot = None;
     }
     if slot.is_none() {
-        *slot = Some(open_conn(shared).await?);
+        // A refusal met again while a connection opens is no key's own: a
+        // batch must not run again a key at a time for it (each key would
+        // open a connection of its own).
+        let opened = open_conn(shared).await.map_err(|f| match f {
+            Fail::Rejected(detail, _) => Fail::Storage(detail),
+            other => other,
+        })?;
+        *slot = Some(opened);
     }
     slot.as_ref()
         .ok_or_else(|| Fail::Storage("no connection".into()))
@@ -2592,8 +2617,12 @@ type HotAnswers = Vec<Option<Result<Reply>>>;
 /// transaction would wait for the same lock again).
 struct HotRun {
     answers: HotAnswers,
-    /// The refusal's detail.
+    /// The refusal's detail, when a hot statement was refused a lock.
     locked: Option<String>,
+    /// The refusal's detail, when a hot statement was refused for a
+    /// reason met again ([`Fail::Rejected`]): the request it refused may be
+    /// one key's alone, so the batch runs again a key at a time.
+    rejected: Option<String>,
 }
 
 /// Runs the hot path's part of a batch ([`hot`]): the claims of keys that
@@ -2613,6 +2642,7 @@ async fn run_hot(
 ) -> Result<HotRun, Fail> {
     let mut answers: HotAnswers = ops.iter().map(|_| None).collect();
     let mut locked = None;
+    let mut rejected = None;
     let mut seen: HashMap<Vec<u8>, usize> = HashMap::with_capacity(ops.len());
     for (key, _) in ops {
         *seen.entry(key.to_bytes()).or_default() += 1;
@@ -2664,7 +2694,11 @@ async fn run_hot(
         }
     }
     if claims.is_empty() && finishes.is_empty() {
-        return Ok(HotRun { answers, locked });
+        return Ok(HotRun {
+            answers,
+            locked,
+            rejected,
+        });
     }
     let conn = ensure(shared, slot).await?;
     let c = &conn.client;
@@ -2754,7 +2788,7 @@ async fn run_hot(
                 }
             }
         }
-        Err(e) => lost |= hot_failed(&e, &claims, &mut answers, &mut locked),
+        Err(e) => lost |= hot_failed(&e, &claims, &mut answers, (&mut locked, &mut rejected)),
     }
     match finished {
         Ok(rows) => {
@@ -2777,7 +2811,7 @@ async fn run_hot(
                 answers[h.at] = Some(answer.map(|(reply, _)| reply));
             }
         }
-        Err(e) => lost |= hot_failed(&e, &finishes, &mut answers, &mut locked),
+        Err(e) => lost |= hot_failed(&e, &finishes, &mut answers, (&mut locked, &mut rejected)),
     }
     if lost {
         *slot = None;
@@ -2790,21 +2824,27 @@ async fn run_hot(
         let writes = crate::record::writes(answers.iter().flatten());
         shared.counters.group_commit(started.elapsed(), writes);
     }
-    Ok(HotRun { answers, locked })
+    Ok(HotRun {
+        answers,
+        locked,
+        rejected,
+    })
 }
 
 /// After a hot statement failed: a lost connection leaves its requests'
 /// outcome unknown (answered so); a configuration fault (a schema altered
 /// outside idemstore) applied nothing and is their answer; any other
 /// refusal applied nothing, so they go the general way (`locked` holds
-/// the refusal when it was a lock wait past `lock_timeout`). Returns whether the connection is to be dropped: lost,
-/// or on a host that turned read-only (the general way then opens a new
-/// one).
+/// the refusal when it was a lock wait past `lock_timeout`, `rejected`
+/// when it is met again: either may be one key's, so the batch then runs
+/// a key at a time). Returns whether the connection is to be dropped:
+/// lost, or on a host that turned read-only (the general way then opens a
+/// new one).
 fn hot_failed(
     e: &tokio_postgres::Error,
     hots: &[HotOp<'_>],
     answers: &mut HotAnswers,
-    locked: &mut Option<String>,
+    (locked, rejected): (&mut Option<String>, &mut Option<String>),
 ) -> bool {
     match fail(e) {
         Fail::ReadOnly(_) => true,
@@ -2818,6 +2858,10 @@ fn hot_failed(
         }
         Fail::Locked(detail) => {
             *locked = Some(detail);
+            false
+        }
+        Fail::Rejected(detail, _) => {
+            *rejected = Some(detail);
             false
         }
         // Nothing was applied, and the general way would meet the same
@@ -3537,6 +3581,7 @@ async fn run_apply(
     let HotRun {
         answers: hot,
         locked,
+        rejected,
     } = match tokio::time::timeout_at(due.into(), run).await {
         Ok(Ok(hot)) => hot,
         Ok(Err(f)) => {
@@ -3578,7 +3623,14 @@ async fn run_apply(
     // the others left) would wait for that lock again in one transaction.
     if let Some(first) = locked.filter(|_| !one_key(&rest)) {
         let why = waited_for_a_lock(&first);
-        split_group_commit(shared, conn, (rest, rest_calls), &why).await;
+        split_group_commit(shared, conn, (rest, rest_calls), &why, SPLIT_WAITS).await;
+        return;
+    }
+    // A hot statement refused for a reason met again: the general
+    // transaction of the whole batch would be refused too.
+    if let Some(first) = rejected.filter(|_| !one_key(&rest)) {
+        let why = was_refused(&first);
+        split_group_commit(shared, conn, (rest, rest_calls), &why, Waits::default()).await;
         return;
     }
     let started = Instant::now();
@@ -3595,11 +3647,11 @@ async fn run_apply(
         // with it, which would tell their callers not to retry.
         Err(Fail::Locked(first)) if !one_key(&rest) => {
             let why = waited_for_a_lock(&first);
-            split_group_commit(shared, conn, (rest, rest_calls), &why).await;
+            split_group_commit(shared, conn, (rest, rest_calls), &why, SPLIT_WAITS).await;
         }
         Err(Fail::Rejected(first, _)) if !one_key(&rest) => {
             let why = was_refused(&first);
-            split_group_commit(shared, conn, (rest, rest_calls), &why).await;
+            split_group_commit(shared, conn, (rest, rest_calls), &why, Waits::default()).await;
         }
         result => answer_general(shared, &rest, rest_calls.replies, result, started),
     }
@@ -3635,16 +3687,18 @@ const SPLIT_WAITS: Waits = Waits {
     idle: None,
 };
 
-/// [`run_apart`] for a group commit refused a lock or refused for a
-/// reason met again: each transaction under [`SPLIT_WAITS`], with the
-/// cut-off.
+/// [`run_apart`] for a group commit refused a lock (each transaction under
+/// [`SPLIT_WAITS`]: the locked requests already waited `lock_timeout`) or
+/// refused for a reason met again (under the session's own bounds), with
+/// the cut-offs.
 async fn split_group_commit(
     shared: &Shared,
     conn: &mut Option<Conn>,
     batch: (Vec<(Key, Op)>, Calls),
     why: &str,
+    waits: Waits,
 ) {
-    run_apart(shared, conn, batch, why, (SPLIT_WAITS, true)).await;
+    run_apart(shared, conn, batch, why, (waits, true)).await;
 }
 
 /// Why a batch runs again a key at a time: a lock wait past
@@ -3714,20 +3768,27 @@ fn one_key(ops: &[(Key, Op)]) -> bool {
 /// runs as a batch whose deadline passed.
 ///
 /// Each of these transactions runs under `waits`: a group commit's wait
-/// for a lock at most [`SPLIT_LOCK_WAIT`] or the session's `lock_timeout`,
-/// the shorter (the locked requests already waited `lock_timeout`); a
+/// for a lock, after a lock wait, at most [`SPLIT_LOCK_WAIT`] or the
+/// session's `lock_timeout`, the shorter (the locked requests already
+/// waited `lock_timeout`), after a refusal met again the session's own; a
 /// lease renewal batch's as long as its batch waited
 /// ([`renewal_lock_wait`]). With `cut_off` (a group commit), once two
 /// keys in a row are refused a lock, the sign of a lock every key waits
 /// for (a lock on the whole table, or the token lock an import holds), or
 /// the refused keys' waits add up to `lock_timeout`, the keys after them
-/// are answered as refused (`first`, the first refusal's detail, says
-/// why) without running: such locks hold the worker at most about one
-/// `lock_timeout` more, not one short wait per key. A renewal batch has
-/// no cut-off: its deadline bounds it, and each key's renewal that runs
-/// before the deadline is decided (each locked row costs a quarter of the
-/// batch's time, so behind several the later leases miss the deadline and
-/// are tried again).
+/// are answered as refused (the last lock refusal's words say why)
+/// without running: such locks hold the worker at most about one
+/// `lock_timeout` more, not one short wait per key. Likewise once two
+/// keys in a row are refused with the same words for a reason met again
+/// (a trigger that refuses every row, a constraint no row passes): the
+/// fault is taken as the table's, and the keys after them are answered
+/// with it without running, as the whole batch was before it ran again,
+/// rather than one transaction per key of every batch. A renewal batch
+/// has no cut-off: its deadline bounds it, and each key's renewal that
+/// runs before the deadline is decided (each locked row costs a quarter
+/// of the batch's time, so behind several the later leases miss the
+/// deadline and are tried again; a lease whose renewal was answered with
+/// another key's refusal would lapse while its work runs).
 async fn run_apart(
     shared: &Shared,
     conn: &mut Option<Conn>,
@@ -3738,6 +3799,9 @@ async fn run_apart(
     let mut refused_in_a_row = 0u32;
     // The last lock refusal's words, for the keys the cut-off answers.
     let mut last_refusal = String::new();
+    // The last refusal met again (its words, whether something added
+    // raised it) and how many keys in a row met it.
+    let mut rejected: Option<(String, bool, u32)> = None;
     let mut refused_wait = Duration::ZERO;
     let lock_timeout = shared.limits.lock_timeout;
     // Each key's requests (places in `ops`), keys in the order of their
@@ -3795,6 +3859,18 @@ async fn run_apart(
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
+        if let Some((detail, added, 2..)) = rejected.as_ref().filter(|_| cut_off) {
+            let refused = Fail::Rejected(
+                format!(
+                    "{detail} (run again a key at a time, the two keys before this one were \
+                     refused with the same words: taken as the table's fault, this key's \
+                     requests were not run again)"
+                ),
+                *added,
+            );
+            answer_batch(shared, group_replies, Err(refused), started);
+            continue;
+        }
         let result = until(due, conn, async |c| {
             run_batch(shared, c, &group_ops, None, waits).await
         })
@@ -3806,6 +3882,13 @@ async fn run_apart(
                 refused_in_a_row.saturating_add(1)
             }
             _ => 0,
+        };
+        rejected = match (&result, rejected.take()) {
+            (Err(Fail::Rejected(detail, _)), Some((last, added, n))) if *detail == last => {
+                Some((last, added, n.saturating_add(1)))
+            }
+            (Err(Fail::Rejected(detail, added)), _) => Some((detail.clone(), *added, 1)),
+            _ => None,
         };
         answer_general(shared, &group_ops, group_replies, result, started);
     }
@@ -4330,6 +4413,9 @@ impl Postgres {
             Direct::Answered(answer) => return answer,
             Direct::Undecided => false,
             Direct::Busy => true,
+            Direct::Rejected => {
+                return only_reply(self.ask_by(deadline, |reply| alone(key, op, reply))?);
+            }
         };
         if shortened {
             return only_reply(self.ask_by(deadline, |reply| alone(key, op, reply))?);
@@ -4386,12 +4472,16 @@ impl Postgres {
             tokio::task::yield_now().await;
             not_committing(conn);
             match tokio::time::timeout_at(due.into(), run_hot(shared, conn, &ops, &[true])).await {
-                Ok(Ok(mut hot)) => hot.answers.pop().flatten(),
+                Ok(Ok(mut hot)) => match hot.answers.pop().flatten() {
+                    Some(answer) => Direct::Answered(answer),
+                    None if hot.rejected.is_some() => Direct::Rejected,
+                    None => Direct::Undecided,
+                },
                 Ok(Err(f)) => {
                     recover(conn, &f).await;
-                    Some(Err(f.error()))
+                    Direct::Answered(Err(f.error()))
                 }
-                Err(_) => Some(Err(expire(conn).error())),
+                Err(_) => Direct::Answered(Err(expire(conn).error())),
             }
         });
         let first = used.replace(Instant::now()).is_none();
@@ -4400,10 +4490,7 @@ impl Postgres {
         if first {
             self.direct_opened.notify_one();
         }
-        match answer {
-            Some(answer) => Direct::Answered(answer),
-            None => Direct::Undecided,
-        }
+        answer
     }
 
     /// [`Postgres::apply`] as a future that needs no runtime: it completes

@@ -2177,7 +2177,12 @@ fn a_page_the_server_finds_corrupted_is_storage_not_transient() {
         ),
     )[0]
     .get(0);
-    // Written to the file, so that the restart replays nothing over it.
+    // Written to the file, so that the restart replays nothing over it
+    // (no autovacuum logs a new image of the page meanwhile).
+    sql_at(
+        own.url(),
+        &format!("ALTER TABLE \"{name}\".records SET (autovacuum_enabled = false)"),
+    );
     sql_at(own.url(), "CHECKPOINT");
     own.kill().unwrap();
     let mut page = std::fs::read(&file).unwrap();
@@ -2231,28 +2236,38 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
     // One worker, so that requests queued while it is busy are one batch.
     one.connections = 1;
     let pg = Arc::new(Postgres::connect(server().url(), one).unwrap());
-    let leases: Vec<Lease> = ["a", "b", "c", "gate1", "gate2"]
+    let ids = [
+        "a", "b", "c", "gate1", "gate2", "d1", "d2", "d3", "d4", "gate3", "gate4",
+    ];
+    let leases: HashMap<&str, Lease> = ids
         .iter()
-        .map(|id| acquired(pg.apply(&key(id), claim(b"x")).unwrap()))
+        .map(|id| (*id, acquired(pg.apply(&key(id), claim(b"x")).unwrap())))
         .collect();
-    raw_sql(&format!(
-        "CREATE FUNCTION \"{name}\".picky() RETURNS trigger LANGUAGE plpgsql AS \
-         $$BEGIN \
-         IF NEW.key = '\\x{b}'::bytea THEN PERFORM 1 / 0; END IF; \
-         IF NEW.key IN ('\\x{g1}'::bytea, '\\x{g2}'::bytea) THEN PERFORM pg_sleep(2); \
-         END IF; RETURN NEW; END$$",
-        b = hex(&key("b").to_bytes()),
-        g1 = hex(&key("gate1").to_bytes()),
-        g2 = hex(&key("gate2").to_bytes()),
-    ));
+    // The trigger: the gates' rows sleep, the rows `refused` names are
+    // refused (a division by zero, 22012).
+    let picky = |refused: &str, gates: [&str; 2]| {
+        let bytes = |id: &str| format!("'\\x{}'::bytea", hex(&key(id).to_bytes()));
+        raw_sql(&format!(
+            "CREATE OR REPLACE FUNCTION \"{name}\".picky() RETURNS trigger LANGUAGE plpgsql AS \
+             $$BEGIN \
+             IF NEW.key IN ({}, {}) THEN PERFORM pg_sleep(2); \
+             ELSIF {refused} THEN PERFORM 1 / 0; END IF; \
+             RETURN NEW; END$$",
+            bytes(gates[0]),
+            bytes(gates[1]),
+            refused = refused.replace("{b}", &bytes("b")),
+        ));
+    };
+    picky("NEW.key = {b}", ["gate1", "gate2"]);
     raw_sql(&format!(
         "CREATE TRIGGER picky BEFORE UPDATE ON \"{name}\".records \
          FOR EACH ROW EXECUTE FUNCTION \"{name}\".picky()"
     ));
     // A lease renewal batch.
-    let renewals: Vec<(Key, Op)> = leases[..3]
+    let renewals: Vec<(Key, Op)> = ["a", "b", "c"]
         .iter()
-        .map(|l| {
+        .map(|id| {
+            let l = &leases[id];
             let op = Op::Extend {
                 token: l.token(),
                 lease_ms: 5_000,
@@ -2269,28 +2284,53 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
     // A group commit: the completions of `b` and `c`, queued while the
     // sync callers' direct connection and the one worker complete the
     // gates (their trigger sleeps), are one batch.
-    let gates: Vec<_> = leases[3..]
+    let [b, c]: [Result<Reply, Error>; 2] = completed_behind_gates(
+        &pg,
+        &name,
+        [&leases["gate1"], &leases["gate2"]],
+        &[&leases["b"], &leases["c"]],
+    )
+    .try_into()
+    .expect("two answers");
+    assert_schema_damaged("b's completion", b, &["22012"]);
+    assert_eq!(record(c.expect("c's completion")).state, State::Succeeded);
+    // Every row refused: once two keys in a row are refused with the same
+    // words, the keys after them are answered so without running.
+    picky("true", ["gate3", "gate4"]);
+    let queued: Vec<&Lease> = ["d1", "d2", "d3", "d4"]
         .iter()
-        .map(|lease| {
-            let (pg, lease) = (Arc::clone(&pg), lease.clone());
-            std::thread::spawn(move || complete(&pg, &lease.key().clone(), &lease, b"g"))
-        })
+        .map(|id| &leases[id])
         .collect();
-    let sleeping = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' \
-         AND query LIKE '%{name}%'"
-    );
-    let mut tries = 0;
-    while raw_sql(&sleeping)[0].get::<_, i64>(0) < 2 {
-        tries += 1;
-        assert!(
-            tries < 600,
-            "the gates' completions never both reached their trigger"
-        );
-        std::thread::sleep(Duration::from_millis(10));
+    let answers = completed_behind_gates(&pg, &name, [&leases["gate3"], &leases["gate4"]], &queued);
+    let mut not_run = 0;
+    for (i, answer) in answers.into_iter().enumerate() {
+        match answer {
+            Err(Error::Misconfigured {
+                fault: ConfigFault::SchemaDamaged,
+                detail,
+            }) => {
+                assert!(detail.contains("22012"), "{detail}");
+                not_run += usize::from(detail.contains("taken as the table's fault"));
+            }
+            other => panic!("d{}: expected SchemaDamaged, got {other:?}", i + 1),
+        }
     }
-    let finish = |i: usize| {
-        let (pg, lease) = (Arc::clone(&pg), leases[i].clone());
+    assert_eq!(not_run, 2, "the two keys after the first two refused");
+}
+
+/// Completes `queued` (each on a thread of its own) while the completions
+/// of `gates`, whose rows the test's trigger holds in `pg_sleep`, hold the
+/// direct connection and the one worker of `pg` (a store on schema
+/// `name`): the queued requests are then one batch. Their answers, in
+/// order.
+fn completed_behind_gates(
+    pg: &Arc<Postgres>,
+    name: &str,
+    gates: [&Lease; 2],
+    queued: &[&Lease],
+) -> Vec<Result<Reply, Error>> {
+    let finish = |lease: &Lease| {
+        let (pg, lease) = (Arc::clone(pg), lease.clone());
         std::thread::spawn(move || {
             pg.apply(
                 lease.key(),
@@ -2301,13 +2341,27 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
             )
         })
     };
-    let (b, c) = (finish(1), finish(2));
-    let (b, c) = (b.join().unwrap(), c.join().unwrap());
-    for gate in gates {
-        gate.join().unwrap();
+    let held: Vec<_> = gates.iter().map(|l| finish(l)).collect();
+    let sleeping = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep' \
+         AND query LIKE '%{name}%'"
+    );
+    // A bounded number of looks (hang guard).
+    let mut looks = 0;
+    while raw_sql(&sleeping)[0].get::<_, i64>(0) < 2 {
+        looks += 1;
+        assert!(
+            looks < 1_000,
+            "the gates' completions never both reached their trigger"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
-    assert_schema_damaged("b's completion", b, &["22012"]);
-    assert_eq!(record(c.expect("c's completion")).state, State::Succeeded);
+    let waiting: Vec<_> = queued.iter().map(|l| finish(l)).collect();
+    let answers = waiting.into_iter().map(|t| t.join().unwrap()).collect();
+    for gate in held {
+        assert!(gate.join().unwrap().is_ok(), "a gate's completion");
+    }
+    answers
 }
 
 /// Which refusals pass and which are met again, and which name a
@@ -2330,7 +2384,7 @@ fn refusals_are_sorted_by_their_sqlstate_class_and_where_they_were_raised() {
         );
     }
     for lasts in [
-        "22012", "22001", "54000", "42883", "0A000", "21000", "XX001", "XX002", "58P01",
+        "22012", "22001", "54000", "42883", "0A000", "21000", "55000", "XX001", "XX002", "58P01",
     ] {
         assert_eq!(refusal(lasts, None, None), Refusal::Lasts, "{lasts}");
     }
