@@ -116,7 +116,11 @@ pub enum PostgresPooler {
     /// the URL's own `options`, which cannot change it, `row_security =
     /// off`, so that a row-level security policy refuses the store's
     /// statements rather than hide rows from them) travel as the startup
-    /// parameter `options`.
+    /// parameter `options`. A connect through a pooler that refuses that
+    /// parameter (PgBouncer), or drops it (found by reading the session's
+    /// `row_security` back, one round trip at connect), is refused with
+    /// [`Error::Misconfigured`](crate::Error::Misconfigured)
+    /// (`ConfigFault::PoolerMismatch`): use `Session` there.
     #[default]
     Direct,
     /// A pooler that gives each of the store's connections one server

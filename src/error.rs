@@ -535,6 +535,21 @@ pub enum ConfigFault {
     /// probe can miss such a pool (a pooler that picks server sessions
     /// round robin), so the entry's mode is the operator's to check.
     TransactionPooling,
+    /// The store's [`PostgresPooler`](crate::PostgresPooler) setting does
+    /// not fit what its URL reaches: the default `Direct`, which sends the
+    /// engine's session settings (its limits, and `row_security = off`) as
+    /// the startup parameter `options`, reached a pooler that refuses that
+    /// parameter (PgBouncer: "unsupported startup parameter: options",
+    /// SQLSTATE `08P01`) or drops it (PgBouncer's
+    /// `ignore_startup_parameters = options`: found at connect, where the
+    /// session's `row_security` is not `off`; the limits would not hold).
+    /// Set `Config::postgres_pooler(PostgresPooler::Session)` and point
+    /// the URL at a session-mode entry (docs/operations.md, "Behind
+    /// PgBouncer"). Also a store set for a pooler whose URL has its own
+    /// `options`, which the pooler refuses: remove them from the URL, or
+    /// let the pooler ignore the parameter (the store sets the URL's
+    /// settings with `set_config` after connecting).
+    PoolerMismatch,
     /// `complete_in` or `fail_in` was given a connection whose schema of
     /// the store's name holds another store (another identity: the
     /// caller's connection is to another database, a staging copy say),
@@ -562,6 +577,7 @@ impl ConfigFault {
             ConfigFault::SchemaDamaged => "schema-damaged",
             ConfigFault::ConnectionString => "connection-string",
             ConfigFault::TransactionPooling => "transaction-pooling",
+            ConfigFault::PoolerMismatch => "pooler-mismatch",
             ConfigFault::OtherStore => "other-store",
         }
     }

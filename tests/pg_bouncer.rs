@@ -55,8 +55,8 @@ fn running_as_root() -> bool {
 /// database: `session` (`pool_mode = session`) and `txn` (transaction
 /// pooling, the default of this PgBouncer). `ignore_startup_parameters =
 /// extra_float_digits` is for sqlx, which sends that parameter (PgBouncer
-/// 1.18 refuses it otherwise); the store needs no such setting. Stopped
-/// when dropped.
+/// 1.18 refuses it otherwise); the store needs no such setting
+/// ([`Bouncer::start_ignoring`] sets another list). Stopped when dropped.
 struct Bouncer {
     child: Child,
     port: u16,
@@ -68,6 +68,11 @@ impl Bouncer {
     /// Starts one, or `None` (after saying why on stderr) when the tests
     /// are skipped.
     fn start() -> Option<Bouncer> {
+        Bouncer::start_ignoring("extra_float_digits")
+    }
+
+    /// [`Bouncer::start`] with `ignore_startup_parameters = {ignored}`.
+    fn start_ignoring(ignored: &str) -> Option<Bouncer> {
         let url = pg::url()?;
         let Some(binary) = pgbouncer_binary() else {
             eprintln!(
@@ -106,7 +111,7 @@ impl Bouncer {
                  auth_type = trust\n\
                  auth_file = {}\n\
                  pool_mode = transaction\n\
-                 ignore_startup_parameters = extra_float_digits\n\
+                 ignore_startup_parameters = {ignored}\n\
                  max_client_conn = 1000\n\
                  default_pool_size = 100\n",
                 userlist.display()
@@ -213,9 +218,15 @@ fn pgbouncer_refuses_the_startup_options_and_transaction_pooling_is_refused() {
     let direct = Config::new()
         .postgres_schema(pg::schema("b_direct"))
         .postgres_connections(1);
+    // Every connection is refused the same way: not transient (it was
+    // `Unavailable`, retried for ever), and the message says what to set.
     match Store::connect(&bouncer.url("session"), direct) {
-        Err(Error::Unavailable { detail }) => {
-            assert!(detail.contains("options"), "{detail}");
+        Err(Error::Misconfigured {
+            fault: ConfigFault::PoolerMismatch,
+            detail,
+        }) => {
+            assert!(detail.contains("unsupported startup parameter"), "{detail}");
+            assert!(detail.contains("PostgresPooler::Session"), "{detail}");
         }
         other => panic!("expected PgBouncer to refuse `options`, got {other:?}"),
     }
@@ -235,6 +246,53 @@ fn pgbouncer_refuses_the_startup_options_and_transaction_pooling_is_refused() {
         Err(Error::InvalidArgument { what, .. }) => assert_eq!(what, "postgres_pooler"),
         other => panic!("expected postgres_pooler to be refused, got {other:?}"),
     }
+}
+
+/// A PgBouncer told to drop the startup parameter `options`
+/// (`ignore_startup_parameters = options`): a direct store's limits and
+/// `row_security = off` would be dropped with it, so its connect is
+/// refused (it connected, and ran without them). A store set for the
+/// pooler sets them after connecting, and the URL's own settings with
+/// `set_config`: one the server does not know is the connection string's
+/// fault there too.
+#[test]
+fn a_pooler_that_drops_the_startup_options_is_found() {
+    let Some(bouncer) = Bouncer::start_ignoring("extra_float_digits, options") else {
+        return;
+    };
+    let direct = Config::new()
+        .postgres_schema(pg::schema("b_dropped"))
+        .postgres_connections(1);
+    match Store::connect(&bouncer.url("session"), direct) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::PoolerMismatch,
+            detail,
+        }) => {
+            assert!(detail.contains("ignore_startup_parameters"), "{detail}");
+            assert!(detail.contains("PostgresPooler::Session"), "{detail}");
+        }
+        other => panic!("expected the dropped options to be found, got {other:?}"),
+    }
+    let unknown = format!(
+        "{}?options=-c%20no_such_setting%3D1",
+        bouncer.url("session")
+    );
+    let config = Pooled::config(Config::new(), pg::schema("b_unknown_setting"));
+    match Store::connect(&unknown, config) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::ConnectionString,
+            detail,
+        }) => assert!(detail.contains("no_such_setting"), "{detail}"),
+        other => panic!("expected the unknown setting to be refused, got {other:?}"),
+    }
+    let config = Pooled::config(Config::new(), pg::schema("b_pooled"));
+    let store = Store::connect(&bouncer.url("session"), config).expect("a pooled store");
+    let k = idemstore::Key::new("bouncer", "k").unwrap();
+    let fp = idemstore::Fingerprint::of(b"p");
+    assert!(matches!(
+        store.claim(&k, &fp, &idemstore::ClaimOptions::new()),
+        Ok(idemstore::ClaimOutcome::Acquired(_))
+    ));
 }
 
 /// A store set for a session-mode pooler, pointed at a transaction-mode

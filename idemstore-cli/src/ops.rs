@@ -543,6 +543,17 @@ pub fn connect_error(name: &str, schema: &str, err: Error) -> CliError {
             "{name}: no idemstore store in schema {schema:?} (check the database and --schema; \
              `idemstore import --create` restores an export into a new schema)"
         )),
+        // The commands connect as a store with no pooler between.
+        other @ Error::Misconfigured {
+            fault: idemstore::ConfigFault::PoolerMismatch,
+            ..
+        } => CliError::store(
+            format!(
+                "cannot open the store {name} (idemstore commands connect to the server \
+                 itself: give the server's address, not a pooler's)"
+            ),
+            other,
+        ),
         other => CliError::store(format!("cannot open the store {name}"), other),
     }
 }
@@ -860,6 +871,30 @@ impl From<StateArg> for State {
 
 #[cfg(test)]
 mod tests {
+    /// A store behind a pooler that refuses or drops the startup options:
+    /// the command says to give the server's own address (the library's
+    /// remedy, a `Config` setting, is not the operator's to set here).
+    #[test]
+    fn a_pooler_mismatch_names_the_servers_address() {
+        let err = super::connect_error(
+            "postgresql://pool:6432/app?schema=idemstore",
+            "idemstore",
+            idemstore::Error::Misconfigured {
+                fault: idemstore::ConfigFault::PoolerMismatch,
+                detail: "FATAL (08P01): unsupported startup parameter: options".into(),
+            },
+        );
+        let text = err.to_string();
+        assert!(text.contains("give the server's address"), "{text}");
+        let cause = std::error::Error::source(&err).map(ToString::to_string);
+        assert!(
+            cause
+                .as_deref()
+                .is_some_and(|c| c.contains("unsupported startup parameter")),
+            "{cause:?}"
+        );
+    }
+
     use super::*;
 
     fn target(store: &str) -> Result<Target, CliError> {

@@ -904,6 +904,38 @@ fn setting_refused(code: &str) -> bool {
     matches!(code, "42704" | "42602" | "22023" | "55P02")
 }
 
+/// Refuses a session without the settings a direct store sends in the
+/// startup parameter `options` (one round trip, at connect): one whose
+/// `row_security`, which those settings set to `off` last, is not `off`
+/// had them dropped on the way (a pooler's `ignore_startup_parameters =
+/// options`), and its limits would not hold either.
+///
+/// # Errors
+/// [`Error::Misconfigured`] ([`ConfigFault::PoolerMismatch`]); what the
+/// read meets, as any statement's.
+async fn settings_arrived(client: &Client) -> Result<()> {
+    let row = client
+        .query_one("SELECT pg_catalog.current_setting('row_security')", &[])
+        .await
+        .map_err(|e| fail(&e).error())?;
+    let value: String = row
+        .try_get(0)
+        .map_err(|e| storage("reading row_security", e).error())?;
+    if value == "off" {
+        return Ok(());
+    }
+    Err(Error::Misconfigured {
+        fault: ConfigFault::PoolerMismatch,
+        detail: format!(
+            "the session's settings, sent in the startup parameter `options`, did not arrive \
+             (row_security is {value:?}, where they set it off): a pooler between dropped them \
+             (PgBouncer's ignore_startup_parameters = options), and the store's limits would \
+             not hold; set Config::postgres_pooler(PostgresPooler::Session), which sets them \
+             after connecting, and point the URL at a session-mode entry"
+        ),
+    })
+}
+
 /// Whether `err` is the server's refusal of a statement that a row-level
 /// security policy would filter, under the engine's `row_security = off`
 /// (42501 with these words; a missing privilege is 42501 too).
@@ -1171,6 +1203,27 @@ async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
                 .starts_with("error encoding message to server");
         if unsendable {
             Fail::Config(ConfigFault::ConnectionString, describe(&e))
+        } else if e
+            .as_db_error()
+            .is_some_and(|db| db.message().starts_with("unsupported startup parameter"))
+        {
+            // A pooler (PgBouncer's words; it speaks only English): every
+            // connection is refused the same way.
+            let remedy = if shared.session_set.is_some() {
+                "the URL's own `options` were refused: remove them from the URL, or add \
+                 `options` to the pooler's ignore_startup_parameters (with \
+                 PostgresPooler::Session the store sets the URL's settings with set_config \
+                 after connecting)"
+            } else {
+                "the store (PostgresPooler::Direct, the default) sends its session settings in \
+                 the startup parameter `options`, which a pooler such as PgBouncer refuses: set \
+                 Config::postgres_pooler(PostgresPooler::Session) and point the URL at a \
+                 session-mode entry (docs/operations.md, \"Behind PgBouncer\")"
+            };
+            Fail::Config(
+                ConfigFault::PoolerMismatch,
+                format!("{}: {remedy}", describe(&e)),
+            )
         } else if let Some(fault) = config_fault(&e) {
             Fail::Config(fault, describe(&e))
         } else if let Some(db) = e.as_db_error().filter(|_| !connection_lost(&e)) {
@@ -1324,6 +1377,9 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     apply_session_settings(shared, &client)
         .await
         .map_err(|f| f.error())?;
+    if shared.session_set.is_none() {
+        settings_arrived(&client).await?;
+    }
     // A first reading of the store's time, so that what is answered while
     // the server cannot be reached (`Postgres::last_now_ms`) is the time
     // of the connect at least, never 0.
