@@ -478,10 +478,13 @@ pub enum ConfigFault {
     /// cancel it is [`Error::Unavailable`], and the server's own faults,
     /// classes `XX` and `58`, are [`Error::Storage`] wherever raised; a
     /// group commit or a lease renewal batch refused so runs again a key
-    /// at a time, so that the requests of other keys are decided, until
-    /// two keys of a group commit in a row are refused with the same
-    /// words, which is then taken as the table's fault; `claim_many` and
-    /// an import batch are one transaction, refused whole), the sequence replaced (`42809`) or set
+    /// at a time, so that the requests of other keys are decided (once two
+    /// keys of a group commit in a row are refused with the same words,
+    /// the keys after them are not run and are answered
+    /// [`Error::Unavailable`]); `claim_many` and an import batch are one
+    /// transaction, refused whole; a statement of the store's that cannot
+    /// be prepared against the schema, `42883` after a column's type was
+    /// changed say, is this fault too), the sequence replaced (`42809`) or set
     /// back below a key's fencing token (a takeover is refused: raise it
     /// with `setval` to the records table's largest token), or row-level
     /// security made active for the store's role on its tables (a policy
@@ -542,7 +545,9 @@ pub enum ConfigFault {
     /// parameter (PgBouncer: "unsupported startup parameter: options",
     /// SQLSTATE `08P01`) or drops it (PgBouncer's
     /// `ignore_startup_parameters = options`: found at connect, where the
-    /// session's `row_security` is not `off`; the limits would not hold).
+    /// session's `row_security` is not `off` as the client set it; the
+    /// limits would not hold; a migration, which runs DDL only, does not
+    /// check it).
     /// Set `Config::postgres_pooler(PostgresPooler::Session)` and point
     /// the URL at a session-mode entry (docs/operations.md, "Behind
     /// PgBouncer"). Also a store set for a pooler whose URL has its own

@@ -230,6 +230,20 @@ fn pgbouncer_refuses_the_startup_options_and_transaction_pooling_is_refused() {
         }
         other => panic!("expected PgBouncer to refuse `options`, got {other:?}"),
     }
+    // A store set for the pooler, whose URL has options of its own: the
+    // pooler refuses them the same way.
+    let with_options = format!(
+        "{}?options=-c%20statement_timeout%3D5s",
+        bouncer.url("session")
+    );
+    let config = Pooled::config(Config::new(), pg::schema("b_url_options"));
+    match Store::connect(&with_options, config) {
+        Err(Error::Misconfigured {
+            fault: ConfigFault::PoolerMismatch,
+            detail,
+        }) => assert!(detail.contains("remove them from the URL"), "{detail}"),
+        other => panic!("expected the URL's options to be refused, got {other:?}"),
+    }
     let txn = Config::new()
         .postgres_schema(pg::schema("b_txn"))
         .postgres_pooler(PostgresPooler::Transaction);
@@ -260,18 +274,48 @@ fn a_pooler_that_drops_the_startup_options_is_found() {
     let Some(bouncer) = Bouncer::start_ignoring("extra_float_digits, options") else {
         return;
     };
-    let direct = Config::new()
-        .postgres_schema(pg::schema("b_dropped"))
-        .postgres_connections(1);
-    match Store::connect(&bouncer.url("session"), direct) {
+    let direct = || {
+        Config::new()
+            .postgres_schema(pg::schema("b_dropped"))
+            .postgres_connections(1)
+    };
+    let refused = |url: &str, what: &str| match Store::connect(url, direct()) {
         Err(Error::Misconfigured {
             fault: ConfigFault::PoolerMismatch,
             detail,
         }) => {
-            assert!(detail.contains("ignore_startup_parameters"), "{detail}");
-            assert!(detail.contains("PostgresPooler::Session"), "{detail}");
+            assert!(
+                detail.contains("ignore_startup_parameters"),
+                "{what}: {detail}"
+            );
+            assert!(
+                detail.contains("PostgresPooler::Session"),
+                "{what}: {detail}"
+            );
         }
-        other => panic!("expected the dropped options to be found, got {other:?}"),
+        other => panic!("{what}: expected the dropped options to be found, got {other:?}"),
+    };
+    refused(&bouncer.url("session"), "a direct store");
+    // The role's own `row_security = off` gives the value the options
+    // would have set, but not as the client set it: found all the same.
+    // (A pooler of its own, whose server sessions start after the change.)
+    let url = pg::url().expect("the server");
+    let rt = runtime();
+    let (client, connection) = rt
+        .block_on(tokio_postgres::connect(&url, NoTls))
+        .expect("a connection to the server");
+    rt.spawn(connection);
+    let role = || format!("ALTER ROLE \"{}\"", bouncer.user);
+    rt.block_on(client.batch_execute(&format!("{} SET row_security = off", role())))
+        .expect("set the role's row_security");
+    let outcome = std::panic::catch_unwind(|| {
+        let fresh = Bouncer::start_ignoring("extra_float_digits, options").expect("a pooler");
+        refused(&fresh.url("session"), "a role with row_security off");
+    });
+    rt.block_on(client.batch_execute(&format!("{} RESET row_security", role())))
+        .expect("reset the role's row_security");
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
     }
     let unknown = format!(
         "{}?options=-c%20no_such_setting%3D1",

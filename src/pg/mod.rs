@@ -88,7 +88,11 @@
 //!   several keys runs its requests again, each key's in a transaction of
 //!   its own ([`run_apart`]), so that only the requests of the key that
 //!   meets it (a row held by another session, a trigger that refuses one
-//!   row, a damaged page) are refused.
+//!   row, a damaged page) are refused; once two keys in a row are refused
+//!   with the same words, the rest of a group commit is answered
+//!   [`Error::Unavailable`] without running (sent again, each is decided).
+//!   A direct store whose startup `options` a pooler refuses or drops is
+//!   refused at connect ([`ConfigFault::PoolerMismatch`]).
 //! - **Bounded waits** ([`PostgresLimits`]): every call carries a
 //!   deadline (`call_timeout` from when it is made) that covers the wait
 //!   for room in the bounded queue, for a worker, for a connection and
@@ -904,31 +908,52 @@ fn setting_refused(code: &str) -> bool {
     matches!(code, "42704" | "42602" | "22023" | "55P02")
 }
 
+/// Whether a server's (a pooler's) refusal at start-up says it does not
+/// take a startup parameter the driver sent (`options`, in which a direct
+/// store sends its session settings): PgBouncer's "unsupported startup
+/// parameter: options" (1.18; "… in options: NAME" and "unsupported
+/// options startup parameter: …" from 1.20), and RDS Proxy's "doesn't
+/// support command-line options". Poolers answer in English only.
+fn pooler_refused(message: &str) -> bool {
+    message.starts_with("unsupported startup parameter")
+        || message.starts_with("unsupported options startup parameter")
+        || message.contains("support command-line options")
+}
+
 /// Refuses a session without the settings a direct store sends in the
-/// startup parameter `options` (one round trip, at connect): one whose
-/// `row_security`, which those settings set to `off` last, is not `off`
-/// had them dropped on the way (a pooler's `ignore_startup_parameters =
-/// options`), and its limits would not hold either.
+/// startup parameter `options` (one round trip, once per connect, not per
+/// connection): one whose `row_security`, which those settings set to
+/// `off` last, is not `off` as the client set it (`pg_settings.source`
+/// is `client` for a startup option, which wins over a role's or a
+/// database's setting) had them dropped on the way (a pooler's
+/// `ignore_startup_parameters = options`; a role's `row_security = off`
+/// or a `SET` left by a pooler's previous client would hide that from the
+/// value alone), and its limits would not hold either.
 ///
 /// # Errors
 /// [`Error::Misconfigured`] ([`ConfigFault::PoolerMismatch`]); what the
 /// read meets, as any statement's.
 async fn settings_arrived(client: &Client) -> Result<()> {
     let row = client
-        .query_one("SELECT pg_catalog.current_setting('row_security')", &[])
+        .query_one(
+            "SELECT setting, source FROM pg_catalog.pg_settings WHERE name = 'row_security'",
+            &[],
+        )
         .await
         .map_err(|e| fail(&e).error())?;
-    let value: String = row
-        .try_get(0)
-        .map_err(|e| storage("reading row_security", e).error())?;
-    if value == "off" {
+    let (value, source): (String, String) =
+        row.try_get(0)
+            .and_then(|v| Ok((v, row.try_get(1)?)))
+            .map_err(|e| storage("reading row_security", e).error())?;
+    if value == "off" && source == "client" {
         return Ok(());
     }
     Err(Error::Misconfigured {
         fault: ConfigFault::PoolerMismatch,
         detail: format!(
             "the session's settings, sent in the startup parameter `options`, did not arrive \
-             (row_security is {value:?}, where they set it off): a pooler between dropped them \
+             (row_security is {value:?} from {source:?}, where they set it off as the \
+             client): a pooler between dropped them \
              (PgBouncer's ignore_startup_parameters = options), and the store's limits would \
              not hold; set Config::postgres_pooler(PostgresPooler::Session), which sets them \
              after connecting, and point the URL at a session-mode entry"
@@ -1205,20 +1230,22 @@ async fn connect_client(shared: &Shared) -> Result<Client, Fail> {
             Fail::Config(ConfigFault::ConnectionString, describe(&e))
         } else if e
             .as_db_error()
-            .is_some_and(|db| db.message().starts_with("unsupported startup parameter"))
+            .is_some_and(|db| pooler_refused(db.message()))
         {
-            // A pooler (PgBouncer's words; it speaks only English): every
-            // connection is refused the same way.
+            // A pooler: every connection is refused the same way.
             let remedy = if shared.session_set.is_some() {
-                "the URL's own `options` were refused: remove them from the URL, or add \
-                 `options` to the pooler's ignore_startup_parameters (with \
-                 PostgresPooler::Session the store sets the URL's settings with set_config \
-                 after connecting)"
+                "a store set for a pooler sends no startup parameter `options` of its own, so \
+                 the pooler refused the URL's (or another parameter, as its words say): remove \
+                 them from the URL, or add `options` to the pooler's \
+                 ignore_startup_parameters (with PostgresPooler::Session the store sets the \
+                 URL's settings with set_config after connecting)"
             } else {
                 "the store (PostgresPooler::Direct, the default) sends its session settings in \
                  the startup parameter `options`, which a pooler such as PgBouncer refuses: set \
                  Config::postgres_pooler(PostgresPooler::Session) and point the URL at a \
-                 session-mode entry (docs/operations.md, \"Behind PgBouncer\")"
+                 session-mode entry (docs/operations.md, \"Behind PgBouncer\"); a migration \
+                 (`idemstore migrate`, `idemstore::postgres::migrate`) and the idemstore \
+                 commands: give them the server's own address"
             };
             Fail::Config(
                 ConfigFault::PoolerMismatch,
@@ -1281,13 +1308,21 @@ async fn open_conn(shared: &Shared) -> Result<Conn, Fail> {
     let c = &client;
     // A statement of the store's that cannot be prepared (met again: an
     // operator missing for a column's new type, 42883, say) is the
-    // schema's fault.
+    // schema's fault; the server's own (classes XX and 58, a catalog page
+    // corrupted) stays its own.
     let p = |sql: &str| {
         let sql = sql.to_string();
         async move {
-            c.prepare(&sql).await.map_err(|e| match fail(&e) {
-                Fail::Rejected(detail, _) => Fail::Config(ConfigFault::SchemaDamaged, detail),
-                other => other,
+            c.prepare(&sql).await.map_err(|e| {
+                let own = e
+                    .code()
+                    .is_some_and(|c| c.code().starts_with("XX") || c.code().starts_with("58"));
+                match fail(&e) {
+                    Fail::Rejected(detail, _) if !own => {
+                        Fail::Config(ConfigFault::SchemaDamaged, detail)
+                    }
+                    other => other,
+                }
             })
         }
     };
@@ -1377,7 +1412,10 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     apply_session_settings(shared, &client)
         .await
         .map_err(|f| f.error())?;
-    if shared.session_set.is_none() {
+    // A migration runs DDL only, without the limits that matter to
+    // requests: `migrate` (always a direct store) may go through a pooler
+    // that drops the options.
+    if shared.session_set.is_none() && !shared.migrate {
         settings_arrived(&client).await?;
     }
     // A first reading of the store's time, so that what is answered while
@@ -2540,7 +2578,8 @@ async fn ensure<'a>(shared: &Shared, slot: &'a mut Option<Conn>) -> Result<&'a C
         // batch must not run again a key at a time for it (each key would
         // open a connection of its own).
         let opened = open_conn(shared).await.map_err(|f| match f {
-            Fail::Rejected(detail, _) => Fail::Storage(detail),
+            Fail::Rejected(detail, true) => Fail::Config(ConfigFault::SchemaDamaged, detail),
+            Fail::Rejected(detail, false) => Fail::Storage(detail),
             other => other,
         })?;
         *slot = Some(opened);
@@ -3837,9 +3876,10 @@ fn one_key(ops: &[(Key, Op)]) -> bool {
 /// `lock_timeout` more, not one short wait per key. Likewise once two
 /// keys in a row are refused with the same words for a reason met again
 /// (a trigger that refuses every row, a constraint no row passes): the
-/// fault is taken as the table's, and the keys after them are answered
-/// with it without running, as the whole batch was before it ran again,
-/// rather than one transaction per key of every batch. A renewal batch
+/// keys after them are not run (rather than one transaction per key of
+/// every batch) and answered `Unavailable`, not that refusal, which may
+/// not be theirs (the words name a trigger or a page, not a row): sent
+/// again, each is decided in a batch of its own time. A renewal batch
 /// has no cut-off: its deadline bounds it, and each key's renewal that
 /// runs before the deadline is decided (each locked row costs a quarter
 /// of the batch's time, so behind several the later leases miss the
@@ -3855,9 +3895,9 @@ async fn run_apart(
     let mut refused_in_a_row = 0u32;
     // The last lock refusal's words, for the keys the cut-off answers.
     let mut last_refusal = String::new();
-    // The last refusal met again (its words, whether something added
-    // raised it) and how many keys in a row met it.
-    let mut rejected: Option<(String, bool, u32)> = None;
+    // The last refusal met again (its words) and how many keys in a row
+    // met it.
+    let mut rejected: Option<(String, u32)> = None;
     let mut refused_wait = Duration::ZERO;
     let lock_timeout = shared.limits.lock_timeout;
     // Each key's requests (places in `ops`), keys in the order of their
@@ -3915,15 +3955,15 @@ async fn run_apart(
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
-        if let Some((detail, added, 2..)) = rejected.as_ref().filter(|_| cut_off) {
-            let refused = Fail::Rejected(
-                format!(
-                    "{detail} (run again a key at a time, the two keys before this one were \
-                     refused with the same words: taken as the table's fault, this key's \
-                     requests were not run again)"
-                ),
-                *added,
-            );
+        if let Some((detail, 2..)) = rejected.as_ref().filter(|_| cut_off) {
+            // Not this key's refusal (its row may be sound): answered as
+            // one that passes, so that its caller sends it again, in a
+            // batch where it is decided.
+            let refused = Fail::Refused(format!(
+                "not run: its batch was refused, and run again a key at a time the two keys \
+                 before this one were refused with the same words ({detail}), so the rest \
+                 were not run again; send it again"
+            ));
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
@@ -3940,10 +3980,10 @@ async fn run_apart(
             _ => 0,
         };
         rejected = match (&result, rejected.take()) {
-            (Err(Fail::Rejected(detail, _)), Some((last, added, n))) if *detail == last => {
-                Some((last, added, n.saturating_add(1)))
+            (Err(Fail::Rejected(detail, _)), Some((last, n))) if *detail == last => {
+                Some((last, n.saturating_add(1)))
             }
-            (Err(Fail::Rejected(detail, added)), _) => Some((detail.clone(), *added, 1)),
+            (Err(Fail::Rejected(detail, _)), _) => Some((detail.clone(), 1)),
             _ => None,
         };
         answer_general(shared, &group_ops, group_replies, result, started);

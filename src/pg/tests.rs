@@ -2295,14 +2295,15 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
     assert_schema_damaged("b's completion", b, &["22012"]);
     assert_eq!(record(c.expect("c's completion")).state, State::Succeeded);
     // Every row refused: once two keys in a row are refused with the same
-    // words, the keys after them are answered so without running.
+    // words, the keys after them are not run, and answered `Unavailable`
+    // (the refusal may not be theirs: sent again, each is decided).
     picky("true", ["gate3", "gate4"]);
     let queued: Vec<&Lease> = ["d1", "d2", "d3", "d4"]
         .iter()
         .map(|id| &leases[id])
         .collect();
     let answers = completed_behind_gates(&pg, &name, [&leases["gate3"], &leases["gate4"]], &queued);
-    let mut not_run = 0;
+    let (mut refused, mut not_run) = (0, 0);
     for (i, answer) in answers.into_iter().enumerate() {
         match answer {
             Err(Error::Misconfigured {
@@ -2310,12 +2311,34 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
                 detail,
             }) => {
                 assert!(detail.contains("22012"), "{detail}");
-                not_run += usize::from(detail.contains("taken as the table's fault"));
+                refused += 1;
             }
-            other => panic!("d{}: expected SchemaDamaged, got {other:?}", i + 1),
+            Err(e @ Error::Unavailable { .. }) => {
+                assert!(e.to_string().contains("not run"), "{e}");
+                assert!(e.is_transient());
+                not_run += 1;
+            }
+            other => panic!(
+                "d{}: expected SchemaDamaged or not run, got {other:?}",
+                i + 1
+            ),
         }
     }
-    assert_eq!(not_run, 2, "the two keys after the first two refused");
+    assert_eq!(
+        (refused, not_run),
+        (2, 2),
+        "the first two run, the two after not"
+    );
+    // Sent again, a key that was not run is decided: refused as its own.
+    let d4 = &leases["d4"];
+    let again = pg.apply(
+        d4.key(),
+        Op::Complete {
+            token: d4.token(),
+            result: b"r".to_vec(),
+        },
+    );
+    assert_schema_damaged("d4 sent again", again, &["22012"]);
 }
 
 /// Completes `queued` (each on a thread of its own) while the completions
