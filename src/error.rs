@@ -291,7 +291,9 @@ pub enum Error {
     /// SQLSTATE class: a deadlock or serialization failure, a lock wait
     /// past `lock_timeout`, a statement cancelled by `statement_timeout`,
     /// too few resources such as memory or connections, a host turned
-    /// read-only): the request was **not applied**. It is safe to
+    /// read-only), or a request of a group commit was not run because the
+    /// keys before it were refused (sent again, it is decided): the
+    /// request was **not applied**. It is safe to
     /// retry it as it is; the engine opens a new connection for the next
     /// request once the server is back. Maps to HTTP 503.
     #[error("the database is unavailable; the request was not applied: {detail}")]
@@ -476,7 +478,8 @@ pub enum ConfigFault {
     /// with any error that a retry meets again (a division by zero,
     /// `22012`, say; a trigger only slow enough for `statement_timeout` to
     /// cancel it is [`Error::Unavailable`], and the server's own faults,
-    /// classes `XX` and `58`, are [`Error::Storage`] wherever raised; a
+    /// classes `XX` and `58`, are [`Error::Storage`] wherever raised, or
+    /// [`Error::Unavailable`] for `58000` and `58030`; a
     /// group commit or a lease renewal batch refused so runs again a key
     /// at a time, so that the requests of other keys are decided (once two
     /// keys of a group commit in a row are refused with the same words,
@@ -546,8 +549,8 @@ pub enum ConfigFault {
     /// SQLSTATE `08P01`) or drops it (PgBouncer's
     /// `ignore_startup_parameters = options`: found at connect, where the
     /// session's `row_security` is not `off` as the client set it; the
-    /// limits would not hold; a migration, which runs DDL only, does not
-    /// check it).
+    /// limits would not hold). A migration (always direct) and the
+    /// `idemstore` commands: give them the server's own address.
     /// Set `Config::postgres_pooler(PostgresPooler::Session)` and point
     /// the URL at a session-mode entry (docs/operations.md, "Behind
     /// PgBouncer"). Also a store set for a pooler whose URL has its own

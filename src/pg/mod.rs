@@ -408,7 +408,16 @@ struct Shared {
     /// general way). At most [`HELD_MAX`] entries of at most
     /// [`HELD_MAX_BYTES`] each.
     held: parking_lot::Mutex<HashMap<Vec<u8>, Held>>,
+    /// The keys a group commit's cut-off answered "not run" ([`run_apart`])
+    /// and no later split has decided yet: sent again into a batch that is
+    /// split, each runs first and is never cut off, so that it is decided
+    /// however many refused requests arrive before it. At most
+    /// [`NOT_RUN_MAX`] (when full, the cut-off runs keys instead).
+    not_run: parking_lot::Mutex<std::collections::HashSet<Key>>,
 }
+
+/// The most keys [`Shared::not_run`] holds.
+const NOT_RUN_MAX: usize = 4_096;
 
 /// The most records [`Shared::held`] keeps (it is emptied when full).
 const HELD_MAX: usize = 16_384;
@@ -956,7 +965,8 @@ async fn settings_arrived(client: &Client) -> Result<()> {
              client): a pooler between dropped them \
              (PgBouncer's ignore_startup_parameters = options), and the store's limits would \
              not hold; set Config::postgres_pooler(PostgresPooler::Session), which sets them \
-             after connecting, and point the URL at a session-mode entry"
+             after connecting, and point the URL at a session-mode entry (a migration and the \
+             idemstore commands: give them the server's own address)"
         ),
     })
 }
@@ -1412,10 +1422,10 @@ async fn setup(shared: &Shared) -> Result<(u128, Found)> {
     apply_session_settings(shared, &client)
         .await
         .map_err(|f| f.error())?;
-    // A migration runs DDL only, without the limits that matter to
-    // requests: `migrate` (always a direct store) may go through a pooler
-    // that drops the options.
-    if shared.session_set.is_none() && !shared.migrate {
+    // A migration too: its DDL waits for the tables' locks under the same
+    // `lock_timeout` (without it, a `CREATE INDEX` behind an open write
+    // would hold up every write of the service).
+    if shared.session_set.is_none() {
         settings_arrived(&client).await?;
     }
     // A first reading of the store's time, so that what is answered while
@@ -3918,6 +3928,15 @@ async fn run_apart(
         }
     }
     drop(group_of);
+    // The keys a cut-off left not run before go first (a stable sort: the
+    // others keep their order), so that each is decided.
+    let owed = |group: &Vec<usize>| {
+        group
+            .first()
+            .and_then(|&at| ops.get(at))
+            .is_some_and(|(key, _)| shared.not_run.lock().contains(key))
+    };
+    groups.sort_by_key(|group| !owed(group));
     // Each request once, taken by its key's turn.
     let mut pending: Vec<Option<Call>> = ops
         .into_iter()
@@ -3955,10 +3974,25 @@ async fn run_apart(
             answer_batch(shared, group_replies, Err(refused), started);
             continue;
         }
-        if let Some((detail, 2..)) = rejected.as_ref().filter(|_| cut_off) {
+        let key = group_ops.first().map(|(key, _)| key.clone());
+        let owed = key
+            .as_ref()
+            .is_some_and(|key| shared.not_run.lock().contains(key));
+        let cut = rejected
+            .as_ref()
+            .filter(|(_, n)| cut_off && !owed && *n >= 2)
+            .and_then(|r| {
+                let mut not_run = shared.not_run.lock();
+                let room = not_run.len() < NOT_RUN_MAX;
+                if room && let Some(key) = &key {
+                    not_run.insert(key.clone());
+                }
+                room.then_some(r)
+            });
+        if let Some((detail, _)) = cut {
             // Not this key's refusal (its row may be sound): answered as
-            // one that passes, so that its caller sends it again, in a
-            // batch where it is decided.
+            // one that passes, so that its caller sends it again; in a
+            // batch that is split, it then runs first (`not_run`).
             let refused = Fail::Refused(format!(
                 "not run: its batch was refused, and run again a key at a time the two keys \
                  before this one were refused with the same words ({detail}), so the rest \
@@ -3986,6 +4020,9 @@ async fn run_apart(
             (Err(Fail::Rejected(detail, _)), _) => Some((detail.clone(), 1)),
             _ => None,
         };
+        if owed && let Some(key) = &key {
+            shared.not_run.lock().remove(key);
+        }
         answer_general(shared, &group_ops, group_replies, result, started);
     }
 }
@@ -4346,6 +4383,7 @@ impl Postgres {
             last_reading: AtomicU64::new(0),
             counters: LiveCounters::new(),
             held: parking_lot::Mutex::new(HashMap::new()),
+            not_run: parking_lot::Mutex::new(std::collections::HashSet::new()),
         });
         let (jobs, queue) = unbounded_channel();
         let max = options.connections;

@@ -2237,7 +2237,8 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
     one.connections = 1;
     let pg = Arc::new(Postgres::connect(server().url(), one).unwrap());
     let ids = [
-        "a", "b", "c", "gate1", "gate2", "d1", "d2", "d3", "d4", "gate3", "gate4",
+        "a", "b", "c", "gate1", "gate2", "d1", "d2", "d3", "d4", "gate3", "gate4", "f1", "f2",
+        "f3", "gate5", "gate6",
     ];
     let leases: HashMap<&str, Lease> = ids
         .iter()
@@ -2255,7 +2256,10 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
              RETURN NEW; END$$",
             bytes(gates[0]),
             bytes(gates[1]),
-            refused = refused.replace("{b}", &bytes("b")),
+            refused = ["b", "f1", "f2", "f3"]
+                .iter()
+                .fold(refused.to_string(), |sql, id| sql
+                    .replace(&format!("{{{id}}}"), &bytes(id))),
         ));
     };
     picky("NEW.key = {b}", ["gate1", "gate2"]);
@@ -2303,8 +2307,9 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
         .map(|id| &leases[id])
         .collect();
     let answers = completed_behind_gates(&pg, &name, [&leases["gate3"], &leases["gate4"]], &queued);
-    let (mut refused, mut not_run) = (0, 0);
-    for (i, answer) in answers.into_iter().enumerate() {
+    let mut not_run = Vec::new();
+    let mut refused = 0;
+    for (id, answer) in ["d1", "d2", "d3", "d4"].into_iter().zip(answers) {
         match answer {
             Err(Error::Misconfigured {
                 fault: ConfigFault::SchemaDamaged,
@@ -2316,29 +2321,39 @@ fn one_keys_refusal_fails_no_other_request_in_its_batch() {
             Err(e @ Error::Unavailable { .. }) => {
                 assert!(e.to_string().contains("not run"), "{e}");
                 assert!(e.is_transient());
-                not_run += 1;
+                not_run.push(id);
             }
-            other => panic!(
-                "d{}: expected SchemaDamaged or not run, got {other:?}",
-                i + 1
-            ),
+            other => panic!("{id}: expected SchemaDamaged or not run, got {other:?}"),
         }
     }
     assert_eq!(
-        (refused, not_run),
+        (refused, not_run.len()),
         (2, 2),
         "the first two run, the two after not"
     );
-    // Sent again, a key that was not run is decided: refused as its own.
-    let d4 = &leases["d4"];
-    let again = pg.apply(
-        d4.key(),
-        Op::Complete {
-            token: d4.token(),
-            result: b"r".to_vec(),
-        },
-    );
-    assert_schema_damaged("d4 sent again", again, &["22012"]);
+    // The keys not run, sent again behind three other keys refused with the
+    // same words (the `d` rows are sound now): they run first, and are
+    // decided, however many refused requests come before them.
+    picky("NEW.key IN ({f1}, {f2}, {f3})", ["gate5", "gate6"]);
+    let again: Vec<&Lease> = ["f1", "f2", "f3"]
+        .into_iter()
+        .chain(not_run.iter().copied())
+        .map(|id| &leases[id])
+        .collect();
+    let answers = completed_behind_gates(&pg, &name, [&leases["gate5"], &leases["gate6"]], &again);
+    for (id, answer) in ["f1", "f2", "f3"].iter().chain(&not_run).zip(answers) {
+        if id.starts_with('d') {
+            assert_eq!(record(answer.expect(id)).state, State::Succeeded, "{id}");
+        } else {
+            assert!(
+                matches!(
+                    answer,
+                    Err(Error::Misconfigured { .. } | Error::Unavailable { .. })
+                ),
+                "{id}: {answer:?}"
+            );
+        }
+    }
 }
 
 /// Completes `queued` (each on a thread of its own) while the completions
@@ -2385,6 +2400,28 @@ fn completed_behind_gates(
         assert!(gate.join().unwrap().is_ok(), "a gate's completion");
     }
     answers
+}
+
+/// A pooler's refusal of the startup options, in the words of PgBouncer
+/// 1.18, 1.20 and RDS Proxy (Debian's PgBouncer speaks only the first);
+/// a server's own refusals are not a pooler's.
+#[test]
+fn a_poolers_refusal_of_the_startup_options_is_told_by_its_words() {
+    for pooler in [
+        "unsupported startup parameter: options",
+        "unsupported startup parameter in options: statement_timeout",
+        "unsupported options startup parameter: only '-c config=val' is allowed",
+        "Feature not supported: RDS Proxy currently doesn't support command-line options.",
+    ] {
+        assert!(super::pooler_refused(pooler), "{pooler}");
+    }
+    for server in [
+        "unrecognized configuration parameter \"no_such_setting\"",
+        "invalid value for parameter \"statement_timeout\": \"soon\"",
+        "no more connections allowed (max_client_conn)",
+    ] {
+        assert!(!super::pooler_refused(server), "{server}");
+    }
 }
 
 /// Which refusals pass and which are met again, and which name a
