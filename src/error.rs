@@ -395,11 +395,12 @@ impl Error {
     /// `false` for every other error: a client error
     /// ([`Error::is_client_error`]) gets the same answer however often it
     /// is sent; [`Error::Misconfigured`] and [`Error::IncompatibleSchema`]
-    /// need an operator; [`Error::Poisoned`], [`Error::Storage`] (an I/O
-    /// error of the file engine; a row or answer the PostgreSQL engine
-    /// cannot read, or a statement its server refused for a reason met
-    /// again, such as a page of its data found corrupted) and the
-    /// corruption errors need a reopen, a repair or a restore; [`Error::Closed`] is a store whose writer stopped (a
+    /// need an operator; [`Error::Poisoned`] and the corruption errors
+    /// need a reopen, a repair or a restore, and so does
+    /// [`Error::Storage`] on the file engine (an I/O error); on PostgreSQL
+    /// (a row or answer the engine cannot read, or a statement its server
+    /// refused for a reason met again, such as a page of its data found
+    /// corrupted) it needs an operator while the store goes on; [`Error::Closed`] is a store whose writer stopped (a
     /// panic of the file engine's writer or syncer thread, which only a
     /// reopen mends, or a store being dropped); [`Error::ReadOnly`] a store
     /// opened not to write.
@@ -549,14 +550,15 @@ pub enum ConfigFault {
     /// SQLSTATE `08P01`) or drops it (PgBouncer's
     /// `ignore_startup_parameters = options`: found at connect, where the
     /// session's `row_security` is not `off` as the client set it; the
-    /// limits would not hold). A migration (always direct) and the
-    /// `idemstore` commands: give them the server's own address.
-    /// Set `Config::postgres_pooler(PostgresPooler::Session)` and point
-    /// the URL at a session-mode entry (docs/operations.md, "Behind
-    /// PgBouncer"). Also a store set for a pooler whose URL has its own
+    /// limits would not hold). Set
+    /// `Config::postgres_pooler(PostgresPooler::Session)` and point the
+    /// URL at a session-mode entry (docs/operations.md, "Behind
+    /// PgBouncer"). Also a store set so (`Session`) whose URL has its own
     /// `options`, which the pooler refuses: remove them from the URL, or
-    /// let the pooler ignore the parameter (the store sets the URL's
-    /// settings with `set_config` after connecting).
+    /// let the pooler ignore the parameter (with `Session`, and only then,
+    /// that loses nothing: the store sets the URL's settings with
+    /// `set_config` after connecting). Run a migration (always direct) and
+    /// the `idemstore` commands against the server itself, not the pooler.
     PoolerMismatch,
     /// `complete_in` or `fail_in` was given a connection whose schema of
     /// the store's name holds another store (another identity: the
