@@ -239,6 +239,12 @@ fn call(tool: &str, arguments: Value, key: &str) -> CallToolRequestParams {
     )
 }
 
+/// A call of the harness's `append` tool with `line`.
+fn append(line: &str) -> CallToolRequestParams {
+    CallToolRequestParams::new("append")
+        .with_arguments(json!({ "line": line }).as_object().cloned().unwrap())
+}
+
 fn text_of(result: &CallToolResult) -> String {
     result
         .content
@@ -351,12 +357,8 @@ async fn a_call_in_progress_is_answered_as_such() {
 async fn calls_without_a_key_and_read_only_tools_pass_through() {
     let h = Harness::new(McpOptions::new());
     let (client, _server) = h.connect().await;
-    let plain = || {
-        CallToolRequestParams::new("append")
-            .with_arguments(json!({"line": "x"}).as_object().cloned().unwrap())
-    };
-    client.call_tool(plain()).await.unwrap();
-    client.call_tool(plain()).await.unwrap();
+    client.call_tool(append("x")).await.unwrap();
+    client.call_tool(append("x")).await.unwrap();
     assert_eq!(h.tools.lines(), vec!["x", "x"]);
 
     // A read-only tool runs every time, whatever key and arguments it gets.
@@ -572,8 +574,7 @@ async fn a_read_only_store_is_an_internal_error() {
 async fn malformed_keys_are_invalid_params() {
     let h = Harness::new(McpOptions::new());
     let (client, _server) = h.connect().await;
-    let mut params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "x"}).as_object().cloned().unwrap());
+    let mut params = append("x");
     params.meta = Some(rmcp::model::RequestMetaObject::default());
     if let Some(meta) = params.meta.as_mut() {
         meta.insert("idempotencyKey".into(), json!(17));
@@ -621,8 +622,7 @@ async fn the_client_helper_retries_on_a_new_connection_and_the_tool_runs_once() 
     let policy = RetryPolicy::new(20, Duration::from_millis(1), Duration::from_millis(20))
         .unwrap()
         .deadline(Duration::from_secs(60));
-    let params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "once"}).as_object().cloned().unwrap());
+    let params = append("once");
     let result = call_tool_once(&key, params, &policy, connect)
         .await
         .unwrap();
@@ -646,8 +646,7 @@ async fn the_client_helper_stops_on_a_conflict_with_the_key() {
         .unwrap();
     let connect = connector(&h);
     let key = Key::for_tool_call("acme/agent", "task-8", "call_1").unwrap();
-    let params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "second"}).as_object().cloned().unwrap());
+    let params = append("second");
     let error = call_tool_once(&key, params, &RetryPolicy::default(), connect)
         .await
         .unwrap_err();
@@ -809,8 +808,7 @@ async fn the_client_helper_ends_at_its_deadline_when_no_answer_comes() {
     let policy = RetryPolicy::new(3, Duration::from_millis(1), Duration::from_millis(5))
         .unwrap()
         .deadline(Duration::from_millis(300));
-    let params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "held"}).as_object().cloned().unwrap());
+    let params = append("held");
     // Hang guard only: the call must end by itself at its deadline.
     let ended = tokio::time::timeout(
         Duration::from_secs(60),
@@ -854,8 +852,7 @@ async fn a_failed_connect_does_not_count_as_a_request_sent() {
     };
     let key = Key::for_tool_call("acme/agent", "task-10", "call_1").unwrap();
     let policy = RetryPolicy::new(5, Duration::from_millis(1), Duration::from_millis(5)).unwrap();
-    let params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "plain"}).as_object().cloned().unwrap());
+    let params = append("plain");
     let result = call_tool_once(&key, params, &policy, connect)
         .await
         .unwrap();
@@ -875,8 +872,7 @@ async fn a_connection_that_never_opens_ends_at_the_deadline_not_in_doubt() {
     let policy = RetryPolicy::new(3, Duration::from_millis(1), Duration::from_millis(5))
         .unwrap()
         .deadline(Duration::from_millis(200));
-    let params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "never"}).as_object().cloned().unwrap());
+    let params = append("never");
     // Hang guard only.
     let ended = tokio::time::timeout(
         Duration::from_secs(60),
@@ -972,8 +968,7 @@ async fn a_store_that_needs_an_operator_stops_the_client_helper() {
     let policy = RetryPolicy::new(1000, Duration::from_millis(1), Duration::from_millis(10))
         .unwrap()
         .deadline(Duration::from_secs(5));
-    let params = CallToolRequestParams::new("append")
-        .with_arguments(json!({"line": "never"}).as_object().cloned().unwrap());
+    let params = append("never");
     let error = call_tool_once(&key, params, &policy, connect)
         .await
         .unwrap_err();

@@ -3930,13 +3930,20 @@ async fn run_apart(
     drop(group_of);
     // The keys a cut-off left not run before go first (a stable sort: the
     // others keep their order), so that each is decided.
-    let owed = |group: &Vec<usize>| {
-        group
-            .first()
-            .and_then(|&at| ops.get(at))
-            .is_some_and(|(key, _)| shared.not_run.lock().contains(key))
+    let mut groups: Vec<(bool, Vec<usize>)> = {
+        let not_run = shared.not_run.lock();
+        groups
+            .into_iter()
+            .map(|group| {
+                let owed = group
+                    .first()
+                    .and_then(|&at| ops.get(at))
+                    .is_some_and(|(key, _)| not_run.contains(key));
+                (owed, group)
+            })
+            .collect()
     };
-    groups.sort_by_key(|group| !owed(group));
+    groups.sort_by_key(|(owed, _)| !owed);
     // Each request once, taken by its key's turn.
     let mut pending: Vec<Option<Call>> = ops
         .into_iter()
@@ -3944,7 +3951,7 @@ async fn run_apart(
         .zip(calls.deadlines)
         .map(|((op, tx), deadline)| Some((op, tx, deadline)))
         .collect();
-    for group in groups {
+    for (owed, group) in groups {
         let mut group_ops = Vec::with_capacity(group.len());
         let mut group_replies = Vec::with_capacity(group.len());
         let mut due: Option<Instant> = None;
@@ -3975,9 +3982,6 @@ async fn run_apart(
             continue;
         }
         let key = group_ops.first().map(|(key, _)| key.clone());
-        let owed = key
-            .as_ref()
-            .is_some_and(|key| shared.not_run.lock().contains(key));
         let cut = rejected
             .as_ref()
             .filter(|(_, n)| cut_off && !owed && *n >= 2)
