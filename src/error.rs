@@ -495,7 +495,9 @@ pub enum ConfigFault {
     /// that hides a row makes a held key or business key look free: a
     /// connect refuses it, and a running store's sessions, which set
     /// `row_security = off`, have their statements refused, `42501` "query
-    /// would be affected by row-level security policy"). (Or found by a
+    /// would be affected by row-level security policy"; through
+    /// `complete_in`, row-level security active for the caller's role,
+    /// whose statements a policy would filter). (Or found by a
     /// connect or a migration: a version row without `records`, `bindings`
     /// or `tokens`, or those without a version row; it refuses rather than
     /// create the missing objects empty, or a new store over old rows; or

@@ -112,7 +112,15 @@ pub use crate::pg::server;
 ///   `client` is connected to the store's database; or something added
 ///   to the store's tables outside idemstore refused the completion (a
 ///   constraint, a trigger's function: `SchemaDamaged` too); nothing is
-///   applied.
+///   applied. Also `SchemaDamaged` when row-level security is active for
+///   `client`'s role on the store's tables (enabled outside idemstore, for
+///   the application's tenant policies, say): a policy would hide the
+///   key's row from these statements, which run as that role, and the
+///   lease would be judged stale at every attempt while its record
+///   stands. The message names the tables and the remedy: disable it on
+///   them, or give the role `BYPASSRLS`. (Asked only when the key's row or
+///   the store's identity is not seen: one more round trip then.) (The store's own sessions are
+///   checked when it connects; see [`ConfigFault::SchemaDamaged`](crate::ConfigFault).)
 /// - [`Error::Unavailable`]: a statement failed (the connection broke, the
 ///   server refused it for a reason that passes, such as a lock wait or
 ///   `statement_timeout`): nothing of the caller's transaction is applied.

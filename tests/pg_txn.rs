@@ -16,6 +16,9 @@
 //!   the claim: `Error::Unavailable` (run it again), not `StaleLease`;
 //! - one round trip per statement (unnamed, sent whole), counted by a
 //!   TCP proxy of the test's own.
+//! - row-level security active for the caller's role on the store's
+//!   tables: `Misconfigured(SchemaDamaged)` naming the remedy, not
+//!   `StaleLease`, and the caller's transaction aborted.
 //!
 //! The server is the throwaway one of `tests/pg`; `IDEMSTORE_SKIP_POSTGRES=1`
 //! skips these tests.
@@ -30,7 +33,9 @@ use std::time::Duration;
 use common::{child_role, child_var, child_var_parsed, ready_and_wait, report, spawn_child};
 use idemstore::postgres::tokio_postgres::{self, Client, NoTls};
 use idemstore::postgres::{complete_in, fail_in};
-use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Key, ManualClock, State, Store};
+use idemstore::{
+    ClaimOptions, ClaimOutcome, Config, ConfigFault, Error, Key, ManualClock, State, Store,
+};
 use pg::proxy::{Proxy, upstream_of, via};
 use pg::txn::{LEASE, T0, acquire, config, fp, key, runtime, table_of};
 
@@ -617,6 +622,122 @@ fn an_unreadable_row_aborts_the_callers_transaction() {
         assert!(is_aborted(&tx).await, "the transaction goes on");
         let _ = tx.commit().await;
         assert_eq!(tickets_of(&c, &table, &k).await, 0);
+    });
+}
+
+/// Row-level security active for the caller's role on the store's tables
+/// (enabled outside idemstore, for an application role's tenant policies,
+/// say) hides the key's row from `complete_in`, whose statements run on
+/// the caller's connection. The completion is refused as a damaged schema
+/// that names the remedy; it was `StaleLease`, which tells the current
+/// holder to give the key up, and every attempt met it again. With the
+/// caller's `row_security = off` the server refuses the read instead
+/// (42501): the same answer. Either way the caller's transaction is
+/// aborted, nothing is committed and the key stays the holder's; with
+/// row-level security off again, the same lease completes the key.
+#[test]
+fn row_level_security_for_the_callers_role_is_a_damaged_schema_not_a_stale_lease() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("txn_rls");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    let role = format!("app_{schema}");
+    runtime().block_on(async {
+        let admin = client(&url).await;
+        create_tickets(&admin, &table).await;
+        admin
+            .batch_execute(&format!(
+                "CREATE ROLE {role} LOGIN; \
+                 GRANT USAGE ON SCHEMA \"{schema}\" TO {role}; \
+                 GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" \
+                 TO {role}; \
+                 GRANT SELECT, INSERT ON {table} TO {role}; \
+                 GRANT USAGE ON SEQUENCE {table}_id_seq TO {role}; \
+                 ALTER TABLE \"{schema}\".records ENABLE ROW LEVEL SECURITY"
+            ))
+            .await
+            .expect("the application's role");
+        let k = key("rls-1");
+        let lease = acquire(&store, &k);
+        let mut c = client(&pg::with_user(&url, &role)).await;
+        for setting in ["on", "off"] {
+            let tx = c.transaction().await.expect("begin");
+            tx.batch_execute(&format!("SET LOCAL row_security = {setting}"))
+                .await
+                .expect("set row_security");
+            insert_ticket(&tx, &table, &k).await;
+            match complete_in(&tx, &store, &lease, b"1").await {
+                Err(Error::Misconfigured {
+                    fault: ConfigFault::SchemaDamaged,
+                    detail,
+                }) => {
+                    for words in [
+                        "row-level security",
+                        "DISABLE ROW LEVEL SECURITY",
+                        "BYPASSRLS",
+                    ] {
+                        assert!(detail.contains(words), "row_security {setting}: {detail}");
+                    }
+                }
+                other => panic!("row_security {setting}: expected SchemaDamaged, got {other:?}"),
+            }
+            assert!(
+                is_aborted(&tx).await,
+                "row_security {setting}: the transaction goes on"
+            );
+            let _ = tx.commit().await;
+            assert_eq!(
+                tickets_of(&admin, &table, &k).await,
+                0,
+                "row_security {setting}"
+            );
+        }
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(
+            (r.state(), r.token()),
+            (State::Processing, lease.token()),
+            "the holder keeps the key"
+        );
+        // On `meta` alone, which hides the store's identity: the same
+        // answer, naming `meta` (it was OtherStore, "no store identity").
+        admin
+            .batch_execute(&format!(
+                "ALTER TABLE \"{schema}\".records DISABLE ROW LEVEL SECURITY; \
+                 ALTER TABLE \"{schema}\".meta ENABLE ROW LEVEL SECURITY"
+            ))
+            .await
+            .expect("row-level security on meta");
+        let tx = c.transaction().await.expect("begin");
+        match complete_in(&tx, &store, &lease, b"1").await {
+            Err(Error::Misconfigured {
+                fault: ConfigFault::SchemaDamaged,
+                detail,
+            }) => assert!(
+                detail.contains("meta has row-level security active"),
+                "{detail}"
+            ),
+            other => panic!("meta: expected SchemaDamaged, got {other:?}"),
+        }
+        drop(tx);
+        admin
+            .batch_execute(&format!(
+                "ALTER TABLE \"{schema}\".meta DISABLE ROW LEVEL SECURITY"
+            ))
+            .await
+            .expect("disable row-level security");
+        let tx = c.transaction().await.expect("begin");
+        insert_ticket(&tx, &table, &k).await;
+        complete_in(&tx, &store, &lease, b"ok")
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert_eq!(tickets_of(&admin, &table, &k).await, 1);
+        drop(c);
+        admin
+            .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+            .await
+            .expect("drop the role");
     });
 }
 

@@ -22,6 +22,9 @@
 //!   `UPDATE` commits on its own, so the error is `Error::OutcomeUnknown`
 //!   (and it was applied); inside one, `Error::Unavailable` (and nothing
 //!   was).
+//! - row-level security active for the caller's role on the store's
+//!   tables: `Misconfigured(SchemaDamaged)` naming the remedy, not
+//!   `StaleLease`, and the caller's transaction aborted.
 //!
 //! The server is the throwaway one of `tests/pg`; `IDEMSTORE_SKIP_POSTGRES=1`
 //! skips these tests.
@@ -620,4 +623,101 @@ fn a_connection_to_another_store_is_refused_as_such() {
             .expect("drop the other database");
     });
     assert_eq!(store.get(&k).unwrap().unwrap().state(), State::Succeeded);
+}
+
+/// Row-level security active for the caller's role on the store's tables
+/// hides the key's row from `complete_in` on the caller's connection: a
+/// damaged schema that names the remedy (it was `StaleLease`), and with
+/// the caller's `row_security = off`, the server's refusal (42501) is the
+/// same answer (it was `PermissionDenied`, where `tokio-postgres` said
+/// `SchemaDamaged`). The caller's transaction is aborted, nothing is
+/// committed, the key stays the holder's; with row-level security off
+/// again, the same lease completes it (`tests/pg_txn.rs` has the same
+/// case over `tokio-postgres`).
+#[test]
+fn row_level_security_for_the_callers_role_is_a_damaged_schema_not_a_stale_lease() {
+    let Some(url) = pg::url() else { return };
+    let schema = pg::schema("sqlx_rls");
+    let clock = ManualClock::new(T0);
+    let store = Store::connect(&url, config(&schema, &clock)).expect("connect");
+    let table = table_of(&schema);
+    let role = format!("app_{schema}");
+    runtime().block_on(async {
+        let mut admin = connect(&url).await;
+        recipe::create_table(&mut admin, &table)
+            .await
+            .expect("create tickets");
+        sqlx::raw_sql(&format!(
+            "CREATE ROLE {role} LOGIN; \
+             GRANT USAGE ON SCHEMA \"{schema}\" TO {role}; \
+             GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{schema}\" \
+             TO {role}; \
+             GRANT SELECT, INSERT ON {table} TO {role}; \
+             GRANT USAGE ON SEQUENCE {table}_id_seq TO {role}; \
+             ALTER TABLE \"{schema}\".records ENABLE ROW LEVEL SECURITY"
+        ))
+        .execute(&mut admin)
+        .await
+        .expect("the application's role");
+        let k = key("rls-1");
+        let lease = acquire(&store, &k);
+        let mut c = connect(&pg::with_user(&url, &role)).await;
+        for setting in ["on", "off"] {
+            let mut tx = c.begin().await.expect("begin");
+            sqlx::query(&format!("SET LOCAL row_security = {setting}"))
+                .execute(&mut *tx)
+                .await
+                .expect("set row_security");
+            insert_ticket(&mut tx, &table, &k).await;
+            match complete_in(&mut tx, &store, &lease, b"1").await {
+                Err(Error::Misconfigured {
+                    fault: idemstore::ConfigFault::SchemaDamaged,
+                    detail,
+                }) => {
+                    for words in [
+                        "row-level security",
+                        "DISABLE ROW LEVEL SECURITY",
+                        "BYPASSRLS",
+                    ] {
+                        assert!(detail.contains(words), "row_security {setting}: {detail}");
+                    }
+                }
+                other => panic!("row_security {setting}: expected SchemaDamaged, got {other:?}"),
+            }
+            assert!(
+                is_aborted(&mut tx).await,
+                "row_security {setting}: the transaction goes on"
+            );
+            let _ = tx.commit().await;
+            assert_eq!(
+                tickets_of(&mut admin, &table, &k).await,
+                0,
+                "row_security {setting}"
+            );
+        }
+        let r = store.get(&k).expect("get").expect("record");
+        assert_eq!(
+            (r.state(), r.token()),
+            (State::Processing, lease.token()),
+            "the holder keeps the key"
+        );
+        sqlx::raw_sql(&format!(
+            "ALTER TABLE \"{schema}\".records DISABLE ROW LEVEL SECURITY"
+        ))
+        .execute(&mut admin)
+        .await
+        .expect("disable row-level security");
+        let mut tx = c.begin().await.expect("begin");
+        insert_ticket(&mut tx, &table, &k).await;
+        complete_in(&mut tx, &store, &lease, b"ok")
+            .await
+            .expect("complete_in");
+        tx.commit().await.expect("commit");
+        assert_eq!(tickets_of(&mut admin, &table, &k).await, 1);
+        c.close().await.expect("close");
+        sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+            .execute(&mut admin)
+            .await
+            .expect("drop the role");
+    });
 }

@@ -973,14 +973,28 @@ async fn settings_arrived(client: &Client) -> Result<()> {
 
 /// Whether `err` is the server's refusal of a statement that a row-level
 /// security policy would filter, under the engine's `row_security = off`
-/// (42501 with these words; a missing privilege is 42501 too).
+/// ([`row_security_refusal`]).
 fn row_security_refused(err: &tokio_postgres::Error) -> bool {
-    err.as_db_error().is_some_and(|db| {
-        db.code() == &SqlState::INSUFFICIENT_PRIVILEGE
-            && db
-                .message()
-                .starts_with("query would be affected by row-level security policy")
-    })
+    err.as_db_error()
+        .is_some_and(|db| row_security_refusal(db.code().code(), db.message()))
+}
+
+/// Whether a server's refusal (SQLSTATE `code`, `message`) is of a
+/// statement that a row-level security policy would filter, under
+/// `row_security = off` (the engine's sessions set it; a caller of
+/// `complete_in` may): 42501 with these words (a missing privilege is 42501
+/// too). For the tokio-postgres and the sqlx forms alike.
+pub(crate) fn row_security_refusal(code: &str, message: &str) -> bool {
+    code == "42501" && message.starts_with("query would be affected by row-level security policy")
+}
+
+/// `detail` of a [`row_security_refusal`], with what mends it.
+pub(crate) fn row_security_remedy(detail: &str) -> String {
+    format!(
+        "{detail}: row-level security was made active for the session's role on the store's \
+         tables outside idemstore; turn it off (ALTER TABLE … DISABLE ROW LEVEL SECURITY, NO \
+         FORCE ROW LEVEL SECURITY) or give the role BYPASSRLS"
+    )
 }
 
 /// Whether `err` is tokio-postgres's refusal to connect because the
@@ -1047,11 +1061,7 @@ fn fail(err: &tokio_postgres::Error) -> Fail {
     let detail = describe(err);
     if let Some(fault) = config_fault(err) {
         let detail = if row_security_refused(err) {
-            format!(
-                "{detail}: row-level security was made active for the store's role on its \
-                 tables outside idemstore; turn it off (ALTER TABLE … DISABLE ROW LEVEL \
-                 SECURITY, NO FORCE ROW LEVEL SECURITY) or give the role BYPASSRLS"
-            )
+            row_security_remedy(&detail)
         } else {
             detail
         };

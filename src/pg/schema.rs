@@ -103,6 +103,12 @@ pub(crate) struct Sql {
     /// only inside a transaction block), and whether its isolation level
     /// reads one snapshot (REPEATABLE READ or SERIALIZABLE).
     pub txn_probe: String,
+    /// Those of the store's tables on which row-level security is active
+    /// for the session's role (`row_security_active`), their names
+    /// space-separated, or NULL: sent by `complete_in` when the caller's
+    /// session did not see what it should have (the key's row, the
+    /// store's identity), which a policy of the caller's role would hide.
+    pub txn_row_secured: String,
     /// Draws up to `$1` tokens from the sequence (fewer when it nears its
     /// end).
     pub draw_tokens: String,
@@ -228,6 +234,16 @@ impl Sql {
                  current_setting('transaction_isolation') IN ('repeatable read', \
                  'serializable'), \
                  (SELECT value FROM {s}.meta WHERE name = 'store_id')"
+            ),
+            // `regclass` constants, resolved once when the statement is
+            // parsed: a catalog join cost the statement twice as much.
+            txn_row_secured: format!(
+                "SELECT NULLIF(concat_ws(' ', \
+                 CASE WHEN pg_catalog.row_security_active('{s}.bindings'::regclass) \
+                 THEN 'bindings' END, \
+                 CASE WHEN pg_catalog.row_security_active('{s}.meta'::regclass) THEN 'meta' END, \
+                 CASE WHEN pg_catalog.row_security_active('{s}.records'::regclass) \
+                 THEN 'records' END), '')"
             ),
             // Never past the end in one statement: a draw that fails half
             // way would lose the tokens it already took.

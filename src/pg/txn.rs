@@ -22,6 +22,7 @@ use crate::error::{Error, Result};
 use crate::record::{Lease, Op, Record, Reply, State};
 
 use super::decide::{self, Base, Pass, RowColumns, Slot};
+use super::schema::Sql;
 use super::{Fail, describe, fail, row_columns, to_u64};
 
 /// The caller's connection, whichever driver holds it: the few statements
@@ -44,6 +45,8 @@ pub(super) trait Session: Send {
     ) -> impl Future<Output = Result<Vec<Binding>, Fail>> + Send;
     /// Runs `sql` (`Sql::txn_probe`): what [`Probe`] holds.
     fn probe(&mut self, sql: &str) -> impl Future<Output = Result<Probe, Fail>> + Send;
+    /// Runs `sql`, which answers one row of one nullable text column.
+    fn text(&mut self, sql: &str) -> impl Future<Output = Result<Option<String>, Fail>> + Send;
     /// Runs a write whose parameters are arrays; how many rows it returned.
     fn write(
         &mut self,
@@ -194,6 +197,12 @@ impl<C: GenericClient + Sync> Session for TokioPostgres<'_, C> {
         })
     }
 
+    async fn text(&mut self, sql: &str) -> Result<Option<String>, Fail> {
+        let rows = self.0.query_typed(sql, &[]).await.map_err(|e| fail(&e))?;
+        let row = rows.first().ok_or_else(no_row)?;
+        row.try_get(0).map_err(read_error)
+    }
+
     async fn write(&mut self, sql: &str, params: &[Param<'_>]) -> Result<usize, Fail> {
         let params: Vec<(&(dyn ToSql + Sync), Type)> = params
             .iter()
@@ -223,6 +232,11 @@ fn read_error(e: tokio_postgres::Error) -> Fail {
 /// The answer of a clock query without a row.
 pub(super) fn no_clock() -> Fail {
     Fail::Storage("the clock query returned no row".into())
+}
+
+/// The answer of a one-row query without a row.
+pub(super) fn no_row() -> Fail {
+    Fail::Storage("a one-row query returned no row".into())
 }
 
 /// Why a completion did not happen.
@@ -286,10 +300,20 @@ async fn decide_and_write<S: Session>(
         snapshot,
         store_id,
     } = session.probe(&sql.txn_probe).await?;
+    let ours = engine.store_id().to_be_bytes();
+    let other_store = store_id.as_deref() != Some(ours.as_slice());
+    // A policy of the caller's role (row-level security, which the
+    // engine's own sessions are checked for when it connects) may hide the
+    // key's row or the store's identity from the statements above: the
+    // lease would be judged stale, or the store another, at every attempt,
+    // while the holder's record stands. Asked only then: it costs a round
+    // trip.
+    if rows.is_empty() || other_store {
+        row_security_checked(session, sql).await?;
+    }
     // The caller's connection may reach another database whose schema of
     // the same name holds another store: its row is not this store's.
-    let ours = engine.store_id().to_be_bytes();
-    if store_id.as_deref() != Some(ours.as_slice()) {
+    if other_store {
         let theirs = match store_id {
             Some(id) => format!(
                 "store {}",
@@ -436,6 +460,26 @@ async fn decide_and_write<S: Session>(
             .map_err(sent)?;
     }
     Ok(record)
+}
+
+/// Refuses a caller's session on whose role row-level security is active
+/// for the store's tables (`Sql::txn_row_secured`), as a damaged schema
+/// that names the remedy. A failure of the question itself is not an
+/// answer: the caller gets the refusal it would have had without it (its
+/// transaction is aborted either way).
+async fn row_security_checked<S: Session>(session: &mut S, sql: &Sql) -> Result<(), Refusal> {
+    let Ok(Some(tables)) = session.text(&sql.txn_row_secured).await else {
+        return Ok(());
+    };
+    let tables: Vec<String> = tables.split(' ').map(str::to_string).collect();
+    Err(Refusal::Decision(Error::Misconfigured {
+        fault: crate::error::ConfigFault::SchemaDamaged,
+        detail: format!(
+            "on the transaction's connection, where complete_in / fail_in run, {} (nothing was \
+             written, and the transaction is aborted)",
+            super::row_secured_remedy(&sql.schema, &tables)
+        ),
+    }))
 }
 
 /// Makes the caller's transaction fail, so that it cannot commit the

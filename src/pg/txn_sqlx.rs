@@ -68,6 +68,16 @@ impl Session for Sqlx<'_> {
         })
     }
 
+    async fn text(&mut self, sql: &str) -> Result<Option<String>, Fail> {
+        let rows = sqlx::query::<Pg>(sql)
+            .persistent(false)
+            .fetch_all(&mut *self.0)
+            .await
+            .map_err(|e| fail(&e))?;
+        let row = rows.first().ok_or_else(txn::no_row)?;
+        get(row, 0)
+    }
+
     async fn write(&mut self, sql: &str, params: &[Param<'_>]) -> Result<usize, Fail> {
         let mut query = sqlx::query::<Pg>(sql).persistent(false);
         for p in params {
@@ -126,6 +136,12 @@ fn fail(err: &sqlx::Error) -> Fail {
                 }
                 None => format!("({code}): {}", db.message()),
             };
+            if super::row_security_refusal(&code, db.message()) {
+                return Fail::Config(
+                    crate::error::ConfigFault::SchemaDamaged,
+                    super::row_security_remedy(&detail),
+                );
+            }
             if let Some(fault) = super::sqlstate_fault(&code) {
                 return Fail::Config(fault, detail);
             }

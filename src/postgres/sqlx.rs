@@ -96,7 +96,9 @@ use crate::store::Store;
 /// - [`Error::Misconfigured`](crate::Error::Misconfigured): the caller's
 ///   role lacks a grant on the store's tables (`permission-denied`), or
 ///   something added to them outside idemstore refused the completion (a
-///   constraint, a trigger's function: `schema-damaged`).
+///   constraint, a trigger's function: `schema-damaged`), or row-level
+///   security is active for the caller's role on the store's tables
+///   (`schema-damaged`; a policy would hide the key's row).
 /// - [`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown): only for a
 ///   connection outside a transaction block, whose completion `UPDATE`
 ///   was sent and its answer lost; read the key ([`Store::get`]).

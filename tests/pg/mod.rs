@@ -68,3 +68,20 @@ pub fn with_db(url: &str, db: &str) -> String {
         None => format!("{url} dbname={db}"),
     }
 }
+
+/// `url` with its user replaced by `user` (a URL's user information, or a
+/// key=value string's `user`), for a test that connects as a role of its
+/// own.
+pub fn with_user(url: &str, user: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let end = rest.find(['/', '?']).unwrap_or(rest.len());
+            let host = match rest[..end].rsplit_once('@') {
+                Some((_, host)) => host,
+                None => &rest[..end],
+            };
+            format!("{scheme}://{user}@{host}{}", &rest[end..])
+        }
+        None => format!("{url} user={user}"),
+    }
+}
