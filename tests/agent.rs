@@ -885,6 +885,31 @@ fn the_driver_gives_up_with_the_key() {
         "{err}"
     );
 
+    // A service that says it may have acted (an earlier request with the
+    // key started and its outcome was never recorded) stops the call at
+    // once, in doubt on its first send too.
+    let mut asked = 0;
+    let err = call(
+        &key,
+        &fast_policy(4),
+        |_| Err::<&str, _>(RemoteError::InDoubt("outcome unknown")),
+        |_| {
+            asked += 1;
+            Ok(RemoteStatus::NotFound)
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(
+        err,
+        CallError::Rejected {
+            in_doubt: true,
+            error: "outcome unknown",
+            ..
+        }
+    ));
+    assert!(err.is_in_doubt());
+    assert_eq!(asked, 0, "nothing is asked after such an answer");
+
     // The deadline bounds the whole call: zero allows the first attempt only.
     let mut attempts = 0;
     let err = call(

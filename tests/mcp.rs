@@ -664,6 +664,30 @@ async fn the_client_helper_stops_on_a_conflict_with_the_key() {
     assert_eq!(h.tools.lines(), vec!["first"]);
 }
 
+/// A server's `IN_DOUBT` (its tool's backend went away mid-call) stops
+/// `call_tool_once` in doubt on its first request: the tool may have
+/// acted. It was a rejection that said the tool had not acted, since no
+/// earlier request of the call had timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_helper_stops_in_doubt_on_an_answer_of_unknown_outcome() {
+    let h = Arc::new(Harness::new(McpOptions::new()));
+    let connect = connector(&h);
+    let key = Key::for_tool_call("acme/agent", "task-9", "call_1").unwrap();
+    let params = CallToolRequestParams::new("lost");
+    let error = call_tool_once(&key, params, &RetryPolicy::default(), connect)
+        .await
+        .unwrap_err();
+    assert!(error.is_in_doubt(), "{error:?}");
+    match error {
+        CallError::Rejected {
+            error: ToolCallError::Rpc(e),
+            ..
+        } => assert_eq!(e.code.0, IN_DOUBT),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1, "the tool ran once");
+}
+
 /// The SEP's wire form, byte for byte: the key beside `arguments`, the
 /// capability under `tools`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -177,6 +177,15 @@ pub enum RemoteError<E> {
     /// The service refused the request for good (HTTP 400, 402, 422).
     /// [`call`] stops and returns [`CallError::Rejected`].
     Permanent(E),
+    /// The service answered that it may have acted on this key and cannot
+    /// tell whether it did: an earlier request with the key started and
+    /// its outcome was never recorded (an MCP server's `IN_DOUBT`, -32042,
+    /// which `call_tool_once` of the feature `mcp` sorts here), or an
+    /// answer came that says the work started but not how it ended. No
+    /// request with the key will learn more; a person must find out. [`call`]
+    /// stops and returns [`CallError::Rejected`] with `in_doubt` set,
+    /// whether or not an earlier send of this call timed out.
+    InDoubt(E),
 }
 
 /// What the service knows about a key, as `query(key)` reports it.
@@ -228,7 +237,8 @@ pub enum CallError<E> {
         /// The idempotency key every attempt carried.
         key: Key,
         /// Whether an earlier send may have taken effect (see
-        /// [`CallError::Exhausted`]).
+        /// [`CallError::Exhausted`]), or the service answered that it may
+        /// have ([`RemoteError::InDoubt`]).
         in_doubt: bool,
         /// The service's error.
         error: E,
@@ -348,6 +358,10 @@ impl<E> Driver<E> {
                 self.next = Next::Send;
             }
             Err(RemoteError::Permanent(error)) => return self.rejected(error),
+            Err(RemoteError::InDoubt(error)) => {
+                self.in_doubt = true;
+                return self.rejected(error);
+            }
         }
         self.pause()
     }
@@ -370,6 +384,10 @@ impl<E> Driver<E> {
                 self.next = Next::Query;
             }
             Err(RemoteError::Permanent(error)) => return self.rejected(error),
+            Err(RemoteError::InDoubt(error)) => {
+                self.in_doubt = true;
+                return self.rejected(error);
+            }
         }
         self.pause()
     }
@@ -409,6 +427,7 @@ impl<E> Driver<E> {
 ///    return that result;
 /// 3. on [`RemoteError::Retryable`] sends again after a delay;
 /// 4. on [`RemoteError::Permanent`] stops with [`CallError::Rejected`];
+///    on [`RemoteError::InDoubt`] too, in doubt;
 /// 5. when the attempts or the deadline run out, stops with
 ///    [`CallError::Exhausted`], which carries the key and says whether the
 ///    service may have acted.

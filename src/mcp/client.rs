@@ -175,7 +175,10 @@ where
             *connection.lock() = None;
             Err(Sorted::Lost)
         }
-        Err(other) => Err(Sorted::Stop(ToolCallError::Unexpected(other.to_string()))),
+        // The request went out and something other than its result came
+        // back (a task handle, say, which rmcp's `call_tool` does not
+        // take): the tool may have started.
+        Err(other) => Err(Sorted::Doubt(ToolCallError::Unexpected(other.to_string()))),
     }
 }
 
@@ -189,12 +192,17 @@ enum Sorted {
     Retry(ToolCallError),
     /// No request with this key will succeed.
     Stop(ToolCallError),
+    /// No request with this key will learn more, and the tool may have
+    /// acted: the server said so ([`IN_DOUBT`](super::IN_DOUBT)), or its
+    /// answer was not a result.
+    Doubt(ToolCallError),
 }
 
 fn sort_rpc(error: ErrorData) -> Sorted {
     match error.code {
         ErrorCode(codes::IN_PROGRESS) => Sorted::Busy,
-        ErrorCode(codes::KEY_CONFLICT | codes::IN_DOUBT)
+        ErrorCode(codes::IN_DOUBT) => Sorted::Doubt(ToolCallError::Rpc(error)),
+        ErrorCode(codes::KEY_CONFLICT)
         | ErrorCode::INVALID_PARAMS
         | ErrorCode::METHOD_NOT_FOUND
         | ErrorCode::INVALID_REQUEST => Sorted::Stop(ToolCallError::Rpc(error)),
@@ -241,10 +249,17 @@ fn says_not_transient(error: &ErrorData) -> bool {
 ///   asked: the call stops with [`ToolCallError::NotAnnounced`], in doubt;
 /// - [`IN_PROGRESS`](super::IN_PROGRESS) to a send → treated as in doubt
 ///   too (another request with the key is running);
-/// - [`KEY_CONFLICT`](super::KEY_CONFLICT), [`IN_DOUBT`](super::IN_DOUBT),
-///   Invalid params, Method not found, Invalid request, and
-///   [`STORE_FAILED`](super::STORE_FAILED) with `data.transient: false` (a
-///   store that needs an operator) → stop ([`CallError::Rejected`]);
+/// - [`KEY_CONFLICT`](super::KEY_CONFLICT), Invalid params, Method not
+///   found, Invalid request, and [`STORE_FAILED`](super::STORE_FAILED)
+///   with `data.transient: false` (a store that needs an operator) → stop
+///   ([`CallError::Rejected`]);
+/// - [`IN_DOUBT`](super::IN_DOUBT) (an earlier request with the key started
+///   and its outcome was never recorded), or an answer that is neither a
+///   result nor a JSON-RPC error (a task handle, which `rmcp`'s
+///   `call_tool` does not take) → stop, in doubt
+///   ([`CallError::Rejected`] whose [`is_in_doubt`](CallError::is_in_doubt)
+///   is true, on the first request too): the tool may have acted, and no
+///   request with the key will say whether;
 /// - any other JSON-RPC error, or a failed `connect` (or one still under
 ///   way at the deadline, which a zero deadline always is) → send again
 ///   after a delay, or end not in doubt at the deadline: a failed
@@ -281,6 +296,7 @@ where
                     Sorted::Lost | Sorted::Busy => RemoteError::TimedOut,
                     Sorted::Retry(e) => RemoteError::Retryable(e),
                     Sorted::Stop(e) => RemoteError::Permanent(e),
+                    Sorted::Doubt(e) => RemoteError::InDoubt(e),
                 })
         },
         async |_key: &Key| match bounded_attempt(connection, connect, params, Sent::Before, budget)
@@ -291,6 +307,7 @@ where
             Err(Sorted::Lost) => Err(RemoteError::TimedOut),
             Err(Sorted::Retry(e)) => Err(RemoteError::Retryable(e)),
             Err(Sorted::Stop(e)) => Err(RemoteError::Permanent(e)),
+            Err(Sorted::Doubt(e)) => Err(RemoteError::InDoubt(e)),
         },
     )
     .await
@@ -308,7 +325,18 @@ mod tests {
             Sorted::Busy => "busy",
             Sorted::Retry(_) => "retry",
             Sorted::Stop(_) => "stop",
+            Sorted::Doubt(_) => "doubt",
         }
+    }
+
+    /// An answer of unknown outcome stops the call in doubt; a conflict
+    /// with the key stops it, not in doubt.
+    #[test]
+    fn in_doubt_is_told_from_a_refusal() {
+        let doubt = ErrorData::new(ErrorCode(codes::IN_DOUBT), "gone mid-call", None);
+        assert_eq!(sorted(doubt), "doubt");
+        let conflict = ErrorData::new(ErrorCode(codes::KEY_CONFLICT), "reused", None);
+        assert_eq!(sorted(conflict), "stop");
     }
 
     /// A store failure is sent again unless the server says it needs an

@@ -2,10 +2,12 @@
 //!
 //! JSON-RPC 2.0 (§5.1) leaves −32000 to −32099 to the implementation for
 //! server errors. The layer uses −32040 to −32043, none of which MCP or
-//! `rmcp` assigns. Every error carries a `data` object whose `reason`
-//! member names the case in words, so that a client can tell them apart
-//! without knowing the codes, and whose `idempotencyKey` member repeats the
-//! key, for a person to follow up with.
+//! `rmcp` assigns. Every such error the layer makes carries a `data`
+//! object whose `reason` member names the case in words, so that a client
+//! can tell them apart without knowing the codes, and whose
+//! `idempotencyKey` member repeats the key, for a person to follow up
+//! with. (An [`IN_DOUBT`] answered by the wrapped server itself is passed
+//! on with that server's `data`.)
 
 use std::time::Duration;
 
@@ -18,7 +20,8 @@ use serde_json::json;
 /// with the same key and arguments.
 pub const IN_PROGRESS: i32 = -32040;
 
-/// The key was used before with other arguments or for another tool (the
+/// The key was used before for the same tool with other arguments (keys
+/// are scoped per tool: the same key on another tool is another call) (the
 /// SEP's conflict on a reused key; the draft's HTTP 422). Nothing ran.
 /// Retrying with the same key never succeeds: the key is bound to the first
 /// call's arguments until its record is forgotten (retention, 24 h by

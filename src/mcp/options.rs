@@ -90,7 +90,12 @@ impl McpOptions {
     /// [`MIN_RENEWED_LEASE`](crate::MIN_RENEWED_LEASE), 100 ms, to
     /// [`MAX_LEASE`](crate::MAX_LEASE); out of that range every keyed call
     /// fails with an internal error), extended every third of it while
-    /// the tool runs. After a crash, the key answers
+    /// the tool runs. The extensions run in the same task as the wrapped
+    /// server's handling of the call: a tool that blocks its thread
+    /// (synchronous I/O, `std::thread::sleep`) holds them up, and past the
+    /// lease another call may find the key in doubt (or, with
+    /// [`McpOptions::rerun_in_doubt`], run it again). Run blocking work with
+    /// `tokio::task::spawn_blocking`. After a crash, the key answers
     /// [`IN_PROGRESS`](super::IN_PROGRESS) until the lease lapses, then the
     /// in-doubt policy.
     #[must_use]

@@ -69,8 +69,9 @@ pub fn announce(capabilities: &mut ServerCapabilities) {
 ///      returned;
 ///    - finished call with the same arguments: the recorded
 ///      `CallToolResult` (or task handle) is replayed; nothing runs;
-///    - the same key with other arguments or another tool name of the same
-///      scope: [`KEY_CONFLICT`](super::KEY_CONFLICT);
+///    - the same key with other arguments:
+///      [`KEY_CONFLICT`](super::KEY_CONFLICT) (the scope holds the tool
+///      name, so the same key on another tool is another call);
 ///    - the key is held by a call still running:
 ///      [`IN_PROGRESS`](super::IN_PROGRESS) with `data.retryAfterMs`;
 ///    - the holder disappeared without an outcome:
