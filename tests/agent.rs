@@ -908,6 +908,12 @@ fn the_driver_gives_up_with_the_key() {
         }
     ));
     assert!(err.is_in_doubt());
+    assert!(
+        err.to_string().ends_with(
+            "rejected: outcome unknown; the service may have acted: follow up with this key"
+        ),
+        "{err}"
+    );
     assert_eq!(asked, 0, "nothing is asked after such an answer");
 
     // The deadline bounds the whole call: zero allows the first attempt only.

@@ -719,6 +719,7 @@ fn row_level_security_for_the_callers_role_is_a_damaged_schema_not_a_stale_lease
             ),
             other => panic!("meta: expected SchemaDamaged, got {other:?}"),
         }
+        assert!(is_aborted(&tx).await, "meta: the transaction goes on");
         drop(tx);
         admin
             .batch_execute(&format!(
@@ -733,6 +734,30 @@ fn row_level_security_for_the_callers_role_is_a_damaged_schema_not_a_stale_lease
             .expect("complete_in");
         tx.commit().await.expect("commit");
         assert_eq!(tickets_of(&admin, &table, &k).await, 1);
+        // A policy that hides nothing: a lease whose record is gone
+        // (released) is StaleLease, as without row-level security, not the
+        // policy's refusal: the store's own read shows the key not held.
+        admin
+            .batch_execute(&format!(
+                "ALTER TABLE \"{schema}\".records ENABLE ROW LEVEL SECURITY; \
+                 CREATE POLICY every_row ON \"{schema}\".records TO {role} \
+                 USING (true) WITH CHECK (true)"
+            ))
+            .await
+            .expect("a policy that hides nothing");
+        let gone = key("rls-2");
+        let old = acquire(&store, &gone);
+        store.release(old.clone()).expect("release");
+        assert!(
+            store.get(&gone).expect("get").is_none(),
+            "released: no record"
+        );
+        let tx = c.transaction().await.expect("begin");
+        match complete_in(&tx, &store, &old, b"1").await {
+            Err(Error::StaleLease { token, .. }) => assert_eq!(token, old.token()),
+            other => panic!("a released lease: expected StaleLease, got {other:?}"),
+        }
+        drop(tx);
         drop(c);
         admin
             .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))

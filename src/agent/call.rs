@@ -164,8 +164,10 @@ impl Delays {
 }
 
 /// What one request to the remote service reports when it did not succeed.
-/// Both `send` and `query` return it.
+/// Both `send` and `query` return it. More kinds may be added: a match
+/// over it needs a wildcard arm.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RemoteError<E> {
     /// No answer in time: the request may have been lost, may still be
     /// running, or may have succeeded with the response lost. After a send,
@@ -270,8 +272,16 @@ impl<E: std::fmt::Display> std::fmt::Display for CallError<E> {
                     None => Ok(()),
                 }
             }
-            CallError::Rejected { key, error, .. } => {
-                write!(f, "call with idempotency key {key} was rejected: {error}")
+            CallError::Rejected {
+                key,
+                in_doubt,
+                error,
+            } => {
+                write!(f, "call with idempotency key {key} was rejected: {error}")?;
+                if *in_doubt {
+                    write!(f, "; the service may have acted: follow up with this key")?;
+                }
+                Ok(())
             }
         }
     }

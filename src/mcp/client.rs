@@ -176,8 +176,8 @@ where
             Err(Sorted::Lost)
         }
         // The request went out and something other than its result came
-        // back (a task handle, say, which rmcp's `call_tool` does not
-        // take): the tool may have started.
+        // back (a task handle, or an input-required continuation, which
+        // rmcp's `call_tool` does not take): the tool may have started.
         Err(other) => Err(Sorted::Doubt(ToolCallError::Unexpected(other.to_string()))),
     }
 }
@@ -255,8 +255,9 @@ fn says_not_transient(error: &ErrorData) -> bool {
 ///   ([`CallError::Rejected`]);
 /// - [`IN_DOUBT`](super::IN_DOUBT) (an earlier request with the key started
 ///   and its outcome was never recorded), or an answer that is neither a
-///   result nor a JSON-RPC error (a task handle, which `rmcp`'s
-///   `call_tool` does not take) → stop, in doubt
+///   result nor a JSON-RPC error (a task handle or an input-required
+///   continuation, which `rmcp`'s `call_tool` does not take) → stop, in
+///   doubt
 ///   ([`CallError::Rejected`] whose [`is_in_doubt`](CallError::is_in_doubt)
 ///   is true, on the first request too): the tool may have acted, and no
 ///   request with the key will say whether;

@@ -1786,6 +1786,21 @@ async fn row_secured_tables(
 /// What a schema whose `tables` have row-level security active for the
 /// store's role ([`row_secured_tables`]) needs, for a message.
 fn row_secured_remedy(schema: &str, tables: &[String]) -> String {
+    let disable = row_security_disabled(schema, tables);
+    format!(
+        "{} {} row-level security active for this role (enabled outside idemstore): a policy \
+         that hides a row from the store makes a key or business key that another record holds \
+         look free, and a claim would then acquire it and run its work twice; the store \
+         refuses to run on it until it is off: {} (or give the role BYPASSRLS)",
+        tables.join(" and "),
+        if tables.len() == 1 { "has" } else { "have" },
+        disable
+    )
+}
+
+/// The statements that turn row-level security off on the store's
+/// `tables` of `schema`, `; `-separated, for a message.
+fn row_security_disabled(schema: &str, tables: &[String]) -> String {
     let disable: Vec<String> = tables
         .iter()
         .map(|table| {
@@ -1795,15 +1810,7 @@ fn row_secured_remedy(schema: &str, tables: &[String]) -> String {
             )
         })
         .collect();
-    format!(
-        "{} {} row-level security active for this role (enabled outside idemstore): a policy \
-         that hides a row from the store makes a key or business key that another record holds \
-         look free, and a claim would then acquire it and run its work twice; the store \
-         refuses to run on it until it is off: {} (or give the role BYPASSRLS)",
-        tables.join(" and "),
-        if tables.len() == 1 { "has" } else { "have" },
-        disable.join("; ")
-    )
+    disable.join("; ")
 }
 
 /// Of the relations named as [`OBJECTS`] that the schema holds, those not

@@ -300,20 +300,18 @@ async fn decide_and_write<S: Session>(
         snapshot,
         store_id,
     } = session.probe(&sql.txn_probe).await?;
-    let ours = engine.store_id().to_be_bytes();
-    let other_store = store_id.as_deref() != Some(ours.as_slice());
-    // A policy of the caller's role (row-level security, which the
-    // engine's own sessions are checked for when it connects) may hide the
-    // key's row or the store's identity from the statements above: the
-    // lease would be judged stale, or the store another, at every attempt,
-    // while the holder's record stands. Asked only then: it costs a round
-    // trip.
-    if rows.is_empty() || other_store {
-        row_security_checked(session, sql).await?;
-    }
     // The caller's connection may reach another database whose schema of
-    // the same name holds another store: its row is not this store's.
-    if other_store {
+    // the same name holds another store: its row is not this store's. No
+    // identity at all may also be a policy of the caller's role hiding
+    // `meta`'s row (row-level security, which the engine's own sessions are
+    // checked for when it connects): asked then, one more round trip.
+    let ours = engine.store_id().to_be_bytes();
+    if store_id.as_deref() != Some(ours.as_slice()) {
+        if store_id.is_none()
+            && let Some(tables) = row_secured(session, sql).await
+        {
+            return Err(row_secured_refusal(sql, &tables, None));
+        }
         let theirs = match store_id {
             Some(id) => format!(
                 "store {}",
@@ -338,21 +336,32 @@ async fn decide_and_write<S: Session>(
         None => to_u64("the database clock", db_ms)?,
     };
     let now = shared.seen(reading);
-    // A transaction that reads one snapshot does not see a row written
-    // after its snapshot was taken: the claim's, when the caller's first
-    // statement came before the claim. Absent from the snapshot is then
-    // not known to be absent, and deciding on it would answer StaleLease
-    // to the current holder (who would give the key up, to be run again
-    // once the lease lapses). So the store's own connection reads the
-    // latest committed record: still Processing under this lease, the
-    // snapshot is too old, and the answer is the refusal the server gives
-    // a row changed after the snapshot (40001, when locked above): run the
-    // transaction again. Otherwise (absent, past retention, finished, or
-    // another holder's) the lease is stale, as decided below.
+    // The key's row not seen by the caller's transaction is not known to be
+    // absent, and deciding on it would answer StaleLease to the current
+    // holder (who would give the key up, to be run again once the lease
+    // lapses), at every attempt if the row stays hidden. Two things hide
+    // it:
+    // - a transaction that reads one snapshot does not see a row written
+    //   after its snapshot was taken: the claim's, when the caller's first
+    //   statement came before the claim;
+    // - a policy of the caller's role (row-level security active for it on
+    //   the store's tables: asked, one more round trip).
+    // Then the store's own connection reads the latest committed record:
+    // still Processing under this lease, the row was hidden, and the answer
+    // is the policy's remedy, or the refusal the server gives a row changed
+    // after the snapshot (40001, when locked above): run the transaction
+    // again. Otherwise (absent, past retention, finished, or another
+    // holder's) the lease is stale, as decided below, whatever hid the row.
     // The read goes through the store's queue, where it may wait behind
     // calls that wait for this very transaction's locks: it gets
-    // SNAPSHOT_READ_BOUND, and without an answer the refusal stands.
-    if snapshot && rows.is_empty() {
+    // SNAPSHOT_READ_BOUND, and without an answer the refusal stands: the
+    // policy's, or run the transaction again.
+    let secured = if rows.is_empty() {
+        row_secured(session, sql).await
+    } else {
+        None
+    };
+    if rows.is_empty() && (snapshot || secured.is_some()) {
         let due = std::time::Instant::now()
             .checked_add(SNAPSHOT_READ_BOUND)
             .unwrap_or_else(std::time::Instant::now);
@@ -360,6 +369,9 @@ async fn decide_and_write<S: Session>(
             Ok(Some(r)) => r.state() == State::Processing && r.token() == lease.token(),
             Ok(None) => false,
             Err(error) => {
+                if let Some(tables) = &secured {
+                    return Err(row_secured_refusal(sql, tables, Some(snapshot)));
+                }
                 return Err(Refusal::Decision(Error::Unavailable {
                     detail: format!(
                         "the key {key} has no record in this transaction's snapshot \
@@ -373,6 +385,9 @@ async fn decide_and_write<S: Session>(
             }
         };
         if held {
+            if let Some(tables) = &secured {
+                return Err(row_secured_refusal(sql, tables, Some(snapshot)));
+            }
             return Err(Refusal::Decision(Error::Unavailable {
                 detail: format!(
                     "the key {key} is held by this lease, but this transaction's snapshot \
@@ -462,24 +477,41 @@ async fn decide_and_write<S: Session>(
     Ok(record)
 }
 
-/// Refuses a caller's session on whose role row-level security is active
-/// for the store's tables (`Sql::txn_row_secured`), as a damaged schema
-/// that names the remedy. A failure of the question itself is not an
-/// answer: the caller gets the refusal it would have had without it (its
-/// transaction is aborted either way).
-async fn row_security_checked<S: Session>(session: &mut S, sql: &Sql) -> Result<(), Refusal> {
-    let Ok(Some(tables)) = session.text(&sql.txn_row_secured).await else {
-        return Ok(());
+/// Those of the store's tables on which row-level security is active for
+/// the caller's session's role (`Sql::txn_row_secured`), or `None`. A
+/// failure of the question is not an answer (`None`): the caller gets the
+/// refusal it would have had without it, and its transaction is aborted
+/// either way.
+async fn row_secured<S: Session>(session: &mut S, sql: &Sql) -> Option<Vec<String>> {
+    let tables = session.text(&sql.txn_row_secured).await.ok().flatten()?;
+    Some(tables.split(' ').map(str::to_string).collect())
+}
+
+/// The refusal of a caller's session whose role has row-level security
+/// active on the store's `tables` and did not see what it should have, as
+/// a damaged schema that names the remedy. `snapshot`: `Some(true)` when
+/// the transaction also reads one snapshot, which may hide the key's row
+/// too (a policy that hides nothing leaves that cause).
+fn row_secured_refusal(sql: &Sql, tables: &[String], snapshot: Option<bool>) -> Refusal {
+    let also = if snapshot == Some(true) {
+        "; if no policy hides the key's row, this transaction's snapshot (REPEATABLE READ or \
+         SERIALIZABLE) was taken before the claim was written: run it again"
+    } else {
+        ""
     };
-    let tables: Vec<String> = tables.split(' ').map(str::to_string).collect();
-    Err(Refusal::Decision(Error::Misconfigured {
+    Refusal::Decision(Error::Misconfigured {
         fault: crate::error::ConfigFault::SchemaDamaged,
         detail: format!(
-            "on the transaction's connection, where complete_in / fail_in run, {} (nothing was \
-             written, and the transaction is aborted)",
-            super::row_secured_remedy(&sql.schema, &tables)
+            "{} {} row-level security active for the role of the transaction's connection, \
+             where complete_in / fail_in run (enabled outside idemstore), and that connection \
+             does not see what the store holds for this key: a policy would hide the key's row \
+             at every attempt (nothing was written, and the transaction is aborted); turn it \
+             off: {} (or give the role BYPASSRLS){also}",
+            tables.join(" and "),
+            if tables.len() == 1 { "has" } else { "have" },
+            super::row_security_disabled(&sql.schema, tables)
         ),
-    }))
+    })
 }
 
 /// Makes the caller's transaction fail, so that it cannot commit the
