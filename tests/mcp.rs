@@ -548,6 +548,30 @@ async fn assert_internal_error(h: &Harness, key: &str, says: &str) {
         "{refused:?}"
     );
     assert!(refused.message.contains(says), "{refused:?}");
+    let data = refused.data.expect("data");
+    assert_eq!(
+        (&data["transient"], &data["idempotencyKey"]),
+        (&json!(false), &json!(key)),
+        "{data}"
+    );
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
+}
+
+/// `call_tool_once` stops at the layer's own fault (its first answer),
+/// rather than send until its attempts run out: no request succeeds until
+/// an operator acts.
+async fn assert_the_client_helper_stops(h: Arc<Harness>) {
+    let connect = connector(&h);
+    let key = Key::for_tool_call("acme/agent", "task-10", "call_1").unwrap();
+    let policy = RetryPolicy::new(4, Duration::from_millis(1), Duration::from_millis(1)).unwrap();
+    match call_tool_once(&key, append("x"), &policy, connect).await {
+        Err(CallError::Rejected {
+            error: ToolCallError::Rpc(e),
+            in_doubt: false,
+            ..
+        }) => assert_eq!(e.code, rmcp::model::ErrorCode::INTERNAL_ERROR),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
 }
 
@@ -557,6 +581,7 @@ async fn assert_internal_error(h: &Harness, key: &str, says: &str) {
 async fn a_lease_out_of_range_is_an_internal_error() {
     let h = Harness::new(McpOptions::new().lease(Duration::from_millis(50)));
     assert_internal_error(&h, "k-lease", "options are invalid").await;
+    assert_the_client_helper_stops(Arc::new(h)).await;
 }
 
 /// A store opened read-only records nothing: an internal error that no
@@ -568,6 +593,7 @@ async fn a_read_only_store_is_an_internal_error() {
     drop(Store::open(&path).unwrap());
     h.store = Arc::new(Store::open_existing(&path, Config::new().read_only(true)).unwrap());
     assert_internal_error(&h, "k-ro", "read-only").await;
+    assert_the_client_helper_stops(Arc::new(h)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -213,6 +213,12 @@ fn sort_rpc(error: ErrorData) -> Sorted {
         ErrorCode(codes::STORE_FAILED) if says_not_transient(&error) => {
             Sorted::Stop(ToolCallError::Rpc(error))
         }
+        // The layer's own fault (its options, a read-only store): no
+        // request succeeds until an operator acts. (Another server's
+        // Internal error, without `data.transient: false`, is sent again.)
+        ErrorCode::INTERNAL_ERROR if says_not_transient(&error) => {
+            Sorted::Stop(ToolCallError::Rpc(error))
+        }
         _ => Sorted::Retry(ToolCallError::Rpc(error)),
     }
 }
@@ -250,9 +256,9 @@ fn says_not_transient(error: &ErrorData) -> bool {
 /// - [`IN_PROGRESS`](super::IN_PROGRESS) to a send → treated as in doubt
 ///   too (another request with the key is running);
 /// - [`KEY_CONFLICT`](super::KEY_CONFLICT), Invalid params, Method not
-///   found, Invalid request, and [`STORE_FAILED`](super::STORE_FAILED)
-///   with `data.transient: false` (a store that needs an operator) → stop
-///   ([`CallError::Rejected`]);
+///   found, Invalid request, and [`STORE_FAILED`](super::STORE_FAILED) or
+///   Internal error with `data.transient: false` (a store or a layer that
+///   needs an operator) → stop ([`CallError::Rejected`]);
 /// - [`IN_DOUBT`](super::IN_DOUBT) (an earlier request with the key started
 ///   and its outcome was never recorded), or an answer that is neither a
 ///   result nor a JSON-RPC error (a task handle or an input-required
@@ -328,6 +334,14 @@ mod tests {
             Sorted::Stop(_) => "stop",
             Sorted::Doubt(_) => "doubt",
         }
+    }
+
+    /// The layer's own Internal error stops the call; another server's,
+    /// without `data.transient: false`, is sent again.
+    #[test]
+    fn the_layers_own_fault_stops_the_call() {
+        assert_eq!(sorted(codes::layer_failed("k", "read-only".into())), "stop");
+        assert_eq!(sorted(ErrorData::internal_error("oops", None)), "retry");
     }
 
     /// An answer of unknown outcome stops the call in doubt; a conflict

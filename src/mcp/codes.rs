@@ -66,6 +66,7 @@ pub(crate) mod reason {
     pub(crate) const IN_DOUBT: &str = "idempotency key in doubt";
     pub(crate) const STORE_FAILED: &str = "idempotency store failed";
     pub(crate) const INVALID_KEY: &str = "invalid idempotency key";
+    pub(crate) const LAYER_FAILED: &str = "idempotency layer misconfigured";
 }
 
 pub(crate) fn in_progress(key: &str, retry_after: Duration) -> ErrorData {
@@ -127,6 +128,22 @@ pub(crate) fn store_failed(key: &str, retry_after: Option<Duration>) -> ErrorDat
             })),
         ),
     }
+}
+
+/// The layer's own fault (its options invalid, or a store opened
+/// read-only): JSON-RPC's Internal error (−32603), not
+/// [`STORE_FAILED`] ("retry with the same key"), since no request
+/// succeeds until an operator changes the configuration. `data.transient:
+/// false` says so, and `call_tool_once` stops on it.
+pub(crate) fn layer_failed(key: &str, message: String) -> ErrorData {
+    ErrorData::internal_error(
+        message,
+        Some(json!({
+            "reason": reason::LAYER_FAILED,
+            "idempotencyKey": key,
+            "transient": false,
+        })),
+    )
 }
 
 /// A duration in whole milliseconds, at least 1.

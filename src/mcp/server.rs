@@ -290,18 +290,18 @@ impl<S: ServerHandler> IdempotentServer<S> {
             // helps, so not STORE_FAILED ("retry with the same key").
             Err(ExecuteError::Store(e @ Error::InvalidArgument { .. })) => {
                 tracing::error!(key = %key, error = %e, "the idempotency layer's options are invalid");
-                Err(ErrorData::internal_error(
+                Err(codes::layer_failed(
+                    &idempotency_key,
                     format!("the idempotency layer's options are invalid: {e}"),
-                    None,
                 ))
             }
             // A store opened read-only: nothing can be recorded until it is
             // opened to write, so not STORE_FAILED either.
             Err(ExecuteError::Store(e @ Error::ReadOnly { .. })) => {
                 tracing::error!(key = %key, error = %e, "the idempotency store is read-only");
-                Err(ErrorData::internal_error(
+                Err(codes::layer_failed(
+                    &idempotency_key,
                     format!("the idempotency store cannot record calls: {e}"),
-                    None,
                 ))
             }
             Err(e) => {
