@@ -310,7 +310,7 @@ async fn decide_and_write<S: Session>(
         if store_id.is_none()
             && let Some(tables) = row_secured(session, sql).await
         {
-            return Err(row_secured_refusal(sql, &tables, None));
+            return Err(row_secured_refusal(sql, &tables, false));
         }
         let theirs = match store_id {
             Some(id) => format!(
@@ -370,7 +370,7 @@ async fn decide_and_write<S: Session>(
             Ok(None) => false,
             Err(error) => {
                 if let Some(tables) = &secured {
-                    return Err(row_secured_refusal(sql, tables, Some(snapshot)));
+                    return Err(row_secured_refusal(sql, tables, snapshot));
                 }
                 return Err(Refusal::Decision(Error::Unavailable {
                     detail: format!(
@@ -386,7 +386,7 @@ async fn decide_and_write<S: Session>(
         };
         if held {
             if let Some(tables) = &secured {
-                return Err(row_secured_refusal(sql, tables, Some(snapshot)));
+                return Err(row_secured_refusal(sql, tables, snapshot));
             }
             return Err(Refusal::Decision(Error::Unavailable {
                 detail: format!(
@@ -489,11 +489,11 @@ async fn row_secured<S: Session>(session: &mut S, sql: &Sql) -> Option<Vec<Strin
 
 /// The refusal of a caller's session whose role has row-level security
 /// active on the store's `tables` and did not see what it should have, as
-/// a damaged schema that names the remedy. `snapshot`: `Some(true)` when
-/// the transaction also reads one snapshot, which may hide the key's row
-/// too (a policy that hides nothing leaves that cause).
-fn row_secured_refusal(sql: &Sql, tables: &[String], snapshot: Option<bool>) -> Refusal {
-    let also = if snapshot == Some(true) {
+/// a damaged schema that names the remedy. `snapshot`: the transaction
+/// reads one snapshot, which may hide the key's row too (a policy that
+/// hides nothing leaves that cause).
+fn row_secured_refusal(sql: &Sql, tables: &[String], snapshot: bool) -> Refusal {
+    let also = if snapshot {
         "; if no policy hides the key's row, this transaction's snapshot (REPEATABLE READ or \
          SERIALIZABLE) was taken before the claim was written: run it again"
     } else {
