@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
 
 use idemstore::Key;
 use idemstore::mcp::{IN_DOUBT, IN_PROGRESS, KEY_CONFLICT, announces_idempotency, attach_key};
@@ -18,7 +19,8 @@ use rmcp::model::{CallToolRequestParams, CallToolResult, ErrorData};
 use rmcp::service::{RoleClient, RunningService, ServiceError, ServiceExt};
 use rmcp::transport::StreamableHttpClientTransport;
 use serde_json::json;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::net::unix::pipe;
 use tokio::process::{Child, Command};
 
 /// The example server, built for this test's profile and target directory.
@@ -251,31 +253,46 @@ fn rpc_error(error: ServiceError) -> ErrorData {
     }
 }
 
-/// Waits (on a blocking thread) until the held tool has written its line.
+/// Hang guard only: how long a test waits for the held tool to start or
+/// to wait for its release (the proxy or its server may have died first).
+const HELD_TOOL_WAIT: Duration = Duration::from_secs(60);
+
+/// Waits until the held tool has written its line. The FIFO is opened
+/// read-write, so the open never waits for the tool and the read waits
+/// on the runtime, bounded: a blocking open on a runtime thread, if the
+/// tool never starts, held the runtime's shutdown (and the test) for ever.
 async fn wait_started(started: &Path) {
-    let started = started.to_path_buf();
-    tokio::task::spawn_blocking(move || {
-        let mut byte = Vec::new();
-        std::io::Read::read_to_end(&mut std::fs::File::open(started).unwrap(), &mut byte).unwrap();
-        assert_eq!(byte, b"1");
-    })
-    .await
-    .unwrap();
+    let mut fifo = pipe::OpenOptions::new()
+        .read_write(true)
+        .open_receiver(started)
+        .unwrap();
+    let mut byte = [0u8; 1];
+    tokio::time::timeout(HELD_TOOL_WAIT, fifo.read_exact(&mut byte))
+        .await
+        .expect("the held tool never started")
+        .unwrap();
+    assert_eq!(&byte, b"1");
 }
 
-/// Lets the held tool answer.
+/// Lets the held tool answer: opens its FIFO for writing once the tool has
+/// it open for reading (a non-blocking open is refused with ENXIO until
+/// then), and closes it. Bounded, as [`wait_started`].
 async fn release(release: &Path) {
-    let release = release.to_path_buf();
-    tokio::task::spawn_blocking(move || {
-        drop(
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(release)
-                .unwrap(),
-        )
-    })
-    .await
-    .unwrap();
+    const ENXIO: i32 = 6;
+    let deadline = tokio::time::Instant::now() + HELD_TOOL_WAIT;
+    loop {
+        match pipe::OpenOptions::new().open_sender(release) {
+            Ok(sender) => return drop(sender),
+            Err(e) if e.raw_os_error() == Some(ENXIO) => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the held tool never waited for its release"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("opening the release FIFO: {e}"),
+        }
+    }
 }
 
 /// Sends `call` (a held call) on `client`, waits until the tool has written
@@ -446,7 +463,7 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
     assert!(kill.success());
     // The proxy ends with its server (whether it answered the call in
     // flight IN_DOUBT first or not), and records nothing for the call.
-    let answer = tokio::time::timeout(std::time::Duration::from_secs(60), sent)
+    let answer = tokio::time::timeout(Duration::from_secs(60), sent)
         .await
         .expect("no answer and no end of the proxy after its server died");
     match answer.unwrap() {
@@ -455,7 +472,7 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
         Ok(answer) => panic!("an answer from a dead server: {answer:?}"),
     }
     drop(client);
-    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), proxy.wait()).await;
+    let ended = tokio::time::timeout(Duration::from_secs(60), proxy.wait()).await;
     assert!(
         ended
             .expect("the proxy did not end with its server")
@@ -471,12 +488,9 @@ async fn a_server_that_dies_during_a_call_leaves_the_key_in_doubt() {
 /// FIFO: the bound fails the test instead of hanging it.
 async fn retry_is_in_progress(s: &Setup, held: &CallToolRequestParams, line: &str) {
     let (_proxy, client) = s.proxy(false).await;
-    let retry = tokio::time::timeout(
-        std::time::Duration::from_secs(60),
-        client.call_tool(held.clone()),
-    )
-    .await
-    .expect("the retry ran the tool again (it waits on its FIFO)");
+    let retry = tokio::time::timeout(Duration::from_secs(60), client.call_tool(held.clone()))
+        .await
+        .expect("the retry ran the tool again (it waits on its FIFO)");
     let busy = rpc_error(retry.unwrap_err());
     assert_eq!(busy.code.0, IN_PROGRESS, "{busy:?}");
     assert_eq!(s.lines(), vec![line], "the tool ran once");
@@ -499,17 +513,14 @@ async fn a_call_not_answered_within_the_call_timeout_is_in_doubt() {
         let held = held.clone();
         async move { peer.call_tool(held).await }
     });
-    // Hang guard only: a tool cancelled before it started never opens it.
-    tokio::time::timeout(std::time::Duration::from_secs(60), wait_started(&started))
-        .await
-        .expect("the held tool never started");
-    let answer = tokio::time::timeout(std::time::Duration::from_secs(60), sent)
+    wait_started(&started).await;
+    let answer = tokio::time::timeout(Duration::from_secs(60), sent)
         .await
         .expect("no answer 60 s after the call was sent: the proxy waits for ever");
     let lost = rpc_error(answer.unwrap().unwrap_err());
     assert_eq!(lost.code.0, IN_DOUBT, "{lost:?}");
     drop(client);
-    let ended = tokio::time::timeout(std::time::Duration::from_secs(60), proxy.wait()).await;
+    let ended = tokio::time::timeout(Duration::from_secs(60), proxy.wait()).await;
     assert!(
         ended
             .expect("the proxy did not end once its client left")
