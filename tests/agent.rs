@@ -940,6 +940,51 @@ fn the_driver_gives_up_with_the_key() {
     ));
     assert!(err.to_string().ends_with("; last error: 503"), "{err}");
     assert_eq!(attempts, 1);
+
+    // A service that asks for a wait (Retry-After) ending past the deadline
+    // stops the call at once, where backoff alone would send again.
+    let mut attempts = 0;
+    let err = call(
+        &key,
+        &fast_policy(10).deadline(Duration::from_secs(60)),
+        |_| {
+            attempts += 1;
+            Err::<&str, _>(RemoteError::RetryAfter {
+                error: "503",
+                after: Duration::from_secs(3600),
+            })
+        },
+        |_| Ok(RemoteStatus::NotFound),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            CallError::Exhausted {
+                attempts: 1,
+                limit: Limit::Deadline,
+                in_doubt: false,
+                last_error: Some("503"),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert_eq!(attempts, 1);
+
+    // One that fits is waited for, and the same request is made again.
+    let mut answers = vec![Err(RemoteError::RetryAfter {
+        error: "429",
+        after: Duration::from_millis(5),
+    })]
+    .into_iter();
+    let out = call(
+        &key,
+        &fast_policy(10),
+        |_| answers.next().unwrap_or(Ok("T-1")),
+        |_| Ok(RemoteStatus::NotFound),
+    );
+    assert_eq!(out.unwrap(), "T-1");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use idemstore::agent::{CallError, RetryPolicy};
+use idemstore::agent::{CallError, Limit, RetryPolicy};
 use idemstore::mcp::{
     CAPABILITY, IN_DOUBT, IN_PROGRESS, IdempotentServer, KEY_CONFLICT, McpOptions, STORE_FAILED,
     SepTransport, ToolCallError, announces_idempotency, attach_key, call_tool_once,
@@ -989,6 +989,43 @@ async fn an_unreachable_database_is_a_transient_store_failure() {
         .unwrap();
     assert_eq!(text_of(&done), "appended line 1");
     assert_eq!(h.tools.runs.load(Ordering::SeqCst), 1);
+}
+
+/// `call_tool_once` waits as a transient store failure asks
+/// (`data.retryAfterMs`): a wait that ends past the policy's deadline ends
+/// the call at its first answer, not in doubt, instead of sending it again
+/// on the policy's millisecond backoff until the deadline.
+#[cfg(all(feature = "postgres", feature = "conformance"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_client_helper_waits_as_a_transient_store_failure_asks() {
+    use pg::proxy::{Proxy, upstream_of, via};
+    let Some(url) = pg::url() else { return };
+    let proxy = Proxy::start(upstream_of(&url));
+    let mut h = Harness::new(McpOptions::new().unavailable_retry_after(Duration::from_secs(3600)));
+    h.store = pg_store(via(&url, &proxy), pg::schema("mcp_retry_after")).await;
+    proxy.pause();
+    let h = Arc::new(h);
+    let key = Key::for_tool_call("acme/agent", "task-10", "call_1").unwrap();
+    let policy = RetryPolicy::new(1000, Duration::from_millis(1), Duration::from_millis(10))
+        .unwrap()
+        .deadline(Duration::from_secs(20));
+    let error = call_tool_once(&key, append("later"), &policy, connector(&h))
+        .await
+        .unwrap_err();
+    match error {
+        CallError::Exhausted {
+            attempts,
+            limit,
+            in_doubt,
+            last_error: Some(ToolCallError::Rpc(e)),
+            ..
+        } => {
+            assert_eq!(e.code.0, STORE_FAILED, "{e:?}");
+            assert_eq!((attempts, limit, in_doubt), (1, Limit::Deadline, false));
+        }
+        other => panic!("expected the deadline after one answer, got {other:?}"),
+    }
+    assert_eq!(h.tools.runs.load(Ordering::SeqCst), 0);
 }
 
 /// A store that needs an operator (its primary key dropped behind its

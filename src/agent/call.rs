@@ -176,6 +176,22 @@ pub enum RemoteError<E> {
     /// The service answered that it did not act and that a retry may
     /// succeed (HTTP 429, 503). [`call`] sends again, with the same key.
     Retryable(E),
+    /// The service answered as for [`RemoteError::Retryable`] and asked
+    /// for a wait of at least `after` before the next request: HTTP's
+    /// `Retry-After` on a 429 or 503 (RFC 9110 §10.2.3; the IETF
+    /// Idempotency-Key draft's 409 carries it too), or an MCP server's
+    /// `data.retryAfterMs`, which `call_tool_once` of the feature `mcp`
+    /// reads. [`call`] waits the longer of `after` and its own backoff
+    /// (so `after` may exceed the policy's largest delay), then sends, or
+    /// queries, again. When that wait would end past the policy's
+    /// deadline, it stops at once with [`CallError::Exhausted`]
+    /// ([`Limit::Deadline`]) instead of sleeping until the deadline.
+    RetryAfter {
+        /// The service's error, kept as the call's last error.
+        error: E,
+        /// The least wait the service asked for.
+        after: Duration,
+    },
     /// The service refused the request for good (HTTP 400, 402, 422).
     /// [`call`] stops and returns [`CallError::Rejected`].
     Permanent(E),
@@ -367,13 +383,18 @@ impl<E> Driver<E> {
                 self.last_error = Some(e);
                 self.next = Next::Send;
             }
+            Err(RemoteError::RetryAfter { error, after }) => {
+                self.last_error = Some(error);
+                self.next = Next::Send;
+                return self.pause(after);
+            }
             Err(RemoteError::Permanent(error)) => return self.rejected(error),
             Err(RemoteError::InDoubt(error)) => {
                 self.in_doubt = true;
                 return self.rejected(error);
             }
         }
-        self.pause()
+        self.pause(Duration::ZERO)
     }
 
     fn after_query<T>(
@@ -393,13 +414,18 @@ impl<E> Driver<E> {
                 self.last_error = Some(e);
                 self.next = Next::Query;
             }
+            Err(RemoteError::RetryAfter { error, after }) => {
+                self.last_error = Some(error);
+                self.next = Next::Query;
+                return self.pause(after);
+            }
             Err(RemoteError::Permanent(error)) => return self.rejected(error),
             Err(RemoteError::InDoubt(error)) => {
                 self.in_doubt = true;
                 return self.rejected(error);
             }
         }
-        self.pause()
+        self.pause(Duration::ZERO)
     }
 
     fn rejected<T>(&mut self, error: E) -> Step<T, E> {
@@ -410,13 +436,14 @@ impl<E> Driver<E> {
         }))
     }
 
-    /// The delay before the next attempt, unless a limit ends the call.
-    fn pause<T>(&mut self) -> Step<T, E> {
+    /// The delay before the next attempt, at least `asked` (the service's
+    /// `Retry-After`), unless a limit ends the call.
+    fn pause<T>(&mut self, asked: Duration) -> Step<T, E> {
         if self.attempts >= self.policy.max_attempts {
             return self.exhausted(Limit::Attempts);
         }
         let left = self.policy.deadline.saturating_sub(self.started.elapsed());
-        let delay = self.delays.next_delay();
+        let delay = self.delays.next_delay().max(asked);
         if delay >= left {
             return self.exhausted(Limit::Deadline);
         }
@@ -435,7 +462,9 @@ impl<E> Driver<E> {
 ///    [`RemoteStatus::NotFound`] → send again, [`RemoteStatus::InProgress`]
 ///    (or another timeout) → wait and query again, [`RemoteStatus::Done`] →
 ///    return that result;
-/// 3. on [`RemoteError::Retryable`] sends again after a delay;
+/// 3. on [`RemoteError::Retryable`] sends again after a delay; on
+///    [`RemoteError::RetryAfter`] after at least the wait the service asked
+///    for, or stops at once when that wait ends past the deadline;
 /// 4. on [`RemoteError::Permanent`] stops with [`CallError::Rejected`];
 ///    on [`RemoteError::InDoubt`] too, in doubt;
 /// 5. when the attempts or the deadline run out, stops with
@@ -557,6 +586,33 @@ mod tests {
                 delay >= ceiling && delay <= ceiling * 2,
                 "retry {n}: {delay:?}"
             );
+        }
+    }
+
+    #[test]
+    fn a_wait_the_service_asks_for_is_kept_above_the_backoff() {
+        let key = Key::new("acme/tickets", "task-1:call-1").unwrap();
+        let policy = RetryPolicy::new(10, Duration::from_millis(1), Duration::from_millis(4))
+            .unwrap()
+            .deadline(Duration::from_secs(3600));
+        let asked = Duration::from_secs(30);
+        for answer in [Next::Send, Next::Query] {
+            let mut driver = Driver::<&str>::new(&key, &policy);
+            driver.attempts = 1;
+            let error = RemoteError::RetryAfter {
+                error: "503",
+                after: asked,
+            };
+            let step: Step<(), _> = match answer {
+                Next::Send => driver.after_send(Err(error)),
+                Next::Query => driver.after_query(Err(error)),
+            };
+            match step {
+                Step::Sleep(delay) => assert_eq!(delay, asked, "{answer:?}"),
+                Step::Return(_) => panic!("{answer:?}: the call ended"),
+            }
+            assert_eq!(driver.next, answer, "the same request is made again");
+            assert_eq!(driver.last_error, Some("503"));
         }
     }
 

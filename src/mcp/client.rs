@@ -223,6 +223,28 @@ fn sort_rpc(error: ErrorData) -> Sorted {
     }
 }
 
+/// A request to make again: after at least the server's
+/// `data.retryAfterMs` (a whole number of milliseconds, as
+/// [`STORE_FAILED`](super::STORE_FAILED) carries it) when its error has
+/// one; any other value of that member is not a wait, and is ignored.
+fn retryable(error: ToolCallError) -> RemoteError<ToolCallError> {
+    let asked = match &error {
+        ToolCallError::Rpc(rpc) => rpc
+            .data
+            .as_ref()
+            .and_then(|data| data.get("retryAfterMs"))
+            .and_then(Value::as_u64),
+        _ => None,
+    };
+    match asked {
+        Some(ms) => RemoteError::RetryAfter {
+            error,
+            after: Duration::from_millis(ms),
+        },
+        None => RemoteError::Retryable(error),
+    }
+}
+
 /// Whether a [`STORE_FAILED`](super::STORE_FAILED) says `data.transient:
 /// false`.
 fn says_not_transient(error: &ErrorData) -> bool {
@@ -271,7 +293,10 @@ fn says_not_transient(error: &ErrorData) -> bool {
 ///   way at the deadline, which a zero deadline always is) → send again
 ///   after a delay, or end not in doubt at the deadline: a failed
 ///   `connect` sent nothing, so the next request is still the call's
-///   first.
+///   first. An error with `data.retryAfterMs` (a transient
+///   [`STORE_FAILED`](super::STORE_FAILED)) is sent again after at least
+///   that many milliseconds ([`RemoteError::RetryAfter`]); when that wait
+///   ends past the deadline the call ends at once.
 ///
 /// # Errors
 /// [`CallError::Exhausted`] when the policy's attempts or deadline run out
@@ -301,7 +326,7 @@ where
                 .await
                 .map_err(|sorted| match sorted {
                     Sorted::Lost | Sorted::Busy => RemoteError::TimedOut,
-                    Sorted::Retry(e) => RemoteError::Retryable(e),
+                    Sorted::Retry(e) => retryable(e),
                     Sorted::Stop(e) => RemoteError::Permanent(e),
                     Sorted::Doubt(e) => RemoteError::InDoubt(e),
                 })
@@ -312,7 +337,7 @@ where
             Ok(result) => Ok(RemoteStatus::Done(result)),
             Err(Sorted::Busy) => Ok(RemoteStatus::InProgress),
             Err(Sorted::Lost) => Err(RemoteError::TimedOut),
-            Err(Sorted::Retry(e)) => Err(RemoteError::Retryable(e)),
+            Err(Sorted::Retry(e)) => Err(retryable(e)),
             Err(Sorted::Stop(e)) => Err(RemoteError::Permanent(e)),
             Err(Sorted::Doubt(e)) => Err(RemoteError::InDoubt(e)),
         },
@@ -372,5 +397,38 @@ mod tests {
             sorted(codes::in_progress("k", Duration::from_secs(1))),
             "busy"
         );
+    }
+
+    /// A store failure's `retryAfterMs` is the least wait before the call
+    /// is sent again; a member that is not a whole number of milliseconds
+    /// is no wait at all.
+    #[test]
+    fn a_retry_waits_as_the_server_asks() {
+        let asked = |error: ErrorData| match retryable(ToolCallError::Rpc(error)) {
+            RemoteError::RetryAfter { after, .. } => Some(after),
+            RemoteError::Retryable(_) => None,
+            other => panic!("{other:?}"),
+        };
+        let transient = codes::store_failed("k", Some(Duration::from_millis(1500)));
+        assert_eq!(asked(transient), Some(Duration::from_millis(1500)));
+        let far = serde_json::json!({ "retryAfterMs": u64::MAX });
+        assert_eq!(
+            asked(ErrorData::internal_error("busy", Some(far))),
+            Some(Duration::from_millis(u64::MAX))
+        );
+        for hostile in [
+            serde_json::json!({ "retryAfterMs": -1 }),
+            serde_json::json!({ "retryAfterMs": 1.5 }),
+            serde_json::json!({ "retryAfterMs": "1000" }),
+            serde_json::json!({ "retryAfterMs": null }),
+            serde_json::json!([1000]),
+        ] {
+            let error = ErrorData::internal_error("busy", Some(hostile.clone()));
+            assert_eq!(asked(error), None, "{hostile}");
+        }
+        assert!(matches!(
+            retryable(ToolCallError::Connect("refused".into())),
+            RemoteError::Retryable(_)
+        ));
     }
 }
