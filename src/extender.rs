@@ -1,15 +1,26 @@
 //! The lease extender of [`Store::execute`](crate::Store::execute) and of
-//! the HTTP layer's requests (from the claim to the recorded outcome): one
-//! background thread per `Store` that keeps the lease of every call in
+//! the HTTP layer's requests (from the claim to the recorded outcome):
+//! background threads of the `Store` that keep the lease of every call in
 //! flight alive, whatever the caller's thread does meanwhile (work that
 //! blocks it, an async runtime that stops polling the call's task).
 //!
 //! A call registers its lease while its work runs and gets a
-//! [`Registration`]; dropping that deregisters it. The thread keeps the
-//! registered leases ordered by their next renewal time, sleeps until the
-//! earliest is due (or a registration due sooner wakes it), and
-//! renews every lease that is due in one batch: all extensions are queued
-//! before any is waited for, so a batch shares the writer's group commit.
+//! [`Registration`]; dropping that deregisters it. The extender keeps the
+//! registered leases ordered by their next renewal time; one of its
+//! threads (the scheduling one) sleeps until the earliest is due (or a
+//! registration due sooner wakes it), and renews every lease that is due
+//! in one batch: all extensions are queued before any is waited for, so a
+//! batch shares the writer's group commit.
+//!
+//! - **Threads**: before a thread waits for its batch's answer, it hands
+//!   the schedule to another thread (one on standby, or a new one, at most
+//!   [`MAX_THREADS`] in all), so a batch that waits long (a PostgreSQL
+//!   connection gone half-open, a row lock) holds up no other lease's
+//!   renewal: with one thread, a long lease's renewal waiting for its
+//!   deadline (up to half its time left) let every shorter lease due
+//!   meanwhile lapse. Only when all [`MAX_THREADS`] wait for answers do
+//!   the leases due wait for one of them. A store renewing leases has two
+//!   threads as a rule: one scheduling, one renewing or on standby.
 //!
 //! - **Schedule**: a lease of length `L` is renewed `L / 3` (at least 1 ms)
 //!   after its registration, then `L / 3` after each renewal returned, each
@@ -51,11 +62,13 @@
 //!   renewal is under way, it is removed once that renewal is answered,
 //!   and not renewed again (that one renewal may still land after the
 //!   drop).
-//! - **Lifetime**: the thread (`idemstore-extender`) starts at the first
-//!   registration, so a store that never runs work under `execute` nor
-//!   serves a keyed HTTP request has none, and stops when the store drops.
-//!   It holds the store only weakly (an HTTP registration may outlive the
-//!   store; its renewals then fail with `Error::Closed`).
+//! - **Lifetime**: the first thread (`idemstore-extender`) starts at the
+//!   first registration, so a store that never runs work under `execute`
+//!   nor serves a keyed HTTP request has none, and the others at the first
+//!   batch that finds no thread on standby; all stop, and are joined, when
+//!   the store drops. They hold the store only weakly (an HTTP
+//!   registration may outlive the store; its renewals then fail with
+//!   `Error::Closed`).
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Weak};
@@ -67,6 +80,11 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::error::Error;
 use crate::record::Lease;
 use crate::renewal::{after_renewal, next_renewal, period_of, renewal_deadline};
+
+/// The most threads an extender runs: one scheduling, the others each
+/// waiting for a batch's answer (or on standby). Each waiting batch may
+/// hold a connection of a PostgreSQL store.
+pub(crate) const MAX_THREADS: usize = 4;
 
 /// Renews many leases at once, each by its duration, ending by the
 /// deadline (see [`renewal_deadline`]): one answer per lease, in order (the
@@ -97,6 +115,8 @@ struct Shared {
     wake: Condvar,
     /// Wakes deregistrations waiting for a renewal under way to return.
     settled: Condvar,
+    /// Wakes a thread on standby to take over the schedule, or the stop.
+    standby: Condvar,
 }
 
 #[derive(Default)]
@@ -107,6 +127,15 @@ struct State {
     due: BTreeSet<(Instant, u64)>,
     next_id: u64,
     stop: bool,
+    /// A thread is waiting for the next renewal to be due.
+    scheduling: bool,
+    /// Until when that thread waits (`None`: until it is woken).
+    scheduled_for: Option<Instant>,
+    /// Threads waiting on [`Shared::standby`].
+    on_standby: usize,
+    /// Threads started after the first (joined on drop), at most
+    /// [`MAX_THREADS`] `- 1`.
+    more: Vec<JoinHandle<()>>,
 }
 
 /// One registered lease.
@@ -156,6 +185,7 @@ impl Extender {
                 state: Mutex::new(State::default()),
                 wake: Condvar::new(),
                 settled: Condvar::new(),
+                standby: Condvar::new(),
             }),
             renew: Arc::new(renew),
             thread: Mutex::new(None),
@@ -166,7 +196,7 @@ impl Extender {
     /// extended by `length` (the claim's lease length, 1 ms to
     /// [`MAX_LEASE`](crate::MAX_LEASE)) every third of `length` (at least
     /// every millisecond), the first time a third of `length` from now.
-    /// Starts the extender's thread if it is not running yet.
+    /// Starts the extender's first thread if it is not running yet.
     ///
     /// # Errors
     /// [`Error::Storage`] when the thread cannot be started (the system is
@@ -212,10 +242,10 @@ impl Extender {
                 dropped: false,
             },
         );
-        let earliest = state.due.first().is_none_or(|&(first, _)| due < first);
         state.due.insert((due, id));
+        let wake = wakes_the_schedule(&state);
         drop(state);
-        if earliest {
+        if wake {
             self.shared.wake.notify_one();
         }
         Ok(Registration {
@@ -238,7 +268,7 @@ impl Extender {
             let renew = self.renew.clone();
             let handle = std::thread::Builder::new()
                 .name("idemstore-extender".into())
-                .spawn(move || run(&shared, &*renew))
+                .spawn(move || run(&shared, &renew))
                 .map_err(|e| Error::storage(format!("cannot start the lease extender: {e}")))?;
             *thread = Some(handle);
         }
@@ -253,7 +283,14 @@ impl Drop for Extender {
     fn drop(&mut self) {
         self.shared.state.lock().stop = true;
         self.shared.wake.notify_all();
+        self.shared.standby.notify_all();
         if let Some(handle) = self.thread.get_mut().take() {
+            let _ = handle.join();
+        }
+        // A thread starts only under the lock and before the stop, so
+        // every one is in the list by now.
+        let more = std::mem::take(&mut self.shared.state.lock().more);
+        for handle in more {
             let _ = handle.join();
         }
     }
@@ -314,9 +351,11 @@ impl Drop for Registration {
     }
 }
 
-/// The thread: renews whatever is due, then sleeps until the next renewal
-/// is due or it is woken, until the stop.
-fn run(shared: &Shared, renew: &Renew) {
+/// A thread of the extender, until the stop: renews whatever is due, and
+/// hands the schedule to another thread before it waits for the answer;
+/// with nothing due, it sleeps until the next renewal is due or it is
+/// woken, unless another thread does so already (it waits on standby).
+fn run(shared: &Arc<Shared>, renew: &Arc<Renew>) {
     let mut state = shared.state.lock();
     loop {
         if state.stop {
@@ -324,14 +363,24 @@ fn run(shared: &Shared, renew: &Renew) {
         }
         let batch = take_due(&mut state, Instant::now());
         if batch.is_empty() {
-            match state.due.first() {
-                Some(&(due, _)) => {
+            if state.scheduling {
+                state.on_standby += 1;
+                shared.standby.wait(&mut state);
+                state.on_standby -= 1;
+                continue;
+            }
+            state.scheduling = true;
+            state.scheduled_for = state.due.first().map(|&(due, _)| due);
+            match state.scheduled_for {
+                Some(due) => {
                     shared.wake.wait_until(&mut state, due);
                 }
                 None => shared.wake.wait(&mut state),
             }
+            state.scheduling = false;
             continue;
         }
+        hand_over(shared, renew, &mut state);
         let leases: Vec<(Lease, Duration)> = batch
             .iter()
             .map(|(_, lease, d)| (lease.clone(), *d))
@@ -358,6 +407,53 @@ fn run(shared: &Shared, renew: &Renew) {
         });
         settle(&mut state, &batch, results, sent, Instant::now());
         shared.settled.notify_all();
+        // The thread scheduling meanwhile sleeps until a renewal due before
+        // these were put back.
+        if wakes_the_schedule(&state) {
+            shared.wake.notify_one();
+        }
+    }
+}
+
+/// Whether a renewal is due before the scheduling thread wakes (a lease
+/// registered, or put back by a batch another thread renewed).
+fn wakes_the_schedule(state: &State) -> bool {
+    let first = state.due.first().map(|&(due, _)| due);
+    state.scheduling
+        && match (first, state.scheduled_for) {
+            (Some(first), Some(until)) => first < until,
+            (first, None) => first.is_some(),
+            (None, Some(_)) => false,
+        }
+}
+
+/// Before a thread waits for a batch's answer: wakes a thread on standby to
+/// take over the schedule, or starts one if there are fewer than
+/// [`MAX_THREADS`]. When none can be had (all wait for answers, or the
+/// system is out of threads), the leases due wait for a thread to return.
+fn hand_over(shared: &Arc<Shared>, renew: &Arc<Renew>, state: &mut State) {
+    if state.scheduling {
+        return;
+    }
+    if state.on_standby > 0 {
+        shared.standby.notify_one();
+        return;
+    }
+    // The first thread is not in `more`.
+    if state.more.len() + 1 >= MAX_THREADS {
+        return;
+    }
+    let (shared, renew) = (shared.clone(), renew.clone());
+    let started = std::thread::Builder::new()
+        .name("idemstore-extender".into())
+        .spawn(move || run(&shared, &renew));
+    match started {
+        Ok(handle) => state.more.push(handle),
+        Err(e) => tracing::warn!(
+            error = %e,
+            "cannot start another lease extender thread: leases due while a renewal waits \
+             for its answer wait too"
+        ),
     }
 }
 
@@ -441,6 +537,10 @@ mod tests {
         inside: AtomicBool,
         /// How many more renewal batches panic.
         panics: Mutex<usize>,
+        /// A batch holding this token waits while it is set.
+        stuck: Mutex<Option<u64>>,
+        /// Batches being renewed now.
+        active: std::sync::atomic::AtomicUsize,
     }
 
     impl Fake {
@@ -465,9 +565,16 @@ mod tests {
                     }
                 }
                 fake.inside.store(true, Ordering::SeqCst);
-                while fake.hold.load(Ordering::SeqCst) {
+                fake.active.fetch_add(1, Ordering::SeqCst);
+                while fake.hold.load(Ordering::SeqCst)
+                    || fake
+                        .stuck
+                        .lock()
+                        .is_some_and(|t| leases.iter().any(|(l, _)| l.token() == t))
+                {
                     std::thread::sleep(Duration::from_millis(1));
                 }
+                fake.active.fetch_sub(1, Ordering::SeqCst);
                 leases
                     .iter()
                     .map(|(lease, _)| {
@@ -589,6 +696,69 @@ mod tests {
         eventually(|| fake.count(2) >= 3);
         assert_eq!(fake.count(1), 0);
         drop(later);
+    }
+
+    /// A batch that waits for its answer (a half-open connection waits
+    /// until the batch's deadline, half its lease's time left) holds up no
+    /// other lease: a shorter lease registered meanwhile is renewed again
+    /// and again while it waits (with one thread, not once until it was
+    /// answered, and the shorter lease lapsed). When every thread waits,
+    /// the leases due wait for one of them.
+    #[test]
+    fn a_renewal_waiting_for_its_answer_holds_up_no_other_lease() {
+        let fake = Arc::new(Fake::default());
+        *fake.stuck.lock() = Some(1);
+        let ext = extender(&fake);
+        let long = ext.register(&lease(1), Duration::from_millis(3)).unwrap();
+        eventually(|| fake.inside.load(Ordering::SeqCst));
+        let short = ext.register(&lease(2), Duration::from_millis(3)).unwrap();
+        // Hang guard only: with one thread this waited for ever.
+        let guard = Instant::now() + Duration::from_secs(60);
+        eventually(|| {
+            assert!(Instant::now() < guard, "lease 2 was not renewed");
+            fake.count(2) >= 5
+        });
+        assert_eq!(fake.count(1), 0, "the first batch is still waiting");
+        // Every thread held by a batch of its own: a lease registered then
+        // waits for one of them to return, and no thread is added.
+        fake.hold.store(true, Ordering::SeqCst);
+        let in_flight = |token: u64| {
+            let state = ext.shared.state.lock();
+            state
+                .entries
+                .values()
+                .any(|e| e.lease.token() == token && e.in_flight)
+        };
+        eventually(|| in_flight(2));
+        let mut held = Vec::new();
+        for token in 3.. {
+            if fake.active.load(Ordering::SeqCst) == MAX_THREADS {
+                break;
+            }
+            held.push(
+                ext.register(&lease(token), Duration::from_millis(3))
+                    .unwrap(),
+            );
+            eventually(|| in_flight(token));
+        }
+        let waiting = ext.register(&lease(9), Duration::from_millis(3)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        {
+            let state = ext.shared.state.lock();
+            assert_eq!(state.more.len() + 1, MAX_THREADS);
+            assert!(
+                state
+                    .entries
+                    .values()
+                    .any(|e| e.lease.token() == 9 && !e.in_flight)
+            );
+        }
+        *fake.stuck.lock() = None;
+        fake.hold.store(false, Ordering::SeqCst);
+        eventually(|| fake.count(1) >= 2 && fake.count(9) >= 2);
+        drop((held, waiting));
+        drop((long, short));
+        drop(ext); // joins every thread
     }
 
     #[test]

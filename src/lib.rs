@@ -121,7 +121,7 @@ pub mod docs_doctests {
 // - the public face: `store` (`Store`), `check` (`check_file`), `agent`, `mcp`,
 //   `http`, `postgres` (`complete_in`, `fail_in`), `conformance`, and what
 //   `agent` and `http` share to keep a lease while work runs: `renewal` (its
-//   schedule) and `extender` (the store's thread that renews leases);
+//   schedule) and `extender` (the store's threads that renew leases);
 // - operations written once over any engine: `backup` (export and import
 //   framing), `scan`, `sweeper`;
 // - the engine boundary: `engine`;

@@ -176,7 +176,12 @@ fn five_hundred_concurrent_calls_share_one_extender() {
         max_seen <= CALLERS + before + SLACK_THREADS,
         "{max_seen} threads with {CALLERS} callers and {before} before the run"
     );
-    assert_eq!(extender_seen, 1, "one extender thread for the store");
+    // One extender for the store: its threads take turns scheduling and
+    // waiting for a batch's answer, at most four of them.
+    assert!(
+        (1..=4).contains(&extender_seen),
+        "{extender_seen} extender threads for the store"
+    );
     for (key, out) in keys.iter().zip(outcomes) {
         let out = out.unwrap();
         assert_eq!(out.origin(), Origin::Ran);
@@ -285,7 +290,7 @@ fn the_extender_starts_on_first_need_and_stops_with_the_store() {
     let store = Store::open(&path).unwrap();
     assert_eq!(extenders(), 0, "no extender before the first call");
     assert_eq!(run(&store).origin(), Origin::Ran);
-    assert_eq!(extenders(), 1);
+    assert!((1..=4).contains(&extenders()), "{}", extenders());
     let before_drop = thread_count();
     drop(store);
     assert_eq!(extenders(), 0, "the drop stops the extender");

@@ -1009,7 +1009,7 @@ fn renew_past_a_half_open_connection(asynchronous: bool) {
 }
 
 /// Runs `execute` of each of `ids` on `store` at once, each doing `work`
-/// long (sync, so that one extender thread renews their leases, due
+/// long (sync, so that the store's extender renews their leases, due
 /// together, in one batch). Returns once every work has begun (or the
 /// calls have all returned), with the thread that answers each one's
 /// origin or error once all have returned.

@@ -496,10 +496,13 @@ impl Store {
     ///   ([`ExecuteError::StillInProgress`]).
     ///
     /// The lease is extended by the claim's lease length (whole
-    /// milliseconds) each time. One extender thread per `Store` serves every
-    /// call in flight: it starts with the first acquired call (a store that
-    /// only replays has none) and stops when the store drops; it renews the
-    /// leases due at the same time in one batch, so they share a commit. A
+    /// milliseconds) each time. One extender per `Store` serves every call
+    /// in flight: its first thread starts with the first acquired call (a
+    /// store that only replays has none), and it stops when the store
+    /// drops; it renews the leases due at the same time in one batch, so
+    /// they share a commit, and a batch that waits long for its answer
+    /// holds up no other lease's renewal (another thread takes over the
+    /// schedule, at most four in all). A
     /// renewal that fails (another caller took the key over, or someone
     /// released or finished it) is logged and not retried; the outcome is
     /// then refused with [`Error::StaleLease`]. A renewal that could not
@@ -1050,8 +1053,8 @@ fn lease_length(lease: &Lease) -> Duration {
     Duration::from_millis(ms)
 }
 
-/// Runs `f` while the store's extender (one thread per `Store`, shared by
-/// every call in flight) extends `lease` every third of its length, and
+/// Runs `f` while the store's extender (one per `Store`, shared by every
+/// call in flight) extends `lease` every third of its length, and
 /// returns the registration that goes on extending it: dropped once the
 /// outcome is recorded (or when `f` unwinds), it waits for a renewal under
 /// way, and none follows.

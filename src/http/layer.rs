@@ -457,7 +457,7 @@ impl IdempotencyLayer {
     /// [`MAX_LEASE`](crate::MAX_LEASE); default 30 s): how long a request
     /// whose server died holds its key before a retry may take it over.
     /// While the handler runs, and then while its response body is sent,
-    /// the store's lease extender thread (one per `Store`, as for
+    /// the store's lease extender (one per `Store`, as for
     /// `Store::execute`) extends the lease every third of this duration,
     /// so a slow handler, a long stream, a handler or a body that blocks
     /// its thread, and a client that stops reading keep the key until its

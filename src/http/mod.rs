@@ -125,8 +125,8 @@
 //! The layer awaits the store's futures ([`Store::claim_async`](crate::Store::claim_async)
 //! and the other `_async` methods), which are woken by the store's writer
 //! thread; the lease is extended every third of its duration by the
-//! store's lease extender thread (one per `Store`, started by the first
-//! keyed request, the one `Store::execute` uses), from the claim until the
+//! store's lease extender (one per `Store`, its first thread started by
+//! the first keyed request, the one `Store::execute` uses), from the claim until the
 //! outcome is recorded. Neither needs a particular async runtime.
 //!
 //! # Limits
