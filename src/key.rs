@@ -123,6 +123,40 @@ impl Key {
             .unwrap_or_default()
     }
 
+    /// The key as a reference for another system: the unique column kept
+    /// beside a side effect (a ticket's row), a payment's merchant
+    /// reference, a ticket's external id. 64 lowercase hex digits, the
+    /// SHA-256 of the key's stored form (`[scope length][scope][id]`, the
+    /// store's own unambiguous encoding), so no two keys share one. The
+    /// [`Display`](fmt::Display) form does not do for this: scope and id
+    /// may both hold `/`, so `POST /tickets` with `triage/k1` and
+    /// `POST /tickets/triage` with `k1` both print
+    /// `POST /tickets/triage/k1`, and a lookup by it finds the other
+    /// key's effect. Fixed length, letters and digits only, so it fits
+    /// where a key may not; the same for a key in every version of the
+    /// store, since the stored form is part of the file format.
+    ///
+    /// ```
+    /// use idemstore::Key;
+    ///
+    /// let a = Key::new("POST /tickets", "triage/k1")?;
+    /// let b = Key::new("POST /tickets/triage", "k1")?;
+    /// assert_eq!(a.to_string(), b.to_string());
+    /// assert_ne!(a.reference(), b.reference());
+    /// assert_eq!(a.reference().len(), 64);
+    /// # Ok::<(), idemstore::Error>(())
+    /// ```
+    pub fn reference(&self) -> String {
+        let mut digest = Sha256::new();
+        digest.update([self.scope_len]);
+        digest.update(self.text.as_bytes());
+        digest
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// The stored form: `[scope length u8][scope][id]`.
     pub(crate) fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(1 + self.text.len());
@@ -211,9 +245,8 @@ fn check_part(what: &str, value: &str, max: usize) -> Result<()> {
 /// `resolve` take. A scope and an id may both contain `/`, so two keys can
 /// print alike (`acme/payments` with `t:c`, `acme` with `payments/t:c`):
 /// the CLI then lists every split it finds. As a reference for another
-/// system (a payment's merchant reference, a ticket's external id), use a
-/// form that cannot collide within what that system sees, such as the id
-/// alone under a scope of its own.
+/// system (a payment's merchant reference, a ticket's external id), use
+/// [`Key::reference`], which no two keys share.
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.scope(), self.id())
@@ -295,6 +328,22 @@ mod tests {
         assert_ne!(a.to_bytes(), b.to_bytes());
         assert_eq!(Key::from_bytes(&a.to_bytes()).unwrap(), a);
         assert!(a.to_bytes().starts_with(&Key::scope_prefix("ab").unwrap()));
+    }
+
+    /// The reference is the stored form's SHA-256 in hex: pinned, since a
+    /// service keeps it in its own tables.
+    #[test]
+    fn the_reference_is_the_stored_forms_digest() {
+        let key = Key::new("POST /tickets", "a-1").unwrap();
+        let expected: String = Sha256::digest(b"\x0dPOST /ticketsa-1")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(key.reference(), expected);
+        assert_eq!(
+            key.reference(),
+            "399a16dee1c38ab1da999e19347e985ce70774a18dda6e3278a9e214931ad97d"
+        );
     }
 
     #[test]

@@ -46,7 +46,7 @@ pub use crate::pg::server;
 /// #     store: &idemstore::Store,
 /// #     lease: &idemstore::Lease,
 /// # ) -> Result<(), Box<dyn std::error::Error>> {
-/// let key = lease.key().to_string();
+/// let key = lease.key().reference();
 /// let tx = client.transaction().await?;
 /// let row = tx
 ///     .query_one(

@@ -298,7 +298,7 @@ fn two_replicas_one_database_one_ticket_per_key() {
         let scoped = Key::new("POST /tickets", key.as_str()).unwrap();
         let answers = &seen.ids[key.as_str()];
         assert_eq!(answers.len(), CLIENTS_PER_KEY, "seed {seed}: {key}");
-        let stored = by_key[scoped.to_string().as_str()];
+        let stored = by_key[scoped.reference().as_str()];
         assert!(
             answers.iter().all(|&id| id == stored),
             "seed {seed}: {key} answered {answers:?}, stored ticket {stored}"

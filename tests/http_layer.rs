@@ -890,6 +890,63 @@ async fn tenants_scope_keys() {
     );
 }
 
+/// The reference a handler stores with its effect tells apart two keys
+/// that print alike (`POST /tickets` with `triage/k1`, `POST
+/// /tickets/triage` with `k1`): a handler that looked its effect up by the
+/// printed key (as the docs said) found the other route's ticket and never
+/// made its own.
+#[tokio::test]
+async fn the_reference_of_a_request_tells_keys_that_print_alike_apart() {
+    let (_d, store, _c) = manual_store();
+    let tickets = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let made = tickets.clone();
+    let (svc, runs) = service(IdempotencyLayer::new(store), move |req: Req| {
+        let made = made.clone();
+        async move {
+            let ctx = req.extensions().get::<IdempotencyContext>().unwrap();
+            let reference = ctx.key().reference();
+            let mut made = made.lock().unwrap();
+            if !made.contains(&reference) {
+                made.push(reference);
+            }
+            created("{}")
+        }
+    });
+    let to = |path: &str, key: &str| {
+        Request::post(path)
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    assert_eq!(send(&svc, to("/tickets", "triage/k1")).await.0, 201);
+    assert_eq!(send(&svc, to("/tickets/triage", "k1")).await.0, 201);
+    assert_eq!(runs.count(), 2);
+    assert_eq!(tickets.lock().unwrap().len(), 2, "one ticket per key");
+}
+
+/// A path holding a control character (the `http` crate takes a raw
+/// path's UTF-8: U+0085 here) is a scope like any long route's, by its
+/// digest: the request runs and replays, where the scope was refused with
+/// 500 and an error logged for the server's configuration.
+#[tokio::test]
+async fn a_path_with_a_control_character_is_keyed_by_its_digest() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store), |_| async { created("{}") });
+    let to = || {
+        Request::post("/tickets\u{85}")
+            .header("idempotency-key", "k")
+            .body(Full::new(Bytes::from_static(b"{}")))
+            .unwrap()
+    };
+    let (status, headers, _) = send(&svc, to()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(!replayed(&headers));
+    let (status, headers, _) = send(&svc, to()).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(replayed(&headers));
+    assert_eq!(runs.count(), 1);
+}
+
 /// Retries `POST /tickets` with key `k` until the answer is not 409 (a
 /// failure queued without waiting may land after the first retry reads the
 /// record), at most 500 times 10 ms apart (a hang guard); the last answer.

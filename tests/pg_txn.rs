@@ -57,7 +57,7 @@ async fn tickets_of(client: &Client, table: &str, key: &Key) -> i64 {
     client
         .query_one(
             &format!("SELECT count(*) FROM {table} WHERE idempotency_key = $1"),
-            &[&key.to_string()],
+            &[&key.reference()],
         )
         .await
         .expect("count")
@@ -83,7 +83,7 @@ async fn insert_ticket(client: &impl tokio_postgres::GenericClient, table: &str,
                 "INSERT INTO {table} (idempotency_key, title) VALUES ($1, 'printer on fire') \
                  RETURNING id"
             ),
-            &[&key.to_string()],
+            &[&key.reference()],
         )
         .await
         .expect("insert ticket")
@@ -140,7 +140,7 @@ fn commit_stores_the_ticket_and_the_completion_together() {
         let tx = c.transaction().await.expect("begin");
         tx.execute(
             &format!("INSERT INTO {table} (idempotency_key, title) VALUES ($1, 'refused: logged')"),
-            &[&k2.to_string()],
+            &[&k2.reference()],
         )
         .await
         .expect("insert");

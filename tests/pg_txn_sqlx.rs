@@ -50,14 +50,14 @@ async fn tickets_of(conn: &mut PgConnection, table: &str, key: &Key) -> i64 {
     sqlx::query_scalar(&format!(
         "SELECT count(*) FROM {table} WHERE idempotency_key = $1"
     ))
-    .bind(key.to_string())
+    .bind(key.reference())
     .fetch_one(conn)
     .await
     .expect("count")
 }
 
 async fn insert_ticket(conn: &mut PgConnection, table: &str, key: &Key) -> i64 {
-    recipe::insert_ticket(conn, table, &key.to_string(), "printer on fire")
+    recipe::insert_ticket(conn, table, &key.reference(), "printer on fire")
         .await
         .expect("insert ticket")
 }
@@ -141,7 +141,7 @@ fn commit_stores_the_ticket_and_the_completion_together() {
         sqlx::query(&format!(
             "INSERT INTO {table} (idempotency_key, title) VALUES ($1, 'refused: logged')"
         ))
-        .bind(k2.to_string())
+        .bind(k2.reference())
         .execute(&mut *tx)
         .await
         .expect("insert");

@@ -503,7 +503,9 @@ async fn ensure_ticket(
                 .into_response());
         }
     };
-    let key = ctx.key().to_string();
+    // The key's reference, unique per key: its printed form may be another
+    // route's key too (`POST /tickets` + `triage/k1`, `POST /tickets/triage` + `k1`).
+    let key = ctx.key().reference();
 
     // An earlier attempt may have created the ticket and died before its
     // response was stored: query instead of acting again.

@@ -48,7 +48,7 @@ pub async fn create_ticket(
     between: impl Future<Output = ()>,
 ) -> Result<i64, BoxError> {
     let tx = client.transaction().await?;
-    let id = insert_ticket(&tx, table, &lease.key().to_string(), title).await?;
+    let id = insert_ticket(&tx, table, &lease.key().reference(), title).await?;
     between.await;
     // Fails the transaction (and returns StaleLease) if the lease is no
     // longer current; dropping `tx` on `?` rolls it back.

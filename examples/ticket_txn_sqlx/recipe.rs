@@ -44,7 +44,7 @@ pub async fn create_ticket(
 ) -> Result<i64, BoxError> {
     let mut tx = conn.begin().await?;
     let written = async {
-        let id = insert_ticket(&mut tx, table, &lease.key().to_string(), title).await?;
+        let id = insert_ticket(&mut tx, table, &lease.key().reference(), title).await?;
         between.await;
         // Fails the transaction (and returns StaleLease) if the lease is
         // no longer current.

@@ -111,11 +111,11 @@
 //! let mut lose_next = true;
 //! let mut charge = |key: &Key| {
 //!     let id = format!("ch_{}", charges.borrow().len() + 1);
-//!     charges.borrow_mut().insert(key.to_string(), id.clone());
+//!     charges.borrow_mut().insert(key.reference(), id.clone());
 //!     if std::mem::take(&mut lose_next) { Err(RemoteError::TimedOut) } else { Ok(id) }
 //! };
 //! let lookup = |key: &Key| -> Result<RemoteStatus<String>, RemoteError<String>> {
-//!     Ok(match charges.borrow().get(&key.to_string()) {
+//!     Ok(match charges.borrow().get(&key.reference()) {
 //!         Some(id) => RemoteStatus::Done(id.clone()),
 //!         None => RemoteStatus::NotFound,
 //!     })

@@ -43,7 +43,10 @@ pub struct IdempotencyContext {
 
 impl IdempotencyContext {
     /// The idempotency key: scope (`[tenant/]METHOD route`) and the id the
-    /// client sent. Store `key().to_string()` with the effect, uniquely.
+    /// client sent. Store [`Key::reference`] (`key().reference()`) with the
+    /// effect, uniquely: its printed form (`key().to_string()`) can be
+    /// another route's key too (`POST /tickets` with `triage/k1`, and
+    /// `POST /tickets/triage` with `k1`).
     pub fn key(&self) -> &Key {
         self.lease.key()
     }
@@ -379,11 +382,13 @@ fn request_key<B>(
 }
 
 /// `[tenant/]METHOD route`, with the route replaced by `#` and 32 hex digits
-/// of its SHA-256 when the whole would be over [`MAX_SCOPE_LEN`].
+/// of its SHA-256 when the whole would be over [`MAX_SCOPE_LEN`], or when
+/// the route holds a control character (a scope may not; the `http` crate
+/// takes a raw path's UTF-8, so a client can send U+0085 in one).
 fn scope_of(tenant: Option<&str>, method: &str, route: &str) -> String {
     let prefix = tenant.map(|t| format!("{t}/")).unwrap_or_default();
     let scope = format!("{prefix}{method} {route}");
-    if scope.len() <= MAX_SCOPE_LEN {
+    if scope.len() <= MAX_SCOPE_LEN && !route.chars().any(char::is_control) {
         return scope;
     }
     let digest = Sha256::digest(route.as_bytes());

@@ -24,7 +24,7 @@
 //! let id: i64 = sqlx::query_scalar(
 //!     "INSERT INTO tickets (idempotency_key, title) VALUES ($1, $2) RETURNING id",
 //! )
-//! .bind(lease.key().to_string())
+//! .bind(lease.key().reference())
 //! .bind("printer on fire")
 //! .fetch_one(&mut *tx)
 //! .await?;
