@@ -304,8 +304,10 @@ fn run_tool(store: &Store, world: &World, task: u32, call_: &Value) -> Result<St
             |_lease| {
                 let intent = Key::for_intent(format!("acme/{name}.intents"), task_id, name, params)
                     .map_err(|e| Failure::permanent(e.to_string()))?;
+                // An inner error is no final answer for the tool call (the
+                // intent key decides): the next call of this key asks again.
                 let inner = run_intent(store, world, task, name, &intent, params)
-                    .map_err(Failure::permanent)?;
+                    .map_err(Failure::retryable)?;
                 match inner.origin() {
                     Origin::Replayed => bump(&world.counts.intents_replayed),
                     Origin::Recovered => bump(&world.counts.probes_recovered),

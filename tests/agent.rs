@@ -787,6 +787,52 @@ async fn execute_async_replays_and_probes() {
     assert!(matches!(err, ExecuteError::InDoubt { .. }));
 }
 
+/// Work that ran while another caller took its key over (its lease lapsed
+/// on the store's clock) is NotRecorded, with the outcome to record: it was
+/// `Store(StaleLease)`, the error a claim refused before anything ran
+/// gives, and the outcome was lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_not_recorded_after_the_work_ran_says_so_and_keeps_it() {
+    let (_d, _p, clock, store) = fixture();
+    let key = Key::new("acme/tickets", "taken-over").unwrap();
+    let params = json!({"title": "disk full"});
+    let mut taker = None;
+    let err = store
+        .execute_async(
+            &key,
+            &fp(&params),
+            ExecuteOptions::new(),
+            async |_: &Lease| {
+                clock.advance(LEASE + Duration::from_millis(1));
+                match store
+                    .claim(&key, &fp(&params), &ClaimOptions::new())
+                    .unwrap()
+                {
+                    ClaimOutcome::Acquired(lease) => taker = Some(lease.token()),
+                    other => panic!("expected a takeover, got {other:?}"),
+                }
+                Ok::<_, Failure<String>>("T-1001".to_string())
+            },
+        )
+        .await
+        .unwrap_err();
+    match &err {
+        ExecuteError::NotRecorded {
+            key: k,
+            error: Error::StaleLease { .. },
+            outcome,
+        } => {
+            assert_eq!(k, &key);
+            assert_eq!(outcome, br#""T-1001""#);
+        }
+        other => panic!("expected NotRecorded, got {other:?}"),
+    }
+    assert!(err.to_string().contains("do not run it again"), "{err}");
+    let record = store.get(&key).unwrap().unwrap();
+    assert_eq!(record.state(), State::Processing);
+    assert_eq!(Some(record.token()), taker);
+}
+
 // --------------------------------------------------------- call driver ----
 
 fn fast_policy(attempts: u32) -> RetryPolicy {

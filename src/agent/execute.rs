@@ -455,10 +455,37 @@ pub enum ExecuteError<E> {
         limit: usize,
     },
 
-    /// The store refused or failed: [`Error::FingerprintMismatch`] (the
-    /// key was used with another payload), [`Error::InvalidArgument`],
-    /// [`Error::StaleLease`] (the work outlived its lease and another caller
-    /// took the key over: the outcome was not recorded), storage errors.
+    /// The work ran, so its effect may have happened, but its outcome was
+    /// not recorded; `error` says why: [`Error::StaleLease`] (the work
+    /// outlived its lease and another caller took the key over, or someone
+    /// released or resolved it meanwhile), [`Error::Unavailable`] or
+    /// [`Error::OutcomeUnknown`] at every attempt of the outcome's write
+    /// (they are retried for about a minute), [`Error::Poisoned`], a
+    /// storage error. Unlike [`ExecuteError::Store`], never "nothing ran":
+    /// whatever `error` says of retries, do not run the work again on it.
+    /// The record stays as the store has it: in progress under this call's
+    /// lease, and in doubt once that lapses, unless another caller took it
+    /// over. `outcome` is what was to be recorded, as JSON (the value, or
+    /// the failure), for a person to record (`idemstore resolve
+    /// --succeeded` with it, or `--failed`).
+    #[error(
+        "the work for {key} ran, but its outcome was not recorded, so its effect may have \
+         happened (do not run it again; record what happened once the store answers): {error}"
+    )]
+    NotRecorded {
+        /// The key.
+        key: Key,
+        /// Why the store did not record it.
+        error: Error,
+        /// The outcome as JSON, as it was to be recorded.
+        outcome: Vec<u8>,
+    },
+
+    /// The store refused or failed before the work ran (nothing ran):
+    /// [`Error::FingerprintMismatch`] (the key was used with another
+    /// payload), [`Error::InvalidArgument`], [`Error::Unavailable`],
+    /// storage errors. An outcome that could not be recorded after the
+    /// work ran is [`ExecuteError::NotRecorded`].
     #[error(transparent)]
     Store(#[from] Error),
 }
@@ -928,7 +955,19 @@ impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<
                     limit,
                 });
             }
-            Err(e) => return Err(e.into()),
+            Err(error) => {
+                let outcome = match self.write {
+                    Write::Complete(bytes) | Write::Fail(bytes, _) => bytes,
+                    // Nothing to write was written: the store's error
+                    // stands as it is.
+                    Write::None => return Err(error.into()),
+                };
+                return Err(ExecuteError::NotRecorded {
+                    key: self.lease.key().clone(),
+                    error,
+                    outcome,
+                });
+            }
         }
         if !matches!(self.write, Write::None) {
             store.waiters.notify(self.lease.key());

@@ -100,7 +100,7 @@
 //! use std::collections::HashMap;
 //! use std::time::Duration;
 //! use idemstore::{Fingerprint, Key, Lease, Store};
-//! use idemstore::agent::{call, ExecuteOptions, Failure, RemoteError, RemoteStatus, RetryPolicy};
+//! use idemstore::agent::{call, CallError, ExecuteOptions, Failure, RemoteError, RemoteStatus, RetryPolicy};
 //! use serde_json::json;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -130,10 +130,12 @@
 //!     Err(_) => Err("gateway unreachable".to_string()),
 //! });
 //! let charged = store.execute(&key, &Fingerprint::of_json(&params)?, options, |lease| {
-//!     call(lease.key(), &policy, &mut charge, lookup).map_err(|e| match e.is_in_doubt() {
-//!         // The service may have acted: the next call asks again.
-//!         true => Failure::retryable(e.to_string()),
-//!         false => Failure::permanent(e.to_string()),
+//!     call(lease.key(), &policy, &mut charge, lookup).map_err(|e| match e {
+//!         // Refused for good, and the service did not act: replayed.
+//!         CallError::Rejected { in_doubt: false, .. } => Failure::permanent(e.to_string()),
+//!         // It may have acted, or its limits ran out (five 503s): the
+//!         // next call sends again with the key, which it deduplicates.
+//!         _ => Failure::retryable(e.to_string()),
 //!     })
 //! })?;
 //! assert_eq!(charged.value(), "ch_1");

@@ -279,7 +279,11 @@ impl<S: ServerHandler> IdempotentServer<S> {
                 &idempotency_key,
                 retry_after(lease_until_ms),
             )),
-            Err(ExecuteError::InDoubt { .. }) => Err(codes::in_doubt(&idempotency_key)),
+            // The tool ran in another call of this key (its own answer goes
+            // back above): its outcome is unknown here.
+            Err(ExecuteError::InDoubt { .. } | ExecuteError::NotRecorded { .. }) => {
+                Err(codes::in_doubt(&idempotency_key))
+            }
             Err(ExecuteError::Store(Error::FingerprintMismatch { .. })) => {
                 Err(codes::key_conflict(&idempotency_key, &tool))
             }
