@@ -15,7 +15,7 @@ use idemstore::http::{
     BoxError, Idempotency, IdempotencyBody, IdempotencyContext, IdempotencyLayer,
     IdempotencyOutcome,
 };
-use idemstore::{Config, Key, ManualClock, State, Store};
+use idemstore::{Config, Key, ManualClock, Resolution, State, Store};
 use tower::{Layer, Service, ServiceExt};
 
 type Req = Request<IdempotencyBody<Full<Bytes>>>;
@@ -945,6 +945,47 @@ async fn a_path_with_a_control_character_is_keyed_by_its_digest() {
     assert_eq!(status, StatusCode::CREATED);
     assert!(replayed(&headers));
     assert_eq!(runs.count(), 1);
+}
+
+/// An outcome the layer did not write (an operator's `resolve --succeeded`
+/// with a JSON value, which the CLI now refuses for such a scope) answers
+/// every retry 500; the repair the log names, a retryable failure recorded
+/// over it, lets the next request run the handler again, as a takeover.
+#[tokio::test]
+async fn an_outcome_the_layer_did_not_write_is_repaired_by_a_retryable_failure() {
+    let (_d, store, _c) = manual_store();
+    let (svc, runs) = service(IdempotencyLayer::new(store.clone()), |_| async {
+        created("{}")
+    });
+    assert_eq!(
+        send(&svc, post(Some("k"), "x")).await.0,
+        StatusCode::CREATED
+    );
+    let key = Key::new("POST /tickets", "k").unwrap();
+    let token = store.get(&key).unwrap().unwrap().token();
+    store
+        .amend(&key, token, Resolution::Succeeded(br#"{"id":1}"#.to_vec()))
+        .unwrap();
+    for _ in 0..2 {
+        let (status, _, _) = send(&svc, post(Some("k"), "x")).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    assert_eq!(runs.count(), 1);
+    store
+        .amend(
+            &key,
+            token,
+            Resolution::Failed {
+                failure: br#""resolved""#.to_vec(),
+                retryable: true,
+            },
+        )
+        .unwrap();
+    let (status, headers, _) = send(&svc, post(Some("k"), "x")).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(!replayed(&headers));
+    assert_eq!(runs.count(), 2);
+    assert_eq!(runs.takeovers.load(Ordering::SeqCst), 1);
 }
 
 /// Retries `POST /tickets` with key `k` until the answer is not 409 (a

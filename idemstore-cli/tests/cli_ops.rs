@@ -1633,6 +1633,90 @@ fn in_doubt_tool_call(path: &Path, id: &str) -> u64 {
     }
 }
 
+/// `resolve` refuses an outcome that a key of the HTTP layer cannot replay
+/// (`[tenant/]METHOD route`: a stored HTTP response, which it cannot
+/// write; the layer answered every retry 500 until retention ended), and
+/// changes nothing; a retryable failure, which lets the client's retry
+/// run the handler again, is taken, and `--raw` overrules the check.
+#[test]
+fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let claim = |scope: &str, id: &str| {
+        let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        let k = Key::new(scope, id).unwrap();
+        match store
+            .claim(&k, &tool_fingerprint(), &ClaimOptions::new())
+            .unwrap()
+        {
+            ClaimOutcome::Acquired(lease) => lease.token().to_string(),
+            other => panic!("{other:?}"),
+        }
+    };
+    for scope in [
+        "POST /tickets",
+        "acme/PATCH /tickets/{id}",
+        "POST #0123abcd",
+    ] {
+        let t = claim(scope, "k-1");
+        for outcome in [
+            &["--succeeded", r#"{"id":1}"#][..],
+            &["--failed", r#""declined""#][..],
+        ] {
+            let mut args = vec!["resolve", p(&path), scope, "k-1", "--token", &t];
+            args.extend_from_slice(outcome);
+            let out = idemstore(&args);
+            assert_eq!(code(&out), 2, "{scope} {outcome:?}");
+            assert!(
+                stderr(&out).contains("is a scope of the HTTP layer"),
+                "{}",
+                stderr(&out)
+            );
+        }
+        let out = idemstore(&["get", p(&path), scope, "k-1", "--json"]);
+        assert_eq!(json(&out)["state"], "processing", "{scope}");
+        let out = idemstore(&[
+            "resolve",
+            p(&path),
+            scope,
+            "k-1",
+            "--token",
+            &t,
+            "--failed",
+            r#""resolved""#,
+            "--retryable",
+        ]);
+        assert_eq!(code(&out), 0, "{}", stderr(&out));
+    }
+    // --raw overrules it (a scope that only looks like the layer's).
+    let t = claim("POST /not-http", "k-2");
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "POST /not-http",
+        "k-2",
+        "--token",
+        &t,
+        "--raw",
+        "--succeeded",
+        "done",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    // Other scopes are not refused.
+    let t = claim("acme/tickets POST", "k-3");
+    let out = idemstore(&[
+        "resolve",
+        p(&path),
+        "acme/tickets POST",
+        "k-3",
+        "--token",
+        &t,
+        "--succeeded",
+        "1",
+    ]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+}
+
 fn tool_fingerprint() -> Fingerprint {
     Fingerprint::of_json(&serde_json::json!({"title": "printer on fire"})).unwrap()
 }

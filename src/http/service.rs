@@ -497,7 +497,23 @@ fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
         }
         Ok(Stored::NotKept { status, location }) => not_kept(record.key(), status, location),
         Err(detail) => {
-            tracing::error!(key = %record.key(), %detail, "stored response cannot be replayed");
+            // Not a response this layer recorded: an operator's `resolve`
+            // (which refuses this unless told `--raw`), or damage.
+            tracing::error!(
+                key = %record.key(),
+                %detail,
+                repair = %format!(
+                    "idemstore resolve STORE --token {} --amend --failed '\"resolved\"' \
+                     --retryable -- {:?} {:?}",
+                    record.token(),
+                    record.key().scope(),
+                    record.key().id()
+                ),
+                "stored response cannot be replayed: every retry of the key is answered 500 \
+                 until retention ends, unless an operator records a retryable failure (the \
+                 repair), so that the next request runs the handler, which finds its effect by \
+                 the key's reference"
+            );
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "Stored response unreadable",

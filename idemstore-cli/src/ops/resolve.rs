@@ -15,6 +15,7 @@ use crate::ops::{self, StoreArg};
 #[derive(Debug, clap::Args)]
 #[command(
     after_help = "The outcome is a JSON value by default (a string is quoted: --succeeded '\"T-42\"'), because a record made by Store::execute (the agent feature: tool calls, intents) replays its result and failure as JSON: bytes that are not JSON would make every later retry of the key fail until retention ends. Give --raw to store other bytes, for a record whose service reads its outcome as plain bytes.\n\n\
+A record of the HTTP layer (scope [tenant/]METHOD route) replays a stored HTTP response, which resolve cannot write: give it --failed VALUE --retryable, so that the client's retry runs the handler again, which finds its effect by the key's reference; any other outcome is refused unless --raw.\n\n\
 The token fences the change: if the record was completed, \
 failed, released or taken over since you read it, nothing changes and the command fails \
 (exit 2), saying which: no record for the key (absent or past retention), the record is \
@@ -96,8 +97,31 @@ fn outcome_bytes(flag: &str, text: &str, raw: bool) -> Result<Vec<u8>, CliError>
     Ok(text.as_bytes().to_vec())
 }
 
+/// Whether `scope` (or a whole key) has the HTTP layer's form,
+/// `[tenant/]METHOD route`, the route a path or `#` and a digest.
+fn http_layer_scope(scope: &str) -> bool {
+    const METHODS: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    scope.match_indices(' ').any(|(at, _)| {
+        let (before, route) = scope.split_at(at);
+        let method = before.rsplit('/').next().unwrap_or(before);
+        METHODS.contains(&method) && (route.starts_with(" /") || route.starts_with(" #"))
+    })
+}
+
 /// Runs `idemstore resolve`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
+    if !args.raw && !(args.failed.is_some() && args.retryable) && http_layer_scope(&args.scope) {
+        return Err(CliError::Usage(format!(
+            "{:?} is a scope of the HTTP layer ([tenant/]METHOD route), whose records replay \
+             a stored HTTP response that resolve cannot write: this outcome would answer every \
+             retry of the key 500 until retention ends; nothing changed. Record --failed VALUE \
+             --retryable: the client's retry then runs the handler again, which finds its effect \
+             by the key's reference. Give --raw if this scope is not the HTTP layer's",
+            args.scope
+        )));
+    }
     let outcome = match (&args.succeeded, &args.failed) {
         (Some(result), _) => Resolution::Succeeded(outcome_bytes("succeeded", result, args.raw)?),
         (None, Some(failure)) => Resolution::Failed {
