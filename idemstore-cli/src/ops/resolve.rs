@@ -112,7 +112,8 @@ fn http_layer_scope(scope: &str) -> bool {
 
 /// Runs `idemstore resolve`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
-    if !args.raw && !(args.failed.is_some() && args.retryable) && http_layer_scope(&args.scope) {
+    let retryable_failure = args.failed.is_some() && args.retryable;
+    if !args.raw && !retryable_failure && http_layer_scope(&args.scope) {
         return Err(CliError::Usage(format!(
             "{:?} is a scope of the HTTP layer ([tenant/]METHOD route), whose records replay \
              a stored HTTP response that resolve cannot write: this outcome would answer every \
