@@ -125,7 +125,7 @@ impl World {
         let mut ledger = self.ledger(tool).borrow_mut();
         ledger.push(Effect {
             task,
-            reference: reference.map(Key::to_string),
+            reference: reference.map(Key::reference),
         });
         let id = format!("{}-{}", &tool[..1].to_uppercase(), ledger.len());
         if self.chance(RESPONSE_LOST) {
@@ -141,7 +141,7 @@ impl World {
         tool: &str,
         reference: &Key,
     ) -> Result<RemoteStatus<String>, RemoteError<String>> {
-        let wanted = reference.to_string();
+        let wanted = reference.reference();
         let ledger = self.ledger(tool).borrow();
         Ok(
             match ledger

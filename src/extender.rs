@@ -707,17 +707,22 @@ mod tests {
     #[test]
     fn a_renewal_waiting_for_its_answer_holds_up_no_other_lease() {
         let fake = Arc::new(Fake::default());
+        // Hang guards only: with one thread this waited for ever.
+        let guard = Instant::now() + Duration::from_secs(60);
+        let eventually = |what: &str, f: &dyn Fn() -> bool| {
+            while !f() {
+                assert!(Instant::now() < guard, "never: {what}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
         *fake.stuck.lock() = Some(1);
         let ext = extender(&fake);
         let long = ext.register(&lease(1), Duration::from_millis(3)).unwrap();
-        eventually(|| fake.inside.load(Ordering::SeqCst));
-        let short = ext.register(&lease(2), Duration::from_millis(3)).unwrap();
-        // Hang guard only: with one thread this waited for ever.
-        let guard = Instant::now() + Duration::from_secs(60);
-        eventually(|| {
-            assert!(Instant::now() < guard, "lease 2 was not renewed");
-            fake.count(2) >= 5
+        eventually("the first batch sent", &|| {
+            fake.inside.load(Ordering::SeqCst)
         });
+        let short = ext.register(&lease(2), Duration::from_millis(3)).unwrap();
+        eventually("lease 2 renewed", &|| fake.count(2) >= 5);
         assert_eq!(fake.count(1), 0, "the first batch is still waiting");
         // Every thread held by a batch of its own: a lease registered then
         // waits for one of them to return, and no thread is added.
@@ -729,17 +734,23 @@ mod tests {
                 .values()
                 .any(|e| e.lease.token() == token && e.in_flight)
         };
-        eventually(|| in_flight(2));
+        eventually("lease 2 in flight", &|| in_flight(2));
         let mut held = Vec::new();
         for token in 3.. {
-            if fake.active.load(Ordering::SeqCst) == MAX_THREADS {
+            // Each batch in flight (leases 1, 2 and those held) inside the
+            // store's call, on a thread of its own.
+            let batches = 2 + held.len();
+            eventually("each batch inside its renewal", &|| {
+                fake.active.load(Ordering::SeqCst) == batches
+            });
+            if batches == MAX_THREADS {
                 break;
             }
             held.push(
                 ext.register(&lease(token), Duration::from_millis(3))
                     .unwrap(),
             );
-            eventually(|| in_flight(token));
+            eventually("a lease in flight", &|| in_flight(token));
         }
         let waiting = ext.register(&lease(9), Duration::from_millis(3)).unwrap();
         std::thread::sleep(Duration::from_millis(20));
@@ -755,7 +766,9 @@ mod tests {
         }
         *fake.stuck.lock() = None;
         fake.hold.store(false, Ordering::SeqCst);
-        eventually(|| fake.count(1) >= 2 && fake.count(9) >= 2);
+        eventually("every lease renewed", &|| {
+            fake.count(1) >= 2 && fake.count(9) >= 2
+        });
         drop((held, waiting));
         drop((long, short));
         drop(ext); // joins every thread

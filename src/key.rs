@@ -134,7 +134,10 @@ impl Key {
     /// `POST /tickets/triage/k1`, and a lookup by it finds the other
     /// key's effect. Fixed length, letters and digits only, so it fits
     /// where a key may not; the same for a key in every version of the
-    /// store, since the stored form is part of the file format.
+    /// store, since the stored form is part of the file format. A service
+    /// that kept the printed key with its effects until now finds those
+    /// rows by the printed key only: look up both forms until the records
+    /// made before the switch are past their retention.
     ///
     /// ```
     /// use idemstore::Key;

@@ -52,8 +52,8 @@ pub struct Store {
     // on this thread.
     _sweeper: Option<Sweeper>,
     /// Keeps the leases of `execute` calls and of HTTP handlers in flight
-    /// alive: one thread, started on first need, stopped on drop (features
-    /// `agent`, `http`).
+    /// alive: up to four threads, the first started on first need, all
+    /// stopped on drop (features `agent`, `http`).
     #[cfg(any(feature = "agent", feature = "http"))]
     pub(crate) extender: crate::extender::Extender,
     /// Claims whose `claim_async` future was dropped in flight (they hold

@@ -14,7 +14,7 @@ use idemstore::agent::{
     RemoteStatus, RetryPolicy, call, call_async,
 };
 use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock};
-use idemstore::{State, Store};
+use idemstore::{Resolution, State, Store};
 use serde_json::{Value, json};
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -821,9 +821,10 @@ async fn an_outcome_not_recorded_after_the_work_ran_says_so_and_keeps_it() {
             key: k,
             error: Error::StaleLease { .. },
             outcome,
+            ..
         } => {
             assert_eq!(k, &key);
-            assert_eq!(outcome, br#""T-1001""#);
+            assert_eq!(outcome, &Resolution::Succeeded(br#""T-1001""#.to_vec()));
         }
         other => panic!("expected NotRecorded, got {other:?}"),
     }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use idemstore::agent::{ExecuteError, ExecuteOptions, Failure, Origin};
 use idemstore::{ClaimOptions, ClaimOutcome, Config, Error, Fingerprint, Key, Lease, ManualClock};
-use idemstore::{State, Store};
+use idemstore::{Resolution, State, Store};
 use serde_json::json;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::Layer;
@@ -219,8 +219,11 @@ fn a_release_by_someone_else_reaches_the_call_as_a_stale_lease() {
     assert!(
         matches!(
             &out,
-            Err(ExecuteError::NotRecorded { error: Error::StaleLease { .. }, outcome, .. })
-                if outcome == br#""done""#
+            Err(ExecuteError::NotRecorded {
+                error: Error::StaleLease { .. },
+                outcome: Resolution::Succeeded(value),
+                ..
+            }) if value == br#""done""#
         ),
         "{out:?}"
     );
@@ -263,8 +266,11 @@ fn a_takeover_reaches_the_call_as_a_stale_lease() {
     assert!(
         matches!(
             &out,
-            Err(ExecuteError::NotRecorded { error: Error::StaleLease { .. }, outcome, .. })
-                if outcome == br#""done""#
+            Err(ExecuteError::NotRecorded {
+                error: Error::StaleLease { .. },
+                outcome: Resolution::Succeeded(value),
+                ..
+            }) if value == br#""done""#
         ),
         "{out:?}"
     );

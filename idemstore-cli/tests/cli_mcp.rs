@@ -7,7 +7,9 @@
 //! line is written and reads `release` before it answers, so a test cuts
 //! the connection or kills the proxy exactly while a call is in progress.
 //! The lease lapsing is shown by running a proxy under libfaketime two
-//! hours ahead, not by waiting.
+//! hours ahead, not by waiting. Linux only: libfaketime, `/proc`, and
+//! FIFOs opened read-write.
+#![cfg(target_os = "linux")]
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

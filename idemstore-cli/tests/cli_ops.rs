@@ -1637,7 +1637,8 @@ fn in_doubt_tool_call(path: &Path, id: &str) -> u64 {
 /// (`[tenant/]METHOD route`: a stored HTTP response, which it cannot
 /// write; the layer answered every retry 500 until retention ended), and
 /// changes nothing; a retryable failure, which lets the client's retry
-/// run the handler again, is taken, and `--raw` overrules the check.
+/// run the handler again, is taken, and `--not-http-layer` overrules the
+/// check.
 #[test]
 fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
     let dir = tempfile::tempdir().unwrap();
@@ -1668,7 +1669,7 @@ fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
             let out = idemstore(&args);
             assert_eq!(code(&out), 2, "{scope} {outcome:?}");
             assert!(
-                stderr(&out).contains("is a scope of the HTTP layer"),
+                stderr(&out).contains("has the form of the HTTP layer's keys"),
                 "{}",
                 stderr(&out)
             );
@@ -1688,19 +1689,22 @@ fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
         ]);
         assert_eq!(code(&out), 0, "{}", stderr(&out));
     }
-    // --raw overrules it (a scope that only looks like the layer's).
+    // --not-http-layer overrules it (a scope that only looks like the
+    // layer's); the outcome is still checked as JSON.
     let t = claim("POST /not-http", "k-2");
-    let out = idemstore(&[
-        "resolve",
-        p(&path),
-        "POST /not-http",
-        "k-2",
-        "--token",
-        &t,
-        "--raw",
-        "--succeeded",
-        "done",
-    ]);
+    let resolve = |extra: &[&str]| {
+        let mut args = vec!["resolve", p(&path), "POST /not-http", "k-2", "--token", &t];
+        args.extend_from_slice(extra);
+        idemstore(&args)
+    };
+    let out = resolve(&["--not-http-layer", "--succeeded", "done"]);
+    assert_eq!(code(&out), 2);
+    assert!(
+        stderr(&out).contains("is not a JSON value"),
+        "{}",
+        stderr(&out)
+    );
+    let out = resolve(&["--not-http-layer", "--succeeded", r#""done""#]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     // Other scopes are not refused.
     let t = claim("acme/tickets POST", "k-3");

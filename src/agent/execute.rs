@@ -15,7 +15,7 @@ use super::call::Delays;
 use crate::config::ClaimOptions;
 use crate::error::Error;
 use crate::key::{Fingerprint, Key};
-use crate::record::{AcquiredFrom, ClaimOutcome, Lease, Op, Record, State};
+use crate::record::{AcquiredFrom, ClaimOutcome, Lease, Op, Record, Resolution, State};
 use crate::store::Store;
 
 /// What [`Store::execute`] does when it acquires a key whose previous holder
@@ -455,30 +455,31 @@ pub enum ExecuteError<E> {
         limit: usize,
     },
 
-    /// The work ran, so its effect may have happened, but its outcome was
-    /// not recorded; `error` says why: [`Error::StaleLease`] (the work
-    /// outlived its lease and another caller took the key over, or someone
-    /// released or resolved it meanwhile), [`Error::Unavailable`] or
-    /// [`Error::OutcomeUnknown`] at every attempt of the outcome's write
-    /// (they are retried for about a minute), [`Error::Poisoned`], a
-    /// storage error. Unlike [`ExecuteError::Store`], never "nothing ran":
-    /// whatever `error` says of retries, do not run the work again on it.
-    /// The record stays as the store has it: in progress under this call's
-    /// lease, and in doubt once that lapses, unless another caller took it
-    /// over. `outcome` is what was to be recorded, as JSON (the value, or
-    /// the failure), for a person to record (`idemstore resolve
-    /// --succeeded` with it, or `--failed`).
-    #[error(
-        "the work for {key} ran, but its outcome was not recorded, so its effect may have \
-         happened (do not run it again; record what happened once the store answers): {error}"
-    )]
+    /// The work ran, but its outcome was not recorded (or, after
+    /// [`Error::OutcomeUnknown`], is not known to be); `error` says why:
+    /// [`Error::StaleLease`] (the work outlived its lease and another
+    /// caller took the key over, or someone released or resolved it
+    /// meanwhile), [`Error::Unavailable`] or [`Error::OutcomeUnknown`] at
+    /// every attempt of the outcome's write (tried for the lease's length,
+    /// at most 60 s), [`Error::Poisoned`], a storage error. Unlike
+    /// [`ExecuteError::Store`], never "nothing ran": after a value or a
+    /// permanent failure the effect may have happened, so whatever `error`
+    /// says of retries, do not run the work again on it. The record stays
+    /// as the store has it: in progress under this call's lease, and in
+    /// doubt once that lapses, unless another caller took it over.
+    /// `outcome` is what was to be recorded, the value or the failure as
+    /// JSON, in the form [`Store::resolve`] takes (`idemstore resolve
+    /// --succeeded JSON`, or `--failed JSON` with `--retryable` for a
+    /// retryable failure).
+    #[error("{}", not_recorded(key, error, outcome))]
+    #[non_exhaustive]
     NotRecorded {
         /// The key.
         key: Key,
         /// Why the store did not record it.
         error: Error,
-        /// The outcome as JSON, as it was to be recorded.
-        outcome: Vec<u8>,
+        /// The outcome as it was to be recorded.
+        outcome: Resolution,
     },
 
     /// The store refused or failed before the work ran (nothing ran):
@@ -488,6 +489,28 @@ pub enum ExecuteError<E> {
     /// work ran is [`ExecuteError::NotRecorded`].
     #[error(transparent)]
     Store(#[from] Error),
+}
+
+/// The message of [`ExecuteError::NotRecorded`].
+fn not_recorded(key: &Key, error: &Error, outcome: &Resolution) -> String {
+    let what = match outcome {
+        Resolution::Succeeded(_) => "its value",
+        Resolution::Failed {
+            retryable: false, ..
+        } => "its permanent failure",
+        Resolution::Failed {
+            retryable: true, ..
+        } => {
+            return format!(
+                "the work for {key} failed (retryable), but its failure was not recorded: the \
+                 key stays in progress and is in doubt once its lease lapses: {error}"
+            );
+        }
+    };
+    format!(
+        "the work for {key} ran, but {what} was not recorded, so its effect may have happened \
+         (do not run it again; record what happened once the store answers): {error}"
+    )
 }
 
 type ExecResult<T, E> = Result<Executed<T>, ExecuteError<E>>;
@@ -532,7 +555,8 @@ impl Store {
     /// schedule, at most four in all). A
     /// renewal that fails (another caller took the key over, or someone
     /// released or finished it) is logged and not retried; the outcome is
-    /// then refused with [`Error::StaleLease`]. A renewal that could not
+    /// then refused: [`ExecuteError::NotRecorded`] with
+    /// [`Error::StaleLease`]. A renewal that could not
     /// reach the store or lost its answer ([`Error::Unavailable`],
     /// [`Error::OutcomeUnknown`]) is tried again a third of the period
     /// later, until one is answered. Renewals go on until the outcome is
@@ -585,8 +609,10 @@ impl Store {
     /// `ProbeFailed`, `Codec` (after the work ran, an outcome that cannot
     /// be written as JSON or would not replay, such as a NaN; or
     /// a stored one that does not decode), `TooLargeToRecord` (an outcome
-    /// over the store's size limit after the work ran), and `Store` for everything
-    /// else [`Store::claim`], [`Store::complete`] and [`Store::fail`] return
+    /// over the store's size limit after the work ran), `NotRecorded` (after
+    /// the work ran, an outcome the store did not record: a stale lease,
+    /// the store unreachable through the write's attempts), and `Store` for
+    /// everything else, before the work runs: what [`Store::claim`] returns
     /// (a fingerprint mismatch above all), for poll delays with a zero
     /// minimum or a maximum below it, and for a lease (the call's, or the
     /// store's [`Config::lease`](crate::Config::lease)) under
@@ -957,7 +983,8 @@ impl<T: Serialize + DeserializeOwned, E: Serialize + DeserializeOwned> Recorder<
             }
             Err(error) => {
                 let outcome = match self.write {
-                    Write::Complete(bytes) | Write::Fail(bytes, _) => bytes,
+                    Write::Complete(bytes) => Resolution::Succeeded(bytes),
+                    Write::Fail(failure, retryable) => Resolution::Failed { failure, retryable },
                     // Nothing to write was written: the store's error
                     // stands as it is.
                     Write::None => return Err(error.into()),

@@ -305,8 +305,10 @@ impl IdempotencyLayer {
     /// ```
     ///
     /// A route that would make the scope longer than
-    /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN) (128 bytes) is replaced in
-    /// the scope by `#` and the first 32 hex digits of its SHA-256 digest.
+    /// [`MAX_SCOPE_LEN`](crate::MAX_SCOPE_LEN) (128 bytes), or that holds a
+    /// control character (a raw path's U+0085, say, which a scope may not),
+    /// is replaced in the scope by `#` and the first 32 hex digits of its
+    /// SHA-256 digest.
     ///
     /// Under axum's `Router::nest`, a layer applied to the nested router
     /// sees the URI path without the nest's prefix, so the default route

@@ -498,21 +498,19 @@ fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
         Ok(Stored::NotKept { status, location }) => not_kept(record.key(), status, location),
         Err(detail) => {
             // Not a response this layer recorded: an operator's `resolve`
-            // (which refuses this unless told `--raw`), or damage.
+            // (which refuses this unless told `--not-http-layer`), or damage.
+            // Scope and id are the client's bytes: logged as fields, never
+            // spliced into a command line someone may paste.
             tracing::error!(
-                key = %record.key(),
+                scope = ?record.key().scope(),
+                id = ?record.key().id(),
+                token = record.token(),
                 %detail,
-                repair = %format!(
-                    "idemstore resolve STORE --token {} --amend --failed '\"resolved\"' \
-                     --retryable -- {:?} {:?}",
-                    record.token(),
-                    record.key().scope(),
-                    record.key().id()
-                ),
                 "stored response cannot be replayed: every retry of the key is answered 500 \
-                 until retention ends, unless an operator records a retryable failure (the \
-                 repair), so that the next request runs the handler, which finds its effect by \
-                 the key's reference"
+                 until retention ends, unless an operator records a retryable failure over it \
+                 (`idemstore resolve STORE --token TOKEN --amend --failed JSON --retryable -- \
+                 SCOPE ID`), so that the next request runs the handler, which finds its effect \
+                 by the key's reference"
             );
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,

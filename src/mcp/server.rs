@@ -279,8 +279,9 @@ impl<S: ServerHandler> IdempotentServer<S> {
                 &idempotency_key,
                 retry_after(lease_until_ms),
             )),
-            // The tool ran in another call of this key (its own answer goes
-            // back above): its outcome is unknown here.
+            // NotRecorded comes only from a run in this call, whose own
+            // answer went back above; matched here so that any other path
+            // to it is in doubt, never "retry with the same key".
             Err(ExecuteError::InDoubt { .. } | ExecuteError::NotRecorded { .. }) => {
                 Err(codes::in_doubt(&idempotency_key))
             }

@@ -1,4 +1,4 @@
-//! `idemstore resolve STORE SCOPE ID --token N (--succeeded VALUE | --failed VALUE) [--amend] [--raw]`:
+//! `idemstore resolve STORE SCOPE ID --token N (--succeeded VALUE | --failed VALUE) [--amend] [--raw] [--not-http-layer]`:
 //! finish a Processing record after asking the downstream system what
 //! happened, or (`--amend`) correct the outcome of a finished one.
 
@@ -15,7 +15,7 @@ use crate::ops::{self, StoreArg};
 #[derive(Debug, clap::Args)]
 #[command(
     after_help = "The outcome is a JSON value by default (a string is quoted: --succeeded '\"T-42\"'), because a record made by Store::execute (the agent feature: tool calls, intents) replays its result and failure as JSON: bytes that are not JSON would make every later retry of the key fail until retention ends. Give --raw to store other bytes, for a record whose service reads its outcome as plain bytes.\n\n\
-A record of the HTTP layer (scope [tenant/]METHOD route) replays a stored HTTP response, which resolve cannot write: give it --failed VALUE --retryable, so that the client's retry runs the handler again, which finds its effect by the key's reference; any other outcome is refused unless --raw.\n\n\
+A record of the HTTP layer (scope [tenant/]METHOD route) replays a stored HTTP response, which resolve cannot write: give it --failed VALUE --retryable, so that the client's retry runs the handler again, which finds its effect by the key's reference. Any other outcome is refused for a scope of that form (a standard method, a space, then / or #); --not-http-layer takes it for a scope that only looks so. The check reads the scope only: a layer with a custom method or route form is not recognized.\n\n\
 The token fences the change: if the record was completed, \
 failed, released or taken over since you read it, nothing changes and the command fails \
 (exit 2), saying which: no record for the key (absent or past retention), the record is \
@@ -51,6 +51,10 @@ pub struct Args {
     /// Store the outcome's bytes as given, not checked as JSON.
     #[arg(long)]
     raw: bool,
+    /// The scope only looks like the HTTP layer's ([tenant/]METHOD route):
+    /// take an outcome the layer could not replay.
+    #[arg(long)]
+    not_http_layer: bool,
     /// Correct the outcome of a finished record (succeeded or failed) whose
     /// token is --token, instead of finishing a Processing record: the
     /// repair for an outcome recorded wrongly.
@@ -113,13 +117,14 @@ fn http_layer_scope(scope: &str) -> bool {
 /// Runs `idemstore resolve`.
 pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     let retryable_failure = args.failed.is_some() && args.retryable;
-    if !args.raw && !retryable_failure && http_layer_scope(&args.scope) {
+    if !args.not_http_layer && !retryable_failure && http_layer_scope(&args.scope) {
         return Err(CliError::Usage(format!(
-            "{:?} is a scope of the HTTP layer ([tenant/]METHOD route), whose records replay \
-             a stored HTTP response that resolve cannot write: this outcome would answer every \
-             retry of the key 500 until retention ends; nothing changed. Record --failed VALUE \
-             --retryable: the client's retry then runs the handler again, which finds its effect \
-             by the key's reference. Give --raw if this scope is not the HTTP layer's",
+            "{:?} has the form of the HTTP layer's keys ([tenant/]METHOD route), whose records \
+             replay a stored HTTP response that resolve cannot write: this outcome would answer \
+             every retry of the key 500 until retention ends; nothing changed. Record --failed \
+             VALUE --retryable: the client's retry then runs the handler again, which finds its \
+             effect by the key's reference. Give --not-http-layer if this key is not the HTTP \
+             layer's",
             args.scope
         )));
     }
