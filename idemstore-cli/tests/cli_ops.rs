@@ -250,6 +250,7 @@ fn list_columns_paste_into_get_and_resolve() {
         row[1],
         "--token",
         row[3],
+        "--while-held",
         "--raw",
         "--succeeded",
         "T-1",
@@ -1561,6 +1562,46 @@ fn a_store_file_replaced_under_a_service_is_refused_naming_its_log() {
 
 /// A store damaged throughout: `check` lists the first
 /// `MAX_LISTED_PROBLEMS` problems and says how many more it found.
+/// A reader that left before `check` printed (`check STORE | head` on a
+/// long report) does not turn damage found into success: the exit code
+/// is still 1 (it was 0, as for any closed pipe).
+#[test]
+fn a_reader_that_left_does_not_hide_damage_from_checks_exit_code() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    {
+        let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        let l = acquire(&store, &key("k-1"), &ClaimOptions::new());
+        store.complete(&l, b"done").unwrap();
+    }
+    // The expiry entry removed, through redb directly: damage `check` finds.
+    {
+        let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
+        let db = redb::Database::open(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(expiry)
+            .unwrap()
+            .retain(|_, _| false)
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    assert_eq!(code(&idemstore(&["check", p(&path)])), 1);
+    for args in [vec!["check", p(&path)], vec!["check", p(&path), "--json"]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader is gone before the report is written.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(code(&out), 1, "{args:?}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("idemstore:"), "{}", stderr(&out));
+    }
+}
+
 #[test]
 fn check_lists_the_first_problems_and_counts_the_rest() {
     let dir = tempfile::tempdir().unwrap();
@@ -1633,6 +1674,36 @@ fn in_doubt_tool_call(path: &Path, id: &str) -> u64 {
     }
 }
 
+/// `resolve` refuses a record whose lease is still valid (its holder may
+/// still be running the work: a retryable failure let a second run start
+/// beside it), names the time left, and changes nothing; `--while-held`
+/// resolves it, and `--amend` of a finished record is not asked.
+#[test]
+fn resolve_refuses_a_record_whose_lease_is_still_valid() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.redb");
+    let t = {
+        let store = Store::open_with(&path, Config::new().sweep_interval(None)).unwrap();
+        let options = ClaimOptions::new().lease(Duration::from_secs(3600));
+        acquire(&store, &key("live"), &options).token().to_string()
+    };
+    let resolve = |extra: &[&str]| {
+        let mut args = vec!["resolve", p(&path), "acme/tickets", "live", "--token", &t];
+        args.extend_from_slice(extra);
+        idemstore(&args)
+    };
+    let out = resolve(&["--failed", r#""gone""#, "--retryable"]);
+    assert_eq!(code(&out), 2);
+    assert!(stderr(&out).contains("is held"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--while-held"), "{}", stderr(&out));
+    let out = idemstore(&["get", p(&path), "acme/tickets", "live", "--json"]);
+    assert_eq!(json(&out)["state"], "processing");
+    let out = resolve(&["--failed", r#""gone""#, "--retryable", "--while-held"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
+    let out = idemstore(&["get", p(&path), "acme/tickets", "live", "--json"]);
+    assert_eq!(json(&out)["state"], "failed-retryable");
+}
+
 /// `resolve` refuses an outcome that a key of the HTTP layer cannot replay
 /// (`[tenant/]METHOD route`: a stored HTTP response, which it cannot
 /// write; the layer answered every retry 500 until retention ended), and
@@ -1686,6 +1757,7 @@ fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
             "--failed",
             r#""resolved""#,
             "--retryable",
+            "--while-held",
         ]);
         assert_eq!(code(&out), 0, "{}", stderr(&out));
     }
@@ -1704,7 +1776,12 @@ fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
         "{}",
         stderr(&out)
     );
-    let out = resolve(&["--not-http-layer", "--succeeded", r#""done""#]);
+    let out = resolve(&[
+        "--not-http-layer",
+        "--while-held",
+        "--succeeded",
+        r#""done""#,
+    ]);
     assert_eq!(code(&out), 0, "{}", stderr(&out));
     // Other scopes are not refused.
     let t = claim("acme/tickets POST", "k-3");
@@ -1715,6 +1792,7 @@ fn resolve_refuses_an_outcome_an_http_key_cannot_replay() {
         "k-3",
         "--token",
         &t,
+        "--while-held",
         "--succeeded",
         "1",
     ]);
@@ -1797,7 +1875,10 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
         args.extend_from_slice(extra);
         idemstore(&args)
     };
-    assert_eq!(code(&resolve(&["--raw", "--succeeded", "T-call_3"])), 0);
+    // Claimed at the store's time, which an earlier open moved on: the
+    // lease is valid.
+    let out = resolve(&["--while-held", "--raw", "--succeeded", "T-call_3"]);
+    assert_eq!(code(&out), 0, "{}", stderr(&out));
     let err = execute_again(&path, "task-1:call_3").unwrap_err();
     assert!(
         err.contains(&format!(
@@ -1824,6 +1905,7 @@ fn resolve_keeps_agent_keys_usable_and_amend_repairs_a_bad_outcome() {
         p(&path),
         "--token",
         &t,
+        "--while-held",
         "--raw",
         "--succeeded",
         "T-5",
@@ -1919,9 +2001,17 @@ fn an_in_doubt_execute_names_the_resolve_that_records_it() {
     assert_eq!(&words[..4], ["idemstore", "resolve", "STORE", "--token"]);
     // The store's retention (24 h here), so that the resolved record is
     // kept as long as the service's own.
+    // --while-held: the lease named is the refusing call's own, under
+    // which nothing runs.
     assert_eq!(
-        &words[5..9],
-        ["--retention", "86400000ms", "--succeeded", "JSON"],
+        &words[5..10],
+        [
+            "--retention",
+            "86400000ms",
+            "--while-held",
+            "--succeeded",
+            "JSON"
+        ],
         "{err}"
     );
     let dashes = words.iter().position(|w| *w == "--").expect(&err);
@@ -1931,7 +2021,7 @@ fn an_in_doubt_execute_names_the_resolve_that_records_it() {
     assert_eq!(json(&out)["state"], "processing");
     assert_eq!(json(&out)["token"].to_string(), words[4]);
     let mut args = vec!["resolve", p(&path)];
-    args.extend_from_slice(&words[3..7]);
+    args.extend_from_slice(&words[3..8]);
     args.extend_from_slice(&["--succeeded", r#""T-7""#]);
     args.extend_from_slice(&words[dashes..dashes + 3]);
     let out = idemstore(&args);
@@ -1959,6 +2049,7 @@ fn an_in_doubt_execute_names_the_resolve_that_records_it() {
         "--failed",
         r#""not sent""#,
         "--retryable",
+        "--while-held",
         "--",
         "acme/tools",
         "task-1:call_8",

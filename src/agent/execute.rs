@@ -1042,8 +1042,10 @@ fn repair_command(key: &Key, token: u64, retention_ms: Option<u64>, amend: bool)
             "--failed JSON in place of --succeeded JSON for a failure",
         )
     } else {
+        // The lease named is the refusing call's own, under which nothing
+        // runs: resolve may take it while it is valid.
         (
-            "",
+            " --while-held",
             "--failed JSON in place of --succeeded JSON if it did not take effect, with \
              --retryable to let the next call run it",
         )

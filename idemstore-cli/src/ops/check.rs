@@ -65,82 +65,92 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     // A file whose pages or log keep it from opening has its records
     // unread: not "0 checked".
     let records_checked = report.records_checked;
-    if args.json {
-        let problems: Vec<_> = report
-            .problems
-            .iter()
-            .map(|p| {
-                let key = p.idempotency_key.as_ref();
-                json!({
-                    "key": p.key,
-                    "scope": key.map(idemstore::Key::scope),
-                    "id": key.map(idemstore::Key::id),
-                    "detail": p.detail,
-                })
-            })
-            .collect();
-        ops::write_json(
-            out,
-            &json!({
-                "path": name,
-                "clean": report.is_clean(),
-                "integrity": integrity,
-                "records": report.records,
-                "records_checked": records_checked,
-                "bindings": report.bindings,
-                "problems": problems,
-                "problems_found": report.problems_found,
-                "next_step": next_step,
-            }),
-        )?;
-    } else {
-        writeln!(out, "{:<16} {name}", "store")?;
-        writeln!(out, "{:<16} {integrity}", "redb integrity")?;
-        if records_checked {
-            writeln!(out, "{:<16} {} checked", "records", report.records)?;
-            writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
-        } else {
-            let unread = if report
+    let mut print = || -> Result<(), CliError> {
+        if args.json {
+            let problems: Vec<_> = report
                 .problems
                 .iter()
-                .any(|p| p.key == idemstore::LOG_PROBLEM)
-            {
-                "not checked (the store does not open)"
-            } else {
-                "not checked (the damaged pages keep even the index from reading)"
-            };
-            writeln!(out, "{:<16} {unread}", "records")?;
-            writeln!(out, "{:<16} {unread}", "business keys")?;
-        }
-        writeln!(out, "{:<16} {}", "problems", report.problems_found)?;
-        // A record's key as `scope "…" id "…"`, which pastes into `get`
-        // whatever `/` the scope or the id holds.
-        for p in &report.problems {
-            let key = match &p.idempotency_key {
-                Some(k) => ops::key_text(k.scope(), k.id()),
-                None => p.key.clone(),
-            };
-            writeln!(out, "  {key}: {}", p.detail)?;
-        }
-        let listed = u64::try_from(report.problems.len()).unwrap_or(u64::MAX);
-        let more = report.problems_found.saturating_sub(listed);
-        if more > 0 {
-            writeln!(
+                .map(|p| {
+                    let key = p.idempotency_key.as_ref();
+                    json!({
+                        "key": p.key,
+                        "scope": key.map(idemstore::Key::scope),
+                        "id": key.map(idemstore::Key::id),
+                        "detail": p.detail,
+                    })
+                })
+                .collect();
+            ops::write_json(
                 out,
-                "  ... and {more} more, not listed (a check lists the first {})",
-                idemstore::MAX_LISTED_PROBLEMS
+                &json!({
+                    "path": name,
+                    "clean": report.is_clean(),
+                    "integrity": integrity,
+                    "records": report.records,
+                    "records_checked": records_checked,
+                    "bindings": report.bindings,
+                    "problems": problems,
+                    "problems_found": report.problems_found,
+                    "next_step": next_step,
+                }),
             )?;
+        } else {
+            writeln!(out, "{:<16} {name}", "store")?;
+            writeln!(out, "{:<16} {integrity}", "redb integrity")?;
+            if records_checked {
+                writeln!(out, "{:<16} {} checked", "records", report.records)?;
+                writeln!(out, "{:<16} {} checked", "business keys", report.bindings)?;
+            } else {
+                let unread = if report
+                    .problems
+                    .iter()
+                    .any(|p| p.key == idemstore::LOG_PROBLEM)
+                {
+                    "not checked (the store does not open)"
+                } else {
+                    "not checked (the damaged pages keep even the index from reading)"
+                };
+                writeln!(out, "{:<16} {unread}", "records")?;
+                writeln!(out, "{:<16} {unread}", "business keys")?;
+            }
+            writeln!(out, "{:<16} {}", "problems", report.problems_found)?;
+            // A record's key as `scope "…" id "…"`, which pastes into `get`
+            // whatever `/` the scope or the id holds.
+            for p in &report.problems {
+                let key = match &p.idempotency_key {
+                    Some(k) => ops::key_text(k.scope(), k.id()),
+                    None => p.key.clone(),
+                };
+                writeln!(out, "  {key}: {}", p.detail)?;
+            }
+            let listed = u64::try_from(report.problems.len()).unwrap_or(u64::MAX);
+            let more = report.problems_found.saturating_sub(listed);
+            if more > 0 {
+                writeln!(
+                    out,
+                    "  ... and {more} more, not listed (a check lists the first {})",
+                    idemstore::MAX_LISTED_PROBLEMS
+                )?;
+            }
+            if let Some(step) = next_step {
+                writeln!(out, "{:<16} {step}", "next step")?;
+            }
+            writeln!(out, "{}", if report.is_clean() { "OK" } else { "DAMAGED" })?;
         }
-        if let Some(step) = next_step {
-            writeln!(out, "{:<16} {step}", "next step")?;
-        }
-        writeln!(out, "{}", if report.is_clean() { "OK" } else { "DAMAGED" })?;
-    }
-    Ok(if report.is_clean() {
+        Ok(())
+    };
+    let code = if report.is_clean() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
-    })
+    };
+    match print() {
+        // A reader that left (`check STORE | head`) does not turn damage
+        // found into success: the exit code still says what was found.
+        Err(e) if e.is_broken_pipe() => Ok(code),
+        Err(e) => Err(e),
+        Ok(()) => Ok(code),
+    }
 }
 
 /// Checks a store file: redb's page check, then every record.

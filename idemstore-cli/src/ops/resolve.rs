@@ -1,4 +1,4 @@
-//! `idemstore resolve STORE SCOPE ID --token N (--succeeded VALUE | --failed VALUE) [--amend] [--raw] [--not-http-layer]`:
+//! `idemstore resolve STORE SCOPE ID --token N (--succeeded VALUE | --failed VALUE) [--amend] [--raw] [--not-http-layer] [--while-held]`:
 //! finish a Processing record after asking the downstream system what
 //! happened, or (`--amend`) correct the outcome of a finished one.
 
@@ -21,7 +21,7 @@ failed, released or taken over since you read it, nothing changes and the comman
 (exit 2), saying which: no record for the key (absent or past retention), the record is \
 already finished (its state and token; --amend corrects a finished record), or the token \
 is not its current holder's (never issued for it, or taken over since; the current token \
-is shown). Find candidates with `idemstore list STORE --compensation`."
+is shown). A record whose lease is still valid is refused unless --while-held: its holder may still be running the work. Find candidates with `idemstore list STORE --compensation` (and `--lapsed`)."
 )]
 pub struct Args {
     #[command(flatten)]
@@ -55,6 +55,11 @@ pub struct Args {
     /// take an outcome the layer could not replay.
     #[arg(long)]
     not_http_layer: bool,
+    /// Resolve a record whose lease is still valid: its holder may still be
+    /// running the work (a retryable failure then lets a second run start
+    /// beside it). Only when you know the holder is gone.
+    #[arg(long)]
+    while_held: bool,
     /// Correct the outcome of a finished record (succeeded or failed) whose
     /// token is --token, instead of finishing a Processing record: the
     /// repair for an outcome recorded wrongly.
@@ -143,6 +148,23 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
     let store = ops::open(&args.store, Some(args.retention))?;
     let key = ops::key_of(&store, &args.scope, args.id.as_deref())?;
     let shown = ops::key_text(key.scope(), key.id());
+    if !args.amend && !args.while_held {
+        let record = store
+            .get(&key)
+            .map_err(|e| CliError::store(format!("cannot read {shown}"), e))?;
+        let now = store.now_ms();
+        if let Some(record) = record.filter(|r| r.token() == args.token && r.lease_valid_at(now)) {
+            return Err(CliError::Usage(format!(
+                "{shown} is held: the lease of token {} has {} left, and its holder may still \
+                 be running the work (a retryable failure would let a second run start beside \
+                 it); nothing changed. Resolve it once the lease has lapsed (`idemstore list \
+                 STORE --lapsed` lists those), or give --while-held if you know the holder is \
+                 gone",
+                args.token,
+                ops::lease_text(&record, now).trim_end_matches(" left"),
+            )));
+        }
+    }
     let done = if args.amend {
         store.amend(&key, args.token, outcome)
     } else {
