@@ -419,6 +419,12 @@ fn import_names_create_and_a_failed_create_leaves_nothing_behind() {
     let out = idemstore(&["import", p(&fresh), p(&damaged_path), "--create"]);
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("damaged.idem"), "{}", stderr(&out));
+    // It says so, whatever the library's words said of batches that stay.
+    assert!(
+        stderr(&out).contains("the store this import created was removed"),
+        "{}",
+        stderr(&out)
+    );
     assert!(
         !fresh.exists(),
         "the store a failed import created is removed"

@@ -161,10 +161,12 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                 // open (Windows) is reported, not removed after the close,
                 // when another process may already be using it.
                 Created::Files(files) => {
+                    let mut removed = true;
                     for file in &files {
                         if let Err(e) = std::fs::remove_file(file)
                             && e.kind() != std::io::ErrorKind::NotFound
                         {
+                            removed = false;
                             err = CliError::Failed(format!(
                                 "{}; and cannot remove {} that this import created: {e} \
                                  (remove it once no process uses it)",
@@ -172,6 +174,15 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<ExitCode, CliError> {
                                 file.display()
                             ));
                         }
+                    }
+                    // The library's words count what was imported, or say
+                    // that the batches before the damage stay: not so here.
+                    if removed {
+                        err = CliError::Failed(format!(
+                            "{}; the store this import created was removed, with whatever \
+                             it had imported: nothing of the stream is kept",
+                            err.one_line()
+                        ));
                     }
                 }
                 // The library has no way to drop a schema, and the batches
