@@ -97,7 +97,8 @@ pub struct Args {
     call_timeout: Duration,
     /// Run a tool again when an earlier call with the key may have acted
     /// but recorded nothing (its proxy died); without it, such a call is
-    /// refused for a person to decide (`idemstore resolve`).
+    /// refused for a person to decide (`idemstore resolve --while-held`,
+    /// as the proxy's log names it).
     #[arg(long)]
     rerun_in_doubt: bool,
     /// The largest answer the store records, in bytes, as JSON (a tool's

@@ -1566,8 +1566,6 @@ fn a_store_file_replaced_under_a_service_is_refused_naming_its_log() {
     drop(service);
 }
 
-/// A store damaged throughout: `check` lists the first
-/// `MAX_LISTED_PROBLEMS` problems and says how many more it found.
 /// A reader that left before `check` printed (`check STORE | head` on a
 /// long report) does not turn damage found into success: the exit code
 /// is still 1 (it was 0, as for any closed pipe).
@@ -1608,6 +1606,8 @@ fn a_reader_that_left_does_not_hide_damage_from_checks_exit_code() {
     }
 }
 
+/// A store damaged throughout: `check` lists the first
+/// `MAX_LISTED_PROBLEMS` problems and says how many more it found.
 #[test]
 fn check_lists_the_first_problems_and_counts_the_rest() {
     let dir = tempfile::tempdir().unwrap();
@@ -1683,7 +1683,7 @@ fn in_doubt_tool_call(path: &Path, id: &str) -> u64 {
 /// `resolve` refuses a record whose lease is still valid (its holder may
 /// still be running the work: a retryable failure let a second run start
 /// beside it), names the time left, and changes nothing; `--while-held`
-/// resolves it, and `--amend` of a finished record is not asked.
+/// resolves it.
 #[test]
 fn resolve_refuses_a_record_whose_lease_is_still_valid() {
     let dir = tempfile::tempdir().unwrap();
@@ -1702,6 +1702,11 @@ fn resolve_refuses_a_record_whose_lease_is_still_valid() {
     assert_eq!(code(&out), 2);
     assert!(stderr(&out).contains("is held"), "{}", stderr(&out));
     assert!(stderr(&out).contains("--while-held"), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("left, and its holder"),
+        "{}",
+        stderr(&out)
+    );
     let out = idemstore(&["get", p(&path), "acme/tickets", "live", "--json"]);
     assert_eq!(json(&out)["state"], "processing");
     let out = resolve(&["--failed", r#""gone""#, "--retryable", "--while-held"]);

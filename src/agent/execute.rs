@@ -470,7 +470,9 @@ pub enum ExecuteError<E> {
     /// `outcome` is what was to be recorded, the value or the failure as
     /// JSON, in the form [`Store::resolve`] takes (`idemstore resolve
     /// --succeeded JSON`, or `--failed JSON` with `--retryable` for a
-    /// retryable failure).
+    /// retryable failure; with `--while-held` while the call's own lease,
+    /// under which nothing runs any more, is still valid: `idemstore get`
+    /// shows its token).
     #[error("{}", not_recorded(key, error, outcome))]
     #[non_exhaustive]
     NotRecorded {
@@ -503,7 +505,8 @@ fn not_recorded(key: &Key, error: &Error, outcome: &Resolution) -> String {
         } => {
             return format!(
                 "the work for {key} failed (retryable), but its failure was not recorded: the \
-                 key stays in progress and is in doubt once its lease lapses: {error}"
+                 key stays in progress, unless another caller took it over, and is in doubt \
+                 once its lease lapses: {error}"
             );
         }
     };

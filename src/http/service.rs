@@ -499,11 +499,14 @@ fn replay<B>(record: &Record) -> Response<IdempotencyBody<B>> {
         Err(detail) => {
             // Not a response this layer recorded: an operator's `resolve`
             // (which refuses this unless told `--not-http-layer`), or damage.
-            // Scope and id are the client's bytes: logged as fields, never
-            // spliced into a command line someone may paste.
+            // Scope and id are the client's bytes: logged as fields, each
+            // quoted for a POSIX shell (`$(…)` in an id stays a word when
+            // pasted), never spliced into a command line.
+            let word =
+                |w: &str| shlex::try_quote(w).map_or_else(|_| format!("{w:?}"), |q| q.into_owned());
             tracing::error!(
-                scope = ?record.key().scope(),
-                id = ?record.key().id(),
+                scope = %word(record.key().scope()),
+                id = %word(record.key().id()),
                 token = record.token(),
                 %detail,
                 "stored response cannot be replayed: every retry of the key is answered 500 \

@@ -31,8 +31,9 @@ pub const KEY_CONFLICT: i32 = -32041;
 /// An earlier call with this key started and its holder disappeared before
 /// recording an outcome (a crash, a cut connection to the store), so the
 /// tool may or may not have acted; the policy is to refuse rather than run
-/// it again. Nothing ran. A person decides (the `idemstore resolve`
-/// command records what happened); until then every retry answers this, or
+/// it again. Nothing ran. A person decides (the `idemstore resolve
+/// --while-held` command the layer logs records what happened: the lease
+/// it names is this refusal's own); until then every retry answers this, or
 /// [`IN_PROGRESS`] while this refusal's own lease lasts.
 ///
 /// A wrapped server may answer a `tools/call` with this code to say that

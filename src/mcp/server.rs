@@ -282,7 +282,11 @@ impl<S: ServerHandler> IdempotentServer<S> {
             // NotRecorded comes only from a run in this call, whose own
             // answer went back above; matched here so that any other path
             // to it is in doubt, never "retry with the same key".
-            Err(ExecuteError::InDoubt { .. } | ExecuteError::NotRecorded { .. }) => {
+            Err(e @ (ExecuteError::InDoubt { .. } | ExecuteError::NotRecorded { .. })) => {
+                // Its message names the `idemstore resolve` that records
+                // what happened (with the refusing call's own token): for
+                // the operator, in the log.
+                tracing::warn!(key = %key, error = %e, "the call is in doubt; a person decides");
                 Err(codes::in_doubt(&idempotency_key))
             }
             Err(ExecuteError::Store(Error::FingerprintMismatch { .. })) => {

@@ -21,7 +21,7 @@ failed, released or taken over since you read it, nothing changes and the comman
 (exit 2), saying which: no record for the key (absent or past retention), the record is \
 already finished (its state and token; --amend corrects a finished record), or the token \
 is not its current holder's (never issued for it, or taken over since; the current token \
-is shown). A record whose lease is still valid is refused unless --while-held: its holder may still be running the work. Find candidates with `idemstore list STORE --compensation` (and `--lapsed`)."
+is shown). A record whose lease is still valid is refused unless --while-held: its holder may still be running the work. Find candidates with `idemstore list STORE --compensation` (or `--lapsed`)."
 )]
 pub struct Args {
     #[command(flatten)]
