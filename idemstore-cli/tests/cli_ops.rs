@@ -1566,6 +1566,19 @@ fn a_store_file_replaced_under_a_service_is_refused_naming_its_log() {
     drop(service);
 }
 
+/// Removes every expiry entry of the store file at `path`, through redb
+/// directly: damage `check` finds (records no sweep would evict).
+fn remove_expiry_entries(path: &Path) {
+    let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
+    let db = redb::Database::open(path).unwrap();
+    let txn = db.begin_write().unwrap();
+    txn.open_table(expiry)
+        .unwrap()
+        .retain(|_, _| false)
+        .unwrap();
+    txn.commit().unwrap();
+}
+
 /// A reader that left before `check` printed (`check STORE | head` on a
 /// long report) does not turn damage found into success: the exit code
 /// is still 1 (it was 0, as for any closed pipe).
@@ -1579,17 +1592,8 @@ fn a_reader_that_left_does_not_hide_damage_from_checks_exit_code() {
         let l = acquire(&store, &key("k-1"), &ClaimOptions::new());
         store.complete(&l, b"done").unwrap();
     }
-    // The expiry entry removed, through redb directly: damage `check` finds.
-    {
-        let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
-        let db = redb::Database::open(&path).unwrap();
-        let txn = db.begin_write().unwrap();
-        txn.open_table(expiry)
-            .unwrap()
-            .retain(|_, _| false)
-            .unwrap();
-        txn.commit().unwrap();
-    }
+    // The expiry entry removed: damage `check` finds.
+    remove_expiry_entries(&path);
     assert_eq!(code(&idemstore(&["check", p(&path)])), 1);
     for args in [vec!["check", p(&path)], vec!["check", p(&path), "--json"]] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_idemstore"))
@@ -1623,17 +1627,7 @@ fn check_lists_the_first_problems_and_counts_the_rest() {
             store.claim_many(chunk, &ClaimOptions::new()).unwrap();
         }
     }
-    // Every expiry entry removed, through redb directly.
-    {
-        let expiry: redb::TableDefinition<(u64, &[u8]), ()> = redb::TableDefinition::new("expiry");
-        let db = redb::Database::open(&path).unwrap();
-        let txn = db.begin_write().unwrap();
-        txn.open_table(expiry)
-            .unwrap()
-            .retain(|_, _| false)
-            .unwrap();
-        txn.commit().unwrap();
-    }
+    remove_expiry_entries(&path);
     let out = idemstore(&["check", p(&path)]);
     assert_eq!(code(&out), 1, "{}", stderr(&out));
     let text = stdout(&out);
